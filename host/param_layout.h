@@ -1,0 +1,55 @@
+// ParamLayout: the flat layout of one block's named tensors. Every kind of the
+// block's state (fp32 master, Adam m and v, bf16 compute copy, gradients) uses
+// the same element offsets, so one block moves as one copy and the optimizer
+// walks one flat array. Offsets are multiples of 128 elements: 256-byte aligned
+// for 2-byte and 4-byte kinds alike.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strider {
+
+// One tensor inside a block's flat buffers.
+struct TensorSlot {
+  std::string name;            // the checkpoint's name, e.g. "model.layers.3.mlp.up_proj.weight"
+  std::vector<int64_t> shape;
+  size_t offset_elems = 0;     // from the start of the block's flat buffer
+  size_t numel = 0;
+};
+
+class ParamLayout {
+ public:
+  static constexpr size_t kAlignElems = 128;  // 256 B for bf16, 512 B for fp32
+
+  ParamLayout() = default;
+  explicit ParamLayout(std::string block_name) : block_name_(std::move(block_name)) {}
+
+  // Appends a tensor at the next aligned offset. Throws on a duplicate name,
+  // a negative dimension or an empty name. Returns its slot.
+  const TensorSlot& add(std::string name, std::vector<int64_t> shape);
+
+  // The slot called `name`; throws naming the block and the tensor when absent.
+  const TensorSlot& at(std::string_view name) const;
+  // nullptr when absent.
+  const TensorSlot* find(std::string_view name) const;
+
+  const std::vector<TensorSlot>& slots() const { return slots_; }
+  const std::string& block_name() const { return block_name_; }
+  // Elements of the flat buffer, including alignment padding (padding is zero
+  // in every kind and stays zero through updates).
+  size_t total_elems() const { return total_elems_; }
+  // Elements that belong to tensors (no padding).
+  size_t param_elems() const { return param_elems_; }
+
+ private:
+  std::string block_name_;
+  std::vector<TensorSlot> slots_;
+  size_t total_elems_ = 0;
+  size_t param_elems_ = 0;
+};
+
+}  // namespace strider

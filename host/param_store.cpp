@@ -1,0 +1,116 @@
+#include "host/param_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "host/bf16.h"
+#include "host/error.h"
+
+namespace strider {
+namespace {
+
+constexpr size_t kAlignBytes = 256;
+
+size_t aligned(size_t bytes) { return (bytes + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
+
+// Bytes of each kind for one block, in carve order.
+struct KindBytes { size_t state, compute, grad; };
+
+KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
+  const size_t n = b.layout.total_elems();
+  return {b.state_on_host ? aligned(n * sizeof(float)) : 0, aligned(n * sizeof(uint16_t)),
+          aligned(n * dtype_size(o.grad_dtype))};
+}
+
+void check_options(const StoreOptions& o) {
+  STRIDER_CHECK(o.grad_dtype == DType::kBF16 || o.grad_dtype == DType::kF32,
+                "ParamStore: gradient staging dtype {} is not supported (use BF16 or F32)",
+                dtype_name(o.grad_dtype));
+}
+
+}  // namespace
+
+size_t ParamStore::bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options) {
+  check_options(options);
+  size_t total = 0;
+  for (const auto& b : blocks) {
+    KindBytes k = kind_bytes(b, options);
+    total += 3 * k.state + k.compute + k.grad;
+  }
+  return total;
+}
+
+ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, PinnedArena& arena)
+    : specs_(std::move(blocks)), options_(options) {
+  check_options(options_);
+  const size_t need = bytes_needed(specs_, options_);
+  STRIDER_CHECK(need <= arena.free_bytes(),
+                "ParamStore: {} blocks need {} bytes of pinned memory ({:.2f} GiB) but the arena "
+                "has {} free; size the arena with ParamStore::bytes_needed",
+                specs_.size(), need, need / double(1ull << 30), arena.free_bytes());
+  blocks_.reserve(specs_.size());
+  for (const auto& spec : specs_) {
+    BlockState s;
+    s.layout = &spec.layout;
+    s.grad_dtype = options_.grad_dtype;
+    s.state_on_host = spec.state_on_host;
+    const size_t n = spec.layout.total_elems();
+    const std::string& name = spec.layout.block_name();
+    if (spec.state_on_host) {
+      s.master = arena.carve_as<float>(n, name + " master", kAlignBytes);
+      s.m = arena.carve_as<float>(n, name + " adam m", kAlignBytes);
+      s.v = arena.carve_as<float>(n, name + " adam v", kAlignBytes);
+    }
+    s.compute = arena.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
+    s.grad = arena.carve(n * dtype_size(options_.grad_dtype), kAlignBytes, name + " grad staging");
+    // Adam's moments must start at zero and padding must stay zero; the arena
+    // may have been used before, so do not rely on fresh mmap pages.
+    std::memset(s.master.data(), 0, s.master.size_bytes());
+    std::memset(s.m.data(), 0, s.m.size_bytes());
+    std::memset(s.v.data(), 0, s.v.size_bytes());
+    std::memset(s.compute.data(), 0, s.compute.size_bytes());
+    std::memset(s.grad.data(), 0, s.grad.size_bytes());
+    blocks_.push_back(s);
+  }
+}
+
+BlockState& ParamStore::block(size_t i) {
+  STRIDER_CHECK(i < blocks_.size(), "ParamStore: block {} out of range ({} blocks)", i, blocks_.size());
+  return blocks_[i];
+}
+const BlockState& ParamStore::block(size_t i) const {
+  return const_cast<ParamStore*>(this)->block(i);
+}
+
+size_t ParamStore::param_elems() const {
+  size_t n = 0;
+  for (const auto& s : specs_) n += s.layout.param_elems();
+  return n;
+}
+
+size_t ParamStore::max_block_elems() const {
+  size_t n = 0;
+  for (const auto& s : specs_) n = std::max(n, s.layout.total_elems());
+  return n;
+}
+
+std::span<float> ParamStore::master_of(size_t b, std::string_view tensor) {
+  BlockState& s = block(b);
+  STRIDER_CHECK(s.state_on_host, "ParamStore: block '{}' keeps its fp32 state on NVMe; '{}' has no host master",
+                s.layout->block_name(), tensor);
+  const TensorSlot& t = s.layout->at(tensor);
+  return s.master.subspan(t.offset_elems, t.numel);
+}
+
+std::span<uint16_t> ParamStore::compute_of(size_t b, std::string_view tensor) {
+  BlockState& s = block(b);
+  const TensorSlot& t = s.layout->at(tensor);
+  return s.compute.subspan(t.offset_elems, t.numel);
+}
+
+void ParamStore::refresh_compute_from_master() {
+  for (auto& s : blocks_)
+    if (s.state_on_host) float_to_bf16(s.master, s.compute);
+}
+
+}  // namespace strider

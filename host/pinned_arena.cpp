@@ -1,0 +1,108 @@
+#include "host/pinned_arena.h"
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "host/error.h"
+
+namespace strider {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+std::string memlock_limit_text() {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_MEMLOCK, &lim) != 0) return "unknown";
+  if (lim.rlim_cur == RLIM_INFINITY) return "unlimited";
+  return fmt::format("{} KiB", lim.rlim_cur / 1024);
+}
+
+}  // namespace
+
+PinnedArena::PinnedArena(size_t capacity_bytes, ArenaOptions options)
+    : name_(std::move(options.name)) {
+  STRIDER_CHECK(capacity_bytes > 0, "{}: capacity must be > 0 bytes", name_);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  capacity_ = round_up(capacity_bytes, options.huge_pages ? kHugePage : page);
+
+  // MAP_NORESERVE is deliberately absent: we want the OS to refuse now, with a
+  // message, rather than kill the process with SIGBUS/OOM halfway through a step.
+  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    throw Error(fmt::format(
+        "{}: cannot map {} bytes ({:.2f} GiB) of host memory: {}. Lower the host RAM "
+        "limit or move optimizer state to NVMe.",
+        name_, capacity_, capacity_ / double(1ull << 30), errno_text(err)));
+  }
+  base_ = static_cast<std::byte*>(p);
+
+  // Huge pages cut TLB misses in the optimizer's streaming passes; the kernel
+  // may decline (THP "never"), which is fine.
+  if (options.huge_pages) huge_ = madvise(base_, capacity_, MADV_HUGEPAGE) == 0;
+
+  if (options.lock != LockPolicy::kNone) {
+    // mlock also faults every page in, so a locked arena is prefaulted.
+    if (mlock(base_, capacity_) == 0) {
+      locked_ = true;
+    } else if (options.lock == LockPolicy::kRequire) {
+      int err = errno;
+      munmap(base_, capacity_);
+      base_ = nullptr;
+      throw Error(fmt::format(
+          "{}: mlock of {} bytes ({:.2f} GiB) refused: {}; the memlock limit (ulimit -l) "
+          "is {}. Raise it (e.g. 'ulimit -l unlimited' or limits.conf memlock), or run "
+          "with the lock policy 'prefer'.",
+          name_, capacity_, capacity_ / double(1ull << 30), errno_text(err),
+          memlock_limit_text()));
+    }
+  }
+  if (!locked_ && options.prefault) {
+    // Touch one byte per page so page faults happen here, not inside a step.
+    const size_t stride = huge_ ? kHugePage : page;
+    for (size_t off = 0; off < capacity_; off += stride)
+      reinterpret_cast<volatile std::byte*>(base_)[off] = std::byte{0};
+  }
+}
+
+PinnedArena::~PinnedArena() {
+  for (auto it = registrars_.rbegin(); it != registrars_.rend(); ++it)
+    (*it)->unregister_memory(base_, capacity_);
+  if (base_ != nullptr) {
+    if (locked_) munlock(base_, capacity_);
+    munmap(base_, capacity_);
+  }
+}
+
+std::span<std::byte> PinnedArena::carve(size_t bytes, size_t align, std::string_view what) {
+  STRIDER_CHECK(align != 0 && (align & (align - 1)) == 0,
+                "{}: alignment {} for '{}' is not a power of two", name_, align, what);
+  const size_t start = round_up(used_, align);
+  if (start > capacity_ || bytes > capacity_ - start) {
+    throw Error(fmt::format(
+        "{}: cannot carve {} bytes for '{}': {} of {} bytes are used, {} free. "
+        "The arena is sized at start-up; size it with ParamStore::bytes_needed.",
+        name_, bytes, what, used_, capacity_, capacity_ - used_));
+  }
+  used_ = start + bytes;
+  return {base_ + start, bytes};
+}
+
+void PinnedArena::attach(std::shared_ptr<MemoryRegistrar> r) {
+  STRIDER_CHECK(r != nullptr, "{}: attach(nullptr)", name_);
+  r->register_memory(base_, capacity_);  // throws before we keep it
+  registrars_.push_back(std::move(r));
+}
+
+bool PinnedArena::contains(const void* p, size_t bytes) const {
+  auto* b = static_cast<const std::byte*>(p);
+  return b >= base_ && bytes <= capacity_ && b - base_ <= static_cast<ptrdiff_t>(capacity_ - bytes);
+}
+
+}  // namespace strider

@@ -1,0 +1,87 @@
+// PinnedArena: the page-locked host memory every transfer and every optimizer
+// update works in. Allocated once at start-up (anonymous mmap, locked, huge
+// pages where the kernel gives them), then carved into aligned sub-buffers;
+// nothing is allocated during a training step.
+//
+// Registration hooks keep this folder free of CUDA and io_uring: gpu/ attaches a
+// registrar that calls cudaHostRegister on the whole mapping, io/ one that
+// registers it as io_uring fixed buffers. The arena unregisters them (in reverse
+// order) before it unmaps.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strider {
+
+// Something that must know about the arena's memory (CUDA pinning, io_uring).
+class MemoryRegistrar {
+ public:
+  virtual ~MemoryRegistrar() = default;
+  // Registers [base, base + bytes); throws strider::Error when refused.
+  virtual void register_memory(void* base, size_t bytes) = 0;
+  // Undoes register_memory; never throws (called from destructors).
+  virtual void unregister_memory(void* base, size_t bytes) noexcept = 0;
+  // For messages: "cudaHostRegister", "io_uring fixed buffers".
+  virtual std::string_view name() const = 0;
+};
+
+enum class LockPolicy {
+  kRequire,  // mlock must succeed, else throw naming the memlock limit
+  kPrefer,   // try mlock; run unlocked (locked() == false) when the OS refuses
+  kNone,     // do not lock (tests, or a registrar that pins by itself)
+};
+
+struct ArenaOptions {
+  LockPolicy lock = LockPolicy::kPrefer;
+  bool huge_pages = true;   // madvise(MADV_HUGEPAGE) and 2 MiB rounding
+  bool prefault = true;     // touch every page now, not during a step
+  std::string name = "pinned arena";  // for messages
+};
+
+class PinnedArena {
+ public:
+  // Maps `capacity_bytes` (rounded up to the page or huge-page size). Throws
+  // strider::Error naming the size and the reason when the OS refuses.
+  explicit PinnedArena(size_t capacity_bytes, ArenaOptions options = {});
+  ~PinnedArena();
+  PinnedArena(const PinnedArena&) = delete;
+  PinnedArena& operator=(const PinnedArena&) = delete;
+
+  // The next `bytes` aligned to `align` (a power of two, at most 4096 unless a
+  // multiple of it). Throws naming `what`, the request and what is left.
+  std::span<std::byte> carve(size_t bytes, size_t align, std::string_view what);
+  template <class T>
+  std::span<T> carve_as(size_t elems, std::string_view what, size_t align = 256) {
+    auto raw = carve(elems * sizeof(T), align, what);
+    return {reinterpret_cast<T*>(raw.data()), elems};
+  }
+
+  // Registers the whole mapping with `r` now and unregisters it at destruction.
+  void attach(std::shared_ptr<MemoryRegistrar> r);
+
+  std::byte* data() const { return base_; }
+  size_t capacity_bytes() const { return capacity_; }
+  size_t used_bytes() const { return used_; }
+  size_t free_bytes() const { return capacity_ - used_; }
+  bool locked() const { return locked_; }
+  bool huge_pages() const { return huge_; }
+  // Does [p, p + bytes) lie inside this arena?
+  bool contains(const void* p, size_t bytes) const;
+
+ private:
+  std::byte* base_ = nullptr;
+  size_t capacity_ = 0;
+  size_t used_ = 0;
+  bool locked_ = false;
+  bool huge_ = false;
+  std::string name_;
+  std::vector<std::shared_ptr<MemoryRegistrar>> registrars_;
+};
+
+}  // namespace strider

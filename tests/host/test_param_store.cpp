@@ -1,0 +1,85 @@
+#include <catch2/catch.hpp>
+
+#include "host/error.h"
+#include "host/param_store.h"
+
+using namespace strider;
+
+namespace {
+
+ParamLayout layer_layout(const std::string& name, int64_t hidden) {
+  ParamLayout l(name);
+  l.add(name + ".input_layernorm.weight", {hidden});
+  l.add(name + ".self_attn.q_proj.weight", {hidden, hidden});
+  l.add(name + ".mlp.up_proj.weight", {3 * hidden + 1, hidden});
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("layout offsets are 256-byte aligned for bf16 and fp32 and never overlap", "[host][layout]") {
+  ParamLayout l = layer_layout("model.layers.0", 37);
+  size_t end = 0;
+  for (const auto& s : l.slots()) {
+    CHECK((s.offset_elems * 2) % 256 == 0);
+    CHECK((s.offset_elems * 4) % 256 == 0);
+    CHECK(s.offset_elems >= end);
+    end = s.offset_elems + s.numel;
+  }
+  CHECK(l.total_elems() >= end);
+  CHECK(l.total_elems() % ParamLayout::kAlignElems == 0);
+  CHECK(l.param_elems() == 37 + 37 * 37 + (3 * 37 + 1) * 37);
+  CHECK(l.at("model.layers.0.mlp.up_proj.weight").shape == std::vector<int64_t>{112, 37});
+}
+
+TEST_CASE("layout rejects duplicates, negative dims and unknown names with the names", "[host][layout]") {
+  ParamLayout l("embed");
+  l.add("model.embed_tokens.weight", {10, 4});
+  CHECK_THROWS_WITH(l.add("model.embed_tokens.weight", {1}), Catch::Contains("added twice"));
+  CHECK_THROWS_WITH(l.add("x", {2, -1}), Catch::Contains("negative dimension -1"));
+  CHECK_THROWS_WITH(l.at("lm_head.weight"), Catch::Contains("'embed'") && Catch::Contains("lm_head.weight"));
+  CHECK(l.find("lm_head.weight") == nullptr);
+}
+
+TEST_CASE("store carves every kind in the arena, zeroed, sized by bytes_needed", "[host][store]") {
+  std::vector<BlockSpec> blocks;
+  blocks.push_back({layer_layout("model.layers.0", 16), true});
+  blocks.push_back({layer_layout("model.layers.1", 24), false});  // NVMe tier
+  StoreOptions opts{.grad_dtype = DType::kF32};
+  const size_t need = ParamStore::bytes_needed(blocks, opts);
+  PinnedArena arena(need, {.lock = LockPolicy::kNone, .huge_pages = false});
+  std::memset(arena.data(), 0xff, arena.capacity_bytes());  // dirty: the store must zero
+  ParamStore store(blocks, opts, arena);
+  CHECK(arena.used_bytes() <= need);
+
+  const BlockState& b0 = store.block(0);
+  CHECK(b0.master.size() == b0.elems());
+  CHECK(b0.grad.size() == b0.elems() * 4);
+  for (float x : b0.m) REQUIRE(x == 0.0f);
+  for (float x : b0.v) REQUIRE(x == 0.0f);
+  for (auto x : b0.compute) REQUIRE(x == 0);
+  for (auto span : {b0.master, b0.m, b0.v})
+    CHECK(arena.contains(span.data(), span.size_bytes()));
+
+  const BlockState& b1 = store.block(1);
+  CHECK(b1.master.empty());
+  CHECK(b1.compute.size() == b1.elems());
+  CHECK_THROWS_WITH(store.master_of(1, "model.layers.1.mlp.up_proj.weight"), Catch::Contains("NVMe"));
+  CHECK(store.max_block_elems() == b1.elems());
+  CHECK(store.param_elems() == blocks[0].layout.param_elems() + blocks[1].layout.param_elems());
+
+  auto q = store.master_of(0, "model.layers.0.self_attn.q_proj.weight");
+  CHECK(q.size() == 16 * 16);
+  q[3] = 1.5f;
+  store.refresh_compute_from_master();
+  CHECK(store.compute_of(0, "model.layers.0.self_attn.q_proj.weight")[3] == 0x3fc0);  // bf16(1.5)
+}
+
+TEST_CASE("store refuses an arena that is too small, naming both sizes", "[host][store]") {
+  std::vector<BlockSpec> blocks{{layer_layout("model.layers.0", 64), true}};
+  const size_t need = ParamStore::bytes_needed(blocks, {});
+  PinnedArena arena(need / 2, {.lock = LockPolicy::kNone, .huge_pages = false});
+  CHECK_THROWS_WITH(ParamStore(blocks, {}, arena),
+                    Catch::Contains(std::to_string(need)) && Catch::Contains("bytes_needed"));
+  CHECK_THROWS_WITH(ParamStore::bytes_needed(blocks, {.grad_dtype = DType::kF16}), Catch::Contains("F16"));
+}
