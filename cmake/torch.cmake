@@ -46,6 +46,15 @@ if(STRIDER_HAVE_CUDA AND EXISTS ${STRIDER_TORCH_DIR}/lib/libtorch_cuda.so)
   # Keep libtorch_cuda in the link even though nothing calls into it directly:
   # it registers the CUDA kernels ATen dispatches to.
   target_link_options(strider_torch_cuda INTERFACE "LINKER:--no-as-needed")
+  # libtorch_cuda finds the wheel's NCCL, cuDNN, ... through an $ORIGIN rpath
+  # that GNU ld does not follow at link time; without these it links against
+  # the toolkit's older libnccl and fails on missing symbols.
+  foreach(_dir cu13/lib nccl/lib cudnn/lib nvshmem/lib cusparselt/lib)
+    if(EXISTS ${STRIDER_TORCH_DIR}/../nvidia/${_dir})
+      get_filename_component(_abs ${STRIDER_TORCH_DIR}/../nvidia/${_dir} ABSOLUTE)
+      target_link_options(strider_torch_cuda INTERFACE "LINKER:-rpath-link,${_abs}")
+    endif()
+  endforeach()
   set(STRIDER_HAVE_TORCH_CUDA ON)
 else()
   set(STRIDER_HAVE_TORCH_CUDA OFF)

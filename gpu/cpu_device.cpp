@@ -1,0 +1,321 @@
+#include "gpu/cpu_device.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "host/error.h"
+
+namespace strider {
+namespace {
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+// An event is a pair of generation counters: record() bumps `recorded` on the
+// host and enqueues an op that raises `completed` to that generation when the
+// stream reaches it. Shared with queued ops so destroying the Event early is safe.
+struct CpuEventState {
+  std::mutex m;
+  std::condition_variable cv;
+  uint64_t recorded = 0;
+  uint64_t completed = 0;
+};
+
+class CpuEvent final : public Event {
+ public:
+  explicit CpuEvent(const CpuDevice* owner) : owner_(owner), state_(std::make_shared<CpuEventState>()) {}
+  bool query() const override {
+    std::lock_guard lk(state_->m);
+    return state_->completed >= state_->recorded;
+  }
+  void synchronize() const override {
+    std::unique_lock lk(state_->m);
+    const uint64_t target = state_->recorded;
+    state_->cv.wait(lk, [&] { return state_->completed >= target; });
+  }
+  const CpuDevice* owner() const { return owner_; }
+  const std::shared_ptr<CpuEventState>& state() const { return state_; }
+
+ private:
+  const CpuDevice* owner_;
+  std::shared_ptr<CpuEventState> state_;
+};
+
+const CpuEvent& own_event(const Event& e, const CpuDevice* self) {
+  auto* ce = dynamic_cast<const CpuEvent*>(&e);
+  STRIDER_CHECK(ce != nullptr && ce->owner() == self,
+                "CpuDevice: event was made by another device; use this device's make_event()");
+  return *ce;
+}
+
+}  // namespace
+
+struct CpuDevice::Op {
+  bool traced = false;  // copies and launches get a span; event plumbing does not
+  OpKind kind = OpKind::kCompute;
+  OpTag tag;
+  std::function<void()> work;
+};
+
+struct CpuDevice::Worker {
+  StreamId id = StreamId::kCompute;
+  std::mutex m;
+  std::condition_variable has_work;
+  std::condition_variable progressed;
+  std::deque<Op> queue;
+  uint64_t enqueued = 0;
+  uint64_t completed = 0;
+  bool stop = false;
+  std::mt19937_64 rng;  // chaos delays; touched by the worker thread only
+  std::thread thread;
+};
+
+CpuDevice::CpuDevice(const DeviceOptions& options)
+    : options_(options),
+      budget_bytes_(options.budget_bytes != 0 ? options.budget_bytes : kDefaultBudgetBytes),
+      start_(std::chrono::steady_clock::now()) {
+  for (int i = 0; i < kNumStreams; ++i) {
+    auto w = std::make_unique<Worker>();
+    w->id = static_cast<StreamId>(i);
+    // Each stream its own sequence from the one seed: a failing seed replays the same delays.
+    w->rng.seed(options.chaos.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(i) + 1);
+    workers_.push_back(std::move(w));
+  }
+  for (auto& w : workers_) {
+    Worker* raw = w.get();
+    raw->thread = std::thread([this, raw] { run_worker(*raw); });
+  }
+}
+
+CpuDevice::~CpuDevice() {
+  for (auto& w : workers_) {
+    {
+      std::lock_guard lk(w->m);
+      w->stop = true;
+    }
+    w->has_work.notify_all();
+  }
+  for (auto& w : workers_) w->thread.join();
+  for (auto& [base, bytes] : live_) std::free(const_cast<std::byte*>(base));
+}
+
+std::string CpuDevice::name() const {
+  if (options_.chaos.enabled) return fmt::format("cpu (chaos seed {})", options_.chaos.seed);
+  return "cpu";
+}
+
+double CpuDevice::now_us() const {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start_).count();
+}
+
+// ---- memory -----------------------------------------------------------------
+
+DeviceBuffer CpuDevice::allocate(size_t bytes, std::string_view what) {
+  STRIDER_CHECK(bytes > 0, "CpuDevice: allocation '{}' of 0 bytes", what);
+  const size_t rounded = round_up(bytes, kAlignBytes);
+  std::lock_guard lk(mem_mutex_);
+  if (allocated_bytes_ + rounded > budget_bytes_) {
+    throw Error(fmt::format(
+        "CpuDevice: allocating '{}' of {} bytes would exceed the device budget of {} bytes "
+        "({} in use, {} free); raise the budget or shrink the request (fewer cache units)",
+        what, rounded, budget_bytes_, allocated_bytes_, budget_bytes_ - allocated_bytes_));
+  }
+  void* p = std::aligned_alloc(kAlignBytes, rounded);
+  STRIDER_CHECK(p != nullptr, "CpuDevice: host allocation of {} bytes for '{}' failed", rounded, what);
+  // Like cudaMalloc, memory starts as garbage: a read before the first write shows.
+  std::memset(p, 0xA5, rounded);
+  auto* base = static_cast<std::byte*>(p);
+  live_.emplace(base, rounded);
+  allocated_bytes_ += rounded;
+  peak_bytes_ = std::max(peak_bytes_, allocated_bytes_);
+  ++allocation_count_;
+  return DeviceBuffer(this, base, rounded);
+}
+
+void CpuDevice::free_memory(std::byte* data, size_t bytes) noexcept {
+  std::lock_guard lk(mem_mutex_);
+  auto it = live_.find(data);
+  if (it == live_.end()) return;
+  allocated_bytes_ -= it->second;
+  live_.erase(it);
+  std::free(data);
+}
+
+size_t CpuDevice::allocated_bytes() const { std::lock_guard lk(mem_mutex_); return allocated_bytes_; }
+size_t CpuDevice::peak_allocated_bytes() const { std::lock_guard lk(mem_mutex_); return peak_bytes_; }
+size_t CpuDevice::allocation_count() const { std::lock_guard lk(mem_mutex_); return allocation_count_; }
+
+// A GPU would fault (or silently corrupt) on a host pointer passed as a device
+// one; here we can say so at the call.
+void CpuDevice::check_device_range(const void* p, size_t bytes, const char* op, const char* role) const {
+  auto* b = static_cast<const std::byte*>(p);
+  std::lock_guard lk(mem_mutex_);
+  auto it = live_.upper_bound(b);
+  bool inside = false;
+  if (it != live_.begin()) {
+    --it;
+    inside = b >= it->first && b + bytes <= it->first + it->second;
+  }
+  STRIDER_CHECK(inside, "CpuDevice::{}: {} [{}, +{} bytes) is not inside one device allocation",
+                op, role, p, bytes);
+}
+
+void CpuDevice::check_host_range(const void* p, size_t bytes, const char* op, const char* role) const {
+  auto* b = static_cast<const std::byte*>(p);
+  std::lock_guard lk(mem_mutex_);
+  auto it = live_.upper_bound(b + bytes);
+  bool overlaps = false;
+  if (it != live_.begin()) {
+    --it;
+    overlaps = b < it->first + it->second && it->first < b + bytes;
+  }
+  STRIDER_CHECK(!overlaps, "CpuDevice::{}: {} [{}, +{} bytes) is device memory, expected host memory",
+                op, role, p, bytes);
+}
+
+// ---- streams ----------------------------------------------------------------
+
+void CpuDevice::enqueue(StreamId s, Op op) {
+  const int i = static_cast<int>(s);
+  STRIDER_CHECK(i >= 0 && i < kNumStreams, "CpuDevice: no stream {}", i);
+  Worker& w = *workers_[i];
+  {
+    std::lock_guard lk(w.m);
+    w.queue.push_back(std::move(op));
+    ++w.enqueued;
+  }
+  w.has_work.notify_one();
+}
+
+void CpuDevice::run_worker(Worker& w) {
+  const ChaosOptions& chaos = options_.chaos;
+  for (;;) {
+    Op op;
+    {
+      std::unique_lock lk(w.m);
+      w.has_work.wait(lk, [&] { return w.stop || !w.queue.empty(); });
+      if (w.queue.empty()) return;  // stop requested and drained
+      op = std::move(w.queue.front());
+      w.queue.pop_front();
+    }
+    if (chaos.enabled && (w.rng() & 1u) != 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(w.rng() % (uint64_t{chaos.max_delay_us} + 1)));
+    }
+    const double begin = now_us();
+    try {
+      op.work();
+    } catch (const std::exception& e) {
+      std::lock_guard lk(error_mutex_);
+      if (first_error_.empty())
+        first_error_ = fmt::format("CpuDevice: {} op '{}' (block {}) on stream {} failed: {}",
+                                   op_kind_name(op.kind), op.tag.name, op.tag.block, stream_name(w.id), e.what());
+    }
+    if (op.traced && options_.record_spans) {
+      const double end = now_us();
+      std::lock_guard lk(spans_mutex_);
+      spans_.push_back(OpSpan{w.id, op.kind, op.tag, begin, end});
+    }
+    op = Op{};  // drop captures before reporting progress
+    {
+      std::lock_guard lk(w.m);
+      ++w.completed;
+    }
+    w.progressed.notify_all();
+  }
+}
+
+void CpuDevice::copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag) {
+  check_device_range(dst_device, bytes, "copy_h2d", "destination");
+  check_host_range(src_host, bytes, "copy_h2d", "source");
+  tag.bytes = bytes;
+  enqueue(s, Op{true, OpKind::kCopyH2D, tag, [=] { std::memcpy(dst_device, src_host, bytes); }});
+}
+
+void CpuDevice::copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag) {
+  check_device_range(src_device, bytes, "copy_d2h", "source");
+  check_host_range(dst_host, bytes, "copy_d2h", "destination");
+  tag.bytes = bytes;
+  enqueue(s, Op{true, OpKind::kCopyD2H, tag, [=] { std::memcpy(dst_host, src_device, bytes); }});
+}
+
+void CpuDevice::launch(StreamId s, OpTag tag, LaunchFn fn) {
+  STRIDER_CHECK(fn != nullptr, "CpuDevice::launch: empty closure for '{}'", tag.name);
+  LaunchContext ctx{DeviceKind::kCpu, 0, nullptr, s};
+  enqueue(s, Op{true, OpKind::kCompute, tag, [ctx, fn = std::move(fn)] { fn(ctx); }});
+}
+
+// ---- events -----------------------------------------------------------------
+
+std::unique_ptr<Event> CpuDevice::make_event() { return std::make_unique<CpuEvent>(this); }
+
+void CpuDevice::record(Event& e, StreamId s) {
+  std::shared_ptr<CpuEventState> st = own_event(e, this).state();
+  uint64_t gen = 0;
+  {
+    std::lock_guard lk(st->m);
+    gen = ++st->recorded;
+  }
+  enqueue(s, Op{false, OpKind::kCompute, OpTag{"event record"}, [st, gen] {
+                  {
+                    std::lock_guard lk(st->m);
+                    st->completed = std::max(st->completed, gen);
+                  }
+                  st->cv.notify_all();
+                }});
+}
+
+void CpuDevice::wait(StreamId s, const Event& e) {
+  std::shared_ptr<CpuEventState> st = own_event(e, this).state();
+  uint64_t gen = 0;
+  {
+    std::lock_guard lk(st->m);
+    gen = st->recorded;  // like cudaStreamWaitEvent: the latest record at the time of the call
+  }
+  if (gen == 0) return;
+  enqueue(s, Op{false, OpKind::kCompute, OpTag{"event wait"}, [st, gen] {
+                  std::unique_lock lk(st->m);
+                  st->cv.wait(lk, [&] { return st->completed >= gen; });
+                }});
+}
+
+void CpuDevice::synchronize(StreamId s) {
+  const int i = static_cast<int>(s);
+  STRIDER_CHECK(i >= 0 && i < kNumStreams, "CpuDevice: no stream {}", i);
+  Worker& w = *workers_[i];
+  {
+    std::unique_lock lk(w.m);
+    const uint64_t target = w.enqueued;
+    w.progressed.wait(lk, [&] { return w.completed >= target; });
+  }
+  rethrow_failure();
+}
+
+void CpuDevice::synchronize() {
+  for (int i = 0; i < kNumStreams; ++i) {
+    Worker& w = *workers_[i];
+    std::unique_lock lk(w.m);
+    const uint64_t target = w.enqueued;
+    w.progressed.wait(lk, [&] { return w.completed >= target; });
+  }
+  rethrow_failure();
+}
+
+void CpuDevice::rethrow_failure() {
+  std::string msg;
+  {
+    std::lock_guard lk(error_mutex_);
+    msg.swap(first_error_);
+  }
+  if (!msg.empty()) throw Error(msg);
+}
+
+void CpuDevice::drain_spans(std::vector<OpSpan>& out) {
+  std::lock_guard lk(spans_mutex_);
+  out.insert(out.end(), spans_.begin(), spans_.end());
+  spans_.clear();
+}
+
+}  // namespace strider

@@ -1,0 +1,90 @@
+// CpuDevice: the Device seam on host threads, so everything the engine does on
+// a GPU also runs (and is tested) on a machine without one.
+//
+// Device memory is host memory under a hard byte budget. Each stream is a
+// worker thread running its queue in order; events are real cross-thread
+// signals. Chaos mode (seeded) sleeps a random while before queued operations,
+// so a missing wait corrupts a result in a test instead of on a GPU later.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "gpu/device.h"
+
+namespace strider {
+
+class CpuDevice final : public Device {
+ public:
+  static constexpr size_t kDefaultBudgetBytes = size_t{1} << 30;
+  static constexpr size_t kAlignBytes = 256;  // as cudaMalloc guarantees
+
+  explicit CpuDevice(const DeviceOptions& options = {});
+  ~CpuDevice() override;  // drains every queue, then stops the workers
+  CpuDevice(const CpuDevice&) = delete;
+  CpuDevice& operator=(const CpuDevice&) = delete;
+
+  DeviceKind kind() const override { return DeviceKind::kCpu; }
+  std::string name() const override;
+  int ordinal() const override { return 0; }
+
+  DeviceBuffer allocate(size_t bytes, std::string_view what) override;
+  size_t budget_bytes() const override { return budget_bytes_; }
+  size_t allocated_bytes() const override;
+  size_t peak_allocated_bytes() const override;
+  size_t allocation_count() const override;
+
+  void copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag = {}) override;
+  void copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag = {}) override;
+  void launch(StreamId s, OpTag tag, LaunchFn fn) override;
+
+  std::unique_ptr<Event> make_event() override;
+  void record(Event& e, StreamId s) override;
+  void wait(StreamId s, const Event& e) override;
+
+  void synchronize(StreamId s) override;
+  void synchronize() override;
+
+  void drain_spans(std::vector<OpSpan>& out) override;
+  std::shared_ptr<MemoryRegistrar> host_registrar() override { return nullptr; }
+
+ protected:
+  void free_memory(std::byte* data, size_t bytes) noexcept override;
+
+ private:
+  struct Op;
+  struct Worker;
+
+  void enqueue(StreamId s, Op op);
+  void run_worker(Worker& w);
+  void check_device_range(const void* p, size_t bytes, const char* op, const char* role) const;
+  void check_host_range(const void* p, size_t bytes, const char* op, const char* role) const;
+  void rethrow_failure();
+  double now_us() const;
+
+  const DeviceOptions options_;
+  const size_t budget_bytes_;
+  const std::chrono::steady_clock::time_point start_;
+
+  mutable std::mutex mem_mutex_;
+  std::map<const std::byte*, size_t> live_;  // base -> bytes, for range checks
+  size_t allocated_bytes_ = 0;
+  size_t peak_bytes_ = 0;
+  size_t allocation_count_ = 0;
+
+  std::mutex spans_mutex_;
+  std::vector<OpSpan> spans_;
+
+  std::mutex error_mutex_;
+  std::string first_error_;  // the first op that threw since the last synchronize
+
+  std::vector<std::unique_ptr<Worker>> workers_;  // one per StreamId
+};
+
+}  // namespace strider

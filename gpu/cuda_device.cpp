@@ -1,0 +1,334 @@
+// CudaDevice: see cuda_device.h. Compiled only when STRIDER_HAVE_CUDA.
+#include "gpu/cuda_device.h"
+
+#include <algorithm>
+#include <deque>
+#include <mutex>
+#include <vector>
+
+#include "gpu/cuda_check.h"
+#include "host/error.h"
+#include "host/pinned_arena.h"
+
+#if STRIDER_HAVE_TORCH_CUDA
+#include <c10/cuda/CUDAGuard.h>   // CUDAStreamGuard: ATen's current stream for a scope
+#include <c10/cuda/CUDAStream.h>  // getStreamFromExternal: wraps our cudaStream_t
+#endif
+
+namespace strider {
+namespace {
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+// Makes `ordinal` current for the scope: the engine may call from any host
+// thread, and CUDA's current device is per thread.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int ordinal) {
+    STRIDER_CUDA_CHECK(cudaGetDevice(&prev_));
+    if (prev_ != ordinal) STRIDER_CUDA_CHECK(cudaSetDevice(ordinal));
+    restore_ = prev_ != ordinal;
+  }
+  ~CurrentDevice() {
+    if (restore_) (void)cudaSetDevice(prev_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool restore_ = false;
+};
+
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(const void* owner, int ordinal) : owner_(owner), ordinal_(ordinal) {
+    CurrentDevice cd(ordinal_);
+    STRIDER_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+  }
+  ~CudaEvent() override { (void)cudaEventDestroy(event_); }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+
+  bool query() const override {
+    cudaError_t rc = cudaEventQuery(event_);
+    if (rc == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // NotReady is an answer, not a sticky error
+      return false;
+    }
+    STRIDER_CUDA_CHECK(rc);
+    return true;
+  }
+  void synchronize() const override { STRIDER_CUDA_CHECK(cudaEventSynchronize(event_)); }
+  cudaEvent_t get() const { return event_; }
+  const void* owner() const { return owner_; }
+
+ private:
+  const void* owner_;
+  int ordinal_;
+  cudaEvent_t event_ = nullptr;
+};
+
+class CudaHostRegistrar final : public MemoryRegistrar {
+ public:
+  void register_memory(void* base, size_t bytes) override {
+    STRIDER_CUDA_CHECK(cudaHostRegister(base, bytes, cudaHostRegisterPortable));
+  }
+  void unregister_memory(void* base, size_t) noexcept override { (void)cudaHostUnregister(base); }
+  std::string_view name() const override { return "cudaHostRegister"; }
+};
+
+class CudaDevice final : public Device {
+ public:
+  CudaDevice(int ordinal, const DeviceOptions& options) : ordinal_(ordinal), options_(options) {
+    CurrentDevice cd(ordinal_);
+    cudaDeviceProp prop{};
+    STRIDER_CUDA_CHECK(cudaGetDeviceProperties(&prop, ordinal_));
+    size_t free_bytes = 0, total_bytes = 0;
+    STRIDER_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    name_ = fmt::format("cuda:{} {} (sm_{}{}, {:.1f} GiB)", ordinal_, prop.name, prop.major, prop.minor,
+                        total_bytes / double(1ull << 30));
+    budget_bytes_ = options.budget_bytes != 0 ? options.budget_bytes : free_bytes;
+    STRIDER_CHECK(budget_bytes_ <= free_bytes,
+                  "{}: device budget of {} bytes exceeds the {} bytes free on the GPU; lower the budget",
+                  name_, budget_bytes_, free_bytes);
+    for (auto& s : streams_) STRIDER_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    if (options_.record_spans) {
+      STRIDER_CUDA_CHECK(cudaEventCreate(&epoch_));
+      STRIDER_CUDA_CHECK(cudaEventRecord(epoch_, streams_[0]));
+      STRIDER_CUDA_CHECK(cudaEventSynchronize(epoch_));
+    }
+  }
+
+  ~CudaDevice() override {
+    for (auto s : streams_) (void)cudaStreamSynchronize(s);
+    for (auto& p : pending_) {
+      (void)cudaEventDestroy(p.begin);
+      (void)cudaEventDestroy(p.end);
+    }
+    for (auto e : spare_) (void)cudaEventDestroy(e);
+    if (epoch_ != nullptr) (void)cudaEventDestroy(epoch_);
+    for (auto s : streams_) (void)cudaStreamDestroy(s);
+  }
+  CudaDevice(const CudaDevice&) = delete;
+  CudaDevice& operator=(const CudaDevice&) = delete;
+
+  DeviceKind kind() const override { return DeviceKind::kCuda; }
+  std::string name() const override { return name_; }
+  int ordinal() const override { return ordinal_; }
+
+  DeviceBuffer allocate(size_t bytes, std::string_view what) override {
+    STRIDER_CHECK(bytes > 0, "{}: allocation '{}' of 0 bytes", name_, what);
+    const size_t rounded = round_up(bytes, 256);
+    std::lock_guard lk(mem_mutex_);
+    if (allocated_bytes_ + rounded > budget_bytes_) {
+      throw Error(fmt::format(
+          "{}: allocating '{}' of {} bytes would exceed the device budget of {} bytes ({} in use, {} free); "
+          "raise the budget or shrink the request (fewer cache units)",
+          name_, what, rounded, budget_bytes_, allocated_bytes_, budget_bytes_ - allocated_bytes_));
+    }
+    CurrentDevice cd(ordinal_);
+    void* p = nullptr;
+    cudaError_t rc = cudaMalloc(&p, rounded);
+    if (rc != cudaSuccess) {
+      (void)cudaGetLastError();
+      size_t free_bytes = 0, total_bytes = 0;
+      (void)cudaMemGetInfo(&free_bytes, &total_bytes);
+      throw Error(fmt::format("{}: cudaMalloc of {} bytes for '{}' failed: {} ({} bytes free on the GPU); "
+                              "lower the device budget or free other GPU users",
+                              name_, rounded, what, cudaGetErrorName(rc), free_bytes));
+    }
+    allocated_bytes_ += rounded;
+    peak_bytes_ = std::max(peak_bytes_, allocated_bytes_);
+    ++allocation_count_;
+    return DeviceBuffer(this, static_cast<std::byte*>(p), rounded);
+  }
+  size_t budget_bytes() const override { return budget_bytes_; }
+  size_t allocated_bytes() const override { std::lock_guard lk(mem_mutex_); return allocated_bytes_; }
+  size_t peak_allocated_bytes() const override { std::lock_guard lk(mem_mutex_); return peak_bytes_; }
+  size_t allocation_count() const override { std::lock_guard lk(mem_mutex_); return allocation_count_; }
+
+  void copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag) override {
+    CurrentDevice cd(ordinal_);
+    tag.bytes = bytes;
+    traced(s, OpKind::kCopyH2D, tag, [&] {
+      STRIDER_CUDA_CHECK(cudaMemcpyAsync(dst_device, src_host, bytes, cudaMemcpyHostToDevice, stream(s)));
+    });
+  }
+  void copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag) override {
+    CurrentDevice cd(ordinal_);
+    tag.bytes = bytes;
+    traced(s, OpKind::kCopyD2H, tag, [&] {
+      STRIDER_CUDA_CHECK(cudaMemcpyAsync(dst_host, src_device, bytes, cudaMemcpyDeviceToHost, stream(s)));
+    });
+  }
+  void launch(StreamId s, OpTag tag, LaunchFn fn) override {
+    STRIDER_CHECK(fn != nullptr, "{}: launch of an empty closure for '{}'", name_, tag.name);
+    CurrentDevice cd(ordinal_);
+    const LaunchContext ctx{DeviceKind::kCuda, ordinal_, stream(s), s};
+    traced(s, OpKind::kCompute, tag, [&] {
+#if STRIDER_HAVE_TORCH_CUDA
+      // ATen enqueues on its "current" stream; make that ours for the closure.
+      c10::cuda::CUDAStreamGuard guard(
+          c10::cuda::getStreamFromExternal(stream(s), static_cast<c10::DeviceIndex>(ordinal_)));
+#endif
+      fn(ctx);
+    });
+  }
+
+  std::unique_ptr<Event> make_event() override { return std::make_unique<CudaEvent>(this, ordinal_); }
+  void record(Event& e, StreamId s) override {
+    CurrentDevice cd(ordinal_);
+    STRIDER_CUDA_CHECK(cudaEventRecord(own(e).get(), stream(s)));
+  }
+  void wait(StreamId s, const Event& e) override {
+    CurrentDevice cd(ordinal_);
+    STRIDER_CUDA_CHECK(cudaStreamWaitEvent(stream(s), own(e).get(), 0));
+  }
+
+  void synchronize(StreamId s) override {
+    CurrentDevice cd(ordinal_);
+    STRIDER_CUDA_CHECK(cudaStreamSynchronize(stream(s)));
+  }
+  void synchronize() override {
+    for (int i = 0; i < kNumStreams; ++i) synchronize(static_cast<StreamId>(i));
+  }
+
+  void drain_spans(std::vector<OpSpan>& out) override {
+    std::lock_guard lk(spans_mutex_);
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      cudaError_t rc = cudaEventQuery(it->end);
+      if (rc == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        ++it;
+        continue;
+      }
+      STRIDER_CUDA_CHECK(rc);
+      float begin_ms = 0, end_ms = 0;
+      STRIDER_CUDA_CHECK(cudaEventElapsedTime(&begin_ms, epoch_, it->begin));
+      STRIDER_CUDA_CHECK(cudaEventElapsedTime(&end_ms, epoch_, it->end));
+      out.push_back(OpSpan{it->stream, it->kind, it->tag, begin_ms * 1e3, end_ms * 1e3});
+      spare_.push_back(it->begin);
+      spare_.push_back(it->end);
+      it = pending_.erase(it);
+    }
+  }
+
+  std::shared_ptr<MemoryRegistrar> host_registrar() override { return make_cuda_host_registrar(); }
+
+ protected:
+  void free_memory(std::byte* data, size_t bytes) noexcept override {
+    std::lock_guard lk(mem_mutex_);
+    int prev = 0;
+    (void)cudaGetDevice(&prev);
+    (void)cudaSetDevice(ordinal_);
+    (void)cudaFree(data);
+    (void)cudaSetDevice(prev);
+    allocated_bytes_ -= bytes;
+  }
+
+ private:
+  struct PendingSpan {
+    StreamId stream;
+    OpKind kind;
+    OpTag tag;
+    cudaEvent_t begin;
+    cudaEvent_t end;
+  };
+
+  cudaStream_t stream(StreamId s) const {
+    const int i = static_cast<int>(s);
+    STRIDER_CHECK(i >= 0 && i < kNumStreams, "{}: no stream {}", name_, i);
+    return streams_[i];
+  }
+  const CudaEvent& own(const Event& e) const {
+    auto* ce = dynamic_cast<const CudaEvent*>(&e);
+    STRIDER_CHECK(ce != nullptr && ce->owner() == this,
+                  "{}: event was made by another device; use this device's make_event()", name_);
+    return *ce;
+  }
+
+  // Brackets the enqueue with timing events when spans are recorded.
+  template <class F>
+  void traced(StreamId s, OpKind kind, const OpTag& tag, F&& enqueue) {
+    if (!options_.record_spans) {
+      enqueue();
+      return;
+    }
+    cudaEvent_t begin = take_timing_event();
+    cudaEvent_t end = take_timing_event();
+    try {
+      STRIDER_CUDA_CHECK(cudaEventRecord(begin, stream(s)));
+      enqueue();
+      STRIDER_CUDA_CHECK(cudaEventRecord(end, stream(s)));
+    } catch (...) {
+      std::lock_guard lk(spans_mutex_);
+      spare_.push_back(begin);
+      spare_.push_back(end);
+      throw;
+    }
+    std::lock_guard lk(spans_mutex_);
+    pending_.push_back(PendingSpan{s, kind, tag, begin, end});
+  }
+  cudaEvent_t take_timing_event() {
+    {
+      std::lock_guard lk(spans_mutex_);
+      if (!spare_.empty()) {
+        cudaEvent_t e = spare_.back();
+        spare_.pop_back();
+        return e;
+      }
+    }
+    cudaEvent_t e = nullptr;
+    STRIDER_CUDA_CHECK(cudaEventCreate(&e));
+    return e;
+  }
+
+  const int ordinal_;
+  const DeviceOptions options_;
+  std::string name_;
+  size_t budget_bytes_ = 0;
+  cudaStream_t streams_[kNumStreams] = {};
+
+  mutable std::mutex mem_mutex_;
+  size_t allocated_bytes_ = 0;
+  size_t peak_bytes_ = 0;
+  size_t allocation_count_ = 0;
+
+  std::mutex spans_mutex_;
+  cudaEvent_t epoch_ = nullptr;
+  std::deque<PendingSpan> pending_;
+  std::vector<cudaEvent_t> spare_;
+};
+
+}  // namespace
+
+CudaProbe probe_cuda() {
+  CudaProbe p;
+  int n = 0;
+  cudaError_t rc = cudaGetDeviceCount(&n);
+  if (rc != cudaSuccess) {
+    (void)cudaGetLastError();
+    const char* why = rc == cudaErrorInsufficientDriver ? "no usable NVIDIA driver (none, or older than this CUDA runtime)"
+                      : rc == cudaErrorNoDevice         ? "no CUDA device"
+                                                        : "CUDA is not usable";
+    p.reason = fmt::format("{}: cudaGetDeviceCount returned {} ({})", why, cudaGetErrorName(rc),
+                           cudaGetErrorString(rc));
+    return p;
+  }
+  p.device_count = n;
+  if (n == 0) p.reason = "no CUDA device (cudaGetDeviceCount returned 0)";
+  return p;
+}
+
+std::unique_ptr<Device> make_cuda_device(int ordinal, const DeviceOptions& options) {
+  const CudaProbe probe = probe_cuda();
+  STRIDER_CHECK(probe.device_count > 0, "cuda:{} requested but {}; use the device \"cpu\"", ordinal, probe.reason);
+  STRIDER_CHECK(ordinal >= 0 && ordinal < probe.device_count, "cuda:{} requested but only {} CUDA device(s) exist",
+                ordinal, probe.device_count);
+  return std::make_unique<CudaDevice>(ordinal, options);
+}
+
+std::shared_ptr<MemoryRegistrar> make_cuda_host_registrar() { return std::make_shared<CudaHostRegistrar>(); }
+
+}  // namespace strider

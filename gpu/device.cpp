@@ -1,0 +1,49 @@
+#include "gpu/device.h"
+
+#include <utility>
+
+namespace strider {
+
+std::string_view stream_name(StreamId s) {
+  switch (s) {
+    case StreamId::kCompute: return "compute";
+    case StreamId::kH2D: return "h2d";
+    case StreamId::kD2H: return "d2h";
+  }
+  return "stream?";
+}
+
+std::string_view op_kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::kCopyH2D: return "copy_h2d";
+    case OpKind::kCopyD2H: return "copy_d2h";
+    case OpKind::kCompute: return "compute";
+  }
+  return "op?";
+}
+
+DeviceBuffer::~DeviceBuffer() { reset(); }
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
+    : device_(std::exchange(o.device_, nullptr)),
+      data_(std::exchange(o.data_, nullptr)),
+      bytes_(std::exchange(o.bytes_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    device_ = std::exchange(o.device_, nullptr);
+    data_ = std::exchange(o.data_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+  }
+  return *this;
+}
+
+void DeviceBuffer::reset() noexcept {
+  if (device_ != nullptr && data_ != nullptr) device_->free_memory(data_, bytes_);
+  device_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+}  // namespace strider

@@ -1,0 +1,165 @@
+// The Device seam: everything the engine asks of a GPU, drawn small enough that
+// a CPU device (tests, no GPU), the CUDA device and, later, a cost-model
+// SimDevice all implement it. Plain C++: no torch, no CUDA headers here.
+//
+// The model is CUDA's: a stream runs its operations in order; an event marks a
+// point in a stream; another stream (or the host) can wait for that point.
+// Every operation carries an OpTag (what it is, which block, its cost) so a
+// SimDevice can price it and the timeline can draw it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strider {
+
+class MemoryRegistrar;  // host/pinned_arena.h
+
+enum class DeviceKind : uint8_t { kCpu, kCuda };
+
+// The lanes of the sliding window. Operations on one stream run in order;
+// operations on different streams overlap unless an event orders them.
+enum class StreamId : uint8_t { kCompute = 0, kH2D = 1, kD2H = 2 };
+inline constexpr int kNumStreams = 3;
+std::string_view stream_name(StreamId s);  // "compute", "h2d", "d2h"
+
+enum class OpKind : uint8_t { kCopyH2D, kCopyD2H, kCompute };
+std::string_view op_kind_name(OpKind k);
+
+// What an operation is, for the timeline and for a cost model.
+struct OpTag {
+  const char* name = "";  // a string literal ("h2d params", "forward"); must outlive the op
+  int32_t block = -1;     // block index, -1 when not about one block
+  double flops = 0;       // compute ops: floating-point operations (SimDevice, model FLOP/s)
+  uint64_t bytes = 0;     // bytes moved; copies fill this in themselves
+};
+
+// One finished operation on one lane, in microseconds since the device started
+// (CPU: the worker's wall clock; CUDA: event times against a start event).
+struct OpSpan {
+  StreamId stream = StreamId::kCompute;
+  OpKind kind = OpKind::kCompute;
+  OpTag tag;
+  double begin_us = 0;
+  double end_us = 0;
+};
+
+// Handed to a closure run by Device::launch.
+struct LaunchContext {
+  DeviceKind kind = DeviceKind::kCpu;
+  int ordinal = 0;               // CUDA device index; 0 on the CPU
+  void* native_stream = nullptr; // cudaStream_t for our own kernels; nullptr on the CPU
+  StreamId stream = StreamId::kCompute;
+};
+using LaunchFn = std::function<void(const LaunchContext&)>;
+
+// A point in a stream. Made by Device::make_event; usable only with its device.
+class Event {
+ public:
+  virtual ~Event() = default;
+  // True when the work captured by the latest record() is done (or never recorded).
+  virtual bool query() const = 0;
+  // Blocks the calling host thread until query() would return true.
+  virtual void synchronize() const = 0;
+};
+
+class Device;
+
+// Device memory, owned. Freed (never throwing) when destroyed; the device must
+// outlive it. Copies deleted, moves allowed.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Device* device, std::byte* data, size_t bytes) : device_(device), data_(data), bytes_(bytes) {}
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept;
+
+  std::byte* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void reset() noexcept;
+  Device* device_ = nullptr;
+  std::byte* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+class Device {
+ public:
+  virtual ~Device() = default;
+
+  // Which implementation, and a name for messages ("cpu", "cuda:0 NVIDIA H200").
+  virtual DeviceKind kind() const = 0;
+  virtual std::string name() const = 0;
+  // CUDA device index (for at::Device); 0 on the CPU.
+  virtual int ordinal() const = 0;
+
+  // Allocates device memory; throws strider::Error naming `what`, the request and the budget.
+  virtual DeviceBuffer allocate(size_t bytes, std::string_view what) = 0;
+  // Bytes the device may hand out in total (the budget).
+  virtual size_t budget_bytes() const = 0;
+  // Bytes handed out now, the most ever handed out at once, and how many allocations so far.
+  virtual size_t allocated_bytes() const = 0;
+  virtual size_t peak_allocated_bytes() const = 0;
+  virtual size_t allocation_count() const = 0;
+
+  // Enqueues a copy of `bytes` from pinned host memory to device memory on `s`.
+  virtual void copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag = {}) = 0;
+  // Enqueues a copy of `bytes` from device memory to pinned host memory on `s`.
+  virtual void copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag = {}) = 0;
+  // Runs `fn` in stream order on `s`. CUDA: calls it now, on this thread, with
+  // ATen's current stream set to `s`, so it only enqueues kernels; CPU: calls it
+  // later on the stream's worker, which does the work. Capture by value.
+  virtual void launch(StreamId s, OpTag tag, LaunchFn fn) = 0;
+
+  // A new event, not yet recorded.
+  virtual std::unique_ptr<Event> make_event() = 0;
+  // Marks in `e` the point after all work enqueued on `s` so far.
+  virtual void record(Event& e, StreamId s) = 0;
+  // Makes later work on `s` wait for `e`'s latest record (a no-op if never recorded).
+  virtual void wait(StreamId s, const Event& e) = 0;
+
+  // Blocks the host until all work enqueued on `s` so far is done; rethrows a failed op.
+  virtual void synchronize(StreamId s) = 0;
+  // Blocks until every stream is idle; rethrows a failed op.
+  virtual void synchronize() = 0;
+
+  // Moves the spans of finished ops into `out` (only with DeviceOptions::record_spans).
+  virtual void drain_spans(std::vector<OpSpan>& out) = 0;
+
+  // What must register the pinned arena for this device (cudaHostRegister); nullptr if nothing.
+  virtual std::shared_ptr<MemoryRegistrar> host_registrar() = 0;
+
+ protected:
+  friend class DeviceBuffer;
+  // Returns memory from allocate(); never throws.
+  virtual void free_memory(std::byte* data, size_t bytes) noexcept = 0;
+};
+
+// Chaos for the CPU device: random delays before queued operations, so that a
+// missing wait shows up as a wrong result in a test.
+struct ChaosOptions {
+  bool enabled = false;
+  uint64_t seed = 1;
+  uint32_t max_delay_us = 200;  // each op sleeps 0 (half the time) or up to this
+};
+
+struct DeviceOptions {
+  std::string spec = "auto";  // "auto" (CUDA if a GPU is usable, else CPU), "cpu", "cuda", "cuda:N"
+  size_t budget_bytes = 0;    // 0: CPU 1 GiB; CUDA the free memory at start-up
+  bool record_spans = false;  // keep an OpSpan per copy and launch for drain_spans
+  ChaosOptions chaos;         // CPU device only
+};
+
+// The device `options.spec` asks for; "auto" says in `why` (if given) what it chose and why.
+std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why = nullptr);
+
+}  // namespace strider

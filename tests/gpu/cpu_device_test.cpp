@@ -1,0 +1,167 @@
+// CpuDevice: stream order, events as cross-thread signals, the byte budget,
+// copy checks, failed ops and timeline spans.
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <future>
+#include <vector>
+
+#include "gpu/cpu_device.h"
+#include "host/error.h"
+
+using namespace strider;
+
+namespace {
+DeviceOptions chaos_options(uint64_t seed) {
+  DeviceOptions o;
+  o.spec = "cpu";
+  o.chaos.enabled = true;
+  o.chaos.seed = seed;
+  o.chaos.max_delay_us = 100;
+  return o;
+}
+}  // namespace
+
+TEST_CASE("a stream runs its operations in order, under chaos", "[gpu][cpu_device]") {
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    CpuDevice dev(chaos_options(seed));
+    std::vector<int> seen;  // touched only by the compute worker until synchronize
+    for (int i = 0; i < 40; ++i) dev.launch(StreamId::kCompute, OpTag{"append"}, [&seen, i](const LaunchContext&) { seen.push_back(i); });
+    dev.synchronize(StreamId::kCompute);
+    REQUIRE(seen.size() == 40);
+    for (int i = 0; i < 40; ++i) REQUIRE(seen[i] == i);
+  }
+}
+
+TEST_CASE("an event orders work across streams and signals the host", "[gpu][cpu_device]") {
+  CpuDevice dev(chaos_options(7));
+  auto never = dev.make_event();
+  CHECK(never->query());  // never recorded: complete, as in CUDA
+  never->synchronize();
+  dev.wait(StreamId::kCompute, *never);  // a no-op, must not block
+
+  // Hold the h2d stream on a gate the test controls, so "not done yet" is
+  // certain rather than a matter of timing.
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  std::atomic<int> value{0};
+  dev.launch(StreamId::kH2D, OpTag{"gate"}, [opened](const LaunchContext&) { opened.wait(); });
+  dev.launch(StreamId::kH2D, OpTag{"produce"}, [&value](const LaunchContext&) { value.store(42); });
+  auto produced = dev.make_event();
+  dev.record(*produced, StreamId::kH2D);
+  dev.wait(StreamId::kCompute, *produced);
+  int consumed = -1;
+  dev.launch(StreamId::kCompute, OpTag{"consume"}, [&](const LaunchContext&) { consumed = value.load(); });
+  auto consumed_event = dev.make_event();
+  dev.record(*consumed_event, StreamId::kCompute);
+
+  CHECK_FALSE(produced->query());
+  CHECK_FALSE(consumed_event->query());
+  gate.set_value();
+  consumed_event->synchronize();
+  CHECK(produced->query());
+  CHECK(consumed == 42);
+  dev.synchronize();
+}
+
+TEST_CASE("device memory stays under the byte budget", "[gpu][cpu_device]") {
+  DeviceOptions o;
+  o.budget_bytes = 4096;
+  CpuDevice dev(o);
+  DeviceBuffer a = dev.allocate(1000, "a");  // rounded to 1024
+  CHECK(a.bytes() == 1024);
+  CHECK(reinterpret_cast<uintptr_t>(a.data()) % CpuDevice::kAlignBytes == 0);
+  DeviceBuffer b = dev.allocate(3072, "b");
+  CHECK(dev.allocated_bytes() == 4096);
+  try {
+    (void)dev.allocate(1, "one more");
+    FAIL("allocation past the budget did not throw");
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    CHECK_THAT(msg, Catch::Contains("budget of 4096 bytes") && Catch::Contains("'one more' of 256 bytes"));
+  }
+  { DeviceBuffer gone = std::move(b); }
+  CHECK(dev.allocated_bytes() == 1024);
+  CHECK(dev.peak_allocated_bytes() == 4096);
+  CHECK(dev.allocation_count() == 2);
+  DeviceBuffer c = dev.allocate(3072, "c");  // freed bytes are usable again
+  CHECK(dev.allocated_bytes() == 4096);
+}
+
+TEST_CASE("copies move bytes and refuse swapped host/device pointers", "[gpu][cpu_device]") {
+  CpuDevice dev(chaos_options(3));
+  DeviceBuffer buf = dev.allocate(1 << 12, "buf");
+  std::vector<uint8_t> src(1 << 12), dst(1 << 12, 0);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 7 + 1);
+  auto up = dev.make_event();
+  dev.copy_h2d(StreamId::kH2D, buf.data(), src.data(), src.size());
+  dev.record(*up, StreamId::kH2D);
+  dev.wait(StreamId::kD2H, *up);
+  dev.copy_d2h(StreamId::kD2H, dst.data(), buf.data(), dst.size());
+  dev.synchronize();
+  CHECK(dst == src);
+
+  CHECK_THROWS_WITH(dev.copy_h2d(StreamId::kH2D, dst.data(), src.data(), 16),
+                    Catch::Contains("not inside one device allocation"));
+  CHECK_THROWS_WITH(dev.copy_h2d(StreamId::kH2D, buf.data(), buf.data() + 64, 16),
+                    Catch::Contains("is device memory, expected host memory"));
+  CHECK_THROWS_WITH(dev.copy_d2h(StreamId::kD2H, dst.data(), buf.data() + 4000, 200),
+                    Catch::Contains("not inside one device allocation"));
+}
+
+TEST_CASE("a failed operation surfaces at synchronize, naming it", "[gpu][cpu_device]") {
+  CpuDevice dev;
+  dev.launch(StreamId::kCompute, OpTag{"exploding op", 5}, [](const LaunchContext&) { throw Error("kaboom"); });
+  bool later_ran = false;
+  dev.launch(StreamId::kCompute, OpTag{"later"}, [&](const LaunchContext&) { later_ran = true; });
+  CHECK_THROWS_WITH(dev.synchronize(), Catch::Contains("exploding op") && Catch::Contains("block 5") &&
+                                           Catch::Contains("kaboom") && Catch::Contains("compute"));
+  CHECK(later_ran);        // events after a failure still complete: no deadlocks
+  CHECK_NOTHROW(dev.synchronize());  // reported once
+}
+
+TEST_CASE("spans record each copy and launch with its lane, tag and times", "[gpu][cpu_device]") {
+  DeviceOptions o = chaos_options(11);
+  o.record_spans = true;
+  CpuDevice dev(o);
+  DeviceBuffer buf = dev.allocate(4096, "buf");
+  std::vector<uint8_t> host(4096, 1);
+  std::atomic<int> contexts_ok{0};
+  for (int b = 0; b < 3; ++b) {
+    dev.copy_h2d(StreamId::kH2D, buf.data(), host.data(), 4096, OpTag{"h2d params", b});
+    // Catch2 assertions are not thread-safe: note on the worker, check here.
+    dev.launch(StreamId::kCompute, OpTag{"forward", b, 1e6}, [&contexts_ok](const LaunchContext& ctx) {
+      if (ctx.kind == DeviceKind::kCpu && ctx.native_stream == nullptr && ctx.stream == StreamId::kCompute)
+        ++contexts_ok;
+    });
+  }
+  auto e = dev.make_event();
+  dev.record(*e, StreamId::kD2H);  // event plumbing has no span
+  dev.synchronize();
+  std::vector<OpSpan> spans;
+  dev.drain_spans(spans);
+  CHECK(contexts_ok == 3);
+  REQUIRE(spans.size() == 6);
+  int h2d = 0, compute = 0;
+  double last_end[kNumStreams] = {0, 0, 0};
+  for (const OpSpan& s : spans) {
+    CHECK(s.begin_us <= s.end_us);
+    const int lane = static_cast<int>(s.stream);
+    CHECK(s.begin_us >= last_end[lane]);  // one lane's ops never overlap
+    last_end[lane] = s.end_us;
+    if (s.kind == OpKind::kCopyH2D) {
+      CHECK(s.stream == StreamId::kH2D);
+      CHECK(s.tag.bytes == 4096);
+      CHECK(s.tag.block == h2d++);
+    } else {
+      CHECK(s.kind == OpKind::kCompute);
+      CHECK(std::string(s.tag.name) == "forward");
+      CHECK(s.tag.flops == 1e6);
+      CHECK(s.tag.block == compute++);
+    }
+  }
+  spans.clear();
+  dev.drain_spans(spans);
+  CHECK(spans.empty());
+}
