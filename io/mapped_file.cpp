@@ -1,0 +1,65 @@
+#include "io/mapped_file.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <utility>
+
+#include "host/error.h"
+
+namespace strider {
+
+MappedFile::MappedFile(const std::string& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  STRIDER_CHECK(fd >= 0, "{}: cannot open for reading: {}; check the path and permissions",
+                path, errno_text(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    throw Error(fmt::format("{}: fstat failed: {}", path, errno_text(err)));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw Error(fmt::format("{}: not a regular file; pass a file (or a checkpoint directory "
+                            "where a directory is accepted)", path));
+  }
+  size_bytes_ = static_cast<size_t>(st.st_size);
+  if (size_bytes_ > 0) {
+    void* p = ::mmap(nullptr, size_bytes_, PROT_READ, MAP_PRIVATE, fd, 0);
+    int err = errno;
+    ::close(fd);  // the mapping keeps the file alive
+    STRIDER_CHECK(p != MAP_FAILED, "{}: mmap of {} bytes failed: {}", path, size_bytes_,
+                  errno_text(err));
+    data_ = static_cast<const std::byte*>(p);
+  } else {
+    ::close(fd);
+  }
+}
+
+MappedFile::~MappedFile() { release(); }
+
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : path_(std::move(other.path_)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_bytes_(std::exchange(other.size_bytes_, 0)) {}
+
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+  if (this != &other) {
+    release();
+    path_ = std::move(other.path_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_bytes_ = std::exchange(other.size_bytes_, 0);
+  }
+  return *this;
+}
+
+void MappedFile::release() noexcept {
+  if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_bytes_);
+  data_ = nullptr;
+  size_bytes_ = 0;
+}
+
+}  // namespace strider

@@ -1,0 +1,38 @@
+// MappedFile: a whole file mapped read-only, the zero-copy base of the
+// safetensors and token-data readers.
+//
+// Views handed out by the readers are pointers into this mapping, so the
+// MappedFile must outlive them (the readers own theirs and say so).
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+namespace strider {
+
+class MappedFile {
+ public:
+  MappedFile() = default;
+  // Opens and maps `path` read-only (MAP_PRIVATE). An empty file maps to an
+  // empty span. Throws Error naming the path on any failure.
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  MappedFile(MappedFile&& other) noexcept;
+  MappedFile& operator=(MappedFile&& other) noexcept;
+
+  std::span<const std::byte> bytes() const { return {data_, size_bytes_}; }
+  size_t size_bytes() const { return size_bytes_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  void release() noexcept;
+
+  std::string path_;
+  const std::byte* data_ = nullptr;
+  size_t size_bytes_ = 0;
+};
+
+}  // namespace strider

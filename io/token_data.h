@@ -1,0 +1,179 @@
+// Token data: a flat binary file of token ids (the llm.c / nanoGPT idea), with
+// an optional loss mask and document boundaries, and a deterministic,
+// resumable loader that yields (input, label) batches.
+//
+// File format, version 1. Every integer is little-endian.
+//
+//   bytes [0, 1024): the header, 128 uint64 words
+//     word 0   magic: the ASCII bytes "STRDTOKN" (as a uint64: 0x4E4B4F5444525453)
+//     word 1   version: 1
+//     word 2   token_bytes: 2 (uint16 ids) or 4 (uint32 ids)
+//     word 3   num_tokens N
+//     word 4   flags: bit 0 = a loss mask follows, bit 1 = document starts
+//              follow; every other bit 0
+//     word 5   num_docs D: how many document starts (0 unless flag bit 1)
+//     word 6   vocab_size: every id is below it; 0 = not recorded
+//     words 7..127: 0 (reserved)
+//   then these sections, in this order, each padded with zero bytes to a
+//   multiple of 8 bytes (so each starts 8-byte aligned):
+//     tokens:      N ids, token_bytes each
+//     loss mask:   N uint8 (if flag bit 0): 1 = the loss counts this token as a
+//                  target, 0 = it does not (a chat prompt, padding)
+//     doc starts:  D uint64 (if flag bit 1): index of each document's first
+//                  token, strictly increasing, each < N
+//   so the file is exactly 1024 + pad8(2N or 4N) [+ pad8(N)] [+ 8D] bytes.
+//
+// numpy writes one so (tests/python/test_token_data.py does):
+//   h = np.zeros(128, "<u8"); h[0] = int.from_bytes(b"STRDTOKN", "little")
+//   h[1], h[2], h[3], h[4], h[5], h[6] = 1, 2, len(ids), flags, len(docs), vocab
+//   f.write(h.tobytes()); f.write(ids.astype("<u2").tobytes())
+//   f.write(b"\0" * (-2 * len(ids) % 8)); then mask (uint8), pad, docs ("<u8")
+//
+// Batches. The stream is cut into W = (N - 1) / seq windows; window w holds
+// tokens [w*seq, w*seq + seq], seq + 1 of them, so the last one of a window is
+// the first of the next. For a window at s:
+//   input[t] = token[s + t]
+//   label[t] = token[s + t + 1], or -100 (ignored by cross-entropy) when
+//              the mask says token s+t+1 is not a target, or when token s+t+1
+//              starts a document (never predict across a document boundary).
+// Each epoch visits every window once, in an order shuffled by (seed, epoch)
+// (see window_order()); a batch is the next `batch` windows, and an epoch
+// that runs out mid-batch continues into the next one. state() captures the
+// position; restore() resumes exactly there.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "io/atomic_file.h"
+#include "io/mapped_file.h"
+
+namespace strider {
+
+static_assert(std::endian::native == std::endian::little,
+              "token files are read in place; a big-endian host needs byte swaps here");
+
+inline constexpr uint64_t kTokenFileMagic = 0x4E4B4F5444525453ull;  // "STRDTOKN"
+inline constexpr uint64_t kTokenFileVersion = 1;
+inline constexpr size_t kTokenHeaderBytes = 1024;
+inline constexpr uint64_t kTokenFlagMask = 1;
+inline constexpr uint64_t kTokenFlagDocs = 2;
+inline constexpr int64_t kIgnoreLabel = -100;
+
+// A validated header, with where each section lies in the file.
+struct TokenFileLayout {
+  uint64_t token_bytes = 2;
+  uint64_t num_tokens = 0;
+  uint64_t flags = 0;
+  uint64_t num_docs = 0;
+  uint64_t vocab_size = 0;  // as recorded in the file; 0 = not recorded
+  uint64_t tokens_offset_bytes = kTokenHeaderBytes;
+  uint64_t mask_offset_bytes = 0;  // 0 when absent
+  uint64_t docs_offset_bytes = 0;  // 0 when absent
+  uint64_t file_bytes = 0;
+};
+
+// Validates a whole file image: header fields and the file size always; with
+// `check_contents` also every id below the vocab (`vocab_size` if nonzero,
+// else the recorded one), mask bytes 0/1, doc starts increasing and < N.
+// `label` names the file in errors. Pure: this is the fuzzing entry point.
+TokenFileLayout parse_token_file(std::span<const std::byte> file, std::string_view label,
+                                 uint64_t vocab_size = 0, bool check_contents = true);
+
+// A mapped, validated token file.
+class TokenFile {
+ public:
+  explicit TokenFile(const std::string& path, uint64_t vocab_size = 0);
+
+  const std::string& path() const { return map_.path(); }
+  const TokenFileLayout& layout() const { return layout_; }
+  uint64_t size() const { return layout_.num_tokens; }
+  uint32_t token(uint64_t i) const;
+  bool has_mask() const { return layout_.mask_offset_bytes != 0; }
+  std::span<const uint8_t> mask() const;        // empty without a mask
+  std::span<const uint64_t> doc_starts() const;  // empty without documents
+
+ private:
+  MappedFile map_;
+  TokenFileLayout layout_;
+};
+
+struct TokenWriterOptions {
+  uint64_t token_bytes = 2;  // 2 or 4
+  bool with_mask = false;
+  bool with_docs = false;
+  uint64_t vocab_size = 0;   // recorded and enforced when nonzero
+};
+
+// Streams tokens to "<path>" atomically (temp file + fsync + rename). The mask
+// (1 byte per token) and document starts are held in memory until finish().
+class TokenFileWriter {
+ public:
+  TokenFileWriter(std::string path, TokenWriterOptions options = {});
+  // Appends ids; `mask` is empty (every token a target) or one byte per id.
+  void append(std::span<const uint32_t> ids, std::span<const uint8_t> mask = {});
+  // Like append, and records that a document starts at the first id.
+  void append_document(std::span<const uint32_t> ids, std::span<const uint8_t> mask = {});
+  void finish();
+  uint64_t size() const { return num_tokens_; }
+
+ private:
+  std::string path_;
+  TokenWriterOptions options_;
+  AtomicFile file_;
+  uint64_t num_tokens_ = 0;
+  std::vector<uint8_t> mask_;
+  std::vector<uint64_t> doc_starts_;
+  std::vector<std::byte> buffer_;
+  bool finished_ = false;
+};
+
+// Where a loader is; the engine stores it in its checkpoint. The last three
+// fields identify the configuration, so restoring into another is refused.
+struct TokenLoaderState {
+  uint64_t epoch = 0;
+  uint64_t cursor = 0;  // windows of this epoch already handed out
+  uint64_t seed = 0;
+  uint64_t num_windows = 0;
+  uint64_t seq = 0;
+  bool operator==(const TokenLoaderState&) const = default;
+};
+
+struct TokenLoaderOptions {
+  uint64_t batch = 1;
+  uint64_t seq = 1024;
+  uint64_t seed = 0;
+  bool shuffle = true;
+};
+
+// The order of windows in one epoch: Fisher-Yates driven by splitmix64 seeded
+// with seed ^ (epoch * 0xD1B54A32D192ED03), j = next() % (i + 1) for i from
+// W-1 down to 1. Spelled out so another language can reproduce it.
+std::vector<uint64_t> window_order(uint64_t num_windows, uint64_t seed, uint64_t epoch);
+
+class TokenLoader {
+ public:
+  // `file` must outlive the loader.
+  TokenLoader(const TokenFile& file, TokenLoaderOptions options);
+
+  uint64_t num_windows() const { return num_windows_; }
+  // Fills inputs and labels, each batch * seq values, row-major [batch, seq].
+  void next(std::span<int64_t> inputs, std::span<int64_t> labels);
+  TokenLoaderState state() const;
+  void restore(const TokenLoaderState& state);
+
+ private:
+  const TokenFile& file_;
+  TokenLoaderOptions options_;
+  uint64_t num_windows_ = 0;
+  uint64_t epoch_ = 0;
+  uint64_t cursor_ = 0;
+  std::vector<uint64_t> order_;
+};
+
+}  // namespace strider

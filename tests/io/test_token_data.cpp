@@ -1,0 +1,217 @@
+// Token data: the file format (writer, reader, validation), the label rule
+// (shift by one, -100 for masked targets and document starts), determinism
+// for a seed, and resuming from state().
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "host/error.h"
+#include "io/token_data.h"
+
+namespace fs = std::filesystem;
+using namespace strider;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string templ = (fs::temp_directory_path() / "strider-tok-XXXXXX").string();
+    path = ::mkdtemp(templ.data());
+  }
+  ~TempDir() { std::error_code ec; fs::remove_all(path, ec); }
+};
+
+using Batch = std::pair<std::vector<int64_t>, std::vector<int64_t>>;
+
+Batch next_batch(TokenLoader& loader, size_t batch, size_t seq) {
+  Batch b{std::vector<int64_t>(batch * seq), std::vector<int64_t>(batch * seq)};
+  loader.next(b.first, b.second);
+  return b;
+}
+
+// ids 0..n-1 (mod 1000), one document.
+std::string write_counting(const fs::path& dir, uint32_t n, TokenWriterOptions opts = {}) {
+  std::string path = (dir / "count.tok").string();
+  std::vector<uint32_t> ids(n);
+  for (uint32_t i = 0; i < n; ++i) ids[i] = i % 1000;
+  TokenFileWriter w(path, opts);
+  w.append(ids);
+  w.finish();
+  return path;
+}
+
+}  // namespace
+
+TEST_CASE("token data: writer and reader agree on ids, mask, documents and size", "[token_data]") {
+  TempDir dir;
+  const std::string path = (dir.path / "chat.tok").string();
+  TokenWriterOptions opts;
+  opts.token_bytes = 4;
+  opts.with_mask = true;
+  opts.with_docs = true;
+  opts.vocab_size = 100000;
+  TokenFileWriter w(path, opts);
+  // Two chat documents: prompt tokens masked out, answers counted.
+  w.append_document(std::vector<uint32_t>{1, 2, 3, 70001, 70002}, std::vector<uint8_t>{0, 0, 0, 1, 1});
+  w.append_document(std::vector<uint32_t>{4, 99999, 6}, std::vector<uint8_t>{0, 1, 1});
+  w.append(std::vector<uint32_t>{7});  // no mask given: counts
+  CHECK_FALSE(fs::exists(path));       // only a temp file until finish()
+  w.finish();
+
+  TokenFile f(path);
+  CHECK(f.size() == 9);
+  CHECK(f.layout().token_bytes == 4);
+  CHECK(f.layout().vocab_size == 100000);
+  // 1024 + pad8(36) + pad8(9) + 2 * 8
+  CHECK(fs::file_size(path) == 1024 + 40 + 16 + 16);
+  std::vector<uint32_t> ids;
+  for (uint64_t i = 0; i < f.size(); ++i) ids.push_back(f.token(i));
+  CHECK(ids == std::vector<uint32_t>{1, 2, 3, 70001, 70002, 4, 99999, 6, 7});
+  CHECK(std::vector<uint8_t>(f.mask().begin(), f.mask().end()) ==
+        std::vector<uint8_t>{0, 0, 0, 1, 1, 0, 1, 1, 1});
+  CHECK(std::vector<uint64_t>(f.doc_starts().begin(), f.doc_starts().end()) ==
+        std::vector<uint64_t>{0, 5});
+  CHECK_THROWS_WITH(TokenFile(path, 70000), Catch::Contains("token 3") &&
+                                                Catch::Contains("70001") && Catch::Contains(path));
+}
+
+TEST_CASE("token data: labels shift by one, -100 on masked targets and document starts",
+          "[token_data]") {
+  TempDir dir;
+  const std::string path = (dir.path / "lab.tok").string();
+  TokenWriterOptions opts;
+  opts.with_mask = true;
+  opts.with_docs = true;
+  TokenFileWriter w(path, opts);
+  w.append_document(std::vector<uint32_t>{10, 11, 12, 13, 14}, std::vector<uint8_t>{0, 0, 1, 1, 1});
+  // Token 20 counts by its mask: only the document rule makes its label -100.
+  w.append_document(std::vector<uint32_t>{20, 21, 22, 23, 24}, std::vector<uint8_t>{1, 1, 1, 0, 1});
+  w.finish();
+  TokenFile f(path);
+  TokenLoader loader(f, {.batch = 2, .seq = 4, .seed = 0, .shuffle = false});
+  CHECK(loader.num_windows() == 2);  // (10 - 1) / 4
+  auto [in, lab] = next_batch(loader, 2, 4);
+  CHECK(in == std::vector<int64_t>{10, 11, 12, 13, 14, 20, 21, 22});
+  // window 0 targets 11(m0) 12 13 14; window 1 targets 20(doc start) 21 22 23(m0)
+  CHECK(lab == std::vector<int64_t>{-100, 12, 13, 14, -100, 21, 22, -100});
+}
+
+TEST_CASE("token data: same seed same batches; every epoch visits each window once",
+          "[token_data]") {
+  TempDir dir;
+  TokenFile f(write_counting(dir.path, 1001));
+  const TokenLoaderOptions opts{.batch = 3, .seq = 10, .seed = 42, .shuffle = true};
+  TokenLoader a(f, opts), b(f, opts);
+  auto other_opts = opts;
+  other_opts.seed = 43;
+  TokenLoader c(f, other_opts);
+  REQUIRE(a.num_windows() == 100);
+  std::vector<int64_t> starts;
+  bool differs = false;
+  for (int i = 0; i < 34; ++i) {  // 102 windows: one epoch and two more
+    auto ba = next_batch(a, 3, 10), bb = next_batch(b, 3, 10), bc = next_batch(c, 3, 10);
+    CHECK(ba == bb);
+    differs |= ba != bc;
+    for (int r = 0; r < 3; ++r) {
+      starts.push_back(ba.first[r * 10]);
+      for (int t = 0; t < 10; ++t) CHECK(ba.second[r * 10 + t] == ba.first[r * 10 + t] + 1);
+    }
+  }
+  CHECK(differs);
+  std::set<int64_t> epoch0(starts.begin(), starts.begin() + 100);
+  CHECK(epoch0.size() == 100);  // a permutation: no window twice
+  CHECK(*epoch0.rbegin() == 990);
+  CHECK(a.state().epoch == 1);
+  CHECK(a.state().cursor == 2);
+  // The order is not the identity, and epochs differ.
+  CHECK(window_order(100, 42, 0) != window_order(100, 42, 1));
+  auto order = window_order(100, 42, 0), sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(order != sorted);
+  CHECK(sorted.front() == 0);
+  CHECK(sorted.back() == 99);
+}
+
+TEST_CASE("token data: restore(state) resumes exactly, across an epoch boundary",
+          "[token_data]") {
+  TempDir dir;
+  TokenFile f(write_counting(dir.path, 501));
+  const TokenLoaderOptions opts{.batch = 4, .seq = 10, .seed = 7, .shuffle = true};
+  TokenLoader first(f, opts);  // 50 windows: epoch ends inside batch 13
+  for (int i = 0; i < 11; ++i) next_batch(first, 4, 10);
+  TokenLoaderState saved = first.state();
+  std::vector<Batch> expected;
+  for (int i = 0; i < 5; ++i) expected.push_back(next_batch(first, 4, 10));
+
+  TokenLoader resumed(f, opts);
+  next_batch(resumed, 4, 10);  // its own position does not matter
+  resumed.restore(saved);
+  for (int i = 0; i < 5; ++i) CHECK(next_batch(resumed, 4, 10) == expected[i]);
+  CHECK(resumed.state() == first.state());
+
+  auto other = opts;
+  other.seed = 8;
+  TokenLoader wrong(f, other);
+  CHECK_THROWS_WITH(wrong.restore(saved), Catch::Contains("seed 7") && Catch::Contains("seed 8"));
+}
+
+TEST_CASE("token data: the writer and loader refuse what they cannot represent", "[token_data]") {
+  TempDir dir;
+  const std::string path = (dir.path / "w.tok").string();
+  {
+    TokenFileWriter w(path);
+    CHECK_THROWS_WITH(w.append(std::vector<uint32_t>{1, 65536}),
+                      Catch::Contains("token 1") && Catch::Contains("65536"));
+    CHECK_THROWS_WITH(w.append(std::vector<uint32_t>{1}, std::vector<uint8_t>{1}),
+                      Catch::Contains("with_mask"));
+  }
+  CHECK_FALSE(fs::exists(path));
+  TokenFile f(write_counting(dir.path, 10));
+  CHECK_THROWS_WITH(TokenLoader(f, {.batch = 1, .seq = 10}), Catch::Contains("10 tokens") &&
+                                                                 Catch::Contains("seq + 1 = 11"));
+  TokenLoader l(f, {.batch = 2, .seq = 3});
+  std::vector<int64_t> small(5);
+  CHECK_THROWS_WITH(l.next(small, small), Catch::Contains("batch * seq = 6"));
+}
+
+TEST_CASE("token data: each malformed corpus file gives a clear error", "[token_data]") {
+  const fs::path corpus = fs::path(STRIDER_IO_CORPUS_DIR) / "tokens";
+  struct Case { const char* file; std::vector<const char*> says; };
+  const std::vector<Case> cases = {
+      {"bad_magic", {"'magic'", "STRDTOKN"}},
+      {"bad_version", {"'version' is 7", "version 1"}},
+      {"bad_token_bytes", {"'token_bytes' is 3"}},
+      {"bad_count", {"'num_tokens' 1000", "implies a file of 3024 bytes", "has 1048"}},
+      {"bad_count_huge", {"'num_tokens' 9223372036854775808", "more than"}},
+      {"bad_truncated", {"'num_tokens' 9", "has 1046", "truncated"}},
+      {"bad_vocab", {"token 4", "id 9", "vocab size 8", "'vocab_size'"}},
+      {"bad_docs_order", {"doc start 2 is 2", "increase strictly"}},
+      {"bad_mask_value", {"loss mask of token 2 is 2"}},
+      {"bad_short_header", {"100 bytes", "1024-byte"}},
+      {"bad_reserved", {"reserved header word 100"}},
+  };
+  for (const auto& c : cases) {
+    const std::string path = (corpus / (std::string(c.file) + ".tok")).string();
+    INFO(path);
+    REQUIRE(fs::exists(path));
+    try {
+      TokenFile f(path);
+      FAIL("opened without error");
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      INFO(what);
+      CHECK(what.find(path) != std::string::npos);
+      for (const char* s : c.says) CHECK(what.find(s) != std::string::npos);
+    }
+  }
+  TokenFile ok((corpus / "valid_u32_mask_docs.tok").string());
+  CHECK(ok.token(0) == 70000);
+  CHECK_THROWS_WITH(TokenFile((corpus / "valid_u16.tok").string(), 9),
+                    Catch::Contains("token 4") && Catch::Contains("vocab size 9 (given)"));
+}
