@@ -1,0 +1,191 @@
+// bench_adam: how close CpuAdam runs to the machine's memory bandwidth, and how
+// it compares with torch's fused CPU AdamW plus the bf16 cast torch needs.
+//
+// For each size N and thread count t, all measured in this run:
+//   roof    the memory roofline for t threads: the best of two STREAM-style
+//           kernels over double arrays of N elements (see roofline()) and of
+//           our own access pattern with trivial arithmetic on our buffers
+//   strider CpuAdam, bf16 gradient in, bf16 compute copy out: 28 B per parameter
+//           (fp32 p/m/v read and written, 2 B gradient read, 2 B copy written)
+//   torch   at::_fused_adamw_ (what AdamW(fused=True) calls) on fp32 p/m/v/g,
+//           then p.to(bf16) into a preallocated tensor, with at::set_num_threads(t)
+// Each figure is the best of --reps runs. The last line is one JSON object.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <algorithm>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "host/bf16.h"
+#include "host/cpu_adam.h"
+#include "host/pinned_arena.h"
+
+using namespace strider;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+template <class F>
+double best_seconds(int reps, F&& f) {
+  f();  // warm-up: page faults, thread start-up
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t0 = Clock::now();
+    f();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return best;
+}
+
+// The memory roofline for `threads` threads: the best bandwidth of two
+// STREAM-style kernels over double arrays of n elements, each counting the bytes
+// the memory system really moves:
+//   triad     a = b + s*c   32 B/elem (b, c read; a written, and read for
+//                           ownership first, since the store misses the cache)
+//   in-place  a = a + s*b   24 B/elem (a, b read; a written back): the access
+//                           pattern of an optimizer's p/m/v updates
+struct Roofline { double triad_gbps, inplace_gbps; double best() const { return std::max(triad_gbps, inplace_gbps); } };
+
+Roofline roofline(size_t n, int threads, int reps) {
+  PinnedArena arena(3 * n * sizeof(double) + 3 * 4096, {.lock = LockPolicy::kPrefer, .name = "triad"});
+  double* a = arena.carve_as<double>(n, "a", 4096).data();
+  double* b = arena.carve_as<double>(n, "b", 4096).data();
+  double* c = arena.carve_as<double>(n, "c", 4096).data();
+  tbb::task_arena ta(threads);
+  const size_t grain = size_t{1} << 16, chunks = (n + grain - 1) / grain;
+  auto run = [&](auto&& kernel) {
+    ta.execute([&] {
+      tbb::parallel_for(size_t{0}, chunks, [&](size_t k) {
+        const size_t i0 = k * grain, e = std::min(n, i0 + grain);
+        kernel(i0, e);
+      }, tbb::static_partitioner());
+    });
+  };
+  run([&](size_t i0, size_t e) { for (size_t i = i0; i < e; ++i) { a[i] = 0; b[i] = 1.0; c[i] = 2.0; } });
+  const double t_triad = best_seconds(reps, [&] {
+    run([a, b, c](size_t i0, size_t e) {
+      double* __restrict pa = a; const double* __restrict pb = b; const double* __restrict pc = c;
+      for (size_t i = i0; i < e; ++i) pa[i] = pb[i] + 3.0 * pc[i];
+    });
+  });
+  const double t_inplace = best_seconds(reps, [&] {
+    run([a, b](size_t i0, size_t e) {
+      double* __restrict pa = a; const double* __restrict pb = b;
+      for (size_t i = i0; i < e; ++i) pa[i] = pa[i] + 1e-9 * pb[i];
+    });
+  });
+  return {32.0 * n / t_triad / 1e9, 24.0 * n / t_inplace / 1e9};
+}
+
+struct OursResult { double gbps, params_per_s, pattern_gbps; };
+
+OursResult ours(size_t n, int threads, int reps, DType grad_dtype) {
+  const size_t gbytes = dtype_size(grad_dtype);
+  PinnedArena arena(n * (12 + gbytes + 2) + 6 * 4096, {.lock = LockPolicy::kPrefer, .name = "adam state"});
+  auto p = arena.carve_as<float>(n, "p", 4096), m = arena.carve_as<float>(n, "m", 4096),
+       v = arena.carve_as<float>(n, "v", 4096);
+  auto g = arena.carve(n * gbytes, 4096, "grad");
+  auto out = arena.carve_as<uint16_t>(n, "out", 4096);
+  for (size_t i = 0; i < n; ++i) { p[i] = 0.5f; m[i] = 0; v[i] = 0; }
+  if (grad_dtype == DType::kBF16) {
+    auto g16 = reinterpret_cast<uint16_t*>(g.data());
+    for (size_t i = 0; i < n; ++i) g16[i] = float_to_bf16(1e-3f * float(i % 1000));
+  } else {
+    auto g32 = reinterpret_cast<float*>(g.data());
+    for (size_t i = 0; i < n; ++i) g32[i] = 1e-3f * float(i % 1000);
+  }
+  CpuAdam adam({.threads = threads});
+  AdamHyper h;
+  int64_t step = 0;
+  AdamArgs args{p.data(), m.data(), v.data(), g.data(), grad_dtype, out.data(), n};
+  double t = best_seconds(reps, [&] { adam.step(AdamStep::make(h, ++step), args); });
+  // The same access pattern on the same buffers and threads with trivial
+  // arithmetic: the ceiling any optimizer over this layout can reach.
+  tbb::task_arena ta(threads);
+  const size_t chunk = adam.chunk_elems(), chunks = (n + chunk - 1) / chunk;
+  const float* g32 = reinterpret_cast<const float*>(g.data());
+  const uint16_t* g16 = reinterpret_cast<const uint16_t*>(g.data());
+  double tp = best_seconds(reps, [&] {
+    ta.execute([&] {
+      tbb::parallel_for(size_t{0}, chunks, [&, pp = p.data(), pm = m.data(), pv = v.data(), po = out.data()](size_t k) {
+        float* __restrict rp = pp; float* __restrict rm = pm; float* __restrict rv = pv;
+        uint16_t* __restrict ro = po;
+        for (size_t i = k * chunk, e = std::min(n, i + chunk); i < e; ++i) {
+          const float gi = grad_dtype == DType::kBF16 ? float(g16[i]) : g32[i];
+          rp[i] += gi; rm[i] += gi; rv[i] += gi;
+          ro[i] = static_cast<uint16_t>(rp[i]);
+        }
+      }, tbb::static_partitioner());
+    });
+  });
+  const double bytes = 12.0 * 2 + gbytes + 2;
+  return {bytes * n / t / 1e9, n / t, bytes * n / tp / 1e9};
+}
+
+double torch_seconds(size_t n, int threads, int reps) {
+  at::set_num_threads(threads);
+  const int64_t nn = static_cast<int64_t>(n);
+  at::Tensor p = at::full({nn}, 0.5f), g = at::full({nn}, 1e-3f), m = at::zeros({nn}),
+             v = at::zeros({nn}), step = at::zeros({}, at::kFloat);
+  at::Tensor out = at::empty({nn}, at::kBFloat16);
+  return best_seconds(reps, [&] {
+    step.add_(1);
+    at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 0.01, 1e-8, false, false);
+    out.copy_(p);
+  });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bench_adam: CpuAdam against the memory roofline and torch's fused AdamW"};
+  std::vector<double> sizes_m{16, 256};
+  std::vector<int> threads;
+  int reps = 5;
+  app.add_option("--sizes", sizes_m, "parameter counts in millions (default 16 256)");
+  app.add_option("--threads", threads, "thread counts (default 1..all hardware threads)");
+  app.add_option("--reps", reps, "timed repetitions per figure; the best is kept")->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+  if (threads.empty())
+    for (int t = 1; t <= static_cast<int>(std::thread::hardware_concurrency()); ++t) threads.push_back(t);
+
+  const Isa isa = detect_isa();
+  fmt::print("bench_adam: isa {}, {} hardware threads, torch {} threads max\n", isa_name(isa),
+             std::thread::hardware_concurrency(), at::get_num_threads());
+  fmt::print("{:>8} {:>3} | {:>9} | {:>9} {:>9} {:>6} | {:>9} {:>7} | {:>9} {:>7}\n", "params", "thr",
+             "roofline", "ours", "Mparam/s", "roof", "torch", "vs", "ours-f32g", "vs");
+  double min_roof = 1e9, min_vs = 1e9, min_vs_f32 = 1e9;
+  nlohmann::json rows = nlohmann::json::array();
+  for (double sm : sizes_m) {
+    const size_t n = static_cast<size_t>(sm * 1e6);
+    const int r = n > (64u << 20) ? std::max(2, reps / 2) : reps;
+    for (int t : threads) {
+      const Roofline rl = roofline(n, t, r);
+      const OursResult o = ours(n, t, r, DType::kBF16);
+      const double roof = std::max(rl.best(), o.pattern_gbps);
+      const OursResult of = ours(n, t, r, DType::kF32);
+      const double ts = torch_seconds(n, t, r);
+      const double our_s = n / o.params_per_s, our_f_s = n / of.params_per_s;
+      const double ratio = o.gbps / roof, vs = ts / our_s, vs_f = ts / our_f_s;
+      min_roof = std::min(min_roof, ratio);
+      min_vs = std::min(min_vs, vs);
+      min_vs_f32 = std::min(min_vs_f32, vs_f);
+      fmt::print("{:>7.0f}M {:>3} | {:>6.2f}GB/s | {:>6.2f}GB/s {:>9.1f} {:>6.3f} | {:>7.2f}ms {:>6.2f}x | {:>7.2f}ms {:>6.2f}x\n",
+                 sm, t, roof, o.gbps, o.params_per_s / 1e6, ratio, ts * 1e3, vs, our_f_s * 1e3, vs_f);
+      rows.push_back({{"params", n}, {"threads", t}, {"triad_gbps", rl.triad_gbps}, {"inplace_gbps", rl.inplace_gbps}, {"pattern_gbps", o.pattern_gbps}, {"roofline_gbps", roof}, {"ours_gbps", o.gbps},
+                      {"ours_params_per_s", o.params_per_s}, {"roofline_ratio", ratio},
+                      {"torch_ms", ts * 1e3}, {"ours_ms", our_s * 1e3}, {"vs_torch", vs},
+                      {"ours_f32grad_ms", our_f_s * 1e3}, {"vs_torch_f32grad", vs_f}});
+    }
+  }
+  nlohmann::json out = {{"bench", "adam"}, {"isa", isa_name(isa)}, {"roofline_ratio", min_roof},
+                        {"vs_torch", min_vs}, {"vs_torch_f32grad", min_vs_f32}, {"runs", rows}};
+  fmt::print("{}\n", out.dump());
+  return 0;
+}
