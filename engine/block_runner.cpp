@@ -1,0 +1,97 @@
+#include "engine/block_runner.h"
+
+#include "host/error.h"
+
+namespace strider {
+namespace {
+
+// The checkpoint-name prefix each block's roles are stated without.
+std::string prefix_of(const ModelSpec& spec, int64_t b) {
+  switch (spec.block(b).kind) {
+    case BlockKind::kEmbedding: return "model.embed_tokens.";
+    case BlockKind::kHead: return "";
+    case BlockKind::kLayer: break;
+  }
+  return fmt::format("model.layers.{}.", spec.block(b).layer);
+}
+
+}  // namespace
+
+TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& layout,
+                      const at::Tensor& flat) {
+  STRIDER_CHECK(flat.dim() == 1 && size_t(flat.numel()) >= layout.total_elems(),
+                "block '{}': flat buffer of {} elements is smaller than its layout ({})",
+                layout.block_name(), flat.numel(), layout.total_elems());
+  const std::string prefix = prefix_of(spec, block);
+  TensorMap out;
+  for (const TensorSlot& s : layout.slots()) {
+    std::string role = s.name;
+    if (!prefix.empty() && role.rfind(prefix, 0) == 0) role = role.substr(prefix.size());
+    else if (role.rfind("model.", 0) == 0) role = role.substr(6);  // head: model.norm.weight
+    out.emplace(std::move(role), flat.slice(0, int64_t(s.offset_elems), int64_t(s.offset_elems + s.numel))
+                                     .view(s.shape));
+  }
+  return out;
+}
+
+BlockRunner::BlockRunner(const ModelSpec& spec, ComputeOptions options, int64_t seq, at::Device device)
+    : spec_(spec), options_(options) {
+  STRIDER_CHECK(options.dtype == at::kBFloat16 || options.dtype == at::kFloat,
+                "compute dtype {} is not supported (bf16 or fp32)", c10::toString(options.dtype));
+  for (int64_t b = 0; b < spec.num_blocks(); ++b) layouts_.push_back(spec.layout(b));
+  rope_ = rope_tables(spec.dims.rope, spec.dims.head_dim, seq, options.dtype, device);
+}
+
+at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::Tensor& input) const {
+  TensorMap w = block_views(spec_, b, layouts_[b], params);
+  switch (spec_.block(b).kind) {
+    case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input);
+    case BlockKind::kLayer: return layer_forward(spec_.dims, w, rope_, input);
+    case BlockKind::kHead: break;
+  }
+  throw Error("BlockRunner::forward: the head has no plain forward; use head_eval or head_backward");
+}
+
+at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
+                                 const at::Tensor& grad_out, const at::Tensor& grads) const {
+  TensorMap w = block_views(spec_, b, layouts_[b], params);
+  TensorMap g = block_views(spec_, b, layouts_[b], grads);
+  switch (spec_.block(b).kind) {
+    case BlockKind::kEmbedding:
+      embedding_backward(input, grad_out, g.at("weight"));
+      return {};
+    case BlockKind::kLayer: return layer_backward(spec_.dims, w, rope_, input, grad_out, g);
+    case BlockKind::kHead: break;
+  }
+  throw Error("BlockRunner::backward: use head_backward for the head");
+}
+
+HeadWeights BlockRunner::head_weights(const at::Tensor& params, const at::Tensor& tied_params) const {
+  const int64_t h = spec_.num_blocks() - 1;
+  TensorMap w = block_views(spec_, h, layouts_[h], params);
+  if (spec_.tie_embeddings) {
+    STRIDER_CHECK(tied_params.defined(), "tied embeddings: the head needs the embedding's parameters");
+    return {w.at("norm.weight"), block_views(spec_, 0, layouts_[0], tied_params).at("weight")};
+  }
+  return {w.at("norm.weight"), w.at("lm_head.weight")};
+}
+
+HeadResult BlockRunner::head_backward(const at::Tensor& params, const at::Tensor& grads,
+                                      const at::Tensor& tied_params, const at::Tensor& tied_grads,
+                                      const at::Tensor& input, const at::Tensor& labels,
+                                      double loss_scale) const {
+  const int64_t h = spec_.num_blocks() - 1;
+  HeadWeights w = head_weights(params, tied_params);
+  TensorMap g = block_views(spec_, h, layouts_[h], grads);
+  HeadGrads hg{g.at("norm.weight"),
+               spec_.tie_embeddings ? block_views(spec_, 0, layouts_[0], tied_grads).at("weight")
+                                    : g.at("lm_head.weight")};
+  return head_loss_backward(spec_.dims, w, input, labels, options_.vocab_chunk, loss_scale, hg);
+}
+
+HeadResult BlockRunner::head_eval(const at::Tensor& params, const at::Tensor& tied_params,
+                                  const at::Tensor& input, const at::Tensor& labels) const {
+  return head_loss(spec_.dims, head_weights(params, tied_params), input, labels, options_.vocab_chunk);
+}
+
+}  // namespace strider

@@ -1,0 +1,60 @@
+// BlockRunner: runs one block of a ModelSpec on flat parameter memory. It is
+// the glue between engine/ (names, layouts, micro-batches) and gpu/'s ATen
+// blocks (roles, tensors): it views a block's flat buffers as named tensors and
+// calls the block's forward, backward or loss.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "engine/model_spec.h"
+#include "gpu/blocks.h"
+#include "gpu/chunked_loss.h"
+
+namespace strider {
+
+struct ComputeOptions {
+  at::ScalarType dtype = at::kBFloat16;  // parameters and activations; kFloat for exactness tests
+  int64_t vocab_chunk = 8192;            // LM-head chunk (vocabulary rows per pass)
+};
+
+// Named views of a block's flat 1-D buffer (`flat` holds layout.total_elems()
+// elements of any dtype); names lose the block prefix (see gpu/blocks.h).
+TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& layout,
+                      const at::Tensor& flat);
+
+class BlockRunner {
+ public:
+  BlockRunner(const ModelSpec& spec, ComputeOptions options, int64_t seq, at::Device device);
+
+  // Forward of block `b` without autograd. `input` is token ids [mb, seq] for
+  // the embedding and the previous block's output otherwise. Not for the head.
+  at::Tensor forward(int64_t b, const at::Tensor& params, const at::Tensor& input) const;
+
+  // Recompute + backward of a layer or the embedding: adds parameter gradients
+  // into `grads` (fp32 flat, same layout) and returns d(loss)/d(input)
+  // (undefined for the embedding).
+  at::Tensor backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
+                      const at::Tensor& grad_out, const at::Tensor& grads) const;
+
+  // The head: loss and gradients. With tied embeddings `tied_params` /
+  // `tied_grads` are the embedding block's flat buffers (the LM head reads
+  // and accumulates into the embedding weight); otherwise pass undefined.
+  HeadResult head_backward(const at::Tensor& params, const at::Tensor& grads,
+                           const at::Tensor& tied_params, const at::Tensor& tied_grads,
+                           const at::Tensor& input, const at::Tensor& labels, double loss_scale) const;
+  HeadResult head_eval(const at::Tensor& params, const at::Tensor& tied_params,
+                       const at::Tensor& input, const at::Tensor& labels) const;
+
+  const ModelSpec& spec() const { return spec_; }
+  const ComputeOptions& options() const { return options_; }
+
+ private:
+  HeadWeights head_weights(const at::Tensor& params, const at::Tensor& tied_params) const;
+
+  const ModelSpec& spec_;
+  ComputeOptions options_;
+  std::vector<ParamLayout> layouts_;
+  RopeTables rope_;
+};
+
+}  // namespace strider

@@ -1,0 +1,71 @@
+// ModelSpec: a Hugging Face causal LM's architecture, parsed from config.json,
+// and what follows from it: the blocks strider slides over (embedding, decoder
+// layer i, final norm + LM head), each block's ParamLayout under the
+// checkpoint's tensor names, and each block's FLOPs and working memory for a
+// micro-batch (used by the planner and the simulator).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "gpu/block_dims.h"
+#include "host/param_layout.h"
+
+namespace strider {
+
+enum class Arch { kLlama, kQwen2, kQwen3, kMistral };
+
+enum class BlockKind { kEmbedding, kLayer, kHead };
+
+struct BlockRef {
+  BlockKind kind;
+  int64_t layer = -1;  // for kLayer
+};
+
+// Per micro-batch of `batch` sequences of `seq` tokens.
+struct BlockCost {
+  double forward_flops = 0;        // matmuls and attention, multiply-add = 2
+  double backward_flops = 0;       // input and weight gradients (2x forward)
+  int64_t forward_work_bytes = 0;  // peak transient device bytes, no autograd
+  int64_t backward_work_bytes = 0; // recompute with autograd + backward
+  int64_t output_bytes = 0;        // the block's output (next block's checkpoint)
+};
+
+struct ModelSpec {
+  Arch arch = Arch::kLlama;
+  std::string arch_name;          // "LlamaForCausalLM", ...
+  int64_t layers = 0;
+  int64_t max_position = 0;
+  bool tie_embeddings = false;
+  BlockDims dims;
+
+  // Parses a config.json's JSON; `source` names the file in errors.
+  static ModelSpec from_json(const nlohmann::json& config, std::string_view source);
+  // Reads and parses `path` (a config.json or a directory holding one).
+  static ModelSpec from_file(const std::filesystem::path& path);
+
+  // Blocks in forward order: embedding, layers 0..L-1, head.
+  int64_t num_blocks() const { return layers + 2; }
+  BlockRef block(int64_t i) const;
+  std::string block_name(int64_t i) const;  // "embedding", "layer.3", "head"
+
+  // The block's tensors under the checkpoint's names, in a fixed order. With
+  // tied embeddings the head holds no weight of its own: it reads the
+  // embedding's (the engine keeps that one parameter in both places).
+  ParamLayout layout(int64_t i) const;
+
+  BlockCost cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes) const;
+
+  // All parameters, counted once (tied weights once).
+  int64_t param_count() const;
+
+  // A short human-readable line: "Qwen3ForCausalLM: 2 layers, hidden 64, ...".
+  std::string summary() const;
+};
+
+}  // namespace strider

@@ -1,0 +1,96 @@
+#include "engine/resident_model.h"
+
+#include <fmt/ranges.h>
+
+#include "host/error.h"
+
+namespace strider {
+
+ResidentModel::ResidentModel(ModelSpec spec, ComputeOptions options, at::Device device)
+    : spec_(std::move(spec)), options_(options), device_(device) {
+  for (int64_t b = 0; b < spec_.num_blocks(); ++b) {
+    layouts_.push_back(spec_.layout(b));
+    const int64_t n = int64_t(layouts_.back().total_elems());
+    params_.push_back(at::zeros({n}, at::TensorOptions().dtype(options_.dtype).device(device_)));
+    grads_.push_back(at::zeros({n}, at::TensorOptions().dtype(at::kFloat).device(device_)));
+  }
+}
+
+std::pair<int64_t, const TensorSlot*> ResidentModel::locate(const std::string& name) const {
+  for (int64_t b = 0; b < spec_.num_blocks(); ++b)
+    if (const TensorSlot* s = layouts_[b].find(name)) return {b, s};
+  throw Error(fmt::format("{} has no parameter '{}'", spec_.arch_name, name));
+}
+
+void ResidentModel::set_param(const std::string& name, const at::Tensor& tensor) {
+  auto [b, s] = locate(name);
+  STRIDER_CHECK(tensor.sizes().vec() == s->shape, "parameter '{}': shape {} given, the model needs {}",
+                name, fmt::join(tensor.sizes(), "x"), fmt::join(s->shape, "x"));
+  param(name).copy_(tensor);
+}
+
+at::Tensor ResidentModel::param(const std::string& name) const {
+  auto [b, s] = locate(name);
+  return params_[b].slice(0, int64_t(s->offset_elems), int64_t(s->offset_elems + s->numel)).view(s->shape);
+}
+
+at::Tensor ResidentModel::grad(const std::string& name) const {
+  auto [b, s] = locate(name);
+  return grads_[b].slice(0, int64_t(s->offset_elems), int64_t(s->offset_elems + s->numel)).view(s->shape);
+}
+
+std::vector<std::string> ResidentModel::param_names() const {
+  std::vector<std::string> out;
+  for (const auto& l : layouts_)
+    for (const auto& s : l.slots()) out.push_back(s.name);
+  return out;
+}
+
+StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::Tensor& labels,
+                                         int64_t micro_batches, bool keep_outputs) {
+  STRIDER_CHECK(input_ids.dim() == 2 && labels.sizes() == input_ids.sizes(),
+                "input_ids and labels must both be [batch, seq]; got {} and {}",
+                fmt::join(input_ids.sizes(), "x"), fmt::join(labels.sizes(), "x"));
+  const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
+  STRIDER_CHECK(micro_batches >= 1 && batch % micro_batches == 0,
+                "batch {} does not split into {} micro-batches", batch, micro_batches);
+  BlockRunner run(spec_, options_, seq, device_);
+  const int64_t nb = spec_.num_blocks(), head = nb - 1;
+  std::vector<at::Tensor> ids = input_ids.to(device_).chunk(micro_batches, 0);
+  std::vector<at::Tensor> labs = labels.to(device_).chunk(micro_batches, 0);
+  for (auto& g : grads_) g.zero_();
+
+  // The loss is a mean over the whole batch's valid tokens, so count them first.
+  const int64_t valid = (labels != -100).sum().item<int64_t>();
+  STRIDER_CHECK(valid > 0, "the batch has no label other than -100: nothing to train on");
+
+  // Forward, block-major; inputs[b][m] is block b's input for micro-batch m.
+  std::vector<std::vector<at::Tensor>> inputs(nb);
+  inputs[0] = ids;
+  for (int64_t b = 0; b < head; ++b)
+    for (int64_t m = 0; m < micro_batches; ++m)
+      inputs[b + 1].push_back(run.forward(b, params_[b], inputs[b][m]));
+
+  StepLoss out;
+  const at::Tensor tied_p = spec_.tie_embeddings ? params_[0] : at::Tensor();
+  const at::Tensor tied_g = spec_.tie_embeddings ? grads_[0] : at::Tensor();
+  std::vector<at::Tensor> grad_out(micro_batches);
+  double loss_sum = 0;
+  for (int64_t m = 0; m < micro_batches; ++m) {
+    HeadResult r = run.head_backward(params_[head], grads_[head], tied_p, tied_g, inputs[head][m],
+                                     labs[m], 1.0 / double(valid));
+    loss_sum += r.loss_sum;
+    grad_out[m] = r.grad_input;
+  }
+  for (int64_t b = head - 1; b >= 0; --b)
+    for (int64_t m = 0; m < micro_batches; ++m)
+      grad_out[m] = run.backward(b, params_[b], inputs[b][m], grad_out[m], grads_[b]);
+
+  out.loss = loss_sum / double(valid);
+  out.valid_tokens = valid;
+  if (keep_outputs)
+    for (int64_t b = 1; b <= head; ++b) out.block_outputs.push_back(at::cat(inputs[b], 0));
+  return out;
+}
+
+}  // namespace strider

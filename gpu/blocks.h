@@ -1,0 +1,49 @@
+// The model blocks of Llama-family decoders, computed with ATen on whatever
+// device the tensors live on (CPU device or CUDA). Parameters are views of a
+// cache unit's memory; nothing here copies or owns them. Gradients are added
+// into fp32 accumulators (views of the unit's gradient area), so several
+// micro-batches accumulate in place.
+//
+// Weights and gradient accumulators are looked up by the checkpoint's tensor
+// name with the block prefix removed: "self_attn.q_proj.weight",
+// "input_layernorm.weight", "mlp.down_proj.weight", ... ("weight" alone for the
+// embedding; "norm.weight" and "lm_head.weight" for the head).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+
+#include "gpu/block_dims.h"
+
+namespace strider {
+
+using TensorMap = std::map<std::string, at::Tensor, std::less<>>;
+
+// cos/sin tables for positions [0, seq), shape [seq, head_dim], in `dtype`,
+// computed as transformers computes them (fp32 frequencies, then cast).
+struct RopeTables {
+  at::Tensor cos, sin;
+};
+RopeTables rope_tables(const RopeDims& rope, int64_t head_dim, int64_t seq, at::ScalarType dtype,
+                       at::Device device);
+
+// RMSNorm as transformers computes it: normalise in fp32, cast back, scale.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Embedding: ids [b, s] (int64) -> [b, s, hidden].
+at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids);
+// Adds d(loss)/d(weight) for this micro-batch into grad_weight (fp32).
+void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight);
+
+// Decoder layer: x [b, s, hidden] -> [b, s, hidden], no autograd.
+at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
+                         const at::Tensor& x);
+// Recomputes the layer from its saved input x with autograd, back-propagates
+// grad_out, adds every parameter gradient into `grads` (fp32, same names as
+// `w`) and returns d(loss)/dx.
+at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
+                          const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads);
+
+}  // namespace strider
