@@ -1,6 +1,6 @@
 // ATen views of cache units: no copy (same memory), the layout's shapes, and
 // ATen compute launched on a device stream writing into a unit.
-#include <catch2/catch.hpp>
+#include "tests/catch_torch.h"
 
 #include <ATen/ATen.h>
 

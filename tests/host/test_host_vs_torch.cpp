@@ -3,7 +3,7 @@
 #include <torch/optim/adamw.h>
 #include <ATen/ATen.h>
 
-#include <catch2/catch.hpp>
+#include "tests/catch_torch.h"
 #include <cmath>
 #include <random>
 
