@@ -20,7 +20,7 @@ namespace strider {
 
 class MemoryRegistrar;  // host/pinned_arena.h
 
-enum class DeviceKind : uint8_t { kCpu, kCuda };
+enum class DeviceKind : uint8_t { kCpu, kCuda, kSim };  // kSim: gpu/sim_device.h, no memory, no work
 
 // The lanes of the sliding window. Operations on one stream run in order;
 // operations on different streams overlap unless an event orders them.

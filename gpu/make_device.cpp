@@ -1,10 +1,12 @@
 // make_device: picks the CUDA device when one is usable, else the CPU device;
-// "cpu", "cuda" and "cuda:N" override the choice.
+// "cpu", "cuda" and "cuda:N" override the choice; "sim:<preset>[,key=value...]"
+// builds a cost-model SimDevice.
 #include <charconv>
 
 #include "gpu/cpu_device.h"
 #include "gpu/cuda_device.h"
 #include "gpu/device.h"
+#include "gpu/sim_device.h"
 #include "host/error.h"
 
 namespace strider {
@@ -17,6 +19,10 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* w
   if (spec == "cpu") {
     say("cpu: asked for");
     return std::make_unique<CpuDevice>(options);
+  }
+  if (spec == "sim" || spec.rfind("sim:", 0) == 0) {
+    say(fmt::format("{}: asked for (cost model, no work runs)", spec));
+    return make_sim_device(spec, options);
   }
   if (spec == "auto" || spec.empty()) {
     const CudaProbe probe = probe_cuda();
@@ -39,7 +45,9 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* w
     say(fmt::format("cuda:{}: asked for", ordinal));
     return make_cuda_device(ordinal, options);
   }
-  throw Error(fmt::format("device \"{}\" is not one of \"auto\", \"cpu\", \"cuda\", \"cuda:N\"", spec));
+  throw Error(fmt::format("device \"{}\" is not one of \"auto\", \"cpu\", \"cuda\", \"cuda:N\", "
+                          "\"sim:<preset>[,key=value...]\"",
+                          spec));
 }
 
 }  // namespace strider

@@ -20,6 +20,8 @@ at::Tensor view(const Device& device, void* base, size_t capacity_elems, at::Sca
 }  // namespace
 
 c10::Device aten_device(const Device& device) {
+  STRIDER_CHECK(device.kind() != DeviceKind::kSim,
+                "{}: SimDevice has no memory to compute on; ATen views of its units do not exist", device.name());
   if (device.kind() == DeviceKind::kCuda)
     return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device.ordinal()));
   return c10::Device(c10::DeviceType::CPU);

@@ -26,6 +26,8 @@ TEST_CASE("\"cpu\" is honoured; unknown specs and unusable CUDA are refused clea
   DeviceOptions o;
   o.spec = "cpu";
   CHECK(make_device(o)->kind() == DeviceKind::kCpu);
+  o.spec = "sim:h200";
+  CHECK(make_device(o)->kind() == DeviceKind::kSim);
   o.spec = "tpu";
   CHECK_THROWS_WITH(make_device(o), Catch::Contains("\"tpu\" is not one of"));
   o.spec = "cuda:x";

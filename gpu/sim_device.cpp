@@ -1,0 +1,487 @@
+#include "gpu/sim_device.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+
+#include "host/error.h"
+
+namespace strider {
+namespace {
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+constexpr double kGiB = double(size_t{1} << 30);
+
+// ---- presets ------------------------------------------------------------------
+// Each number says where it comes from. "Assumption" marks a judgement that a
+// measurement on the real machine should replace (override it with key=value).
+
+CostModel rtx4090() {
+  CostModel m;
+  m.name = "rtx4090";
+  // NVIDIA Ada Lovelace architecture whitepaper, RTX 4090: 165.2 TFLOP/s peak
+  // BF16 tensor with FP32 accumulate, dense (330.4 with sparsity).
+  m.peak_tflops = 165.2;
+  // Assumption: big bf16 GEMMs sustain ~75-85% of peak on Ada, but a block's
+  // forward/backward also runs attention, norms, RoPE and elementwise kernels;
+  // single-GPU fine-tuning reports land at 40-55% MFU. We take 0.5.
+  m.mfu = 0.5;
+  // Assumption: an op is one block's closure (tens of kernels) enqueued ahead of
+  // the GPU; what remains visible is a few kernel-boundary gaps, ~10 µs per op.
+  m.compute_latency_us = 10;
+  // 24 GiB board (nvidia-smi: 24564 MiB) less ~0.5 GiB for the CUDA context
+  // and cuBLAS workspace.
+  m.device_memory_bytes = (size_t{47} << 30) / 2;  // 23.5 GiB
+  // PCIe 4.0 x16: 16 GT/s x 16 lanes x 128/130 = 31.5 GB/s raw per direction;
+  // packet overheads leave ~26; CUDA bandwidthTest with pinned memory reports
+  // 24-26 GB/s on 4090 boards. Full duplex.
+  m.h2d_gbps = 25;
+  m.d2h_gbps = 25;
+  // Assumption: cudaMemcpyAsync from pinned memory takes ~5-10 µs to its first
+  // byte (the flat part of a bandwidthTest size sweep).
+  m.copy_latency_us = 10;
+  m.shared_bus = false;
+  // A workstation CPU: dual-channel DDR5-5600 = 89.6 GB/s theoretical, ~70 GB/s
+  // sustained (STREAM triad). AdamW is memory-bound at kAdamBytesPerParam = 28
+  // bytes per parameter: 70e9 / 28 = 2.5e9 parameters/s.
+  m.cpu_adam_params_per_s = 70e9 / CostModel::kAdamBytesPerParam;
+  // One PCIe 4.0 x4 NVMe (e.g. Samsung 990 PRO datasheet: 7.45 GB/s read,
+  // 6.9 GB/s write sequential). Writes past the SLC cache sustain less: 5.
+  m.nvme_read_gbps = 7;
+  m.nvme_write_gbps = 5;
+  return m;
+}
+
+CostModel h200() {
+  CostModel m;
+  m.name = "h200";
+  // NVIDIA H200 datasheet (SXM): 1,979 TFLOP/s BF16 tensor "with sparsity", so
+  // 989 dense.
+  m.peak_tflops = 989;
+  // Assumption: tuned large-scale H100/H200 training reports 38-45% BF16 MFU
+  // (e.g. the Llama 3 paper); one block at a time with small micro-batches
+  // fills the larger GPU less easily than a 4090. We take 0.4.
+  m.mfu = 0.4;
+  m.compute_latency_us = 10;  // assumption, as for the 4090
+  // 141 GB HBM3e (nvidia-smi: 143771 MiB = 140.4 GiB) less the CUDA context:
+  // about 139 GiB free at start-up, as measured on this project's H200.
+  m.device_memory_bytes = size_t{139} << 30;
+  // PCIe 5.0 x16: 32 GT/s x 16 x 128/130 = 63 GB/s raw per direction; pinned
+  // copies measure ~50-55 GB/s. Full duplex.
+  m.h2d_gbps = 50;
+  m.d2h_gbps = 50;
+  m.copy_latency_us = 10;  // assumption, as for the 4090
+  m.shared_bus = false;
+  // A server CPU socket: 8-12 channels DDR5-4800 = 307-461 GB/s theoretical;
+  // assume ~280 GB/s sustained with NUMA-local pinned memory. 280e9 / 28 =
+  // 1e10 parameters/s.
+  m.cpu_adam_params_per_s = 280e9 / CostModel::kAdamBytesPerParam;
+  // One PCIe 5.0 x4 enterprise NVMe: datasheets list ~14 GB/s read, ~10 GB/s
+  // write sequential; assume ~85% of that for our O_DIRECT I/O: 12 / 8.
+  m.nvme_read_gbps = 12;
+  m.nvme_write_gbps = 8;
+  return m;
+}
+
+struct Preset {
+  const char* name;
+  CostModel (*make)();
+};
+constexpr Preset kPresets[] = {{"rtx4090", rtx4090}, {"h200", h200}};
+
+std::string preset_list() {
+  std::string s;
+  for (const Preset& p : kPresets) s += fmt::format("{}\"{}\"", s.empty() ? "" : ", ", p.name);
+  return s;
+}
+
+// ---- overrides ----------------------------------------------------------------
+
+enum class ValueKind { kRate, kLatency, kFraction, kBool };
+
+struct Key {
+  const char* name;
+  ValueKind kind;
+  const char* help;
+  void (*set)(CostModel&, double);
+};
+
+constexpr Key kKeys[] = {
+    {"peak_tflops", ValueKind::kRate, "dense bf16 peak TFLOP/s", [](CostModel& m, double v) { m.peak_tflops = v; }},
+    {"mfu", ValueKind::kFraction, "sustained fraction of peak (0, 1]", [](CostModel& m, double v) { m.mfu = v; }},
+    {"compute_latency_us", ValueKind::kLatency, "fixed µs per launched op",
+     [](CostModel& m, double v) { m.compute_latency_us = v; }},
+    {"memory_gib", ValueKind::kRate, "usable device memory, GiB (the default budget)",
+     [](CostModel& m, double v) { m.device_memory_bytes = static_cast<size_t>(v * kGiB); }},
+    {"h2d_gbps", ValueKind::kRate, "host -> device GB/s", [](CostModel& m, double v) { m.h2d_gbps = v; }},
+    {"d2h_gbps", ValueKind::kRate, "device -> host GB/s", [](CostModel& m, double v) { m.d2h_gbps = v; }},
+    {"copy_latency_us", ValueKind::kLatency, "fixed µs per copy", [](CostModel& m, double v) { m.copy_latency_us = v; }},
+    {"shared_bus", ValueKind::kBool, "1: H2D and D2H share one half-duplex bus; 0: full duplex (PCIe)",
+     [](CostModel& m, double v) { m.shared_bus = v != 0; }},
+    {"cpu_adam_params_per_s", ValueKind::kRate, "CPU AdamW parameters/s",
+     [](CostModel& m, double v) { m.cpu_adam_params_per_s = v; }},
+    {"cpu_mem_gbps", ValueKind::kRate, "sets cpu_adam_params_per_s from memory GB/s (28 bytes/parameter)",
+     [](CostModel& m, double v) { m.cpu_adam_params_per_s = v * 1e9 / CostModel::kAdamBytesPerParam; }},
+    {"nvme_read_gbps", ValueKind::kRate, "NVMe read GB/s", [](CostModel& m, double v) { m.nvme_read_gbps = v; }},
+    {"nvme_write_gbps", ValueKind::kRate, "NVMe write GB/s", [](CostModel& m, double v) { m.nvme_write_gbps = v; }},
+};
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t')) s.remove_suffix(1);
+  return s;
+}
+
+double parse_value(const Key& key, std::string_view text) {
+  if (key.kind == ValueKind::kBool) {
+    if (text == "1" || text == "true") return 1;
+    if (text == "0" || text == "false") return 0;
+    throw Error(fmt::format("cost model: {}={} is not a boolean; use 0, 1, true or false", key.name, text));
+  }
+  double v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  STRIDER_CHECK(ec == std::errc() && ptr == text.data() + text.size() && std::isfinite(v),
+                "cost model: {}={} is not a number ({})", key.name, text, key.help);
+  switch (key.kind) {
+    case ValueKind::kRate:
+      STRIDER_CHECK(v > 0, "cost model: {}={} must be > 0 ({})", key.name, text, key.help);
+      break;
+    case ValueKind::kLatency:
+      STRIDER_CHECK(v >= 0, "cost model: {}={} must be >= 0 ({})", key.name, text, key.help);
+      break;
+    case ValueKind::kFraction:
+      STRIDER_CHECK(v > 0 && v <= 1, "cost model: {}={} must be in (0, 1] ({})", key.name, text, key.help);
+      break;
+    case ValueKind::kBool:
+      break;
+  }
+  return v;
+}
+
+class SimEvent final : public Event {
+ public:
+  explicit SimEvent(const SimDevice* owner) : owner_(owner) {}
+  // Virtual time has no "now": the host never runs ahead of the work it enqueued.
+  bool query() const override { return true; }
+  void synchronize() const override {}
+  const SimDevice* owner() const { return owner_; }
+
+  double time_us = 0;
+  uint64_t epoch = 0;  // 0: never recorded; else SimDevice's epoch at the record
+
+ private:
+  const SimDevice* owner_;
+};
+
+const SimEvent& own_event(const Event& e, const SimDevice* self) {
+  auto* se = dynamic_cast<const SimEvent*>(&e);
+  STRIDER_CHECK(se != nullptr && se->owner() == self,
+                "SimDevice: event was made by another device; use this device's make_event()");
+  return *se;
+}
+SimEvent& own_event(Event& e, const SimDevice* self) {
+  return const_cast<SimEvent&>(own_event(static_cast<const Event&>(e), self));
+}
+
+}  // namespace
+
+// ---- CostModel --------------------------------------------------------------------
+
+CostModel CostModel::preset(std::string_view name) {
+  for (const Preset& p : kPresets)
+    if (name == p.name) return p.make();
+  throw Error(fmt::format("cost model: no preset \"{}\"; known presets: {}", name, preset_list()));
+}
+
+std::vector<std::string> CostModel::preset_names() {
+  std::vector<std::string> names;
+  for (const Preset& p : kPresets) names.emplace_back(p.name);
+  return names;
+}
+
+std::vector<std::pair<std::string, std::string>> CostModel::override_keys() {
+  std::vector<std::pair<std::string, std::string>> keys;
+  for (const Key& k : kKeys) keys.emplace_back(k.name, k.help);
+  return keys;
+}
+
+void CostModel::apply_override(std::string_view key_value) {
+  const size_t eq = key_value.find('=');
+  STRIDER_CHECK(eq != std::string_view::npos, "cost model: override \"{}\" is not key=value", key_value);
+  const std::string_view key = trim(key_value.substr(0, eq));
+  const std::string_view text = trim(key_value.substr(eq + 1));
+  for (const Key& k : kKeys) {
+    if (key != k.name) continue;
+    k.set(*this, parse_value(k, text));
+    name += fmt::format(",{}={}", key, text);
+    return;
+  }
+  std::string known;
+  for (const Key& k : kKeys) known += fmt::format("{}{}", known.empty() ? "" : ", ", k.name);
+  throw Error(fmt::format("cost model: unknown key \"{}\" in \"{}\"; known keys: {}", key, key_value, known));
+}
+
+CostModel CostModel::parse(std::string_view spec) {
+  const size_t comma = spec.find(',');
+  const std::string_view head = trim(spec.substr(0, comma));
+  STRIDER_CHECK(!head.empty(), "cost model \"{}\": expected <preset>[,key=value...] with a preset from {}", spec,
+                preset_list());
+  CostModel m = preset(head);
+  std::string_view rest = comma == std::string_view::npos ? std::string_view{} : spec.substr(comma + 1);
+  while (!rest.empty()) {
+    const size_t next = rest.find(',');
+    const std::string_view item = trim(rest.substr(0, next));
+    if (!item.empty()) m.apply_override(item);
+    rest = next == std::string_view::npos ? std::string_view{} : rest.substr(next + 1);
+  }
+  return m;
+}
+
+void CostModel::validate() const {
+  auto positive = [&](const char* field, double v) {
+    STRIDER_CHECK(std::isfinite(v) && v > 0, "cost model \"{}\": {} = {} must be a finite number > 0", name, field,
+                  v);
+  };
+  auto latency = [&](const char* field, double v) {
+    STRIDER_CHECK(std::isfinite(v) && v >= 0, "cost model \"{}\": {} = {} must be a finite number >= 0", name, field,
+                  v);
+  };
+  positive("peak_tflops", peak_tflops);
+  STRIDER_CHECK(std::isfinite(mfu) && mfu > 0 && mfu <= 1, "cost model \"{}\": mfu = {} must be in (0, 1]", name,
+                mfu);
+  latency("compute_latency_us", compute_latency_us);
+  STRIDER_CHECK(device_memory_bytes > 0, "cost model \"{}\": device_memory_bytes must be > 0", name);
+  positive("h2d_gbps", h2d_gbps);
+  positive("d2h_gbps", d2h_gbps);
+  latency("copy_latency_us", copy_latency_us);
+  positive("cpu_adam_params_per_s", cpu_adam_params_per_s);
+  positive("nvme_read_gbps", nvme_read_gbps);
+  positive("nvme_write_gbps", nvme_write_gbps);
+}
+
+std::string CostModel::describe() const {
+  return fmt::format(
+      "cost model {}:\n"
+      "  compute  {:.1f} TFLOP/s peak x {:.2f} = {:.1f} TFLOP/s sustained, +{} us per op\n"
+      "  memory   {:.1f} GiB usable\n"
+      "  PCIe     h2d {} GB/s, d2h {} GB/s, +{} us per copy, {}\n"
+      "  host     AdamW {:.3g} params/s, NVMe read {} GB/s, write {} GB/s",
+      name, peak_tflops, mfu, sustained_tflops(), compute_latency_us, device_memory_bytes / kGiB, h2d_gbps,
+      d2h_gbps, copy_latency_us, shared_bus ? "one shared bus" : "full duplex", cpu_adam_params_per_s,
+      nvme_read_gbps, nvme_write_gbps);
+}
+
+// 1 TFLOP/s = 1e6 FLOP per µs; 1 GB/s = 1e3 bytes per µs.
+double CostModel::compute_us(double flops) const { return compute_latency_us + flops / (sustained_tflops() * 1e6); }
+double CostModel::h2d_us(uint64_t bytes) const { return copy_latency_us + static_cast<double>(bytes) / (h2d_gbps * 1e3); }
+double CostModel::d2h_us(uint64_t bytes) const { return copy_latency_us + static_cast<double>(bytes) / (d2h_gbps * 1e3); }
+double CostModel::adam_us(uint64_t params) const { return static_cast<double>(params) / cpu_adam_params_per_s * 1e6; }
+double CostModel::nvme_read_us(uint64_t bytes) const { return static_cast<double>(bytes) / (nvme_read_gbps * 1e3); }
+double CostModel::nvme_write_us(uint64_t bytes) const { return static_cast<double>(bytes) / (nvme_write_gbps * 1e3); }
+
+SimInterval SimHostLane::run(double ready_us, double cost_us) {
+  const double begin = std::max(clock_us, ready_us);
+  clock_us = begin + cost_us;
+  return {begin, clock_us};
+}
+
+// ---- SimDevice: memory ----------------------------------------------------------
+
+SimDevice::SimDevice(CostModel model, const DeviceOptions& options)
+    : model_(std::move(model)),
+      options_(options),
+      budget_bytes_(options.budget_bytes != 0 ? options.budget_bytes : model_.device_memory_bytes) {
+  model_.validate();
+}
+
+SimDevice::~SimDevice() {
+  for (auto& [base, m] : live_) ::munmap(const_cast<std::byte*>(base), m.mapped_bytes);
+}
+
+std::string SimDevice::name() const { return "sim:" + model_.name; }
+
+DeviceBuffer SimDevice::allocate(size_t bytes, std::string_view what) {
+  STRIDER_CHECK(bytes > 0, "SimDevice: allocation '{}' of 0 bytes", what);
+  const size_t rounded = round_up(bytes, kAlignBytes);
+  std::lock_guard lk(mutex_);
+  if (allocated_bytes_ + rounded > budget_bytes_) {
+    throw Error(fmt::format(
+        "SimDevice: allocating '{}' of {} bytes would exceed the device budget of {} bytes "
+        "({} in use, {} free); raise the budget or shrink the request (fewer cache units)",
+        what, rounded, budget_bytes_, allocated_bytes_, budget_bytes_ - allocated_bytes_));
+  }
+  // Address space only: PROT_NONE + MAP_NORESERVE commits no memory, keeps the
+  // range from ever being handed to the host, and faults on any dereference.
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t mapped = round_up(rounded, page);
+  void* p = ::mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    throw Error(fmt::format("SimDevice: reserving {} bytes of address space for '{}' failed: {}", mapped, what,
+                            errno_text(err)));
+  }
+  auto* base = static_cast<std::byte*>(p);
+  live_.emplace(base, Mapping{rounded, mapped});
+  allocated_bytes_ += rounded;
+  peak_bytes_ = std::max(peak_bytes_, allocated_bytes_);
+  ++allocation_count_;
+  return DeviceBuffer(this, base, rounded);
+}
+
+void SimDevice::free_memory(std::byte* data, size_t bytes) noexcept {
+  std::lock_guard lk(mutex_);
+  auto it = live_.find(data);
+  if (it == live_.end()) return;
+  allocated_bytes_ -= it->second.bytes;
+  ::munmap(data, it->second.mapped_bytes);
+  live_.erase(it);
+}
+
+size_t SimDevice::allocated_bytes() const { std::lock_guard lk(mutex_); return allocated_bytes_; }
+size_t SimDevice::peak_allocated_bytes() const { std::lock_guard lk(mutex_); return peak_bytes_; }
+size_t SimDevice::allocation_count() const { std::lock_guard lk(mutex_); return allocation_count_; }
+
+// The same checks as CpuDevice: a simulation also proves the engine's pointers.
+// Callers hold mutex_.
+void SimDevice::check_device_range(const void* p, size_t bytes, const char* op, const char* role) const {
+  auto* b = static_cast<const std::byte*>(p);
+  auto it = live_.upper_bound(b);
+  bool inside = false;
+  if (it != live_.begin()) {
+    --it;
+    inside = b >= it->first && b + bytes <= it->first + it->second.bytes;
+  }
+  STRIDER_CHECK(inside, "SimDevice::{}: {} [{}, +{} bytes) is not inside one device allocation", op, role, p, bytes);
+}
+
+void SimDevice::check_host_range(const void* p, size_t bytes, const char* op, const char* role) const {
+  auto* b = static_cast<const std::byte*>(p);
+  auto it = live_.upper_bound(b + bytes);
+  bool overlaps = false;
+  if (it != live_.begin()) {
+    --it;
+    overlaps = b < it->first + it->second.bytes && it->first < b + bytes;
+  }
+  STRIDER_CHECK(!overlaps, "SimDevice::{}: {} [{}, +{} bytes) is device memory, expected host memory", op, role, p,
+                bytes);
+}
+
+// ---- SimDevice: virtual clocks ---------------------------------------------------
+
+int SimDevice::stream_index(StreamId s) {
+  const int i = static_cast<int>(s);
+  STRIDER_CHECK(i >= 0 && i < kNumStreams, "SimDevice: no stream {}", i);
+  return i;
+}
+
+void SimDevice::place(StreamId s, OpKind kind, const OpTag& tag, double cost_us, double* link_clock) {
+  const int i = stream_index(s);
+  double begin = clock_us_[i];
+  if (link_clock != nullptr) begin = std::max(begin, *link_clock);  // one copy at a time per direction
+  const double end = begin + cost_us;
+  clock_us_[i] = end;
+  if (link_clock != nullptr) *link_clock = end;
+  if (options_.record_spans) spans_.push_back(OpSpan{s, kind, tag, begin, end});
+}
+
+void SimDevice::copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag) {
+  std::lock_guard lk(mutex_);
+  check_device_range(dst_device, bytes, "copy_h2d", "destination");
+  check_host_range(src_host, bytes, "copy_h2d", "source");
+  tag.bytes = bytes;
+  place(s, OpKind::kCopyH2D, tag, model_.h2d_us(bytes), &h2d_link_us_);
+}
+
+void SimDevice::copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag) {
+  std::lock_guard lk(mutex_);
+  check_device_range(src_device, bytes, "copy_d2h", "source");
+  check_host_range(dst_host, bytes, "copy_d2h", "destination");
+  tag.bytes = bytes;
+  place(s, OpKind::kCopyD2H, tag, model_.d2h_us(bytes), model_.shared_bus ? &h2d_link_us_ : &d2h_link_us_);
+}
+
+void SimDevice::launch(StreamId s, OpTag tag, LaunchFn fn) {
+  STRIDER_CHECK(fn != nullptr, "SimDevice::launch: empty closure for '{}'", tag.name);
+  STRIDER_CHECK(std::isfinite(tag.flops) && tag.flops >= 0,
+                "SimDevice::launch: op '{}' (block {}) has flops = {}; set OpTag::flops to the op's FLOP count",
+                tag.name, tag.block, tag.flops);
+  std::lock_guard lk(mutex_);
+  // Compute ops on different streams are assumed not to contend: the engine
+  // computes only on StreamId::kCompute.
+  place(s, OpKind::kCompute, tag, model_.compute_us(tag.flops), nullptr);
+}
+
+std::unique_ptr<Event> SimDevice::make_event() { return std::make_unique<SimEvent>(this); }
+
+void SimDevice::record(Event& e, StreamId s) {
+  SimEvent& se = own_event(e, this);
+  std::lock_guard lk(mutex_);
+  se.time_us = clock_us_[stream_index(s)];
+  se.epoch = epoch_;
+}
+
+void SimDevice::wait(StreamId s, const Event& e) {
+  const SimEvent& se = own_event(e, this);
+  std::lock_guard lk(mutex_);
+  const int i = stream_index(s);
+  if (se.epoch != epoch_) return;  // never recorded (or before reset_clock): a no-op, as in CUDA
+  clock_us_[i] = std::max(clock_us_[i], se.time_us);
+}
+
+double SimDevice::event_time_us(const Event& e) const {
+  const SimEvent& se = own_event(e, this);
+  std::lock_guard lk(mutex_);
+  return se.epoch == epoch_ ? se.time_us : 0.0;
+}
+
+void SimDevice::record_at(Event& e, double time_us) {
+  STRIDER_CHECK(std::isfinite(time_us) && time_us >= 0,
+                "SimDevice::record_at: time {} us is not a finite virtual time >= 0", time_us);
+  SimEvent& se = own_event(e, this);
+  std::lock_guard lk(mutex_);
+  se.time_us = time_us;
+  se.epoch = epoch_;
+}
+
+std::unique_ptr<Event> SimDevice::make_host_event(double time_us) {
+  auto e = make_event();
+  record_at(*e, time_us);
+  return e;
+}
+
+double SimDevice::virtual_time_us() const {
+  std::lock_guard lk(mutex_);
+  return *std::max_element(std::begin(clock_us_), std::end(clock_us_));
+}
+
+double SimDevice::stream_time_us(StreamId s) const {
+  std::lock_guard lk(mutex_);
+  return clock_us_[stream_index(s)];
+}
+
+void SimDevice::reset_clock() {
+  std::lock_guard lk(mutex_);
+  std::fill(std::begin(clock_us_), std::end(clock_us_), 0.0);
+  h2d_link_us_ = 0;
+  d2h_link_us_ = 0;
+  ++epoch_;
+}
+
+void SimDevice::drain_spans(std::vector<OpSpan>& out) {
+  std::lock_guard lk(mutex_);
+  out.insert(out.end(), spans_.begin(), spans_.end());
+  spans_.clear();
+}
+
+std::unique_ptr<Device> make_sim_device(std::string_view spec, const DeviceOptions& options) {
+  STRIDER_CHECK(spec.rfind("sim:", 0) == 0, "device \"{}\": expected sim:<preset>[,key=value...] with a preset from {}",
+                spec, preset_list());
+  return std::make_unique<SimDevice>(CostModel::parse(spec.substr(4)), options);
+}
+
+}  // namespace strider

@@ -1,0 +1,203 @@
+// SimDevice: the Device seam as a cost model. It does no work: copies move no
+// bytes and launched closures are never called. Each operation is priced from
+// a CostModel and placed on its stream's virtual clock, so the engine's
+// unchanged schedule answers "how fast would this train on machine X?".
+//
+// Virtual time, in microseconds from the device's start (or reset_clock()):
+//   start(op) = max(stream clock, every event the stream waited on before it,
+//                   the PCIe link's clock for copies)
+//   end(op)   = start(op) + cost(op)      and the stream's clock becomes end(op)
+//   record(e, s) stamps e with s's clock; wait(s, e) raises s's clock to e's stamp.
+// There is no "now": the host is never behind the device, so Event::query()
+// is always true and every synchronize returns at once. What the host itself
+// does (CPU AdamW, NVMe) the engine prices with the same CostModel on
+// SimHostLanes; see "Simulating the host" below.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "gpu/device.h"
+
+namespace strider {
+
+// One machine: the GPU, its PCIe link and the host lanes that feed it.
+// Units: GB/s are 1e9 bytes per second; TFLOP/s are 1e12 FLOP per second.
+struct CostModel {
+  std::string name = "custom";  // preset name plus overrides, for messages
+
+  // ---- the GPU ----
+  double peak_tflops = 100;  // dense bf16 tensor-core peak (datasheet)
+  double mfu = 0.5;          // sustained fraction of peak for our block forward/backward ops
+  double compute_latency_us = 0;  // fixed cost per launched op (host enqueue, launch gaps)
+  size_t device_memory_bytes = size_t{16} << 30;  // usable device memory: the default budget
+
+  // ---- PCIe ----
+  double h2d_gbps = 25;          // sustained pinned host -> device
+  double d2h_gbps = 25;          // sustained device -> pinned host
+  double copy_latency_us = 0;    // fixed cost per copy (cudaMemcpyAsync setup, DMA start)
+  // PCIe is full duplex: each direction has its own lanes, so an H2D and a D2H
+  // overlap at full rate (false). true models one shared, half-duplex bus:
+  // every copy, either way, waits for the previous one.
+  bool shared_bus = false;
+
+  // ---- the host (priced by the engine, not by SimDevice) ----
+  double cpu_adam_params_per_s = 2.5e9;  // CPU AdamW over fp32 master/m/v, memory-bound
+  double nvme_read_gbps = 7;             // optimizer state read back from the NVMe tier
+  double nvme_write_gbps = 5;            // optimizer state written to the NVMe tier
+
+  // Bytes of memory traffic per parameter of one AdamW step (read w, m, v and
+  // the bf16 gradient; write w, m, v and the bf16 compute copy: 12+2+12+2), to
+  // turn a memory bandwidth into cpu_adam_params_per_s.
+  static constexpr double kAdamBytesPerParam = 28;
+
+  // A named machine: "rtx4090", "h200". Unknown names throw, listing the known ones.
+  static CostModel preset(std::string_view name);
+  static std::vector<std::string> preset_names();
+  // "<preset>[,key=value...]", e.g. "h200,h2d_gbps=12,mfu=0.35".
+  static CostModel parse(std::string_view spec);
+  // Sets one field from "key=value"; an unknown key or a bad value throws naming it.
+  void apply_override(std::string_view key_value);
+  // The keys apply_override knows, each with a line of help.
+  static std::vector<std::pair<std::string, std::string>> override_keys();
+  // Throws naming the first field that is not a usable rate (<= 0, NaN) or latency (< 0).
+  void validate() const;
+  // One line per field, for a plan's printout.
+  std::string describe() const;
+
+  // Prices, in microseconds.
+  double sustained_tflops() const { return peak_tflops * mfu; }
+  double compute_us(double flops) const;
+  double h2d_us(uint64_t bytes) const;
+  double d2h_us(uint64_t bytes) const;
+  double adam_us(uint64_t params) const;
+  double nvme_read_us(uint64_t bytes) const;
+  double nvme_write_us(uint64_t bytes) const;
+};
+
+// A stretch of virtual time.
+struct SimInterval {
+  double begin_us = 0;
+  double end_us = 0;
+};
+
+// A serial host lane (CPU optimizer, NVMe read, NVMe write) in virtual time.
+struct SimHostLane {
+  double clock_us = 0;  // when the lane's last job ends
+  // A job costing `cost_us` that may not start before `ready_us` (e.g. the
+  // event_time_us() of the D2H it consumes); returns when it ran.
+  SimInterval run(double ready_us, double cost_us);
+};
+
+// Simulating the host. The engine prices its host work itself and feeds the
+// result back as events, exactly where a real run blocks or waits:
+//   1. host work that consumes device output starts at
+//        ready = sim.event_time_us(d2h_done)          (0 for a never-recorded event)
+//        SimInterval t = optimizer_lane.run(ready, model.adam_us(params)
+//                                                   [+ nvme read/write on their lanes]);
+//   2. its completion becomes an event on the virtual clock:
+//        sim.record_at(update_done, t.end_us);
+//   3. device work that consumes it waits on that event as usual:
+//        sim.wait(StreamId::kH2D, update_done);  copy_h2d(...)
+// The step's time is max(sim.virtual_time_us(), every host lane's clock_us).
+// Closures never run, so nothing computed by one (a loss, a norm) exists in a
+// simulation; the engine must not read such results when kind() == kSim.
+class SimDevice final : public Device {
+ public:
+  static constexpr size_t kAlignBytes = 256;  // as cudaMalloc (and CpuDevice) guarantee
+
+  // Budget: options.budget_bytes, or model.device_memory_bytes when 0.
+  // options.record_spans keeps an OpSpan (virtual µs) per copy and launch.
+  explicit SimDevice(CostModel model, const DeviceOptions& options = {});
+  ~SimDevice() override;  // releases the address space of buffers still alive
+  SimDevice(const SimDevice&) = delete;
+  SimDevice& operator=(const SimDevice&) = delete;
+
+  DeviceKind kind() const override { return DeviceKind::kSim; }
+  std::string name() const override;  // "sim:h200,h2d_gbps=12"
+  int ordinal() const override { return 0; }
+
+  // Fake device memory: each allocation is its own inaccessible (PROT_NONE)
+  // address range, so pointers are unique and 256-byte aligned, cost no RAM,
+  // never collide with host memory, and fault if anything dereferences them.
+  DeviceBuffer allocate(size_t bytes, std::string_view what) override;
+  size_t budget_bytes() const override { return budget_bytes_; }
+  size_t allocated_bytes() const override;
+  size_t peak_allocated_bytes() const override;
+  size_t allocation_count() const override;
+
+  // Checked like CpuDevice (device side inside one allocation, host side not
+  // device memory), priced, and placed on the clock; no byte moves.
+  void copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag = {}) override;
+  void copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag = {}) override;
+  // Priced from tag.flops; `fn` is never called.
+  void launch(StreamId s, OpTag tag, LaunchFn fn) override;
+
+  std::unique_ptr<Event> make_event() override;
+  void record(Event& e, StreamId s) override;
+  void wait(StreamId s, const Event& e) override;
+
+  // Immediate: virtual work is done as soon as it is enqueued.
+  void synchronize(StreamId s) override {}
+  void synchronize() override {}
+
+  void drain_spans(std::vector<OpSpan>& out) override;
+  std::shared_ptr<MemoryRegistrar> host_registrar() override { return nullptr; }
+
+  // ---- virtual time ----
+  const CostModel& model() const { return model_; }
+  // The latest end over all streams: the device's makespan so far.
+  double virtual_time_us() const;
+  double stream_time_us(StreamId s) const;
+  // When `e`'s latest record happens in virtual time; 0 if never recorded.
+  double event_time_us(const Event& e) const;
+  // Records `e` at `time_us` (host work finished then), for device streams to wait on.
+  void record_at(Event& e, double time_us);
+  // A new event already recorded at `time_us`.
+  std::unique_ptr<Event> make_host_event(double time_us);
+  // Every clock back to 0; events recorded before become never-recorded (their
+  // waits no-ops). Spans not yet drained are kept, in the old time base.
+  void reset_clock();
+
+ protected:
+  void free_memory(std::byte* data, size_t bytes) noexcept override;
+
+ private:
+  struct Mapping {
+    size_t bytes = 0;         // accounted (rounded to kAlignBytes)
+    size_t mapped_bytes = 0;  // reserved address space (rounded to a page)
+  };
+
+  void check_device_range(const void* p, size_t bytes, const char* op, const char* role) const;
+  void check_host_range(const void* p, size_t bytes, const char* op, const char* role) const;
+  // Places an op of `cost_us` on stream `s` (and `link` if a copy); records its span.
+  void place(StreamId s, OpKind kind, const OpTag& tag, double cost_us, double* link_clock);
+  static int stream_index(StreamId s);
+
+  const CostModel model_;
+  const DeviceOptions options_;
+  const size_t budget_bytes_;
+
+  mutable std::mutex mutex_;  // one host thread drives the engine, but keep the seam thread-safe
+  std::map<const std::byte*, Mapping> live_;
+  size_t allocated_bytes_ = 0;
+  size_t peak_bytes_ = 0;
+  size_t allocation_count_ = 0;
+
+  double clock_us_[kNumStreams] = {0, 0, 0};
+  double h2d_link_us_ = 0;  // when the H2D direction is free (both directions if shared_bus)
+  double d2h_link_us_ = 0;
+  uint64_t epoch_ = 1;      // bumped by reset_clock(); events remember the epoch they were recorded in
+  std::vector<OpSpan> spans_;
+};
+
+// "sim:<preset>[,key=value...]" -> a SimDevice (make_device uses this).
+std::unique_ptr<Device> make_sim_device(std::string_view spec, const DeviceOptions& options);
+
+}  // namespace strider
