@@ -1,0 +1,309 @@
+#include "engine/hf_checkpoint.h"
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <filesystem>
+#include <regex>
+#include <unordered_set>
+
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "host/bf16.h"
+#include "host/error.h"
+#include "host/param_store.h"
+#include "io/atomic_file.h"
+
+namespace strider {
+namespace fs = std::filesystem;
+
+float f16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    // Zero or subnormal: mant * 2^-24 is exact in float.
+    float f = static_cast<float>(mant) * 0x1p-24f;
+    std::memcpy(&u, &f, sizeof u);
+    u |= sign;
+  } else if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (mant << 13);  // Inf, or NaN with its payload
+  } else {
+    u = sign | ((exp + (127 - 15)) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+namespace {
+
+std::string shape_text(std::span<const int64_t> shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+// Tensors a checkpoint may carry that are not parameters: buffers older
+// transformers versions saved (rotary inverse frequencies).
+bool is_known_buffer(std::string_view name) {
+  return name.ends_with(".rotary_emb.inv_freq");
+}
+
+bool convertible(DType t) { return t == DType::kF32 || t == DType::kBF16 || t == DType::kF16; }
+
+// Converts `count` elements of `src` (dtype `t`, possibly unaligned) to fp32.
+// The source is a mapped file: elements are read with memcpy, in chunks that
+// stay in cache.
+void convert_to_f32(DType t, const std::byte* src, size_t count, float* dst) {
+  if (t == DType::kF32) {
+    std::memcpy(dst, src, count * sizeof(float));
+    return;
+  }
+  constexpr size_t kChunkElems = 4096;
+  std::array<uint16_t, kChunkElems> tmp;
+  for (size_t done = 0; done < count; done += kChunkElems) {
+    const size_t n = std::min(kChunkElems, count - done);
+    std::memcpy(tmp.data(), src + done * 2, n * 2);
+    if (t == DType::kBF16) {
+      bf16_to_float(std::span<const uint16_t>(tmp.data(), n), std::span<float>(dst + done, n));
+    } else {
+      for (size_t i = 0; i < n; ++i) dst[done + i] = f16_to_float(tmp[i]);
+    }
+  }
+}
+
+// Position of a decoder-layer tensor in transformers' state_dict (module
+// registration order: self_attn, mlp, then the two norms; weight before bias),
+// so shards group tensors as save_pretrained does.
+int state_dict_rank(std::string_view name) {
+  static constexpr std::string_view kOrder[] = {
+      "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+      "self_attn.k_proj.bias",   "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+      "self_attn.o_proj.weight", "self_attn.o_proj.bias", "self_attn.q_norm.weight",
+      "self_attn.k_norm.weight", "mlp.gate_proj.weight",  "mlp.gate_proj.bias",
+      "mlp.up_proj.weight",      "mlp.up_proj.bias",      "mlp.down_proj.weight",
+      "mlp.down_proj.bias",      "input_layernorm.weight", "post_attention_layernorm.weight",
+  };
+  for (size_t i = 0; i < std::size(kOrder); ++i)
+    if (name.ends_with(kOrder[i])) return static_cast<int>(i);
+  return static_cast<int>(std::size(kOrder));  // anything else keeps its layout order, last
+}
+
+// True when two layouts hold the same tensors at the same offsets.
+bool same_layout(const ParamLayout& a, const ParamLayout& b) {
+  if (a.total_elems() != b.total_elems() || a.slots().size() != b.slots().size()) return false;
+  for (size_t i = 0; i < a.slots().size(); ++i) {
+    const TensorSlot &x = a.slots()[i], &y = b.slots()[i];
+    if (x.name != y.name || x.shape != y.shape || x.offset_elems != y.offset_elems) return false;
+  }
+  return true;
+}
+
+std::vector<ParamLayout> layouts_of(const ModelSpec& spec) {
+  std::vector<ParamLayout> out;
+  out.reserve(static_cast<size_t>(spec.num_blocks()));
+  for (int64_t i = 0; i < spec.num_blocks(); ++i) out.push_back(spec.layout(i));
+  return out;
+}
+
+}  // namespace
+
+// ---- HfCheckpointReader ----------------------------------------------------
+
+HfCheckpointReader::HfCheckpointReader(const std::string& path, const ModelSpec& spec)
+    : path_(path), checkpoint_(path), layouts_(layouts_of(spec)) {
+  std::vector<std::string> problems;
+  std::unordered_set<std::string_view> expected;
+  views_.resize(layouts_.size());
+  for (size_t b = 0; b < layouts_.size(); ++b) {
+    for (const TensorSlot& slot : layouts_[b].slots()) {
+      expected.insert(slot.name);
+      auto view = checkpoint_.find(slot.name);
+      if (!view) {
+        problems.push_back(fmt::format("tensor '{}' (block {}, shape {}) is missing", slot.name,
+                                       layouts_[b].block_name(), shape_text(slot.shape)));
+        continue;
+      }
+      const bool shape_ok = std::equal(view->shape.begin(), view->shape.end(),
+                                       slot.shape.begin(), slot.shape.end());
+      if (!shape_ok)
+        problems.push_back(fmt::format("tensor '{}' has shape {} in the checkpoint; the model "
+                                       "needs {}", slot.name, shape_text(view->shape),
+                                       shape_text(slot.shape)));
+      if (!convertible(view->dtype))
+        problems.push_back(fmt::format("tensor '{}' has dtype {}, which strider does not load "
+                                       "(F32, BF16, F16)", slot.name, dtype_name(view->dtype)));
+      views_[b].push_back(*view);
+    }
+  }
+  for (const std::string& name : checkpoint_.names()) {
+    if (expected.contains(name)) continue;
+    if ((spec.tie_embeddings && name == "lm_head.weight") || is_known_buffer(name)) {
+      ignored_.push_back(name);
+      continue;
+    }
+    problems.push_back(fmt::format("tensor '{}' is not a parameter of {}", name, spec.arch_name));
+  }
+  if (problems.empty()) return;
+
+  constexpr size_t kShown = 12;
+  std::string list;
+  for (size_t i = 0; i < std::min(problems.size(), kShown); ++i) list += "\n  " + problems[i];
+  if (problems.size() > kShown) list += fmt::format("\n  ... and {} more", problems.size() - kShown);
+  throw Error(fmt::format("checkpoint {} does not match the model ({}): {} problem(s):{}\nCheck "
+                          "that config.json and the weights belong to the same model.",
+                          path_, spec.summary(), problems.size(), list));
+}
+
+const ParamLayout& HfCheckpointReader::layout(int64_t block) const {
+  STRIDER_CHECK(block >= 0 && block < num_blocks(), "{}: block {} out of range (model has {} blocks)",
+                path_, block, num_blocks());
+  return layouts_[static_cast<size_t>(block)];
+}
+
+void HfCheckpointReader::read_block(int64_t block, std::span<float> master) const {
+  const ParamLayout& l = layout(block);
+  STRIDER_CHECK(master.size() == l.total_elems(), "{}: block '{}' needs a buffer of {} floats, got {}",
+                path_, l.block_name(), l.total_elems(), master.size());
+  const auto& views = views_[static_cast<size_t>(block)];
+  size_t cursor = 0;  // slots are in ascending offset order; zero the gaps between them
+  for (size_t i = 0; i < l.slots().size(); ++i) {
+    const TensorSlot& slot = l.slots()[i];
+    std::fill(master.begin() + cursor, master.begin() + slot.offset_elems, 0.0f);
+    convert_to_f32(views[i].dtype, views[i].bytes.data(), slot.numel,
+                   master.data() + slot.offset_elems);
+    cursor = slot.offset_elems + slot.numel;
+  }
+  std::fill(master.begin() + cursor, master.end(), 0.0f);
+}
+
+void HfCheckpointReader::load_into(ParamStore& store) const {
+  STRIDER_CHECK(store.num_blocks() == layouts_.size(), "{}: the store has {} blocks, the model {}",
+                path_, store.num_blocks(), layouts_.size());
+  for (size_t b = 0; b < layouts_.size(); ++b) {
+    STRIDER_CHECK(same_layout(store.layout(b), layouts_[b]), "{}: the store's layout of block '{}' "
+                  "differs from the model spec's; build the store from the same ModelSpec", path_,
+                  layouts_[b].block_name());
+    STRIDER_CHECK(store.block(b).state_on_host, "{}: block '{}' keeps its state on NVMe; load it "
+                  "with read_block() into a staging buffer instead", path_, layouts_[b].block_name());
+  }
+  for (size_t b = 0; b < layouts_.size(); ++b) read_block(static_cast<int64_t>(b), store.block(b).master);
+  store.refresh_compute_from_master();  // the compute copy in whatever dtype the store keeps
+}
+
+// ---- HfCheckpointWriter ----------------------------------------------------
+
+HfCheckpointWriter::HfCheckpointWriter(std::string out_dir, const ModelSpec& spec,
+                                       std::string_view config_json, HfWriteOptions options)
+    : out_dir_(std::move(out_dir)), options_(options), layouts_(layouts_of(spec)) {
+  STRIDER_CHECK(options_.dtype == DType::kBF16 || options_.dtype == DType::kF32,
+                "{}: cannot write checkpoints in {}; use BF16 or F32", out_dir_,
+                dtype_name(options_.dtype));
+  // The config first: a bad one must fail before any file is created.
+  auto config = nlohmann::ordered_json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+  STRIDER_CHECK(!config.is_discarded() && config.is_object(),
+                "{}: the config.json text to write is not a JSON object", out_dir_);
+  const ModelSpec described = ModelSpec::from_json(nlohmann::json::parse(config_json),
+                                                   out_dir_ + " (config to write)");
+  bool same = described.num_blocks() == spec.num_blocks();
+  for (int64_t i = 0; same && i < spec.num_blocks(); ++i)
+    same = same_layout(described.layout(i), layouts_[static_cast<size_t>(i)]);
+  STRIDER_CHECK(same, "{}: the config to write describes {}, but the weights are {}; pass the "
+                "config.json of the model being saved", out_dir_, described.summary(), spec.summary());
+  const char* dtype_text = options_.dtype == DType::kBF16 ? "bfloat16" : "float32";
+  config["dtype"] = dtype_text;  // transformers >= 5
+  if (config.contains("torch_dtype")) config["torch_dtype"] = dtype_text;  // older readers
+  config_text_ = config.dump(2) + "\n";
+
+  std::vector<std::pair<size_t, size_t>> order;  // (block, slot) in state_dict order
+  for (size_t b = 0; b < layouts_.size(); ++b) {
+    block_names_.push_back(layouts_[b].block_name());
+    std::vector<size_t> slots(layouts_[b].slots().size());
+    for (size_t i = 0; i < slots.size(); ++i) slots[i] = i;
+    std::stable_sort(slots.begin(), slots.end(), [&](size_t x, size_t y) {
+      return state_dict_rank(layouts_[b].slots()[x].name) < state_dict_rank(layouts_[b].slots()[y].name);
+    });
+    for (size_t i : slots) order.emplace_back(b, i);
+  }
+  std::vector<TensorSpec> specs;
+  for (auto [b, i] : order) {
+    const TensorSlot& slot = layouts_[b].slots()[i];
+    specs.push_back(TensorSpec{slot.name, options_.dtype, slot.shape});
+  }
+  written_.assign(layouts_.size(), false);
+  fs::create_directories(out_dir_);
+  SafetensorsWriteOptions wo;
+  wo.max_shard_bytes = options_.max_shard_bytes;
+  writer_.emplace(out_dir_, std::move(specs), std::move(wo));
+}
+
+void HfCheckpointWriter::write_block(int64_t block, std::span<const float> master) {
+  STRIDER_CHECK(!finished_, "{}: write_block after finish()", out_dir_);
+  STRIDER_CHECK(block >= 0 && block < static_cast<int64_t>(layouts_.size()),
+                "{}: block {} out of range (model has {} blocks)", out_dir_, block, layouts_.size());
+  const size_t b = static_cast<size_t>(block);
+  const ParamLayout& l = layouts_[b];
+  STRIDER_CHECK(!written_[b], "{}: block '{}' written twice", out_dir_, l.block_name());
+  STRIDER_CHECK(master.size() == l.total_elems(), "{}: block '{}' needs {} floats, got {}", out_dir_,
+                l.block_name(), l.total_elems(), master.size());
+  constexpr size_t kChunkElems = size_t{1} << 16;
+  std::vector<uint16_t> tmp;
+  for (const TensorSlot& slot : l.slots()) {
+    auto src = master.subspan(slot.offset_elems, slot.numel);
+    if (options_.dtype == DType::kF32) {
+      writer_->write(slot.name, std::as_bytes(src));
+      continue;
+    }
+    tmp.resize(std::min(kChunkElems, slot.numel));
+    for (size_t done = 0; done < slot.numel; done += kChunkElems) {
+      const size_t n = std::min(kChunkElems, slot.numel - done);
+      float_to_bf16(src.subspan(done, n), std::span<uint16_t>(tmp.data(), n));
+      writer_->write(slot.name, std::as_bytes(std::span<const uint16_t>(tmp.data(), n)),
+                     done * sizeof(uint16_t));
+    }
+  }
+  written_[b] = true;
+}
+
+void HfCheckpointWriter::finish() {
+  STRIDER_CHECK(!finished_, "{}: finish() called twice", out_dir_);
+  for (size_t b = 0; b < written_.size(); ++b)
+    STRIDER_CHECK(written_[b], "{}: block '{}' was never written; nothing was saved", out_dir_,
+                  block_names_[b]);
+  writer_->finish();
+  // An earlier save into this directory may have left another layout (one
+  // file vs. shards): the loader prefers an index, so a stale one must go.
+  // Ours are in place already, so a reader sees the old or the new set.
+  const auto ours = writer_->file_names();
+  static const std::regex kShard(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  std::vector<fs::path> stale;
+  for (const auto& entry : fs::directory_iterator(out_dir_)) {
+    const std::string name = entry.path().filename().string();
+    const bool ckpt_file = name == "model.safetensors" || name == "model.safetensors.index.json" ||
+                           std::regex_match(name, kShard);
+    if (ckpt_file && std::find(ours.begin(), ours.end(), name) == ours.end())
+      stale.push_back(entry.path());
+  }
+  // The index first: while it exists it names only complete files.
+  std::sort(stale.begin(), stale.end(), [](const fs::path& a, const fs::path& b) {
+    return (a.extension() == ".json") > (b.extension() == ".json");
+  });
+  for (const auto& p : stale) {
+    std::error_code ec;
+    fs::remove(p, ec);
+    STRIDER_CHECK(!ec, "{}: cannot remove the stale checkpoint file {}: {}", out_dir_, p.string(),
+                  ec.message());
+  }
+  write_file_atomic((fs::path(out_dir_) / "config.json").string(),
+                    std::as_bytes(std::span(config_text_)));
+  finished_ = true;
+}
+
+std::vector<std::string> HfCheckpointWriter::file_names() const {
+  auto names = writer_->file_names();
+  names.push_back("config.json");
+  return names;
+}
+
+}  // namespace strider

@@ -1,0 +1,110 @@
+// Hugging Face checkpoints in and out, one block at a time.
+//
+// HfCheckpointReader opens a checkpoint (model.safetensors, or shards with
+// model.safetensors.index.json) and checks it against a ModelSpec before the
+// caller touches any state: every tensor the spec's blocks need is present,
+// with exactly the layout's shape and a dtype we convert (F32, BF16, F16), and
+// nothing unexpected is there (a checkpoint of another model must not load
+// silently). Then read_block() fills one block's flat fp32 buffer, into host
+// memory or into a staging buffer bound for NVMe.
+//
+// HfCheckpointWriter streams blocks, in any order, into a checkpoint that
+// transformers' from_pretrained loads: tensors in state_dict order, bf16 or
+// fp32, sharded like save_pretrained's max_shard_size, config.json last.
+// Nothing appears under a final name before finish().
+//
+// Plain C++ over host/ and io/: no torch here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "engine/model_spec.h"
+#include "host/dtype.h"
+#include "host/param_layout.h"
+#include "io/safetensors.h"
+
+namespace strider {
+
+class ParamStore;
+
+// IEEE binary16 bits -> float, exact (every half is a float): subnormals
+// kept, Inf stays Inf, NaN keeps its sign and payload.
+float f16_to_float(uint16_t h);
+
+class HfCheckpointReader {
+ public:
+  // `path`: a checkpoint directory, a .safetensors file or an *.index.json.
+  // Throws Error listing every problem (missing, mis-shaped, unsupported
+  // dtype, unknown tensor), each naming the tensor and the checkpoint.
+  HfCheckpointReader(const std::string& path, const ModelSpec& spec);
+
+  int64_t num_blocks() const { return static_cast<int64_t>(layouts_.size()); }
+  const ParamLayout& layout(int64_t block) const;
+
+  // Fills `master` (layout(block).total_elems() floats) with the block's
+  // tensors at the layout's offsets, converted to fp32; padding is zeroed.
+  void read_block(int64_t block, std::span<float> master) const;
+
+  // For host-resident stores: every block's master from the checkpoint, then
+  // its compute copy. Throws, before writing anything, when the store's
+  // layouts differ from the spec's or a block's state is not on the host.
+  void load_into(ParamStore& store) const;
+
+  const std::string& path() const { return path_; }
+  // Tensors in the checkpoint that were accepted and not loaded (a tied
+  // lm_head.weight, rotary inv_freq buffers).
+  const std::vector<std::string>& ignored() const { return ignored_; }
+  size_t num_tensors() const { return checkpoint_.size(); }
+
+ private:
+  std::string path_;
+  SafetensorsCheckpoint checkpoint_;
+  std::vector<ParamLayout> layouts_;
+  std::vector<std::vector<TensorView>> views_;  // per block, per layout slot
+  std::vector<std::string> ignored_;
+};
+
+struct HfWriteOptions {
+  DType dtype = DType::kBF16;    // of every tensor written: kBF16 or kF32
+  uint64_t max_shard_bytes = 0;  // 0: one model.safetensors; else shards + index
+};
+
+class HfCheckpointWriter {
+ public:
+  // `config_json`: the config.json text to publish (normally the original's);
+  // "dtype" (and "torch_dtype" where present) are set to match options.dtype.
+  // Throws when it is not a JSON object or describes another model than
+  // `spec`. Creates `out_dir` if needed.
+  HfCheckpointWriter(std::string out_dir, const ModelSpec& spec, std::string_view config_json,
+                     HfWriteOptions options = {});
+
+  // Writes block `block`'s tensors from its flat fp32 buffer; each block
+  // exactly once, in any order. fp32 -> bf16 rounds to nearest even.
+  void write_block(int64_t block, std::span<const float> master);
+
+  // Makes the tensor files durable and renames them into place (index last),
+  // removes stale shards or index of an earlier save into the same directory,
+  // then writes config.json. Throws naming a block never written.
+  void finish();
+
+  // Final file names (relative to the output directory), config.json last.
+  std::vector<std::string> file_names() const;
+
+ private:
+  std::string out_dir_;
+  HfWriteOptions options_;
+  std::string config_text_;
+  std::vector<ParamLayout> layouts_;
+  std::vector<std::string> block_names_;
+  std::vector<bool> written_;
+  std::optional<SafetensorsWriter> writer_;
+  bool finished_ = false;
+};
+
+}  // namespace strider
