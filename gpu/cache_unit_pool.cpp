@@ -6,12 +6,12 @@
 namespace strider {
 namespace {
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
-constexpr size_t kParamBytes = 2;  // bf16
 constexpr size_t kGradBytes = 4;   // fp32 accumulators
 }  // namespace
 
-size_t CacheUnitPool::unit_bytes_for(size_t capacity_elems) {
-  return round_up(capacity_elems * kParamBytes, kAlignBytes) + round_up(capacity_elems * kGradBytes, kAlignBytes);
+size_t CacheUnitPool::unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes) {
+  return round_up(capacity_elems * param_elem_bytes, kAlignBytes) +
+         round_up(capacity_elems * kGradBytes, kAlignBytes);
 }
 
 CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, const ParamLayout& largest_block,
@@ -23,11 +23,14 @@ CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, size_t capacity_e
   STRIDER_CHECK(num_units >= 1, "{}: need at least 1 unit, got {}", options_.what, num_units);
   STRIDER_CHECK(capacity_elems >= 1, "{}: unit capacity must be >= 1 element, got {}", options_.what,
                 capacity_elems);
-  unit_bytes_ = unit_bytes_for(capacity_elems);
+  STRIDER_CHECK(options_.param_elem_bytes == 2 || options_.param_elem_bytes == 4,
+                "{}: parameters are 2 (bf16) or 4 (fp32) bytes, not {}", options_.what,
+                options_.param_elem_bytes);
+  unit_bytes_ = unit_bytes_for(capacity_elems, options_.param_elem_bytes);
   // One allocation for all units: no fragmentation, and the budget check is one number.
   buffer_ = device_.allocate(unit_bytes_ * num_units,
                              fmt::format("{} ({} x {} bytes)", options_.what, num_units, unit_bytes_));
-  const size_t grad_offset = round_up(capacity_elems * kParamBytes, kAlignBytes);
+  const size_t grad_offset = round_up(capacity_elems * options_.param_elem_bytes, kAlignBytes);
   units_.resize(num_units);
   slots_.resize(num_units);
   for (size_t i = 0; i < num_units; ++i) {
@@ -38,6 +41,7 @@ CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, size_t capacity_e
     u.params_bf16 = u.base;
     u.grads_fp32 = reinterpret_cast<float*>(u.base + grad_offset);
     u.capacity_elems = capacity_elems;
+    u.param_elem_bytes = options_.param_elem_bytes;
     for (auto& e : slots_[i].released) e = device_.make_event();
     free_.push_back(static_cast<int>(i));
   }

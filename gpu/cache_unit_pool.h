@@ -30,13 +30,16 @@ struct CacheUnit {
   int index = -1;
   std::byte* base = nullptr;     // start of the unit (256-byte aligned)
   size_t bytes = 0;              // the whole unit
-  void* params_bf16 = nullptr;   // capacity_elems bf16 values at base
+  void* params_bf16 = nullptr;   // capacity_elems parameters at base: bf16, or fp32 when
+                                 // param_elem_bytes is 4 (fp32 exactness runs)
   float* grads_fp32 = nullptr;   // capacity_elems fp32 values after the parameters
   size_t capacity_elems = 0;
+  size_t param_elem_bytes = 2;
 };
 
 struct CacheUnitPoolOptions {
   std::string what = "cache units";  // for messages
+  size_t param_elem_bytes = 2;       // 2: bf16 parameters; 4: fp32
   // Tests only: acquire() skips the wait on this stream's release event, to
   // prove that the ring test catches a missing wait. -1: skip nothing.
   int test_skip_release_wait = -1;
@@ -47,7 +50,7 @@ class CacheUnitPool {
   static constexpr size_t kAlignBytes = 256;
 
   // Bytes of one unit holding `capacity_elems` parameters and their gradients.
-  static size_t unit_bytes_for(size_t capacity_elems);
+  static size_t unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes = 2);
 
   // K units of `capacity_elems` each, in one device allocation. Throws (from
   // the device) naming the budget when it does not fit; K must be >= 1.

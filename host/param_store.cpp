@@ -18,7 +18,7 @@ struct KindBytes { size_t state, compute, grad; };
 
 KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
   const size_t n = b.layout.total_elems();
-  return {b.state_on_host ? aligned(n * sizeof(float)) : 0, aligned(n * sizeof(uint16_t)),
+  return {b.state_on_host ? aligned(n * sizeof(float)) : 0, aligned(n * dtype_size(o.compute_dtype)),
           aligned(n * dtype_size(o.grad_dtype))};
 }
 
@@ -26,6 +26,9 @@ void check_options(const StoreOptions& o) {
   STRIDER_CHECK(o.grad_dtype == DType::kBF16 || o.grad_dtype == DType::kF32,
                 "ParamStore: gradient staging dtype {} is not supported (use BF16 or F32)",
                 dtype_name(o.grad_dtype));
+  STRIDER_CHECK(o.compute_dtype == DType::kBF16 || o.compute_dtype == DType::kF32,
+                "ParamStore: compute dtype {} is not supported (use BF16 or F32)",
+                dtype_name(o.compute_dtype));
 }
 
 }  // namespace
@@ -61,14 +64,17 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
       s.m = arena.carve_as<float>(n, name + " adam m", kAlignBytes);
       s.v = arena.carve_as<float>(n, name + " adam v", kAlignBytes);
     }
-    s.compute = arena.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
+    if (options_.compute_dtype == DType::kBF16)
+      s.compute = arena.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
+    else
+      s.compute_f32 = arena.carve_as<float>(n, name + " fp32 compute copy", kAlignBytes);
     s.grad = arena.carve(n * dtype_size(options_.grad_dtype), kAlignBytes, name + " grad staging");
     // Adam's moments must start at zero and padding must stay zero; the arena
     // may have been used before, so do not rely on fresh mmap pages.
     std::memset(s.master.data(), 0, s.master.size_bytes());
     std::memset(s.m.data(), 0, s.m.size_bytes());
     std::memset(s.v.data(), 0, s.v.size_bytes());
-    std::memset(s.compute.data(), 0, s.compute.size_bytes());
+    std::memset(s.compute_bytes().data(), 0, s.compute_bytes().size());
     std::memset(s.grad.data(), 0, s.grad.size_bytes());
     blocks_.push_back(s);
   }
@@ -104,13 +110,26 @@ std::span<float> ParamStore::master_of(size_t b, std::string_view tensor) {
 
 std::span<uint16_t> ParamStore::compute_of(size_t b, std::string_view tensor) {
   BlockState& s = block(b);
+  STRIDER_CHECK(!s.compute.empty(), "ParamStore: compute_of('{}') asks for bf16 but the compute copy is {}",
+                tensor, dtype_name(options_.compute_dtype));
   const TensorSlot& t = s.layout->at(tensor);
   return s.compute.subspan(t.offset_elems, t.numel);
 }
 
+void ParamStore::refresh_compute(size_t b, size_t begin, size_t end) {
+  BlockState& s = block(b);
+  STRIDER_CHECK(s.state_on_host, "ParamStore: block '{}' keeps its master on NVMe; refresh its "
+                "compute copy from the staging buffer it was read into", s.layout->block_name());
+  end = std::min(end, s.elems());
+  if (begin >= end) return;
+  auto src = std::span<const float>(s.master).subspan(begin, end - begin);
+  if (!s.compute.empty()) float_to_bf16(src, s.compute.subspan(begin, end - begin));
+  else std::copy(src.begin(), src.end(), s.compute_f32.begin() + begin);
+}
+
 void ParamStore::refresh_compute_from_master() {
-  for (auto& s : blocks_)
-    if (s.state_on_host) float_to_bf16(s.master, s.compute);
+  for (size_t b = 0; b < blocks_.size(); ++b)
+    if (blocks_[b].state_on_host) refresh_compute(b);
 }
 
 }  // namespace strider

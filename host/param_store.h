@@ -1,7 +1,8 @@
 // ParamStore: every block's training state in one PinnedArena, flat per block
 // and per kind (DESIGN.md, "The data, and where it lives"):
 //   master, m, v   fp32, host-resident unless the block's state lives on NVMe
-//   compute        bf16 copy of master, the source of every H2D
+//   compute        the copy the device computes with, the source of every
+//                  H2D: bf16 (compute), or fp32 (compute_f32) for exactness runs
 //   grad           staging for the block's gradients after D2H (bf16 or fp32)
 // All kinds of a block share its ParamLayout's element offsets.
 #pragma once
@@ -24,7 +25,8 @@ struct BlockSpec {
 };
 
 struct StoreOptions {
-  DType grad_dtype = DType::kBF16;  // kBF16 or kF32
+  DType grad_dtype = DType::kBF16;     // kBF16 or kF32
+  DType compute_dtype = DType::kBF16;  // kBF16 or kF32 (fp32 compute for exactness tests)
 };
 
 // One block's views into the arena. Spans of a kind are empty when the kind
@@ -32,12 +34,17 @@ struct StoreOptions {
 struct BlockState {
   const ParamLayout* layout = nullptr;
   std::span<float> master, m, v;
-  std::span<uint16_t> compute;       // bf16 bits
+  std::span<uint16_t> compute;       // bf16 bits (compute_dtype kBF16), else empty
+  std::span<float> compute_f32;      // compute_dtype kF32, else empty
   std::span<std::byte> grad;         // grad_dtype elements, layout->total_elems() of them
   DType grad_dtype = DType::kBF16;
   bool state_on_host = true;
 
   size_t elems() const { return layout->total_elems(); }
+  // The compute copy's bytes, whatever its dtype (what an H2D sends).
+  std::span<std::byte> compute_bytes() const {
+    return compute.empty() ? std::as_writable_bytes(compute_f32) : std::as_writable_bytes(compute);
+  }
 };
 
 class ParamStore {
@@ -66,7 +73,10 @@ class ParamStore {
   std::span<float> master_of(size_t block, std::string_view tensor);
   std::span<uint16_t> compute_of(size_t block, std::string_view tensor);
 
-  // Writes every block's bf16 compute copy from its fp32 master (after a load).
+  // Writes block b's compute copy (bf16 rounded, or fp32 copied) from its fp32
+  // master, elements [begin, end) (default: all). For host-resident state.
+  void refresh_compute(size_t b, size_t begin = 0, size_t end = SIZE_MAX);
+  // Writes every host-resident block's compute copy from its master (after a load).
   void refresh_compute_from_master();
 
  private:

@@ -83,3 +83,18 @@ TEST_CASE("store refuses an arena that is too small, naming both sizes", "[host]
                     Catch::Contains(std::to_string(need)) && Catch::Contains("bytes_needed"));
   CHECK_THROWS_WITH(ParamStore::bytes_needed(blocks, {.grad_dtype = DType::kF16}), Catch::Contains("F16"));
 }
+
+TEST_CASE("an fp32 compute copy follows the master exactly", "[host][store]") {
+  std::vector<BlockSpec> blocks{{layer_layout("model.layers.0", 8), true}};
+  StoreOptions opts{.grad_dtype = DType::kF32, .compute_dtype = DType::kF32};
+  PinnedArena arena(ParamStore::bytes_needed(blocks, opts), {.lock = LockPolicy::kNone, .huge_pages = false});
+  ParamStore store(blocks, opts, arena);
+  BlockState& b = store.block(0);
+  CHECK(b.compute.empty());
+  REQUIRE(b.compute_f32.size() == b.elems());
+  CHECK(b.compute_bytes().size() == b.elems() * 4);
+  b.master[5] = 1.0f + 1e-7f;  // not representable in bf16
+  store.refresh_compute(0, 4, 6);
+  CHECK(b.compute_f32[5] == b.master[5]);
+  CHECK_THROWS_WITH(store.compute_of(0, "model.layers.0.input_layernorm.weight"), Catch::Contains("F32"));
+}

@@ -1,0 +1,488 @@
+#include "engine/engine.h"
+
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
+#include <random>
+
+#include "gpu/unit_tensors.h"
+#include "host/bf16.h"
+#include "host/error.h"
+
+namespace strider {
+namespace {
+
+constexpr size_t kAlign = 4096;  // O_DIRECT needs 4 KiB for NVMe staging; fine for all
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+}  // namespace
+
+Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
+    : spec_(std::move(spec)), config_(std::move(config)), device_(std::move(device)),
+      aten_device_(aten_device(*device_)) {
+  check_config();
+  num_blocks_ = spec_.num_blocks();
+  head_ = num_blocks_ - 1;
+  for (int64_t b = 0; b < num_blocks_; ++b) layouts_.push_back(spec_.layout(b));
+  compute_bytes_ = config_.compute.dtype == at::kFloat ? 4 : 2;
+  const int64_t M = config_.accumulation;
+
+  // Which blocks keep their fp32 state on NVMe.
+  nvme_slot_.assign(num_blocks_, -1);
+  std::vector<ExtentSpec> extents;
+  size_t max_nvme_state = 0;
+  for (int64_t b : config_.nvme_blocks) {
+    STRIDER_CHECK(b >= 0 && b < num_blocks_, "nvme block {} out of range (the model has {} blocks)", b, num_blocks_);
+    STRIDER_CHECK(nvme_slot_[b] < 0, "nvme block {} listed twice", b);
+    nvme_slot_[b] = static_cast<int>(extents.size() / 3);
+    const size_t bytes = layouts_[b].total_elems() * sizeof(float);
+    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV})
+      extents.push_back({b, k, bytes});
+    max_nvme_state = std::max(max_nvme_state, round_up(bytes, kAlign));
+  }
+
+  // Pinned host memory: the store, batch staging, tied-gradient staging,
+  // host checkpoints and NVMe staging, all in one arena mapped now.
+  std::vector<BlockSpec> specs;
+  for (int64_t b = 0; b < num_blocks_; ++b) specs.push_back({layouts_[b], nvme_slot_[b] < 0});
+  StoreOptions so{.grad_dtype = DType::kF32,
+                  .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16};
+  const size_t tokens = size_t(config_.batch() * config_.seq);
+  const size_t act_bytes = size_t(config_.micro_batch * config_.seq * spec_.dims.hidden) * compute_bytes_;
+  const size_t emb_elems = layouts_[0].total_elems();
+  size_t arena_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) + 8 * kAlign;
+  if (spec_.tie_embeddings) arena_bytes += round_up(emb_elems * 4, kAlign);
+  if (config_.checkpoints_on_host) arena_bytes += size_t(head_ * M) * round_up(act_bytes, kAlign);
+  arena_bytes += 2 * 3 * max_nvme_state;
+  arena_ = std::make_unique<PinnedArena>(arena_bytes, ArenaOptions{.lock = config_.lock, .name = "strider host arena"});
+  if (auto reg = device_->host_registrar()) arena_->attach(reg);
+  store_ = std::make_unique<ParamStore>(specs, so, *arena_);
+  ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kAlign);
+  labels_host_ = arena_->carve_as<int64_t>(tokens, "batch labels", kAlign);
+  if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kAlign);
+  if (config_.checkpoints_on_host)
+    for (int64_t i = 0; i < head_ * M; ++i) host_ckpt_.push_back(arena_->carve(act_bytes, kAlign, "host checkpoint"));
+
+  if (!extents.empty()) {
+    STRIDER_CHECK(!config_.nvme_dir.empty(), "{} blocks keep their state on NVMe but no NVMe directory is set",
+                  extents.size() / 3);
+    nvme_ = std::make_unique<NvmeStore>(std::vector<std::string>{config_.nvme_dir + "/strider-state.bin"},
+                                        extents, NvmeStoreOptions{.backend = config_.nvme_backend});
+    arena_->attach(nvme_->registrar());
+    for (int s = 0; s < 2; ++s)
+      nvme_staging_.push_back({arena_->carve(max_nvme_state, kAlign, "nvme staging master"),
+                               arena_->carve(max_nvme_state, kAlign, "nvme staging adam m"),
+                               arena_->carve(max_nvme_state, kAlign, "nvme staging adam v"), {}});
+    // Fresh state: zero master, m and v on the drive, so every extent is valid.
+    std::memset(nvme_staging_[0].master.data(), 0, max_nvme_state);
+    for (int64_t b = 0; b < num_blocks_; ++b) {
+      if (!on_nvme(b)) continue;
+      for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
+        const Extent& e = nvme_->extent(b, k);
+        nvme_->wait(nvme_->write(e, nvme_staging_[0].master.first(e.io_bytes)));
+      }
+    }
+  }
+
+  // The device: K units sized for the largest block (with a tied embedding the
+  // head also holds the embedding's weight, after its own tensors).
+  size_t unit_elems = store_->max_block_elems();
+  if (spec_.tie_embeddings) unit_elems = std::max(unit_elems, layouts_[head_].total_elems() + emb_elems);
+  pool_ = std::make_unique<CacheUnitPool>(
+      *device_, size_t(config_.window), unit_elems,
+      CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = compute_bytes_});
+  allocate_activations();
+  runner_ = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, aten_device_);
+  adam_ = std::make_unique<CpuAdam>(CpuAdam::Options{.threads = config_.optimizer_threads});
+
+  // Visits of one step: forward 0..B-2, head, backward B-2..0.
+  for (int64_t b = 0; b < head_; ++b) visits_.push_back({Visit::kForward, b});
+  visits_.push_back({Visit::kHead, head_});
+  for (int64_t b = head_ - 1; b >= 0; --b) visits_.push_back({Visit::kBackward, b});
+  eval_visits_.assign(visits_.begin(), visits_.begin() + head_ + 1);
+  for (int64_t b = 0; b < num_blocks_; ++b) grads_ready_.push_back(device_->make_event());
+  data_ready_ = device_->make_event();
+  tied_grad_ready_ = device_->make_event();
+  head_loss_.assign(M, 0.0);
+  head_valid_.assign(M, 0);
+  updated_.assign(num_blocks_, 0);
+
+  // Align the device's span clock with ours: one empty op, timed from both sides.
+  device_->launch(StreamId::kCompute, {"clock sync"}, [](const LaunchContext&) {});
+  device_->synchronize();
+  std::vector<OpSpan> sync_spans;
+  device_->drain_spans(sync_spans);
+  if (!sync_spans.empty()) device_origin_us_ = Timeline::now_us() - sync_spans.back().end_us;
+
+  updater_ = std::thread([this] { updater_main(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (updater_.joinable()) updater_.join();
+  try {
+    device_->synchronize();
+  } catch (...) {
+    // Destructors never throw; a failed op was reported by the step that saw it.
+  }
+  for (auto& s : nvme_staging_)
+    for (auto& t : s.writes) try { nvme_->wait(t); } catch (...) {}
+}
+
+void Engine::check_config() const {
+  const EngineConfig& c = config_;
+  STRIDER_CHECK(c.seq > 0 && c.micro_batch > 0 && c.accumulation > 0,
+                "seq {}, micro_batch {} and accumulation {} must all be > 0", c.seq, c.micro_batch, c.accumulation);
+  STRIDER_CHECK(c.window >= 2, "the window must hold at least 2 cache units (K = {})", c.window);
+  STRIDER_CHECK(c.seq <= spec_.max_position, "seq {} exceeds the model's max_position_embeddings {}", c.seq,
+                spec_.max_position);
+  STRIDER_CHECK(c.compute.dtype == at::kFloat || c.compute.dtype == at::kBFloat16,
+                "compute dtype must be bf16 or fp32");
+  STRIDER_CHECK(c.clip_norm >= 0, "clip_norm {} must be >= 0 (0 turns clipping off)", c.clip_norm);
+}
+
+void Engine::allocate_activations() {
+  const int64_t M = config_.accumulation, mb = config_.micro_batch, S = config_.seq, H = spec_.dims.hidden;
+  const auto cdt = config_.compute.dtype;
+  auto make = [&](std::vector<int64_t> shape, at::ScalarType dt, const char* what) {
+    size_t n = 1;
+    for (int64_t d : shape) n *= size_t(d);
+    device_buffers_.push_back(device_->allocate(round_up(n * c10::elementSize(dt), 256), what));
+    return at::from_blob(device_buffers_.back().data(), shape, at::TensorOptions().dtype(dt).device(aten_device_));
+  };
+  ids_dev_ = make({config_.batch(), S}, at::kLong, "batch ids");
+  labels_dev_ = make({config_.batch(), S}, at::kLong, "batch labels");
+  // Checkpoints on the device: every block's input for every micro-batch.
+  // On the host: a ring of two sets on the device, the checkpoints copied out.
+  const int64_t sets = config_.checkpoints_on_host ? 2 : head_;
+  for (int64_t i = 0; i < sets * M; ++i) act_.push_back(make({mb, S, H}, cdt, "activations"));
+  for (int64_t m = 0; m < M; ++m) grad_out_.push_back(make({mb, S, H}, cdt, "output gradients"));
+  for (int s = 0; s < 2; ++s) ring_free_.push_back(device_->make_event());
+}
+
+at::Tensor Engine::act(int64_t b, int64_t m) const {
+  // b in 1..head: the input of block b (block 0's input is the ids).
+  const int64_t set = config_.checkpoints_on_host ? (b % 2) : (b - 1);
+  return act_[size_t(set * config_.accumulation + m)];
+}
+
+at::Tensor Engine::params_view(const CacheUnit& u, int64_t b) const {
+  int64_t n = int64_t(layouts_[b].total_elems());
+  if (b == head_ && spec_.tie_embeddings) n += int64_t(layouts_[0].total_elems());
+  return at::from_blob(u.params_bf16, {n}, at::TensorOptions().dtype(config_.compute.dtype).device(aten_device_));
+}
+
+at::Tensor Engine::grads_view(const CacheUnit& u) const {
+  return at::from_blob(u.grads_fp32, {int64_t(u.capacity_elems)},
+                       at::TensorOptions().dtype(at::kFloat).device(aten_device_));
+}
+
+void Engine::wait_updated(int64_t b) {
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return updated_[b] >= steps_ || updater_error_ || stopping_; });
+  if (updater_error_) std::rethrow_exception(updater_error_);
+}
+
+void Engine::finish_updates() {
+  for (int64_t b = 0; b < num_blocks_; ++b) wait_updated(b);
+}
+
+void Engine::upload_batch(const int64_t* ids, const int64_t* labels) {
+  data_ready_->synchronize();  // the previous batch's copy has left the staging
+  const size_t n = ids_host_.size();
+  for (size_t i = 0; i < n; ++i) {
+    STRIDER_CHECK(ids[i] >= 0 && ids[i] < spec_.dims.vocab, "token id {} at position {} is outside the vocabulary [0, {})",
+                  ids[i], i, spec_.dims.vocab);
+    STRIDER_CHECK(labels[i] == -100 || (labels[i] >= 0 && labels[i] < spec_.dims.vocab),
+                  "label {} at position {} is neither -100 nor a token id < {}", labels[i], i, spec_.dims.vocab);
+  }
+  std::memcpy(ids_host_.data(), ids, n * 8);
+  std::memcpy(labels_host_.data(), labels, n * 8);
+  device_->copy_h2d(StreamId::kH2D, ids_dev_.data_ptr(), ids_host_.data(), n * 8, {"h2d batch"});
+  device_->copy_h2d(StreamId::kH2D, labels_dev_.data_ptr(), labels_host_.data(), n * 8, {"h2d batch"});
+  device_->record(*data_ready_, StreamId::kH2D);
+  device_->wait(StreamId::kCompute, *data_ready_);
+}
+
+void Engine::load_visit(const Visit& v, size_t i) {
+  const int64_t b = v.block;
+  wait_updated(b);
+  if (b == head_ && spec_.tie_embeddings) wait_updated(0);
+  const CacheUnit& u = pool_->acquire(StreamId::kH2D);
+  const BlockState& s = store_->block(size_t(b));
+  auto bytes = s.compute_bytes();
+  device_->copy_h2d(StreamId::kH2D, u.params_bf16, bytes.data(), bytes.size(), {"h2d params", int32_t(b)});
+  if (b == head_ && spec_.tie_embeddings) {
+    auto emb = store_->block(0).compute_bytes();
+    device_->copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + bytes.size(), emb.data(),
+                      emb.size(), {"h2d tied embedding", int32_t(b)});
+  }
+  auto ready = device_->make_event();
+  device_->record(*ready, StreamId::kH2D);
+  loaded_[i] = {&u, std::move(ready)};
+}
+
+void Engine::run_forward(int64_t b, const CacheUnit& u) {
+  const int64_t M = config_.accumulation;
+  at::Tensor params = params_view(u, b);
+  if (config_.checkpoints_on_host) {
+    // Block b writes ring set (b+1)%2, whose checkpoint copy-out (two blocks ago) must be done.
+    device_->wait(StreamId::kCompute, *ring_free_[(b + 1) % 2]);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    at::Tensor in = b == 0 ? ids_dev_.chunk(M, 0)[m] : act(b, m);
+    at::Tensor out = act(b + 1, m);
+    device_->launch(StreamId::kCompute, {"forward", int32_t(b), spec_.cost(b, config_.micro_batch, config_.seq,
+                                                                            config_.compute.vocab_chunk, int(compute_bytes_)).forward_flops},
+                    [this, b, params, in, out](const LaunchContext&) {
+                      out.copy_(runner_->forward(b, params, in));
+                    });
+  }
+  if (config_.checkpoints_on_host && b + 1 < head_) {
+    // Copy block b+1's inputs out; the ring set is free again once they left.
+    auto done = device_->make_event();
+    device_->record(*done, StreamId::kCompute);
+    device_->wait(StreamId::kD2H, *done);
+    for (int64_t m = 0; m < M; ++m) {
+      at::Tensor a = act(b + 1, m);
+      device_->copy_d2h(StreamId::kD2H, host_ckpt_[size_t((b + 1) * M + m)].data(), a.data_ptr(),
+                        a.nbytes(), {"d2h checkpoint", int32_t(b + 1)});
+    }
+    device_->record(*ring_free_[(b + 1) % 2], StreamId::kD2H);
+  }
+}
+
+void Engine::run_head(const CacheUnit& u, bool train) {
+  const int64_t M = config_.accumulation;
+  at::Tensor params = params_view(u, head_);
+  at::Tensor grads = grads_view(u);
+  const int64_t own = int64_t(layouts_[head_].total_elems());
+  const bool tied = spec_.tie_embeddings;
+  const int64_t valid = (at::from_blob(labels_host_.data(), {int64_t(labels_host_.size())}, at::kLong) != -100)
+                            .sum().item<int64_t>();
+  STRIDER_CHECK(!train || valid > 0, "the batch has no label other than -100: nothing to train on");
+  BlockCost cost = spec_.cost(head_, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_));
+  if (train) device_->launch(StreamId::kCompute, {"zero grads", int32_t(head_)}, [grads](const LaunchContext&) { grads.zero_(); });
+  for (int64_t m = 0; m < M; ++m) {
+    at::Tensor in = act(head_, m);
+    at::Tensor labels = labels_dev_.chunk(M, 0)[m];
+    at::Tensor gout = grad_out_[size_t(m)];
+    device_->launch(StreamId::kCompute, {train ? "head loss+backward" : "head loss", int32_t(head_),
+                                         train ? cost.forward_flops + cost.backward_flops : cost.forward_flops},
+                    [this, m, params, grads, in, labels, gout, own, tied, train, valid](const LaunchContext&) {
+                      at::Tensor own_p = params.slice(0, 0, own);
+                      at::Tensor tied_p = tied ? params.slice(0, own) : at::Tensor();
+                      at::Tensor own_g = grads.slice(0, 0, own);
+                      at::Tensor tied_g = tied ? grads.slice(0, own, own + params.numel() - own) : at::Tensor();
+                      HeadResult r = train ? runner_->head_backward(own_p, own_g, tied_p, tied_g, in, labels,
+                                                                    1.0 / double(valid))
+                                           : runner_->head_eval(own_p, tied_p, in, labels);
+                      head_loss_[size_t(m)] = r.loss_sum;
+                      head_valid_[size_t(m)] = r.valid_tokens;
+                      if (train) gout.copy_(r.grad_input);
+                    });
+  }
+  if (!train) return;
+  auto done = device_->make_event();
+  device_->record(*done, StreamId::kCompute);
+  device_->wait(StreamId::kD2H, *done);
+  BlockState& s = store_->block(size_t(head_));
+  device_->copy_d2h(StreamId::kD2H, s.grad.data(), u.grads_fp32, s.grad.size(), {"d2h grads", int32_t(head_)});
+  device_->record(*grads_ready_[head_], StreamId::kD2H);
+  if (tied) {
+    device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data(), u.grads_fp32 + own, tied_grad_host_.size_bytes(),
+                      {"d2h tied grads", int32_t(head_)});
+    device_->record(*tied_grad_ready_, StreamId::kD2H);
+  }
+}
+
+void Engine::run_backward(int64_t b, const CacheUnit& u) {
+  const int64_t M = config_.accumulation;
+  at::Tensor params = params_view(u, b);
+  at::Tensor grads = grads_view(u).slice(0, 0, int64_t(layouts_[b].total_elems()));
+  if (b == 0 && spec_.tie_embeddings) {
+    // The embedding's gradient starts from the head's share, so the sum runs
+    // in the same order as in the resident reference. (Issued here, not when
+    // the unit is prefetched: the head's share must have been computed.)
+    device_->wait(StreamId::kH2D, *tied_grad_ready_);
+    device_->copy_h2d(StreamId::kH2D, u.grads_fp32, tied_grad_host_.data(), tied_grad_host_.size_bytes(),
+                      {"h2d tied gradient", 0});
+    auto in = device_->make_event();
+    device_->record(*in, StreamId::kH2D);
+    device_->wait(StreamId::kCompute, *in);
+  } else {
+    device_->launch(StreamId::kCompute, {"zero grads", int32_t(b)}, [grads](const LaunchContext&) { grads.zero_(); });
+  }
+  if (config_.checkpoints_on_host && b >= 1 && b < head_) {
+    // Bring block b's inputs back into ring set b%2 once its last reader is done.
+    auto reader_done = device_->make_event();
+    device_->record(*reader_done, StreamId::kCompute);
+    device_->wait(StreamId::kH2D, *reader_done);
+    // ...and once the forward's copy-out of this checkpoint has landed (the
+    // set's latest copy-out is at or after it on the d2h stream).
+    device_->wait(StreamId::kH2D, *ring_free_[b % 2]);
+    for (int64_t m = 0; m < M; ++m) {
+      at::Tensor a = act(b, m);
+      device_->copy_h2d(StreamId::kH2D, a.data_ptr(), host_ckpt_[size_t(b * M + m)].data(), a.nbytes(),
+                        {"h2d checkpoint", int32_t(b)});
+    }
+    auto back = device_->make_event();
+    device_->record(*back, StreamId::kH2D);
+    device_->wait(StreamId::kCompute, *back);
+  }
+  const double flops = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_))
+                           .backward_flops * 1.5;  // recompute + backward
+  for (int64_t m = 0; m < M; ++m) {
+    at::Tensor in = b == 0 ? ids_dev_.chunk(M, 0)[m] : act(b, m);
+    at::Tensor gout = grad_out_[size_t(m)];
+    device_->launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
+                    [this, b, params, grads, in, gout](const LaunchContext&) {
+                      at::Tensor gin = runner_->backward(b, params, in, gout, grads);
+                      if (gin.defined()) gout.copy_(gin);
+                    });
+  }
+  auto done = device_->make_event();
+  device_->record(*done, StreamId::kCompute);
+  device_->wait(StreamId::kD2H, *done);
+  BlockState& s = store_->block(size_t(b));
+  device_->copy_d2h(StreamId::kD2H, s.grad.data(), u.grads_fp32, s.grad.size(), {"d2h grads", int32_t(b)});
+  device_->record(*grads_ready_[b], StreamId::kD2H);
+}
+
+void Engine::collect_device_spans() {
+  std::vector<OpSpan> spans;
+  device_->drain_spans(spans);
+  for (const OpSpan& o : spans) {
+    Lane lane = o.stream == StreamId::kCompute ? Lane::kCompute : o.stream == StreamId::kH2D ? Lane::kH2D : Lane::kD2H;
+    timeline_.add({lane, o.tag.name, o.tag.block, -1, steps_, o.begin_us + device_origin_us_,
+                   o.end_us + device_origin_us_, o.tag.flops, o.tag.bytes});
+  }
+}
+
+void Engine::run_pass(const std::vector<Visit>& visits, bool train) {
+  const size_t n = visits.size(), ahead = size_t(config_.window) - 1;
+  loaded_.clear();
+  loaded_.resize(n);
+  size_t next = 0;
+  for (size_t i = 0; i < n; ++i) {
+    // Visits i .. i+K-1 hold the K units; i-1 was released last iteration.
+    for (; next < n && next <= i + ahead; ++next) load_visit(visits[next], next);
+    const Visit& v = visits[i];
+    const CacheUnit& u = *loaded_[i].unit;
+    device_->wait(StreamId::kCompute, *loaded_[i].ready);
+    switch (v.kind) {
+      case Visit::kForward: run_forward(v.block, u); break;
+      case Visit::kHead: run_head(u, train); break;
+      case Visit::kBackward: run_backward(v.block, u); break;
+    }
+    if (v.kind == Visit::kForward || !train) pool_->release(u, {StreamId::kCompute});
+    else pool_->release(u, {StreamId::kCompute, StreamId::kD2H});
+  }
+}
+
+StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
+  const double t0 = Timeline::now_us();
+  StepReport rep;
+  rep.step = steps_ + 1;
+  rep.lr = config_.adam.lr * config_.schedule.factor(steps_);
+  rep.tokens = config_.batch() * config_.seq;
+  upload_batch(ids, labels);
+  run_pass(visits_, /*train=*/true);
+
+  auto job = std::make_shared<UpdateJob>();
+  job->step = rep.step;
+  job->lr = rep.lr;
+  {
+    std::lock_guard lk(mu_);
+    jobs_.push_back(job);
+    ++steps_;
+  }
+  cv_.notify_all();
+
+  // The loss is known once the head ran; the step ends when every gradient
+  // has landed and the norm is known (the updates may continue).
+  device_->synchronize(StreamId::kCompute);
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [&] { return norm_step_ >= rep.step || updater_error_; });
+    if (updater_error_) std::rethrow_exception(updater_error_);
+    rep.grad_norm = last_norm_;
+  }
+  double loss = 0;
+  for (double l : head_loss_) loss += l;
+  for (int64_t v : head_valid_) rep.valid_tokens += v;
+  rep.loss = loss / double(rep.valid_tokens);
+  const double t1 = Timeline::now_us();
+  collect_device_spans();
+  rep.step_s = (t1 - t0) * 1e-6;
+  rep.tokens_per_s = double(rep.tokens) / rep.step_s;
+  rep.stats = timeline_.stats(t0, t1);
+  rep.peak_device_bytes = device_->peak_allocated_bytes();
+  return rep;
+}
+
+double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
+  upload_batch(ids, labels);
+  run_pass(eval_visits_, /*train=*/false);
+  device_->synchronize(StreamId::kCompute);
+  collect_device_spans();
+  double loss = 0;
+  int64_t valid = 0;
+  for (size_t m = 0; m < head_loss_.size(); ++m) {
+    loss += head_loss_[m];
+    valid += head_valid_[m];
+  }
+  STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");
+  return loss / double(valid);
+}
+
+void Engine::init_params(uint64_t seed) {
+  for (int64_t b = 0; b < num_blocks_; ++b) {
+    std::vector<float> w(layouts_[b].total_elems(), 0.0f);
+    for (const TensorSlot& t : layouts_[b].slots()) {
+      const bool norm = t.name.ends_with("norm.weight"), bias = t.name.ends_with(".bias");
+      if (bias) continue;
+      // One generator per tensor, seeded by its name: the values do not depend
+      // on the block layout or on the order blocks are initialised in.
+      std::mt19937_64 rng(seed ^ std::hash<std::string>{}(t.name));
+      std::normal_distribution<float> nd(0.0f, 0.02f);
+      for (size_t i = 0; i < t.numel; ++i) w[t.offset_elems + i] = norm ? 1.0f : nd(rng);
+    }
+    write_state(b, ExtentKind::kMaster, w);
+    std::fill(w.begin(), w.end(), 0.0f);
+    write_state(b, ExtentKind::kAdamM, w);
+    write_state(b, ExtentKind::kAdamV, w);
+  }
+}
+
+void Engine::set_param(const std::string& name, std::span<const float> values) {
+  for (int64_t b = 0; b < num_blocks_; ++b) {
+    const TensorSlot* t = layouts_[b].find(name);
+    if (!t) continue;
+    STRIDER_CHECK(values.size() == t->numel, "parameter '{}' has {} elements; {} given", name, t->numel, values.size());
+    std::vector<float> w(layouts_[b].total_elems());
+    read_state(b, ExtentKind::kMaster, w);
+    std::copy(values.begin(), values.end(), w.begin() + t->offset_elems);
+    write_state(b, ExtentKind::kMaster, w);
+    return;
+  }
+  throw Error(fmt::format("{} has no parameter '{}'", spec_.arch_name, name));
+}
+
+std::vector<float> Engine::param(const std::string& name) {
+  for (int64_t b = 0; b < num_blocks_; ++b) {
+    const TensorSlot* t = layouts_[b].find(name);
+    if (!t) continue;
+    std::vector<float> w(layouts_[b].total_elems());
+    read_state(b, ExtentKind::kMaster, w);
+    return {w.begin() + t->offset_elems, w.begin() + t->offset_elems + t->numel};
+  }
+  throw Error(fmt::format("{} has no parameter '{}'", spec_.arch_name, name));
+}
+
+}  // namespace strider

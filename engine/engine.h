@@ -1,0 +1,188 @@
+// Engine: the sliding-window training step of DESIGN.md ("One training step").
+//
+// The device holds K cache units, a window over the model's blocks; the host
+// holds every block's bf16 (or fp32) compute copy and, in RAM or on NVMe, its
+// fp32 master/m/v. A step of M micro-batches is one sequence of block visits:
+//   forward 0 .. B-2, head (loss + its backward), backward B-2 .. 0
+// Each visit needs its block's parameters in a unit; the H2D for visit i is
+// issued K-1 visits ahead. Backward visits accumulate fp32 gradients in the
+// unit over all micro-batches and copy them out once. An updater thread runs
+// CPU AdamW per block as its gradients land (reading/writing NVMe-tier state
+// through the NvmeStore), or, with global-norm clipping, after all have landed
+// and in forward order, overlapped with the next step's forward. The next H2D
+// of a block waits for exactly that block's update.
+//
+// The same code runs on CpuDevice (tests, with chaos) and CudaDevice; results
+// are bit-identical to ResidentModel + AdamW whatever K, the tiers or where
+// checkpoints live.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/block_runner.h"
+#include "engine/lr_schedule.h"
+#include "engine/model_spec.h"
+#include "engine/timeline.h"
+#include "gpu/cache_unit_pool.h"
+#include "gpu/device.h"
+#include "host/cpu_adam.h"
+#include "host/param_store.h"
+#include "host/pinned_arena.h"
+#include "io/nvme_store.h"
+
+namespace strider {
+
+struct EngineConfig {
+  int64_t seq = 128;
+  int64_t micro_batch = 1;     // sequences per micro-batch
+  int64_t accumulation = 1;    // micro-batches per optimizer step (M)
+  ComputeOptions compute;      // dtype and LM-head vocabulary chunk
+  int64_t window = 2;          // K cache units on the device
+  bool checkpoints_on_host = false;  // block inputs copied out to pinned host memory
+  AdamHyper adam;
+  LrSchedule schedule;
+  double clip_norm = 0;        // > 0: exact global-norm clipping
+  int optimizer_threads = 0;   // 0: all hardware threads
+  std::string nvme_dir;        // where NVMe-tier state lives (needed if nvme_blocks is not empty)
+  std::vector<int64_t> nvme_blocks;  // blocks whose fp32 master/m/v live on NVMe
+  NvmeBackend nvme_backend = NvmeBackend::kAuto;
+  LockPolicy lock = LockPolicy::kPrefer;
+
+  int64_t batch() const { return micro_batch * accumulation; }
+};
+
+struct StepReport {
+  int64_t step = 0;            // 1 for the first update
+  double loss = 0;             // mean over the batch's valid tokens
+  int64_t tokens = 0;          // batch * seq
+  int64_t valid_tokens = 0;
+  double grad_norm = 0;        // before clipping
+  double lr = 0;
+  double step_s = 0;
+  double tokens_per_s = 0;
+  StepStats stats;             // per-lane busy time, overlap efficiency
+  size_t peak_device_bytes = 0;
+};
+
+class Engine {
+ public:
+  Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Parameters. Call before the first step (or between steps; they wait for
+  // pending updates). `name` is a checkpoint tensor name.
+  void init_params(uint64_t seed);  // N(0, 0.02) weights, ones for norms, zero biases
+  void set_param(const std::string& name, std::span<const float> values);
+  std::vector<float> param(const std::string& name);
+  // A block's fp32 state (master, Adam m or v; total_elems long), from RAM or
+  // NVMe, and back. Writing the master also rewrites the compute copy.
+  void read_state(int64_t block, ExtentKind kind, std::span<float> out);
+  void write_state(int64_t block, ExtentKind kind, std::span<const float> in);
+
+  // One optimizer step over `ids` / `labels`, [batch, seq] int64 each (labels
+  // aligned with ids, -100 where no loss counts). Returns when the loss and the
+  // gradient norm are known; the updates may still be running (the next step
+  // waits for each block's update just before it needs the block).
+  StepReport step(const int64_t* ids, const int64_t* labels);
+  // Loss over a batch with the same window and no update (mean over valid tokens).
+  double evaluate(const int64_t* ids, const int64_t* labels);
+  // Waits for every pending update.
+  void finish_updates();
+
+  const ModelSpec& spec() const { return spec_; }
+  const EngineConfig& config() const { return config_; }
+  Device& device() { return *device_; }
+  Timeline& timeline() { return timeline_; }
+  int64_t steps_done() const { return steps_; }
+  size_t arena_bytes() const { return arena_->capacity_bytes(); }
+
+ private:
+  struct Visit { enum Kind { kForward, kHead, kBackward } kind; int64_t block; };
+  struct Loaded { const CacheUnit* unit; std::unique_ptr<Event> ready; };
+
+  void check_config() const;
+  void run_pass(const std::vector<Visit>& visits, bool train);
+  void allocate_activations();
+  void upload_batch(const int64_t* ids, const int64_t* labels);
+  void load_visit(const Visit& v, size_t i);    // acquire + H2D (+ tied weight) into loaded_[i]
+  void run_forward(int64_t b, const CacheUnit& u);
+  void run_head(const CacheUnit& u, bool train);
+  void run_backward(int64_t b, const CacheUnit& u);
+  at::Tensor params_view(const CacheUnit& u, int64_t b) const;
+  at::Tensor grads_view(const CacheUnit& u) const;
+  at::Tensor act(int64_t b, int64_t m) const;   // input of block b for micro-batch m
+  void wait_updated(int64_t b);
+  void collect_device_spans();
+
+  // The updater (optimizer and NVMe lanes), engine_update.cpp.
+  struct UpdateJob {
+    int64_t step = 0;  // 1-based: the AdamW step count
+    double lr = 0;
+  };
+  void updater_main();
+  void update_block(const UpdateJob& job, int64_t b, double grad_scale);
+  bool on_nvme(int64_t b) const { return nvme_slot_.at(b) >= 0; }
+
+  ModelSpec spec_;
+  EngineConfig config_;
+  std::unique_ptr<Device> device_;
+  at::Device aten_device_;
+  int64_t num_blocks_, head_;
+  std::vector<ParamLayout> layouts_;
+  size_t compute_bytes_;            // 2 (bf16) or 4 (fp32)
+  std::unique_ptr<PinnedArena> arena_;
+  std::unique_ptr<ParamStore> store_;
+  std::unique_ptr<NvmeStore> nvme_;
+  std::vector<int> nvme_slot_;      // per block: index among NVMe blocks, or -1
+  std::unique_ptr<CacheUnitPool> pool_;
+  std::unique_ptr<BlockRunner> runner_;
+  std::unique_ptr<CpuAdam> adam_;
+  Timeline timeline_;
+  double device_origin_us_ = 0;
+
+  // Pinned host staging.
+  std::span<int64_t> ids_host_, labels_host_;
+  std::span<float> tied_grad_host_;         // the head's gradient of a tied embedding
+  std::vector<std::span<std::byte>> host_ckpt_;  // [b * M + m], checkpoints on host
+  struct NvmeStaging { std::span<std::byte> master, m, v; std::vector<NvmeTicket> writes; };
+  std::vector<NvmeStaging> nvme_staging_;   // 2 slots: current and read-ahead
+
+  // Device memory beyond the pool, allocated once.
+  std::vector<DeviceBuffer> device_buffers_;
+  at::Tensor ids_dev_, labels_dev_;         // [batch, seq]
+  std::vector<at::Tensor> act_;             // checkpoints (device) or the 2-set ring
+  std::vector<at::Tensor> grad_out_;        // [M] gradient flowing backward
+  std::vector<std::unique_ptr<Event>> ring_free_;  // per ring set: its last reader is done
+  std::unique_ptr<Event> data_ready_, tied_grad_ready_;
+
+  // Per-step state shared with closures (they run in stream order).
+  std::vector<double> head_loss_;           // per micro-batch loss sums
+  std::vector<int64_t> head_valid_;
+  std::vector<Visit> visits_, eval_visits_;
+  std::vector<Loaded> loaded_;
+  std::vector<std::unique_ptr<Event>> grads_ready_;  // per block: its D2H is done
+  int64_t steps_ = 0;
+
+  // Updater thread.
+  std::thread updater_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<UpdateJob>> jobs_;
+  std::vector<int64_t> updated_;            // per block: updates applied
+  std::exception_ptr updater_error_;
+  bool stopping_ = false;
+  double last_norm_ = -1;                   // set by the updater per step
+  int64_t norm_step_ = 0;
+};
+
+}  // namespace strider

@@ -1,0 +1,160 @@
+// The engine's host lanes: the updater thread (CPU AdamW per block, global
+// norm, clipping) and the block state it reads and writes in RAM or on NVMe.
+#include <cmath>
+#include <cstring>
+
+#include "engine/engine.h"
+#include "host/bf16.h"
+#include "host/error.h"
+#include "host/grad_norm.h"
+
+namespace strider {
+
+void Engine::updater_main() {
+  for (;;) {
+    std::shared_ptr<UpdateJob> job;
+    {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [&] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, nothing left
+      job = jobs_.front();
+      jobs_.pop_front();
+    }
+    try {
+      // Gradients land in backward order: head, B-2, ..., 0.
+      std::vector<double> sumsq(size_t(num_blocks_), 0.0);
+      const bool clip = config_.clip_norm > 0;
+      auto land = [&](int64_t b) {
+        grads_ready_[b]->synchronize();
+        BlockState& s = store_->block(size_t(b));
+        sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(s.grad.data()), s.elems()});
+      };
+      auto publish_norm = [&] {
+        double total = 0;
+        for (double x : sumsq) total += x;  // block order: independent of arrival order
+        std::lock_guard lk(mu_);
+        last_norm_ = std::sqrt(total);
+        norm_step_ = job->step;
+      };
+      if (!clip) {
+        for (int64_t b = head_; b >= 0; --b) {
+          land(b);
+          update_block(*job, b, 1.0);
+        }
+        publish_norm();
+        cv_.notify_all();
+      } else {
+        for (int64_t b = head_; b >= 0; --b) land(b);
+        publish_norm();
+        cv_.notify_all();
+        // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1.
+        const double coef = std::min(1.0, config_.clip_norm / (last_norm_ + 1e-6));
+        for (int64_t b = 0; b <= head_; ++b) update_block(*job, b, coef);  // forward order
+      }
+    } catch (...) {
+      std::lock_guard lk(mu_);
+      updater_error_ = std::current_exception();
+      cv_.notify_all();
+      return;
+    }
+  }
+}
+
+void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale) {
+  AdamHyper h = config_.adam;
+  h.lr = job.lr;
+  const AdamStep st = AdamStep::make(h, job.step, grad_scale);
+  BlockState& s = store_->block(size_t(b));
+  const size_t n = s.elems();
+  const bool fp32 = !s.compute_f32.empty();
+  float *p = s.master.data(), *m = s.m.data(), *v = s.v.data();
+  NvmeStaging* slot = nullptr;
+  if (on_nvme(b)) {
+    slot = &nvme_staging_[size_t(nvme_slot_[b] % 2)];
+    for (auto& t : slot->writes) nvme_->wait(t);  // the slot's previous write-back left
+    slot->writes.clear();
+    const double r0 = Timeline::now_us();
+    std::vector<NvmeTicket> reads;
+    for (auto [kind, buf] : {std::pair{ExtentKind::kMaster, slot->master}, {ExtentKind::kAdamM, slot->m},
+                             {ExtentKind::kAdamV, slot->v}}) {
+      const Extent& e = nvme_->extent(b, kind);
+      reads.push_back(nvme_->read(e, buf.first(e.io_bytes)));
+    }
+    for (auto& t : reads) nvme_->wait(t);
+    timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(b), -1, job.step, r0, Timeline::now_us(), 0,
+                   uint64_t(3 * n * sizeof(float))});
+    p = reinterpret_cast<float*>(slot->master.data());
+    m = reinterpret_cast<float*>(slot->m.data());
+    v = reinterpret_cast<float*>(slot->v.data());
+  }
+  const double t0 = Timeline::now_us();
+  AdamArgs args{p, m, v, s.grad.data(), DType::kF32, fp32 ? nullptr : s.compute.data(), n};
+  if (fp32) {
+    // fp32 compute: the compute copy is the master itself, chunk by chunk.
+    adam_->step(st, args, [&](size_t begin, size_t end) {
+      std::memcpy(s.compute_f32.data() + begin, p + begin, (end - begin) * sizeof(float));
+    });
+  } else {
+    adam_->step(st, args);
+  }
+  timeline_.add({Lane::kOptimizer, "adamw", int32_t(b), -1, job.step, t0, Timeline::now_us(), 0,
+                 uint64_t(n * 28)});
+  if (slot) {
+    const double w0 = Timeline::now_us();
+    for (auto [kind, buf] : {std::pair{ExtentKind::kMaster, slot->master}, {ExtentKind::kAdamM, slot->m},
+                             {ExtentKind::kAdamV, slot->v}}) {
+      const Extent& e = nvme_->extent(b, kind);
+      slot->writes.push_back(nvme_->write(e, buf.first(e.io_bytes), [this, b, w0, step = job.step](std::exception_ptr err) {
+        if (!err) timeline_.add({Lane::kNvmeWrite, "nvme write state", int32_t(b), -1, step, w0, Timeline::now_us()});
+      }));
+    }
+  }
+  {
+    std::lock_guard lk(mu_);
+    updated_[size_t(b)] = job.step;
+  }
+  cv_.notify_all();
+}
+
+void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
+  finish_updates();
+  STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
+                "read_state: block {} and a buffer of {} elements do not match", b, out.size());
+  if (!on_nvme(b)) {
+    BlockState& s = store_->block(size_t(b));
+    std::span<float> src = kind == ExtentKind::kMaster ? s.master : kind == ExtentKind::kAdamM ? s.m : s.v;
+    std::copy(src.begin(), src.end(), out.begin());
+    return;
+  }
+  NvmeStaging& slot = nvme_staging_[0];
+  for (auto& t : slot.writes) nvme_->wait(t);
+  slot.writes.clear();
+  const Extent& e = nvme_->extent(b, kind);
+  nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
+  std::memcpy(out.data(), slot.master.data(), out.size_bytes());
+}
+
+void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
+  finish_updates();
+  STRIDER_CHECK(b >= 0 && b < num_blocks_ && in.size() == layouts_[b].total_elems(),
+                "write_state: block {} and a buffer of {} elements do not match", b, in.size());
+  BlockState& s = store_->block(size_t(b));
+  if (kind == ExtentKind::kMaster) {  // the compute copy follows the master
+    if (!s.compute.empty()) float_to_bf16(in, s.compute);
+    else std::copy(in.begin(), in.end(), s.compute_f32.begin());
+  }
+  if (!on_nvme(b)) {
+    std::span<float> dst = kind == ExtentKind::kMaster ? s.master : kind == ExtentKind::kAdamM ? s.m : s.v;
+    std::copy(in.begin(), in.end(), dst.begin());
+    return;
+  }
+  NvmeStaging& slot = nvme_staging_[0];
+  for (auto& t : slot.writes) nvme_->wait(t);
+  slot.writes.clear();
+  const Extent& e = nvme_->extent(b, kind);
+  std::memset(slot.master.data(), 0, e.io_bytes);
+  std::memcpy(slot.master.data(), in.data(), in.size_bytes());
+  nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
+}
+
+}  // namespace strider
