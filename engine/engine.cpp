@@ -441,6 +441,15 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
   return loss / double(valid);
 }
 
+void Engine::set_steps_done(int64_t steps) {
+  STRIDER_CHECK(steps >= 0, "set_steps_done({}): a step count is >= 0", steps);
+  finish_updates();
+  std::lock_guard lk(mu_);
+  steps_ = steps;
+  norm_step_ = steps;
+  for (auto& u : updated_) u = steps;
+}
+
 void Engine::init_params(uint64_t seed) {
   for (int64_t b = 0; b < num_blocks_; ++b) {
     std::vector<float> w(layouts_[b].total_elems(), 0.0f);

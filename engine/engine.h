@@ -104,6 +104,9 @@ class Engine {
   Device& device() { return *device_; }
   Timeline& timeline() { return timeline_; }
   int64_t steps_done() const { return steps_; }
+  // For resuming: the optimizer steps already taken (AdamW's bias corrections
+  // and the learning-rate schedule continue from here). Between steps only.
+  void set_steps_done(int64_t steps);
   size_t arena_bytes() const { return arena_->capacity_bytes(); }
 
  private:

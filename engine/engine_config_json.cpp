@@ -1,0 +1,82 @@
+#include "engine/engine_config_json.h"
+
+#include <nlohmann/json.hpp>
+
+#include "host/error.h"
+
+namespace strider {
+
+namespace {
+const char* shape_name(LrShape s) {
+  return s == LrShape::kConstant ? "constant" : s == LrShape::kLinear ? "linear" : "cosine";
+}
+}  // namespace
+
+nlohmann::json engine_config_to_json(const EngineConfig& c) {
+  return {{"seq", c.seq},
+          {"micro_batch", c.micro_batch},
+          {"accumulation", c.accumulation},
+          {"dtype", c.compute.dtype == at::kFloat ? "fp32" : "bf16"},
+          {"vocab_chunk", c.compute.vocab_chunk},
+          {"window", c.window},
+          {"checkpoints_on_host", c.checkpoints_on_host},
+          {"lr", c.adam.lr},
+          {"beta1", c.adam.beta1},
+          {"beta2", c.adam.beta2},
+          {"eps", c.adam.eps},
+          {"weight_decay", c.adam.weight_decay},
+          {"optimizer", c.adam.mode == AdamMode::kAdamW ? "adamw" : "adam"},
+          {"schedule", shape_name(c.schedule.shape)},
+          {"warmup_steps", c.schedule.warmup_steps},
+          {"total_steps", c.schedule.total_steps},
+          {"clip_norm", c.clip_norm},
+          {"optimizer_threads", c.optimizer_threads},
+          {"nvme_dir", c.nvme_dir},
+          {"nvme_blocks", c.nvme_blocks}};
+}
+
+EngineConfig engine_config_from_json(const nlohmann::json& j) {
+  STRIDER_CHECK(j.is_object(), "engine config: expected a JSON object, got {}", j.dump());
+  EngineConfig c;
+  const nlohmann::json known = engine_config_to_json(c);
+  for (const auto& [key, value] : j.items()) {
+    STRIDER_CHECK(known.contains(key), "engine config: unknown field '{}'", key);
+    STRIDER_CHECK(value.type() == known[key].type() ||
+                      (value.is_number() && known[key].is_number()) || key == "nvme_blocks",
+                  "engine config: field '{}' has the wrong type ({})", key, value.dump());
+  }
+  auto get = [&](const char* key, auto& out) {
+    if (j.contains(key)) out = j[key].get<std::decay_t<decltype(out)>>();
+  };
+  get("seq", c.seq);
+  get("micro_batch", c.micro_batch);
+  get("accumulation", c.accumulation);
+  if (j.contains("dtype")) {
+    const std::string d = j["dtype"];
+    STRIDER_CHECK(d == "fp32" || d == "bf16", "engine config: dtype '{}' is not fp32 or bf16", d);
+    c.compute.dtype = d == "fp32" ? at::kFloat : at::kBFloat16;
+  }
+  get("vocab_chunk", c.compute.vocab_chunk);
+  get("window", c.window);
+  get("checkpoints_on_host", c.checkpoints_on_host);
+  get("lr", c.adam.lr);
+  get("beta1", c.adam.beta1);
+  get("beta2", c.adam.beta2);
+  get("eps", c.adam.eps);
+  get("weight_decay", c.adam.weight_decay);
+  if (j.contains("optimizer")) {
+    const std::string o = j["optimizer"];
+    STRIDER_CHECK(o == "adamw" || o == "adam", "engine config: optimizer '{}' is not adamw or adam", o);
+    c.adam.mode = o == "adamw" ? AdamMode::kAdamW : AdamMode::kAdam;
+  }
+  if (j.contains("schedule")) c.schedule.shape = LrSchedule::parse_shape(j["schedule"]);
+  get("warmup_steps", c.schedule.warmup_steps);
+  get("total_steps", c.schedule.total_steps);
+  get("clip_norm", c.clip_norm);
+  get("optimizer_threads", c.optimizer_threads);
+  get("nvme_dir", c.nvme_dir);
+  get("nvme_blocks", c.nvme_blocks);
+  return c;
+}
+
+}  // namespace strider
