@@ -51,10 +51,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   const size_t tokens = size_t(config_.batch() * config_.seq);
   const size_t act_bytes = size_t(config_.micro_batch * config_.seq * spec_.dims.hidden) * compute_bytes_;
   const size_t emb_elems = layouts_[0].total_elems();
-  size_t arena_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) + 8 * kAlign;
-  if (spec_.tie_embeddings) arena_bytes += round_up(emb_elems * 4, kAlign);
-  if (config_.checkpoints_on_host) arena_bytes += size_t(head_ * M) * round_up(act_bytes, kAlign);
-  arena_bytes += 2 * 3 * max_nvme_state;
+  const size_t arena_bytes = footprint(spec_, config_).host_bytes;
   arena_ = std::make_unique<PinnedArena>(arena_bytes, ArenaOptions{.lock = config_.lock, .name = "strider host arena"});
   if (auto reg = device_->host_registrar()) arena_->attach(reg);
   store_ = std::make_unique<ParamStore>(specs, so, *arena_);
@@ -87,8 +84,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
 
   // The device: K units sized for the largest block (with a tied embedding the
   // head also holds the embedding's weight, after its own tensors).
-  size_t unit_elems = store_->max_block_elems();
-  if (spec_.tie_embeddings) unit_elems = std::max(unit_elems, layouts_[head_].total_elems() + emb_elems);
+  const size_t unit_elems = footprint(spec_, config_).unit_elems;
   pool_ = std::make_unique<CacheUnitPool>(
       *device_, size_t(config_.window), unit_elems,
       CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = compute_bytes_});
@@ -116,6 +112,45 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   if (!sync_spans.empty()) device_origin_us_ = Timeline::now_us() - sync_spans.back().end_us;
 
   updater_ = std::thread([this] { updater_main(); });
+}
+
+EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) {
+  EngineFootprint f;
+  const int64_t blocks = spec.num_blocks(), head = blocks - 1, M = c.accumulation;
+  const size_t cbytes = c.compute.dtype == at::kFloat ? 4 : 2;
+  std::vector<BlockSpec> specs;
+  std::vector<bool> nvme(size_t(blocks), false);
+  for (int64_t b : c.nvme_blocks)
+    if (b >= 0 && b < blocks) nvme[size_t(b)] = true;
+  size_t max_elems = 0, max_nvme_state = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    specs.push_back({spec.layout(b), !nvme[size_t(b)]});
+    const size_t n = specs.back().layout.total_elems();
+    max_elems = std::max(max_elems, n);
+    if (nvme[size_t(b)]) {
+      max_nvme_state = std::max(max_nvme_state, round_up(n * 4, kAlign));
+      f.nvme_bytes += 3 * round_up(n * 4, kAlign);
+    }
+  }
+  const size_t emb_elems = specs[0].layout.total_elems();
+  f.unit_elems = spec.tie_embeddings ? std::max(max_elems, specs[size_t(head)].layout.total_elems() + emb_elems)
+                                     : max_elems;
+  f.unit_bytes = CacheUnitPool::unit_bytes_for(f.unit_elems, cbytes);
+  f.pool_bytes = f.unit_bytes * uint64_t(c.window);
+  // Must match allocate_activations(): the batch, checkpoints or ring, output gradients.
+  const size_t tokens = size_t(c.batch() * c.seq);
+  const size_t act = round_up(size_t(c.micro_batch * c.seq * spec.dims.hidden) * cbytes, 256);
+  const int64_t sets = c.checkpoints_on_host ? 2 : head;
+  f.activation_bytes = 2 * round_up(tokens * 8, 256) + uint64_t(sets * M) * act + uint64_t(M) * act;
+  f.device_bytes = f.pool_bytes + f.activation_bytes;
+  // Must match the constructor's carving.
+  StoreOptions so{.grad_dtype = DType::kF32, .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16};
+  f.host_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) + 8 * kAlign;
+  if (spec.tie_embeddings) f.host_bytes += round_up(emb_elems * 4, kAlign);
+  if (c.checkpoints_on_host)
+    f.host_bytes += uint64_t(head * M) * round_up(size_t(c.micro_batch * c.seq * spec.dims.hidden) * cbytes, kAlign);
+  f.host_bytes += 2 * 3 * max_nvme_state;
+  return f;
 }
 
 Engine::~Engine() {

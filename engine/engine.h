@@ -72,8 +72,22 @@ struct StepReport {
   size_t peak_device_bytes = 0;
 };
 
+// What an Engine allocates, computed by the same code the Engine sizes its
+// buffers with (so the Plan's numbers are the Engine's numbers).
+struct EngineFootprint {
+  uint64_t unit_elems = 0;          // parameters one cache unit holds
+  uint64_t unit_bytes = 0;          // one unit: parameters + fp32 gradients
+  uint64_t pool_bytes = 0;          // K units
+  uint64_t activation_bytes = 0;    // checkpoints (or the ring), output gradients, the batch
+  uint64_t device_bytes = 0;        // pool + activations: every device allocation
+  uint64_t host_bytes = 0;          // the pinned arena
+  uint64_t nvme_bytes = 0;          // NVMe-tier state files
+};
+
 class Engine {
  public:
+  static EngineFootprint footprint(const ModelSpec& spec, const EngineConfig& config);
+
   Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device);
   ~Engine();
   Engine(const Engine&) = delete;

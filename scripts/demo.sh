@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Sets up whatever is missing, builds, and runs strider's main job on its
-# built-in default. Until the engine lands (issue 6) that job is the optimizer
-# benchmark: CpuAdam against the machine's memory roofline and torch's fused
-# AdamW, 16M and 256M parameters, 1..all threads.
+# built-in default: `strider finetune` with no model or data given fine-tunes
+# the built-in model on generated data on the CPU device (or a GPU when one is
+# usable) under a small device budget, so the window slides. Extra arguments
+# go to `strider finetune` (see build/strider finetune --help).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/scripts/setup.sh"
 build=${STRIDER_BUILD_DIR:-$here/build}
-exec "$build/bench/bench_adam" "$@"
+cd "$here"
+exec "$build/strider" finetune "$@"

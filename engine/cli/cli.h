@@ -1,0 +1,12 @@
+// The `strider` command line: subcommands share this header.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace strider::cli {
+
+// Each registers its subcommand; the returned callback runs it (exit code).
+std::function<int()> add_finetune(CLI::App& app);
+std::function<int()> add_plan(CLI::App& app);
+
+}  // namespace strider::cli

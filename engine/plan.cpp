@@ -1,0 +1,173 @@
+#include "engine/plan.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "host/error.h"
+
+namespace strider {
+
+uint64_t parse_bytes(const std::string& text) {
+  size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (...) {
+    throw Error(fmt::format("'{}' is not a size (use e.g. 24GiB, 512MiB, 2e9)", text));
+  }
+  std::string unit = text.substr(pos);
+  std::erase_if(unit, [](char c) { return std::isspace(static_cast<unsigned char>(c)); });
+  for (auto& c : unit) c = char(std::tolower(static_cast<unsigned char>(c)));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1}, {"b", 1}, {"k", 1024.0}, {"kb", 1e3}, {"kib", 1024.0}, {"m", 1048576.0}, {"mb", 1e6},
+      {"mib", 1048576.0}, {"g", 1073741824.0}, {"gb", 1e9}, {"gib", 1073741824.0},
+      {"t", 1099511627776.0}, {"tb", 1e12}, {"tib", 1099511627776.0}};
+  for (auto [name, mult] : kUnits)
+    if (unit == name) {
+      STRIDER_CHECK(value >= 0, "size '{}' is negative", text);
+      return uint64_t(std::llround(value * mult));
+    }
+  throw Error(fmt::format("'{}': unknown unit '{}' (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)", text, unit));
+}
+
+std::string format_bytes(uint64_t b) {
+  if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", double(b) / double(1ull << 30));
+  if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", double(b) / double(1ull << 20));
+  if (b >= (1ull << 10)) return fmt::format("{:.1f} KiB", double(b) / 1024.0);
+  return fmt::format("{} B", b);
+}
+
+EngineConfig Plan::engine_config(const PlanLimits& l) const {
+  EngineConfig c;
+  c.seq = l.seq;
+  c.micro_batch = l.micro_batch;
+  c.accumulation = l.accumulation;
+  c.compute = {l.dtype, l.vocab_chunk};
+  c.window = window;
+  c.checkpoints_on_host = checkpoints_on_host;
+  c.nvme_dir = l.nvme_dir;
+  c.nvme_blocks = nvme_blocks;
+  return c;
+}
+
+Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
+  Plan p;
+  STRIDER_CHECK(l.device_bytes > 0, "plan: the device budget must be > 0");
+  const int64_t blocks = spec.num_blocks();
+  const int cbytes = l.dtype == at::kFloat ? 4 : 2;
+  // ATen's working memory: the largest block's backward (recompute + autograd)
+  // or the head's chunked loss, for one micro-batch. An estimate: the engine
+  // does not allocate it, ATen's caching allocator does.
+  uint64_t work = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes);
+    work = std::max<uint64_t>(work, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
+  }
+  p.device_work_bytes = work;
+
+  PlanLimits lim = l;
+  auto fits = [&](int64_t k, bool host_ckpt, EngineFootprint* out) {
+    Plan trial;
+    trial.window = k;
+    trial.checkpoints_on_host = host_ckpt;
+    EngineFootprint f = Engine::footprint(spec, trial.engine_config(lim));
+    if (out) *out = f;
+    return f.device_bytes + work <= l.device_bytes;
+  };
+
+  // Checkpoints on the device when they fit with K = 2, else on the host.
+  EngineFootprint f;
+  bool host_ckpt = l.checkpoints == CheckpointPlace::kHost;
+  if (l.checkpoints == CheckpointPlace::kAuto && !fits(2, false, nullptr)) host_ckpt = true;
+  const int64_t k_min = l.window > 0 ? l.window : 2;
+  if (!fits(k_min, host_ckpt, &f)) {
+    p.reason = fmt::format(
+        "needs {} of device memory for K={} at micro-batch {} (seq {}): {} cache units of {}, {} of "
+        "activations{}, ~{} of working memory; the budget is {}",
+        format_bytes(f.device_bytes + work), k_min, l.micro_batch, l.seq, k_min, format_bytes(f.unit_bytes),
+        format_bytes(f.activation_bytes), host_ckpt ? " (checkpoints on the host)" : "", format_bytes(work),
+        format_bytes(l.device_bytes));
+    return p;
+  }
+  int64_t k = k_min;
+  if (l.window == 0) {
+    const int64_t cap = std::min<int64_t>(blocks, kMaxAutoWindow);
+    while (k < cap && fits(k + 1, host_ckpt, nullptr)) ++k;
+  }
+  p.window = k;
+  p.checkpoints_on_host = host_ckpt;
+  p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head", blocks, spec.layers));
+  p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients) {}", k, k,
+                              format_bytes(fits(k, host_ckpt, &f) ? f.unit_bytes : 0), f.unit_elems,
+                              l.window > 0 ? "(as asked)" : k == blocks ? "(the whole model fits)"
+                                             : k == kMaxAutoWindow ? "(more hides no more transfer time)"
+                                                                   : "(the most that fits)"));
+  p.why.push_back(fmt::format("checkpoints (block inputs) on the {}: {} of activations on the device", host_ckpt ? "host" : "device",
+                              format_bytes(f.activation_bytes)));
+
+  // Host RAM: move blocks' fp32 state to NVMe, largest first, until it fits.
+  if (l.host_bytes > 0 && f.host_bytes > l.host_bytes) {
+    if (l.nvme_dir.empty()) {
+      p.feasible = false;
+      p.reason = fmt::format("needs {} of pinned host RAM (fp32 master, Adam m and v: 12 bytes per parameter, "
+                             "plus the compute copy); the limit is {}; give an NVMe directory (--nvme) for the "
+                             "optimizer state",
+                             format_bytes(f.host_bytes), format_bytes(l.host_bytes));
+      return p;
+    }
+    std::vector<int64_t> order(static_cast<size_t>(blocks));
+    for (int64_t b = 0; b < blocks; ++b) order[size_t(b)] = b;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+      return spec.layout(a).total_elems() > spec.layout(b).total_elems();
+    });
+    for (int64_t b : order) {
+      lim.nvme_dir = l.nvme_dir;
+      p.nvme_blocks.push_back(b);
+      Plan trial = p;
+      f = Engine::footprint(spec, trial.engine_config(lim));
+      if (f.host_bytes <= l.host_bytes) break;
+    }
+    if (f.host_bytes > l.host_bytes) {
+      p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (bf16 compute "
+                             "copies and gradient staging stay in RAM); the limit is {}",
+                             format_bytes(f.host_bytes), format_bytes(l.host_bytes));
+      return p;
+    }
+    std::sort(p.nvme_blocks.begin(), p.nvme_blocks.end());
+    p.why.push_back(fmt::format("optimizer state of {} of {} blocks on NVMe ({}): host RAM limit {}",
+                                p.nvme_blocks.size(), blocks, format_bytes(f.nvme_bytes), format_bytes(l.host_bytes)));
+  } else {
+    p.why.push_back("optimizer state (fp32 master, Adam m, v) in host RAM");
+  }
+  p.feasible = true;
+  p.unit_elems = f.unit_elems;
+  p.unit_bytes = f.unit_bytes;
+  p.device_buffer_bytes = f.device_bytes;
+  p.device_peak_bytes = f.device_bytes + work;
+  p.host_bytes = f.host_bytes;
+  p.nvme_bytes = f.nvme_bytes;
+  p.why.push_back(fmt::format("device: {} allocated at start + ~{} ATen working memory = {} of {}",
+                              format_bytes(f.device_bytes), format_bytes(work), format_bytes(p.device_peak_bytes),
+                              format_bytes(l.device_bytes)));
+  p.why.push_back(fmt::format("host: {} pinned", format_bytes(f.host_bytes)));
+  return p;
+}
+
+std::string Plan::explain() const {
+  if (!feasible) return "not feasible: " + reason;
+  std::string out;
+  for (const auto& line : why) out += "  " + line + "\n";
+  return out;
+}
+
+nlohmann::json Plan::to_json() const {
+  return {{"feasible", feasible}, {"reason", reason}, {"window", window},
+          {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
+          {"unit_bytes", unit_bytes}, {"device_buffer_bytes", device_buffer_bytes},
+          {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
+          {"host_bytes", host_bytes}, {"nvme_bytes", nvme_bytes}, {"why", why}};
+}
+
+}  // namespace strider
