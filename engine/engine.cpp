@@ -64,8 +64,10 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   if (!extents.empty()) {
     STRIDER_CHECK(!config_.nvme_dir.empty(), "{} blocks keep their state on NVMe but no NVMe directory is set",
                   extents.size() / 3);
+    NvmeStoreOptions nopt;
+    nopt.backend = config_.nvme_backend;
     nvme_ = std::make_unique<NvmeStore>(std::vector<std::string>{config_.nvme_dir + "/strider-state.bin"},
-                                        extents, NvmeStoreOptions{.backend = config_.nvme_backend});
+                                        extents, nopt);
     arena_->attach(nvme_->registrar());
     for (int s = 0; s < 2; ++s)
       nvme_staging_.push_back({arena_->carve(max_nvme_state, kAlign, "nvme staging master"),

@@ -1,0 +1,3 @@
+# Benchmarks of engine/ (bench_step: offloaded vs resident step on the CPU device).
+add_executable(bench_step ${CMAKE_CURRENT_SOURCE_DIR}/bench_step.cpp)
+target_link_libraries(bench_step PRIVATE strider::engine CLI11::CLI11 nlohmann_json::nlohmann_json)
