@@ -1,0 +1,233 @@
+// torch.classes.strider.Engine: the sliding-window Engine driven from Python.
+//
+//   e = torch.classes.strider.Engine(model_config_json, engine_config_json,
+//                                    "cpu", 0, False, 1)
+//   e.set_param("model.embed_tokens.weight", w)       # or e.init_params(seed)
+//   report = json.loads(e.step(ids, labels))          # int64 [batch, seq] each
+//
+// A thin binding: it validates every argument before the engine sees it (a
+// refused call leaves parameters and optimizer state as they were), converts
+// tensors to the engine's fp32 / int64 host buffers, and turns our errors into
+// Python exceptions that carry our message: ValueError for bad arguments and
+// bad configs, RuntimeError for failures while running.
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <fmt/format.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "engine/engine_config_json.h"
+#include "engine/model_spec.h"
+#include "gpu/device.h"
+#include "host/error.h"
+
+namespace strider {
+namespace {
+
+// Runs `fn`, rethrowing our exceptions as c10 errors, which Python maps to
+// ValueError (c10::ValueError) or RuntimeError (c10::Error).
+template <typename Fn>
+auto translated(const char* what, bool value_error, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK_VALUE(false, what, ": ", e.what());
+  } catch (const Error& e) {
+    if (value_error) TORCH_CHECK_VALUE(false, e.what());
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+nlohmann::json parse_json(const std::string& text, const char* what) {
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK_VALUE(false, what, " is not valid JSON: ", e.what());
+  }
+}
+
+class EngineHolder : public torch::CustomClassHolder {
+ public:
+  EngineHolder(const std::string& model_config_json, const std::string& engine_config_json,
+               const std::string& device_spec, int64_t device_budget_bytes, bool chaos, int64_t chaos_seed) {
+    TORCH_CHECK_VALUE(device_budget_bytes >= 0, "device_budget_bytes must be >= 0 (0: the device's default), got ",
+                      device_budget_bytes);
+    const nlohmann::json model_json = parse_json(model_config_json, "model_config_json");
+    const nlohmann::json engine_json = parse_json(engine_config_json, "engine_config_json");
+    ModelSpec spec = translated("model_config_json", true, [&] { return ModelSpec::from_json(model_json, "model_config_json"); });
+    EngineConfig config = translated("engine_config_json", true, [&] { return engine_config_from_json(engine_json); });
+    for (int64_t b = 0; b < spec.num_blocks(); ++b) {
+      const ParamLayout layout = spec.layout(b);  // named: slots() refers into it
+      for (const TensorSlot& t : layout.slots()) {
+        names_.push_back(t.name);
+        shapes_[t.name] = t.shape;
+      }
+    }
+    DeviceOptions dev{.spec = device_spec,
+                      .budget_bytes = size_t(device_budget_bytes),
+                      .record_spans = true,
+                      .chaos = {.enabled = chaos, .seed = uint64_t(chaos_seed)}};
+    // The engine checks its config (window, seq against max positions, ...)
+    // and the budget before any work: those are the caller's to fix.
+    engine_ = translated("engine", true, [&] {
+      return std::make_unique<Engine>(std::move(spec), std::move(config), make_device(dev));
+    });
+  }
+
+  void set_param(const std::string& name, const at::Tensor& t) {
+    std::lock_guard lk(mu_);
+    const std::vector<int64_t>& shape = shape_of(name);
+    TORCH_CHECK_VALUE(t.is_floating_point(), "set_param('", name, "'): expected a floating-point tensor, got ",
+                      t.scalar_type());
+    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(shape), "set_param('", name, "'): expected shape ",
+                      at::IntArrayRef(shape), ", got ", t.sizes());
+    at::Tensor f = t.detach().to(at::kCPU, at::kFloat).contiguous();
+    translated("set_param", false, [&] {
+      usable();
+      engine_->set_param(name, {f.data_ptr<float>(), size_t(f.numel())});
+    });
+  }
+
+  at::Tensor param(const std::string& name) {
+    std::lock_guard lk(mu_);
+    const std::vector<int64_t>& shape = shape_of(name);
+    std::vector<float> v = translated("param", false, [&] {
+      usable();
+      return engine_->param(name);
+    });
+    return at::tensor(v, at::kFloat).view(shape);
+  }
+
+  std::vector<std::string> param_names() const { return names_; }
+
+  std::string step(const at::Tensor& ids, const at::Tensor& labels) {
+    std::lock_guard lk(mu_);
+    auto [i, l] = checked_batch("step", ids, labels);
+    StepReport r = run("step", [&] { return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>()); });
+    nlohmann::json busy = nlohmann::json::object();
+    for (int k = 0; k < kNumLanes; ++k)
+      busy[std::string(lane_name(static_cast<Lane>(k)))] = r.stats.lanes[size_t(k)].busy_fraction;
+    return nlohmann::json{{"step", r.step},
+                          {"loss", r.loss},
+                          {"tokens", r.tokens},
+                          {"valid_tokens", r.valid_tokens},
+                          {"grad_norm", r.grad_norm},
+                          {"lr", r.lr},
+                          {"step_s", r.step_s},
+                          {"tokens_per_s", r.tokens_per_s},
+                          {"overlap_efficiency", r.stats.overlap_efficiency},
+                          {"critical_lane", std::string(lane_name(r.stats.critical))},
+                          {"busy_fraction", busy},
+                          {"peak_device_bytes", r.peak_device_bytes}}
+        .dump();
+  }
+
+  double evaluate(const at::Tensor& ids, const at::Tensor& labels) {
+    std::lock_guard lk(mu_);
+    auto [i, l] = checked_batch("evaluate", ids, labels);
+    return run("evaluate", [&] { return engine_->evaluate(i.data_ptr<int64_t>(), l.data_ptr<int64_t>()); });
+  }
+
+  void finish() {
+    std::lock_guard lk(mu_);
+    run("finish", [&] { engine_->finish_updates(); });
+  }
+
+  void init_params(int64_t seed) {
+    std::lock_guard lk(mu_);
+    translated("init_params", false, [&] {
+      usable();
+      engine_->init_params(uint64_t(seed));
+    });
+  }
+
+  void write_trace(const std::string& path) {
+    std::lock_guard lk(mu_);
+    run("write_trace", [&] { engine_->finish_updates(); });  // so the last step's optimizer spans are in
+    translated("write_trace", false, [&] { engine_->timeline().write_chrome_trace(path); });
+  }
+
+ private:
+  const std::vector<int64_t>& shape_of(const std::string& name) const {
+    auto it = shapes_.find(name);
+    TORCH_CHECK_VALUE(it != shapes_.end(), "the model has no parameter '", name,
+                      "' (param_names() lists them; a tied lm_head.weight is model.embed_tokens.weight)");
+    return it->second;
+  }
+
+  // [micro_batch * accumulation, seq] int64 each, token ids in the vocabulary,
+  // labels -100 or token ids, at least one label that counts: all checked here
+  // so that a refused batch never starts a step half-way.
+  std::pair<at::Tensor, at::Tensor> checked_batch(const char* what, const at::Tensor& ids,
+                                                  const at::Tensor& labels) const {
+    const EngineConfig& c = engine_->config();
+    const int64_t vocab = engine_->spec().dims.vocab;
+    const std::vector<int64_t> want{c.batch(), c.seq};
+    for (auto [name, t] : {std::pair{"ids", &ids}, std::pair{"labels", &labels}}) {
+      TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef(want), what, ": ", name, " must have shape [batch, seq] = [",
+                        c.batch(), ", ", c.seq, "] (micro_batch ", c.micro_batch, " x accumulation ", c.accumulation,
+                        ", seq ", c.seq, "), got ", t->sizes());
+      TORCH_CHECK_VALUE(t->scalar_type() == at::kLong, what, ": ", name, " must be int64, got ", t->scalar_type());
+    }
+    at::Tensor i = ids.to(at::kCPU).contiguous(), l = labels.to(at::kCPU).contiguous();
+    const int64_t lo = i.min().item<int64_t>(), hi = i.max().item<int64_t>();
+    TORCH_CHECK_VALUE(lo >= 0 && hi < vocab, what, ": token ids must be in [0, ", vocab, "), got values in [", lo,
+                      ", ", hi, "]");
+    at::Tensor counted = l != -100;
+    TORCH_CHECK_VALUE(((l.lt(0) | l.ge(vocab)) & counted).sum().item<int64_t>() == 0, what,
+                      ": labels must be -100 (no loss) or token ids in [0, ", vocab, ")");
+    TORCH_CHECK_VALUE(counted.any().item<bool>(), what, ": every label is -100, so there is no loss to compute");
+    return {i, l};
+  }
+
+  void usable() const {
+    STRIDER_CHECK(failed_.empty(), "this Engine failed earlier ({}); its state is unknown: make a new one", failed_);
+  }
+
+  // A failure inside a step leaves the engine in an unknown state (units
+  // acquired, updates half-applied): later calls refuse instead of guessing.
+  template <typename Fn>
+  auto run(const char* what, Fn&& fn) -> decltype(fn()) {
+    return translated(what, false, [&] {
+      usable();
+      try {
+        return fn();
+      } catch (const std::exception& e) {
+        failed_ = fmt::format("{}: {}", what, e.what());
+        throw;
+      }
+    });
+  }
+
+  std::mutex mu_;  // Python threads may share one engine; the engine is not reentrant
+  std::unique_ptr<Engine> engine_;
+  std::vector<std::string> names_;  // block order
+  std::map<std::string, std::vector<int64_t>> shapes_;
+  std::string failed_;
+};
+
+}  // namespace
+}  // namespace strider
+
+TORCH_LIBRARY_FRAGMENT(strider, m) {
+  using strider::EngineHolder;
+  m.class_<EngineHolder>("Engine")
+      .def(torch::init<std::string, std::string, std::string, int64_t, bool, int64_t>())
+      .def("set_param", &EngineHolder::set_param)
+      .def("param", &EngineHolder::param)
+      .def("param_names", &EngineHolder::param_names)
+      .def("step", &EngineHolder::step)
+      .def("evaluate", &EngineHolder::evaluate)
+      .def("finish", &EngineHolder::finish)
+      .def("init_params", &EngineHolder::init_params)
+      .def("write_trace", &EngineHolder::write_trace);
+}

@@ -1,0 +1,273 @@
+"""The sliding-window Engine, driven from Python, against transformers + torch.optim.AdamW.
+
+DESIGN.md's "same maths as the reference": in fp32 mode, several optimizer
+steps of the engine (window 2, micro-batches, accumulation, global-norm
+clipping, a warm-up + linear learning-rate schedule, AdamW with weight decay)
+track a plain Hugging Face model trained by torch to 1e-5 relative, in every
+step's loss and in every parameter afterwards; with chaos delays too.
+
+The loss both sides compute: the mean over ALL valid tokens of the whole batch.
+The reference gets there the way a careful HF training loop does: per
+micro-batch, the sum of token losses divided by the batch's valid-token count
+(HF's num_items_in_batch), gradients accumulated, then clip, AdamW, scheduler.
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+BUILD = Path(os.environ.get("STRIDER_BUILD_DIR", ROOT / "build"))
+OPS = BUILD / "python_shim" / "libstrider_ops.so"
+if not OPS.exists():
+    pytest.skip(f"{OPS} is not built (run scripts/setup.sh)", allow_module_level=True)
+torch.ops.load_library(str(OPS))
+try:
+    torch.classes.strider.Engine
+except RuntimeError:  # torch.classes raises, not AttributeError, for an unknown class
+    pytest.skip(f"{OPS} predates torch.classes.strider.Engine: rebuild it", allow_module_level=True)
+
+SEQ, MICRO_BATCH, ACCUMULATION, STEPS = 17, 2, 2, 5
+BATCH = MICRO_BATCH * ACCUMULATION
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
+WARMUP, TOTAL = 2, 6  # factors 0, .5, 1, .75, .5: the first update moves only m and v
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def hf_config(arch):
+    from transformers import LlamaConfig, Qwen3Config
+    if arch == "llama":
+        return LlamaConfig(**SMALL)
+    if arch == "qwen3_tied":
+        return Qwen3Config(**{**SMALL, "num_hidden_layers": 3, "head_dim": 24}, tie_word_embeddings=True)
+    raise KeyError(arch)
+
+
+def make_model(arch, seed=0):
+    torch.manual_seed(seed)
+    cfg = hf_config(arch)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # norms start at ones: perturb them so their updates mean something
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def model_json(model):
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    return json.dumps(cfg, default=str)
+
+
+def engine_json(**over):
+    cfg = dict(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, dtype="fp32", vocab_chunk=300,
+               window=2, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
+               optimizer="adamw", schedule="linear", warmup_steps=WARMUP, total_steps=TOTAL, clip_norm=CLIP)
+    cfg.update(over)
+    return json.dumps(cfg)
+
+
+def batches(vocab, seed=1):
+    """STEPS batches of [BATCH, SEQ]: HF-style labels (equal to ids, -100 where
+    no loss counts), a different number of valid tokens per micro-batch."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(STEPS):
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+        labels = ids.clone()
+        labels[:, :3] = -100              # a prompt that does not count
+        labels[s % BATCH, 9 + s:] = -100  # and padding, in a different sample each step
+        out.append((ids, labels))
+    return out
+
+
+def shifted(labels):
+    """Our labels are aligned with inputs (the token reader shifts); HF shifts inside the loss."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+
+
+def new_engine(model, chaos=False, **over):
+    return torch.classes.strider.Engine(model_json(model), engine_json(**over), "cpu", 0, chaos, 7)
+
+
+def load_into(engine, model):
+    params = dict(model.named_parameters())  # a tied weight appears once
+    assert set(engine.param_names()) == set(params)
+    for name, p in params.items():
+        engine.set_param(name, p.detach())
+
+
+def reference_run(model, data):
+    """transformers + torch.optim.AdamW: per-step (loss, grad norm before clipping)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                            foreach=False)
+    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
+    out = []
+    for ids, labels in data:
+        valid = int((shifted(labels) != -100).sum())
+        opt.zero_grad()
+        loss = 0.0
+        for m in range(ACCUMULATION):
+            rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
+            # HF's loss with num_items_in_batch: sum of token losses / the batch's valid tokens.
+            part = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid).loss
+            part.backward()
+            loss += part.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+        out.append((loss, norm.item()))
+    return out
+
+
+def engine_run(engine, data):
+    return [json.loads(engine.step(ids, shifted(labels))) for ids, labels in data]
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("arch,chaos", [("llama", False), ("qwen3_tied", False), ("llama", True)])
+def test_fp32_steps_track_transformers_and_adamw(arch, chaos):
+    model = make_model(arch)
+    data = batches(model.config.vocab_size)
+    engine = new_engine(model, chaos=chaos)
+    load_into(engine, model)
+    reports = engine_run(engine, data)
+    engine.finish()
+    ref = reference_run(model, data)
+
+    clipped = 0
+    for s, (r, (ref_loss, ref_norm)) in enumerate(zip(reports, ref)):
+        assert r["step"] == s + 1
+        assert r["lr"] == pytest.approx(LR * transformers.optimization._get_linear_schedule_with_warmup_lr_lambda(
+            s, num_warmup_steps=WARMUP, num_training_steps=TOTAL), rel=1e-12, abs=0)
+        assert abs(r["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), f"step {s + 1} loss {r['loss']} vs {ref_loss}"
+        assert abs(r["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, f"step {s + 1} grad norm"
+        assert r["valid_tokens"] == int((shifted(data[s][1]) != -100).sum())
+        clipped += ref_norm > CLIP
+    assert clipped > 0, "no step was clipped: the clipping path went untested"
+
+    for name, p in model.named_parameters():
+        ours = engine.param(name)
+        assert ours.shape == p.shape, name
+        assert rel_err(ours, p.detach()) <= 1e-5, f"{name} after {STEPS} steps"
+
+
+def test_chaos_changes_nothing():
+    """Offload changes nothing: chaos delays and a wider window give bit-identical parameters."""
+    model = make_model("llama")
+    data = batches(model.config.vocab_size)[:2]
+    finals = []
+    for chaos, window in [(False, 2), (True, 2), (True, 3)]:
+        engine = new_engine(model, chaos=chaos, window=window)
+        load_into(engine, model)
+        losses = [r["loss"] for r in engine_run(engine, data)]
+        finals.append((losses, {n: engine.param(n) for n in engine.param_names()}))
+    for losses, params in finals[1:]:
+        assert losses == finals[0][0]
+        for n, p in params.items():
+            assert torch.equal(p, finals[0][1][n]), n
+
+
+def test_report_and_evaluate(tmp_path):
+    model = make_model("llama")
+    ids, labels = batches(model.config.vocab_size)[0]
+    engine = new_engine(model)
+    load_into(engine, model)
+    before = engine.evaluate(ids, shifted(labels))
+    with torch.no_grad():
+        valid = int((shifted(labels) != -100).sum())
+        ref = sum(model(input_ids=ids[m * MICRO_BATCH:(m + 1) * MICRO_BATCH],
+                        labels=labels[m * MICRO_BATCH:(m + 1) * MICRO_BATCH], num_items_in_batch=valid).loss.item()
+                  for m in range(ACCUMULATION))
+    assert before == pytest.approx(ref, rel=1e-5)
+    r = json.loads(engine.step(ids, shifted(labels)))
+    assert r["loss"] == pytest.approx(before, rel=1e-6)  # the same forward, before any update
+    assert r["tokens"] == BATCH * SEQ and 0 < r["valid_tokens"] < r["tokens"]
+    assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["overlap_efficiency"] <= 1.0 + 1e-9
+    assert set(r["busy_fraction"]) >= {"compute", "h2d", "d2h", "optimizer"}
+    assert 0 < r["peak_device_bytes"] <= 1 << 30
+    trace = tmp_path / "trace.json"
+    engine.write_trace(str(trace))
+    names = {e["name"].split(" b")[0] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert {"forward", "recompute+backward", "h2d params", "d2h grads", "adamw"} <= names
+
+
+def test_init_params_and_param_names():
+    model = make_model("qwen3_tied")
+    engine = new_engine(model)
+    names = engine.param_names()
+    assert names[0] == "model.embed_tokens.weight" and "lm_head.weight" not in names  # tied: stored once
+    assert names[-1] == "model.norm.weight"
+    engine.init_params(3)
+    assert torch.equal(engine.param("model.norm.weight"), torch.ones(64))
+    w = engine.param("model.layers.0.mlp.up_proj.weight")
+    assert w.shape == (96, 64) and 0.015 < w.std().item() < 0.025
+    # Any float dtype and any strides go in; fp32 in the layout's shape comes out.
+    v = torch.randn(64, 96).t()
+    assert not v.is_contiguous()
+    engine.set_param("model.layers.0.mlp.up_proj.weight", v.to(torch.bfloat16))
+    assert torch.equal(engine.param("model.layers.0.mlp.up_proj.weight"), v.to(torch.bfloat16).float())
+
+
+def bad_config_message(model, **over):
+    with pytest.raises((ValueError, RuntimeError)) as e:
+        new_engine(model, **over)
+    return str(e.value)
+
+
+def test_bad_configs_are_named():
+    model = make_model("llama")
+    assert "window" in bad_config_message(model, window=1)
+    assert "'windw'" in bad_config_message(model, windw=2)
+    assert "seq" in bad_config_message(model, seq=65)  # past max_position_embeddings
+    assert "dtype" in bad_config_message(model, dtype="fp16")
+    with pytest.raises(ValueError, match="model_config_json.*num_attention_heads|num_attention_heads"):
+        cfg = json.loads(model_json(model))
+        cfg["num_attention_heads"] = 0
+        torch.classes.strider.Engine(json.dumps(cfg), engine_json(), "cpu", 0, False, 1)
+    with pytest.raises(ValueError, match="not valid JSON"):
+        torch.classes.strider.Engine("{", engine_json(), "cpu", 0, False, 1)
+
+
+def test_refused_calls_leave_the_model_untouched():
+    model = make_model("llama")
+    ids, labels = batches(model.config.vocab_size)[0]
+    labels = shifted(labels)
+    engine = new_engine(model)
+    load_into(engine, model)
+    before = {n: engine.param(n) for n in engine.param_names()}
+
+    with pytest.raises(ValueError, match=r"ids must have shape \[batch, seq\] = \[4, 17\]"):
+        engine.step(ids[:, :-1], labels)
+    with pytest.raises(ValueError, match=r"labels must have shape \[batch, seq\] = \[4, 17\]"):
+        engine.step(ids, labels[:2])
+    with pytest.raises(ValueError, match="int64"):
+        engine.step(ids.int(), labels)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 1000\)"):
+        engine.step(torch.full_like(ids, 1000), labels)
+    with pytest.raises(ValueError, match="-100"):
+        engine.step(ids, torch.full_like(labels, 1000))
+    with pytest.raises(ValueError, match="every label is -100"):
+        engine.step(ids, torch.full_like(labels, -100))
+    with pytest.raises(ValueError, match=r"expected shape \[64\]"):
+        engine.set_param("model.norm.weight", torch.ones(63))
+    with pytest.raises(ValueError, match="no parameter 'lm_head.bias'"):
+        engine.param("lm_head.bias")
+
+    for n, p in before.items():
+        assert torch.equal(engine.param(n), p), n
+    # Still usable: the refused calls started nothing, and the next step is step 1.
+    r = json.loads(engine.step(ids, labels))
+    assert r["step"] == 1
