@@ -1,0 +1,542 @@
+// Training checkpoints: a resumed run is bit-identical to an uninterrupted
+// one (parameters and optimizer state, across a change of window and tiers);
+// a process SIGKILLed at random moments while saving always leaves a
+// checkpoint that loads and equals exactly the state of the step it names;
+// bad input is refused by name before the engine changes; a full disk leaves
+// the previous checkpoint loadable.
+#include "tests/catch_torch.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/engine.h"
+#include "engine/hf_checkpoint.h"
+#include "engine/train_checkpoint.h"
+#include "host/bf16.h"
+#include "host/error.h"
+
+using namespace strider;
+namespace fs = std::filesystem;
+
+namespace {
+
+nlohmann::json tiny_config(bool tied, int64_t layers = 3) {
+  return {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 32}, {"intermediate_size", 48},
+          {"num_hidden_layers", layers}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+          {"vocab_size", 96}, {"max_position_embeddings", 64}, {"rms_norm_eps", 1e-5},
+          {"tie_word_embeddings", tied}};
+}
+
+struct Batch { std::vector<int64_t> ids, labels; };
+Batch batch(int64_t n, int64_t seq, int64_t vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  Batch b;
+  for (int64_t i = 0; i < n * seq; ++i) {
+    b.ids.push_back(int64_t(rng() % vocab));
+    b.labels.push_back(i % 7 == 0 ? -100 : int64_t(rng() % vocab));
+  }
+  return b;
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    char tmpl[] = "/tmp/strider-tckpt-test-XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+struct Placement {
+  int64_t window = 2;
+  bool host_ckpt = false;
+  std::vector<int64_t> nvme;
+  std::string nvme_dir;
+};
+
+Placement window(int64_t k) { return {k, false, {}, {}}; }
+
+EngineConfig config(at::ScalarType dtype, double clip, const Placement& p = {}) {
+  EngineConfig cfg;
+  cfg.seq = 9;
+  cfg.micro_batch = 2;
+  cfg.accumulation = 2;
+  cfg.compute = {dtype, 40};
+  cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
+  cfg.schedule.shape = LrShape::kCosine;  // the schedule must continue from the saved step
+  cfg.schedule.warmup_steps = 1;
+  cfg.schedule.total_steps = 10;
+  cfg.clip_norm = clip;
+  cfg.optimizer_threads = 2;
+  cfg.window = p.window;
+  cfg.checkpoints_on_host = p.host_ckpt;
+  cfg.nvme_blocks = p.nvme;
+  cfg.nvme_dir = p.nvme_dir;
+  return cfg;
+}
+
+std::unique_ptr<Engine> engine(const nlohmann::json& model, const EngineConfig& cfg) {
+  DeviceOptions dopt;
+  dopt.spec = "cpu";
+  dopt.budget_bytes = size_t(64) << 20;
+  return std::make_unique<Engine>(ModelSpec::from_json(model, "tiny"), cfg, make_device(dopt));
+}
+
+// Steps `from` .. `to`-1; the data of step s is always the same batch.
+std::vector<double> train(Engine& e, int from, int to) {
+  std::vector<double> losses;
+  for (int s = from; s < to; ++s) {
+    Batch b = batch(e.config().batch(), e.config().seq, e.spec().dims.vocab, 100 + s);
+    losses.push_back(e.step(b.ids.data(), b.labels.data()).loss);
+  }
+  return losses;
+}
+
+using State = std::vector<std::vector<float>>;  // per block: master, m, v
+State read_all(Engine& e) {
+  State st;
+  for (int64_t b = 0; b < e.spec().num_blocks(); ++b)
+    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
+      std::vector<float> x(e.spec().layout(b).total_elems());
+      e.read_state(b, k, x);
+      st.push_back(std::move(x));
+    }
+  return st;
+}
+bool same_bits(const State& a, const State& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * 4) != 0) return false;
+  return true;
+}
+
+std::vector<std::string> temp_dirs(const fs::path& parent) {
+  std::vector<std::string> out;
+  for (const auto& e : fs::directory_iterator(parent))
+    if (e.path().filename().string().find(".tmp-") != std::string::npos) out.push_back(e.path().string());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("resume is bit-identical to an uninterrupted run, across window and tiers", "[train_checkpoint]") {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (bool tied : {false, true}) {
+      INFO("dtype=" << (dtype == at::kFloat ? "fp32" : "bf16") << " tied=" << tied);
+      const nlohmann::json model = tiny_config(tied);
+      TempDir tmp;
+      const fs::path dir = tmp.path / "ckpt";
+
+      auto ref = engine(model, config(dtype, 0.5, window(5)));
+      ref->init_params(7);
+      const std::vector<double> ref_losses = train(*ref, 0, 4);
+      const State ref_state = read_all(*ref);
+
+      State at_two;
+      {
+        auto first = engine(model, config(dtype, 0.5, window(2)));
+        first->init_params(7);
+        train(*first, 0, 2);
+        at_two = read_all(*first);
+        save_training_checkpoint(dir, *first, model.dump(), {{"loader", {{"cursor", 2}}}, {"seed", 7}});
+      }  // the first engine is gone
+      CHECK_FALSE(same_bits(at_two, ref_state));  // the comparison below can fail
+
+      // Another window, host checkpoints, and three blocks' state on NVMe.
+      auto second = engine(model, config(dtype, 0.5, {3, true, {0, 2, 4}, tmp.path.string()}));
+      second->init_params(99);  // whatever it held before must not matter
+      const nlohmann::json extra = load_training_checkpoint(dir, *second);
+      CHECK(extra == nlohmann::json{{"loader", {{"cursor", 2}}}, {"seed", 7}});
+      CHECK(second->steps_done() == 2);
+      CHECK(same_bits(read_all(*second), at_two));
+      const std::vector<double> losses = train(*second, 2, 4);
+      CHECK(losses[0] == ref_losses[2]);
+      CHECK(losses[1] == ref_losses[3]);
+      CHECK(same_bits(read_all(*second), ref_state));
+
+      // The same directory is a Hugging Face checkpoint of the step-2 weights (bf16).
+      const ModelSpec spec = ModelSpec::from_json(model, "tiny");
+      HfCheckpointReader hf(dir.string(), spec);
+      std::vector<float> w(spec.layout(1).total_elems());
+      hf.read_block(1, w);
+      std::vector<uint16_t> bits(at_two[3].size());
+      float_to_bf16(at_two[3], bits);
+      CHECK(w[0] == std::bit_cast<float>(uint32_t(bits[0]) << 16));
+    }
+  }
+}
+
+TEST_CASE("engine config: maths fields must match unless allowed, placement may change", "[train_checkpoint]") {
+  const nlohmann::json model = tiny_config(false);
+  TempDir tmp;
+  auto e = engine(model, config(at::kFloat, 0.5));
+  e->init_params(7);
+  train(*e, 0, 1);
+  save_training_checkpoint(tmp.path / "c", *e, model.dump());
+
+  EngineConfig other = config(at::kFloat, 0.5);
+  other.adam.lr = 2e-2;
+  other.accumulation = 1;
+  auto f = engine(model, other);
+  CHECK_THROWS_WITH(load_training_checkpoint(tmp.path / "c", *f),
+                    Catch::Contains("trainer_state.json") && Catch::Contains("lr: checkpoint 0.01, engine 0.02") &&
+                        Catch::Contains("accumulation: checkpoint 2, engine 1"));
+  CHECK(f->steps_done() == 0);
+  CHECK_THROWS_WITH(load_training_checkpoint(tmp.path / "c", *f, {.allow_changed = {"lr"}, .verify_checksums = true}),
+                    Catch::Contains("accumulation") && !Catch::Contains("lr:"));
+  CHECK_THROWS_WITH(load_training_checkpoint(tmp.path / "c", *f, {.allow_changed = {"window"}, .verify_checksums = true}),
+                    Catch::Contains("'window'"));
+  other.accumulation = 2;
+  auto g = engine(model, other);
+  load_training_checkpoint(tmp.path / "c", *g, {.allow_changed = {"lr"}, .verify_checksums = true});
+  CHECK(g->steps_done() == 1);
+
+  // Sharded state and model files load the same.
+  TrainCheckpointOptions sharded;
+  sharded.state_shard_bytes = 100'000;
+  sharded.model_shard_bytes = 30'000;
+  save_training_checkpoint(tmp.path / "s", *e, model.dump(), {}, sharded);
+  CHECK(fs::exists(tmp.path / "s" / "state.safetensors.index.json"));
+  CHECK(fs::exists(tmp.path / "s" / "model.safetensors.index.json"));
+  auto h = engine(model, config(at::kFloat, 0.5));
+  load_training_checkpoint(tmp.path / "s", *h);
+  CHECK(same_bits(read_all(*h), read_all(*e)));
+}
+
+TEST_CASE("a crash between the publishing renames leaves a checkpoint the loader finds", "[train_checkpoint]") {
+  const nlohmann::json model = tiny_config(false);
+  TempDir tmp;
+  const fs::path dir = tmp.path / "ckpt", old = tmp.path / "ckpt.old";
+  auto e = engine(model, config(at::kFloat, 0.5));
+  e->init_params(7);
+  train(*e, 0, 1);
+  save_training_checkpoint(dir, *e, model.dump(), {{"step", 1}});
+  train(*e, 1, 2);
+  save_training_checkpoint(dir, *e, model.dump(), {{"step", 2}});
+  CHECK(fs::exists(dir));
+  CHECK_FALSE(fs::exists(old));
+  CHECK(temp_dirs(tmp.path).empty());
+  const State two = read_all(*e);
+
+  // The state after step 1 of publishing: <dir> renamed away, the new one not
+  // yet in place, and a half-written temp directory beside them.
+  fs::rename(dir, old);
+  fs::create_directories(tmp.path / ".ckpt.tmp-99999-0");
+  std::ofstream(tmp.path / ".ckpt.tmp-99999-0" / "trainer_state.json") << "{\"format\": ";
+  auto f = engine(model, config(at::kFloat, 0.5, window(3)));
+  CHECK(inspect_training_checkpoint(dir).path == old);
+  CHECK(load_training_checkpoint(dir, *f) == nlohmann::json{{"step", 2}});
+  CHECK(same_bits(read_all(*f), two));
+
+  // The next save publishes over it and cleans up.
+  train(*f, 2, 3);
+  save_training_checkpoint(dir, *f, model.dump(), {{"step", 3}});
+  CHECK(inspect_training_checkpoint(dir).path == dir);
+  CHECK(inspect_training_checkpoint(dir).step == 3);
+  CHECK_FALSE(fs::exists(old));
+  CHECK(temp_dirs(tmp.path).empty());
+
+  // A directory that is not a checkpoint is never replaced.
+  fs::create_directories(tmp.path / "mine");
+  std::ofstream(tmp.path / "mine" / "notes.txt") << "keep me";
+  CHECK_THROWS_WITH(save_training_checkpoint(tmp.path / "mine", *f, model.dump()),
+                    Catch::Contains("not a strider training checkpoint"));
+  CHECK(fs::exists(tmp.path / "mine" / "notes.txt"));
+
+  // A temp directory alone is not a checkpoint.
+  fs::remove_all(dir);
+  fs::create_directories(tmp.path / ".ckpt.tmp-99999-1");
+  CHECK_THROWS_WITH(inspect_training_checkpoint(dir), Catch::Contains("no training checkpoint"));
+}
+
+TEST_CASE("bad checkpoints are refused by name and leave the engine untouched", "[train_checkpoint]") {
+  const nlohmann::json model = tiny_config(false);
+  TempDir tmp;
+  const fs::path good = tmp.path / "good";
+  {
+    auto e = engine(model, config(at::kFloat, 0.5));
+    e->init_params(7);
+    train(*e, 0, 2);
+    save_training_checkpoint(good, *e, model.dump());
+  }
+  auto copy_of_good = [&](const std::string& name) {
+    const fs::path p = tmp.path / name;
+    fs::copy(good, p, fs::copy_options::recursive);
+    return p;
+  };
+  // The victim: a different state (one step, another init) that must survive.
+  auto victim = engine(model, config(at::kFloat, 0.5, {2, false, {1}, tmp.path.string()}));
+  victim->init_params(3);
+  train(*victim, 0, 1);
+  const State before = read_all(*victim);
+  auto untouched = [&] { return victim->steps_done() == 1 && same_bits(read_all(*victim), before); };
+  auto check_case = [&](const char* name, auto body) {
+    INFO(name);
+    body();
+    CHECK(untouched());
+  };
+
+  check_case("truncated state file", [&] {
+    const fs::path p = copy_of_good("truncated");
+    fs::resize_file(p / "state.safetensors", fs::file_size(p / "state.safetensors") - 100);
+    CHECK_THROWS_WITH(load_training_checkpoint(p, *victim), Catch::Contains((p / "state.safetensors").string()));
+  });
+  check_case("a flipped bit in the state data", [&] {
+    const fs::path p = copy_of_good("flipped");
+    std::fstream f(p / "state.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(-7, std::ios::end);
+    char c = 0;
+    f.read(&c, 1);
+    c ^= 0x10;
+    f.seekp(-7, std::ios::end);
+    f.write(&c, 1);
+    f.close();
+    CHECK_THROWS_WITH(load_training_checkpoint(p, *victim),
+                      Catch::Contains("checksum") && Catch::Contains("state.safetensors") && Catch::Contains("head"));
+  });
+  check_case("state file missing", [&] {
+    const fs::path p = copy_of_good("nostate");
+    fs::remove(p / "state.safetensors");
+    CHECK_THROWS_WITH(load_training_checkpoint(p, *victim), Catch::Contains("state.safetensors") && Catch::Contains("missing"));
+  });
+  check_case("missing trainer_state.json", [&] {
+    const fs::path p = copy_of_good("nots");
+    fs::remove(p / "trainer_state.json");
+    CHECK_THROWS_WITH(load_training_checkpoint(p, *victim),
+                      Catch::Contains((p / "trainer_state.json").string()) && Catch::Contains("missing"));
+  });
+  check_case("a field of trainer_state.json missing", [&] {
+    const fs::path p = copy_of_good("nostep");
+    nlohmann::json ts = nlohmann::json::parse(std::ifstream(p / "trainer_state.json"));
+    ts.erase("step");
+    std::ofstream(p / "trainer_state.json") << ts.dump();
+    CHECK_THROWS_WITH(load_training_checkpoint(p, *victim),
+                      Catch::Contains("trainer_state.json") && Catch::Contains("'step'"));
+  });
+  check_case("a checkpoint of another model", [&] {
+    const nlohmann::json bigger = tiny_config(false, 4);
+    auto other = engine(bigger, config(at::kFloat, 0.5));
+    other->init_params(1);
+    save_training_checkpoint(tmp.path / "other", *other, bigger.dump());
+    CHECK_THROWS_WITH(load_training_checkpoint(tmp.path / "other", *victim),
+                      Catch::Contains("trainer_state.json") && Catch::Contains("another model") &&
+                          Catch::Contains("num_hidden_layers: checkpoint 4, engine 3"));
+  });
+  check_case("a state file of another model under a matching trainer_state.json", [&] {
+    const nlohmann::json tied = tiny_config(true);
+    auto other = engine(tied, config(at::kFloat, 0.5));
+    other->init_params(1);
+    train(*other, 0, 2);  // the same step, so only the tensors differ
+    save_training_checkpoint(tmp.path / "tied", *other, tied.dump());
+    const fs::path p = copy_of_good("mixed");
+    fs::copy_file(tmp.path / "tied" / "state.safetensors", p / "state.safetensors",
+                  fs::copy_options::overwrite_existing);
+    CHECK_THROWS_WITH(load_training_checkpoint(p, *victim),
+                      Catch::Contains("state.safetensors") && Catch::Contains("lm_head.weight"));
+  });
+  check_case("saving with the config of another model fails before any file exists", [&] {
+    CHECK_THROWS_WITH(save_training_checkpoint(tmp.path / "never", *victim, tiny_config(false, 2).dump()),
+                      Catch::Contains("num_hidden_layers"));
+    CHECK_FALSE(fs::exists(tmp.path / "never"));
+    CHECK(temp_dirs(tmp.path).empty());
+  });
+  load_training_checkpoint(good, *victim);
+  CHECK_FALSE(untouched());  // a load does change it: the checks above can fail
+}
+
+namespace {
+
+// A small tmpfs mounted for the test; not mounted when this process may not.
+struct SmallTmpfs {
+  TempDir dir;
+  bool mounted = false;
+  explicit SmallTmpfs(const char* size) {
+    mounted = mount("tmpfs", dir.path.c_str(), "tmpfs", 0, (std::string("size=") + size).c_str()) == 0;
+  }
+  ~SmallTmpfs() {
+    if (mounted) umount2(dir.path.c_str(), MNT_DETACH);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a full disk fails the save naming the file and keeps the previous checkpoint", "[train_checkpoint]") {
+  // One checkpoint of the tiny model is ~450 KB: room for one, not for two.
+  SmallTmpfs small("700k");
+  if (!small.mounted) {
+    WARN("cannot mount a tmpfs here (" << std::strerror(errno) << "): ENOSPC case not run");
+    return;
+  }
+  const nlohmann::json model = tiny_config(false);
+  const fs::path dir = small.dir.path / "ckpt";
+  auto e = engine(model, config(at::kFloat, 0.5));
+  e->init_params(7);
+  train(*e, 0, 1);
+  save_training_checkpoint(dir, *e, model.dump(), {{"step", 1}});
+  const State one = read_all(*e);
+  train(*e, 1, 2);
+  CHECK_THROWS_WITH(save_training_checkpoint(dir, *e, model.dump(), {{"step", 2}}),
+                    Catch::Contains("No space left on device") && Catch::Contains(".safetensors") &&
+                        Catch::Contains("intact"));
+  CHECK(temp_dirs(small.dir.path).empty());
+  auto f = engine(model, config(at::kFloat, 0.5, window(3)));
+  CHECK(load_training_checkpoint(dir, *f) == nlohmann::json{{"step", 1}});
+  CHECK(same_bits(read_all(*f), one));
+}
+
+// ---- crash safety: a child process saving in a loop, SIGKILLed at random ----
+
+namespace {
+
+constexpr int kReportFd = 100;   // the child's end of the pipe: 'S' as a save starts, 'D' when done
+constexpr int kMaxStep = 8;      // the child keeps re-saving this step once reached
+const char* const kChildName = "train checkpoint crash child";
+
+EngineConfig crash_config(const Placement& p = {}) { return config(at::kFloat, 0.5, p); }
+
+}  // namespace
+
+// Runs only when the parent test below execs this binary for it.
+TEST_CASE("train checkpoint crash child", "[.crash_child]") {
+  const char* dir = std::getenv("STRIDER_TCKPT_CHILD_DIR");
+  if (!dir) return;
+  const nlohmann::json model = tiny_config(false);
+  auto e = engine(model, crash_config());
+  bool resumed = true;
+  try {
+    inspect_training_checkpoint(dir);
+  } catch (const Error&) {
+    resumed = false;
+  }
+  if (resumed) load_training_checkpoint(dir, *e);
+  else e->init_params(7);
+  const auto start = std::chrono::steady_clock::now();
+  while (std::chrono::steady_clock::now() - start < std::chrono::seconds(30)) {  // the parent kills us long before
+    const int s = int(e->steps_done());
+    if (s < kMaxStep) train(*e, s, s + 1);
+    if (::write(kReportFd, "S", 1) != 1) return;
+    save_training_checkpoint(dir, *e, model.dump(), {{"step", e->steps_done()}});
+    if (::write(kReportFd, "D", 1) != 1) return;
+  }
+}
+
+TEST_CASE("SIGKILL at random moments while saving always leaves a loadable, exact checkpoint", "[train_checkpoint]") {
+  using Clock = std::chrono::steady_clock;
+  const nlohmann::json model = tiny_config(false);
+  // What each step's state must be.
+  std::vector<State> ref;
+  {
+    auto r = engine(model, crash_config());
+    r->init_params(7);
+    ref.push_back(read_all(*r));
+    for (int s = 0; s < kMaxStep; ++s) {
+      train(*r, s, s + 1);
+      ref.push_back(read_all(*r));
+    }
+  }
+  TempDir tmp;
+  const fs::path dir = tmp.path / "ckpt";
+  const std::string exe = fs::read_symlink("/proc/self/exe").string();
+  // Everything exec needs is built before fork: the child may only call async-signal-safe functions.
+  std::vector<std::string> env_strings;
+  for (char** p = environ; *p; ++p) env_strings.emplace_back(*p);
+  env_strings.push_back("STRIDER_TCKPT_CHILD_DIR=" + dir.string());
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::string arg0 = exe, arg1 = kChildName;
+  char* argv[] = {arg0.data(), arg1.data(), nullptr};
+
+  auto loader = engine(model, crash_config({3, true, {1, 3}, tmp.path.string()}));
+  std::mt19937 rng(2024);
+  int rounds = 0, from_old = 0, with_temp = 0, last_step = 0;
+  // Measured as we go: how long a save and a whole step + save take in the child.
+  auto save_time = Clock::duration(std::chrono::milliseconds(5));
+  auto cycle_time = Clock::duration(std::chrono::milliseconds(40));
+  const auto start = Clock::now();
+  while (rounds < 4 || (rounds < 16 && Clock::now() - start < std::chrono::seconds(4))) {
+    int fds[2];
+    REQUIRE(::pipe2(fds, O_CLOEXEC) == 0);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::dup2(fds[1], kReportFd);
+      ::execve(exe.c_str(), argv, envp.data());
+      ::_exit(127);
+    }
+    ::close(fds[1]);
+    // The next report from the child; false when it died or went silent.
+    Clock::time_point last_s{}, last_d{};
+    auto next = [&](char want) {
+      for (;;) {
+        pollfd pfd{fds[0], POLLIN, 0};
+        char c = 0;
+        if (::poll(&pfd, 1, 60'000) != 1 || ::read(fds[0], &c, 1) != 1) return false;
+        const auto now = Clock::now();
+        if (c == 'S') {
+          if (last_d != Clock::time_point{}) cycle_time = now - last_d + save_time;
+          last_s = now;
+        } else {
+          last_d = now;
+          save_time = now - last_s;
+        }
+        if (c == want) return true;
+      }
+    };
+    // One save completes first (so there is a checkpoint); then three rounds
+    // in four kill inside a save, the fourth anywhere in a step + save.
+    bool alive = next('D');
+    const bool in_save = rng() % 4 != 0;
+    const int more = int(rng() % 2);
+    for (int i = 0; alive && i < more; ++i) alive = next('D');
+    if (alive && in_save) alive = next('S');
+    const auto window = in_save ? save_time : cycle_time;
+    if (alive)
+      std::this_thread::sleep_for(std::chrono::duration_cast<std::chrono::microseconds>(window) * (rng() % 1000) / 1000);
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ::close(fds[0]);
+    INFO("round " << rounds);
+    REQUIRE(alive);
+    REQUIRE((WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL));
+
+    if (!temp_dirs(tmp.path).empty()) ++with_temp;
+    const TrainCheckpointInfo info = inspect_training_checkpoint(dir);
+    if (info.path != dir) ++from_old;
+    const nlohmann::json extra = load_training_checkpoint(dir, *loader);
+    const int step = int(loader->steps_done());
+    REQUIRE(step >= 1);
+    REQUIRE(step <= kMaxStep);
+    CHECK(extra == nlohmann::json{{"step", step}});
+    CHECK(step >= last_step);  // a published checkpoint never goes back
+    CHECK(same_bits(read_all(*loader), ref[size_t(step)]));
+    last_step = step;
+    ++rounds;
+  }
+  // Figures, not assertions: how often the kill landed where it matters.
+  using Ms = std::chrono::duration<double, std::milli>;
+  const double save_ms = Ms(save_time).count(), cycle_ms = Ms(cycle_time).count();
+  WARN("crash rounds " << rounds << ", last step " << last_step << ", loaded from .old " << from_old
+                       << ", temp dirs left by the kill " << with_temp << ", last save "
+                       << save_ms << " ms, step + save " << cycle_ms << " ms");
+}
