@@ -7,6 +7,9 @@
 #   strider::torch       ATen/c10 on the CPU (gpu/ blocks, engine glue, tests)
 #   strider::torch_cuda  the CUDA half, only where STRIDER_HAVE_CUDA
 set(STRIDER_HAVE_TORCH OFF)
+if(NOT STRIDER_PYTHON AND SKBUILD AND Python_EXECUTABLE)
+  set(STRIDER_PYTHON ${Python_EXECUTABLE})  # pip install .: the installing interpreter
+endif()
 if(NOT STRIDER_PYTHON)
   find_program(STRIDER_PYTHON_FOUND NAMES python3)
   set(STRIDER_PYTHON ${STRIDER_PYTHON_FOUND})

@@ -6,10 +6,14 @@ The build directory is $STRIDER_BUILD_DIR, else <repo>/build.
 """
 import os
 import pathlib
+import sys
 
 import pytest
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+# The `strider` Python package is tested from the source tree, not from a pip install.
+if str(REPO_ROOT / "python_shim") not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT / "python_shim"))
 
 
 def build_dir_path() -> pathlib.Path:

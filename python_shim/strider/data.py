@@ -1,0 +1,300 @@
+"""Token files for strider, from text or chat data, through a Hugging Face tokenizer.
+
+    python -m strider.data --tokenizer <dir> --input corpus.txt --output train.tokens
+    python -m strider.data --tokenizer <dir> --input chats.jsonl --output sft.tokens   # chat: loss mask
+
+Inputs (--format, default from the file name: .jsonl/.json -> chat, else lines):
+  lines  one document per line (blank lines skipped)
+  text   the whole file is one document
+  chat   JSON lines, each {"messages": [{"role": ..., "content": ...}, ...]}, rendered with the
+         tokenizer's chat template; the loss mask is 1 on assistant turns (their content and the
+         template's end-of-turn tokens) and 0 on system, user and template prompt tokens.
+
+The output is io/token_data.h's format, version 1, written with numpy per its
+header comment: uint16 ids when the vocabulary fits (<= 65536 ids), else
+uint32; document starts always (the loader never predicts across them); a loss
+mask for chat data. The engine's command line (`strider finetune --data`) and
+TokenBatches below read it.
+"""
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+MAGIC = int.from_bytes(b"STRDTOKN", "little")
+VERSION = 1
+HEADER_BYTES = 1024
+FLAG_MASK, FLAG_DOCS = 1, 2
+IGNORE_INDEX = -100
+
+
+def _pad8(n):
+    return b"\0" * (-n % 8)
+
+
+def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0):
+    """Writes a token file (io/token_data.h), atomically: a temp file in the same folder, fsync, rename.
+
+    ids: token ids; mask: None (every token a target) or one 0/1 per id; doc_starts: None or strictly
+    increasing indices < len(ids); vocab_size: recorded (0: not recorded), and every id must be below it.
+    """
+    ids = np.asarray(ids, dtype=np.int64).ravel()
+    n = len(ids)
+    if n and ids.min() < 0:
+        raise ValueError(f"write_token_file({path}): negative token id {int(ids.min())}")
+    top = int(ids.max()) + 1 if n else 0
+    if vocab_size and top > vocab_size:
+        raise ValueError(f"write_token_file({path}): token id {top - 1} is not below vocab_size {vocab_size}")
+    token_bytes = 2 if max(vocab_size, top) <= 1 << 16 else 4
+    if top > 1 << 32:
+        raise ValueError(f"write_token_file({path}): token id {top - 1} does not fit in uint32")
+    flags = 0
+    if mask is not None:
+        mask = np.asarray(mask, dtype=np.uint8).ravel()
+        if len(mask) != n or (mask > 1).any():
+            raise ValueError(f"write_token_file({path}): the mask needs one 0/1 byte per token ({n}), got "
+                             f"{len(mask)} values")
+        flags |= FLAG_MASK
+    if doc_starts is not None:
+        doc_starts = np.asarray(doc_starts, dtype=np.uint64).ravel()
+        if len(doc_starts) and (doc_starts[-1] >= n or (np.diff(doc_starts.astype(np.int64)) <= 0).any()):
+            raise ValueError(f"write_token_file({path}): document starts must increase strictly and be < {n}")
+        flags |= FLAG_DOCS
+    h = np.zeros(128, "<u8")
+    h[0], h[1], h[2], h[3], h[4] = MAGIC, VERSION, token_bytes, n, flags
+    h[5] = 0 if doc_starts is None else len(doc_starts)
+    h[6] = vocab_size
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(h.tobytes())
+            body = ids.astype("<u2" if token_bytes == 2 else "<u4").tobytes()
+            f.write(body + _pad8(len(body)))
+            if mask is not None:
+                f.write(mask.tobytes() + _pad8(n))
+            if doc_starts is not None:
+                f.write(doc_starts.astype("<u8").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def read_token_file(path):
+    """A token file's contents: dict(ids, mask (None if absent), doc_starts (None if absent), vocab_size,
+    token_bytes); ids and mask are read-only memory maps. Checks the header and the file's size."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size < HEADER_BYTES:
+        raise ValueError(f"{path}: {size} bytes, shorter than the {HEADER_BYTES}-byte token file header")
+    h = np.fromfile(path, dtype="<u8", count=128)
+    if h[0] != MAGIC:
+        raise ValueError(f"{path}: not a strider token file (magic {int(h[0]):#x})")
+    if h[1] != VERSION:
+        raise ValueError(f"{path}: token file version {int(h[1])}; this reader knows version {VERSION}")
+    token_bytes, n, flags, num_docs, vocab = (int(x) for x in h[2:7])
+    if token_bytes not in (2, 4) or flags & ~3:
+        raise ValueError(f"{path}: bad header (token_bytes {token_bytes}, flags {flags})")
+    body = token_bytes * n
+    want = HEADER_BYTES + body + len(_pad8(body))
+    mask_off = want if flags & FLAG_MASK else None
+    if mask_off is not None:
+        want += n + len(_pad8(n))
+    docs_off = want if flags & FLAG_DOCS else None
+    if docs_off is not None:
+        want += 8 * num_docs
+    if size != want:
+        raise ValueError(f"{path}: {size} bytes, but its header describes {want}")
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    ids = mm[HEADER_BYTES:HEADER_BYTES + body].view("<u2" if token_bytes == 2 else "<u4")
+    mask = mm[mask_off:mask_off + n] if mask_off is not None else None
+    docs = mm[docs_off:docs_off + 8 * num_docs].view("<u8") if docs_off is not None else None
+    return dict(ids=ids, mask=mask, doc_starts=docs, vocab_size=vocab, token_bytes=token_bytes)
+
+
+# -- tokenizing ---------------------------------------------------------------------------------------
+
+
+def encode_document(tokenizer, text, append_eos=True):
+    """A document's ids: the tokenizer's own special tokens (e.g. BOS) and, with append_eos, EOS at the
+    end, so that the model learns where a document stops."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if append_eos and eos is not None and (not ids or ids[-1] != eos):
+        ids.append(eos)
+    return ids
+
+
+def encode_chat(tokenizer, messages):
+    """(ids, mask) of one conversation rendered by the tokenizer's chat template; mask 1 on assistant turns.
+
+    Each assistant turn's characters are found by rendering the conversation up to it (with the generation
+    prompt) and through it: the text between the two is the assistant's. The whole conversation is then
+    tokenized once, and a token is a target if it starts inside an assistant turn. This needs a template
+    whose rendering of a conversation's prefix is a prefix of the whole (true of the common ones; a template
+    that is not is refused with the turn that broke it) and a fast tokenizer (character offsets)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("chat data needs a fast tokenizer (PreTrainedTokenizerFast) for character offsets")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise ValueError("a conversation must be a list of {'role': ..., 'content': ...} messages")
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    full = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(messages[:i], True), render(messages[:i + 1], False)
+        if not (through.startswith(before) and full.startswith(through)):
+            raise ValueError(f"the chat template's rendering of messages[:{i}] is not a prefix of the whole "
+                             "conversation, so the assistant's tokens cannot be located")
+        spans.append((len(before), len(through)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(enc["input_ids"])
+    mask = [int(any(a <= start < b for a, b in spans)) for start, _ in enc["offset_mapping"]]
+    return ids, mask
+
+
+def _documents(path, fmt):
+    """(item, bytes consumed) for each document of the input: text for lines/text, messages for chat."""
+    if fmt == "text":
+        text = Path(path).read_text(encoding="utf-8")
+        yield text, len(text.encode("utf-8"))
+        return
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.decode("utf-8").strip()
+            if not line:
+                yield None, len(raw)
+                continue
+            if fmt == "lines":
+                yield line, len(raw)
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
+                raise ValueError(f"{path}:{lineno}: expected {{\"messages\": [...]}} with at least one message")
+            yield record["messages"], len(raw)
+
+
+def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, progress=True):
+    """Tokenizes input_path into the token file output_path; returns a summary dict."""
+    from tqdm.auto import tqdm
+
+    if fmt == "auto":
+        fmt = "chat" if str(input_path).endswith((".jsonl", ".json")) else "lines"
+    if fmt not in ("lines", "text", "chat"):
+        raise ValueError(f"format {fmt!r} is not lines, text or chat")
+    ids, mask, starts = [], [], []
+    n = 0
+    with tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True, disable=not progress,
+              desc=f"tokenizing {Path(input_path).name}") as bar:
+        for item, consumed in _documents(input_path, fmt):
+            bar.update(consumed)
+            if item is None:
+                continue
+            if fmt == "chat":
+                doc, doc_mask = encode_chat(tokenizer, item)
+                mask.append(np.asarray(doc_mask, np.uint8))
+            else:
+                doc = encode_document(tokenizer, item, append_eos)
+            if not doc:
+                continue
+            starts.append(n)
+            ids.append(np.asarray(doc, np.int64))
+            n += len(doc)
+    if n == 0:
+        raise ValueError(f"{input_path}: no tokens (empty input?)")
+    vocab = len(tokenizer)
+    all_ids = np.concatenate(ids)
+    all_mask = np.concatenate(mask) if fmt == "chat" else None
+    write_token_file(output_path, all_ids, all_mask, starts, vocab_size=vocab)
+    summary = dict(output=str(output_path), format=fmt, tokens=int(n), documents=len(starts), vocab_size=vocab,
+                   token_bytes=2 if vocab <= 1 << 16 else 4)
+    if all_mask is not None:
+        summary["target_fraction"] = float(all_mask.mean())
+    return summary
+
+
+# -- batches for a Python training loop -----------------------------------------------------------------
+
+
+class TokenBatches:
+    """[batch, seq] (input_ids, labels) from a token file, in transformers' convention (labels not shifted).
+
+    The stream is cut into seq-token windows; a label is -100 where the loss mask is 0 and where a document
+    starts (never predict a document's first token from the one before). With shuffle, each epoch visits
+    the windows in an order drawn from (seed, epoch); without, in file order. Endless: iterate with zip or
+    itertools.islice."""
+
+    def __init__(self, path, batch, seq, seed=0, shuffle=True):
+        f = read_token_file(path)
+        self.ids, self.mask = f["ids"], f["mask"]
+        self.starts = np.zeros(len(self.ids), bool)
+        if f["doc_starts"] is not None:
+            self.starts[f["doc_starts"].astype(np.int64)] = True
+        self.batch, self.seq, self.seed, self.shuffle = batch, seq, seed, shuffle
+        self.num_windows = len(self.ids) // seq
+        if self.num_windows == 0:
+            raise ValueError(f"{path}: {len(self.ids)} tokens, fewer than one sequence of {seq}")
+
+    def window(self, w):
+        """(input_ids, labels) of window w, int64 tensors of seq values."""
+        import torch
+        s = w * self.seq
+        ids = np.asarray(self.ids[s:s + self.seq], np.int64)
+        labels = ids.copy()
+        drop = self.starts[s:s + self.seq].copy()
+        if self.mask is not None:
+            drop |= np.asarray(self.mask[s:s + self.seq]) == 0
+        labels[drop] = IGNORE_INDEX
+        return torch.from_numpy(ids), torch.from_numpy(labels)
+
+    def __iter__(self):
+        import torch
+        epoch = 0
+        while True:
+            order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_windows) if self.shuffle
+                     else np.arange(self.num_windows))
+            for i in range(0, len(order) - self.batch + 1, self.batch):
+                rows = [self.window(int(w)) for w in order[i:i + self.batch]]
+                yield torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+            epoch += 1
+
+
+# -- command line ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m strider.data", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory (AutoTokenizer)")
+    p.add_argument("--input", required=True, help="text file, or JSON lines of {\"messages\": [...]}")
+    p.add_argument("--output", required=True, help="the token file to write")
+    p.add_argument("--format", default="auto", choices=["auto", "lines", "text", "chat"],
+                   help="auto: chat for .jsonl/.json, else lines")
+    p.add_argument("--no-eos", action="store_true", help="do not end text documents with the EOS token")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    from transformers import AutoTokenizer
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
+        summary = prepare(tokenizer, a.input, a.output, a.format, append_eos=not a.no_eos, progress=not a.quiet)
+    except (ValueError, OSError) as e:
+        print(f"strider.data: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""strider.Engine: trains a transformers causal LM with the sliding-window engine.
+
+    model = AutoModelForCausalLM.from_pretrained(path)          # on the CPU
+    engine = strider.Engine(model, strider.EngineConfig(seq=1024, micro_batch=2, lr=1e-5))
+    for batch in loader:
+        r = engine.step(batch["input_ids"], batch["labels"], batch["attention_mask"])
+    engine.sync_to_model()                                       # trained weights into `model`
+    model.save_pretrained(out)
+
+The engine keeps its own copy of the weights (fp32 masters, Adam m and v, a
+compute copy) in pinned host memory and streams blocks to the device itself,
+so the model must live on the CPU. Construction copies the model's parameters
+in; sync_to_model() copies the trained masters back, cast to each parameter's
+dtype. Between the two, `model` is not updated.
+
+Batches follow transformers' conventions: labels are NOT shifted (the engine
+predicts labels[t + 1] from position t, as the model's own loss does), -100
+means "no loss", and positions whose attention_mask is 0 get no loss. The
+engine runs causal attention without a padding mask, so padding must be on the
+right (after every real token), where no real token attends to it.
+"""
+import json
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+from strider._library import load_library
+from strider.config import EngineConfig
+
+# The decoder families the C++ ModelSpec implements (engine/model_spec.cpp).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+IGNORE_INDEX = -100
+
+
+@dataclass
+class StepResult:
+    step: int                    # optimizer updates so far (1 after the first)
+    loss: float                  # mean over the batch's valid tokens
+    tokens: int                  # batch * seq, padding included
+    valid_tokens: int            # tokens whose loss counted
+    grad_norm: float             # global norm before clipping
+    lr: float                    # the learning rate this update used
+    step_s: float
+    tokens_per_s: float
+    overlap_efficiency: float    # busiest lane's time / step time (1.0: perfectly hidden)
+    critical_lane: str
+    lanes: Dict[str, float] = field(default_factory=dict)  # busy fraction per lane
+    peak_device_bytes: int = 0
+
+    @classmethod
+    def from_report(cls, report: dict) -> "StepResult":
+        return cls(step=report["step"], loss=report["loss"], tokens=report["tokens"],
+                   valid_tokens=report["valid_tokens"], grad_norm=report["grad_norm"], lr=report["lr"],
+                   step_s=report["step_s"], tokens_per_s=report["tokens_per_s"],
+                   overlap_efficiency=report["overlap_efficiency"], critical_lane=report["critical_lane"],
+                   lanes=dict(report["busy_fraction"]), peak_device_bytes=report["peak_device_bytes"])
+
+
+def architecture_of(model) -> str:
+    """The model's class name; refuses a model that is not a supported causal LM."""
+    name = type(model).__name__
+    listed = list(getattr(getattr(model, "config", None), "architectures", None) or [])
+    if name not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"strider.Engine: {name} (config.architectures {listed}) is not supported; strider trains "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (load the model with AutoModelForCausalLM)")
+    unsupported = [a for a in listed if a not in SUPPORTED_ARCHITECTURES]
+    if unsupported:
+        raise ValueError(f"strider.Engine: config.architectures lists {unsupported}, which strider does not "
+                         f"support (it trains {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return name
+
+
+def check_on_cpu(model):
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise ValueError(f"strider.Engine: parameter {name} is on the meta device (not materialised); load "
+                             "the model's weights on the CPU first")
+        if p.device.type != "cpu":
+            raise ValueError(f"strider.Engine: parameter {name} is on {p.device}; keep the model on the CPU "
+                             "(model.to('cpu')): strider holds the weights in host memory and streams them to "
+                             "the GPU itself, so a second copy on the GPU would only take its memory")
+
+
+class Engine:
+    """The sliding-window engine, loaded with a transformers model's weights."""
+
+    def __init__(self, model, config: Optional[EngineConfig] = None):
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"strider.Engine: config must be a strider.EngineConfig, got {type(config).__name__}")
+        config.validate()
+        arch = architecture_of(model)
+        check_on_cpu(model)
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        if max_pos is not None and config.seq > max_pos:
+            raise ValueError(f"EngineConfig.seq = {config.seq} is past the model's max_position_embeddings "
+                             f"({max_pos}); lower seq")
+        load_library()
+
+        model_config = model.config.to_dict()
+        model_config["architectures"] = [arch]
+        # Everything the engine builds is checked before anything is allocated, and nothing of the
+        # model is written: a refusal here leaves `model` as it was.
+        self._engine = torch.classes.strider.Engine(json.dumps(model_config, default=str), config.engine_json(),
+                                                    config.device, config.device_budget_bytes, config.chaos,
+                                                    config.chaos_seed)
+        self.model = model
+        self.config = config
+        self._names = list(self._engine.param_names())
+        params = dict(model.named_parameters())  # a tied weight appears once
+        missing = [n for n in self._names if n not in params]
+        extra = [n for n in params if n not in set(self._names)]
+        if missing or extra:
+            raise ValueError(f"strider.Engine: the model's parameters do not match what the engine trains for "
+                             f"{arch}: the model lacks {missing[:5]}, the engine has no place for {extra[:5]}")
+        for name in self._names:
+            self._engine.set_param(name, params[name].detach())
+        self.last_result: Optional[StepResult] = None
+
+    # -- batches ---------------------------------------------------------------------------------------
+    def _prepare(self, what, input_ids, labels, attention_mask):
+        """[rows, length] HF batch -> the engine's [batch, seq] int64 ids and shifted labels.
+
+        Fewer rows or a shorter length than the config's are padded (ids 0, labels -100): padding on the
+        right of a causal model changes no real token's output, and rows with no valid label add nothing
+        to the loss, which is a mean over valid tokens."""
+        c = self.config
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"{what}: input_ids must be integer token ids of shape [batch, seq], got "
+                             f"{tuple(ids.shape)} {ids.dtype}")
+        rows, length = ids.shape
+        if rows > c.batch or length > c.seq or rows == 0 or length == 0:
+            raise ValueError(f"{what}: input_ids has shape {tuple(ids.shape)}; the engine takes up to [batch, seq] = "
+                             f"[{c.batch}, {c.seq}] (micro_batch {c.micro_batch} x accumulation {c.accumulation}, "
+                             f"seq {c.seq}) per call")
+        lab = ids.clone() if labels is None else torch.as_tensor(labels)
+        if lab.dim() == 1:
+            lab = lab.unsqueeze(0)
+        if lab.shape != ids.shape:
+            raise ValueError(f"{what}: labels has shape {tuple(lab.shape)}, input_ids {tuple(ids.shape)}; they "
+                             "must match (labels are not shifted: transformers' convention)")
+        lab = lab.to(torch.int64).clone()
+        if attention_mask is not None:
+            mask = torch.as_tensor(attention_mask)
+            if mask.dim() == 1:
+                mask = mask.unsqueeze(0)
+            if mask.shape != ids.shape:
+                raise ValueError(f"{what}: attention_mask has shape {tuple(mask.shape)}, input_ids "
+                                 f"{tuple(ids.shape)}; they must match")
+            keep = mask.to(torch.int64) != 0
+            # Right padding: once a row's mask is 0, it stays 0. A 0 before a 1 is left padding (or a hole),
+            # which causal attention without a mask would let real tokens see.
+            if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+                raise ValueError(f"{what}: attention_mask has a 0 before a 1 (left padding?); strider runs "
+                                 "causal attention without a padding mask, so pad on the right: "
+                                 "tokenizer.padding_side = 'right'")
+            lab[~keep] = IGNORE_INDEX
+        out_ids = torch.zeros(c.batch, c.seq, dtype=torch.int64)
+        out_ids[:rows, :length] = ids.to(torch.int64)
+        # The engine's labels are aligned with its inputs: position t predicts labels[t + 1].
+        out_lab = torch.full((c.batch, c.seq), IGNORE_INDEX, dtype=torch.int64)
+        out_lab[:rows, :length - 1] = lab[:, 1:]
+        return out_ids, out_lab
+
+    # -- training ------------------------------------------------------------------------------------------
+    def step(self, input_ids, labels=None, attention_mask=None) -> StepResult:
+        """One optimizer step over [batch, seq] (micro_batch x accumulation sequences); labels default to
+        input_ids. The loss is the mean over every valid token of the batch."""
+        ids, lab = self._prepare("step", input_ids, labels, attention_mask)
+        self.last_result = StepResult.from_report(json.loads(self._engine.step(ids, lab)))
+        return self.last_result
+
+    def evaluate(self, input_ids, labels=None, attention_mask=None) -> float:
+        """The loss of the current weights on one batch, without a gradient or an update."""
+        ids, lab = self._prepare("evaluate", input_ids, labels, attention_mask)
+        return float(self._engine.evaluate(ids, lab))
+
+    # -- weights ---------------------------------------------------------------------------------------------
+    def param_names(self):
+        return list(self._names)
+
+    def param(self, name: str) -> torch.Tensor:
+        """The fp32 master of one parameter, after every pending update."""
+        self._engine.finish()
+        return self._engine.param(name)
+
+    @torch.no_grad()
+    def sync_to_model(self):
+        """Copies the trained fp32 masters into the model's own parameters (cast to their dtype), so that
+        model.save_pretrained writes the trained weights. Returns the model."""
+        self._engine.finish()
+        params = dict(self.model.named_parameters())
+        for name in self._names:
+            p = params[name]
+            p.copy_(self._engine.param(name).to(p.dtype))
+        return self.model
+
+    def trace(self, path) -> str:
+        """Writes the timeline so far as Chrome trace JSON (Perfetto, chrome://tracing opens it)."""
+        self._engine.write_trace(str(path))
+        return str(path)
+
+    def finish(self):
+        """Waits for every pending optimizer update."""
+        self._engine.finish()

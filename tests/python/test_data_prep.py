@@ -1,0 +1,157 @@
+"""strider.data: text and chat data -> token files the C++ side reads (io/token_data.h).
+
+A tiny word-level tokenizer is trained here on a few sentences (nothing is
+downloaded), saved like any Hugging Face tokenizer, and loaded back with
+AutoTokenizer. The files `python -m strider.data` writes are read by st_tool
+(the C++ TokenFile and TokenLoader) and must give the ids the tokenizer gives,
+document starts where documents start, and for chat data a loss mask that
+is 1 exactly on the assistant's turns.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+from strider import data as sd  # noqa: E402  (conftest.py puts python_shim/ on sys.path)
+
+SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "hello how are you", "i am fine thank you",
+             "what is the answer", "the answer is four", "be brief please", "sure"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def make_tiny_tokenizer(directory):
+    """A word-level tokenizer with BOS/EOS and a chat template, saved to `directory`; returns the dir."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=SPECIAL))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    return transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def st_json(st_tool, *args):
+    out = subprocess.run([str(st_tool), *map(str, args)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def test_text_lines_through_the_command_line(tmp_path, tokenizer_dir, tokenizer, strider_binary):
+    docs = ["the cat sat on the mat", "", "hello how are you", "the answer is four"]
+    (tmp_path / "corpus.txt").write_text("\n".join(docs) + "\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-m", "strider.data", "--tokenizer", tokenizer_dir, "--input",
+                          tmp_path / "corpus.txt", "--output", tmp_path / "corpus.tokens"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "tokenizing corpus.txt" in out.stderr  # the progress bar
+    summary = json.loads(out.stdout.splitlines()[-1])
+
+    encoded = [tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in docs if d]
+    want = [t for d in encoded for t in d]
+    starts = np.cumsum([0] + [len(d) for d in encoded[:-1]])
+    assert encoded[0][0] == tokenizer.bos_token_id
+    assert summary["tokens"] == len(want) and summary["documents"] == 3
+
+    st_tool = strider_binary("st_tool")
+    info = st_json(st_tool, "tok-info", tmp_path / "corpus.tokens")[0]
+    assert info == dict(token_bytes=2, num_tokens=len(want), flags=2, num_docs=3, vocab_size=len(tokenizer))
+    f = sd.read_token_file(tmp_path / "corpus.tokens")
+    assert f["ids"].tolist() == want and f["doc_starts"].tolist() == starts.tolist() and f["mask"] is None
+
+    # The C++ loader: window 0, in file order; no label predicts a document's first token.
+    seq = len(want) - 1
+    b = st_json(st_tool, "tok-batches", tmp_path / "corpus.tokens", "--batch", 1, "--seq", seq, "--no-shuffle")[0]
+    assert b["inputs"] == want[:seq]
+    assert b["labels"] == [-100 if t + 1 in set(starts.tolist()) else want[t + 1] for t in range(seq)]
+
+
+def test_chat_loss_mask_is_the_assistant_turns(tmp_path, tokenizer, strider_binary):
+    chats = [
+        {"messages": [{"role": "system", "content": "be brief please"},
+                      {"role": "user", "content": "what is the answer"},
+                      {"role": "assistant", "content": "the answer is four"}]},
+        {"messages": [{"role": "user", "content": "hello how are you"},
+                      {"role": "assistant", "content": "i am fine thank you"},
+                      {"role": "user", "content": "what is the answer"},
+                      {"role": "assistant", "content": "sure"}]},
+    ]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    summary = sd.prepare(tokenizer, tmp_path / "chat.jsonl", tmp_path / "chat.tokens", progress=False)
+    assert summary["format"] == "chat" and summary["documents"] == 2
+
+    f = sd.read_token_file(tmp_path / "chat.tokens")
+    words = tokenizer.convert_ids_to_tokens(f["ids"].tolist())
+    targets = [w for w, m in zip(words, f["mask"]) if m]
+    # Exactly the assistant's words and its end-of-turn tokens; never the "<|assistant|>" prompt.
+    assert targets == "the answer is four <|end|> i am fine thank you <|end|> sure <|end|>".split()
+    assert f["doc_starts"].tolist() == [0, words.index("<|user|>", 2 + words.index("four"))]
+
+    st_tool = strider_binary("st_tool")
+    assert st_json(st_tool, "tok-info", tmp_path / "chat.tokens")[0]["flags"] == 3
+    n = len(words)
+    b = st_json(st_tool, "tok-batches", tmp_path / "chat.tokens", "--batch", 1, "--seq", n - 1, "--no-shuffle")[0]
+    counted = [words[t + 1] for t in range(n - 1) if b["labels"][t] != -100]
+    assert counted == targets
+
+
+def test_big_vocabularies_get_uint32_ids(tmp_path, strider_binary):
+    ids = np.array([5, 70000, 65535, 1], np.int64)
+    sd.write_token_file(tmp_path / "big.tokens", ids, doc_starts=[0, 2], vocab_size=70001)
+    sd.write_token_file(tmp_path / "small.tokens", ids % 65536, vocab_size=65536)
+    st_tool = strider_binary("st_tool")
+    assert st_json(st_tool, "tok-info", tmp_path / "big.tokens")[0]["token_bytes"] == 4
+    assert st_json(st_tool, "tok-info", tmp_path / "small.tokens")[0]["token_bytes"] == 2
+    assert sd.read_token_file(tmp_path / "big.tokens")["ids"].tolist() == ids.tolist()
+    with pytest.raises(ValueError, match="not below vocab_size 70000"):
+        sd.write_token_file(tmp_path / "bad.tokens", ids, vocab_size=70000)
+    assert not (tmp_path / "bad.tokens").exists()
+
+
+def test_token_batches_follow_transformers_conventions(tmp_path):
+    ids = np.arange(10, 30)
+    mask = np.ones(20, np.uint8)
+    mask[3:5] = 0
+    sd.write_token_file(tmp_path / "t.tokens", ids, mask=mask, doc_starts=[0, 6], vocab_size=64)
+    batches = sd.TokenBatches(tmp_path / "t.tokens", batch=2, seq=8, shuffle=False)
+    x, y = next(iter(batches))
+    assert x.tolist() == [list(range(10, 18)), list(range(18, 26))]
+    # Unshifted labels: -100 on masked tokens (3, 4) and on the first token of each document (0, 6).
+    assert y[0].tolist() == [-100, 11, 12, -100, -100, 15, -100, 17]
+    assert y[1].tolist() == x[1].tolist()
+    shuffled = sd.TokenBatches(tmp_path / "t.tokens", batch=1, seq=8, seed=3)
+    assert sorted(int(b[0][0, 0]) for b, _ in zip(shuffled, range(2))) == [10, 18]  # each window once an epoch
+
+
+def test_bad_input_is_named(tmp_path, tokenizer):
+    good = '{"messages": [{"role": "user", "content": "hello"}]}\n'
+    for text, match in [(good + '{"messages": [\n', "bad.jsonl:2: not valid JSON"),
+                        (good + '{"messages": []}\n', "bad.jsonl:2: expected .* at least one message")]:
+        (tmp_path / "bad.jsonl").write_text(text)
+        with pytest.raises(ValueError, match=match):
+            sd.prepare(tokenizer, tmp_path / "bad.jsonl", tmp_path / "bad.tokens", progress=False)
+    assert not (tmp_path / "bad.tokens").exists()
+    (tmp_path / "f.tokens").write_bytes(b"x" * 2000)
+    with pytest.raises(ValueError, match="not a strider token file"):
+        sd.read_token_file(tmp_path / "f.tokens")
