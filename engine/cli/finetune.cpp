@@ -10,6 +10,7 @@
 #include "engine/engine.h"
 #include "engine/hf_checkpoint.h"
 #include "engine/plan.h"
+#include "engine/train_checkpoint.h"
 #include "host/error.h"
 #include "io/token_data.h"
 
@@ -22,7 +23,9 @@ void on_sigint(int) { g_stop = 1; }
 struct Options {
   std::string model = "builtin", data = "builtin", eval_data, out = "strider-out", trace, metrics;
   std::string device = "auto", device_budget = "24MiB", host_ram = "0", nvme, dtype = "bf16", schedule = "cosine";
-  std::string work_dir = ".strider";
+  std::string work_dir = ".strider", checkpoint_dir;
+  int64_t checkpoint_every = 0;
+  bool resume = false;
   int64_t seq = 128, micro_batch = 4, accumulation = 2, window = 0, steps = 40, warmup = 4, eval_every = 10;
   int64_t eval_batches = 2, vocab_chunk = 8192;
   double lr = 3e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
@@ -103,6 +106,26 @@ int run(const Options& o) {
   }
   TokenFile train_file(data, uint64_t(spec.dims.vocab));
   TokenLoader loader(train_file, {.batch = uint64_t(cfg.batch()), .seq = uint64_t(cfg.seq), .seed = o.seed});
+  auto loader_json = [&] {
+    TokenLoaderState st = loader.state();
+    return nlohmann::json{{"epoch", st.epoch}, {"cursor", st.cursor}, {"seed", st.seed},
+                          {"num_windows", st.num_windows}, {"seq", st.seq}};
+  };
+  int64_t saved_step = -1;
+  auto save_checkpoint = [&] {
+    if (saved_step == engine.steps_done()) return;
+    saved_step = engine.steps_done();
+    save_training_checkpoint(o.checkpoint_dir, engine, config.dump(),
+                             {{"loader", loader_json()}, {"data", data}, {"seed", o.seed}});
+    fmt::print("  checkpoint: {} (step {})\n", o.checkpoint_dir, engine.steps_done());
+  };
+  if (o.resume) {
+    STRIDER_CHECK(!o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+    nlohmann::json extra = load_training_checkpoint(o.checkpoint_dir, engine, {.allow_changed = {"total_steps"}});
+    const auto& l = extra.at("loader");
+    loader.restore({l.at("epoch"), l.at("cursor"), l.at("seed"), l.at("num_windows"), l.at("seq")});
+    fmt::print("  resumed from {} at step {}\n", o.checkpoint_dir, engine.steps_done());
+  }
   std::unique_ptr<TokenFile> eval_file;
   if (!eval_data.empty()) eval_file = std::make_unique<TokenFile>(eval_data, uint64_t(spec.dims.vocab));
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq)), labels(ids.size());
@@ -121,11 +144,12 @@ int run(const Options& o) {
   std::signal(SIGINT, on_sigint);
   if (eval_file) fmt::print("  eval loss before training: {:.4f}\n", evaluate());
   double first_loss = 0, last_loss = 0;
-  int64_t step = 0;
+  const int64_t start_step = engine.steps_done();
+  int64_t step = start_step;
   for (; step < o.steps && !g_stop; ++step) {
     loader.next(ids, labels);
     StepReport r = engine.step(ids.data(), labels.data());
-    if (step == 0) first_loss = r.loss;
+    if (r.step == start_step + 1) first_loss = r.loss;
     last_loss = r.loss;
     fmt::print("step {:>4}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>7.0f} tok/s | {:.3f} s | overlap {:.2f} "
                "(critical: {}) | peak dev {}\n",
@@ -144,9 +168,11 @@ int run(const Options& o) {
       fmt::print("           eval loss {:.4f}\n", line["eval_loss"].get<double>());
     }
     if (metrics.is_open()) metrics << line.dump() << "\n" << std::flush;
+    if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) save_checkpoint();
   }
   if (g_stop) fmt::print("interrupted after step {}: saving\n", step);
   engine.finish_updates();
+  if (!o.checkpoint_dir.empty()) save_checkpoint();
   if (!o.trace.empty()) {
     engine.timeline().write_chrome_trace(o.trace);
     fmt::print("  trace: {}\n", o.trace);
@@ -160,7 +186,7 @@ int run(const Options& o) {
     writer.write_block(b, w);
   }
   writer.finish();
-  fmt::print("saved {} ({} steps; loss {:.4f} -> {:.4f})\n", o.out, step, first_loss, last_loss);
+  fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f})\n", o.out, start_step + 1, step, first_loss, last_loss);
   return 0;
 }
 
@@ -196,6 +222,10 @@ std::function<int()> add_finetune(CLI::App& app) {
   c->add_option("--trace", o->trace, "write the timeline as Chrome trace JSON (Perfetto)");
   c->add_option("--metrics", o->metrics, "append one JSON line per step");
   c->add_option("--work-dir", o->work_dir, "where built-in data is generated")->capture_default_str();
+  c->add_option("--checkpoint-dir", o->checkpoint_dir, "full training state (resumable), saved atomically");
+  c->add_option("--checkpoint-every", o->checkpoint_every, "steps between checkpoints (0: only at the end)")
+      ->capture_default_str();
+  c->add_flag("--resume", o->resume, "continue from --checkpoint-dir (weights, Adam state, step, data position)");
   return [o] { return run(*o); };
 }
 

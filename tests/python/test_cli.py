@@ -1,0 +1,80 @@
+"""The `strider` command line end to end: the built-in run trains, a resumed run
+is bit-identical to an uninterrupted one, Ctrl-C stops after the current step
+with a checkpoint, and a plan that cannot work is refused with the number."""
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+
+@pytest.fixture
+def strider(strider_binary):
+    return strider_binary("strider")
+
+
+def finetune(strider, tmp_path, *args):
+    cmd = [str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
+           "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--eval-every", "0", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
+
+
+def test_resume_is_bit_identical(strider, tmp_path):
+    finetune(strider, tmp_path, "--steps", "4", "--out", str(tmp_path / "straight"))
+    finetune(strider, tmp_path, "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"),
+             "--out", str(tmp_path / "half"))
+    out = finetune(strider, tmp_path, "--steps", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+                   "--out", str(tmp_path / "resumed"))
+    assert "resumed from" in out and "at step 2" in out
+    a = load_file(str(tmp_path / "straight" / "model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)), k
+    state = json.loads((tmp_path / "ck" / "trainer_state.json").read_text())
+    assert state["step"] == 4
+
+
+def test_loss_falls_and_metrics_are_written(strider, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    finetune(strider, tmp_path, "--steps", "12", "--metrics", str(metrics), "--trace", str(tmp_path / "t.json"),
+             "--out", str(tmp_path / "out"))
+    lines = [json.loads(l) for l in metrics.read_text().splitlines()]
+    assert [l["step"] for l in lines] == list(range(1, 13))
+    assert lines[-1]["loss"] < lines[0]["loss"] - 0.5
+    assert set(lines[0]["lanes"]) == {"compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write"}
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = {e["name"].split(" b")[0] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"forward", "recompute+backward", "h2d params", "d2h grads", "adamw"} <= names
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint(strider, tmp_path):
+    cmd = [str(strider), "finetune", "--device", "cpu", "--seq", "32", "--steps", "1000",
+           "--work-dir", str(tmp_path / "work"), "--checkpoint-dir", str(tmp_path / "ck"),
+           "--out", str(tmp_path / "out"), "--eval-every", "0"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    for line in p.stdout:  # wait for two steps, then interrupt
+        if line.startswith("step    2/"):
+            p.send_signal(signal.SIGINT)
+            break
+        assert time.time() < deadline
+    rest = p.communicate(timeout=120)[0]
+    assert p.returncode == 0
+    assert "interrupted after step" in rest
+    step = json.loads((tmp_path / "ck" / "trainer_state.json").read_text())["step"]
+    assert 2 <= step < 1000
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_impossible_budget_is_refused_with_the_number(strider, tmp_path):
+    r = subprocess.run([str(strider), "finetune", "--device", "cpu", "--device-budget", "1MiB",
+                        "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "needs" in r.stderr and "budget is 1.0 MiB" in r.stderr
+    plan = subprocess.run([str(strider), "plan", "--gpu", "1MiB", "--json"], capture_output=True, text=True)
+    assert plan.returncode == 1
+    assert json.loads(plan.stdout)["feasible"] is False
