@@ -26,9 +26,9 @@ struct Options {
   std::string work_dir = ".strider", checkpoint_dir;
   int64_t checkpoint_every = 0;
   bool resume = false;
-  int64_t seq = 128, micro_batch = 4, accumulation = 2, window = 0, steps = 40, warmup = 4, eval_every = 10;
+  int64_t seq = 128, micro_batch = 4, accumulation = 2, window = 0, steps = 120, warmup = 10, eval_every = 30;
   int64_t eval_batches = 2, vocab_chunk = 8192;
-  double lr = 3e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
+  double lr = 5e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
   int optimizer_threads = 0;
 };

@@ -40,7 +40,7 @@ def test_resume_is_bit_identical(strider, tmp_path):
 
 def test_loss_falls_and_metrics_are_written(strider, tmp_path):
     metrics = tmp_path / "m.jsonl"
-    finetune(strider, tmp_path, "--steps", "12", "--metrics", str(metrics), "--trace", str(tmp_path / "t.json"),
+    finetune(strider, tmp_path, "--steps", "12", "--warmup", "2", "--metrics", str(metrics), "--trace", str(tmp_path / "t.json"),
              "--out", str(tmp_path / "out"))
     lines = [json.loads(l) for l in metrics.read_text().splitlines()]
     assert [l["step"] for l in lines] == list(range(1, 13))
