@@ -41,6 +41,11 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
       extents.push_back({b, k, bytes});
     max_nvme_state = std::max(max_nvme_state, round_up(bytes, kAlign));
   }
+  // Staging slots alternate between NVMe blocks in block order, so the updater
+  // (which walks blocks in order, up or down) can read the next one's state
+  // into the other slot while it updates this one.
+  for (int rank = 0, b = 0; b < num_blocks_; ++b)
+    if (nvme_slot_[b] >= 0) nvme_slot_[b] = rank++;
 
   // Pinned host memory: the store, batch staging, tied-gradient staging,
   // host checkpoints and NVMe staging, all in one arena mapped now.

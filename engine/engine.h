@@ -147,7 +147,10 @@ class Engine {
     double lr = 0;
   };
   void updater_main();
-  void update_block(const UpdateJob& job, int64_t b, double grad_scale);
+  // Updates block b; `next` (or -1) is the block the updater takes next, whose
+  // NVMe-tier state is read ahead into the other staging slot.
+  void update_block(const UpdateJob& job, int64_t b, double grad_scale, int64_t next);
+  void start_state_read(int64_t b);
   bool on_nvme(int64_t b) const { return nvme_slot_.at(b) >= 0; }
 
   ModelSpec spec_;
@@ -171,8 +174,15 @@ class Engine {
   std::span<int64_t> ids_host_, labels_host_;
   std::span<float> tied_grad_host_;         // the head's gradient of a tied embedding
   std::vector<std::span<std::byte>> host_ckpt_;  // [b * M + m], checkpoints on host
-  struct NvmeStaging { std::span<std::byte> master, m, v; std::vector<NvmeTicket> writes; };
-  std::vector<NvmeStaging> nvme_staging_;   // 2 slots: current and read-ahead
+  struct NvmeStaging {
+    std::span<std::byte> master, m, v;
+    std::vector<NvmeTicket> writes;  // the last write-back from this slot
+    std::vector<NvmeTicket> reads;   // the state being read into it
+    int64_t reading = -1;            // whose state `reads` bring
+    double read_begin_us = 0;
+  };
+  std::vector<NvmeStaging> nvme_staging_;   // 2 slots, alternating between NVMe blocks
+  NvmeStaging& idle_staging();
 
   // Device memory beyond the pool, allocated once.
   std::vector<DeviceBuffer> device_buffers_;

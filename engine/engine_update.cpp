@@ -9,6 +9,26 @@
 #include "host/grad_norm.h"
 
 namespace strider {
+namespace {
+
+// The host-resident span of one kind of a block's fp32 state.
+std::span<float> host_state(BlockState& s, ExtentKind kind) {
+  return kind == ExtentKind::kMaster ? s.master : kind == ExtentKind::kAdamM ? s.m : s.v;
+}
+
+}  // namespace
+
+Engine::NvmeStaging& Engine::idle_staging() {
+  // Outside steps (finish_updates() first), slot 0 is free once its last
+  // write-back has left.
+  NvmeStaging& slot = nvme_staging_[0];
+  for (auto& t : slot.writes) nvme_->wait(t);
+  for (auto& t : slot.reads) nvme_->wait(t);
+  slot.writes.clear();
+  slot.reads.clear();
+  slot.reading = -1;
+  return slot;
+}
 
 void Engine::updater_main() {
   for (;;) {
@@ -39,7 +59,7 @@ void Engine::updater_main() {
       if (!clip) {
         for (int64_t b = head_; b >= 0; --b) {
           land(b);
-          update_block(*job, b, 1.0);
+          update_block(*job, b, 1.0, b - 1);
         }
         publish_norm();
         cv_.notify_all();
@@ -49,7 +69,7 @@ void Engine::updater_main() {
         cv_.notify_all();
         // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1.
         const double coef = std::min(1.0, config_.clip_norm / (last_norm_ + 1e-6));
-        for (int64_t b = 0; b <= head_; ++b) update_block(*job, b, coef);  // forward order
+        for (int64_t b = 0; b <= head_; ++b) update_block(*job, b, coef, b < head_ ? b + 1 : -1);  // forward order
       }
     } catch (...) {
       std::lock_guard lk(mu_);
@@ -60,7 +80,21 @@ void Engine::updater_main() {
   }
 }
 
-void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale) {
+void Engine::start_state_read(int64_t b) {
+  NvmeStaging& slot = nvme_staging_[size_t(nvme_slot_[b] % 2)];
+  if (slot.reading == b) return;
+  for (auto& t : slot.writes) nvme_->wait(t);  // the slot's previous write-back has left
+  slot.writes.clear();
+  slot.read_begin_us = Timeline::now_us();
+  for (auto [kind, buf] : {std::pair{ExtentKind::kMaster, slot.master}, {ExtentKind::kAdamM, slot.m},
+                           {ExtentKind::kAdamV, slot.v}}) {
+    const Extent& e = nvme_->extent(b, kind);
+    slot.reads.push_back(nvme_->read(e, buf.first(e.io_bytes)));
+  }
+  slot.reading = b;
+}
+
+void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale, int64_t next) {
   AdamHyper h = config_.adam;
   h.lr = job.lr;
   const AdamStep st = AdamStep::make(h, job.step, grad_scale);
@@ -70,19 +104,20 @@ void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale) {
   float *p = s.master.data(), *m = s.m.data(), *v = s.v.data();
   NvmeStaging* slot = nullptr;
   if (on_nvme(b)) {
+    start_state_read(b);  // a no-op when read ahead
     slot = &nvme_staging_[size_t(nvme_slot_[b] % 2)];
-    for (auto& t : slot->writes) nvme_->wait(t);  // the slot's previous write-back left
-    slot->writes.clear();
-    const double r0 = Timeline::now_us();
-    std::vector<NvmeTicket> reads;
-    for (auto [kind, buf] : {std::pair{ExtentKind::kMaster, slot->master}, {ExtentKind::kAdamM, slot->m},
-                             {ExtentKind::kAdamV, slot->v}}) {
-      const Extent& e = nvme_->extent(b, kind);
-      reads.push_back(nvme_->read(e, buf.first(e.io_bytes)));
+  }
+  for (int64_t nb = next; nb >= 0 && nb <= head_; nb += (next > b ? 1 : -1))
+    if (on_nvme(nb)) {
+      start_state_read(nb);
+      break;
     }
-    for (auto& t : reads) nvme_->wait(t);
-    timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(b), -1, job.step, r0, Timeline::now_us(), 0,
-                   uint64_t(3 * n * sizeof(float))});
+  if (slot) {
+    for (auto& t : slot->reads) nvme_->wait(t);
+    slot->reads.clear();
+    slot->reading = -1;
+    timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(b), -1, job.step, slot->read_begin_us,
+                   Timeline::now_us(), 0, uint64_t(3 * n * sizeof(float))});
     p = reinterpret_cast<float*>(slot->master.data());
     m = reinterpret_cast<float*>(slot->m.data());
     v = reinterpret_cast<float*>(slot->v.data());
@@ -121,14 +156,11 @@ void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
   STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
                 "read_state: block {} and a buffer of {} elements do not match", b, out.size());
   if (!on_nvme(b)) {
-    BlockState& s = store_->block(size_t(b));
-    std::span<float> src = kind == ExtentKind::kMaster ? s.master : kind == ExtentKind::kAdamM ? s.m : s.v;
+    std::span<float> src = host_state(store_->block(size_t(b)), kind);
     std::copy(src.begin(), src.end(), out.begin());
     return;
   }
-  NvmeStaging& slot = nvme_staging_[0];
-  for (auto& t : slot.writes) nvme_->wait(t);
-  slot.writes.clear();
+  NvmeStaging& slot = idle_staging();
   const Extent& e = nvme_->extent(b, kind);
   nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
   std::memcpy(out.data(), slot.master.data(), out.size_bytes());
@@ -144,13 +176,10 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
     else std::copy(in.begin(), in.end(), s.compute_f32.begin());
   }
   if (!on_nvme(b)) {
-    std::span<float> dst = kind == ExtentKind::kMaster ? s.master : kind == ExtentKind::kAdamM ? s.m : s.v;
-    std::copy(in.begin(), in.end(), dst.begin());
+    std::copy(in.begin(), in.end(), host_state(s, kind).begin());
     return;
   }
-  NvmeStaging& slot = nvme_staging_[0];
-  for (auto& t : slot.writes) nvme_->wait(t);
-  slot.writes.clear();
+  NvmeStaging& slot = idle_staging();
   const Extent& e = nvme_->extent(b, kind);
   std::memset(slot.master.data(), 0, e.io_bytes);
   std::memcpy(slot.master.data(), in.data(), in.size_bytes());
