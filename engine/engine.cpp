@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <random>
 
 #include "gpu/unit_tensors.h"
@@ -18,9 +19,16 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 }  // namespace
 
+namespace {
+// A SimDevice has no memory to compute on; the tensors the engine makes over
+// its (fake) buffers are never touched, so they may as well say CPU.
+at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::kSim ? at::kCPU : aten_device(d); }
+}  // namespace
+
 Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
     : spec_(std::move(spec)), config_(std::move(config)), device_(std::move(device)),
-      aten_device_(aten_device(*device_)) {
+      sim_(device_->kind() == DeviceKind::kSim ? static_cast<SimDevice*>(device_.get()) : nullptr),
+      aten_device_(engine_aten_device(*device_)) {
   check_config();
   num_blocks_ = spec_.num_blocks();
   head_ = num_blocks_ - 1;
@@ -52,12 +60,14 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   std::vector<BlockSpec> specs;
   for (int64_t b = 0; b < num_blocks_; ++b) specs.push_back({layouts_[b], nvme_slot_[b] < 0});
   StoreOptions so{.grad_dtype = DType::kF32,
-                  .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16};
+                  .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16,
+                  .zero = !simulated()};
   const size_t tokens = size_t(config_.batch() * config_.seq);
   const size_t act_bytes = size_t(config_.micro_batch * config_.seq * spec_.dims.hidden) * compute_bytes_;
   const size_t emb_elems = layouts_[0].total_elems();
   const size_t arena_bytes = footprint(spec_, config_).host_bytes;
-  arena_ = std::make_unique<PinnedArena>(arena_bytes, ArenaOptions{.lock = config_.lock, .name = "strider host arena"});
+  arena_ = std::make_unique<PinnedArena>(
+      arena_bytes, ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = simulated()});
   if (auto reg = device_->host_registrar()) arena_->attach(reg);
   store_ = std::make_unique<ParamStore>(specs, so, *arena_);
   ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kAlign);
@@ -66,7 +76,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   if (config_.checkpoints_on_host)
     for (int64_t i = 0; i < head_ * M; ++i) host_ckpt_.push_back(arena_->carve(act_bytes, kAlign, "host checkpoint"));
 
-  if (!extents.empty()) {
+  if (!extents.empty() && !simulated()) {
     STRIDER_CHECK(!config_.nvme_dir.empty(), "{} blocks keep their state on NVMe but no NVMe directory is set",
                   extents.size() / 3);
     NvmeStoreOptions nopt;
@@ -111,6 +121,11 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   head_valid_.assign(M, 0);
   updated_.assign(num_blocks_, 0);
 
+  if (simulated()) {
+    // No updater thread: step() prices the updates on the host lanes.
+    for (int64_t b = 0; b < num_blocks_; ++b) sim_update_done_.push_back(device_->make_event());
+    return;
+  }
   // Align the device's span clock with ours: one empty op, timed from both sides.
   device_->launch(StreamId::kCompute, {"clock sync"}, [](const LaunchContext&) {});
   device_->synchronize();
@@ -225,6 +240,7 @@ at::Tensor Engine::grads_view(const CacheUnit& u) const {
 }
 
 void Engine::wait_updated(int64_t b) {
+  if (simulated()) return;  // ordered by sim_update_done_ events instead
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return updated_[b] >= steps_ || updater_error_ || stopping_; });
   if (updater_error_) std::rethrow_exception(updater_error_);
@@ -256,6 +272,10 @@ void Engine::load_visit(const Visit& v, size_t i) {
   wait_updated(b);
   if (b == head_ && spec_.tie_embeddings) wait_updated(0);
   const CacheUnit& u = pool_->acquire(StreamId::kH2D);
+  if (simulated()) {
+    device_->wait(StreamId::kH2D, *sim_update_done_[b]);
+    if (b == head_ && spec_.tie_embeddings) device_->wait(StreamId::kH2D, *sim_update_done_[0]);
+  }
   const BlockState& s = store_->block(size_t(b));
   auto bytes = s.compute_bytes();
   device_->copy_h2d(StreamId::kH2D, u.params_bf16, bytes.data(), bytes.size(), {"h2d params", int32_t(b)});
@@ -439,6 +459,18 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   auto job = std::make_shared<UpdateJob>();
   job->step = rep.step;
   job->lr = rep.lr;
+  if (simulated()) {
+    const double begin = sim_step_end_us_;
+    const double end = simulate_updates(*job);
+    ++steps_;
+    collect_device_spans();
+    rep.loss = rep.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    rep.step_s = (end - begin) * 1e-6;
+    rep.tokens_per_s = double(rep.tokens) / rep.step_s;
+    rep.stats = timeline_.stats(begin, end);
+    rep.peak_device_bytes = device_->peak_allocated_bytes();
+    return rep;
+  }
   {
     std::lock_guard lk(mu_);
     jobs_.push_back(job);
@@ -469,6 +501,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
 }
 
 double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
+  STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
   upload_batch(ids, labels);
   run_pass(eval_visits_, /*train=*/false);
   device_->synchronize(StreamId::kCompute);

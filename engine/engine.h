@@ -33,6 +33,7 @@
 #include "engine/timeline.h"
 #include "gpu/cache_unit_pool.h"
 #include "gpu/device.h"
+#include "gpu/sim_device.h"
 #include "host/cpu_adam.h"
 #include "host/param_store.h"
 #include "host/pinned_arena.h"
@@ -112,6 +113,10 @@ class Engine {
   double evaluate(const int64_t* ids, const int64_t* labels);
   // Waits for every pending update.
   void finish_updates();
+  // On a SimDevice the engine runs its unchanged schedule on virtual clocks:
+  // no memory is touched, losses are NaN, the optimizer and NVMe lanes are
+  // priced from the device's CostModel, and step_s is virtual time.
+  bool simulated() const { return sim_ != nullptr; }
 
   const ModelSpec& spec() const { return spec_; }
   const EngineConfig& config() const { return config_; }
@@ -150,12 +155,14 @@ class Engine {
   // Updates block b; `next` (or -1) is the block the updater takes next, whose
   // NVMe-tier state is read ahead into the other staging slot.
   void update_block(const UpdateJob& job, int64_t b, double grad_scale, int64_t next);
+  double simulate_updates(const UpdateJob& job);  // returns the virtual time the step ends
   void start_state_read(int64_t b);
   bool on_nvme(int64_t b) const { return nvme_slot_.at(b) >= 0; }
 
   ModelSpec spec_;
   EngineConfig config_;
   std::unique_ptr<Device> device_;
+  SimDevice* sim_ = nullptr;       // device_, when it is a SimDevice
   at::Device aten_device_;
   int64_t num_blocks_, head_;
   std::vector<ParamLayout> layouts_;
@@ -210,6 +217,12 @@ class Engine {
   bool stopping_ = false;
   double last_norm_ = -1;                   // set by the updater per step
   int64_t norm_step_ = 0;
+
+  // Simulation: host lanes on virtual clocks, and per block the virtual time
+  // its update is done (the next H2D of the block waits for it).
+  SimHostLane sim_optimizer_, sim_nvme_read_, sim_nvme_write_;
+  std::vector<std::unique_ptr<Event>> sim_update_done_;
+  double sim_step_end_us_ = 0;
 };
 
 }  // namespace strider

@@ -151,7 +151,57 @@ void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale, in
   cv_.notify_all();
 }
 
+double Engine::simulate_updates(const UpdateJob& job) {
+  const CostModel& cm = sim_->model();
+  std::vector<double> landed(static_cast<size_t>(num_blocks_));
+  double all_landed = 0;
+  for (int64_t b = 0; b <= head_; ++b) {
+    landed[size_t(b)] = sim_->event_time_us(*grads_ready_[b]);
+    all_landed = std::max(all_landed, landed[size_t(b)]);
+  }
+  auto span = [&](Lane lane, const char* name, int64_t b, SimInterval t, uint64_t bytes) {
+    timeline_.add({lane, name, int32_t(b), -1, job.step, t.begin_us, t.end_us, 0, bytes});
+  };
+  // Mirrors updater_main(): per block, as its gradients land, one pass for the
+  // norm (4 of the 28 bytes per parameter AdamW moves); without clipping the
+  // update follows at once, with clipping all updates wait for the norm and
+  // run in forward order. The next NVMe block's state is read while the
+  // current one updates.
+  const bool clip = config_.clip_norm > 0;
+  double read_ahead_from = 0, norm_known = 0, last_update = 0;
+  auto update = [&](int64_t b, double ready) {
+    const uint64_t n = store_->block(size_t(b)).elems();
+    if (on_nvme(b)) {
+      SimInterval r = sim_nvme_read_.run(read_ahead_from, cm.nvme_read_us(3 * n * 4));
+      span(Lane::kNvmeRead, "nvme read state", b, r, 3 * n * 4);
+      ready = std::max(ready, r.end_us);
+    }
+    SimInterval t = sim_optimizer_.run(ready, cm.adam_us(n));
+    span(Lane::kOptimizer, "adamw", b, t, n * 28);
+    read_ahead_from = t.begin_us;
+    if (on_nvme(b))
+      span(Lane::kNvmeWrite, "nvme write state", b, sim_nvme_write_.run(t.end_us, cm.nvme_write_us(3 * n * 4)),
+           3 * n * 4);
+    sim_->record_at(*sim_update_done_[b], t.end_us);
+    last_update = std::max(last_update, t.end_us);
+  };
+  for (int64_t b = head_; b >= 0; --b) {
+    const uint64_t n = store_->block(size_t(b)).elems();
+    SimInterval t = sim_optimizer_.run(landed[size_t(b)], cm.adam_us(n) * 4.0 / 28.0);
+    span(Lane::kOptimizer, "grad norm", b, t, n * 4);
+    norm_known = std::max(norm_known, t.end_us);
+    if (!clip) update(b, t.end_us);
+  }
+  if (clip)
+    for (int64_t b = 0; b <= head_; ++b) update(b, norm_known);
+  // As in a real run, step() returns once the norm is known: after every
+  // update without clipping (the norm is published last), before them with.
+  sim_step_end_us_ = std::max(all_landed, clip ? norm_known : last_update);
+  return sim_step_end_us_;
+}
+
 void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
+  STRIDER_CHECK(!simulated(), "read_state: a simulated engine holds no state");
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
                 "read_state: block {} and a buffer of {} elements do not match", b, out.size());
@@ -167,6 +217,7 @@ void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
 }
 
 void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
+  STRIDER_CHECK(!simulated(), "write_state: a simulated engine holds no state");
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < num_blocks_ && in.size() == layouts_[b].total_elems(),
                 "write_state: block {} and a buffer of {} elements do not match", b, in.size());

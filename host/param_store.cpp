@@ -71,6 +71,10 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
     s.grad = arena.carve(n * dtype_size(options_.grad_dtype), kAlignBytes, name + " grad staging");
     // Adam's moments must start at zero and padding must stay zero; the arena
     // may have been used before, so do not rely on fresh mmap pages.
+    if (!options_.zero) {
+      blocks_.push_back(s);
+      continue;
+    }
     std::memset(s.master.data(), 0, s.master.size_bytes());
     std::memset(s.m.data(), 0, s.m.size_bytes());
     std::memset(s.v.data(), 0, s.v.size_bytes());

@@ -27,6 +27,7 @@ struct BlockSpec {
 struct StoreOptions {
   DType grad_dtype = DType::kBF16;     // kBF16 or kF32
   DType compute_dtype = DType::kBF16;  // kBF16 or kF32 (fp32 compute for exactness tests)
+  bool zero = true;                    // false: leave the memory untouched (simulation)
 };
 
 // One block's views into the arena. Spans of a kind are empty when the kind

@@ -33,7 +33,8 @@ PinnedArena::PinnedArena(size_t capacity_bytes, ArenaOptions options)
 
   // MAP_NORESERVE is deliberately absent: we want the OS to refuse now, with a
   // message, rather than kill the process with SIGBUS/OOM halfway through a step.
-  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (options.reserve_only ? MAP_NORESERVE : 0);
+  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, flags, -1, 0);
   if (p == MAP_FAILED) {
     int err = errno;
     throw Error(fmt::format(
@@ -47,6 +48,7 @@ PinnedArena::PinnedArena(size_t capacity_bytes, ArenaOptions options)
   // may decline (THP "never"), which is fine.
   if (options.huge_pages) huge_ = madvise(base_, capacity_, MADV_HUGEPAGE) == 0;
 
+  if (options.reserve_only) return;
   if (options.lock != LockPolicy::kNone) {
     // mlock also faults every page in, so a locked arena is prefaulted.
     if (mlock(base_, capacity_) == 0) {

@@ -42,6 +42,9 @@ struct ArenaOptions {
   bool huge_pages = true;   // madvise(MADV_HUGEPAGE) and 2 MiB rounding
   bool prefault = true;     // touch every page now, not during a step
   std::string name = "pinned arena";  // for messages
+  // Address space only (simulation of a machine larger than this one):
+  // MAP_NORESERVE, not locked, not prefaulted; the memory must never be touched.
+  bool reserve_only = false;
 };
 
 class PinnedArena {

@@ -1,0 +1,86 @@
+// The unchanged engine schedule on SimDevice: predictions that respect their
+// own lower bound and move to the lane the cost model makes critical.
+#include "tests/catch_torch.h"
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "engine/builtin.h"
+#include "engine/engine.h"
+#include "engine/model_presets.h"
+
+using namespace strider;
+
+namespace {
+
+StepReport predict(const ModelSpec& spec, const std::string& machine, double clip, int64_t window = 2) {
+  EngineConfig cfg;
+  cfg.seq = 64;
+  cfg.micro_batch = 2;
+  cfg.accumulation = 2;
+  cfg.window = window;
+  cfg.clip_norm = clip;
+  Engine e(spec, cfg, make_device({.spec = machine, .budget_bytes = 1ull << 30, .record_spans = true}));
+  REQUIRE(e.simulated());
+  std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
+  StepReport r;
+  for (int i = 0; i < 3; ++i) r = e.step(ids.data(), labels.data());
+  CHECK(std::isnan(r.loss));
+  std::vector<float> buf(spec.layout(0).total_elems());
+  CHECK_THROWS_WITH(e.read_state(0, ExtentKind::kMaster, buf), Catch::Contains("simulated"));
+  return r;
+}
+
+double busiest(const StepReport& r) {
+  double m = 0;
+  for (const auto& l : r.stats.lanes) m = std::max(m, l.busy_s);
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("a predicted step is never shorter than its busiest lane", "[engine][sim]") {
+  ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  for (const char* machine : {"sim:rtx4090", "sim:h200"})
+    for (double clip : {0.0, 1.0}) {
+      INFO(machine << " clip " << clip);
+      StepReport r = predict(spec, machine, clip);
+      CHECK(r.step_s > 0);
+      CHECK(busiest(r) <= r.step_s * (1 + 1e-9));
+      CHECK(r.tokens_per_s == Approx(double(r.tokens) / r.step_s));
+    }
+}
+
+TEST_CASE("the critical lane follows the cost model", "[engine][sim]") {
+  ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  // PCIe at 10 MB/s: every step waits on the H2D of 8 blocks twice.
+  StepReport pcie = predict(spec, "sim:rtx4090,h2d_gbps=0.01", 0.0);
+  CHECK(pcie.stats.critical == Lane::kH2D);
+  CHECK(pcie.stats.overlap_efficiency > 0.9);
+  // An optimizer at 1M parameters/s: 5.8 s of AdamW per step.
+  StepReport opt = predict(spec, "sim:rtx4090,cpu_adam_params_per_s=1e6", 1.0);
+  CHECK(opt.stats.critical == Lane::kOptimizer);
+  CHECK(opt.step_s > 5.0);
+  // A faster bus never makes the step slower.
+  CHECK(predict(spec, "sim:rtx4090,h2d_gbps=0.02", 0.0).step_s <= pcie.step_s);
+}
+
+TEST_CASE("Llama-3.1-8B on the RTX 4090 preset is compute-bound at batch 8", "[engine][sim]") {
+  ModelSpec spec = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  EngineConfig cfg;
+  cfg.seq = 1024;
+  cfg.accumulation = 8;
+  cfg.window = 2;
+  cfg.clip_norm = 0;
+  Engine e(spec, cfg, make_device({.spec = "sim:rtx4090", .budget_bytes = 24ull << 30, .record_spans = true}));
+  std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
+  StepReport r;
+  for (int i = 0; i < 3; ++i) r = e.step(ids.data(), labels.data());
+  CHECK(r.stats.critical == Lane::kCompute);
+  // 6 * 8.03e9 params * 8192 tokens, x 4/3 for the recompute, at 165 TFLOP/s * 0.5:
+  // about 6.4 s of compute; the step is at least that and within 1.5x of it.
+  const double compute_s = r.stats.lanes[size_t(Lane::kCompute)].busy_s;
+  CHECK(compute_s == Approx(6.3).epsilon(0.1));
+  CHECK(r.step_s >= compute_s);
+  CHECK(r.step_s < 1.5 * compute_s);
+}
