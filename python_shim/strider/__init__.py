@@ -12,11 +12,11 @@ C++ op library is loaded when the first Engine is made (strider.load_library()).
 from strider.config import EngineConfig, parse_bytes
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "EngineConfig", "StepResult", "SUPPORTED_ARCHITECTURES", "load_library",
-           "parse_bytes"]
+__all__ = ["Engine", "EngineConfig", "StepResult", "SUPPORTED_ARCHITECTURES", "StriderTrainer",
+           "load_library", "parse_bytes"]
 
 _LAZY = {"Engine": "strider.engine", "StepResult": "strider.engine", "SUPPORTED_ARCHITECTURES": "strider.engine",
-         "load_library": "strider._library"}
+         "load_library": "strider._library", "StriderTrainer": "strider.trainer"}
 
 
 def __getattr__(name):

@@ -1,0 +1,267 @@
+"""strider.StriderTrainer: `transformers.Trainer` whose optimizer steps run on strider.
+
+    args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=500,
+                             learning_rate=1e-5, lr_scheduler_type="cosine", warmup_steps=20, report_to=[])
+    trainer = strider.StriderTrainer(model=model, args=args, train_dataset=ds, data_collator=collator, seq=1024)
+    trainer.train()
+    trainer.save_model("finetuned")          # the trained weights, via engine.sync_to_model()
+
+Every batch the Trainer's dataloader yields is one optimizer step: one
+`engine.step(input_ids, labels, attention_mask)` over [micro_batch x
+accumulation, seq]. The Trainer keeps its loop, callbacks, logging,
+evaluation and checkpoint schedule; what it would do to the weights is
+replaced:
+
+- training_step runs engine.step and returns its loss (the Trainer logs it as
+  usual); grad_norm and learning_rate in the logs are the engine's.
+- The Trainer's optimizer holds one private scalar, never a model parameter,
+  and its step does nothing, so neither it nor its scheduler can touch the
+  weights. The learning-rate schedule is strider's (EngineConfig).
+- The model stays on the CPU (strider streams blocks to the GPU itself): the
+  Trainer's and accelerate's device placement are switched off.
+- evaluate() is the mean loss over every valid token of the eval set,
+  computed by engine.evaluate.
+- save_model() and checkpoints call engine.sync_to_model() first, so that
+  save_pretrained writes the trained weights.
+
+The engine's config: pass `strider_config` (an EngineConfig), or let the
+trainer build one from TrainingArguments (learning_rate, lr_scheduler_type
+linear/cosine/constant/constant_with_warmup, warmup_steps, max_steps or the
+epochs' step count, weight_decay, adam_beta1/2, adam_epsilon, max_grad_norm,
+bf16) plus `seq`. With a strider_config, an argument set away from its
+TrainingArguments default to something other than the config's value is
+refused, as is anything strider cannot honour (gradient_accumulation_steps,
+fp16, several GPUs, optimizers other than AdamW, resuming from a checkpoint,
+load_best_model_at_end). Note that strider's weight decay applies to every
+parameter, norms and biases included (the Trainer's own AdamW exempts them).
+"""
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+import transformers
+
+from strider.config import EngineConfig
+from strider.engine import IGNORE_INDEX, Engine
+
+# lr_scheduler_type -> (strider schedule, whether the Trainer's schedule warms up).
+_SCHEDULES = {"linear": ("linear", True), "cosine": ("cosine", True), "constant": ("constant", False),
+              "constant_with_warmup": ("constant", True)}
+_ADAMW = ("adamw_torch", "adamw_torch_fused")
+_BATCH_KEYS = ("input_ids", "labels", "attention_mask")
+
+
+def _name(value) -> str:
+    return str(getattr(value, "value", value))
+
+
+class _NoUpdate(torch.optim.Optimizer):
+    """The Trainer's optimizer slot. Its only parameter is a private scalar, so zero_grad, step and a
+    scheduler act on nothing the model owns; strider's optimizer updates the weights."""
+
+    def __init__(self, lr: float):
+        super().__init__([torch.zeros(1, requires_grad=True)], dict(lr=lr))
+
+    def step(self, closure=None):
+        return None
+
+
+class StriderTrainer(transformers.Trainer):
+    """transformers.Trainer with strider doing every forward, backward and optimizer step."""
+
+    def __init__(self, model=None, args=None, *, strider_config: Optional[EngineConfig] = None,
+                 seq: Optional[int] = None, **kwargs):
+        if model is None:
+            raise ValueError("StriderTrainer needs model= (model_init is not supported: the engine is built "
+                             "from the model once)")
+        if args is None:
+            raise ValueError("StriderTrainer needs args= (a TrainingArguments)")
+        if kwargs.get("optimizers", (None, None)) != (None, None) or kwargs.get("optimizer_cls_and_kwargs"):
+            raise ValueError("StriderTrainer: strider runs the optimizer (AdamW on fp32 masters); do not pass "
+                             "optimizers= / optimizer_cls_and_kwargs=, set the EngineConfig instead")
+        if strider_config is not None and not isinstance(strider_config, EngineConfig):
+            raise TypeError(f"StriderTrainer: strider_config must be a strider.EngineConfig, got "
+                            f"{type(strider_config).__name__}")
+        self._check_args(args)
+        self.engine = None
+        super().__init__(model=model, args=args, **kwargs)
+        self.place_model_on_device = False
+        config = self._config_from_args(strider_config, seq)
+        if args.per_device_eval_batch_size > config.batch:
+            raise ValueError(f"StriderTrainer: per_device_eval_batch_size = {args.per_device_eval_batch_size} "
+                             f"is more than the engine's batch ({config.batch} = micro_batch x accumulation); "
+                             f"lower it")
+        self.engine = Engine(model, config)
+
+    # -- what strider cannot honour --------------------------------------------------------------------
+    @staticmethod
+    def _check_args(args):
+        def refuse(what):
+            raise ValueError(f"StriderTrainer: {what}")
+
+        if args.gradient_accumulation_steps != 1:
+            refuse(f"gradient_accumulation_steps = {args.gradient_accumulation_steps}: strider accumulates "
+                   "itself; set EngineConfig.accumulation to it, per_device_train_batch_size to micro_batch x "
+                   "accumulation, and gradient_accumulation_steps = 1")
+        if args.fp16:
+            refuse("fp16 = True: strider computes in bf16 or fp32 (EngineConfig.dtype); use bf16=True or neither")
+        if args.place_model_on_device:
+            refuse("place_model_on_device is True: strider keeps the model on the CPU and streams its blocks "
+                   "to the GPU itself")
+        if args.n_gpu > 1 or args.world_size > 1:
+            refuse(f"n_gpu = {args.n_gpu}, world_size = {args.world_size}: strider trains on one device; run "
+                   "one process with CUDA_VISIBLE_DEVICES naming one GPU")
+        if _name(args.optim) not in _ADAMW:
+            refuse(f"optim = {_name(args.optim)!r}: strider's optimizer is AdamW on fp32 masters "
+                   f"(optim {' or '.join(_ADAMW)}; EngineConfig.optimizer picks adamw or adam)")
+        if args.auto_find_batch_size:
+            refuse("auto_find_batch_size = True: the batch is fixed by the engine's config")
+        if args.load_best_model_at_end:
+            refuse("load_best_model_at_end = True: the engine's weights cannot be reloaded from a checkpoint; "
+                   "keep the checkpoint paths and load the best one yourself")
+
+    def _config_from_args(self, given: Optional[EngineConfig], seq: Optional[int]) -> EngineConfig:
+        args = self.args
+        defaults = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}
+        kind = _name(args.lr_scheduler_type)
+        if given is None:
+            if seq is None:
+                raise ValueError("StriderTrainer: pass seq= (the tokens per sequence the engine is built for) "
+                                 "or a strider_config")
+            if kind not in _SCHEDULES:
+                raise ValueError(f"StriderTrainer: lr_scheduler_type = {kind!r}: strider schedules are "
+                                 f"{', '.join(_SCHEDULES)}")
+            schedule, warms_up = _SCHEDULES[kind]
+            total = self._total_steps()
+            if schedule != "constant" and total <= 0:
+                raise ValueError(f"StriderTrainer: lr_scheduler_type {kind!r} decays to 0 at the last step, "
+                                 "which is unknown: set max_steps, or give a train_dataset with a length")
+            warmup = args.get_warmup_steps(max(total, 0)) if warms_up else 0
+            return EngineConfig(seq=seq, micro_batch=args.per_device_train_batch_size, accumulation=1,
+                                dtype="bf16" if args.bf16 else "fp32", lr=args.learning_rate,
+                                schedule=schedule, warmup_steps=warmup,
+                                total_steps=total if schedule != "constant" else 0,
+                                weight_decay=args.weight_decay, clip_norm=args.max_grad_norm,
+                                betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                device="cpu" if args.use_cpu else "auto")
+        given.validate()
+        if seq is not None and seq != given.seq:
+            raise ValueError(f"StriderTrainer: seq = {seq} but strider_config.seq = {given.seq}; give one")
+        if args.per_device_train_batch_size != given.batch:
+            raise ValueError(f"StriderTrainer: per_device_train_batch_size = {args.per_device_train_batch_size}, "
+                             f"but one strider step takes micro_batch x accumulation = {given.micro_batch} x "
+                             f"{given.accumulation} = {given.batch} sequences; set it to {given.batch}")
+        # The config owns the optimizer and schedule; an argument moved off its default to another value
+        # is a second, contradicting answer.
+        mapped = dict(learning_rate=given.lr, weight_decay=given.weight_decay, max_grad_norm=given.clip_norm,
+                      adam_beta1=given.betas[0], adam_beta2=given.betas[1], adam_epsilon=given.eps)
+        for name, want in mapped.items():
+            have = getattr(args, name)
+            if have != defaults[name] and have != want:
+                field = {"learning_rate": "lr", "max_grad_norm": "clip_norm", "adam_epsilon": "eps"}.get(
+                    name, "betas" if name.startswith("adam_beta") else name)
+                raise ValueError(f"StriderTrainer: TrainingArguments.{name} = {have} but the strider config's "
+                                 f"{field} is {want}; the config decides, so drop the argument or make them equal")
+        if args.bf16 and given.dtype != "bf16":
+            raise ValueError(f"StriderTrainer: bf16 = True but strider_config.dtype = {given.dtype!r}")
+        if kind != _name(defaults["lr_scheduler_type"]) and _SCHEDULES.get(kind, (None,))[0] != given.schedule:
+            raise ValueError(f"StriderTrainer: lr_scheduler_type = {kind!r} but strider_config.schedule = "
+                             f"{given.schedule!r}; the config decides")
+        if args.warmup_steps != defaults["warmup_steps"] and given.schedule != "constant" and \
+                args.get_warmup_steps(given.total_steps) != given.warmup_steps:
+            raise ValueError(f"StriderTrainer: warmup_steps = {args.warmup_steps} but strider_config."
+                             f"warmup_steps = {given.warmup_steps}; the config decides")
+        return given
+
+    def _total_steps(self) -> int:
+        """Optimizer steps of the whole run, as the Trainer will count them (0: unknown)."""
+        args = self.args
+        if args.max_steps > 0:
+            return args.max_steps
+        try:
+            rows = len(self.train_dataset)
+        except TypeError:
+            return 0
+        per_epoch = rows // args.per_device_train_batch_size if args.dataloader_drop_last \
+            else math.ceil(rows / args.per_device_train_batch_size)
+        return math.ceil(args.num_train_epochs * per_epoch)
+
+    # -- placement: the model stays on the CPU ---------------------------------------------------------
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        # accelerate.prepare would move the model (and batches) to the GPU; strider streams the weights.
+        self.accelerator.device_placement = False
+
+    def _move_model_to_device(self, model, device):
+        return None
+
+    # -- the optimizer step ------------------------------------------------------------------------------
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            self.optimizer = _NoUpdate(self.engine.config.lr)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, lambda _: 1.0)
+            self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _batch(self, inputs, what):
+        extra = sorted(set(inputs) - set(_BATCH_KEYS))
+        if extra or "input_ids" not in inputs:
+            raise ValueError(f"StriderTrainer.{what}: strider takes batches of {', '.join(_BATCH_KEYS)} "
+                             f"(input_ids required); this one has {sorted(inputs)}")
+        return tuple(None if inputs.get(k) is None else torch.as_tensor(inputs[k]).cpu() for k in _BATCH_KEYS)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        result = self.engine.step(*self._batch(inputs, "train"))
+        return torch.tensor(result.loss, device=self.args.device)
+
+    def _clip_grad_norm(self, model):
+        return self.engine.last_result.grad_norm  # strider clipped at clip_norm inside the step
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return self.engine.last_result.grad_norm if grad_norm is None else grad_norm
+
+    def _get_learning_rate(self):
+        last = self.engine.last_result
+        return self.engine.config.lr if last is None else last.lr
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        if resume_from_checkpoint not in (None, False):
+            raise ValueError("StriderTrainer: resume_from_checkpoint is not supported: the checkpoints hold "
+                             "the weights, not strider's AdamW state; start a new StriderTrainer from the "
+                             "checkpoint's weights instead")
+        if trial is not None:
+            raise ValueError("StriderTrainer: hyperparameter search is not supported (one engine per trainer)")
+        return super().train(**kwargs)
+
+    # -- evaluation ------------------------------------------------------------------------------------
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Mean loss over every valid token of the eval set (engine.evaluate on each batch)."""
+        total, valid = 0.0, 0
+        for inputs in self.get_eval_dataloader(eval_dataset):
+            ids, labels, mask = self._batch(inputs, "evaluate")
+            lab = (ids if labels is None else labels).clone()
+            if mask is not None:
+                lab[mask == 0] = IGNORE_INDEX
+            n = int((lab[..., 1:] != IGNORE_INDEX).sum())
+            if n:
+                total += self.engine.evaluate(ids, labels, mask) * n
+                valid += n
+        metrics = {f"{metric_key_prefix}_loss": total / valid if valid else float("nan")}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    # -- saving --------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
+        if self.engine is not None:
+            self.engine.sync_to_model()  # the model holds the initial weights until this
+        super().save_model(output_dir, _internal_call=_internal_call)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        # The Trainer's optimizer is a placeholder; saving it would pose as a resumable optimizer state.
+        return None

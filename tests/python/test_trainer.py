@@ -1,0 +1,160 @@
+"""strider.StriderTrainer: transformers.Trainer whose optimizer steps run on strider.
+
+What a user relies on: trainer.train() steps the engine once per batch (and
+nothing else touches the weights), so 3 steps through the Trainer equal 3
+steps of strider.Engine on the same batches bit for bit; the loss the Trainer
+logs is the engine's; save_model() writes the trained weights; evaluate() is
+the token-mean loss of the eval set; and TrainingArguments that strider cannot
+honour, or that contradict the strider config, are refused with a ValueError.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # transformers.Trainer needs it
+import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
+
+try:
+    strider.load_library()
+except ImportError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
+SEQ, MICRO_BATCH, ACCUMULATION, STEPS = 17, 2, 2, 3
+BATCH = MICRO_BATCH * ACCUMULATION
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=500, max_position_embeddings=64, rms_norm_eps=1e-5)
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**SMALL)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # norms start at ones: perturb them so that their updates show
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def config(**over):
+    base = dict(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, dtype="fp32", vocab_chunk=200,
+                window=2, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, schedule="linear", warmup_steps=1,
+                total_steps=4, clip_norm=1.0, device="cpu")
+    base.update(over)
+    return strider.EngineConfig(**base)
+
+
+def rows(n, seed):
+    """Dataset rows as a tokenizing map gives them: unshifted labels, a prompt that does not count, right
+    padding of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, SMALL["vocab_size"], (SEQ,), generator=g)
+        labels = ids.clone()
+        labels[:2] = -100
+        mask = torch.ones(SEQ, dtype=torch.int64)
+        mask[SEQ - (i % 5):] = 0
+        out.append(dict(input_ids=ids, labels=labels, attention_mask=mask))
+    return out
+
+
+def training_args(tmp_path, **over):
+    base = dict(output_dir=str(tmp_path / "run"), per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
+                max_steps=STEPS, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                train_sampling_strategy="sequential", disable_tqdm=True)
+    base.update(over)
+    return transformers.TrainingArguments(**base)
+
+
+def test_train_steps_the_engine_like_the_engine_itself(tmp_path):
+    model = make_model()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = rows(BATCH * STEPS, seed=1)
+    args = training_args(tmp_path, save_strategy="steps", save_steps=STEPS)
+    trainer = strider.StriderTrainer(model=model, args=args, train_dataset=data, strider_config=config())
+    out = trainer.train()
+    assert trainer.engine.last_result.step == STEPS and out.global_step == STEPS
+
+    # The same batches straight through strider.Engine, from the same initial weights.
+    direct = strider.Engine(make_model(), config())
+    results = []
+    for s in range(STEPS):
+        batch = transformers.default_data_collator(data[s * BATCH:(s + 1) * BATCH])
+        results.append(direct.step(batch["input_ids"], batch["labels"], batch["attention_mask"]))
+    for name in direct.param_names():
+        assert torch.equal(trainer.engine.param(name), direct.param(name)), f"{name} after {STEPS} steps"
+        assert not torch.equal(direct.param(name), initial[name]), f"{name} did not move"
+
+    logged = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    assert [e["step"] for e in logged] == [1, 2, 3]
+    for e, r in zip(logged, results):
+        assert e["loss"] == pytest.approx(r.loss, rel=1e-7, abs=0)  # the engine's loss, through a float32 sum
+        assert e["grad_norm"] == r.grad_norm and e["learning_rate"] == r.lr
+    # warm-up 1, decay to 0 at step 4: the schedule of get_linear_schedule_with_warmup
+    assert [e["learning_rate"] for e in logged] == pytest.approx([0.0, 1e-3, 1e-3 * 2 / 3])
+
+    # The checkpoint the Trainer wrote at step 3, and save_model, hold the engine's weights.
+    checkpoint = tmp_path / "run" / f"checkpoint-{STEPS}"
+    assert not (checkpoint / "optimizer.pt").exists()  # the placeholder optimizer is not a resumable state
+    trainer.save_model(str(tmp_path / "saved"))
+    for where in (checkpoint, tmp_path / "saved"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32)
+        for name, p in loaded.named_parameters():
+            assert torch.equal(p, trainer.engine.param(name)), f"{name} as saved in {where.name}"
+
+    # evaluate(): the mean over every valid token of the set, across batches of different sizes.
+    held_out = rows(BATCH + 2, seed=2)
+    metrics = trainer.evaluate(held_out)
+    batch = transformers.default_data_collator(held_out)
+    with torch.no_grad():
+        want = loaded(input_ids=batch["input_ids"],
+                      labels=batch["labels"].masked_fill(batch["attention_mask"] == 0, -100)).loss.item()
+    assert metrics["eval_loss"] == pytest.approx(want, rel=1e-5)
+    assert trainer.engine.last_result.step == STEPS  # evaluation did not step
+
+
+def test_config_from_training_arguments(tmp_path):
+    args = training_args(tmp_path, per_device_train_batch_size=3, learning_rate=2e-4, lr_scheduler_type="cosine",
+                         warmup_steps=0.25, max_steps=8, weight_decay=0.05, max_grad_norm=0.5, adam_beta2=0.98,
+                         per_device_eval_batch_size=2)
+    trainer = strider.StriderTrainer(model=make_model(), args=args, train_dataset=rows(6, seed=3), seq=SEQ)
+    c = trainer.engine.config
+    assert (c.seq, c.micro_batch, c.accumulation, c.dtype, c.device) == (SEQ, 3, 1, "fp32", "cpu")
+    assert (c.lr, c.schedule, c.warmup_steps, c.total_steps) == (2e-4, "cosine", 2, 8)
+    assert (c.weight_decay, c.clip_norm, c.betas) == (0.05, 0.5, (0.9, 0.98))
+    # Without max_steps the schedule ends with the epochs: 2 epochs of ceil(7 / 3) batches.
+    args = training_args(tmp_path, per_device_train_batch_size=3, per_device_eval_batch_size=3, max_steps=-1,
+                         num_train_epochs=2)
+    trainer = strider.StriderTrainer(model=make_model(), args=args, train_dataset=rows(7, seed=3), seq=SEQ)
+    assert (trainer.engine.config.schedule, trainer.engine.config.total_steps) == ("linear", 6)
+
+
+@pytest.mark.parametrize("over, kw, match", [
+    (dict(gradient_accumulation_steps=2), {}, "strider accumulates itself"),
+    (dict(per_device_train_batch_size=2), {}, r"micro_batch x accumulation = 2 x 2 = 4"),
+    (dict(max_grad_norm=0.5), {}, r"max_grad_norm = 0.5 but the strider config's clip_norm is 1.0"),
+    (dict(learning_rate=3e-4), {}, r"learning_rate = 0.0003 but the strider config's lr is 0.001"),
+    (dict(lr_scheduler_type="cosine"), {}, "lr_scheduler_type = 'cosine' but strider_config.schedule = 'linear'"),
+    (dict(optim="sgd"), {}, "strider's optimizer is AdamW"),
+    (dict(per_device_eval_batch_size=8), {}, "per_device_eval_batch_size = 8"),
+    (dict(lr_scheduler_type="polynomial"), dict(strider_config=None, seq=SEQ), "strider schedules are"),
+    ({}, dict(strider_config=None), "pass seq="),
+])
+def test_refusals(tmp_path, over, kw, match):
+    model = make_model()
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    kwargs = {"strider_config": config(), **kw}
+    with pytest.raises(ValueError, match=match):
+        strider.StriderTrainer(model=model, args=training_args(tmp_path, **over), train_dataset=rows(4, 1), **kwargs)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_resume_from_checkpoint_is_refused(tmp_path):
+    trainer = strider.StriderTrainer(model=make_model(), args=training_args(tmp_path), train_dataset=rows(4, 1),
+                                     strider_config=config())
+    with pytest.raises(ValueError, match="resume_from_checkpoint is not supported"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))
+    assert trainer.engine.last_result is None
