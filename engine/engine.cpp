@@ -17,9 +17,6 @@ namespace {
 constexpr size_t kAlign = 4096;  // O_DIRECT needs 4 KiB for NVMe staging; fine for all
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
-}  // namespace
-
-namespace {
 // A SimDevice has no memory to compute on; the tensors the engine makes over
 // its (fake) buffers are never touched, so they may as well say CPU.
 at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::kSim ? at::kCPU : aten_device(d); }
@@ -65,9 +62,9 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   const size_t tokens = size_t(config_.batch() * config_.seq);
   const size_t act_bytes = size_t(config_.micro_batch * config_.seq * spec_.dims.hidden) * compute_bytes_;
   const size_t emb_elems = layouts_[0].total_elems();
-  const size_t arena_bytes = footprint(spec_, config_).host_bytes;
+  const EngineFootprint fp = footprint(spec_, config_);
   arena_ = std::make_unique<PinnedArena>(
-      arena_bytes, ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = simulated()});
+      fp.host_bytes, ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = simulated()});
   if (auto reg = device_->host_registrar()) arena_->attach(reg);
   store_ = std::make_unique<ParamStore>(specs, so, *arena_);
   ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kAlign);
@@ -101,9 +98,8 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
 
   // The device: K units sized for the largest block (with a tied embedding the
   // head also holds the embedding's weight, after its own tensors).
-  const size_t unit_elems = footprint(spec_, config_).unit_elems;
   pool_ = std::make_unique<CacheUnitPool>(
-      *device_, size_t(config_.window), unit_elems,
+      *device_, size_t(config_.window), fp.unit_elems,
       CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = compute_bytes_});
   allocate_activations();
   runner_ = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, aten_device_);
