@@ -1,13 +1,42 @@
 #include "io/checksum.h"
 
 #include <xxhash.h>
+// Debian's libxxhash is built for baseline x86-64 (SSE2); its *_dispatch entry
+// points pick AVX2/AVX-512 at run time (same hash values, ~1.4x faster here).
+#if defined(__x86_64__)
+#include <xxh_x86dispatch.h>
+#define STRIDER_XXH3(f) f##_dispatch
+#else
+#define STRIDER_XXH3(f) f
+#endif
 
+#include <algorithm>
+#include <bit>
 #include <new>
+#include <vector>
 
 namespace strider {
 
 uint64_t checksum64(std::span<const std::byte> data) {
-  return XXH3_64bits(data.data(), data.size());
+  return STRIDER_XXH3(XXH3_64bits)(data.data(), data.size());
+}
+
+size_t checksum_piece_count(size_t bytes) {
+  return (bytes + kChecksumPieceBytes - 1) / kChecksumPieceBytes;
+}
+
+uint64_t combine_piece_checksums(std::span<const uint64_t> piece_hashes) {
+  static_assert(std::endian::native == std::endian::little, "the persisted format is little-endian");
+  return XXH3_64bits(piece_hashes.data(), piece_hashes.size_bytes());
+}
+
+uint64_t extent_checksum64(std::span<const std::byte> data) {
+  std::vector<uint64_t> pieces(checksum_piece_count(data.size()));
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const size_t at = i * kChecksumPieceBytes;
+    pieces[i] = checksum64(data.subspan(at, std::min(kChecksumPieceBytes, data.size() - at)));
+  }
+  return combine_piece_checksums(pieces);
 }
 
 struct Checksum64Stream::State {
@@ -24,7 +53,7 @@ Checksum64Stream::Checksum64Stream(Checksum64Stream&&) noexcept = default;
 Checksum64Stream& Checksum64Stream::operator=(Checksum64Stream&&) noexcept = default;
 
 void Checksum64Stream::update(std::span<const std::byte> data) {
-  XXH3_64bits_update(state_->s, data.data(), data.size());
+  STRIDER_XXH3(XXH3_64bits_update)(state_->s, data.data(), data.size());
 }
 
 uint64_t Checksum64Stream::digest() const { return XXH3_64bits_digest(state_->s); }

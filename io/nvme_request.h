@@ -2,6 +2,7 @@
 // store while in flight, and the per-extent checksum slot. Internal to io/.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -21,15 +22,24 @@ struct Request {
   bool write = false;
   std::byte* buffer = nullptr;
   uint64_t checksum = 0;  // read: the one expected; write: set at the end
-  // Hashed chunk by chunk, in order, as chunks complete: the completion thread
-  // never stalls on a whole extent, so the queue keeps the drive busy.
-  Checksum64Stream hash;
-  size_t hashed_chunks = 0;
+  // The checksum is the XXH3 of the XXH3s of each kChecksumPieceBytes piece
+  // (extent_checksum64): pieces are hashed independently on the store's hash
+  // threads (a write's as soon as it is submitted, a read's as soon as the
+  // chunks covering it are in), so neither the completion thread nor a single
+  // core bounds the throughput.
+  std::vector<uint64_t> piece_hashes;
+  // Read only: chunks still to complete per piece; the one taking it to 0
+  // queues the piece for hashing.
+  std::unique_ptr<std::atomic<uint32_t>[]> piece_waits;
   NvmeCallback callback;
   std::vector<Chunk> chunks;
-  // Touched only on the completion thread (one thread reaps every chunk).
-  size_t remaining = 0;
-  std::string error_text;  // the first chunk error
+  // Chunks not yet done + pieces not yet hashed; whoever takes it to 0 (the
+  // completion thread or a hash thread) finishes the request.
+  std::atomic<size_t> remaining{0};
+  // Set (after error_text) by the completion thread on a chunk error: pieces
+  // still queued skip hashing.
+  std::atomic<bool> failed{false};
+  std::string error_text;  // the first chunk error; written on the completion thread only
   std::shared_ptr<Request> self;  // keeps it alive while in flight
 
   std::mutex mutex;  // done, error

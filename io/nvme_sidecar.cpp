@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "host/error.h"
+#include "io/checksum.h"
 #include "io/nvme_request.h"
 #include "io/nvme_store.h"
 
@@ -19,7 +20,9 @@ namespace strider {
 namespace {
 
 constexpr const char* kFormat = "strider-nvme-meta";
-constexpr int kVersion = 1;
+// Version 2: "xxh3" is extent_checksum64 (XXH3 of the per-piece XXH3s, pieces
+// of "piece_bytes"). Version 1 held one XXH3 over the whole extent.
+constexpr int kVersion = 2;
 
 void write_all(int fd, const std::string& text, const std::string& path) {
   size_t done = 0;
@@ -40,6 +43,7 @@ void NvmeStore::write_sidecar() {
   nlohmann::json j;
   j["format"] = kFormat;
   j["version"] = kVersion;
+  j["piece_bytes"] = kChecksumPieceBytes;
   j["files"] = paths_;
   auto& list = j["extents"] = nlohmann::json::array();
   {
@@ -104,8 +108,16 @@ void NvmeStore::load_sidecar() {
                             e.what()));
   }
   try {
-    STRIDER_CHECK(j.at("format") == kFormat && j.at("version") == kVersion,
-                  "NvmeStore: {} is not a version {} {} file", path, kVersion, kFormat);
+    STRIDER_CHECK(j.at("format") == kFormat, "NvmeStore: {} is not a {} file", path, kFormat);
+    STRIDER_CHECK(j.at("version") != 1,
+                  "NvmeStore: {} is a version 1 {} file, whose checksums (one XXH3 over each "
+                  "whole extent) this version no longer reads; restore the state from a "
+                  "checkpoint or rewrite it with a fresh store", path, kFormat);
+    STRIDER_CHECK(j.at("version") == kVersion && j.at("piece_bytes") == kChecksumPieceBytes,
+                  "NvmeStore: {} is version {} with checksum pieces of {} bytes; this store "
+                  "reads version {} with pieces of {} bytes", path, j.at("version").dump(),
+                  j.value("piece_bytes", nlohmann::json()).dump(), kVersion,
+                  kChecksumPieceBytes);
     const auto& list = j.at("extents");
     STRIDER_CHECK(list.size() == extents_.size(),
                   "NvmeStore: {} lists {} extents, this store has {}; open_existing needs the "

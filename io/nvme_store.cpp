@@ -4,7 +4,10 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <deque>
+#include <thread>
 
 #include "host/error.h"
 #include "io/checksum.h"
@@ -32,6 +35,74 @@ std::string free_space_text(int fd) {
   if (fstatvfs(fd, &st) != 0) return "unknown";
   return fmt::format("{} bytes", uint64_t{st.f_bavail} * st.f_frsize);
 }
+
+}  // namespace
+
+namespace nvme_detail {
+
+// Threads that hash checksum pieces (and finish the requests whose last piece
+// they hash). Reads are verified, and writes hashed, in parallel and off the
+// completion thread, which only reaps and resubmits.
+class HashPool {
+ public:
+  using Run = std::function<void(Request*, uint32_t piece)>;
+  HashPool(unsigned threads, Run run) : run_(std::move(run)) {
+    try {
+      for (unsigned i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
+    } catch (...) {
+      stop();
+      throw;
+    }
+  }
+  ~HashPool() { stop(); }
+  HashPool(const HashPool&) = delete;
+  HashPool& operator=(const HashPool&) = delete;
+
+  void push(Request* r, uint32_t first, uint32_t count) {
+    if (count == 0) return;
+    {
+      std::lock_guard lock(mutex_);
+      for (uint32_t i = 0; i < count; ++i) queue_.emplace_back(r, first + i);
+    }
+    if (count == 1) cv_.notify_one();
+    else cv_.notify_all();
+  }
+
+ private:
+  void stop() noexcept {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+  void loop() {
+    for (;;) {
+      std::pair<Request*, uint32_t> task;
+      {
+        std::unique_lock lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and the store drained first
+        task = queue_.front();
+        queue_.pop_front();
+      }
+      run_(task.first, task.second);
+    }
+  }
+
+  Run run_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::pair<Request*, uint32_t>> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace nvme_detail
+
+namespace {
 
 std::string errno_advice(int err) {
   switch (err) {
@@ -63,6 +134,8 @@ NvmeStore::NvmeStore(std::vector<std::string> paths, std::vector<ExtentSpec> spe
                 options_.chunk_bytes, kNvmeAlign, kNvmeAlign);
   STRIDER_CHECK(options_.queue_depth >= 1 && options_.queue_depth <= 4096,
                 "NvmeStore: queue_depth {} must be between 1 and 4096", options_.queue_depth);
+  STRIDER_CHECK(options_.hash_threads <= 64, "NvmeStore: hash_threads {} must be at most 64 "
+                "(0 picks the hardware's thread count, up to 4)", options_.hash_threads);
 
   // Layout: each extent goes whole to the least-filled file, so with several
   // drives the master/m/v of one block land on different drives.
@@ -139,6 +212,11 @@ NvmeStore::NvmeStore(std::vector<std::string> paths, std::vector<ExtentSpec> spe
     unlink(sidecar_path().c_str());  // describes data that O_TRUNC just dropped
   }
 
+  unsigned hash_threads = options_.hash_threads;
+  if (hash_threads == 0) hash_threads = std::clamp(std::thread::hardware_concurrency(), 1u, 4u);
+  hash_pool_ = std::make_unique<nvme_detail::HashPool>(
+      hash_threads, [this](Request* r, uint32_t piece) { hash_piece(r, piece); });
+
   auto on_done = [this](Chunk* c, int res) { on_chunk_done(c, res); };
   if (options_.backend != NvmeBackend::kPosix) {
     try {
@@ -164,7 +242,8 @@ NvmeStore::~NvmeStore() {
     std::unique_lock lock(drain_mutex_);
     drain_cv_.wait(lock, [&] { return outstanding_ == 0; });
   }
-  backend_.reset();  // joins its threads
+  backend_.reset();    // joins its threads
+  hash_pool_.reset();  // idle now: every request has finished
   for (int fd : fds_) close(fd);
 }
 
@@ -226,6 +305,9 @@ NvmeTicket NvmeStore::start(const Extent& e, std::byte* buf, size_t len, bool wr
 
   const size_t chunk = options_.chunk_bytes;
   const size_t n = (len + chunk - 1) / chunk;
+  const size_t pieces = checksum_piece_count(ext.bytes);
+  r->piece_hashes.assign(pieces, 0);
+  if (!write) r->piece_waits = std::make_unique<std::atomic<uint32_t>[]>(pieces);
   r->chunks.resize(n);
   std::vector<Chunk*> ptrs(n);
   for (size_t i = 0; i < n; ++i) {
@@ -237,15 +319,24 @@ NvmeTicket NvmeStore::start(const Extent& e, std::byte* buf, size_t len, bool wr
     c.bytes = static_cast<uint32_t>(std::min(chunk, len - i * chunk));
     c.write = write;
     ptrs[i] = &c;
+    if (!write) {
+      const auto [first, count] = pieces_of(c);
+      for (size_t p = first; p < first + count; ++p)
+        r->piece_waits[p].fetch_add(1, std::memory_order_relaxed);
+    }
   }
-  r->remaining = n;
+  r->remaining.store(n + pieces, std::memory_order_relaxed);
   r->self = r;
   {
     std::lock_guard lock(drain_mutex_);
     ++outstanding_;
   }
+  Request* raw = r.get();  // the ticket keeps it alive even if it finishes before the push
+  NvmeTicket ticket(std::move(r));
   backend_->submit(ptrs);
-  return NvmeTicket(std::move(r));
+  // A write's buffer is fixed while in flight: hash it alongside the I/O.
+  if (write) queue_pieces(raw, 0, pieces);
+  return ticket;
 }
 
 void NvmeStore::on_chunk_done(Chunk* c, int res) {
@@ -280,24 +371,51 @@ void NvmeStore::on_chunk_done(Chunk* c, int res) {
     error = fmt::format("short {}s of {} bytes made no progress after {} attempts", op, res,
                         kMaxAttempts);
   }
-  if (!error.empty() && r->error_text.empty()) {
-    r->error_text = fmt::format("NvmeStore: {} of {} bytes at {} offset {} ({}) failed: {}", op,
-                                want, paths_[static_cast<size_t>(c->file)], off,
-                                where(*r->extent), error);
-  }
-  if (error.empty() && r->error_text.empty()) {
+  if (!error.empty()) {
+    if (r->error_text.empty())
+      r->error_text = fmt::format("NvmeStore: {} of {} bytes at {} offset {} ({}) failed: {}",
+                                  op, want, paths_[static_cast<size_t>(c->file)], off,
+                                  where(*r->extent), error);
+    r->failed.store(true, std::memory_order_release);
+  } else {
     c->finished = true;
-    // Hash the in-order prefix of finished chunks (the buffer holds what was
-    // written, or what was read; a write's buffer may not change in flight).
-    const size_t extent_bytes = r->extent->bytes;
-    while (r->hashed_chunks < r->chunks.size() && r->chunks[r->hashed_chunks].finished) {
-      const Chunk& h = r->chunks[r->hashed_chunks++];
-      const size_t start = static_cast<size_t>(h.buffer - r->buffer);
-      if (start < extent_bytes)
-        r->hash.update({h.buffer, std::min<size_t>(h.bytes, extent_bytes - start)});
-    }
   }
-  if (--r->remaining == 0) finish(r);
+  if (!c->write) {
+    // Queue each piece this chunk completes (failed or not: every piece must
+    // be accounted for before the request finishes; a failed one skips hashing).
+    const auto [first, count] = pieces_of(*c);
+    for (size_t p = first; p < first + count; ++p)
+      if (r->piece_waits[p].fetch_sub(1, std::memory_order_acq_rel) == 1) queue_pieces(r, p, 1);
+  }
+  if (r->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(r);
+}
+
+std::pair<size_t, size_t> NvmeStore::pieces_of(const Chunk& c) {
+  const Request& r = *c.request;
+  const size_t start = static_cast<size_t>(c.buffer - r.buffer);
+  const size_t end = std::min<size_t>(start + c.bytes, r.extent->bytes);
+  if (start >= end) return {0, 0};  // the padding past `bytes` is not checksummed
+  const size_t first = start / kChecksumPieceBytes;
+  return {first, (end - 1) / kChecksumPieceBytes + 1 - first};
+}
+
+void NvmeStore::queue_pieces(Request* r, size_t first, size_t count) noexcept {
+  try {
+    hash_pool_->push(r, static_cast<uint32_t>(first), static_cast<uint32_t>(count));
+  } catch (...) {
+    // No memory for the queue: hash here rather than lose the pieces (a lost
+    // piece would leave the request unfinished forever).
+    for (size_t p = first; p < first + count; ++p) hash_piece(r, static_cast<uint32_t>(p));
+  }
+}
+
+void NvmeStore::hash_piece(Request* r, uint32_t piece) noexcept {
+  if (!r->failed.load(std::memory_order_acquire)) {
+    const size_t at = size_t{piece} * kChecksumPieceBytes;
+    const size_t len = std::min(kChecksumPieceBytes, r->extent->bytes - at);
+    r->piece_hashes[piece] = checksum64({r->buffer + at, len});
+  }
+  if (r->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) finish(r);
 }
 
 void NvmeStore::finish(Request* r) noexcept {
@@ -307,9 +425,9 @@ void NvmeStore::finish(Request* r) noexcept {
   if (!r->error_text.empty()) {
     error = std::make_exception_ptr(Error(r->error_text));
   } else if (r->write) {
-    r->checksum = r->hash.digest();
+    r->checksum = combine_piece_checksums(r->piece_hashes);
   } else {
-    const uint64_t got = r->hash.digest();
+    const uint64_t got = combine_piece_checksums(r->piece_hashes);
     if (got != r->checksum) {
       error = std::make_exception_ptr(Error(fmt::format(
           "NvmeStore: checksum mismatch reading {}: expected xxh3 {:016x}, read {:016x}. The "
@@ -324,6 +442,8 @@ void NvmeStore::finish(Request* r) noexcept {
     s.checksum = r->checksum;
   }
   if (r->callback) {
+    // Callbacks run on the completion thread or a hash thread: one at a time.
+    std::lock_guard callback_lock(callback_mutex_);
     try {
       r->callback(error);
     } catch (...) {

@@ -10,14 +10,17 @@
 // pread/pwrite pool where io_uring is refused) and return a Ticket at once.
 // Short transfers are resubmitted for the remainder, -EAGAIN is retried, hard
 // errors (ENOSPC, EIO) come back from wait() as strider::Error naming the file
-// and offset. Every extent carries an XXH3-64 checksum computed on write and
-// checked on read, so a torn or corrupted extent is reported, never trained on;
+// and offset. Every extent carries a checksum (XXH3-64 over the XXH3-64s of its
+// 1 MiB pieces, see extent_checksum64) computed on write and checked on read,
+// hashed piece by piece on a small pool of hash threads as the I/O proceeds,
+// so a torn or corrupted extent is reported, never trained on;
 // sync() makes data and checksums durable (fsync, then an atomically replaced
 // sidecar file "<first file>.strider-meta.json").
 //
-// Threads: read/write/wait/ready/sync may be called from any thread. Completion
-// callbacks run on the store's single completion thread, in completion order:
-// keep them short (submit the next stage, notify a task arena) and hand heavy
+// Threads: read/write/wait/ready/sync may be called from any thread. The
+// completion thread only reaps and resubmits; completion callbacks run on it or
+// on a hash thread (whichever finishes the request), one at a time: keep them
+// short (submit the next stage, notify a task arena) and hand heavy
 // work (AdamW) to another thread, since a slow callback delays every other
 // ticket's completion. A callback may call read()/write(), but must not wait()
 // on a ticket (its own never becomes ready before it returns). The destructor
@@ -45,6 +48,7 @@ namespace nvme_detail {
 struct Request;
 class IoBackend;
 struct Chunk;
+class HashPool;
 }  // namespace nvme_detail
 
 // O_DIRECT granularity for buffer addresses, lengths and file offsets.
@@ -97,6 +101,8 @@ struct NvmeStoreOptions {
   // Reopen files and checksums written by an earlier store with the same
   // extents (the sidecar must exist and match); false starts empty.
   bool open_existing = false;
+  // Threads hashing checksum pieces; 0: the hardware's thread count, up to 4.
+  unsigned hash_threads = 0;
   // Fault injection for the tests of the retry paths: called with each
   // completed attempt and its real result (bytes or -errno); returns the result
   // the store should act on (e.g. -EAGAIN, -EIO, or fewer bytes). Runs on the
@@ -167,6 +173,10 @@ class NvmeStore {
   struct Slot;  // per-extent checksum state
   NvmeTicket start(const Extent& e, std::byte* buf, size_t len, bool write, NvmeCallback done);
   void on_chunk_done(nvme_detail::Chunk* c, int res);
+  void hash_piece(nvme_detail::Request* r, uint32_t piece) noexcept;
+  void queue_pieces(nvme_detail::Request* r, size_t first, size_t count) noexcept;
+  // [first piece, count) of the checksum pieces chunk `c` overlaps.
+  static std::pair<size_t, size_t> pieces_of(const nvme_detail::Chunk& c);
   void finish(nvme_detail::Request* r) noexcept;
   std::string where(const Extent& e) const;
   void load_sidecar();
@@ -184,6 +194,9 @@ class NvmeStore {
   std::mutex drain_mutex_;
   std::condition_variable drain_cv_;
   size_t outstanding_ = 0;
+
+  std::mutex callback_mutex_;  // completion callbacks run one at a time
+  std::unique_ptr<nvme_detail::HashPool> hash_pool_;  // before backend_: outlives it
 
   bool using_uring_ = false;
   std::string fallback_reason_;

@@ -149,14 +149,13 @@ void UringBackend::completion_loop() {
     }
     io_uring_cq_advance(&ring_, n);
     {
+      // Refill the slots just freed before running the completions, so the
+      // drive is not idle while they run (retries go to the front anyway).
       std::lock_guard lock(sq_mutex_);
       in_flight_ -= m;
+      pump_locked();
     }
     for (unsigned i = 0; i < m; ++i) on_done_(done[i].first, done[i].second);
-    {
-      std::lock_guard lock(sq_mutex_);
-      pump_locked();  // refill the slots just freed
-    }
     if (stop) return;
   }
 }
