@@ -51,12 +51,22 @@ struct Result {
   size_t peak = 0, budget = 0;
 };
 
+// One temporary directory for the NVMe tier, removed when the tests end.
 std::string nvme_dir() {
-  static std::string dir = [] {
-    char tmpl[] = "/tmp/strider-engine-test-XXXXXX";
-    return std::string(mkdtemp(tmpl));
-  }();
-  return dir;
+  struct Dir {
+    std::string path;
+    Dir() {
+      char tmpl[] = "/tmp/strider-engine-test-XXXXXX";
+      REQUIRE(mkdtemp(tmpl) != nullptr);
+      path = tmpl;
+    }
+    ~Dir() {
+      std::error_code ec;
+      std::filesystem::remove_all(path, ec);
+    }
+  };
+  static Dir dir;
+  return dir.path;
 }
 
 Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double clip, int steps = 3) {
