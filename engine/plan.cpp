@@ -98,9 +98,10 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   }
   p.window = k;
   p.checkpoints_on_host = host_ckpt;
+  fits(k, host_ckpt, &f);  // f: the footprint of the chosen window
   p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head", blocks, spec.layers));
   p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients) {}", k, k,
-                              format_bytes(fits(k, host_ckpt, &f) ? f.unit_bytes : 0), f.unit_elems,
+                              format_bytes(f.unit_bytes), f.unit_elems,
                               l.window > 0 ? "(as asked)" : k == blocks ? "(the whole model fits)"
                                              : k == kMaxAutoWindow ? "(more hides no more transfer time)"
                                                                    : "(the most that fits)"));

@@ -12,29 +12,16 @@
 #include "engine/engine.h"
 #include "engine/resident_model.h"
 #include "host/error.h"
+#include "tests/engine/tiny_model.h"
 
 using namespace strider;
 
 namespace {
 
-ModelSpec tiny(bool tied) {
-  nlohmann::json j = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 32},
-                      {"intermediate_size", 48}, {"num_hidden_layers", 3}, {"num_attention_heads", 4},
-                      {"num_key_value_heads", 2}, {"vocab_size", 96}, {"max_position_embeddings", 64},
-                      {"rms_norm_eps", 1e-5}, {"tie_word_embeddings", tied}};
-  return ModelSpec::from_json(j, "tiny");
-}
+using test::Batch;
+using test::batch;
 
-struct Batch { std::vector<int64_t> ids, labels; };
-Batch batch(int64_t n, int64_t seq, int64_t vocab, uint32_t seed) {
-  std::mt19937 rng(seed);
-  Batch b;
-  for (int64_t i = 0; i < n * seq; ++i) {
-    b.ids.push_back(int64_t(rng() % vocab));
-    b.labels.push_back(i % 7 == 0 ? -100 : int64_t(rng() % vocab));
-  }
-  return b;
-}
+ModelSpec tiny(bool tied) { return ModelSpec::from_json(test::tiny_config(tied), "tiny"); }
 
 struct Case {
   std::string name;

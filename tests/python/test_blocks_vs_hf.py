@@ -5,20 +5,18 @@ outputs), the chunked loss and every parameter gradient must match it, in fp32
 to 1e-5 relative and in bf16 within bf16's tolerance.
 """
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("STRIDER_BUILD_DIR", ROOT / "build"))
-OPS = BUILD / "python_shim" / "libstrider_ops.so"
-if not OPS.exists():
-    pytest.skip(f"{OPS} is not built (run scripts/setup.sh)", allow_module_level=True)
-torch.ops.load_library(str(OPS))
+from strider import _library  # the package's own loader (conftest puts python_shim/ on sys.path)
+
+try:
+    _library.load_library()
+except ImportError as e:  # not built yet: the message names every path tried
+    pytest.skip(str(e), allow_module_level=True)
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, rms_norm_eps=1e-5)

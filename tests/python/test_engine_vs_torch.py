@@ -12,24 +12,18 @@ micro-batch, the sum of token losses divided by the batch's valid-token count
 (HF's num_items_in_batch), gradients accumulated, then clip, AdamW, scheduler.
 """
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[2]
-BUILD = Path(os.environ.get("STRIDER_BUILD_DIR", ROOT / "build"))
-OPS = BUILD / "python_shim" / "libstrider_ops.so"
-if not OPS.exists():
-    pytest.skip(f"{OPS} is not built (run scripts/setup.sh)", allow_module_level=True)
-torch.ops.load_library(str(OPS))
+from strider import _library  # the package's own loader (conftest puts python_shim/ on sys.path)
+
 try:
-    torch.classes.strider.Engine
-except RuntimeError:  # torch.classes raises, not AttributeError, for an unknown class
-    pytest.skip(f"{OPS} predates torch.classes.strider.Engine: rebuild it", allow_module_level=True)
+    _library.load_library()
+except ImportError as e:  # not built yet: the message names every path tried
+    pytest.skip(str(e), allow_module_level=True)
 
 SEQ, MICRO_BATCH, ACCUMULATION, STEPS = 17, 2, 2, 5
 BATCH = MICRO_BATCH * ACCUMULATION
