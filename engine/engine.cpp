@@ -554,6 +554,13 @@ void Engine::set_param(const std::string& name, std::span<const float> values) {
   throw Error(fmt::format("{} has no parameter '{}'", spec_.arch_name, name));
 }
 
+std::span<std::byte> Engine::compute_copy(int64_t b) {
+  STRIDER_CHECK(!simulated(), "compute_copy: a simulated engine holds no parameters");
+  STRIDER_CHECK(b >= 0 && b < num_blocks_, "compute_copy: block {} out of range (the model has {} blocks)", b,
+                num_blocks_);
+  return store_->block(size_t(b)).compute_bytes();
+}
+
 std::vector<float> Engine::param(const std::string& name) {
   for (int64_t b = 0; b < num_blocks_; ++b) {
     const TensorSlot* t = layouts_[b].find(name);

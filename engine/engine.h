@@ -103,6 +103,14 @@ class Engine {
   // NVMe, and back. Writing the master also rewrites the compute copy.
   void read_state(int64_t block, ExtentKind kind, std::span<float> out);
   void write_state(int64_t block, ExtentKind kind, std::span<const float> in);
+  // Block b's compute copy in the pinned host arena: the bytes every H2D of
+  // the block sends (bf16 bits, or fp32 with an fp32 compute dtype), laid out
+  // by spec().layout(b) (each tensor contiguous at its slot's offset). The
+  // updater rewrites it from the master after each update, so read it between
+  // steps after finish_updates(); a write to it lasts only until the block's
+  // next update (set_param / write_state change the master). Valid while the
+  // Engine lives. This is what a wrapped model's parameters alias.
+  std::span<std::byte> compute_copy(int64_t block);
 
   // One optimizer step over `ids` / `labels`, [batch, seq] int64 each (labels
   // aligned with ids, -100 where no loss counts). Returns when the loss and the

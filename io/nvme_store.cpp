@@ -120,6 +120,7 @@ std::string_view extent_kind_name(ExtentKind kind) {
     case ExtentKind::kMaster: return "master";
     case ExtentKind::kAdamM: return "adam_m";
     case ExtentKind::kAdamV: return "adam_v";
+    case ExtentKind::kGrad: return "grad";
   }
   return "unknown";
 }

@@ -54,8 +54,11 @@ class HashPool;
 // O_DIRECT granularity for buffer addresses, lengths and file offsets.
 inline constexpr size_t kNvmeAlign = 4096;
 
-enum class ExtentKind : uint8_t { kMaster, kAdamM, kAdamV };
-std::string_view extent_kind_name(ExtentKind kind);  // "master", "adam_m", "adam_v"
+// kGrad: a block's fp32 gradients, spilled while an exact global-norm clip
+// waits for every block's gradients (the engine's NVMe tier keeps no
+// per-block gradient buffer in RAM).
+enum class ExtentKind : uint8_t { kMaster, kAdamM, kAdamV, kGrad };
+std::string_view extent_kind_name(ExtentKind kind);  // "master", "adam_m", "adam_v", "grad"
 
 // What the caller asks for: `bytes` of state for (block, kind).
 struct ExtentSpec {
