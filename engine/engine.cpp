@@ -40,22 +40,27 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   for (int64_t b : config_.nvme_blocks) {
     STRIDER_CHECK(b >= 0 && b < num_blocks_, "nvme block {} out of range (the model has {} blocks)", b, num_blocks_);
     STRIDER_CHECK(nvme_slot_[b] < 0, "nvme block {} listed twice", b);
-    nvme_slot_[b] = static_cast<int>(extents.size() / 3);
+    nvme_slot_[b] = 0;
     const size_t bytes = layouts_[b].total_elems() * sizeof(float);
     for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV})
       extents.push_back({b, k, bytes});
+    if (config_.clip_norm > 0) extents.push_back({b, ExtentKind::kGrad, bytes});
     max_nvme_state = std::max(max_nvme_state, round_up(bytes, kAlign));
   }
   // Staging slots alternate between NVMe blocks in block order, so the updater
   // (which walks blocks in order, up or down) can read the next one's state
-  // into the other slot while it updates this one.
+  // into the other slot while it updates this one. Gradient ring slots go
+  // round in the order gradients land: head, B-2, ..., 0.
+  ring_slot_.assign(num_blocks_, -1);
   for (int rank = 0, b = 0; b < num_blocks_; ++b)
     if (nvme_slot_[b] >= 0) nvme_slot_[b] = rank++;
+  for (int rank = 0, b = int(num_blocks_) - 1; b >= 0; --b)
+    if (nvme_slot_[b] >= 0) ring_slot_[b] = int(rank++ % config_.grad_ring);
 
   // Pinned host memory: the store, batch staging, tied-gradient staging,
   // host checkpoints and NVMe staging, all in one arena mapped now.
   std::vector<BlockSpec> specs;
-  for (int64_t b = 0; b < num_blocks_; ++b) specs.push_back({layouts_[b], nvme_slot_[b] < 0});
+  for (int64_t b = 0; b < num_blocks_; ++b) specs.push_back({layouts_[b], nvme_slot_[b] < 0, nvme_slot_[b] < 0});
   StoreOptions so{.grad_dtype = DType::kF32,
                   .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                   .zero = !simulated()};
@@ -72,6 +77,11 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kAlign);
   if (config_.checkpoints_on_host)
     for (int64_t i = 0; i < head_ * M; ++i) host_ckpt_.push_back(arena_->carve(act_bytes, kAlign, "host checkpoint"));
+  if (max_nvme_state > 0)
+    for (int64_t r = 0; r < config_.grad_ring; ++r)
+      grad_ring_.push_back(arena_->carve(max_nvme_state, kAlign, "gradient ring slot"));
+  ring_uses_.assign(grad_ring_.size(), 0);
+  ring_released_.assign(grad_ring_.size(), 0);
 
   if (!extents.empty() && !simulated()) {
     STRIDER_CHECK(!config_.nvme_dir.empty(), "{} blocks keep their state on NVMe but no NVMe directory is set",
@@ -84,7 +94,9 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
     for (int s = 0; s < 2; ++s)
       nvme_staging_.push_back({arena_->carve(max_nvme_state, kAlign, "nvme staging master"),
                                arena_->carve(max_nvme_state, kAlign, "nvme staging adam m"),
-                               arena_->carve(max_nvme_state, kAlign, "nvme staging adam v"), {}});
+                               arena_->carve(max_nvme_state, kAlign, "nvme staging adam v"),
+                               config_.clip_norm > 0 ? arena_->carve(max_nvme_state, kAlign, "nvme staging grads")
+                                                     : std::span<std::byte>()});
     // Fresh state: zero master, m and v on the drive, so every extent is valid.
     std::memset(nvme_staging_[0].master.data(), 0, max_nvme_state);
     for (int64_t b = 0; b < num_blocks_; ++b) {
@@ -111,6 +123,8 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   for (int64_t b = head_ - 1; b >= 0; --b) visits_.push_back({Visit::kBackward, b});
   eval_visits_.assign(visits_.begin(), visits_.begin() + head_ + 1);
   for (int64_t b = 0; b < num_blocks_; ++b) grads_ready_.push_back(device_->make_event());
+  grads_recorded_.assign(num_blocks_, 0);
+  grad_spill_.resize(size_t(num_blocks_));
   data_ready_ = device_->make_event();
   tied_grad_ready_ = device_->make_event();
   head_loss_.assign(M, 0.0);
@@ -120,6 +134,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   if (simulated()) {
     // No updater thread: step() prices the updates on the host lanes.
     for (int64_t b = 0; b < num_blocks_; ++b) sim_update_done_.push_back(device_->make_event());
+    for (size_t r = 0; r < grad_ring_.size(); ++r) sim_ring_free_.push_back(device_->make_event());
     return;
   }
   // Align the device's span clock with ours: one empty op, timed from both sides.
@@ -140,14 +155,15 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   std::vector<bool> nvme(size_t(blocks), false);
   for (int64_t b : c.nvme_blocks)
     if (b >= 0 && b < blocks) nvme[size_t(b)] = true;
+  const bool clip = c.clip_norm > 0;
   size_t max_elems = 0, max_nvme_state = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    specs.push_back({spec.layout(b), !nvme[size_t(b)]});
+    specs.push_back({spec.layout(b), !nvme[size_t(b)], !nvme[size_t(b)]});
     const size_t n = specs.back().layout.total_elems();
     max_elems = std::max(max_elems, n);
     if (nvme[size_t(b)]) {
       max_nvme_state = std::max(max_nvme_state, round_up(n * 4, kAlign));
-      f.nvme_bytes += 3 * round_up(n * 4, kAlign);
+      f.nvme_bytes += (clip ? 4 : 3) * round_up(n * 4, kAlign);  // master, m, v (+ spilled gradients)
     }
   }
   const size_t emb_elems = specs[0].layout.total_elems();
@@ -167,7 +183,10 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   if (spec.tie_embeddings) f.host_bytes += round_up(emb_elems * 4, kAlign);
   if (c.checkpoints_on_host)
     f.host_bytes += uint64_t(head * M) * round_up(size_t(c.micro_batch * c.seq * spec.dims.hidden) * cbytes, kAlign);
-  f.host_bytes += 2 * 3 * max_nvme_state;
+  // NVMe staging (2 slots of master, m, v, and read-back gradients with
+  // clipping), and the gradient ring.
+  f.host_bytes += 2 * (clip ? 4 : 3) * max_nvme_state;
+  if (max_nvme_state > 0) f.host_bytes += uint64_t(c.grad_ring) * max_nvme_state;
   return f;
 }
 
@@ -185,6 +204,8 @@ Engine::~Engine() {
   }
   for (auto& s : nvme_staging_)
     for (auto& t : s.writes) try { nvme_->wait(t); } catch (...) {}
+  for (auto& t : grad_spill_)  // their callbacks touch the timeline and the lock
+    if (t.valid()) try { nvme_->wait(t); } catch (...) {}
 }
 
 void Engine::check_config() const {
@@ -197,6 +218,8 @@ void Engine::check_config() const {
   STRIDER_CHECK(c.compute.dtype == at::kFloat || c.compute.dtype == at::kBFloat16,
                 "compute dtype must be bf16 or fp32");
   STRIDER_CHECK(c.clip_norm >= 0, "clip_norm {} must be >= 0 (0 turns clipping off)", c.clip_norm);
+  STRIDER_CHECK(c.grad_ring >= 1, "grad_ring {} must be >= 1 (gradient staging slots of the NVMe-tier blocks)",
+                c.grad_ring);
 }
 
 void Engine::allocate_activations() {
@@ -255,6 +278,8 @@ void Engine::upload_batch(const int64_t* ids, const int64_t* labels) {
     STRIDER_CHECK(labels[i] == -100 || (labels[i] >= 0 && labels[i] < spec_.dims.vocab),
                   "label {} at position {} is neither -100 nor a token id < {}", labels[i], i, spec_.dims.vocab);
   }
+  batch_valid_ = 0;
+  for (size_t i = 0; i < n; ++i) batch_valid_ += labels[i] != -100;
   std::memcpy(ids_host_.data(), ids, n * 8);
   std::memcpy(labels_host_.data(), labels, n * 8);
   device_->copy_h2d(StreamId::kH2D, ids_dev_.data_ptr(), ids_host_.data(), n * 8, {"h2d batch"});
@@ -321,9 +346,7 @@ void Engine::run_head(const CacheUnit& u, bool train) {
   at::Tensor grads = grads_view(u);
   const int64_t own = int64_t(layouts_[head_].total_elems());
   const bool tied = spec_.tie_embeddings;
-  const int64_t valid = (at::from_blob(labels_host_.data(), {int64_t(labels_host_.size())}, at::kLong) != -100)
-                            .sum().item<int64_t>();
-  STRIDER_CHECK(!train || valid > 0, "the batch has no label other than -100: nothing to train on");
+  const int64_t valid = batch_valid_;
   BlockCost cost = spec_.cost(head_, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_));
   if (train) device_->launch(StreamId::kCompute, {"zero grads", int32_t(head_)}, [grads](const LaunchContext&) { grads.zero_(); });
   for (int64_t m = 0; m < M; ++m) {
@@ -349,9 +372,7 @@ void Engine::run_head(const CacheUnit& u, bool train) {
   auto done = device_->make_event();
   device_->record(*done, StreamId::kCompute);
   device_->wait(StreamId::kD2H, *done);
-  BlockState& s = store_->block(size_t(head_));
-  device_->copy_d2h(StreamId::kD2H, s.grad.data(), u.grads_fp32, s.grad.size(), {"d2h grads", int32_t(head_)});
-  device_->record(*grads_ready_[head_], StreamId::kD2H);
+  copy_grads_out(head_, u.grads_fp32);
   if (tied) {
     device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data(), u.grads_fp32 + own, tied_grad_host_.size_bytes(),
                       {"d2h tied grads", int32_t(head_)});
@@ -407,9 +428,41 @@ void Engine::run_backward(int64_t b, const CacheUnit& u) {
   auto done = device_->make_event();
   device_->record(*done, StreamId::kCompute);
   device_->wait(StreamId::kD2H, *done);
-  BlockState& s = store_->block(size_t(b));
-  device_->copy_d2h(StreamId::kD2H, s.grad.data(), u.grads_fp32, s.grad.size(), {"d2h grads", int32_t(b)});
+  copy_grads_out(b, u.grads_fp32);
+}
+
+std::span<std::byte> Engine::grad_host(int64_t b) {
+  const int r = ring_slot_[size_t(b)];
+  return r < 0 ? store_->block(size_t(b)).grad : grad_ring_[size_t(r)];
+}
+
+void Engine::copy_grads_out(int64_t b, const void* src) {
+  const int r = ring_slot_[size_t(b)];
+  if (r >= 0) {
+    // The slot's n-th use waits for n consumptions: the previous gradients in
+    // it were updated with (or spilled to NVMe). The updater gets there on its
+    // own, from gradients already enqueued, so waiting here cannot deadlock.
+    const int64_t use = ring_uses_[size_t(r)]++;
+    if (simulated()) {
+      device_->wait(StreamId::kD2H, *sim_ring_free_[size_t(r)]);
+    } else {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [&] { return ring_released_[size_t(r)] >= use || updater_error_; });
+      if (updater_error_) std::rethrow_exception(updater_error_);
+    }
+  }
+  const size_t bytes = layouts_[size_t(b)].total_elems() * sizeof(float);
+  device_->copy_d2h(StreamId::kD2H, grad_host(b).data(), src, bytes, {"d2h grads", int32_t(b)});
   device_->record(*grads_ready_[b], StreamId::kD2H);
+  if (simulated()) {
+    sim_landed(b);
+    return;
+  }
+  {
+    std::lock_guard lk(mu_);
+    grads_recorded_[size_t(b)] = steps_ + 1;
+  }
+  cv_.notify_all();
 }
 
 void Engine::collect_device_spans() {
@@ -450,14 +503,18 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   rep.lr = config_.adam.lr * config_.schedule.factor(steps_);
   rep.tokens = config_.batch() * config_.seq;
   upload_batch(ids, labels);
-  run_pass(visits_, /*train=*/true);
+  STRIDER_CHECK(batch_valid_ > 0 || simulated(), "the batch has no label other than -100: nothing to train on");
 
+  // The updater takes the step's job now: it consumes gradients as they land,
+  // which frees gradient ring slots the pass may be waiting for.
   auto job = std::make_shared<UpdateJob>();
   job->step = rep.step;
   job->lr = rep.lr;
   if (simulated()) {
     const double begin = sim_step_end_us_;
-    const double end = simulate_updates(*job);
+    sim_step_ = {.job = *job, .spilled_us = std::vector<double>(size_t(num_blocks_), 0.0)};
+    run_pass(visits_, /*train=*/true);
+    const double end = sim_finish();
     ++steps_;
     collect_device_spans();
     rep.loss = rep.grad_norm = std::numeric_limits<double>::quiet_NaN();
@@ -470,9 +527,13 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   {
     std::lock_guard lk(mu_);
     jobs_.push_back(job);
-    ++steps_;
   }
   cv_.notify_all();
+  run_pass(visits_, /*train=*/true);  // its waits for updates still mean the previous step's
+  {
+    std::lock_guard lk(mu_);
+    ++steps_;
+  }
 
   // The loss is known once the head ran; the step ends when every gradient
   // has landed and the norm is known (the updates may continue).
@@ -519,6 +580,7 @@ void Engine::set_steps_done(int64_t steps) {
   steps_ = steps;
   norm_step_ = steps;
   for (auto& u : updated_) u = steps;
+  for (auto& g : grads_recorded_) g = steps;
 }
 
 void Engine::init_params(uint64_t seed) {

@@ -12,6 +12,14 @@
 // and in forward order, overlapped with the next step's forward. The next H2D
 // of a block waits for exactly that block's update.
 //
+// Gradients land in host staging: a buffer per block whose state lives in RAM,
+// and a ring of `grad_ring` slots shared by the NVMe-tier blocks, so a block on
+// NVMe keeps only its compute copy in RAM. A ring slot is reused once its
+// previous gradients are consumed: by their block's update (no clipping), or,
+// with exact clipping (every gradient must outlive the global norm), once they
+// are spilled to the block's fp32 gradient extent on NVMe, read back with its
+// state for the update. Still fp32 all the way: offload changes nothing.
+//
 // The same code runs on CpuDevice (tests, with chaos) and CudaDevice; results
 // are bit-identical to ResidentModel + AdamW whatever K, the tiers or where
 // checkpoints live.
@@ -54,6 +62,7 @@ struct EngineConfig {
   int optimizer_threads = 0;   // 0: all hardware threads
   std::string nvme_dir;        // where NVMe-tier state lives (needed if nvme_blocks is not empty)
   std::vector<int64_t> nvme_blocks;  // blocks whose fp32 master/m/v live on NVMe
+  int64_t grad_ring = 3;       // gradient staging slots shared by the NVMe-tier blocks (>= 1)
   NvmeBackend nvme_backend = NvmeBackend::kAuto;
   LockPolicy lock = LockPolicy::kPrefer;
 
@@ -159,13 +168,25 @@ class Engine {
     int64_t step = 0;  // 1-based: the AdamW step count
     double lr = 0;
   };
+  // Host staging of block b's fp32 gradients: its own buffer, or its ring slot.
+  std::span<std::byte> grad_host(int64_t b);
+  // The D2H of block b's gradients from `src` (a unit), once its staging is
+  // free; records grads_ready_[b] and tells the updater.
+  void copy_grads_out(int64_t b, const void* src);
+  void release_ring_slot(int64_t b);  // the slot's gradients are consumed
   void updater_main();
   // Updates block b; `next` (or -1) is the block the updater takes next, whose
   // NVMe-tier state is read ahead into the other staging slot.
   void update_block(const UpdateJob& job, int64_t b, double grad_scale, int64_t next);
-  double simulate_updates(const UpdateJob& job);  // returns the virtual time the step ends
+  // Simulation of the updater, in the order it works: sim_landed(b) right
+  // after block b's D2H is enqueued, sim_finish() after the pass (returns
+  // the virtual time the step ends).
+  void sim_landed(int64_t b);
+  void sim_update(int64_t b, double ready_us);
+  double sim_finish();
   void start_state_read(int64_t b);
   bool on_nvme(int64_t b) const { return nvme_slot_.at(b) >= 0; }
+  bool spills_grads(int64_t b) const { return ring_slot_.at(b) >= 0 && config_.clip_norm > 0; }
 
   ModelSpec spec_;
   EngineConfig config_;
@@ -179,6 +200,7 @@ class Engine {
   std::unique_ptr<ParamStore> store_;
   std::unique_ptr<NvmeStore> nvme_;
   std::vector<int> nvme_slot_;      // per block: index among NVMe blocks, or -1
+  std::vector<int> ring_slot_;      // per block: its gradient ring slot, or -1 (own staging)
   std::unique_ptr<CacheUnitPool> pool_;
   std::unique_ptr<BlockRunner> runner_;
   std::unique_ptr<CpuAdam> adam_;
@@ -189,8 +211,11 @@ class Engine {
   std::span<int64_t> ids_host_, labels_host_;
   std::span<float> tied_grad_host_;         // the head's gradient of a tied embedding
   std::vector<std::span<std::byte>> host_ckpt_;  // [b * M + m], checkpoints on host
+  std::vector<std::span<std::byte>> grad_ring_;  // fp32 gradient slots of the NVMe-tier blocks
+  std::vector<int64_t> ring_uses_;          // per slot: D2Hs issued into it (main thread)
   struct NvmeStaging {
     std::span<std::byte> master, m, v;
+    std::span<std::byte> grad;       // spilled gradients read back (clipping only)
     std::vector<NvmeTicket> writes;  // the last write-back from this slot
     std::vector<NvmeTicket> reads;   // the state being read into it
     int64_t reading = -1;            // whose state `reads` bring
@@ -208,6 +233,7 @@ class Engine {
   std::unique_ptr<Event> data_ready_, tied_grad_ready_;
 
   // Per-step state shared with closures (they run in stream order).
+  int64_t batch_valid_ = 0;                 // labels of the batch that count
   std::vector<double> head_loss_;           // per micro-batch loss sums
   std::vector<int64_t> head_valid_;
   std::vector<Visit> visits_, eval_visits_;
@@ -221,6 +247,9 @@ class Engine {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<UpdateJob>> jobs_;
   std::vector<int64_t> updated_;            // per block: updates applied
+  std::vector<int64_t> grads_recorded_;     // per block: the step whose gradient D2H is enqueued
+  std::vector<int64_t> ring_released_;      // per ring slot: gradients consumed from it
+  std::vector<NvmeTicket> grad_spill_;      // per block: the write of its spilled gradients
   std::exception_ptr updater_error_;
   bool stopping_ = false;
   double last_norm_ = -1;                   // set by the updater per step
@@ -230,6 +259,12 @@ class Engine {
   // its update is done (the next H2D of the block waits for it).
   SimHostLane sim_optimizer_, sim_nvme_read_, sim_nvme_write_;
   std::vector<std::unique_ptr<Event>> sim_update_done_;
+  std::vector<std::unique_ptr<Event>> sim_ring_free_;  // per ring slot: when its gradients were consumed
+  struct SimStep {
+    UpdateJob job;
+    double all_landed = 0, norm_known = 0, last_update = 0, read_ahead_from = 0;
+    std::vector<double> spilled_us;  // per block: its spilled gradients are on NVMe
+  } sim_step_;
   double sim_step_end_us_ = 0;
 };
 

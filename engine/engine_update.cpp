@@ -45,9 +45,31 @@ void Engine::updater_main() {
       std::vector<double> sumsq(size_t(num_blocks_), 0.0);
       const bool clip = config_.clip_norm > 0;
       auto land = [&](int64_t b) {
+        {
+          std::unique_lock lk(mu_);
+          cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job->step || stopping_; });
+          STRIDER_CHECK(!stopping_, "the engine stopped before block {}'s gradients were copied out", b);
+        }
         grads_ready_[b]->synchronize();
-        BlockState& s = store_->block(size_t(b));
-        sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(s.grad.data()), s.elems()});
+        const size_t n = layouts_[size_t(b)].total_elems();
+        sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(grad_host(b).data()), n});
+        if (spills_grads(b)) {
+          // The norm waits for every block: park this one's gradients on NVMe
+          // and free the ring slot once they are written.
+          const Extent& e = nvme_->extent(b, ExtentKind::kGrad);
+          const double w0 = Timeline::now_us();
+          grad_spill_[size_t(b)] = nvme_->write(
+              e, grad_host(b).first(e.io_bytes), [this, b, w0, step = job->step, bytes = n * 4](std::exception_ptr err) {
+                if (err) {
+                  std::lock_guard lk(mu_);
+                  if (!updater_error_) updater_error_ = err;
+                } else {
+                  timeline_.add({Lane::kNvmeWrite, "nvme write grads", int32_t(b), -1, step, w0, Timeline::now_us(),
+                                 0, uint64_t(bytes)});
+                }
+                release_ring_slot(b);
+              });
+        }
       };
       auto publish_norm = [&] {
         double total = 0;
@@ -80,6 +102,14 @@ void Engine::updater_main() {
   }
 }
 
+void Engine::release_ring_slot(int64_t b) {
+  {
+    std::lock_guard lk(mu_);
+    ++ring_released_[size_t(ring_slot_[size_t(b)])];
+  }
+  cv_.notify_all();
+}
+
 void Engine::start_state_read(int64_t b) {
   NvmeStaging& slot = nvme_staging_[size_t(nvme_slot_[b] % 2)];
   if (slot.reading == b) return;
@@ -90,6 +120,13 @@ void Engine::start_state_read(int64_t b) {
                            {ExtentKind::kAdamV, slot.v}}) {
     const Extent& e = nvme_->extent(b, kind);
     slot.reads.push_back(nvme_->read(e, buf.first(e.io_bytes)));
+  }
+  if (spills_grads(b)) {
+    NvmeTicket& spill = grad_spill_[size_t(b)];
+    if (spill.valid()) nvme_->wait(spill);  // the read must see the whole write
+    spill = {};
+    const Extent& e = nvme_->extent(b, ExtentKind::kGrad);
+    slot.reads.push_back(nvme_->read(e, slot.grad.first(e.io_bytes)));
   }
   slot.reading = b;
 }
@@ -117,13 +154,14 @@ void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale, in
     slot->reads.clear();
     slot->reading = -1;
     timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(b), -1, job.step, slot->read_begin_us,
-                   Timeline::now_us(), 0, uint64_t(3 * n * sizeof(float))});
+                   Timeline::now_us(), 0, uint64_t((spills_grads(b) ? 4 : 3) * n * sizeof(float))});
     p = reinterpret_cast<float*>(slot->master.data());
     m = reinterpret_cast<float*>(slot->m.data());
     v = reinterpret_cast<float*>(slot->v.data());
   }
   const double t0 = Timeline::now_us();
-  AdamArgs args{p, m, v, s.grad.data(), DType::kF32, fp32 ? nullptr : s.compute.data(), n};
+  const std::byte* grads = spills_grads(b) ? slot->grad.data() : grad_host(b).data();
+  AdamArgs args{p, m, v, grads, DType::kF32, fp32 ? nullptr : s.compute.data(), n};
   if (fp32) {
     // fp32 compute: the compute copy is the master itself, chunk by chunk.
     adam_->step(st, args, [&](size_t begin, size_t end) {
@@ -134,6 +172,7 @@ void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale, in
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(b), -1, job.step, t0, Timeline::now_us(), 0,
                  uint64_t(n * 28)});
+  if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b)) release_ring_slot(b);
   if (slot) {
     const double w0 = Timeline::now_us();
     for (auto [kind, buf] : {std::pair{ExtentKind::kMaster, slot->master}, {ExtentKind::kAdamM, slot->m},
@@ -151,52 +190,63 @@ void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale, in
   cv_.notify_all();
 }
 
-double Engine::simulate_updates(const UpdateJob& job) {
+// The updater on virtual clocks, called where the real one would act: per
+// block as its gradients land (one pass for the norm: 4 of the 28 bytes per
+// parameter AdamW moves; without clipping the update follows at once; with
+// clipping a ring block's gradients are spilled to NVMe), then, with clipping,
+// every update in forward order once the norm is known. The next NVMe block's
+// state is read while the current one updates.
+void Engine::sim_landed(int64_t b) {
   const CostModel& cm = sim_->model();
-  std::vector<double> landed(static_cast<size_t>(num_blocks_));
-  double all_landed = 0;
-  for (int64_t b = 0; b <= head_; ++b) {
-    landed[size_t(b)] = sim_->event_time_us(*grads_ready_[b]);
-    all_landed = std::max(all_landed, landed[size_t(b)]);
+  SimStep& st = sim_step_;
+  const double landed = sim_->event_time_us(*grads_ready_[b]);
+  st.all_landed = std::max(st.all_landed, landed);
+  const uint64_t n = layouts_[size_t(b)].total_elems();
+  SimInterval t = sim_optimizer_.run(landed, cm.adam_us(n) * 4.0 / 28.0);
+  timeline_.add({Lane::kOptimizer, "grad norm", int32_t(b), -1, st.job.step, t.begin_us, t.end_us, 0, n * 4});
+  st.norm_known = std::max(st.norm_known, t.end_us);
+  if (config_.clip_norm <= 0) {
+    sim_update(b, t.end_us);
+  } else if (spills_grads(b)) {
+    SimInterval w = sim_nvme_write_.run(t.end_us, cm.nvme_write_us(n * 4));
+    timeline_.add({Lane::kNvmeWrite, "nvme write grads", int32_t(b), -1, st.job.step, w.begin_us, w.end_us, 0, n * 4});
+    sim_->record_at(*sim_ring_free_[size_t(ring_slot_[size_t(b)])], w.end_us);
+    st.spilled_us[size_t(b)] = w.end_us;
   }
-  auto span = [&](Lane lane, const char* name, int64_t b, SimInterval t, uint64_t bytes) {
-    timeline_.add({lane, name, int32_t(b), -1, job.step, t.begin_us, t.end_us, 0, bytes});
+}
+
+void Engine::sim_update(int64_t b, double ready) {
+  const CostModel& cm = sim_->model();
+  SimStep& st = sim_step_;
+  const uint64_t n = layouts_[size_t(b)].total_elems();
+  auto span = [&](Lane lane, const char* name, SimInterval t, uint64_t bytes) {
+    timeline_.add({lane, name, int32_t(b), -1, st.job.step, t.begin_us, t.end_us, 0, bytes});
   };
-  // Mirrors updater_main(): per block, as its gradients land, one pass for the
-  // norm (4 of the 28 bytes per parameter AdamW moves); without clipping the
-  // update follows at once, with clipping all updates wait for the norm and
-  // run in forward order. The next NVMe block's state is read while the
-  // current one updates.
+  if (on_nvme(b)) {
+    const uint64_t bytes = (spills_grads(b) ? 4 : 3) * n * 4;
+    SimInterval r = sim_nvme_read_.run(std::max(st.read_ahead_from, st.spilled_us[size_t(b)]), cm.nvme_read_us(bytes));
+    span(Lane::kNvmeRead, "nvme read state", r, bytes);
+    ready = std::max(ready, r.end_us);
+  }
+  SimInterval t = sim_optimizer_.run(ready, cm.adam_us(n));
+  span(Lane::kOptimizer, "adamw", t, n * 28);
+  st.read_ahead_from = t.begin_us;
+  if (on_nvme(b))
+    span(Lane::kNvmeWrite, "nvme write state", sim_nvme_write_.run(t.end_us, cm.nvme_write_us(3 * n * 4)), 3 * n * 4);
+  if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b))
+    sim_->record_at(*sim_ring_free_[size_t(ring_slot_[size_t(b)])], t.end_us);
+  sim_->record_at(*sim_update_done_[b], t.end_us);
+  st.last_update = std::max(st.last_update, t.end_us);
+}
+
+double Engine::sim_finish() {
+  SimStep& st = sim_step_;
   const bool clip = config_.clip_norm > 0;
-  double read_ahead_from = 0, norm_known = 0, last_update = 0;
-  auto update = [&](int64_t b, double ready) {
-    const uint64_t n = store_->block(size_t(b)).elems();
-    if (on_nvme(b)) {
-      SimInterval r = sim_nvme_read_.run(read_ahead_from, cm.nvme_read_us(3 * n * 4));
-      span(Lane::kNvmeRead, "nvme read state", b, r, 3 * n * 4);
-      ready = std::max(ready, r.end_us);
-    }
-    SimInterval t = sim_optimizer_.run(ready, cm.adam_us(n));
-    span(Lane::kOptimizer, "adamw", b, t, n * 28);
-    read_ahead_from = t.begin_us;
-    if (on_nvme(b))
-      span(Lane::kNvmeWrite, "nvme write state", b, sim_nvme_write_.run(t.end_us, cm.nvme_write_us(3 * n * 4)),
-           3 * n * 4);
-    sim_->record_at(*sim_update_done_[b], t.end_us);
-    last_update = std::max(last_update, t.end_us);
-  };
-  for (int64_t b = head_; b >= 0; --b) {
-    const uint64_t n = store_->block(size_t(b)).elems();
-    SimInterval t = sim_optimizer_.run(landed[size_t(b)], cm.adam_us(n) * 4.0 / 28.0);
-    span(Lane::kOptimizer, "grad norm", b, t, n * 4);
-    norm_known = std::max(norm_known, t.end_us);
-    if (!clip) update(b, t.end_us);
-  }
   if (clip)
-    for (int64_t b = 0; b <= head_; ++b) update(b, norm_known);
+    for (int64_t b = 0; b <= head_; ++b) sim_update(b, st.norm_known);
   // As in a real run, step() returns once the norm is known: after every
   // update without clipping (the norm is published last), before them with.
-  sim_step_end_us_ = std::max(all_landed, clip ? norm_known : last_update);
+  sim_step_end_us_ = std::max(st.all_landed, clip ? st.norm_known : st.last_update);
   return sim_step_end_us_;
 }
 

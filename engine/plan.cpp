@@ -49,6 +49,8 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.checkpoints_on_host = checkpoints_on_host;
   c.nvme_dir = l.nvme_dir;
   c.nvme_blocks = nvme_blocks;
+  c.clip_norm = l.clip_norm;
+  c.grad_ring = l.grad_ring;
   return c;
 }
 
@@ -112,9 +114,9 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   if (l.host_bytes > 0 && f.host_bytes > l.host_bytes) {
     if (l.nvme_dir.empty()) {
       p.feasible = false;
-      p.reason = fmt::format("needs {} of pinned host RAM (fp32 master, Adam m and v: 12 bytes per parameter, "
-                             "plus the compute copy); the limit is {}; give an NVMe directory (--nvme) for the "
-                             "optimizer state",
+      p.reason = fmt::format("needs {} of pinned host RAM (fp32 master, Adam m and v and gradient staging: 16 "
+                             "bytes per parameter, plus the compute copy); the limit is {}; give an NVMe directory "
+                             "(--nvme) for the optimizer state",
                              format_bytes(f.host_bytes), format_bytes(l.host_bytes));
       return p;
     }
@@ -131,14 +133,16 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
       if (f.host_bytes <= l.host_bytes) break;
     }
     if (f.host_bytes > l.host_bytes) {
-      p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (bf16 compute "
-                             "copies and gradient staging stay in RAM); the limit is {}",
-                             format_bytes(f.host_bytes), format_bytes(l.host_bytes));
+      p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (the compute "
+                             "copy, {} gradient ring slots and the NVMe staging stay in RAM); the limit is {}",
+                             format_bytes(f.host_bytes), l.grad_ring, format_bytes(l.host_bytes));
       return p;
     }
     std::sort(p.nvme_blocks.begin(), p.nvme_blocks.end());
     p.why.push_back(fmt::format("optimizer state of {} of {} blocks on NVMe ({}): host RAM limit {}",
                                 p.nvme_blocks.size(), blocks, format_bytes(f.nvme_bytes), format_bytes(l.host_bytes)));
+    p.why.push_back(fmt::format("their gradients through a ring of {} slots{}", l.grad_ring,
+                                l.clip_norm > 0 ? ", spilled to NVMe until the clipping norm is known" : ""));
   } else {
     p.why.push_back("optimizer state (fp32 master, Adam m, v) in host RAM");
   }
@@ -157,7 +161,7 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
 }
 
 std::string Plan::explain() const {
-  if (!feasible) return "not feasible: " + reason;
+  if (!feasible) return "not feasible: " + reason + "\n";
   std::string out;
   for (const auto& line : why) out += "  " + line + "\n";
   return out;

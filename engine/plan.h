@@ -29,6 +29,10 @@ struct PlanLimits {
   int64_t vocab_chunk = 8192;
   int64_t window = 0;            // 0: the largest that fits (at most kMaxAutoWindow)
   CheckpointPlace checkpoints = CheckpointPlace::kAuto;
+  // Exact global-norm clipping keeps every gradient until the norm is known:
+  // NVMe-tier blocks then spill theirs to NVMe (more NVMe space and traffic).
+  double clip_norm = 1.0;
+  int64_t grad_ring = 3;         // gradient staging slots of the NVMe-tier blocks
 };
 
 struct Plan {

@@ -19,7 +19,7 @@ struct KindBytes { size_t state, compute, grad; };
 KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
   const size_t n = b.layout.total_elems();
   return {b.state_on_host ? aligned(n * sizeof(float)) : 0, aligned(n * dtype_size(o.compute_dtype)),
-          aligned(n * dtype_size(o.grad_dtype))};
+          b.grad_staging ? aligned(n * dtype_size(o.grad_dtype)) : 0};
 }
 
 void check_options(const StoreOptions& o) {
@@ -68,7 +68,7 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
       s.compute = arena.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
     else
       s.compute_f32 = arena.carve_as<float>(n, name + " fp32 compute copy", kAlignBytes);
-    s.grad = arena.carve(n * dtype_size(options_.grad_dtype), kAlignBytes, name + " grad staging");
+    if (spec.grad_staging) s.grad = arena.carve(n * dtype_size(options_.grad_dtype), kAlignBytes, name + " grad staging");
     // Adam's moments must start at zero and padding must stay zero; the arena
     // may have been used before, so do not rely on fresh mmap pages.
     if (!options_.zero) {

@@ -22,6 +22,7 @@ namespace strider {
 struct BlockSpec {
   ParamLayout layout;
   bool state_on_host = true;  // false: master/m/v live on NVMe (io/), no host spans
+  bool grad_staging = true;   // false: the block's gradients are staged elsewhere (empty grad span)
 };
 
 struct StoreOptions {
@@ -37,7 +38,7 @@ struct BlockState {
   std::span<float> master, m, v;
   std::span<uint16_t> compute;       // bf16 bits (compute_dtype kBF16), else empty
   std::span<float> compute_f32;      // compute_dtype kF32, else empty
-  std::span<std::byte> grad;         // grad_dtype elements, layout->total_elems() of them
+  std::span<std::byte> grad;         // grad_dtype elements, layout->total_elems() of them (or empty)
   DType grad_dtype = DType::kBF16;
   bool state_on_host = true;
 

@@ -33,7 +33,6 @@ struct Prediction {
 
 Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l, const Options& o) {
   EngineConfig cfg = plan.engine_config(l);
-  cfg.clip_norm = o.clip;
   const std::string dev = o.predict.rfind("sim:", 0) == 0 ? o.predict : "sim:" + o.predict;
   Engine e(spec, cfg, make_device({.spec = dev, .budget_bytes = l.device_bytes, .record_spans = true}));
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
@@ -54,6 +53,7 @@ int run(const Options& o) {
   l.micro_batch = o.micro_batch;
   l.accumulation = o.accumulation;
   l.window = o.window;
+  l.clip_norm = o.clip;
   l.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
@@ -110,7 +110,10 @@ std::function<int()> add_plan(CLI::App& app) {
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'");
-  c->add_option("--clip", o->clip, "global-norm clip of the predicted run (0: off)")->capture_default_str();
+  c->add_option("--clip", o->clip,
+                "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm "
+                "is known")
+      ->capture_default_str();
   c->add_flag("--json", o->json, "one JSON object");
   return [o] { return run(*o); };
 }

@@ -30,6 +30,7 @@ struct Case {
   std::vector<int64_t> nvme;
   bool chaos = false;
   uint64_t seed = 1;
+  int64_t grad_ring = 3;
 };
 
 struct Result {
@@ -68,6 +69,7 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
   cfg.clip_norm = clip;
   cfg.nvme_blocks = c.nvme;
   cfg.nvme_dir = nvme_dir();
+  cfg.grad_ring = c.grad_ring;
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,
                      .chaos = {.enabled = c.chaos, .seed = c.seed, .max_delay_us = 300}};
@@ -107,6 +109,11 @@ std::vector<Case> cases(int64_t blocks) {
       {"chaos seed 1", 2, false, {}, true, 1},
       {"chaos seed 2, host checkpoints, NVMe", 2, true, {0, 2, 4}, true, 2},
       {"chaos seed 3, K=3", 3, false, {}, true, 3},
+      // NVMe-tier gradients through a ring smaller than the blocks using it:
+      // each D2H waits for the slot's previous gradients to be updated with
+      // (no clipping) or spilled to NVMe (clipping).
+      {"all state on NVMe, gradient ring of 1", 2, false, {0, 1, 2, 3, 4}, false, 1, 1},
+      {"chaos seed 4, NVMe, gradient ring of 2", 3, true, {1, 2, 3, 4}, true, 4, 2},
   };
 }
 

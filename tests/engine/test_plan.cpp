@@ -4,6 +4,7 @@
 
 #include "engine/builtin.h"
 #include "engine/engine.h"
+#include "engine/model_presets.h"
 #include "engine/plan.h"
 #include "host/error.h"
 
@@ -57,4 +58,42 @@ TEST_CASE("sizes parse with binary and decimal units and name bad text", "[engin
   CHECK(parse_bytes("4096") == 4096);
   CHECK_THROWS_WITH(parse_bytes("lots"), Catch::Contains("'lots'"));
   CHECK_THROWS_WITH(parse_bytes("3 parsecs"), Catch::Contains("parsecs"));
+}
+
+TEST_CASE("123B on 24 GiB GPU / 384 GiB RAM: feasible with NVMe, refused without, and predicted", "[engine][plan]") {
+  ModelSpec spec = ModelSpec::from_json(model_preset("mistral-large-123b"), "mistral-large-123b");
+  for (double clip : {1.0, 0.0}) {
+    INFO("clip " << clip);
+    PlanLimits l{.device_bytes = 24ull << 30, .host_bytes = 384ull << 30, .seq = 1024, .accumulation = 8,
+                 .clip_norm = clip};
+    Plan refused = Plan::make(spec, l);
+    CHECK_FALSE(refused.feasible);
+    CHECK_THAT(refused.reason, Catch::Contains("host RAM") && Catch::Contains("--nvme") &&
+                                   Catch::Contains("limit is 384.00 GiB"));
+    l.nvme_dir = "/nvme/strider";  // the plan only names it; nothing is created
+    Plan p = Plan::make(spec, l);
+    REQUIRE(p.feasible);
+    CHECK(p.host_bytes <= l.host_bytes);
+    CHECK(p.device_peak_bytes <= l.device_bytes);
+    CHECK(p.nvme_blocks.size() + 2 < size_t(spec.num_blocks()));  // most blocks on NVMe, not all
+    // With clipping the NVMe tier also holds each NVMe block's fp32 gradients.
+    uint64_t nvme_params = 0;
+    for (int64_t b : p.nvme_blocks) nvme_params += spec.layout(b).total_elems();
+    CHECK(p.nvme_bytes >= nvme_params * (clip > 0 ? 16 : 12));
+    CHECK(p.nvme_bytes < nvme_params * (clip > 0 ? 16 : 12) + (uint64_t(spec.num_blocks()) << 14));
+
+    // The unchanged engine schedule on the 4090 preset: nothing is allocated
+    // for real; the prediction respects its own lower bound.
+    EngineConfig cfg = p.engine_config(l);
+    Engine e(spec, cfg, make_device({.spec = "sim:rtx4090", .budget_bytes = l.device_bytes, .record_spans = true}));
+    std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
+    StepReport r;
+    for (int i = 0; i < 2; ++i) r = e.step(ids.data(), labels.data());
+    double lower = 0;
+    for (const LaneStats& ls : r.stats.lanes) lower = std::max(lower, ls.busy_s);
+    CHECK(lower > 0);
+    CHECK(lower <= r.step_s * (1 + 1e-9));
+    CHECK(r.stats.lanes[size_t(Lane::kNvmeRead)].busy_s > 0);
+    CHECK(e.device().peak_allocated_bytes() <= l.device_bytes);
+  }
 }

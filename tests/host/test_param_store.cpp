@@ -68,6 +68,17 @@ TEST_CASE("store carves every kind in the arena, zeroed, sized by bytes_needed",
   CHECK(store.max_block_elems() == b1.elems());
   CHECK(store.param_elems() == blocks[0].layout.param_elems() + blocks[1].layout.param_elems());
 
+  // A block whose gradients are staged elsewhere (the engine's NVMe-tier ring)
+  // gets no gradient buffer, and the bytes needed drop by exactly that much.
+  std::vector<BlockSpec> no_grad = blocks;
+  no_grad[1].grad_staging = false;
+  CHECK(ParamStore::bytes_needed(blocks, opts) - ParamStore::bytes_needed(no_grad, opts) ==
+        (b1.elems() * 4 + 255) / 256 * 256);
+  PinnedArena arena2(ParamStore::bytes_needed(no_grad, opts), {.lock = LockPolicy::kNone, .huge_pages = false});
+  ParamStore store2(no_grad, opts, arena2);
+  CHECK(store2.block(1).grad.empty());
+  CHECK(store2.block(0).grad.size() == b0.elems() * 4);
+
   auto q = store.master_of(0, "model.layers.0.self_attn.q_proj.weight");
   CHECK(q.size() == 16 * 16);
   q[3] = 1.5f;
