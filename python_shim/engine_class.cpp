@@ -4,6 +4,10 @@
 //                                    "cpu", 0, False, 1)
 //   e.set_param("model.embed_tokens.weight", w)       # or e.init_params(seed)
 //   report = json.loads(e.step(ids, labels))          # int64 [batch, seq] each
+//   w = e.compute_view("model.norm.weight")            # aliases the engine's compute copy
+//   e.save_checkpoint(dir, model_config_json, extra_json, write_model)
+//   extra = json.loads(e.load_checkpoint(dir, allow_changed, verify_checksums))
+//   info = json.loads(torch.ops.strider.inspect_training_checkpoint(dir))
 //
 // A thin binding: it validates every argument before the engine sees it (a
 // refused call leaves parameters and optimizer state as they were), converts
@@ -25,6 +29,7 @@
 #include "engine/engine.h"
 #include "engine/engine_config_json.h"
 #include "engine/model_spec.h"
+#include "engine/train_checkpoint.h"
 #include "gpu/device.h"
 #include "host/error.h"
 
@@ -69,7 +74,7 @@ class EngineHolder : public torch::CustomClassHolder {
       const ParamLayout layout = spec.layout(b);  // named: slots() refers into it
       for (const TensorSlot& t : layout.slots()) {
         names_.push_back(t.name);
-        shapes_[t.name] = t.shape;
+        slots_[t.name] = {b, t};
       }
     }
     DeviceOptions dev{.spec = device_spec,
@@ -108,6 +113,66 @@ class EngineHolder : public torch::CustomClassHolder {
   }
 
   std::vector<std::string> param_names() const { return names_; }
+
+  // A CPU tensor over parameter `name`'s slot in the engine's compute copy
+  // (bf16, or fp32 with an fp32 compute dtype), in the parameter's shape: no
+  // copy. The updater rewrites it after each update of its block, so it holds
+  // the trained weights once finish() returned. Its storage keeps this holder
+  // (and so the engine and its arena) alive: a model whose parameters alias
+  // the engine never points into freed memory, whatever Python frees first.
+  at::Tensor compute_view(const std::string& name) {
+    std::lock_guard lk(mu_);
+    const auto& [block, slot] = slot_of(name);
+    const std::span<std::byte> copy = translated("compute_view", false, [&] {
+      usable();
+      return engine_->compute_copy(block);
+    });
+    const at::ScalarType dtype = engine_->config().compute.dtype;
+    const size_t elem_bytes = at::elementSize(dtype);
+    TORCH_CHECK((slot.offset_elems + slot.numel) * elem_bytes <= copy.size(), "compute_view('", name,
+                "'): the slot [", slot.offset_elems, ", +", slot.numel, ") elements of ", elem_bytes,
+                " bytes lies outside block ", block, "'s compute copy of ", copy.size(), " bytes");
+    c10::intrusive_ptr<EngineHolder> keep = c10::intrusive_ptr<EngineHolder>::reclaim_copy(this);
+    return at::from_blob(copy.data() + slot.offset_elems * elem_bytes, slot.shape,
+                         [keep](void*) {},  // the capture is the point: released with the storage
+                         at::TensorOptions().dtype(dtype).device(at::kCPU));
+  }
+
+  int64_t steps_done() {
+    std::lock_guard lk(mu_);
+    return engine_->steps_done();
+  }
+
+  // engine/train_checkpoint.h's save: every block's master, m and v, the step
+  // count, both configs and `extra_json` (the caller's own state), published
+  // atomically into `dir`; with `write_model`, also config.json and
+  // model.safetensors (in the compute dtype) that from_pretrained loads.
+  void save_checkpoint(const std::string& dir, const std::string& model_config_json, const std::string& extra_json,
+                       bool write_model) {
+    std::lock_guard lk(mu_);
+    const nlohmann::json extra = parse_json(extra_json, "extra_json");
+    run("save_checkpoint", [&] { engine_->finish_updates(); });  // a failed update breaks the engine
+    const TrainCheckpointOptions options{
+        .write_model = write_model,
+        .model_dtype = engine_->config().compute.dtype == at::kFloat ? DType::kF32 : DType::kBF16};
+    // A failed save (a full disk, a path that is not ours) leaves the engine as it was.
+    translated("save_checkpoint", false,
+               [&] { save_training_checkpoint(dir, *engine_, model_config_json, extra, options); });
+  }
+
+  // engine/train_checkpoint.h's load: validates everything first (model,
+  // maths config unless named in allow_changed, tensors, checksums) and
+  // refuses with the file and field, the engine untouched; returns "extra".
+  std::string load_checkpoint(const std::string& dir, std::vector<std::string> allow_changed,
+                              bool verify_checksums) {
+    std::lock_guard lk(mu_);
+    run("load_checkpoint", [&] { engine_->finish_updates(); });
+    const TrainLoadOptions options{.allow_changed = std::move(allow_changed), .verify_checksums = verify_checksums};
+    return translated("load_checkpoint", true, [&] {
+      usable();
+      return load_training_checkpoint(dir, *engine_, options).dump();
+    });
+  }
 
   std::string step(const at::Tensor& ids, const at::Tensor& labels) {
     std::lock_guard lk(mu_);
@@ -157,12 +222,13 @@ class EngineHolder : public torch::CustomClassHolder {
   }
 
  private:
-  const std::vector<int64_t>& shape_of(const std::string& name) const {
-    auto it = shapes_.find(name);
-    TORCH_CHECK_VALUE(it != shapes_.end(), "the model has no parameter '", name,
+  const std::pair<int64_t, TensorSlot>& slot_of(const std::string& name) const {
+    auto it = slots_.find(name);
+    TORCH_CHECK_VALUE(it != slots_.end(), "the model has no parameter '", name,
                       "' (param_names() lists them; a tied lm_head.weight is model.embed_tokens.weight)");
     return it->second;
   }
+  const std::vector<int64_t>& shape_of(const std::string& name) const { return slot_of(name).second.shape; }
 
   // [micro_batch * accumulation, seq] int64 each, token ids in the vocabulary,
   // labels -100 or token ids, at least one label that counts: all checked here
@@ -211,9 +277,24 @@ class EngineHolder : public torch::CustomClassHolder {
   std::mutex mu_;  // Python threads may share one engine; the engine is not reentrant
   std::unique_ptr<Engine> engine_;
   std::vector<std::string> names_;  // block order
-  std::map<std::string, std::vector<int64_t>> shapes_;
+  std::map<std::string, std::pair<int64_t, TensorSlot>> slots_;  // name -> (block, slot)
   std::string failed_;
 };
+
+// What a training checkpoint says about itself (the recovery rule applied),
+// as JSON: enough to build the engine to resume into. ValueError naming the
+// path or the field when there is none or it is incomplete.
+std::string inspect_checkpoint(const std::string& dir) {
+  return translated("inspect_training_checkpoint", true, [&] {
+    const TrainCheckpointInfo info = inspect_training_checkpoint(dir);
+    return nlohmann::json{{"path", info.path.string()},
+                          {"step", info.step},
+                          {"model_config", nlohmann::json::parse(info.model_config_json)},
+                          {"engine_config", info.engine_config},
+                          {"extra", info.extra}}
+        .dump();
+  });
+}
 
 }  // namespace
 }  // namespace strider
@@ -229,5 +310,10 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("evaluate", &EngineHolder::evaluate)
       .def("finish", &EngineHolder::finish)
       .def("init_params", &EngineHolder::init_params)
-      .def("write_trace", &EngineHolder::write_trace);
+      .def("write_trace", &EngineHolder::write_trace)
+      .def("compute_view", &EngineHolder::compute_view)
+      .def("steps_done", &EngineHolder::steps_done)
+      .def("save_checkpoint", &EngineHolder::save_checkpoint)
+      .def("load_checkpoint", &EngineHolder::load_checkpoint);
+  m.def("inspect_training_checkpoint(str dir) -> str", &strider::inspect_checkpoint);
 }

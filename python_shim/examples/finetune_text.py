@@ -8,8 +8,9 @@ file next to --out (python -m strider.data does the same from the shell), the
 model is loaded on the CPU, and strider trains every parameter with the GPU as
 a sliding window over its blocks. Every --eval-every steps the mean loss over
 --eval-batches batches of --eval-data (or, without it, of the training text in
-file order) is printed. At the end the trained weights go back into the model,
-and model.save_pretrained / tokenizer.save_pretrained write --out. The last
+file order) is printed. strider trains the model's own parameters in place
+(in the compute dtype), so at the end model.save_pretrained /
+tokenizer.save_pretrained write the trained model to --out. The last
 line printed is a JSON summary.
 """
 import argparse
@@ -99,7 +100,7 @@ def main(argv=None):
     if a.trace:
         engine.trace(a.trace)
 
-    engine.sync_to_model()
+    engine.finish()  # the model's parameters are the engine's compute copy: wait for the last updates
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     print(json.dumps(dict(out=str(out), steps=len(losses), first_loss=losses[0] if losses else None,

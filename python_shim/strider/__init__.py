@@ -3,7 +3,8 @@
     import strider
     engine = strider.Engine(model, strider.EngineConfig(seq=1024, micro_batch=2, lr=1e-5))
     result = engine.step(input_ids, labels, attention_mask)
-    engine.sync_to_model(); model.save_pretrained(out)
+    engine.finish(); model.save_pretrained(out)   # the model's parameters are the engine's
+    engine.save(ckpt); engine = strider.Engine.resume(ckpt, model)   # full training state
 
 strider.data prepares token files (python -m strider.data --help). The engine
 and torch are imported on first use, so data preparation starts quickly; the
@@ -13,9 +14,10 @@ from strider.config import EngineConfig, parse_bytes
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "EngineConfig", "StepResult", "SUPPORTED_ARCHITECTURES", "StriderTrainer",
-           "load_library", "parse_bytes"]
+           "inspect_checkpoint", "load_library", "parse_bytes"]
 
 _LAZY = {"Engine": "strider.engine", "StepResult": "strider.engine", "SUPPORTED_ARCHITECTURES": "strider.engine",
+         "inspect_checkpoint": "strider.engine",
          "load_library": "strider._library", "StriderTrainer": "strider.trainer"}
 
 

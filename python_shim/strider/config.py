@@ -168,6 +168,19 @@ class EngineConfig:
                     optimizer_threads=self.optimizer_threads, nvme_dir=self.nvme_dir,
                     nvme_blocks=list(self.nvme_blocks))
 
+    @classmethod
+    def from_engine_dict(cls, d: dict, **placement) -> "EngineConfig":
+        """The inverse of engine_dict (beta1/beta2 -> betas), e.g. the engine config a training checkpoint
+        saved; `placement` sets the fields the engine config does not hold (device, device_budget, chaos)."""
+        d = dict(d)
+        if "beta1" in d or "beta2" in d:
+            d["betas"] = (d.pop("beta1", 0.9), d.pop("beta2", 0.999))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"EngineConfig.from_engine_dict: unknown engine config field(s) {unknown}")
+        return cls(**{**d, **placement})
+
     def engine_json(self) -> str:
         return json.dumps(self.engine_dict())
 

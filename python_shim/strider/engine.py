@@ -1,17 +1,41 @@
-"""strider.Engine: trains a transformers causal LM with the sliding-window engine.
+"""strider.Engine: trains a transformers causal LM in place with the sliding-window engine.
 
     model = AutoModelForCausalLM.from_pretrained(path)          # on the CPU
     engine = strider.Engine(model, strider.EngineConfig(seq=1024, micro_batch=2, lr=1e-5))
     for batch in loader:
         r = engine.step(batch["input_ids"], batch["labels"], batch["attention_mask"])
-    engine.sync_to_model()                                       # trained weights into `model`
-    model.save_pretrained(out)
+    engine.finish()                                              # wait for the last updates
+    model.save_pretrained(out)                                   # the trained weights
 
-The engine keeps its own copy of the weights (fp32 masters, Adam m and v, a
-compute copy) in pinned host memory and streams blocks to the device itself,
-so the model must live on the CPU. Construction copies the model's parameters
-in; sync_to_model() copies the trained masters back, cast to each parameter's
-dtype. Between the two, `model` is not updated.
+The engine keeps the fp32 masters and Adam m and v in its own pinned host
+store and streams blocks to the device itself, so the model must live on the
+CPU. Construction loads the model's weights into the masters and then takes
+the model's parameters over IN PLACE: every parameter's `.data` becomes a view
+of the engine's compute copy (the bytes each block's H2D sends), so no second
+copy of the weights exists and the model always holds what the engine trains
+on. Consequences:
+
+- The parameters' dtype becomes the compute dtype: bfloat16 with
+  EngineConfig.dtype "bf16" (the default), float32 with "fp32". Buffers
+  (rotary tables) keep theirs. Tied weights stay tied.
+- step() returns before the optimizer has finished updating the blocks (the
+  updates overlap the next step). Call engine.finish() before reading the
+  model (a forward pass, state_dict, save_pretrained); sync_to_model() does
+  the same and is kept for code written before aliasing.
+- The parameters belong to the engine: a write through them is overwritten
+  by the block's next update. Load other weights with Engine(...) again.
+- The model keeps the engine (its host arena, its device memory) alive as
+  long as any parameter refers to it, so `del engine` alone frees nothing
+  and a model that outlives its Engine never reads freed memory.
+
+A refused model (an unsupported architecture, a parameter off the CPU, a
+budget too small, a bad config) is untouched: the parameters are rebound only
+after the engine was built and loaded.
+
+Training state: engine.save(dir, extra) writes engine/train_checkpoint.h's
+checkpoint (masters, m, v, step count, configs, `extra`, and a model
+from_pretrained loads); strider.Engine.resume(dir, model) builds an engine on
+`model` from it and continues bit-identically.
 
 Batches follow transformers' conventions: labels are NOT shifted (the engine
 predicts labels[t + 1] from position t, as the model's own loss does), -100
@@ -20,8 +44,9 @@ engine runs causal attention without a padding mask, so padding must be on the
 right (after every real token), where no real token attends to it.
 """
 import json
+import os
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
 import torch
 
@@ -82,10 +107,51 @@ def check_on_cpu(model):
                              "the GPU itself, so a second copy on the GPU would only take its memory")
 
 
+def inspect_checkpoint(path) -> dict:
+    """What a training checkpoint (engine.save) says about itself: path (the directory used: <dir>, or
+    <dir>.old after a crash mid-save), step, model_config, engine_config, extra. ValueError naming the path
+    or the field when there is none or it is incomplete."""
+    load_library()
+    path = os.fspath(path)
+    return json.loads(torch.ops.strider.inspect_training_checkpoint(path))
+
+
 class Engine:
-    """The sliding-window engine, loaded with a transformers model's weights."""
+    """The sliding-window engine, training a transformers model's own parameters in place."""
 
     def __init__(self, model, config: Optional[EngineConfig] = None):
+        """Builds the engine for `model`, loads the model's weights into its fp32 masters and rebinds every
+        parameter to the engine's compute copy (dtype: config.dtype). `model` is untouched if this raises."""
+        self._build(model, config)
+        params = dict(model.named_parameters())
+        for name in self._names:
+            self._engine.set_param(name, params[name].detach())
+        self._alias()
+
+    @classmethod
+    def resume(cls, path, model, config: Optional[EngineConfig] = None, allow_changed: Sequence[str] = (),
+               verify_checksums: bool = True) -> "Engine":
+        """An engine on `model` continuing the run saved by engine.save(path): masters, Adam m and v and the
+        step count come from the checkpoint (the model's current weights are not used), and the model's
+        parameters are rebound to the engine's compute copy, i.e. the checkpoint's weights. The next step
+        is bit-identical to the one the saved engine would have taken.
+
+        config None: the checkpoint's engine config (device "auto"). A config whose maths fields (lr,
+        schedule, betas, seq, batch, ...) differ from the saved run is refused unless they are named in
+        allow_changed (e.g. ["total_steps"] to extend a run); placement (window, NVMe tier, device) may
+        differ. The caller's `extra` from save() is in engine.resumed_extra. A refused resume (no checkpoint,
+        another model, a changed config, a damaged file) is a ValueError naming the file and field, and
+        leaves `model` untouched."""
+        info = inspect_checkpoint(path)
+        if config is None:
+            config = EngineConfig.from_engine_dict(info["engine_config"])
+        engine = cls.__new__(cls)
+        engine._build(model, config)
+        engine.resumed_extra = engine._load(path, allow_changed, verify_checksums)
+        engine._alias()
+        return engine
+
+    def _build(self, model, config):
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"strider.Engine: config must be a strider.EngineConfig, got {type(config).__name__}")
@@ -100,9 +166,10 @@ class Engine:
 
         model_config = model.config.to_dict()
         model_config["architectures"] = [arch]
+        self._model_config_json = json.dumps(model_config, default=str)
         # Everything the engine builds is checked before anything is allocated, and nothing of the
         # model is written: a refusal here leaves `model` as it was.
-        self._engine = torch.classes.strider.Engine(json.dumps(model_config, default=str), config.engine_json(),
+        self._engine = torch.classes.strider.Engine(self._model_config_json, config.engine_json(),
                                                     config.device, config.device_budget_bytes, config.chaos,
                                                     config.chaos_seed)
         self.model = model
@@ -114,9 +181,19 @@ class Engine:
         if missing or extra:
             raise ValueError(f"strider.Engine: the model's parameters do not match what the engine trains for "
                              f"{arch}: the model lacks {missing[:5]}, the engine has no place for {extra[:5]}")
-        for name in self._names:
-            self._engine.set_param(name, params[name].detach())
         self.last_result: Optional[StepResult] = None
+        self.resumed_extra = None
+
+    @torch.no_grad()
+    def _alias(self):
+        """Rebinds every parameter's data to its slot of the engine's compute copy. Every view is made
+        first, so a failure leaves the model as it was; the rebinding itself cannot fail half-way."""
+        views = {name: self._engine.compute_view(name) for name in self._names}
+        params = dict(self.model.named_parameters())
+        for name in self._names:
+            p = params[name]
+            p.grad = None  # a gradient of the old data means nothing to the engine's weights
+            p.data = views[name]  # the Parameter object stays: ties, hooks and references hold
 
     # -- batches ---------------------------------------------------------------------------------------
     def _prepare(self, what, input_ids, labels, attention_mask):
@@ -188,16 +265,59 @@ class Engine:
         self._engine.finish()
         return self._engine.param(name)
 
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken (a resumed engine counts the saved run's)."""
+        return int(self._engine.steps_done())
+
+    def is_aliased(self, name: str) -> bool:
+        """Whether the model's parameter `name` is (still) a view of the engine's compute copy."""
+        p = dict(self.model.named_parameters())[name]
+        return p.data_ptr() == self._engine.compute_view(name).data_ptr() and \
+            p.dtype == self.compute_dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32 if self.config.dtype == "fp32" else torch.bfloat16
+
     @torch.no_grad()
     def sync_to_model(self):
-        """Copies the trained fp32 masters into the model's own parameters (cast to their dtype), so that
-        model.save_pretrained writes the trained weights. Returns the model."""
+        """Waits for pending updates, after which the model's parameters (the engine's compute copy) hold
+        the trained weights. Returns the model. A parameter rebound away from the engine since (e.g. by
+        model.to(dtype)) gets the trained fp32 master copied in, cast to its dtype."""
         self._engine.finish()
-        params = dict(self.model.named_parameters())
-        for name in self._names:
-            p = params[name]
-            p.copy_(self._engine.param(name).to(p.dtype))
+        for name, p in self.model.named_parameters():
+            if name in self._names and not self.is_aliased(name):
+                p.copy_(self._engine.param(name).to(p.dtype))
         return self.model
+
+    # -- training state -----------------------------------------------------------------------------------
+    def save(self, path, extra: Optional[dict] = None, write_model: bool = True) -> str:
+        """Saves the full training state into directory `path` (engine/train_checkpoint.h, published
+        atomically; an existing checkpoint there is replaced): every fp32 master, Adam m and v, the step
+        count, the model and engine configs and `extra` (any JSON-serialisable dict of your own, e.g. the
+        data position; Engine.resume gives it back). With write_model, also config.json and
+        model.safetensors (the compute dtype) that from_pretrained loads. Waits for pending updates."""
+        path = os.fspath(path)
+        try:
+            extra_json = json.dumps({} if extra is None else extra)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"Engine.save: extra must be JSON-serialisable: {e}") from e
+        self._engine.save_checkpoint(path, self._model_config_json, extra_json, bool(write_model))
+        return path
+
+    def load(self, path, allow_changed: Sequence[str] = (), verify_checksums: bool = True):
+        """Loads a training checkpoint into this engine (masters, m, v, step count), so that the model's
+        parameters hold the checkpoint's weights; returns its `extra`. Validated first (model, maths
+        config unless named in allow_changed, every tensor and checksum): a refusal is a ValueError
+        naming the file and field, and changes nothing."""
+        extra = self._load(path, allow_changed, verify_checksums)
+        self.last_result = None
+        return extra
+
+    def _load(self, path, allow_changed, verify_checksums):
+        return json.loads(self._engine.load_checkpoint(os.fspath(path), [str(f) for f in allow_changed],
+                                                       bool(verify_checksums)))
 
     def trace(self, path) -> str:
         """Writes the timeline so far as Chrome trace JSON (Perfetto, chrome://tracing opens it)."""

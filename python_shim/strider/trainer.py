@@ -4,7 +4,8 @@
                              learning_rate=1e-5, lr_scheduler_type="cosine", warmup_steps=20, report_to=[])
     trainer = strider.StriderTrainer(model=model, args=args, train_dataset=ds, data_collator=collator, seq=1024)
     trainer.train()
-    trainer.save_model("finetuned")          # the trained weights, via engine.sync_to_model()
+    trainer.save_model("finetuned")          # the trained weights (the model's parameters are strider's)
+    trainer.train(resume_from_checkpoint=True)   # a later run: continues from the last checkpoint-N
 
 Every batch the Trainer's dataloader yields is one optimizer step: one
 `engine.step(input_ids, labels, attention_mask)` over [micro_batch x
@@ -21,8 +22,19 @@ replaced:
   Trainer's and accelerate's device placement are switched off.
 - evaluate() is the mean loss over every valid token of the eval set,
   computed by engine.evaluate.
-- save_model() and checkpoints call engine.sync_to_model() first, so that
-  save_pretrained writes the trained weights.
+- The model's parameters are the engine's compute copy (strider.Engine
+  rebinds them, in the compute dtype), so save_model() and checkpoints only
+  wait for pending updates (engine.finish()) before save_pretrained writes
+  the trained weights.
+- Checkpoints: each checkpoint-N folder holds, besides the Trainer's files,
+  strider's full training state in checkpoint-N/strider/ (fp32 masters, Adam
+  m and v, step count: engine.save) in place of optimizer.pt.
+  train(resume_from_checkpoint=path or True) loads it into the engine
+  (engine.load) and the Trainer skips the batches already seen, so the run
+  continues bit-identically. Resuming may change max_steps (the schedule's
+  total_steps), as `strider finetune --resume` may; any other change to the
+  maths of the run is refused. save_only_model=True checkpoints hold no
+  strider state and cannot be resumed.
 
 The engine's config: pass `strider_config` (an EngineConfig), or let the
 trainer build one from TrainingArguments (learning_rate, lr_scheduler_type
@@ -31,25 +43,29 @@ epochs' step count, weight_decay, adam_beta1/2, adam_epsilon, max_grad_norm,
 bf16) plus `seq`. With a strider_config, an argument set away from its
 TrainingArguments default to something other than the config's value is
 refused, as is anything strider cannot honour (gradient_accumulation_steps,
-fp16, several GPUs, optimizers other than AdamW, resuming from a checkpoint,
-load_best_model_at_end). Note that strider's weight decay applies to every
-parameter, norms and biases included (the Trainer's own AdamW exempts them).
+fp16, several GPUs, optimizers other than AdamW, load_best_model_at_end).
+Note that strider's weight decay applies to every parameter, norms and
+biases included (the Trainer's own AdamW exempts them).
 """
 import dataclasses
 import math
+import os
 from typing import Optional
 
 import torch
 import transformers
 
 from strider.config import EngineConfig
-from strider.engine import IGNORE_INDEX, Engine
+from strider.engine import IGNORE_INDEX, Engine, inspect_checkpoint
 
 # lr_scheduler_type -> (strider schedule, whether the Trainer's schedule warms up).
 _SCHEDULES = {"linear": ("linear", True), "cosine": ("cosine", True), "constant": ("constant", False),
               "constant_with_warmup": ("constant", True)}
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
 _BATCH_KEYS = ("input_ids", "labels", "attention_mask")
+STATE_DIR = "strider"  # strider's training state inside a checkpoint-N folder
+# Resuming may extend or shorten the run (the Trainer rebuilds its schedule from max_steps too).
+_RESUME_MAY_CHANGE = ("total_steps",)
 
 
 def _name(value) -> str:
@@ -118,8 +134,9 @@ class StriderTrainer(transformers.Trainer):
         if args.auto_find_batch_size:
             refuse("auto_find_batch_size = True: the batch is fixed by the engine's config")
         if args.load_best_model_at_end:
-            refuse("load_best_model_at_end = True: the engine's weights cannot be reloaded from a checkpoint; "
-                   "keep the checkpoint paths and load the best one yourself")
+            refuse("load_best_model_at_end = True is not supported; the best checkpoint's folder "
+                   "(trainer.state.best_model_checkpoint) loads with from_pretrained, or into an engine "
+                   "with engine.load(<checkpoint>/strider)")
 
     def _config_from_args(self, given: Optional[EngineConfig], seq: Optional[int]) -> EngineConfig:
         args = self.args
@@ -230,13 +247,9 @@ class StriderTrainer(transformers.Trainer):
         return self.engine.config.lr if last is None else last.lr
 
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        if resume_from_checkpoint not in (None, False):
-            raise ValueError("StriderTrainer: resume_from_checkpoint is not supported: the checkpoints hold "
-                             "the weights, not strider's AdamW state; start a new StriderTrainer from the "
-                             "checkpoint's weights instead")
         if trial is not None:
             raise ValueError("StriderTrainer: hyperparameter search is not supported (one engine per trainer)")
-        return super().train(**kwargs)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     # -- evaluation ------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
@@ -259,9 +272,37 @@ class StriderTrainer(transformers.Trainer):
     # -- saving --------------------------------------------------------------------------------------------
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False):
         if self.engine is not None:
-            self.engine.sync_to_model()  # the model holds the initial weights until this
+            # The parameters are the engine's compute copy: the last updates may still be running.
+            self.engine.sync_to_model()
         super().save_model(output_dir, _internal_call=_internal_call)
 
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self.engine.finish()  # predict() runs the model itself, on the engine's weights
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+
     def _save_optimizer_and_scheduler(self, output_dir):
-        # The Trainer's optimizer is a placeholder; saving it would pose as a resumable optimizer state.
-        return None
+        # In place of optimizer.pt (the Trainer's optimizer is a placeholder): strider's full state.
+        self.engine.save(os.path.join(output_dir, STATE_DIR), extra={"global_step": self.state.global_step},
+                         write_model=False)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Resuming: strider's state (weights included) from checkpoint-N/strider/; the model's own files
+        in the folder are the same weights and are not read."""
+        state = os.path.join(resume_from_checkpoint, STATE_DIR)
+        if not os.path.isdir(state) and not os.path.isdir(state + ".old"):
+            raise ValueError(f"StriderTrainer: {resume_from_checkpoint} holds no strider training state "
+                             f"({state} is missing): it was not written by a StriderTrainer, or with "
+                             "save_only_model=True; resume from a checkpoint a StriderTrainer saved, or start "
+                             "a new run from its weights (from_pretrained)")
+        # Checked before loading, so a refusal changes nothing.
+        saved_step = inspect_checkpoint(state)["step"]
+        hf_state = os.path.join(resume_from_checkpoint, transformers.trainer.TRAINER_STATE_NAME)
+        if os.path.isfile(hf_state):
+            step = transformers.TrainerState.load_from_json(hf_state).global_step
+            if step != saved_step:
+                raise ValueError(f"StriderTrainer: {hf_state} says global_step {step} but {state} holds the "
+                                 f"state after {saved_step} strider steps; the checkpoint folder mixes two runs")
+        self.engine.load(state, allow_changed=_RESUME_MAY_CHANGE)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        return None  # _load_from_checkpoint loaded strider's optimizer state; the placeholders hold none

@@ -2,8 +2,9 @@
 
 What a user relies on: three fp32 steps on HF-convention batches (unshifted
 labels, -100, a right-padding attention mask) track transformers +
-torch.optim.AdamW to 1e-5; sync_to_model() puts the trained weights into the
-model so that save_pretrained / from_pretrained round-trips them; and every
+torch.optim.AdamW to 1e-5; the model's own parameters, which the engine trains
+in place, hold the trained weights once the updates finished, so that
+save_pretrained / from_pretrained round-trips them; and every
 refusal (an unsupported architecture, a parameter not on the CPU, a budget too
 small, a bad config, left padding) is a clear ValueError that leaves the
 model's weights exactly as they were.
@@ -120,7 +121,6 @@ def test_three_fp32_steps_match_adamw_and_save_pretrained_round_trips(tmp_path):
 
     engine = strider.Engine(model, config())
     results = [engine.step(*batch) for batch in data]
-    assert_same_weights(model, initial)  # the model is written by sync_to_model only
     ref = reference_steps(reference, data)
 
     for s, (r, (ref_loss, ref_norm)) in enumerate(zip(results, ref)):
@@ -131,7 +131,7 @@ def test_three_fp32_steps_match_adamw_and_save_pretrained_round_trips(tmp_path):
         assert r.valid_tokens == int((labels.masked_fill(mask == 0, -100)[:, 1:] != -100).sum())
         assert r.tokens == BATCH * SEQ and r.tokens_per_s > 0 and {"compute", "h2d"} <= set(r.lanes)
 
-    engine.sync_to_model()
+    engine.finish()  # the model's parameters are the engine's: no copy back
     for name, p in model.named_parameters():
         want = dict(reference.named_parameters())[name].detach()
         assert not torch.equal(p, initial[name]), f"{name} did not move"
@@ -147,7 +147,8 @@ def test_three_fp32_steps_match_adamw_and_save_pretrained_round_trips(tmp_path):
 
 
 def test_sync_keeps_dtype_and_ties():
-    """A bf16 model with tied embeddings: sync writes the masters cast to bf16, the tie holds."""
+    """A bf16 model with tied embeddings trained in bf16: the parameters are the masters cast to bf16,
+    the tie holds (sync_to_model, from before aliasing, still works: it waits for the updates)."""
     model = make_model("qwen3_tied", dtype=torch.bfloat16)
     before = snapshot(model)
     engine = strider.Engine(model, config(dtype="bf16", lr=1e-2, schedule="constant", warmup_steps=0, total_steps=0))

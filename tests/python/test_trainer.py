@@ -3,7 +3,8 @@
 What a user relies on: trainer.train() steps the engine once per batch (and
 nothing else touches the weights), so 3 steps through the Trainer equal 3
 steps of strider.Engine on the same batches bit for bit; the loss the Trainer
-logs is the engine's; save_model() writes the trained weights; evaluate() is
+logs is the engine's; save_model() writes the trained weights; a run resumed
+from a checkpoint-N folder continues bit-identically; evaluate() is
 the token-mean loss of the eval set; and TrainingArguments that strider cannot
 honour, or that contradict the strider config, are refused with a ValueError.
 """
@@ -152,9 +153,49 @@ def test_refusals(tmp_path, over, kw, match):
         assert torch.equal(v, before[k]), k
 
 
-def test_resume_from_checkpoint_is_refused(tmp_path):
+def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
+    """4 steps with checkpoints at 2 and 4; a new trainer (other initial weights) resumed from checkpoint-2
+    ends where the first one did, step by step, and its checkpoint-4 holds the same state."""
+    steps = 4
+    data = rows(BATCH * steps, seed=1)
+    first = strider.StriderTrainer(model=make_model(), args=training_args(tmp_path / "a", max_steps=steps,
+                                   save_strategy="steps", save_steps=2), train_dataset=data,
+                                   strider_config=config())
+    first.train()
+    checkpoint = tmp_path / "a" / "run" / "checkpoint-2"
+    assert (checkpoint / "strider" / "trainer_state.json").exists()  # strider's state, in HF's folder
+    assert not (checkpoint / "optimizer.pt").exists()
+    assert strider.inspect_checkpoint(checkpoint / "strider")["step"] == 2
+
+    second = strider.StriderTrainer(model=make_model(seed=5), args=training_args(tmp_path / "b", max_steps=steps,
+                                    save_strategy="steps", save_steps=2), train_dataset=data,
+                                    strider_config=config())
+    second.train(resume_from_checkpoint=str(checkpoint))
+    assert second.engine.steps_done == steps and second.state.global_step == steps
+    for name in first.engine.param_names():
+        assert torch.equal(second.engine.param(name), first.engine.param(name)), f"{name} after resuming"
+
+    def losses(trainer):
+        return [(e["step"], e["loss"], e["grad_norm"]) for e in trainer.state.log_history
+                if "loss" in e and "train_loss" not in e and e["step"] > 2]
+    assert losses(second) == losses(first) and len(losses(first)) == 2
+
+    # The resumed run's own checkpoint resumes too (resume_from_checkpoint=True: the last one).
+    third = strider.StriderTrainer(model=make_model(seed=6), args=training_args(tmp_path / "b", max_steps=steps),
+                                   train_dataset=data, strider_config=config())
+    third.train(resume_from_checkpoint=True)
+    assert third.engine.steps_done == steps and third.engine.last_result is None  # nothing left to do
+    for name, p in third.model.named_parameters():
+        assert torch.equal(p.detach(), first.engine.param(name)), name
+
+
+def test_resume_from_a_folder_without_strider_state_is_refused(tmp_path):
     trainer = strider.StriderTrainer(model=make_model(), args=training_args(tmp_path), train_dataset=rows(4, 1),
                                      strider_config=config())
-    with pytest.raises(ValueError, match="resume_from_checkpoint is not supported"):
-        trainer.train(resume_from_checkpoint=str(tmp_path))
-    assert trainer.engine.last_result is None
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match="holds no strider training state"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "plain"))
+    assert trainer.engine.last_result is None and trainer.engine.steps_done == 0
+    for n, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n

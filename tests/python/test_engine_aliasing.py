@@ -1,0 +1,227 @@
+"""strider.Engine trains the model's own parameters in place, and saves / resumes its full state.
+
+What a user relies on: after Engine(model) every parameter IS the engine's compute copy (a write through
+the engine's view shows in the model; no second copy of the weights), in the compute dtype, ties kept;
+after training (and finish()) the model's parameters are the fp32 masters rounded to the compute dtype,
+so save_pretrained writes the trained weights without sync_to_model; a model that outlives its Engine
+still reads valid weights; engine.save -> Engine.resume -> more steps is bit-identical to the steps
+without the round trip; and every refusal (of the engine or of a resume) leaves the model's parameters
+where and what they were.
+"""
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
+
+try:
+    strider.load_library()
+except ImportError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
+from test_package import BATCH, SEQ, config, hf_batches, make_model  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def pointers(model):
+    return {n: (p.data_ptr(), p.dtype) for n, p in model.named_parameters()}
+
+
+def values(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_untouched(model, ptrs, vals):
+    assert pointers(model) == ptrs, "a parameter was rebound"
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), vals[n]), f"{n} changed"
+
+
+@pytest.mark.parametrize("kind,dtype", [("llama", "fp32"), ("qwen3_tied", "bf16")])
+def test_parameters_are_the_engines_compute_copy(kind, dtype):
+    model = make_model(kind)
+    initial = values(model)
+    engine = strider.Engine(model, config(dtype=dtype))
+    params = dict(model.named_parameters())
+    assert set(params) == set(engine.param_names())
+    for name, p in params.items():
+        view = engine._engine.compute_view(name)
+        assert p.data_ptr() == view.data_ptr() and p.shape == view.shape, f"{name} is not the engine's copy"
+        assert p.dtype == DTYPES[dtype] and engine.is_aliased(name)
+        assert torch.equal(p.detach(), initial[name].to(DTYPES[dtype])), f"{name} was not loaded"
+        # Not a copy: a write through the engine's view is what the model reads.
+        view.fill_(0.5)
+        assert bool((p.detach() == 0.5).all()), name
+    # Every parameter's bytes are distinct slots (no two share memory, so no hidden sharing either).
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in params.values())
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    if kind == "qwen3_tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_model_holds_the_trained_weights_and_saves_them(tmp_path, dtype):
+    model = make_model()
+    initial = values(model)
+    engine = strider.Engine(model, config(dtype=dtype, total_steps=6))
+    for batch in hf_batches(model.config.vocab_size, 5):
+        engine.step(*batch)
+    engine.finish()
+    for name, p in model.named_parameters():
+        master = engine.param(name)
+        assert torch.equal(p.detach(), master.to(DTYPES[dtype])), f"{name} is not its master in {dtype}"
+        assert not torch.equal(master, initial[name]), f"{name} did not move"
+    # No sync_to_model: the model's parameters are the trained weights already.
+    model.save_pretrained(tmp_path / "out")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, p in loaded.named_parameters():
+        assert p.dtype == DTYPES[dtype]
+        assert torch.equal(p, engine.param(name).to(DTYPES[dtype])), f"{name} as saved"
+    assert engine.sync_to_model() is model  # old code still works: it waits, and changes nothing
+    assert all(engine.is_aliased(n) for n in engine.param_names())
+
+
+def test_a_parameter_rebound_away_still_gets_synced():
+    model = make_model()
+    engine = strider.Engine(model, config())
+    engine.step(*hf_batches(model.config.vocab_size, 1)[0])
+    model.model.norm.weight.data = model.model.norm.weight.data.clone()  # e.g. what model.to(...) does
+    assert not engine.is_aliased("model.norm.weight")
+    engine.sync_to_model()
+    assert torch.equal(model.model.norm.weight.detach(), engine.param("model.norm.weight"))
+
+
+def test_a_model_outliving_its_engine_reads_valid_weights():
+    """In a child process, so that a dangling pointer is a failed test rather than a crashed suite."""
+    code = textwrap.dedent("""
+        import gc, sys, torch
+        sys.path[:0] = [sys.argv[1], sys.argv[2]]
+        import strider
+        from test_package import config, hf_batches, make_model
+        model = make_model()
+        engine = strider.Engine(model, config())
+        for batch in hf_batches(model.config.vocab_size, 2):
+            engine.step(*batch)
+        want = {n: engine.param(n) for n in engine.param_names()}
+        ids = hf_batches(model.config.vocab_size, 1)[0][0]
+        del engine, batch
+        gc.collect()
+        junk = [torch.full((1 << 20,), 7.0) for _ in range(64)]  # reuse freed memory, if any was freed
+        for n, p in model.named_parameters():
+            assert torch.equal(p.detach(), want[n]), n
+        with torch.no_grad():
+            loss = model(input_ids=ids, labels=ids).loss.item()
+        assert loss == loss and loss < 20, loss
+        del model
+        gc.collect()
+        print("ok")
+    """)
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(strider.__path__[0]), here],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_refused_engines_leave_the_parameters_where_they_were():
+    cases = [(make_model("gpt2"), config(), "not supported"),
+             (make_model(), config(device_budget="64KiB"), "device budget"),
+             (make_model(), config(seq=65), "max_position_embeddings"),
+             (make_model(), config(device="cuda:0" if not torch.cuda.is_available() else "cuda:99"), "cuda"),
+             (make_model("qwen3_tied"), config(nvme_dir="/tmp", nvme_blocks=[99]), "nvme block 99")]
+    for model, cfg, match in cases:
+        ptrs, vals = pointers(model), values(model)
+        with pytest.raises(ValueError, match=match):
+            strider.Engine(model, cfg)
+        assert_untouched(model, ptrs, vals)
+    if torch.cuda.is_available():  # the real "already on a GPU"; test_package covers it with meta here
+        model = make_model()
+        model.lm_head.cuda()
+        ptrs, vals = pointers(model), values(model)
+        with pytest.raises(ValueError, match="keep the model on the CPU"):
+            strider.Engine(model, config())
+        assert pointers(model) == ptrs
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_save_resume_continues_bit_identically(tmp_path, dtype):
+    cfg = config(dtype=dtype, total_steps=6)
+    data = hf_batches(500, 5, seed=4)
+    model = make_model()
+    engine = strider.Engine(model, cfg)
+    for batch in data[:2]:
+        engine.step(*batch)
+    engine.save(tmp_path / "ckpt", extra={"position": 2})
+    at_save = values(model)  # save waited for the updates
+    straight = [engine.step(*batch) for batch in data[2:]]
+    engine.finish()
+
+    info = strider.inspect_checkpoint(tmp_path / "ckpt")
+    assert (info["step"], info["extra"], info["engine_config"]["dtype"]) == (2, {"position": 2}, dtype)
+    # The checkpoint's model files load with transformers.
+    saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    for name, p in saved.named_parameters():
+        assert torch.equal(p, at_save[name]), f"{name} in the checkpoint's model.safetensors"
+
+    other = make_model(seed=9)  # different weights: the checkpoint's must win
+    resumed = strider.Engine.resume(tmp_path / "ckpt", other)  # config from the checkpoint
+    assert resumed.steps_done == 2 and resumed.resumed_extra == {"position": 2}
+    assert resumed.config.engine_dict() == cfg.replace(device="auto").engine_dict()
+    for name, p in other.named_parameters():
+        assert resumed.is_aliased(name) and torch.equal(p.detach(), at_save[name]), name
+    again = [resumed.step(*batch) for batch in data[2:]]
+    resumed.finish()
+    assert [(r.step, r.loss, r.grad_norm, r.lr) for r in again] == \
+        [(r.step, r.loss, r.grad_norm, r.lr) for r in straight]
+    for name in engine.param_names():
+        assert torch.equal(resumed.param(name), engine.param(name)), f"{name} master"
+        assert torch.equal(dict(other.named_parameters())[name].detach(),
+                           dict(model.named_parameters())[name].detach()), f"{name} in the model"
+
+    # load() into a running engine: back to step 2, and the model follows.
+    engine.load(tmp_path / "ckpt")
+    assert engine.steps_done == 2
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), at_save[name]), name
+    assert engine.step(*data[2]).loss == straight[0].loss
+
+
+def test_refused_resumes_leave_the_model_untouched(tmp_path):
+    model = make_model()
+    engine = strider.Engine(model, config())
+    engine.step(*hf_batches(model.config.vocab_size, 1)[0])
+    engine.save(tmp_path / "ckpt", write_model=False)
+    assert not (tmp_path / "ckpt" / "model.safetensors").exists()
+
+    def refused(target, match, **kw):
+        ptrs, vals = pointers(target), values(target)
+        with pytest.raises(ValueError, match=match):
+            strider.Engine.resume(kw.pop("path", tmp_path / "ckpt"), target, **kw)
+        assert_untouched(target, ptrs, vals)
+
+    refused(make_model(), "no training checkpoint at .*nowhere", path=tmp_path / "nowhere")
+    refused(make_model("qwen3_tied"), r"trainer_state.json: the checkpoint is of another model")
+    refused(make_model(), r"trainer_state.json: the engine config changes the maths of the saved run: lr",
+            config=config(lr=5e-4))
+    refused(make_model(), "total_steps", config=config(total_steps=8))
+    refused(make_model("gpt2"), "not supported")
+    longer = strider.Engine.resume(tmp_path / "ckpt", make_model(), config=config(total_steps=8),
+                                   allow_changed=["total_steps"])  # extending a run is allowed when asked
+    assert longer.steps_done == 1 and longer.config.total_steps == 8
+    # A damaged state file: named, and the running engine (and its model) untouched by a refused load.
+    state = tmp_path / "ckpt" / "state.safetensors"
+    raw = bytearray(state.read_bytes())
+    raw[-5] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    refused(make_model(), "state.safetensors.*checksum")
+    ptrs, vals = pointers(model), values(model)
+    with pytest.raises(ValueError, match="checksum"):
+        engine.load(tmp_path / "ckpt")
+    assert_untouched(model, ptrs, vals)
+    assert engine.steps_done == 1
