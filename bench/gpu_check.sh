@@ -4,7 +4,11 @@
 #   OUT_DIR/cuda_tests.log      Catch2 output of `gpu_test [cuda]`
 #   OUT_DIR/seam_tests.log      the CPU seam tests, for comparison
 #   OUT_DIR/bench_transfer.json bench_transfer's JSON line
-#   OUT_DIR/gpu_check.json      summary: return codes, whether tests ran or skipped, the bench line
+#   OUT_DIR/bench_calibrate.json bench_calibrate --device cuda's JSON line: the
+#                               simulator fed with this GPU's isolated costs vs
+#                               the GPU's measured step (needs torch; with it,
+#                               `strider` is built too)
+#   OUT_DIR/gpu_check.json      summary: return codes, whether tests ran or skipped, the bench lines
 # Takes a few minutes on one GPU (most of it compiling). Exits non-zero when a
 # step fails or when the [cuda] tests skipped because no GPU was usable.
 set -uo pipefail
@@ -56,7 +60,32 @@ bench_rc=${PIPESTATUS[0]}
 bench_json=$(tail -n 1 "$out/bench_transfer.json" 2>/dev/null)
 [ -n "$bench_json" ] || bench_json=null
 
-printf '{"cuda_tests_rc":%d,"cuda_tests_skipped":%s,"seam_tests_rc":%d,"bench_rc":%d,"bench":%s}\n' \
-  "$cuda_rc" "$cuda_skipped" "$seam_rc" "$bench_rc" "$bench_json" | tee "$out/gpu_check.json"
+# The calibration: strider and bench_calibrate link the engine, which needs torch.
+calib_rc=-1  # not run
+calib_json=null
+if [ "${torch_args[0]}" = "-DSTRIDER_WITH_TORCH=ON" ]; then
+  log "build strider bench_calibrate with -j$jobs"
+  if cmake --build "$build" -j"$jobs" --target strider bench_calibrate > "$out/build_calibrate.log" 2>&1; then
+    timeout 300 "$build/bench/bench_calibrate" --device cuda > "$out/bench_calibrate.log" 2>&1
+    calib_rc=$?
+    tail -n 25 "$out/bench_calibrate.log"
+    calib_json=$(tail -n 1 "$out/bench_calibrate.log")
+    if [ "$calib_rc" -eq 0 ] && [ "${calib_json:0:1}" = "{" ]; then
+      printf '%s\n' "$calib_json" > "$out/bench_calibrate.json"
+    else
+      calib_json=null
+    fi
+  else
+    calib_rc=1
+    log "build of strider/bench_calibrate failed (see build_calibrate.log)"; tail -30 "$out/build_calibrate.log"
+  fi
+  log "bench_calibrate rc=$calib_rc"
+else
+  log "no torch at $python: bench_calibrate (and strider) not built"
+fi
 
-[ "$cuda_rc" -eq 0 ] && [ "$seam_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$cuda_skipped" = false ]
+printf '{"cuda_tests_rc":%d,"cuda_tests_skipped":%s,"seam_tests_rc":%d,"bench_rc":%d,"bench":%s,"calibrate_rc":%d,"calibrate":%s}\n' \
+  "$cuda_rc" "$cuda_skipped" "$seam_rc" "$bench_rc" "$bench_json" "$calib_rc" "$calib_json" | tee "$out/gpu_check.json"
+
+[ "$cuda_rc" -eq 0 ] && [ "$seam_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$cuda_skipped" = false ] &&
+  { [ "$calib_rc" -eq 0 ] || [ "$calib_rc" -eq -1 ]; }

@@ -7,12 +7,10 @@
 
 #include "engine/builtin.h"
 #include "engine/cli/cli.h"
-#include "engine/engine.h"
+#include "engine/cli/training_run.h"
 #include "engine/hf_checkpoint.h"
-#include "engine/plan.h"
 #include "engine/train_checkpoint.h"
 #include "host/error.h"
-#include "io/token_data.h"
 
 namespace strider::cli {
 namespace {
@@ -21,91 +19,30 @@ volatile std::sig_atomic_t g_stop = 0;
 void on_sigint(int) { g_stop = 1; }
 
 struct Options {
-  std::string model = "builtin", data = "builtin", eval_data, out = "strider-out", trace, metrics;
-  std::string device = "auto", device_budget = "24MiB", host_ram = "0", nvme, dtype = "bf16", schedule = "cosine";
-  std::string work_dir = ".strider", checkpoint_dir;
-  int64_t checkpoint_every = 0;
+  TrainOptions train;
+  std::string eval_data, out = "strider-out", trace, metrics, checkpoint_dir;
+  int64_t checkpoint_every = 0, steps = 120, eval_every = 30, eval_batches = 2;
   bool resume = false;
-  int64_t seq = 128, micro_batch = 4, accumulation = 2, window = 0, steps = 120, warmup = 10, eval_every = 30;
-  int64_t eval_batches = 2, vocab_chunk = 8192;
-  double lr = 5e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
-  uint64_t seed = 1234;
-  int optimizer_threads = 0;
 };
-
-std::string read_text(const std::filesystem::path& p) {
-  std::ifstream in(p);
-  STRIDER_CHECK(in.good(), "cannot read {}", p.string());
-  return {std::istreambuf_iterator<char>(in), {}};
-}
 
 int run(const Options& o) {
   namespace fs = std::filesystem;
-  // The model.
-  nlohmann::json config;
-  std::string model_dir;
-  if (o.model == "builtin") {
-    config = builtin_model_config();
-  } else {
-    fs::path p = fs::is_directory(o.model) ? fs::path(o.model) / "config.json" : fs::path(o.model);
-    model_dir = fs::is_directory(o.model) ? o.model : fs::path(o.model).parent_path().string();
-    config = nlohmann::json::parse(read_text(p), nullptr, false);
-    STRIDER_CHECK(!config.is_discarded(), "{}: not valid JSON", p.string());
+  TrainingRun tr = make_training_run(o.train, "finetune", o.steps);
+  STRIDER_CHECK(!tr.engine->simulated(),
+                "--device {}: a simulated device trains nothing; use `strider profile --device {}` or "
+                "`strider plan --predict` for its figures",
+                o.train.device, o.train.device);
+  Engine& engine = *tr.engine;
+  const ModelSpec& spec = tr.spec;
+  const EngineConfig& cfg = engine.config();
+  const nlohmann::json& config = tr.config;
+  const std::string& data = tr.data;
+  TokenLoader& loader = *tr.loader;
+  std::string eval_data = o.eval_data;
+  if (o.train.data == "builtin" && eval_data.empty()) {
+    eval_data = (fs::path(o.train.work_dir) / "builtin-eval.tokens").string();
+    write_builtin_dataset(eval_data, 100'000, 7, o.train.seed + 1);
   }
-  ModelSpec spec = ModelSpec::from_json(config, o.model == "builtin" ? "built-in model" : o.model);
-
-  // The plan, before anything is allocated.
-  PlanLimits lim;
-  lim.device_bytes = parse_bytes(o.device_budget);
-  lim.host_bytes = parse_bytes(o.host_ram);
-  lim.nvme_dir = o.nvme;
-  lim.seq = o.seq;
-  lim.micro_batch = o.micro_batch;
-  lim.accumulation = o.accumulation;
-  STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
-  lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
-  lim.vocab_chunk = o.vocab_chunk;
-  lim.window = o.window;
-  Plan plan = Plan::make(spec, lim);
-  fmt::print("strider finetune: {}\n{}", spec.summary(), plan.explain());
-  STRIDER_CHECK(plan.feasible, "{}", plan.reason);
-
-  EngineConfig cfg = plan.engine_config(lim);
-  cfg.adam = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = 1e-8, .weight_decay = o.weight_decay};
-  cfg.schedule = {LrSchedule::parse_shape(o.schedule), o.warmup, o.steps};
-  cfg.clip_norm = o.clip;
-  cfg.optimizer_threads = o.optimizer_threads;
-  std::string why;
-  auto device = make_device({.spec = o.device, .budget_bytes = lim.device_bytes, .record_spans = true}, &why);
-  fmt::print("  device: {}{}\n", device->name(), why.empty() ? "" : " (" + why + ")");
-  Engine engine(spec, cfg, std::move(device));
-
-  // The parameters.
-  if (model_dir.empty()) {
-    engine.init_params(o.seed);
-  } else {
-    HfCheckpointReader reader(model_dir, spec);
-    for (int64_t b = 0; b < spec.num_blocks(); ++b) {
-      std::vector<float> w(reader.layout(b).total_elems());
-      reader.read_block(b, w);
-      engine.write_state(b, ExtentKind::kMaster, w);
-    }
-    fmt::print("  loaded {}\n", model_dir);
-  }
-
-  // The data.
-  fs::create_directories(o.work_dir);
-  std::string data = o.data, eval_data = o.eval_data;
-  if (data == "builtin") {
-    data = (fs::path(o.work_dir) / "builtin-train.tokens").string();
-    write_builtin_dataset(data, 2'000'000, 7, o.seed);
-    if (eval_data.empty()) {
-      eval_data = (fs::path(o.work_dir) / "builtin-eval.tokens").string();
-      write_builtin_dataset(eval_data, 100'000, 7, o.seed + 1);
-    }
-  }
-  TokenFile train_file(data, uint64_t(spec.dims.vocab));
-  TokenLoader loader(train_file, {.batch = uint64_t(cfg.batch()), .seq = uint64_t(cfg.seq), .seed = o.seed});
   auto loader_json = [&] {
     TokenLoaderState st = loader.state();
     return nlohmann::json{{"epoch", st.epoch}, {"cursor", st.cursor}, {"seed", st.seed},
@@ -116,7 +53,7 @@ int run(const Options& o) {
     if (saved_step == engine.steps_done()) return;
     saved_step = engine.steps_done();
     save_training_checkpoint(o.checkpoint_dir, engine, config.dump(),
-                             {{"loader", loader_json()}, {"data", data}, {"seed", o.seed}});
+                             {{"loader", loader_json()}, {"data", data}, {"seed", o.train.seed}});
     fmt::print("  checkpoint: {} (step {})\n", o.checkpoint_dir, engine.steps_done());
   };
   if (o.resume) {
@@ -195,33 +132,16 @@ int run(const Options& o) {
 std::function<int()> add_finetune(CLI::App& app) {
   auto o = std::make_shared<Options>();
   CLI::App* c = app.add_subcommand("finetune", "fine-tune a model (with no options: the built-in demo)");
-  c->add_option("--model", o->model, "Hugging Face checkpoint directory, or 'builtin'")->capture_default_str();
-  c->add_option("--data", o->data, "token file (python -m strider.data), or 'builtin'")->capture_default_str();
+  add_model_options(*c, o->train);
   c->add_option("--eval-data", o->eval_data, "held-out token file, evaluated every --eval-every steps");
   c->add_option("--eval-every", o->eval_every, "steps between evaluations")->capture_default_str();
   c->add_option("--out", o->out, "where the final transformers checkpoint goes")->capture_default_str();
-  c->add_option("--device", o->device, "auto, cpu, cuda, cuda:N")->capture_default_str();
-  c->add_option("--device-budget", o->device_budget, "device memory strider may use (e.g. 20GiB)")->capture_default_str();
-  c->add_option("--host-ram", o->host_ram, "pinned host RAM limit (0: no limit); past it state goes to --nvme")
-      ->capture_default_str();
-  c->add_option("--nvme", o->nvme, "directory on NVMe for optimizer state that does not fit in RAM");
-  c->add_option("--seq", o->seq, "sequence length")->capture_default_str();
-  c->add_option("--micro-batch", o->micro_batch, "sequences per micro-batch")->capture_default_str();
-  c->add_option("--accumulation", o->accumulation, "micro-batches per optimizer step")->capture_default_str();
-  c->add_option("--window", o->window, "cache units K (0: the plan chooses)")->capture_default_str();
-  c->add_option("--dtype", o->dtype, "bf16 or fp32 compute")->capture_default_str();
-  c->add_option("--vocab-chunk", o->vocab_chunk, "LM-head vocabulary rows per chunk")->capture_default_str();
-  c->add_option("--lr", o->lr, "peak learning rate")->capture_default_str();
-  c->add_option("--schedule", o->schedule, "constant, linear or cosine (with warm-up)")->capture_default_str();
-  c->add_option("--warmup", o->warmup, "warm-up steps")->capture_default_str();
+  add_placement_options(*c, o->train);
   c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str();
-  c->add_option("--weight-decay", o->weight_decay, "AdamW weight decay")->capture_default_str();
-  c->add_option("--clip", o->clip, "global gradient-norm clip (0: off)")->capture_default_str();
-  c->add_option("--seed", o->seed, "seed for initialisation and data order")->capture_default_str();
-  c->add_option("--optimizer-threads", o->optimizer_threads, "CPU AdamW threads (0: all)")->capture_default_str();
+  add_optimizer_options(*c, o->train);
   c->add_option("--trace", o->trace, "write the timeline as Chrome trace JSON (Perfetto)");
   c->add_option("--metrics", o->metrics, "append one JSON line per step");
-  c->add_option("--work-dir", o->work_dir, "where built-in data is generated")->capture_default_str();
+  add_work_dir_option(*c, o->train);
   c->add_option("--checkpoint-dir", o->checkpoint_dir, "full training state (resumable), saved atomically");
   c->add_option("--checkpoint-every", o->checkpoint_every, "steps between checkpoints (0: only at the end)")
       ->capture_default_str();

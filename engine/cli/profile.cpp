@@ -1,0 +1,242 @@
+// strider profile: a few steps of a model and configuration (the options of
+// `strider finetune`), then where the time went: per lane its busy time and
+// fraction of the step, the critical (busiest) lane, the overlap efficiency
+// (busiest lane / step time), tokens/s and model FLOP/s, counted two ways:
+//   6·N·tokens     the usual convention (N: every parameter, embeddings too);
+//   executed       what the engine computes: forward, the backward's recompute
+//                  of each block's forward, and backward (ModelSpec::cost).
+// Writes the run's Chrome trace, and a PNG of one measured step drawn by
+// bench/profile_plot.py under the project's Python. Saves no checkpoint.
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/cli/cli.h"
+#include "engine/cli/training_run.h"
+#include "host/error.h"
+
+#ifndef STRIDER_PYTHON_DEFAULT
+#define STRIDER_PYTHON_DEFAULT ""
+#endif
+#ifndef STRIDER_PLOT_SCRIPT_DEFAULT
+#define STRIDER_PLOT_SCRIPT_DEFAULT "bench/profile_plot.py"
+#endif
+
+namespace strider::cli {
+namespace {
+
+struct Options {
+  TrainOptions train;
+  int64_t skip_steps = 2, steps = 3;
+  std::string out = "strider-profile";
+  std::string python = STRIDER_PYTHON_DEFAULT[0] != '\0' ? STRIDER_PYTHON_DEFAULT : "python3";
+  std::string plot_script = STRIDER_PLOT_SCRIPT_DEFAULT;
+  bool no_png = false, json = false;
+};
+
+// FLOPs of one optimizer step as the engine runs it: per micro-batch, every
+// block but the head runs forward, then recompute + backward (the engine's
+// "recompute+backward" op: 1.5 x backward = forward again + backward); the
+// head runs its loss forward and backward once (its backward recomputes the
+// logits chunk by chunk, which ModelSpec counts in backward_flops).
+struct StepFlops {
+  double executed = 0;      // forward + recompute + backward
+  double six_n_t = 0;       // 6 x parameters x tokens
+};
+
+StepFlops step_flops(const ModelSpec& spec, const EngineConfig& c) {
+  StepFlops f;
+  const int dtype_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
+  const int64_t head = spec.num_blocks() - 1;
+  for (int64_t b = 0; b <= head; ++b) {
+    const BlockCost k = spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes);
+    const double per_micro_batch = b == head ? k.forward_flops + k.backward_flops
+                                             : 2 * k.forward_flops + k.backward_flops;
+    f.executed += per_micro_batch * double(c.accumulation);
+  }
+  f.six_n_t = 6.0 * double(spec.param_count()) * double(c.batch() * c.seq);
+  return f;
+}
+
+// 'text' for sh -c, whatever it holds.
+std::string shell_quote(const std::string& text) {
+  std::string q = "'";
+  for (char ch : text) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return q + "'";
+}
+
+struct PlotResult {
+  bool ok = false;
+  std::string message;  // why not, when !ok
+};
+
+// Runs the plot script; its own printout (the same figures from the trace)
+// is kept out of ours, and shown only when it fails.
+PlotResult draw_png(const Options& o, const std::string& trace, const std::string& png, int64_t step,
+                    const ModelSpec& spec, int64_t tokens, std::string* command_out) {
+  const std::string cmd = fmt::format("{} {} {} --step {} --out {} --params {} --tokens {}",
+                                      shell_quote(o.python), shell_quote(o.plot_script), shell_quote(trace), step,
+                                      shell_quote(png), spec.param_count(), tokens);
+  *command_out = cmd;
+  if (o.python.find('/') != std::string::npos && ::access(o.python.c_str(), X_OK) != 0)
+    return {false, fmt::format("the Python {} does not exist or is not executable (--python)", o.python)};
+  if (!std::filesystem::exists(o.plot_script))
+    return {false, fmt::format("the plot script {} does not exist (--plot-script)", o.plot_script)};
+  std::FILE* p = ::popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return {false, fmt::format("cannot start `{}`: {}", cmd, errno_text(errno))};
+  std::string output;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof buf, p)) output.append(buf, n);
+  const int status = ::pclose(p);
+  if (status == 0 && std::filesystem::exists(png)) return {true, {}};
+  std::string why = output.find("matplotlib is needed") != std::string::npos ? "matplotlib is not installed"
+                    : (WIFEXITED(status) && WEXITSTATUS(status) == 127) ? "the Python could not be run"
+                                                                         : "the plot script failed";
+  // The script's last lines say what went wrong.
+  std::string tail = output.size() > 1500 ? output.substr(output.size() - 1500) : output;
+  while (!tail.empty() && tail.back() == '\n') tail.pop_back();
+  return {false, fmt::format("{} (exit status {}):\n{}", why, status, tail)};
+}
+
+int run(const Options& o) {
+  namespace fs = std::filesystem;
+  STRIDER_CHECK(o.steps >= 1, "--steps {}: profile at least 1 measured step", o.steps);
+  STRIDER_CHECK(o.skip_steps >= 0, "--skip-steps {} must be >= 0", o.skip_steps);
+  std::FILE* log = o.json ? stderr : stdout;  // --json: stdout holds the one JSON object
+  TrainingRun tr = make_training_run(o.train, "profile", o.skip_steps + o.steps, log);
+  Engine& engine = *tr.engine;
+  const EngineConfig& cfg = engine.config();
+  const int64_t tokens = cfg.batch() * cfg.seq;
+
+  std::vector<int64_t> ids(static_cast<size_t>(tokens)), labels(ids.size());
+  std::vector<StepReport> measured;
+  nlohmann::json per_step = nlohmann::json::array();
+  for (int64_t i = 0; i < o.skip_steps + o.steps; ++i) {
+    tr.loader->next(ids, labels);
+    StepReport r = engine.step(ids.data(), labels.data());
+    const bool timed = i >= o.skip_steps;
+    fmt::print(log, "step {:>3} {} | loss {:.4f} | {:.3f} s | {:>7.0f} tok/s | overlap {:.2f} (critical: {})\n",
+               r.step, timed ? "measured" : "untimed ", r.loss, r.step_s, r.tokens_per_s,
+               r.stats.overlap_efficiency, lane_name(r.stats.critical));
+    std::fflush(log);
+    if (!timed) continue;
+    measured.push_back(r);
+    per_step.push_back({{"step", r.step}, {"step_s", r.step_s}, {"loss", r.loss},
+                        {"overlap_efficiency", r.stats.overlap_efficiency}});
+  }
+  engine.finish_updates();
+
+  // The measured steps together: busy time per lane over their summed time.
+  double total_s = 0;
+  std::array<double, kNumLanes> busy_s{};
+  for (const StepReport& r : measured) {
+    total_s += r.step_s;
+    for (int l = 0; l < kNumLanes; ++l) busy_s[size_t(l)] += r.stats.lanes[size_t(l)].busy_s;
+  }
+  const double n = double(measured.size());
+  const double step_s = total_s / n;
+  int critical = 0;
+  for (int l = 1; l < kNumLanes; ++l)
+    if (busy_s[size_t(l)] > busy_s[size_t(critical)]) critical = l;
+  const double overlap = total_s > 0 ? busy_s[size_t(critical)] / total_s : 0.0;
+  const StepFlops flops = step_flops(tr.spec, cfg);
+
+  nlohmann::json out = {{"command", "profile"},
+                        {"model", tr.spec.summary()},
+                        {"device", engine.device().name()},
+                        {"simulated", engine.simulated()},
+                        {"seq", cfg.seq},
+                        {"micro_batch", cfg.micro_batch},
+                        {"accumulation", cfg.accumulation},
+                        {"window", cfg.window},
+                        {"checkpoints_on_host", cfg.checkpoints_on_host},
+                        {"skip_steps", o.skip_steps},
+                        {"steps", o.steps},
+                        {"step_s", step_s},
+                        {"tokens_per_step", tokens},
+                        {"tokens_per_s", double(tokens) / step_s},
+                        {"critical_lane", std::string(lane_name(Lane(critical)))},
+                        {"overlap_efficiency", overlap},
+                        {"params", tr.spec.param_count()},
+                        {"six_n_t_flops_per_step", flops.six_n_t},
+                        {"executed_flops_per_step", flops.executed},
+                        {"model_flops_per_s", flops.six_n_t / step_s},
+                        {"executed_flops_per_s", flops.executed / step_s},
+                        {"per_step", per_step}};
+  for (int l = 0; l < kNumLanes; ++l)
+    out["lanes"][std::string(lane_name(Lane(l)))] = {{"busy_s", busy_s[size_t(l)] / n},
+                                                     {"busy_fraction", busy_s[size_t(l)] / total_s}};
+
+  fmt::print(log, "profile: {} measured steps after {} untimed, on {}; batch {} x seq {} (micro-batch {} x {}), K {}, "
+                  "checkpoints on {}\n",
+             o.steps, o.skip_steps, engine.device().name(), cfg.batch(), cfg.seq, cfg.micro_batch, cfg.accumulation,
+             cfg.window, cfg.checkpoints_on_host ? "host" : "device");
+  fmt::print(log, "  step time {:.4f} s, {:.0f} tokens/s{}\n", step_s, double(tokens) / step_s,
+             engine.simulated() ? " (virtual time: a simulated device)" : "");
+  for (int l = 0; l < kNumLanes; ++l)
+    fmt::print(log, "  {:>10}: busy {:.4f} s per step, {:5.1f}% of the step{}\n", lane_name(Lane(l)),
+               busy_s[size_t(l)] / n, 100.0 * busy_s[size_t(l)] / total_s, l == critical ? "  <- critical" : "");
+  fmt::print(log, "  critical lane: {}\n  overlap efficiency: {:.3f} (busiest lane / step time; 1.0: all else hidden)\n",
+             lane_name(Lane(critical)), overlap);
+  fmt::print(log, "  model FLOP/s (6·N·tokens, N = {:.4g} parameters): {:.4g} GFLOP/s ({:.4g} GFLOP per step)\n",
+             double(tr.spec.param_count()), flops.six_n_t / step_s * 1e-9, flops.six_n_t * 1e-9);
+  fmt::print(log, "  executed FLOP/s (forward + recompute + backward): {:.4g} GFLOP/s ({:.4g} GFLOP per step)\n",
+             flops.executed / step_s * 1e-9, flops.executed * 1e-9);
+
+  // The trace, and the PNG of the last measured step.
+  fs::create_directories(o.out);
+  const std::string trace = (fs::path(o.out) / "trace.json").string();
+  engine.timeline().write_chrome_trace(trace);
+  out["trace"] = trace;
+  fmt::print(log, "  trace: {} (open in https://ui.perfetto.dev)\n", trace);
+  out["png"] = nullptr;
+  if (!o.no_png) {
+    const int64_t png_step = measured.back().step;
+    const std::string png = (fs::path(o.out) / fmt::format("step{}.png", png_step)).string();
+    std::string cmd;
+    PlotResult pr = draw_png(o, trace, png, png_step, tr.spec, tokens, &cmd);
+    out["png_step"] = png_step;
+    if (pr.ok) {
+      out["png"] = png;
+      fmt::print(log, "  png: {} (step {})\n", png, png_step);
+    } else {
+      out["png_error"] = pr.message;
+      fmt::print(log, "  no png: {}\n  draw it with:\n    {}\n  (matplotlib: .venv/bin/pip install -r requirements.txt)\n",
+                 pr.message, cmd);
+    }
+  }
+  if (o.json) fmt::print("{}\n", out.dump());
+  return 0;
+}
+
+}  // namespace
+
+std::function<int()> add_profile(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  CLI::App* c = app.add_subcommand(
+      "profile", "run a few steps and show where the time goes: busy time per lane, the critical lane, overlap "
+                 "efficiency, FLOP/s; writes the Chrome trace and a PNG of one step");
+  add_model_options(*c, o->train);
+  add_placement_options(*c, o->train);
+  c->add_option("--skip-steps", o->skip_steps, "untimed steps first (the pipeline fills, allocators warm up)")
+      ->capture_default_str();
+  c->add_option("--steps", o->steps, "measured steps")->capture_default_str();
+  add_optimizer_options(*c, o->train);
+  add_work_dir_option(*c, o->train);
+  c->add_option("--out", o->out, "folder for trace.json and step<N>.png")->capture_default_str();
+  c->add_option("--python", o->python, "Python with matplotlib that draws the PNG")->capture_default_str();
+  c->add_option("--plot-script", o->plot_script, "bench/profile_plot.py")->capture_default_str();
+  c->add_flag("--no-png", o->no_png, "write the trace only");
+  c->add_flag("--json", o->json, "print one JSON object with the figures (the rest goes to stderr)");
+  return [o] { return run(*o); };
+}
+
+}  // namespace strider::cli

@@ -1,0 +1,125 @@
+#include "engine/cli/training_run.h"
+
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+
+#include "engine/builtin.h"
+#include "engine/hf_checkpoint.h"
+#include "host/error.h"
+
+namespace strider::cli {
+namespace {
+
+std::string read_text(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  STRIDER_CHECK(in.good(), "cannot read {}", p.string());
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+}  // namespace
+
+void add_model_options(CLI::App& c, TrainOptions& o) {
+  c.add_option("--model", o.model, "Hugging Face checkpoint directory, or 'builtin'")->capture_default_str();
+  c.add_option("--data", o.data, "token file (python -m strider.data), or 'builtin'")->capture_default_str();
+}
+
+void add_placement_options(CLI::App& c, TrainOptions& o) {
+  c.add_option("--device", o.device, "auto, cpu, cuda, cuda:N")->capture_default_str();
+  c.add_option("--device-budget", o.device_budget, "device memory strider may use (e.g. 20GiB)")->capture_default_str();
+  c.add_option("--host-ram", o.host_ram, "pinned host RAM limit (0: no limit); past it state goes to --nvme")
+      ->capture_default_str();
+  c.add_option("--nvme", o.nvme, "directory on NVMe for optimizer state that does not fit in RAM");
+  c.add_option("--seq", o.seq, "sequence length")->capture_default_str();
+  c.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch")->capture_default_str();
+  c.add_option("--accumulation", o.accumulation, "micro-batches per optimizer step")->capture_default_str();
+  c.add_option("--window", o.window, "cache units K (0: the plan chooses)")->capture_default_str();
+  c.add_option("--dtype", o.dtype, "bf16 or fp32 compute")->capture_default_str();
+  c.add_option("--vocab-chunk", o.vocab_chunk, "LM-head vocabulary rows per chunk")->capture_default_str();
+}
+
+void add_optimizer_options(CLI::App& c, TrainOptions& o) {
+  c.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
+  c.add_option("--schedule", o.schedule, "constant, linear or cosine (with warm-up)")->capture_default_str();
+  c.add_option("--warmup", o.warmup, "warm-up steps")->capture_default_str();
+  c.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
+  c.add_option("--clip", o.clip, "global gradient-norm clip (0: off)")->capture_default_str();
+  c.add_option("--seed", o.seed, "seed for initialisation and data order")->capture_default_str();
+  c.add_option("--optimizer-threads", o.optimizer_threads, "CPU AdamW threads (0: all)")->capture_default_str();
+}
+
+void add_work_dir_option(CLI::App& c, TrainOptions& o) {
+  c.add_option("--work-dir", o.work_dir, "where built-in data is generated")->capture_default_str();
+}
+
+TrainingRun make_training_run(const TrainOptions& o, std::string_view command, int64_t total_steps,
+                              std::FILE* log) {
+  namespace fs = std::filesystem;
+  TrainingRun run;
+  // The model.
+  if (o.model == "builtin") {
+    run.config = builtin_model_config();
+  } else {
+    fs::path p = fs::is_directory(o.model) ? fs::path(o.model) / "config.json" : fs::path(o.model);
+    run.model_dir = fs::is_directory(o.model) ? o.model : fs::path(o.model).parent_path().string();
+    run.config = nlohmann::json::parse(read_text(p), nullptr, false);
+    STRIDER_CHECK(!run.config.is_discarded(), "{}: not valid JSON", p.string());
+  }
+  run.spec = ModelSpec::from_json(run.config, o.model == "builtin" ? "built-in model" : o.model);
+
+  // The plan, before anything is allocated.
+  PlanLimits& lim = run.limits;
+  lim.device_bytes = parse_bytes(o.device_budget);
+  lim.host_bytes = parse_bytes(o.host_ram);
+  lim.nvme_dir = o.nvme;
+  lim.seq = o.seq;
+  lim.micro_batch = o.micro_batch;
+  lim.accumulation = o.accumulation;
+  STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
+  lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
+  lim.vocab_chunk = o.vocab_chunk;
+  lim.window = o.window;
+  run.plan = Plan::make(run.spec, lim);
+  fmt::print(log, "strider {}: {}\n{}", command, run.spec.summary(), run.plan.explain());
+  STRIDER_CHECK(run.plan.feasible, "{}", run.plan.reason);
+
+  EngineConfig cfg = run.plan.engine_config(lim);
+  cfg.adam = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = 1e-8, .weight_decay = o.weight_decay};
+  cfg.schedule = {LrSchedule::parse_shape(o.schedule), o.warmup, total_steps};
+  cfg.clip_norm = o.clip;
+  cfg.optimizer_threads = o.optimizer_threads;
+  std::string why;
+  auto device = make_device({.spec = o.device, .budget_bytes = lim.device_bytes, .record_spans = true}, &why);
+  fmt::print(log, "  device: {}{}\n", device->name(), why.empty() ? "" : " (" + why + ")");
+  run.engine = std::make_unique<Engine>(run.spec, cfg, std::move(device));
+  Engine& engine = *run.engine;
+
+  // The parameters. A simulated engine holds none: its losses are NaN anyway.
+  if (engine.simulated()) {
+    // nothing to initialise
+  } else if (run.model_dir.empty()) {
+    engine.init_params(o.seed);
+  } else {
+    HfCheckpointReader reader(run.model_dir, run.spec);
+    for (int64_t b = 0; b < run.spec.num_blocks(); ++b) {
+      std::vector<float> w(reader.layout(b).total_elems());
+      reader.read_block(b, w);
+      engine.write_state(b, ExtentKind::kMaster, w);
+    }
+    fmt::print(log, "  loaded {}\n", run.model_dir);
+  }
+
+  // The data.
+  fs::create_directories(o.work_dir);
+  run.data = o.data;
+  if (run.data == "builtin") {
+    run.data = (fs::path(o.work_dir) / "builtin-train.tokens").string();
+    write_builtin_dataset(run.data, 2'000'000, 7, o.seed);
+  }
+  run.train_file = std::make_unique<TokenFile>(run.data, uint64_t(run.spec.dims.vocab));
+  run.loader = std::make_unique<TokenLoader>(
+      *run.train_file, TokenLoaderOptions{.batch = uint64_t(cfg.batch()), .seq = uint64_t(cfg.seq), .seed = o.seed});
+  return run;
+}
+
+}  // namespace strider::cli

@@ -1,0 +1,57 @@
+// What `strider finetune` and `strider profile` share: the options that choose
+// a model, its data, where it lives (the plan) and how it trains, and the
+// construction, from them, of the model spec, the plan, the engine (with its
+// parameters initialised or loaded) and the training data.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+#include "engine/engine.h"
+#include "engine/plan.h"
+#include "io/token_data.h"
+
+namespace strider::cli {
+
+struct TrainOptions {
+  std::string model = "builtin", data = "builtin";
+  std::string device = "auto", device_budget = "24MiB", host_ram = "0", nvme, dtype = "bf16", schedule = "cosine";
+  std::string work_dir = ".strider";
+  int64_t seq = 128, micro_batch = 4, accumulation = 2, window = 0, warmup = 10, vocab_chunk = 8192;
+  double lr = 5e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
+  uint64_t seed = 1234;
+  int optimizer_threads = 0;
+};
+
+// Registers TrainOptions' flags on `c` (CLI11 keeps pointers into `o`, which
+// must outlive parsing). The steps option is each command's own.
+void add_model_options(CLI::App& c, TrainOptions& o);     // --model, --data
+void add_placement_options(CLI::App& c, TrainOptions& o);  // device, budgets, NVMe, shapes, dtype
+void add_optimizer_options(CLI::App& c, TrainOptions& o);  // lr, schedule, warm-up, decay, clip, seed, threads
+void add_work_dir_option(CLI::App& c, TrainOptions& o);
+
+struct TrainingRun {
+  nlohmann::json config;   // the model's config.json
+  std::string model_dir;   // the checkpoint loaded; empty for the built-in model
+  ModelSpec spec;
+  PlanLimits limits;
+  Plan plan;
+  std::unique_ptr<Engine> engine;
+  std::string data;        // the training token file (built-in: generated under work_dir)
+  std::unique_ptr<TokenFile> train_file;
+  std::unique_ptr<TokenLoader> loader;
+};
+
+// Parses the model, makes the plan and prints it (headed "strider <command>:")
+// to `log`, refuses an infeasible plan with its reason, builds the engine on
+// the device, initialises (from the seed) or loads its parameters (not on a
+// simulated device: it holds none), and opens the training data. `total_steps`
+// is the learning-rate schedule's length.
+TrainingRun make_training_run(const TrainOptions& o, std::string_view command, int64_t total_steps,
+                              std::FILE* log = stdout);
+
+}  // namespace strider::cli

@@ -1,0 +1,74 @@
+"""`strider profile` on the built-in model: the figures it prints are coherent
+(fractions of the step, a real lane, FLOP/s that count recompute), the trace
+holds the measured steps, and the PNG is a PNG when matplotlib is there."""
+import json
+import subprocess
+
+import pytest
+
+LANES = {"compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write"}
+
+
+@pytest.fixture
+def strider(strider_binary):
+    return strider_binary("strider")
+
+
+def profile(strider, tmp_path, *args, steps=2):
+    cmd = [str(strider), "profile", "--device", "cpu", "--seq", "32", "--micro-batch", "2", "--accumulation", "2",
+           "--skip-steps", "1", "--steps", str(steps), "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "prof"),
+           *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def test_profile_json_figures_trace_and_png(strider, tmp_path):
+    r = profile(strider, tmp_path, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # --json: stdout is one JSON object, the rest went to stderr
+    assert "strider profile:" in r.stderr and "critical lane:" in r.stderr
+
+    assert out["steps"] == 2 and [s["step"] for s in out["per_step"]] == [2, 3]
+    assert out["step_s"] > 0 and out["tokens_per_step"] == 2 * 2 * 32
+    assert out["tokens_per_s"] == pytest.approx(out["tokens_per_step"] / out["step_s"])
+    assert set(out["lanes"]) == LANES
+    for lane, f in out["lanes"].items():
+        assert 0.0 <= f["busy_fraction"] <= 1.0, lane
+        assert f["busy_s"] <= out["step_s"] * (1 + 1e-9), lane
+    assert out["lanes"]["compute"]["busy_s"] > 0 and out["lanes"]["h2d"]["busy_s"] > 0
+    assert out["critical_lane"] in LANES
+    busiest = max(out["lanes"].values(), key=lambda f: f["busy_s"])
+    assert out["lanes"][out["critical_lane"]] == busiest
+    assert 0.0 < out["overlap_efficiency"] <= 1.0
+    assert out["overlap_efficiency"] == pytest.approx(busiest["busy_fraction"])
+
+    # 6·N·tokens from the model's parameter count; the executed figure counts
+    # the recompute on top of forward + backward, so it is larger.
+    assert out["six_n_t_flops_per_step"] == pytest.approx(6 * out["params"] * out["tokens_per_step"])
+    assert out["model_flops_per_s"] == pytest.approx(out["six_n_t_flops_per_step"] / out["step_s"])
+    assert out["model_flops_per_s"] > 0
+    assert out["executed_flops_per_s"] > out["model_flops_per_s"]
+
+    trace = json.loads((tmp_path / "prof" / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["args"]["step"] for e in spans} >= {1, 2, 3}
+    assert {"forward", "recompute+backward", "adamw"} <= {e["name"].split(" b")[0] for e in spans}
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert out["png"] is None and "matplotlib" in out["png_error"]
+        return
+    png = tmp_path / "prof" / "step3.png"
+    assert out["png"] == str(png) and out["png_step"] == 3
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_missing_python_still_writes_the_trace_and_says_what_to_run(strider, tmp_path):
+    r = profile(strider, tmp_path, "--python", str(tmp_path / "no-such-python"), steps=1)
+    assert r.returncode == 0, r.stderr
+    assert "no png:" in r.stdout and "no-such-python" in r.stdout
+    assert "profile_plot.py" in r.stdout and "--step 2" in r.stdout  # the command to run instead
+    assert "overlap efficiency:" in r.stdout and "executed FLOP/s" in r.stdout
+    assert (tmp_path / "prof" / "trace.json").stat().st_size > 0
+    assert not list((tmp_path / "prof").glob("*.png"))
