@@ -79,19 +79,19 @@ HeadWeights BlockRunner::head_weights(const at::Tensor& params, const at::Tensor
 HeadResult BlockRunner::head_backward(const at::Tensor& params, const at::Tensor& grads,
                                       const at::Tensor& tied_params, const at::Tensor& tied_grads,
                                       const at::Tensor& input, const at::Tensor& labels,
-                                      double loss_scale) const {
+                                      double loss_scale, Scalars scalars) const {
   const int64_t h = spec_.num_blocks() - 1;
   HeadWeights w = head_weights(params, tied_params);
   TensorMap g = block_views(spec_, h, layouts_[h], grads);
   HeadGrads hg{g.at("norm.weight"),
                spec_.tie_embeddings ? block_views(spec_, 0, layouts_[0], tied_grads).at("weight")
                                     : g.at("lm_head.weight")};
-  return head_loss_backward(spec_.dims, w, input, labels, options_.vocab_chunk, loss_scale, hg);
+  return head_loss_backward(spec_.dims, w, input, labels, options_.vocab_chunk, loss_scale, hg, scalars);
 }
 
 HeadResult BlockRunner::head_eval(const at::Tensor& params, const at::Tensor& tied_params,
-                                  const at::Tensor& input, const at::Tensor& labels) const {
-  return head_loss(spec_.dims, head_weights(params, tied_params), input, labels, options_.vocab_chunk);
+                                  const at::Tensor& input, const at::Tensor& labels, Scalars scalars) const {
+  return head_loss(spec_.dims, head_weights(params, tied_params), input, labels, options_.vocab_chunk, scalars);
 }
 
 }  // namespace strider

@@ -41,9 +41,11 @@ class BlockRunner {
   // and accumulates into the embedding weight); otherwise pass undefined.
   HeadResult head_backward(const at::Tensor& params, const at::Tensor& grads,
                            const at::Tensor& tied_params, const at::Tensor& tied_grads,
-                           const at::Tensor& input, const at::Tensor& labels, double loss_scale) const;
+                           const at::Tensor& input, const at::Tensor& labels, double loss_scale,
+                           Scalars scalars = Scalars::kToHost) const;
   HeadResult head_eval(const at::Tensor& params, const at::Tensor& tied_params,
-                       const at::Tensor& input, const at::Tensor& labels) const;
+                       const at::Tensor& input, const at::Tensor& labels,
+                       Scalars scalars = Scalars::kToHost) const;
 
   const ModelSpec& spec() const { return spec_; }
   const ComputeOptions& options() const { return options_; }

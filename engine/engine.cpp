@@ -75,6 +75,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kAlign);
   labels_host_ = arena_->carve_as<int64_t>(tokens, "batch labels", kAlign);
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kAlign);
+  head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kAlign);
   if (config_.checkpoints_on_host)
     for (int64_t i = 0; i < head_ * M; ++i) host_ckpt_.push_back(arena_->carve(act_bytes, kAlign, "host checkpoint"));
   if (max_nvme_state > 0)
@@ -127,8 +128,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   grad_spill_.resize(size_t(num_blocks_));
   data_ready_ = device_->make_event();
   tied_grad_ready_ = device_->make_event();
-  head_loss_.assign(M, 0.0);
-  head_valid_.assign(M, 0);
+  head_stats_ready_ = device_->make_event();
   updated_.assign(num_blocks_, 0);
 
   if (simulated()) {
@@ -175,11 +175,13 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   const size_t tokens = size_t(c.batch() * c.seq);
   const size_t act = round_up(size_t(c.micro_batch * c.seq * spec.dims.hidden) * cbytes, 256);
   const int64_t sets = c.checkpoints_on_host ? 2 : head;
-  f.activation_bytes = 2 * round_up(tokens * 8, 256) + uint64_t(sets * M) * act + uint64_t(M) * act;
+  f.activation_bytes = 2 * round_up(tokens * 8, 256) + round_up(size_t(2 * M) * 8, 256) + uint64_t(sets * M) * act +
+                       uint64_t(M) * act;
   f.device_bytes = f.pool_bytes + f.activation_bytes;
   // Must match the constructor's carving.
   StoreOptions so{.grad_dtype = DType::kF32, .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16};
-  f.host_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) + 8 * kAlign;
+  f.host_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) +
+                 round_up(size_t(2 * M) * 8, kAlign) + 8 * kAlign;
   if (spec.tie_embeddings) f.host_bytes += round_up(emb_elems * 4, kAlign);
   if (c.checkpoints_on_host)
     f.host_bytes += uint64_t(head * M) * round_up(size_t(c.micro_batch * c.seq * spec.dims.hidden) * cbytes, kAlign);
@@ -232,6 +234,7 @@ void Engine::allocate_activations() {
     return at::from_blob(device_buffers_.back().data(), shape, at::TensorOptions().dtype(dt).device(aten_device_));
   };
   ids_dev_ = make({config_.batch(), S}, at::kLong, "batch ids");
+  head_stats_dev_ = make({2, M}, at::kDouble, "head loss figures");
   labels_dev_ = make({config_.batch(), S}, at::kLong, "batch labels");
   // Checkpoints on the device: every block's input for every micro-batch.
   // On the host: a ring of two sets on the device, the checkpoints copied out.
@@ -353,25 +356,31 @@ void Engine::run_head(const CacheUnit& u, bool train) {
     at::Tensor in = act(head_, m);
     at::Tensor labels = labels_dev_.chunk(M, 0)[m];
     at::Tensor gout = grad_out_[size_t(m)];
+    at::Tensor loss_sum = head_stats_dev_[0][m], valid_tokens = head_stats_dev_[1][m];
     device_->launch(StreamId::kCompute, {train ? "head loss+backward" : "head loss", int32_t(head_),
                                          train ? cost.forward_flops + cost.backward_flops : cost.forward_flops},
-                    [this, m, params, grads, in, labels, gout, own, tied, train, valid](const LaunchContext&) {
+                    [this, params, grads, in, labels, gout, own, tied, train, valid, loss_sum,
+                     valid_tokens](const LaunchContext&) {
                       at::Tensor own_p = params.slice(0, 0, own);
                       at::Tensor tied_p = tied ? params.slice(0, own) : at::Tensor();
                       at::Tensor own_g = grads.slice(0, 0, own);
                       at::Tensor tied_g = tied ? grads.slice(0, own, own + params.numel() - own) : at::Tensor();
+                      // The labels were checked on the host (upload_batch).
                       HeadResult r = train ? runner_->head_backward(own_p, own_g, tied_p, tied_g, in, labels,
-                                                                    1.0 / double(valid))
-                                           : runner_->head_eval(own_p, tied_p, in, labels);
-                      head_loss_[size_t(m)] = r.loss_sum;
-                      head_valid_[size_t(m)] = r.valid_tokens;
+                                                                    1.0 / double(valid), Scalars::kOnDevice)
+                                           : runner_->head_eval(own_p, tied_p, in, labels, Scalars::kOnDevice);
+                      loss_sum.copy_(r.loss_sum_dev);
+                      valid_tokens.copy_(r.valid_tokens_dev);
                       if (train) gout.copy_(r.grad_input);
                     });
   }
-  if (!train) return;
   auto done = device_->make_event();
   device_->record(*done, StreamId::kCompute);
   device_->wait(StreamId::kD2H, *done);
+  device_->copy_d2h(StreamId::kD2H, head_stats_host_.data(), head_stats_dev_.data_ptr(),
+                    head_stats_host_.size_bytes(), {"d2h loss", int32_t(head_)});
+  device_->record(*head_stats_ready_, StreamId::kD2H);
+  if (!train) return;
   copy_grads_out(head_, u.grads_fp32);
   if (tied) {
     device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data(), u.grads_fp32 + own, tied_grad_host_.size_bytes(),
@@ -544,9 +553,13 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
     if (updater_error_) std::rethrow_exception(updater_error_);
     rep.grad_norm = last_norm_;
   }
+  head_stats_ready_->synchronize();
   double loss = 0;
-  for (double l : head_loss_) loss += l;
-  for (int64_t v : head_valid_) rep.valid_tokens += v;
+  const size_t M = size_t(config_.accumulation);
+  for (size_t m = 0; m < M; ++m) {
+    loss += head_stats_host_[m];
+    rep.valid_tokens += int64_t(head_stats_host_[M + m]);
+  }
   rep.loss = loss / double(rep.valid_tokens);
   const double t1 = Timeline::now_us();
   collect_device_spans();
@@ -562,12 +575,14 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
   upload_batch(ids, labels);
   run_pass(eval_visits_, /*train=*/false);
   device_->synchronize(StreamId::kCompute);
+  head_stats_ready_->synchronize();
   collect_device_spans();
   double loss = 0;
   int64_t valid = 0;
-  for (size_t m = 0; m < head_loss_.size(); ++m) {
-    loss += head_loss_[m];
-    valid += head_valid_[m];
+  const size_t M = size_t(config_.accumulation);
+  for (size_t m = 0; m < M; ++m) {
+    loss += head_stats_host_[m];
+    valid += int64_t(head_stats_host_[M + m]);
   }
   STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");
   return loss / double(valid);

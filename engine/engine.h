@@ -234,8 +234,11 @@ class Engine {
 
   // Per-step state shared with closures (they run in stream order).
   int64_t batch_valid_ = 0;                 // labels of the batch that count
-  std::vector<double> head_loss_;           // per micro-batch loss sums
-  std::vector<int64_t> head_valid_;
+  // Per micro-batch loss sum and valid tokens ([2, M] float64), summed on the
+  // device and copied out once per pass: no host read inside the head's ops.
+  at::Tensor head_stats_dev_;
+  std::span<double> head_stats_host_;
+  std::unique_ptr<Event> head_stats_ready_;
   std::vector<Visit> visits_, eval_visits_;
   std::vector<Loaded> loaded_;
   std::vector<std::unique_ptr<Event>> grads_ready_;  // per block: its D2H is done

@@ -47,24 +47,31 @@ Pass1 pass1(const BlockDims& d, const at::Tensor& h, const at::Tensor& w, const 
   return {run_max + at::log(run_sum), target, labels != kIgnore};
 }
 
+void set_scalars(const BlockDims& d, const Pass1& p, const at::Tensor& labels, Scalars scalars, HeadResult& r) {
+  r.loss_sum_dev = at::where(p.valid, p.lse - p.target_logit, 0.0f).sum(at::kDouble);
+  r.valid_tokens_dev = p.valid.sum(at::kDouble);
+  if (scalars == Scalars::kOnDevice) return;
+  check_labels(d, labels, p.valid);
+  r.loss_sum = r.loss_sum_dev.item<double>();
+  r.valid_tokens = p.valid.sum().item<int64_t>();
+}
+
 }  // namespace
 
 HeadResult head_loss(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
-                     const at::Tensor& labels, int64_t vocab_chunk) {
+                     const at::Tensor& labels, int64_t vocab_chunk, Scalars scalars) {
   at::NoGradGuard no_grad;
   at::Tensor h = rms_norm(x, w.norm, d.rms_eps).reshape({-1, d.hidden});
   at::Tensor lab = labels.reshape({-1});
   Pass1 p = pass1(d, h, w.lm_head, lab, chunk_size(d, vocab_chunk));
-  check_labels(d, lab, p.valid);
   HeadResult r;
-  r.loss_sum = at::where(p.valid, p.lse - p.target_logit, 0.0f).sum(at::kDouble).item<double>();
-  r.valid_tokens = p.valid.sum().item<int64_t>();
+  set_scalars(d, p, lab, scalars, r);
   return r;
 }
 
 HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
                               const at::Tensor& labels, int64_t vocab_chunk, double loss_scale,
-                              HeadGrads& grads) {
+                              HeadGrads& grads, Scalars scalars) {
   const int64_t chunk = chunk_size(d, vocab_chunk);
   at::AutoGradMode enable(true);
   at::Tensor xin = x.detach().requires_grad_(true);
@@ -78,9 +85,7 @@ HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at
   {
     at::NoGradGuard no_grad;
     Pass1 p = pass1(d, h, w.lm_head, lab, chunk);
-    check_labels(d, lab, p.valid);
-    r.loss_sum = at::where(p.valid, p.lse - p.target_logit, 0.0f).sum(at::kDouble).item<double>();
-    r.valid_tokens = p.valid.sum().item<int64_t>();
+    set_scalars(d, p, lab, scalars, r);
     // d(scale * sum_t (lse_t - logit_t[label]))/d(logit) = scale * (softmax - onehot), valid rows only.
     at::Tensor row_scale = p.valid.to(at::kFloat) * loss_scale;
     for (int64_t v0 = 0; v0 < d.vocab; v0 += chunk) {

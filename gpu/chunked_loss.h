@@ -21,6 +21,15 @@ struct HeadResult {
   double loss_sum = 0;       // sum over valid tokens of -log p(label)
   int64_t valid_tokens = 0;  // labels != -100
   at::Tensor grad_input;     // d(loss_scale * loss_sum)/d(input); undefined in eval
+  // The same two figures as 0-dim tensors on the input's device (float64).
+  // With Scalars::kOnDevice only these are set: reading a number back to the
+  // host waits for the device, which would stall the thread that enqueues work.
+  at::Tensor loss_sum_dev, valid_tokens_dev;
+};
+
+enum class Scalars {
+  kToHost,    // loss_sum / valid_tokens read back, labels checked (a device sync)
+  kOnDevice,  // only the tensors; the caller has checked the labels
 };
 
 struct HeadWeights {
@@ -34,11 +43,11 @@ struct HeadGrads {
 
 // Loss only (evaluation).
 HeadResult head_loss(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
-                     const at::Tensor& labels, int64_t vocab_chunk);
+                     const at::Tensor& labels, int64_t vocab_chunk, Scalars scalars = Scalars::kToHost);
 
 // Loss and gradients: adds into `grads`, returns grad_input.
 HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
                               const at::Tensor& labels, int64_t vocab_chunk, double loss_scale,
-                              HeadGrads& grads);
+                              HeadGrads& grads, Scalars scalars = Scalars::kToHost);
 
 }  // namespace strider
