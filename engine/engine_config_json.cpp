@@ -32,7 +32,8 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"clip_norm", c.clip_norm},
           {"optimizer_threads", c.optimizer_threads},
           {"nvme_dir", c.nvme_dir},
-          {"nvme_blocks", c.nvme_blocks}};
+          {"nvme_blocks", c.nvme_blocks},
+          {"grad_ring", c.grad_ring}};
 }
 
 EngineConfig engine_config_from_json(const nlohmann::json& j) {
@@ -76,6 +77,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& j) {
   get("optimizer_threads", c.optimizer_threads);
   get("nvme_dir", c.nvme_dir);
   get("nvme_blocks", c.nvme_blocks);
+  get("grad_ring", c.grad_ring);
   return c;
 }
 

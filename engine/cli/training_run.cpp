@@ -79,6 +79,7 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   lim.vocab_chunk = o.vocab_chunk;
   lim.window = o.window;
+  lim.clip_norm = o.clip;  // with clipping, NVMe-tier gradients need NVMe space too
   run.plan = Plan::make(run.spec, lim);
   fmt::print(log, "strider {}: {}\n{}", command, run.spec.summary(), run.plan.explain());
   STRIDER_CHECK(run.plan.feasible, "{}", run.plan.reason);

@@ -77,6 +77,7 @@ class EngineConfig:
     # Where optimizer state goes when RAM is short.
     nvme_dir: str = ""
     nvme_blocks: Sequence[int] = field(default_factory=tuple)  # blocks whose fp32 state lives in nvme_dir
+    grad_ring: int = 3              # gradient staging slots shared by the NVMe-tier blocks (>= 1)
     # The device.
     device: str = "auto"            # auto (CUDA if usable, else CPU), cpu, cuda, cuda:N
     device_budget: Union[int, str] = 0  # device memory strider may use, e.g. "20GiB"; 0: the device's default
@@ -145,6 +146,7 @@ class EngineConfig:
             bad("nvme_blocks", "expected block indices >= 0")
         if self.nvme_blocks and not self.nvme_dir:
             bad("nvme_blocks", "needs nvme_dir, the directory their optimizer state lives in")
+        integer("grad_ring", 1)
         if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             bad("device", "must be auto, cpu, cuda or cuda:N")
         parse_bytes(self.device_budget, "EngineConfig.device_budget")
@@ -166,7 +168,7 @@ class EngineConfig:
                     weight_decay=float(self.weight_decay), optimizer=self.optimizer, schedule=self.schedule,
                     warmup_steps=self.warmup_steps, total_steps=self.total_steps, clip_norm=float(self.clip_norm),
                     optimizer_threads=self.optimizer_threads, nvme_dir=self.nvme_dir,
-                    nvme_blocks=list(self.nvme_blocks))
+                    nvme_blocks=list(self.nvme_blocks), grad_ring=self.grad_ring)
 
     @classmethod
     def from_engine_dict(cls, d: dict, **placement) -> "EngineConfig":
