@@ -78,3 +78,29 @@ def test_impossible_budget_is_refused_with_the_number(strider, tmp_path):
     plan = subprocess.run([str(strider), "plan", "--gpu", "1MiB", "--json"], capture_output=True, text=True)
     assert plan.returncode == 1
     assert json.loads(plan.stdout)["feasible"] is False
+
+
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_host_ram_limit_moves_state_to_nvme_and_changes_nothing(strider, tmp_path, clip):
+    """Under a host RAM limit the plan puts blocks' optimizer state on NVMe (their gradients through the
+    staging ring, spilled to NVMe while a clip waits for the norm); the trained weights are the same bits
+    as with everything in RAM."""
+    common = ("--steps", "3", "--clip", clip)
+    finetune(strider, tmp_path, *common, "--out", str(tmp_path / "ram"))
+    refused = subprocess.run([str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
+                              "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--host-ram", "60MiB",
+                              *common, "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "host RAM" in refused.stderr and "--nvme" in refused.stderr
+    (tmp_path / "nvme").mkdir()
+    out = finetune(strider, tmp_path, *common, "--host-ram", "60MiB", "--nvme", str(tmp_path / "nvme"),
+                   "--trace", str(tmp_path / "t.json"), "--out", str(tmp_path / "tiered"))
+    assert "on NVMe" in out and "gradients through a ring" in out
+    names = {e["name"].split(" b")[0] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+             if e["ph"] == "X"}
+    assert "nvme read state" in names and "nvme write state" in names
+    assert ("nvme write grads" in names) == (clip != "0")
+    a = load_file(str(tmp_path / "ram" / "model.safetensors"))
+    b = load_file(str(tmp_path / "tiered" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)), k
