@@ -315,5 +315,8 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("steps_done", &EngineHolder::steps_done)
       .def("save_checkpoint", &EngineHolder::save_checkpoint)
       .def("load_checkpoint", &EngineHolder::load_checkpoint);
-  m.def("inspect_training_checkpoint(str dir) -> str", &strider::inspect_checkpoint);
+}
+
+TORCH_LIBRARY_IMPL(strider, CompositeImplicitAutograd, m) {
+  m.impl("inspect_training_checkpoint", &strider::inspect_checkpoint);
 }

@@ -11,4 +11,9 @@ TORCH_LIBRARY(strider, m) {
   m.def("resident_loss_and_grads(str config_json, str[] names, Tensor[] params, Tensor input_ids, "
         "Tensor labels, int micro_batches, int vocab_chunk) -> (Tensor loss, Tensor[] block_outputs, "
         "Tensor[] grads)");
+  // What a training checkpoint (engine/train_checkpoint.h) says about itself,
+  // as JSON text: the directory used, step, model and engine configs, the
+  // caller's extra. No tensors: implemented once for every device
+  // (CompositeImplicitAutograd, in engine_class.cpp).
+  m.def("inspect_training_checkpoint(str dir) -> str");
 }

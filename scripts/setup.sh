@@ -41,6 +41,13 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 ln -sfn "$venv" "$here/.venv"
+# The build backend of `pip install --no-build-isolation .` (pyproject.toml).
+# Not in requirements.txt on purpose: the environment's key would change, and
+# with it torch's include paths, so every ATen object would miss the compiler
+# cache for the sake of a packaging tool.
+if ! "$venv/bin/python" -c 'import scikit_build_core' 2>/dev/null; then
+  "$venv/bin/pip" install -q "scikit-build-core==1.1.2"
+fi
 
 [ "${STRIDER_NO_BUILD:-0}" = 1 ] && exit 0
 
