@@ -20,6 +20,13 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 // A SimDevice has no memory to compute on; the tensors the engine makes over
 // its (fake) buffers are never touched, so they may as well say CPU.
 at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::kSim ? at::kCPU : aten_device(d); }
+
+// Whose gradients land in the shared ring rather than a buffer of their own:
+// an NVMe-tier block's always (it keeps nothing but its compute copy in RAM),
+// and without clipping every block's, since each block's update consumes its
+// gradients as they land. With clipping a RAM-tier block keeps its own buffer:
+// every gradient must outlive the global norm.
+bool grads_in_ring(bool on_nvme, const EngineConfig& c) { return on_nvme || c.clip_norm <= 0; }
 }  // namespace
 
 Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
@@ -54,13 +61,17 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   ring_slot_.assign(num_blocks_, -1);
   for (int rank = 0, b = 0; b < num_blocks_; ++b)
     if (nvme_slot_[b] >= 0) nvme_slot_[b] = rank++;
+  size_t ring_slot_bytes = 0;
   for (int rank = 0, b = int(num_blocks_) - 1; b >= 0; --b)
-    if (nvme_slot_[b] >= 0) ring_slot_[b] = int(rank++ % config_.grad_ring);
+    if (grads_in_ring(nvme_slot_[b] >= 0, config_)) {
+      ring_slot_[b] = int(rank++ % config_.grad_ring);
+      ring_slot_bytes = std::max(ring_slot_bytes, round_up(layouts_[b].total_elems() * sizeof(float), kAlign));
+    }
 
   // Pinned host memory: the store, batch staging, tied-gradient staging,
   // host checkpoints and NVMe staging, all in one arena mapped now.
   std::vector<BlockSpec> specs;
-  for (int64_t b = 0; b < num_blocks_; ++b) specs.push_back({layouts_[b], nvme_slot_[b] < 0, nvme_slot_[b] < 0});
+  for (int64_t b = 0; b < num_blocks_; ++b) specs.push_back({layouts_[b], nvme_slot_[b] < 0, ring_slot_[b] < 0});
   StoreOptions so{.grad_dtype = DType::kF32,
                   .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                   .zero = !simulated()};
@@ -78,9 +89,9 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kAlign);
   if (config_.checkpoints_on_host)
     for (int64_t i = 0; i < head_ * M; ++i) host_ckpt_.push_back(arena_->carve(act_bytes, kAlign, "host checkpoint"));
-  if (max_nvme_state > 0)
+  if (ring_slot_bytes > 0)
     for (int64_t r = 0; r < config_.grad_ring; ++r)
-      grad_ring_.push_back(arena_->carve(max_nvme_state, kAlign, "gradient ring slot"));
+      grad_ring_.push_back(arena_->carve(ring_slot_bytes, kAlign, "gradient ring slot"));
   ring_uses_.assign(grad_ring_.size(), 0);
   ring_released_.assign(grad_ring_.size(), 0);
 
@@ -156,11 +167,13 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   for (int64_t b : c.nvme_blocks)
     if (b >= 0 && b < blocks) nvme[size_t(b)] = true;
   const bool clip = c.clip_norm > 0;
-  size_t max_elems = 0, max_nvme_state = 0;
+  size_t max_elems = 0, max_nvme_state = 0, ring_slot_bytes = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    specs.push_back({spec.layout(b), !nvme[size_t(b)], !nvme[size_t(b)]});
+    const bool ring = grads_in_ring(nvme[size_t(b)], c);
+    specs.push_back({spec.layout(b), !nvme[size_t(b)], !ring});
     const size_t n = specs.back().layout.total_elems();
     max_elems = std::max(max_elems, n);
+    if (ring) ring_slot_bytes = std::max(ring_slot_bytes, round_up(n * 4, kAlign));
     if (nvme[size_t(b)]) {
       max_nvme_state = std::max(max_nvme_state, round_up(n * 4, kAlign));
       f.nvme_bytes += (clip ? 4 : 3) * round_up(n * 4, kAlign);  // master, m, v (+ spilled gradients)
@@ -188,7 +201,7 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   // NVMe staging (2 slots of master, m, v, and read-back gradients with
   // clipping), and the gradient ring.
   f.host_bytes += 2 * (clip ? 4 : 3) * max_nvme_state;
-  if (max_nvme_state > 0) f.host_bytes += uint64_t(c.grad_ring) * max_nvme_state;
+  f.host_bytes += uint64_t(c.grad_ring) * ring_slot_bytes;
   return f;
 }
 

@@ -12,12 +12,12 @@
 // and in forward order, overlapped with the next step's forward. The next H2D
 // of a block waits for exactly that block's update.
 //
-// Gradients land in host staging: a buffer per block whose state lives in RAM,
-// and a ring of `grad_ring` slots shared by the NVMe-tier blocks, so a block on
-// NVMe keeps only its compute copy in RAM. A ring slot is reused once its
-// previous gradients are consumed: by their block's update (no clipping), or,
-// with exact clipping (every gradient must outlive the global norm), once they
-// are spilled to the block's fp32 gradient extent on NVMe, read back with its
+// Gradients land in host staging: a ring of `grad_ring` slots, reused once
+// its previous gradients are consumed by their block's update. With exact
+// clipping every gradient must outlive the global norm, so there a block
+// whose state lives in RAM keeps a buffer of its own, and an NVMe-tier block
+// (which keeps only its compute copy in RAM) goes through the ring with its
+// gradients spilled to its fp32 gradient extent on NVMe, read back with its
 // state for the update. Still fp32 all the way: offload changes nothing.
 //
 // The same code runs on CpuDevice (tests, with chaos) and CudaDevice; results
@@ -62,7 +62,7 @@ struct EngineConfig {
   int optimizer_threads = 0;   // 0: all hardware threads
   std::string nvme_dir;        // where NVMe-tier state lives (needed if nvme_blocks is not empty)
   std::vector<int64_t> nvme_blocks;  // blocks whose fp32 master/m/v live on NVMe
-  int64_t grad_ring = 3;       // gradient staging slots shared by the NVMe-tier blocks (>= 1)
+  int64_t grad_ring = 3;       // gradient staging slots shared by ring blocks (>= 1; see above)
   NvmeBackend nvme_backend = NvmeBackend::kAuto;
   LockPolicy lock = LockPolicy::kPrefer;
 
@@ -211,7 +211,7 @@ class Engine {
   std::span<int64_t> ids_host_, labels_host_;
   std::span<float> tied_grad_host_;         // the head's gradient of a tied embedding
   std::vector<std::span<std::byte>> host_ckpt_;  // [b * M + m], checkpoints on host
-  std::vector<std::span<std::byte>> grad_ring_;  // fp32 gradient slots of the NVMe-tier blocks
+  std::vector<std::span<std::byte>> grad_ring_;  // fp32 gradient slots shared by the ring blocks
   std::vector<int64_t> ring_uses_;          // per slot: D2Hs issued into it (main thread)
   struct NvmeStaging {
     std::span<std::byte> master, m, v;

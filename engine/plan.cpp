@@ -146,6 +146,10 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   } else {
     p.why.push_back("optimizer state (fp32 master, Adam m, v) in host RAM");
   }
+  if (l.clip_norm <= 0)
+    p.why.push_back(fmt::format("no clipping: every block's gradients through a ring of {} host slots, each freed "
+                                "by its block's update",
+                                l.grad_ring));
   p.feasible = true;
   p.unit_elems = f.unit_elems;
   p.unit_bytes = f.unit_bytes;

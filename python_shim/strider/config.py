@@ -77,7 +77,7 @@ class EngineConfig:
     # Where optimizer state goes when RAM is short.
     nvme_dir: str = ""
     nvme_blocks: Sequence[int] = field(default_factory=tuple)  # blocks whose fp32 state lives in nvme_dir
-    grad_ring: int = 3              # gradient staging slots shared by the NVMe-tier blocks (>= 1)
+    grad_ring: int = 3              # host gradient staging slots shared by blocks (>= 1; engine.h)
     # The device.
     device: str = "auto"            # auto (CUDA if usable, else CPU), cpu, cuda, cuda:N
     device_budget: Union[int, str] = 0  # device memory strider may use, e.g. "20GiB"; 0: the device's default

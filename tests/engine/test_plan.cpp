@@ -97,3 +97,27 @@ TEST_CASE("123B on 24 GiB GPU / 384 GiB RAM: feasible with NVMe, refused without
     CHECK(e.device().peak_allocated_bytes() <= l.device_bytes);
   }
 }
+
+TEST_CASE("without clipping every block's gradients share the ring: grad_ring slots, not a buffer each",
+          "[engine][plan]") {
+  ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  EngineConfig c;
+  c.seq = 32;
+  c.clip_norm = 1.0;
+  const EngineFootprint own = Engine::footprint(spec, c);
+  c.clip_norm = 0;
+  const EngineFootprint ring = Engine::footprint(spec, c);
+  uint64_t buffers = 0, largest = 0;
+  for (int64_t b = 0; b < spec.num_blocks(); ++b) {
+    const uint64_t bytes = spec.layout(b).total_elems() * 4;
+    buffers += (bytes + 255) / 256 * 256;  // ParamStore's alignment
+    largest = std::max(largest, (bytes + 4095) / 4096 * 4096);
+  }
+  CHECK(own.host_bytes - ring.host_bytes == buffers - uint64_t(c.grad_ring) * largest);
+  CHECK(own.device_bytes == ring.device_bytes);
+  // The engine maps what the footprint counts (rounded up to 2 MiB pages) and
+  // carves its gradient staging from it without running short.
+  Engine e(spec, c, make_device({.spec = "cpu", .budget_bytes = 64ull << 20}));
+  CHECK(e.arena_bytes() >= ring.host_bytes);
+  CHECK(e.arena_bytes() < ring.host_bytes + (2u << 20));
+}
