@@ -75,8 +75,8 @@ struct CpuDevice::Worker {
 
 CpuDevice::CpuDevice(const DeviceOptions& options)
     : options_(options),
-      budget_bytes_(options.budget_bytes != 0 ? options.budget_bytes : kDefaultBudgetBytes),
-      start_(std::chrono::steady_clock::now()) {
+      start_(std::chrono::steady_clock::now()),
+      ledger_("CpuDevice", options.budget_bytes != 0 ? options.budget_bytes : kDefaultBudgetBytes) {
   for (int i = 0; i < kNumStreams; ++i) {
     auto w = std::make_unique<Worker>();
     w->id = static_cast<StreamId>(i);
@@ -99,7 +99,7 @@ CpuDevice::~CpuDevice() {
     w->has_work.notify_all();
   }
   for (auto& w : workers_) w->thread.join();
-  for (auto& [base, bytes] : live_) std::free(const_cast<std::byte*>(base));
+  for (auto& [base, bytes] : ledger_.live()) std::free(const_cast<std::byte*>(base));
 }
 
 std::string CpuDevice::name() const {
@@ -117,63 +117,33 @@ DeviceBuffer CpuDevice::allocate(size_t bytes, std::string_view what) {
   STRIDER_CHECK(bytes > 0, "CpuDevice: allocation '{}' of 0 bytes", what);
   const size_t rounded = round_up(bytes, kAlignBytes);
   std::lock_guard lk(mem_mutex_);
-  if (allocated_bytes_ + rounded > budget_bytes_) {
-    throw Error(fmt::format(
-        "CpuDevice: allocating '{}' of {} bytes would exceed the device budget of {} bytes "
-        "({} in use, {} free); raise the budget or shrink the request (fewer cache units)",
-        what, rounded, budget_bytes_, allocated_bytes_, budget_bytes_ - allocated_bytes_));
-  }
+  ledger_.check_fits(rounded, what);
   void* p = std::aligned_alloc(kAlignBytes, rounded);
   STRIDER_CHECK(p != nullptr, "CpuDevice: host allocation of {} bytes for '{}' failed", rounded, what);
   // Like cudaMalloc, memory starts as garbage: a read before the first write shows.
   std::memset(p, 0xA5, rounded);
   auto* base = static_cast<std::byte*>(p);
-  live_.emplace(base, rounded);
-  allocated_bytes_ += rounded;
-  peak_bytes_ = std::max(peak_bytes_, allocated_bytes_);
-  ++allocation_count_;
+  ledger_.add(base, rounded);
   return DeviceBuffer(this, base, rounded);
 }
 
 void CpuDevice::free_memory(std::byte* data, size_t bytes) noexcept {
   std::lock_guard lk(mem_mutex_);
-  auto it = live_.find(data);
-  if (it == live_.end()) return;
-  allocated_bytes_ -= it->second;
-  live_.erase(it);
-  std::free(data);
+  if (ledger_.remove(data) > 0) std::free(data);
 }
 
-size_t CpuDevice::allocated_bytes() const { std::lock_guard lk(mem_mutex_); return allocated_bytes_; }
-size_t CpuDevice::peak_allocated_bytes() const { std::lock_guard lk(mem_mutex_); return peak_bytes_; }
-size_t CpuDevice::allocation_count() const { std::lock_guard lk(mem_mutex_); return allocation_count_; }
+size_t CpuDevice::allocated_bytes() const { std::lock_guard lk(mem_mutex_); return ledger_.allocated_bytes(); }
+size_t CpuDevice::peak_allocated_bytes() const { std::lock_guard lk(mem_mutex_); return ledger_.peak_bytes(); }
+size_t CpuDevice::allocation_count() const { std::lock_guard lk(mem_mutex_); return ledger_.allocation_count(); }
 
-// A GPU would fault (or silently corrupt) on a host pointer passed as a device
-// one; here we can say so at the call.
 void CpuDevice::check_device_range(const void* p, size_t bytes, const char* op, const char* role) const {
-  auto* b = static_cast<const std::byte*>(p);
   std::lock_guard lk(mem_mutex_);
-  auto it = live_.upper_bound(b);
-  bool inside = false;
-  if (it != live_.begin()) {
-    --it;
-    inside = b >= it->first && b + bytes <= it->first + it->second;
-  }
-  STRIDER_CHECK(inside, "CpuDevice::{}: {} [{}, +{} bytes) is not inside one device allocation",
-                op, role, p, bytes);
+  ledger_.check_device_range(p, bytes, op, role);
 }
 
 void CpuDevice::check_host_range(const void* p, size_t bytes, const char* op, const char* role) const {
-  auto* b = static_cast<const std::byte*>(p);
   std::lock_guard lk(mem_mutex_);
-  auto it = live_.upper_bound(b + bytes);
-  bool overlaps = false;
-  if (it != live_.begin()) {
-    --it;
-    overlaps = b < it->first + it->second && it->first < b + bytes;
-  }
-  STRIDER_CHECK(!overlaps, "CpuDevice::{}: {} [{}, +{} bytes) is device memory, expected host memory",
-                op, role, p, bytes);
+  ledger_.check_host_range(p, bytes, op, role);
 }
 
 // ---- streams ----------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gpu/device.h"
+#include "gpu/device_ledger.h"
 
 namespace strider {
 
@@ -35,7 +36,7 @@ class CpuDevice final : public Device {
   int ordinal() const override { return 0; }
 
   DeviceBuffer allocate(size_t bytes, std::string_view what) override;
-  size_t budget_bytes() const override { return budget_bytes_; }
+  size_t budget_bytes() const override { return ledger_.budget_bytes(); }
   size_t allocated_bytes() const override;
   size_t peak_allocated_bytes() const override;
   size_t allocation_count() const override;
@@ -69,14 +70,10 @@ class CpuDevice final : public Device {
   double now_us() const;
 
   const DeviceOptions options_;
-  const size_t budget_bytes_;
   const std::chrono::steady_clock::time_point start_;
 
   mutable std::mutex mem_mutex_;
-  std::map<const std::byte*, size_t> live_;  // base -> bytes, for range checks
-  size_t allocated_bytes_ = 0;
-  size_t peak_bytes_ = 0;
-  size_t allocation_count_ = 0;
+  DeviceLedger ledger_;  // guarded by mem_mutex_
 
   std::mutex spans_mutex_;
   std::vector<OpSpan> spans_;

@@ -14,6 +14,8 @@ namespace strider {
 namespace {
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+// Each fake allocation reserves whole pages of address space.
+size_t page_rounded(size_t bytes) { return round_up(bytes, static_cast<size_t>(::sysconf(_SC_PAGESIZE))); }
 
 constexpr double kGiB = double(size_t{1} << 30);
 
@@ -295,12 +297,12 @@ SimInterval SimHostLane::run(double ready_us, double cost_us) {
 SimDevice::SimDevice(CostModel model, const DeviceOptions& options)
     : model_(std::move(model)),
       options_(options),
-      budget_bytes_(options.budget_bytes != 0 ? options.budget_bytes : model_.device_memory_bytes) {
+      ledger_("SimDevice", options.budget_bytes != 0 ? options.budget_bytes : model_.device_memory_bytes) {
   model_.validate();
 }
 
 SimDevice::~SimDevice() {
-  for (auto& [base, m] : live_) ::munmap(const_cast<std::byte*>(base), m.mapped_bytes);
+  for (auto& [base, bytes] : ledger_.live()) ::munmap(const_cast<std::byte*>(base), page_rounded(bytes));
 }
 
 std::string SimDevice::name() const { return "sim:" + model_.name; }
@@ -309,16 +311,10 @@ DeviceBuffer SimDevice::allocate(size_t bytes, std::string_view what) {
   STRIDER_CHECK(bytes > 0, "SimDevice: allocation '{}' of 0 bytes", what);
   const size_t rounded = round_up(bytes, kAlignBytes);
   std::lock_guard lk(mutex_);
-  if (allocated_bytes_ + rounded > budget_bytes_) {
-    throw Error(fmt::format(
-        "SimDevice: allocating '{}' of {} bytes would exceed the device budget of {} bytes "
-        "({} in use, {} free); raise the budget or shrink the request (fewer cache units)",
-        what, rounded, budget_bytes_, allocated_bytes_, budget_bytes_ - allocated_bytes_));
-  }
+  ledger_.check_fits(rounded, what);
   // Address space only: PROT_NONE + MAP_NORESERVE commits no memory, keeps the
   // range from ever being handed to the host, and faults on any dereference.
-  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  const size_t mapped = round_up(rounded, page);
+  const size_t mapped = page_rounded(rounded);
   void* p = ::mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
     const int err = errno;
@@ -326,50 +322,18 @@ DeviceBuffer SimDevice::allocate(size_t bytes, std::string_view what) {
                             errno_text(err)));
   }
   auto* base = static_cast<std::byte*>(p);
-  live_.emplace(base, Mapping{rounded, mapped});
-  allocated_bytes_ += rounded;
-  peak_bytes_ = std::max(peak_bytes_, allocated_bytes_);
-  ++allocation_count_;
+  ledger_.add(base, rounded);
   return DeviceBuffer(this, base, rounded);
 }
 
 void SimDevice::free_memory(std::byte* data, size_t bytes) noexcept {
   std::lock_guard lk(mutex_);
-  auto it = live_.find(data);
-  if (it == live_.end()) return;
-  allocated_bytes_ -= it->second.bytes;
-  ::munmap(data, it->second.mapped_bytes);
-  live_.erase(it);
+  if (const size_t accounted = ledger_.remove(data)) ::munmap(data, page_rounded(accounted));
 }
 
-size_t SimDevice::allocated_bytes() const { std::lock_guard lk(mutex_); return allocated_bytes_; }
-size_t SimDevice::peak_allocated_bytes() const { std::lock_guard lk(mutex_); return peak_bytes_; }
-size_t SimDevice::allocation_count() const { std::lock_guard lk(mutex_); return allocation_count_; }
-
-// The same checks as CpuDevice: a simulation also proves the engine's pointers.
-// Callers hold mutex_.
-void SimDevice::check_device_range(const void* p, size_t bytes, const char* op, const char* role) const {
-  auto* b = static_cast<const std::byte*>(p);
-  auto it = live_.upper_bound(b);
-  bool inside = false;
-  if (it != live_.begin()) {
-    --it;
-    inside = b >= it->first && b + bytes <= it->first + it->second.bytes;
-  }
-  STRIDER_CHECK(inside, "SimDevice::{}: {} [{}, +{} bytes) is not inside one device allocation", op, role, p, bytes);
-}
-
-void SimDevice::check_host_range(const void* p, size_t bytes, const char* op, const char* role) const {
-  auto* b = static_cast<const std::byte*>(p);
-  auto it = live_.upper_bound(b + bytes);
-  bool overlaps = false;
-  if (it != live_.begin()) {
-    --it;
-    overlaps = b < it->first + it->second.bytes && it->first < b + bytes;
-  }
-  STRIDER_CHECK(!overlaps, "SimDevice::{}: {} [{}, +{} bytes) is device memory, expected host memory", op, role, p,
-                bytes);
-}
+size_t SimDevice::allocated_bytes() const { std::lock_guard lk(mutex_); return ledger_.allocated_bytes(); }
+size_t SimDevice::peak_allocated_bytes() const { std::lock_guard lk(mutex_); return ledger_.peak_bytes(); }
+size_t SimDevice::allocation_count() const { std::lock_guard lk(mutex_); return ledger_.allocation_count(); }
 
 // ---- SimDevice: virtual clocks ---------------------------------------------------
 
@@ -391,16 +355,16 @@ void SimDevice::place(StreamId s, OpKind kind, const OpTag& tag, double cost_us,
 
 void SimDevice::copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag) {
   std::lock_guard lk(mutex_);
-  check_device_range(dst_device, bytes, "copy_h2d", "destination");
-  check_host_range(src_host, bytes, "copy_h2d", "source");
+  ledger_.check_device_range(dst_device, bytes, "copy_h2d", "destination");
+  ledger_.check_host_range(src_host, bytes, "copy_h2d", "source");
   tag.bytes = bytes;
   place(s, OpKind::kCopyH2D, tag, model_.h2d_us(bytes), &h2d_link_us_);
 }
 
 void SimDevice::copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag) {
   std::lock_guard lk(mutex_);
-  check_device_range(src_device, bytes, "copy_d2h", "source");
-  check_host_range(dst_host, bytes, "copy_d2h", "destination");
+  ledger_.check_device_range(src_device, bytes, "copy_d2h", "source");
+  ledger_.check_host_range(dst_host, bytes, "copy_d2h", "destination");
   tag.bytes = bytes;
   place(s, OpKind::kCopyD2H, tag, model_.d2h_us(bytes), model_.shared_bus ? &h2d_link_us_ : &d2h_link_us_);
 }

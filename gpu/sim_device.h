@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "gpu/device.h"
+#include "gpu/device_ledger.h"
 
 namespace strider {
 
@@ -127,7 +128,7 @@ class SimDevice final : public Device {
   // address range, so pointers are unique and 256-byte aligned, cost no RAM,
   // never collide with host memory, and fault if anything dereferences them.
   DeviceBuffer allocate(size_t bytes, std::string_view what) override;
-  size_t budget_bytes() const override { return budget_bytes_; }
+  size_t budget_bytes() const override { return ledger_.budget_bytes(); }
   size_t allocated_bytes() const override;
   size_t peak_allocated_bytes() const override;
   size_t allocation_count() const override;
@@ -169,26 +170,15 @@ class SimDevice final : public Device {
   void free_memory(std::byte* data, size_t bytes) noexcept override;
 
  private:
-  struct Mapping {
-    size_t bytes = 0;         // accounted (rounded to kAlignBytes)
-    size_t mapped_bytes = 0;  // reserved address space (rounded to a page)
-  };
-
-  void check_device_range(const void* p, size_t bytes, const char* op, const char* role) const;
-  void check_host_range(const void* p, size_t bytes, const char* op, const char* role) const;
   // Places an op of `cost_us` on stream `s` (and `link` if a copy); records its span.
   void place(StreamId s, OpKind kind, const OpTag& tag, double cost_us, double* link_clock);
   static int stream_index(StreamId s);
 
   const CostModel model_;
   const DeviceOptions options_;
-  const size_t budget_bytes_;
 
   mutable std::mutex mutex_;  // one host thread drives the engine, but keep the seam thread-safe
-  std::map<const std::byte*, Mapping> live_;
-  size_t allocated_bytes_ = 0;
-  size_t peak_bytes_ = 0;
-  size_t allocation_count_ = 0;
+  DeviceLedger ledger_;       // accounted bytes (kAlignBytes); each maps a page-rounded range
 
   double clock_us_[kNumStreams] = {0, 0, 0};
   double h2d_link_us_ = 0;  // when the H2D direction is free (both directions if shared_bus)
