@@ -15,7 +15,7 @@ namespace strider::cli {
 namespace {
 
 struct Options {
-  std::string model = "builtin", gpu = "24GiB", ram = "0", nvme, dtype = "bf16", predict;
+  std::string model = "builtin", gpu = "24GiB", ram = "0", nvme, dtype = "bf16", predict = "rtx4090";
   int64_t seq = 1024, micro_batch = 1, accumulation = 1, window = 0, steps = 3;
   double clip = 1.0;
   bool json = false;
@@ -58,7 +58,8 @@ int run(const Options& o) {
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();
-  if (!o.predict.empty() && p.feasible) {
+  const bool predicting = !o.predict.empty() && o.predict != "none";
+  if (predicting && p.feasible) {
     Prediction pr = predict(spec, p, l, o);
     const StepReport& r = pr.step;
     out["step_s"] = r.step_s;
@@ -69,7 +70,7 @@ int run(const Options& o) {
     for (int i = 0; i < kNumLanes; ++i)
       out["lane_busy_s"][std::string(lane_name(Lane(i)))] = r.stats.lanes[size_t(i)].busy_s;
     out["machine"] = o.predict;
-  } else if (!o.predict.empty()) {
+  } else if (predicting) {
     out["step_s"] = out["lower_bound_s"] = out["tokens_per_s"] = nullptr;
   }
   if (o.json) {
@@ -109,7 +110,8 @@ std::function<int()> add_plan(CLI::App& app) {
   c->add_option("--dtype", o->dtype, "bf16 or fp32")->capture_default_str();
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
-                "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'");
+                "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")
+      ->capture_default_str();
   c->add_option("--clip", o->clip,
                 "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm "
                 "is known")
