@@ -286,24 +286,31 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   }
   {
     std::lock_guard lk(mu_);
+    job->pass = passes_ + 1;
     jobs_.push_back(job);
   }
   cv_.notify_all();
-  run_pass(visits_, /*train=*/true);  // its waits for updates still mean the previous step's
+  run_pass(visits_, /*train=*/true);  // its waits for updates still mean the previous pass's
   {
     std::lock_guard lk(mu_);
-    ++steps_;
+    ++passes_;
   }
 
   // The loss is known once the head ran; the step ends when every gradient
-  // has landed and the norm is known (the updates may continue).
+  // has landed and the norm is known (the updates may continue). The updater
+  // decided whether the step is skipped before it published the norm.
   device_->synchronize(StreamId::kCompute);
   {
     std::unique_lock lk(mu_);
-    cv_.wait(lk, [&] { return norm_step_ >= rep.step || updater_error_; });
+    cv_.wait(lk, [&] { return norm_pass_ >= job->pass || updater_error_; });
     if (updater_error_) std::rethrow_exception(updater_error_);
     rep.grad_norm = last_norm_;
+    rep.skipped = job->skipped;
+    rep.skip_reason = job->skip_reason;
+    rep.nonfinite_block = job->nonfinite_block;
+    rep.nonfinite_tensor = job->nonfinite_tensor;
   }
+  if (!rep.skipped) ++steps_;
   head_stats_ready_->synchronize();
   double loss = 0;
   const size_t M = size_t(config_.accumulation);
@@ -342,11 +349,7 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
 void Engine::set_steps_done(int64_t steps) {
   STRIDER_CHECK(steps >= 0, "set_steps_done({}): a step count is >= 0", steps);
   finish_updates();
-  std::lock_guard lk(mu_);
-  steps_ = steps;
-  norm_step_ = steps;
-  for (auto& u : updated_) u = steps;
-  for (auto& g : grads_recorded_) g = steps;
+  steps_ = steps;  // the passes' sequence numbers go on as they were
 }
 
 void Engine::init_params(uint64_t seed) {

@@ -80,6 +80,14 @@ struct StepReport {
   double tokens_per_s = 0;
   StepStats stats;             // per-lane busy time, overlap efficiency
   size_t peak_device_bytes = 0;
+  // The numerics guard: a step whose loss, gradient norm (with clipping) or
+  // first-updated block's gradient (without) is not finite changes nothing:
+  // no block is updated, steps_done() does not advance (nor AdamW's count or
+  // the schedule), and the report says why. The batch is consumed.
+  bool skipped = false;
+  std::string skip_reason;     // "loss is nan", "gradient norm is inf", ...
+  int64_t nonfinite_block = -1;  // the first block (in forward order) with a non-finite gradient, or -1
+  std::string nonfinite_tensor;  // that block's first non-finite gradient tensor
 };
 
 // What an Engine allocates, computed by the same code the Engine sizes its
@@ -125,6 +133,10 @@ class Engine {
   // aligned with ids, -100 where no loss counts). Returns when the loss and the
   // gradient norm are known; the updates may still be running (the next step
   // waits for each block's update just before it needs the block).
+  // A non-finite loss or gradient skips the step (StepReport::skipped) before
+  // any update. Without clipping, updates overlap backward: a non-finite
+  // gradient found after other blocks were updated throws (the step is partly
+  // applied; the engine refuses further work, so nothing of it can be saved).
   StepReport step(const int64_t* ids, const int64_t* labels);
   // Loss over a batch with the same window and no update (mean over valid tokens).
   double evaluate(const int64_t* ids, const int64_t* labels);
@@ -144,6 +156,14 @@ class Engine {
   // and the learning-rate schedule continue from here). Between steps only.
   void set_steps_done(int64_t steps);
   size_t arena_bytes() const { return arena_->capacity_bytes(); }
+  // The first parameter (block order, then layout order) whose fp32 master
+  // holds a NaN or an infinity, or "" when all are finite. Reads every
+  // block's master (from NVMe too): a diagnosis, not for inside a loop.
+  std::string first_non_finite_param();
+  // Fault injection, for the numerics guard's tests: block b's gradients in
+  // the next training pass land with a NaN in their first element, as a bad
+  // transfer or kernel would leave them.
+  void inject_nonfinite_gradient(int64_t b);
 
  private:
   struct Visit { enum Kind { kForward, kHead, kBackward } kind; int64_t block; };
@@ -166,7 +186,13 @@ class Engine {
   // The updater (optimizer and NVMe lanes), engine_update.cpp.
   struct UpdateJob {
     int64_t step = 0;  // 1-based: the AdamW step count
+    int64_t pass = 0;  // 1-based: the training pass whose gradients it consumes
     double lr = 0;
+    // Set by the updater before the norm is published (read after it).
+    bool skipped = false;
+    std::string skip_reason;
+    int64_t nonfinite_block = -1;
+    std::string nonfinite_tensor;
   };
   // Host staging of block b's fp32 gradients: its own buffer, or its ring slot.
   std::span<std::byte> grad_host(int64_t b);
@@ -178,6 +204,11 @@ class Engine {
   // Updates block b; `next` (or -1) is the block the updater takes next, whose
   // NVMe-tier state is read ahead into the other staging slot.
   void update_block(const UpdateJob& job, int64_t b, double grad_scale, int64_t next);
+  // A skipped step: block b's gradients are consumed without an update (its
+  // staging is freed; its next H2D may go).
+  void skip_block(const UpdateJob& job, int64_t b);
+  // The name of the first tensor of block b whose values in `grads` are not finite.
+  std::string first_non_finite(int64_t b, const float* values) const;
   // Simulation of the updater, in the order it works: sim_landed(b) right
   // after block b's D2H is enqueued, sim_finish() after the pass (returns
   // the virtual time the step ends).
@@ -242,21 +273,23 @@ class Engine {
   std::vector<Visit> visits_, eval_visits_;
   std::vector<Loaded> loaded_;
   std::vector<std::unique_ptr<Event>> grads_ready_;  // per block: its D2H is done
-  int64_t steps_ = 0;
+  int64_t steps_ = 0;      // optimizer steps taken (skipped steps do not count)
+  int64_t passes_ = 0;     // training passes run: the updater's and the waits' sequence number
+  int64_t fault_block_ = -1, fault_pass_ = 0;  // inject_nonfinite_gradient
 
   // Updater thread.
   std::thread updater_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<UpdateJob>> jobs_;
-  std::vector<int64_t> updated_;            // per block: updates applied
-  std::vector<int64_t> grads_recorded_;     // per block: the step whose gradient D2H is enqueued
+  std::vector<int64_t> updated_;            // per block: the last pass whose gradients were consumed
+  std::vector<int64_t> grads_recorded_;     // per block: the pass whose gradient D2H is enqueued
   std::vector<int64_t> ring_released_;      // per ring slot: gradients consumed from it
   std::vector<NvmeTicket> grad_spill_;      // per block: the write of its spilled gradients
   std::exception_ptr updater_error_;
   bool stopping_ = false;
-  double last_norm_ = -1;                   // set by the updater per step
-  int64_t norm_step_ = 0;
+  double last_norm_ = -1;                   // set by the updater per pass
+  int64_t norm_pass_ = 0;
 
   // Simulation: host lanes on virtual clocks, and per block the virtual time
   // its update is done (the next H2D of the block waits for it).

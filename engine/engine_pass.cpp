@@ -29,7 +29,7 @@ at::Tensor Engine::grads_view(const CacheUnit& u) const {
 void Engine::wait_updated(int64_t b) {
   if (simulated()) return;  // ordered by sim_update_done_ events instead
   std::unique_lock lk(mu_);
-  cv_.wait(lk, [&] { return updated_[b] >= steps_ || updater_error_ || stopping_; });
+  cv_.wait(lk, [&] { return updated_[b] >= passes_ || updater_error_ || stopping_; });
   if (updater_error_) std::rethrow_exception(updater_error_);
 }
 
@@ -234,7 +234,7 @@ void Engine::copy_grads_out(int64_t b, const void* src) {
   }
   {
     std::lock_guard lk(mu_);
-    grads_recorded_[size_t(b)] = steps_ + 1;
+    grads_recorded_[size_t(b)] = passes_ + 1;
   }
   cv_.notify_all();
 }

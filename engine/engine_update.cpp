@@ -2,6 +2,8 @@
 // norm, clipping) and the block state it reads and writes in RAM or on NVMe.
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <fmt/format.h>
 
 #include "engine/engine.h"
 #include "host/bf16.h"
@@ -16,7 +18,54 @@ std::span<float> host_state(BlockState& s, ExtentKind kind) {
   return kind == ExtentKind::kMaster ? s.master : kind == ExtentKind::kAdamM ? s.m : s.v;
 }
 
+// Marks the job skipped (the first reason stands).
+void skip(auto& job, std::string reason) {
+  if (job.skipped) return;
+  job.skipped = true;
+  job.skip_reason = std::move(reason);
+}
+
 }  // namespace
+
+std::string Engine::first_non_finite(int64_t b, const float* values) const {
+  for (const TensorSlot& t : layouts_[size_t(b)].slots())
+    for (size_t i = 0; i < t.numel; ++i)
+      if (!std::isfinite(values[t.offset_elems + i])) return t.name;
+  return "(padding)";
+}
+
+std::string Engine::first_non_finite_param() {
+  for (int64_t b = 0; b < num_blocks_; ++b) {
+    std::vector<float> w(layouts_[size_t(b)].total_elems());
+    read_state(b, ExtentKind::kMaster, w);
+    if (!std::isfinite(sum_squares(w))) return first_non_finite(b, w.data());
+  }
+  return "";
+}
+
+void Engine::inject_nonfinite_gradient(int64_t b) {
+  STRIDER_CHECK(b >= 0 && b < num_blocks_, "inject_nonfinite_gradient: block {} out of range", b);
+  std::lock_guard lk(mu_);
+  fault_block_ = b;
+  fault_pass_ = passes_ + 1;
+}
+
+void Engine::skip_block(const UpdateJob& job, int64_t b) {
+  if (spills_grads(b)) {
+    // Its ring slot is freed by the spill's completion; the spill must be
+    // done before the next pass writes the extent again.
+    NvmeTicket& spill = grad_spill_[size_t(b)];
+    if (spill.valid()) nvme_->wait(spill);
+    spill = {};
+  } else if (ring_slot_[size_t(b)] >= 0) {
+    release_ring_slot(b);
+  }
+  {
+    std::lock_guard lk(mu_);
+    updated_[size_t(b)] = job.pass;
+  }
+  cv_.notify_all();
+}
 
 Engine::NvmeStaging& Engine::idle_staging() {
   // Outside steps (finish_updates() first), slot 0 is free once its last
@@ -43,16 +92,24 @@ void Engine::updater_main() {
     try {
       // Gradients land in backward order: head, B-2, ..., 0.
       std::vector<double> sumsq(size_t(num_blocks_), 0.0);
+      std::vector<std::string> bad_tensor(static_cast<size_t>(num_blocks_));  // per block: first non-finite gradient tensor
       const bool clip = config_.clip_norm > 0;
       auto land = [&](int64_t b) {
         {
           std::unique_lock lk(mu_);
-          cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job->step || stopping_; });
+          cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job->pass || stopping_; });
           STRIDER_CHECK(!stopping_, "the engine stopped before block {}'s gradients were copied out", b);
         }
         grads_ready_[b]->synchronize();
         const size_t n = layouts_[size_t(b)].total_elems();
-        sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(grad_host(b).data()), n});
+        float* g = reinterpret_cast<float*>(grad_host(b).data());
+        {
+          std::lock_guard lk(mu_);
+          if (fault_block_ == b && fault_pass_ == job->pass) g[0] = std::numeric_limits<float>::quiet_NaN();
+        }
+        sumsq[size_t(b)] = sum_squares({g, n});
+        // Named now: a ring slot may hold other gradients by the time it matters.
+        if (!std::isfinite(sumsq[size_t(b)])) bad_tensor[size_t(b)] = first_non_finite(b, g);
         if (spills_grads(b)) {
           // The norm waits for every block: park this one's gradients on NVMe
           // and free the ring slot once they are written.
@@ -71,27 +128,68 @@ void Engine::updater_main() {
               });
         }
       };
+      // The loss of the pass: its D2H precedes the head's gradients on the
+      // d2h stream, so it is there once they are.
+      auto check_loss = [&] {
+        head_stats_ready_->synchronize();
+        double loss = 0;
+        for (int64_t m = 0; m < config_.accumulation; ++m) loss += head_stats_host_[size_t(m)];
+        if (!std::isfinite(loss)) skip(*job, fmt::format("loss is {}", loss));
+      };
+      // Which block to name: the first in forward order with a bad gradient.
+      auto name_bad_block = [&] {
+        for (int64_t b = 0; b <= head_; ++b)
+          if (!bad_tensor[size_t(b)].empty()) {
+            job->nonfinite_block = b;
+            job->nonfinite_tensor = bad_tensor[size_t(b)];
+            return;
+          }
+      };
       auto publish_norm = [&] {
         double total = 0;
         for (double x : sumsq) total += x;  // block order: independent of arrival order
         std::lock_guard lk(mu_);
         last_norm_ = std::sqrt(total);
-        norm_step_ = job->step;
+        norm_pass_ = job->pass;
       };
       if (!clip) {
+        // Updates overlap backward: the loss and each block's gradient are
+        // checked just before its update. Only the head's (the first) can
+        // still skip the step; a later one finds blocks already updated.
         for (int64_t b = head_; b >= 0; --b) {
           land(b);
-          update_block(*job, b, 1.0, b - 1);
+          if (b == head_) check_loss();
+          if (!job->skipped && !std::isfinite(sumsq[size_t(b)])) {
+            STRIDER_CHECK(b == head_,
+                          "step {}: block {}'s gradient is not finite (first non-finite tensor: {}) after blocks "
+                          "{}..{} were updated; without clipping updates overlap backward, so the step is partly "
+                          "applied: the run stops here, and nothing of this step may be saved (the last checkpoint "
+                          "stays). Clipping (--clip) checks every gradient before any update.",
+                          job->step, b, bad_tensor[size_t(b)], head_, b + 1);
+            skip(*job, fmt::format("the gradient of block {} is not finite", b));
+          }
+          if (job->skipped) skip_block(*job, b);
+          else update_block(*job, b, 1.0, b - 1);
         }
+        if (job->skipped) name_bad_block();
         publish_norm();
         cv_.notify_all();
       } else {
         for (int64_t b = head_; b >= 0; --b) land(b);
+        check_loss();
+        double total = 0;
+        for (double x : sumsq) total += x;
+        if (!job->skipped && !std::isfinite(total)) skip(*job, fmt::format("gradient norm is {}", std::sqrt(total)));
+        if (job->skipped) name_bad_block();
         publish_norm();
         cv_.notify_all();
-        // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1.
-        const double coef = std::min(1.0, config_.clip_norm / (last_norm_ + 1e-6));
-        for (int64_t b = 0; b <= head_; ++b) update_block(*job, b, coef, b < head_ ? b + 1 : -1);  // forward order
+        if (job->skipped) {
+          for (int64_t b = 0; b <= head_; ++b) skip_block(*job, b);
+        } else {
+          // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1.
+          const double coef = std::min(1.0, config_.clip_norm / (last_norm_ + 1e-6));
+          for (int64_t b = 0; b <= head_; ++b) update_block(*job, b, coef, b < head_ ? b + 1 : -1);  // forward order
+        }
       }
     } catch (...) {
       std::lock_guard lk(mu_);
@@ -185,7 +283,7 @@ void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale, in
   }
   {
     std::lock_guard lk(mu_);
-    updated_[size_t(b)] = job.step;
+    updated_[size_t(b)] = job.pass;
   }
   cv_.notify_all();
 }

@@ -192,7 +192,11 @@ class EngineHolder : public torch::CustomClassHolder {
                           {"overlap_efficiency", r.stats.overlap_efficiency},
                           {"critical_lane", std::string(lane_name(r.stats.critical))},
                           {"busy_fraction", busy},
-                          {"peak_device_bytes", r.peak_device_bytes}}
+                          {"peak_device_bytes", r.peak_device_bytes},
+                          {"skipped", r.skipped},
+                          {"skip_reason", r.skip_reason},
+                          {"nonfinite_block", r.nonfinite_block},
+                          {"nonfinite_tensor", r.nonfinite_tensor}}
         .dump();
   }
 

@@ -60,7 +60,7 @@ IGNORE_INDEX = -100
 
 @dataclass
 class StepResult:
-    step: int                    # optimizer updates so far (1 after the first)
+    step: int                    # the update this step made (1 for the first); a skipped step repeats it
     loss: float                  # mean over the batch's valid tokens
     tokens: int                  # batch * seq, padding included
     valid_tokens: int            # tokens whose loss counted
@@ -72,6 +72,12 @@ class StepResult:
     critical_lane: str
     lanes: Dict[str, float] = field(default_factory=dict)  # busy fraction per lane
     peak_device_bytes: int = 0
+    # The numerics guard: a non-finite loss or gradient skips the step before
+    # any update (no weight, moment or step count changes; the batch is spent).
+    skipped: bool = False
+    skip_reason: str = ""        # "loss is nan", "gradient norm is inf", ...
+    nonfinite_block: int = -1    # first block (forward order) with a non-finite gradient
+    nonfinite_tensor: str = ""
 
     @classmethod
     def from_report(cls, report: dict) -> "StepResult":
@@ -79,7 +85,9 @@ class StepResult:
                    valid_tokens=report["valid_tokens"], grad_norm=report["grad_norm"], lr=report["lr"],
                    step_s=report["step_s"], tokens_per_s=report["tokens_per_s"],
                    overlap_efficiency=report["overlap_efficiency"], critical_lane=report["critical_lane"],
-                   lanes=dict(report["busy_fraction"]), peak_device_bytes=report["peak_device_bytes"])
+                   lanes=dict(report["busy_fraction"]), peak_device_bytes=report["peak_device_bytes"],
+                   skipped=report["skipped"], skip_reason=report["skip_reason"],
+                   nonfinite_block=report["nonfinite_block"], nonfinite_tensor=report["nonfinite_tensor"])
 
 
 def architecture_of(model) -> str:
