@@ -309,8 +309,9 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
   // 1. The model.
   const ModelSpec saved = ModelSpec::from_json(info.trainer_state["model_config"], ts_file + " model_config");
   const auto diffs = spec_differences(saved, spec, "checkpoint");
-  STRIDER_CHECK(diffs.empty(), "{}: the checkpoint is of another model ({}) than the engine's ({}): {}",
-                ts_file, saved.summary(), spec.summary(), join(diffs, "; "));
+  if (!diffs.empty())
+    throw CheckpointMismatch(fmt::format("{}: the checkpoint is of another model ({}) than the engine's ({}): {}",
+                                         ts_file, saved.summary(), spec.summary(), join(diffs, "; ")));
 
   // 2. The engine config fields that change the maths.
   const auto& fields = maths_config_fields();
@@ -327,8 +328,10 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
     if (info.engine_config[f] != now[f] && !allowed)
       changed.push_back(fmt::format("{}: checkpoint {}, engine {}", f, info.engine_config[f].dump(), now[f].dump()));
   }
-  STRIDER_CHECK(changed.empty(), "{}: the engine config changes the maths of the saved run: {}; use the "
-                "saved values, or name the fields in allow_changed to resume anyway", ts_file, join(changed, "; "));
+  if (!changed.empty())
+    throw CheckpointMismatch(fmt::format("{}: the engine config changes the maths of the saved run: {}; use the "
+                                         "saved values, or name the fields in allow_changed to resume anyway",
+                                         ts_file, join(changed, "; ")));
 
   // 3. The tensors: every one present, F32, of the layout's shape, and nothing else.
   const std::string sp = state_path(info.path);

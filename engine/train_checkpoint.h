@@ -39,6 +39,7 @@
 
 #include "engine/engine.h"
 #include "host/dtype.h"
+#include "host/error.h"
 
 namespace strider {
 
@@ -78,6 +79,15 @@ TrainCheckpointInfo inspect_training_checkpoint(const std::filesystem::path& dir
 // tier) is placement and may differ: offload changes nothing.
 const std::vector<std::string>& maths_config_fields();
 
+// What load_training_checkpoint throws when the checkpoint is sound but does
+// not fit the engine: another model, or a run whose maths settings differ.
+// An older checkpoint of the same run would not fit better, so a caller that
+// falls back past damaged checkpoints (CheckpointSeries) stops at this one.
+class CheckpointMismatch : public Error {
+ public:
+  using Error::Error;
+};
+
 struct TrainLoadOptions {
   std::vector<std::string> allow_changed;  // e.g. {"lr", "total_steps"} to extend a run
   bool verify_checksums = true;            // one extra pass over the state before loading
@@ -86,7 +96,8 @@ struct TrainLoadOptions {
 // Loads a checkpoint into `engine` and returns its "extra". Everything is
 // validated first (model, layouts, maths config, every tensor's presence,
 // dtype, shape and checksum); a failed load throws naming the file and field
-// and leaves the engine untouched. Then write_state for every block and kind,
+// (CheckpointMismatch for another model or other maths settings, Error for
+// damage) and leaves the engine untouched. Then write_state for every block and kind,
 // and set_steps_done.
 nlohmann::json load_training_checkpoint(const std::filesystem::path& dir, Engine& engine,
                                         const TrainLoadOptions& options = {});

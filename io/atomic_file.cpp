@@ -24,6 +24,12 @@ std::string parent_dir(const std::string& path) {
 AtomicFile::AtomicFile(std::string final_path) : final_path_(std::move(final_path)) {
   std::filesystem::path p(final_path_);
   STRIDER_CHECK(!p.filename().empty(), "AtomicFile: '{}' names no file", final_path_);
+  // The rename replaces whatever has the name: only ever a regular file (or
+  // nothing), never a device, a pipe, a socket or a directory.
+  struct stat st {};
+  STRIDER_CHECK(::lstat(final_path_.c_str(), &st) != 0 || S_ISREG(st.st_mode) || S_ISLNK(st.st_mode),
+                "{} exists and is not a regular file (a device, a directory or a pipe); refusing to replace it: "
+                "name a file", final_path_);
   std::string templ = (std::filesystem::path(parent_dir(final_path_)) /
                        fmt::format(".{}.tmp-XXXXXX", p.filename().string())).string();
   int fd = ::mkstemp(templ.data());

@@ -11,6 +11,7 @@
 
 #include "engine/engine.h"
 #include "host/error.h"
+#include "tests/engine/engine_state.h"
 #include "tests/engine/tiny_model.h"
 
 using namespace strider;
@@ -25,18 +26,8 @@ struct Setup {
   bool chaos = false;
 };
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/strider-guard-test-XXXXXX";
-    REQUIRE(mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-};
+using test::same_bits;
+using test::TempDir;
 
 std::unique_ptr<Engine> make(const ModelSpec& spec, const Setup& s, const std::string& dir) {
   EngineConfig cfg;
@@ -58,23 +49,7 @@ std::unique_ptr<Engine> make(const ModelSpec& spec, const Setup& s, const std::s
   return e;
 }
 
-std::vector<std::vector<float>> state(Engine& e) {
-  std::vector<std::vector<float>> out;
-  for (int64_t b = 0; b < e.spec().num_blocks(); ++b)
-    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
-      std::vector<float> x(e.spec().layout(b).total_elems());
-      e.read_state(b, k, x);
-      out.push_back(std::move(x));
-    }
-  return out;
-}
-
-bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * 4) != 0) return false;
-  return true;
-}
+test::State state(Engine& e) { return test::read_all(e); }
 
 StepReport step(Engine& e, uint32_t seed) {
   const EngineConfig& c = e.config();
@@ -101,7 +76,7 @@ TEST_CASE("a non-finite loss skips the step: nothing changes, and the run goes o
   for (const Setup& s : setups()) {
     INFO(s.name);
     TempDir da, db;
-    auto a = make(spec, s, da.path), b = make(spec, s, db.path);
+    auto a = make(spec, s, da.path.string()), b = make(spec, s, db.path.string());
     // a: step, a step on a model with a NaN weight (skipped), the weight
     // restored, step. b: the same two good steps only.
     step(*a, 1);
@@ -134,7 +109,7 @@ TEST_CASE("a non-finite gradient skips the step before any update, naming the bl
   for (const Setup& s : setups()) {
     INFO(s.name);
     TempDir da, db;
-    auto a = make(spec, s, da.path), b = make(spec, s, db.path);
+    auto a = make(spec, s, da.path.string()), b = make(spec, s, db.path.string());
     step(*a, 1);
     step(*b, 1);
     // With clipping any block's gradient is checked before any update;
@@ -160,7 +135,7 @@ TEST_CASE("without clipping, a non-finite gradient after other blocks were updat
           "[engine][guard]") {
   const ModelSpec spec = ModelSpec::from_json(test::tiny_config(false, 3), "tiny");
   TempDir d;
-  auto e = make(spec, {"no clipping", 0.0}, d.path);
+  auto e = make(spec, {"no clipping", 0.0}, d.path.string());
   step(*e, 1);
   e->inject_nonfinite_gradient(1);  // the head and block 2 are updated before block 1's gradient lands
   try {

@@ -29,6 +29,7 @@
 #include "engine/train_checkpoint.h"
 #include "host/bf16.h"
 #include "host/error.h"
+#include "tests/engine/engine_state.h"
 #include "tests/engine/tiny_model.h"
 
 using namespace strider;
@@ -40,17 +41,10 @@ using test::Batch;
 using test::batch;
 using test::tiny_config;
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    char tmpl[] = "/tmp/strider-tckpt-test-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using test::read_all;
+using test::same_bits;
+using test::State;
+using test::TempDir;
 
 struct Placement {
   int64_t window = 2;
@@ -95,24 +89,6 @@ std::vector<double> train(Engine& e, int from, int to) {
     losses.push_back(e.step(b.ids.data(), b.labels.data()).loss);
   }
   return losses;
-}
-
-using State = std::vector<std::vector<float>>;  // per block: master, m, v
-State read_all(Engine& e) {
-  State st;
-  for (int64_t b = 0; b < e.spec().num_blocks(); ++b)
-    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
-      std::vector<float> x(e.spec().layout(b).total_elems());
-      e.read_state(b, k, x);
-      st.push_back(std::move(x));
-    }
-  return st;
-}
-bool same_bits(const State& a, const State& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * 4) != 0) return false;
-  return true;
 }
 
 std::vector<std::string> temp_dirs(const fs::path& parent) {
