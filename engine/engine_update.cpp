@@ -18,6 +18,9 @@ std::span<float> host_state(BlockState& s, ExtentKind kind) {
   return kind == ExtentKind::kMaster ? s.master : kind == ExtentKind::kAdamM ? s.m : s.v;
 }
 
+// "nan", "inf" or "-inf" (fmt prints a NaN's sign bit: "-nan").
+std::string nonfinite_text(double x) { return std::isnan(x) ? "nan" : fmt::format("{}", x); }
+
 // Marks the job skipped (the first reason stands).
 void skip(auto& job, std::string reason) {
   if (job.skipped) return;
@@ -134,7 +137,7 @@ void Engine::updater_main() {
         head_stats_ready_->synchronize();
         double loss = 0;
         for (int64_t m = 0; m < config_.accumulation; ++m) loss += head_stats_host_[size_t(m)];
-        if (!std::isfinite(loss)) skip(*job, fmt::format("loss is {}", loss));
+        if (!std::isfinite(loss)) skip(*job, "loss is " + nonfinite_text(loss));
       };
       // Which block to name: the first in forward order with a bad gradient.
       auto name_bad_block = [&] {
@@ -179,7 +182,7 @@ void Engine::updater_main() {
         check_loss();
         double total = 0;
         for (double x : sumsq) total += x;
-        if (!job->skipped && !std::isfinite(total)) skip(*job, fmt::format("gradient norm is {}", std::sqrt(total)));
+        if (!job->skipped && !std::isfinite(total)) skip(*job, "gradient norm is " + nonfinite_text(std::sqrt(total)));
         if (job->skipped) name_bad_block();
         publish_norm();
         cv_.notify_all();

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <optional>
@@ -194,6 +195,13 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
     buf.assign(l.total_elems(), 0.0f);
     for (int k = 0; k < 3; ++k) {
       engine.read_state(b, kKinds[k], buf);
+      // A checkpoint is a state to go back to: never one that went non-finite.
+      if (k == 0)
+        for (const TensorSlot& s : l.slots())
+          for (size_t i = 0; i < s.numel; ++i)
+            STRIDER_CHECK(std::isfinite(buf[s.offset_elems + i]),
+                          "parameter '{}' holds {} at element {} at step {}: refusing to save a non-finite state",
+                          s.name, buf[s.offset_elems + i], i, step);
       Checksum64Stream cs;
       for (const TensorSlot& s : l.slots()) {
         const auto bytes = std::as_bytes(std::span<const float>(buf).subspan(s.offset_elems, s.numel));

@@ -1,12 +1,23 @@
 // strider finetune: the README's main job.
-#include <csignal>
+//
+// A long run never ends in lost work: every output is checked (and the
+// directories this run writes are locked) before the first step; checkpoints
+// rotate (the newest --keep-checkpoints kept, each complete); a non-finite
+// loss or gradient skips the step, and too many in a row stop the run with
+// the last good state saved; SIGINT/SIGTERM finish the step, save and exit
+// 128 + the signal; resuming takes the newest checkpoint that loads and
+// refuses other data or other maths settings unless --allow-changed names them.
 #include <filesystem>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "engine/builtin.h"
+#include "engine/checkpoint_series.h"
 #include "engine/cli/cli.h"
+#include "engine/cli/run_outputs.h"
 #include "engine/cli/training_run.h"
 #include "engine/hf_checkpoint.h"
 #include "engine/train_checkpoint.h"
@@ -15,18 +26,57 @@
 namespace strider::cli {
 namespace {
 
-volatile std::sig_atomic_t g_stop = 0;
-void on_sigint(int) { g_stop = 1; }
-
 struct Options {
   TrainOptions train;
   std::string eval_data, out = "strider-out", trace, metrics, checkpoint_dir;
-  int64_t checkpoint_every = 0, steps = 120, eval_every = 30, eval_batches = 2;
+  int64_t checkpoint_every = 0, steps = 120, eval_every = 30, eval_batches = 2, keep_checkpoints = 2,
+          max_skipped_steps = 3;
+  std::vector<std::string> allow_changed;
   bool resume = false;
 };
 
+// What --allow-changed may name: the engine config's maths fields, and the data.
+std::vector<std::string> changeable_settings() {
+  std::vector<std::string> s = maths_config_fields();
+  s.push_back("data");
+  return s;
+}
+
+// The training data as a checkpoint records it: which file, how large, what content.
+nlohmann::json data_identity(const std::string& path, TokenFile& file) {
+  const TokenFileFingerprint f = file.fingerprint();
+  return {{"path", path}, {"bytes", f.bytes}, {"xxh3", fmt::format("{:016x}", f.xxh3)}};
+}
+
+// A --metrics line goes out whole or the run stops: a full disk is an error, not a silence.
+void append_line(std::ofstream& metrics, const std::string& path, const nlohmann::json& line) {
+  metrics << line.dump() << "\n" << std::flush;
+  STRIDER_CHECK(metrics.good(), "--metrics {}: writing failed ({}); the run stops here", path, errno_text(errno));
+}
+
 int run(const Options& o) {
   namespace fs = std::filesystem;
+  // 1. Outputs first: nothing trains for hours to find it cannot write its result.
+  check_output_dir(o.out, "--out");
+  if (!o.trace.empty()) check_output_file(o.trace, "--trace");
+  if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
+  STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  // Saves go to --checkpoint-dir; a run stopped by a signal or by the numerics
+  // guard without one saves under --out.
+  const std::string ckpt_root =
+      o.checkpoint_dir.empty() ? (fs::path(o.out) / "strider-checkpoints").string() : o.checkpoint_dir;
+  std::optional<DirLock> ckpt_lock;
+  if (!o.checkpoint_dir.empty()) {
+    check_output_dir(o.checkpoint_dir, "--checkpoint-dir");
+    ckpt_lock.emplace(o.checkpoint_dir, "--checkpoint-dir");
+  }
+  std::ofstream metrics;
+  if (!o.metrics.empty()) {
+    metrics.open(o.metrics, std::ios::app);
+    STRIDER_CHECK(metrics.is_open(), "--metrics {}: cannot open it for appending: {}", o.metrics, errno_text(errno));
+  }
+
+  // 2. The model, plan, engine and data (locks --nvme).
   TrainingRun tr = make_training_run(o.train, "finetune", o.steps);
   STRIDER_CHECK(!tr.engine->simulated(),
                 "--device {}: a simulated device trains nothing; use `strider profile --device {}` or "
@@ -36,35 +86,77 @@ int run(const Options& o) {
   const ModelSpec& spec = tr.spec;
   const EngineConfig& cfg = engine.config();
   const nlohmann::json& config = tr.config;
-  const std::string& data = tr.data;
   TokenLoader& loader = *tr.loader;
+  const nlohmann::json data = data_identity(tr.data, *tr.train_file);
   std::string eval_data = o.eval_data;
   if (o.train.data == "builtin" && eval_data.empty()) {
     eval_data = (fs::path(o.train.work_dir) / "builtin-eval.tokens").string();
     write_builtin_dataset(eval_data, 100'000, 7, o.train.seed + 1);
   }
-  auto loader_json = [&] {
+  int64_t skipped_total = 0;
+  auto extra_json = [&] {
     TokenLoaderState st = loader.state();
-    return nlohmann::json{{"epoch", st.epoch}, {"cursor", st.cursor}, {"seed", st.seed},
-                          {"num_windows", st.num_windows}, {"seq", st.seq}};
+    nlohmann::json l = {{"epoch", st.epoch}, {"cursor", st.cursor}, {"seed", st.seed},
+                        {"num_windows", st.num_windows}, {"seq", st.seq}};
+    return nlohmann::json{{"loader", l}, {"data", tr.data}, {"data_file", data}, {"seed", o.train.seed},
+                          {"skipped_steps", skipped_total}};
   };
+  CheckpointSeries series(ckpt_root, int(o.keep_checkpoints));
   int64_t saved_step = -1;
   auto save_checkpoint = [&] {
     if (saved_step == engine.steps_done()) return;
+    if (!ckpt_lock) {  // the default under --out: checked and locked when first used
+      check_output_dir(ckpt_root, "the checkpoint directory");
+      ckpt_lock.emplace(ckpt_root, "the checkpoint directory");
+    }
+    const fs::path dir = series.save(engine, config.dump(), extra_json());
     saved_step = engine.steps_done();
-    save_training_checkpoint(o.checkpoint_dir, engine, config.dump(),
-                             {{"loader", loader_json()}, {"data", data}, {"seed", o.train.seed}});
-    fmt::print("  checkpoint: {} (step {})\n", o.checkpoint_dir, engine.steps_done());
+    fmt::print("  checkpoint: {} (step {})\n", dir.string(), saved_step);
   };
+
+  // 3. Resume: the newest checkpoint that loads, on the same data unless allowed.
   if (o.resume) {
-    STRIDER_CHECK(!o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
-    nlohmann::json extra = load_training_checkpoint(o.checkpoint_dir, engine, {.allow_changed = {"total_steps"}});
+    TrainLoadOptions lo{.allow_changed = {"total_steps"}};  // a longer --steps extends the run
+    bool data_may_change = false;
+    for (const std::string& f : o.allow_changed) {
+      if (f == "data") data_may_change = true;
+      else lo.allow_changed.push_back(f);
+    }
+    CheckpointSeries::Resumed r = [&] {
+      try {
+        return series.resume(engine, lo, stderr);
+      } catch (const CheckpointMismatch& e) {
+        throw Error(fmt::format("{} (on the command line: --allow-changed FIELD[,FIELD...])", e.what()));
+      }
+    }();
+    const nlohmann::json& extra = r.extra;
+    if (extra.contains("data_file")) {
+      const nlohmann::json& was = extra["data_file"];
+      const bool same = was.value("bytes", uint64_t{0}) == data["bytes"].get<uint64_t>() &&
+                        was.value("xxh3", std::string()) == data["xxh3"].get<std::string>();
+      STRIDER_CHECK(same || data_may_change,
+                    "--resume: the checkpoint {} was trained on {} ({} bytes, xxh3 {}), but the data now is {} ({} "
+                    "bytes, xxh3 {}); resume on the same data, or pass --allow-changed data to continue on this one",
+                    r.dir.string(), was.value("path", std::string("?")), was.value("bytes", uint64_t{0}),
+                    was.value("xxh3", std::string("?")), tr.data, data["bytes"].get<uint64_t>(),
+                    data["xxh3"].get<std::string>());
+      if (!same) fmt::print("  the data changed ({} -> {}): --allow-changed data\n", was.value("path", ""), tr.data);
+    }
     const auto& l = extra.at("loader");
-    loader.restore({l.at("epoch"), l.at("cursor"), l.at("seed"), l.at("num_windows"), l.at("seq")});
-    fmt::print("  resumed from {} at step {}\n", o.checkpoint_dir, engine.steps_done());
+    const TokenLoaderState st{l.at("epoch"), l.at("cursor"), l.at("seed"), l.at("num_windows"), l.at("seq")};
+    if (st.num_windows == loader.state().num_windows) loader.restore(st);
+    else fmt::print("  the data has another number of windows: its order starts afresh\n");
+    skipped_total = extra.value("skipped_steps", int64_t{0});
+    saved_step = engine.steps_done();
+    fmt::print("  resumed from {} at step {}\n", r.dir.string(), engine.steps_done());
+    STRIDER_CHECK(o.steps > engine.steps_done(),
+                  "--steps {}: the checkpoint {} is at step {} already; ask for more --steps to continue", o.steps,
+                  r.dir.string(), engine.steps_done());
   }
+
   std::unique_ptr<TokenFile> eval_file;
-  if (!eval_data.empty()) eval_file = std::make_unique<TokenFile>(eval_data, uint64_t(spec.dims.vocab));
+  if (!eval_data.empty() && o.eval_batches > 0)
+    eval_file = std::make_unique<TokenFile>(eval_data, uint64_t(spec.dims.vocab));
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq)), labels(ids.size());
   auto evaluate = [&] {
     TokenLoader el(*eval_file, {.batch = uint64_t(cfg.batch()), .seq = uint64_t(cfg.seq), .seed = 0, .shuffle = false});
@@ -76,16 +168,41 @@ int run(const Options& o) {
     return sum / double(o.eval_batches);
   };
 
-  std::ofstream metrics;
-  if (!o.metrics.empty()) metrics.open(o.metrics, std::ios::app);
-  std::signal(SIGINT, on_sigint);
+  // 4. Train.
+  StopSignals signals;
   if (eval_file) fmt::print("  eval loss before training: {:.4f}\n", evaluate());
   double first_loss = 0, last_loss = 0;
   const int64_t start_step = engine.steps_done();
-  int64_t step = start_step;
-  for (; step < o.steps && !g_stop; ++step) {
+  int64_t in_a_row = 0;
+  std::string diverged;  // why the numerics guard stopped the run
+  while (engine.steps_done() < o.steps && !signals.requested()) {
     loader.next(ids, labels);
     StepReport r = engine.step(ids.data(), labels.data());
+    if (r.skipped) {
+      ++skipped_total;
+      ++in_a_row;
+      const std::string where =
+          r.nonfinite_block >= 0 ? fmt::format("; first non-finite gradient: block {} ({})", r.nonfinite_block,
+                                               r.nonfinite_tensor)
+                                 : "";
+      fmt::print("step {:>4}/{} skipped: {}{} ({} in a row; the run stops at {})\n", r.step, o.steps, r.skip_reason,
+                 where, in_a_row, o.max_skipped_steps);
+      std::fflush(stdout);
+      if (metrics.is_open())
+        append_line(metrics, o.metrics, {{"step", r.step}, {"skipped", true}, {"reason", r.skip_reason},
+                                         {"nonfinite_block", r.nonfinite_block}, {"nonfinite_tensor", r.nonfinite_tensor},
+                                         {"loss", r.loss}, {"grad_norm", r.grad_norm}});
+      if (in_a_row >= o.max_skipped_steps) {
+        const std::string param = engine.first_non_finite_param();
+        diverged = fmt::format("step {}: {} steps in a row were skipped (--max-skipped-steps {}), the last because "
+                               "the {}{}{}; the model stays at step {}",
+                               r.step, in_a_row, o.max_skipped_steps, r.skip_reason, where,
+                               param.empty() ? "" : "; first non-finite parameter: " + param, engine.steps_done());
+        break;
+      }
+      continue;
+    }
+    in_a_row = 0;
     if (r.step == start_step + 1) first_loss = r.loss;
     last_loss = r.loss;
     fmt::print("step {:>4}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>7.0f} tok/s | {:.3f} s | overlap {:.2f} "
@@ -100,20 +217,38 @@ int run(const Options& o) {
                            {"tokens_per_s", r.tokens_per_s}, {"step_s", r.step_s},
                            {"overlap_efficiency", r.stats.overlap_efficiency}, {"lanes", lanes},
                            {"peak_device_bytes", r.peak_device_bytes}};
-    if (eval_file && o.eval_every > 0 && r.step % o.eval_every == 0) {
+    if (eval_file && r.step % o.eval_every == 0) {
       line["eval_loss"] = evaluate();
       fmt::print("           eval loss {:.4f}\n", line["eval_loss"].get<double>());
     }
-    if (metrics.is_open()) metrics << line.dump() << "\n" << std::flush;
+    if (metrics.is_open()) append_line(metrics, o.metrics, line);
     if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) save_checkpoint();
   }
-  if (g_stop) fmt::print("interrupted after step {}: saving\n", step);
   engine.finish_updates();
-  if (!o.checkpoint_dir.empty()) save_checkpoint();
-  if (!o.trace.empty()) {
+  auto write_trace = [&] {
+    if (o.trace.empty()) return;
     engine.timeline().write_chrome_trace(o.trace);
     fmt::print("  trace: {}\n", o.trace);
+  };
+
+  // 5. How the run ends: diverged, interrupted, or done.
+  if (!diverged.empty()) {
+    // Skipped steps changed nothing: the state is the last good step's.
+    if (!o.checkpoint_dir.empty()) save_checkpoint();
+    write_trace();
+    throw Error(fmt::format("the run diverged: {}. Lower --lr (or raise --warmup) and resume from {}", diverged,
+                            saved_step >= 0 ? ckpt_root : "a new start"));
   }
+  if (signals.requested()) {
+    fmt::print("interrupted by {} after step {}: saving\n", StopSignals::name(signals.signal_number()),
+               engine.steps_done());
+    save_checkpoint();
+    write_trace();
+    fmt::print("resume with --checkpoint-dir {} --resume\n", ckpt_root);
+    return 128 + signals.signal_number();
+  }
+  if (!o.checkpoint_dir.empty()) save_checkpoint();
+  write_trace();
 
   // A checkpoint transformers loads.
   HfCheckpointWriter writer(o.out, spec, config.dump(2), {.dtype = DType::kBF16});
@@ -123,7 +258,8 @@ int run(const Options& o) {
     writer.write_block(b, w);
   }
   writer.finish();
-  fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f})\n", o.out, start_step + 1, step, first_loss, last_loss);
+  fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{})\n", o.out, start_step + 1, engine.steps_done(),
+             first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "");
   return 0;
 }
 
@@ -134,18 +270,40 @@ std::function<int()> add_finetune(CLI::App& app) {
   CLI::App* c = app.add_subcommand("finetune", "fine-tune a model (with no options: the built-in demo)");
   add_model_options(*c, o->train);
   c->add_option("--eval-data", o->eval_data, "held-out token file, evaluated every --eval-every steps");
-  c->add_option("--eval-every", o->eval_every, "steps between evaluations")->capture_default_str();
+  c->add_option("--eval-every", o->eval_every, "steps between evaluations")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, kMaxSteps));
+  c->add_option("--eval-batches", o->eval_batches, "batches per evaluation (0: no evaluation)")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(0, 1000000));
   c->add_option("--out", o->out, "where the final transformers checkpoint goes")->capture_default_str();
   add_placement_options(*c, o->train);
-  c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str();
+  c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str()->check(in_range<int64_t>(1, kMaxSteps));
   add_optimizer_options(*c, o->train);
   c->add_option("--trace", o->trace, "write the timeline as Chrome trace JSON (Perfetto)");
   c->add_option("--metrics", o->metrics, "append one JSON line per step");
   add_work_dir_option(*c, o->train);
-  c->add_option("--checkpoint-dir", o->checkpoint_dir, "full training state (resumable), saved atomically");
+  c->add_option("--checkpoint-dir", o->checkpoint_dir,
+                "directory of the run's training checkpoints (step-N/ each, complete and atomic); without it, a run "
+                "stopped by a signal or by the numerics guard saves under --out/strider-checkpoints");
   c->add_option("--checkpoint-every", o->checkpoint_every, "steps between checkpoints (0: only at the end)")
-      ->capture_default_str();
-  c->add_flag("--resume", o->resume, "continue from --checkpoint-dir (weights, Adam state, step, data position)");
+      ->capture_default_str()
+      ->check(in_range<int64_t>(0, kMaxSteps));
+  c->add_option("--keep-checkpoints", o->keep_checkpoints, "newest checkpoints kept; older ones are removed")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, 1000));
+  c->add_option("--max-skipped-steps", o->max_skipped_steps,
+                "steps in a row skipped for a non-finite loss or gradient before the run stops")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, 1000000));
+  c->add_flag("--resume", o->resume,
+              "continue from the newest checkpoint in --checkpoint-dir that loads (weights, Adam state, step, data "
+              "position)");
+  c->add_option("--allow-changed", o->allow_changed,
+                "with --resume: settings that may differ from the checkpoint's (comma-separated): 'data' or an "
+                "engine setting such as lr, weight_decay, clip_norm")
+      ->delimiter(',')
+      ->check(CLI::IsMember(changeable_settings()));
   return [o] { return run(*o); };
 }
 

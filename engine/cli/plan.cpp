@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/cli/cli.h"
+#include "engine/cli/training_run.h"
 #include "engine/engine.h"
 #include "engine/model_presets.h"
 #include "engine/plan.h"
@@ -103,19 +104,15 @@ std::function<int()> add_plan(CLI::App& app) {
   c->add_option("--gpu", o->gpu, "device memory (e.g. 24GiB)")->capture_default_str();
   c->add_option("--ram", o->ram, "pinned host RAM limit (0: none)")->capture_default_str();
   c->add_option("--nvme", o->nvme, "NVMe directory for optimizer state");
-  c->add_option("--seq", o->seq, "sequence length")->capture_default_str();
-  c->add_option("--micro-batch", o->micro_batch, "sequences per micro-batch")->capture_default_str();
-  c->add_option("--accumulation", o->accumulation, "micro-batches per step")->capture_default_str();
-  c->add_option("--window", o->window, "cache units K (0: choose)")->capture_default_str();
-  c->add_option("--dtype", o->dtype, "bf16 or fp32")->capture_default_str();
+  add_shape_options(*c, o->seq, o->micro_batch, o->accumulation, o->window);
+  c->add_option("--dtype", o->dtype, "bf16 or fp32")->capture_default_str()->check(CLI::IsMember({"bf16", "fp32"}));
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")
       ->capture_default_str();
-  c->add_option("--clip", o->clip,
-                "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm "
-                "is known")
-      ->capture_default_str();
+  add_clip_option(*c, o->clip,
+                  "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm "
+                  "is known");
   c->add_flag("--json", o->json, "one JSON object");
   return [o] { return run(*o); };
 }

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/cli/cli.h"
+#include "engine/cli/run_outputs.h"
 #include "engine/cli/training_run.h"
 #include "host/error.h"
 
@@ -109,7 +110,7 @@ PlotResult draw_png(const Options& o, const std::string& trace, const std::strin
 int run(const Options& o) {
   namespace fs = std::filesystem;
   STRIDER_CHECK(o.steps >= 1, "--steps {}: profile at least 1 measured step", o.steps);
-  STRIDER_CHECK(o.skip_steps >= 0, "--skip-steps {} must be >= 0", o.skip_steps);
+  check_output_dir(o.out, "--out");  // before the run, not after it
   std::FILE* log = o.json ? stderr : stdout;  // --json: stdout holds the one JSON object
   TrainingRun tr = make_training_run(o.train, "profile", o.skip_steps + o.steps, log);
   Engine& engine = *tr.engine;
@@ -227,8 +228,9 @@ std::function<int()> add_profile(CLI::App& app) {
   add_model_options(*c, o->train);
   add_placement_options(*c, o->train);
   c->add_option("--skip-steps", o->skip_steps, "untimed steps first (the pipeline fills, allocators warm up)")
-      ->capture_default_str();
-  c->add_option("--steps", o->steps, "measured steps")->capture_default_str();
+      ->capture_default_str()
+      ->check(in_range<int64_t>(0, 1000000));
+  c->add_option("--steps", o->steps, "measured steps")->capture_default_str()->check(in_range<int64_t>(1, 1000000));
   add_optimizer_options(*c, o->train);
   add_work_dir_option(*c, o->train);
   c->add_option("--out", o->out, "folder for trace.json and step<N>.png")->capture_default_str();

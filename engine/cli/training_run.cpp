@@ -1,10 +1,13 @@
 #include "engine/cli/training_run.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
 
 #include "engine/builtin.h"
+#include "engine/cli/cli.h"
+#include "engine/cli/run_outputs.h"
 #include "engine/hf_checkpoint.h"
 #include "host/error.h"
 
@@ -30,22 +33,47 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   c.add_option("--host-ram", o.host_ram, "pinned host RAM limit (0: no limit); past it state goes to --nvme")
       ->capture_default_str();
   c.add_option("--nvme", o.nvme, "directory on NVMe for optimizer state that does not fit in RAM");
-  c.add_option("--seq", o.seq, "sequence length")->capture_default_str();
-  c.add_option("--micro-batch", o.micro_batch, "sequences per micro-batch")->capture_default_str();
-  c.add_option("--accumulation", o.accumulation, "micro-batches per optimizer step")->capture_default_str();
-  c.add_option("--window", o.window, "cache units K (0: the plan chooses)")->capture_default_str();
-  c.add_option("--dtype", o.dtype, "bf16 or fp32 compute")->capture_default_str();
-  c.add_option("--vocab-chunk", o.vocab_chunk, "LM-head vocabulary rows per chunk")->capture_default_str();
+  add_shape_options(c, o.seq, o.micro_batch, o.accumulation, o.window);
+  c.add_option("--dtype", o.dtype, "bf16 or fp32 compute")->capture_default_str()->check(CLI::IsMember({"bf16", "fp32"}));
+  c.add_option("--vocab-chunk", o.vocab_chunk, "LM-head vocabulary rows per chunk")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, kMaxVocabChunk));
+}
+
+void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window) {
+  c.add_option("--seq", seq, "sequence length")->capture_default_str()->check(in_range<int64_t>(1, kMaxSeq));
+  c.add_option("--micro-batch", micro_batch, "sequences per micro-batch")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, kMaxBatch));
+  c.add_option("--accumulation", accumulation, "micro-batches per optimizer step")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, kMaxBatch));
+  c.add_option("--window", window, "cache units K (0: the plan chooses)")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(0, kMaxWindow));
 }
 
 void add_optimizer_options(CLI::App& c, TrainOptions& o) {
-  c.add_option("--lr", o.lr, "peak learning rate")->capture_default_str();
-  c.add_option("--schedule", o.schedule, "constant, linear or cosine (with warm-up)")->capture_default_str();
-  c.add_option("--warmup", o.warmup, "warm-up steps")->capture_default_str();
-  c.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")->capture_default_str();
-  c.add_option("--clip", o.clip, "global gradient-norm clip (0: off)")->capture_default_str();
+  // Wide ranges: a value past them is a typo, not a setting (--lr 1e20 is
+  // allowed on purpose: the numerics guard, not the parser, handles a run
+  // that diverges).
+  c.add_option("--lr", o.lr, "peak learning rate")->capture_default_str()->check(in_range(0.0, 1e30, true));
+  c.add_option("--schedule", o.schedule, "constant, linear or cosine (with warm-up)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"constant", "linear", "cosine"}));
+  c.add_option("--warmup", o.warmup, "warm-up steps")->capture_default_str()->check(in_range<int64_t>(0, kMaxSteps));
+  c.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")
+      ->capture_default_str()
+      ->check(in_range(0.0, 1e3));
+  add_clip_option(c, o.clip, "global gradient-norm clip (0: off)");
   c.add_option("--seed", o.seed, "seed for initialisation and data order")->capture_default_str();
-  c.add_option("--optimizer-threads", o.optimizer_threads, "CPU AdamW threads (0: all)")->capture_default_str();
+  c.add_option("--optimizer-threads", o.optimizer_threads, "CPU AdamW threads (0: all)")
+      ->capture_default_str()
+      ->check(in_range(0, 4096));
+}
+
+void add_clip_option(CLI::App& c, double& clip, const std::string& help) {
+  c.add_option("--clip", clip, help)->capture_default_str()->check(in_range(0.0, 1e30));
 }
 
 void add_work_dir_option(CLI::App& c, TrainOptions& o) {
@@ -89,6 +117,10 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   cfg.schedule = {LrSchedule::parse_shape(o.schedule), o.warmup, total_steps};
   cfg.clip_norm = o.clip;
   cfg.optimizer_threads = o.optimizer_threads;
+  if (!o.nvme.empty()) {
+    check_output_dir(o.nvme, "--nvme");
+    run.nvme_lock.emplace(o.nvme, "--nvme");
+  }
   std::string why;
   auto device = make_device({.spec = o.device, .budget_bytes = lim.device_bytes, .record_spans = true}, &why);
   fmt::print(log, "  device: {}{}\n", device->name(), why.empty() ? "" : " (" + why + ")");
@@ -105,6 +137,12 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
     for (int64_t b = 0; b < run.spec.num_blocks(); ++b) {
       std::vector<float> w(reader.layout(b).total_elems());
       reader.read_block(b, w);
+      for (const TensorSlot& t : reader.layout(b).slots())
+        for (size_t i = 0; i < t.numel; ++i)
+          STRIDER_CHECK(std::isfinite(w[t.offset_elems + i]),
+                        "{}: tensor '{}' holds {} at element {}: a model with a non-finite weight cannot train "
+                        "(every loss would be NaN); repair or re-export the checkpoint",
+                        run.model_dir, t.name, w[t.offset_elems + i], i);
       engine.write_state(b, ExtentKind::kMaster, w);
     }
     fmt::print(log, "  loaded {}\n", run.model_dir);

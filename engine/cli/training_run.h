@@ -8,11 +8,13 @@
 #include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 
 #include "engine/engine.h"
 #include "engine/plan.h"
+#include "io/run_lock.h"
 #include "io/token_data.h"
 
 namespace strider::cli {
@@ -27,12 +29,20 @@ struct TrainOptions {
   int optimizer_threads = 0;
 };
 
+// Upper bounds of the shape options: far past any machine, so that a value
+// beyond them is a typo, refused while parsing.
+inline constexpr int64_t kMaxSeq = int64_t{1} << 24, kMaxBatch = int64_t{1} << 20, kMaxWindow = 1 << 16,
+                         kMaxVocabChunk = int64_t{1} << 24, kMaxSteps = int64_t{1000000000000};
+
 // Registers TrainOptions' flags on `c` (CLI11 keeps pointers into `o`, which
 // must outlive parsing). The steps option is each command's own.
 void add_model_options(CLI::App& c, TrainOptions& o);     // --model, --data
 void add_placement_options(CLI::App& c, TrainOptions& o);  // device, budgets, NVMe, shapes, dtype
 void add_optimizer_options(CLI::App& c, TrainOptions& o);  // lr, schedule, warm-up, decay, clip, seed, threads
 void add_work_dir_option(CLI::App& c, TrainOptions& o);
+// --seq, --micro-batch, --accumulation, --window; --clip (shared with `strider plan`).
+void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window);
+void add_clip_option(CLI::App& c, double& clip, const std::string& help);
 
 struct TrainingRun {
   nlohmann::json config;   // the model's config.json
@@ -40,6 +50,7 @@ struct TrainingRun {
   ModelSpec spec;
   PlanLimits limits;
   Plan plan;
+  std::optional<DirLock> nvme_lock;  // --nvme is this run's alone (outlives the engine)
   std::unique_ptr<Engine> engine;
   std::string data;        // the training token file (built-in: generated under work_dir)
   std::unique_ptr<TokenFile> train_file;
@@ -47,9 +58,11 @@ struct TrainingRun {
 };
 
 // Parses the model, makes the plan and prints it (headed "strider <command>:")
-// to `log`, refuses an infeasible plan with its reason, builds the engine on
+// to `log`, refuses an infeasible plan with its reason, checks and locks the
+// --nvme directory, builds the engine on
 // the device, initialises (from the seed) or loads its parameters (not on a
-// simulated device: it holds none), and opens the training data. `total_steps`
+// simulated device: it holds none; a non-finite weight in a loaded model is
+// refused, naming the tensor), and opens the training data. `total_steps`
 // is the learning-rate schedule's length.
 TrainingRun make_training_run(const TrainOptions& o, std::string_view command, int64_t total_steps,
                               std::FILE* log = stdout);

@@ -1,6 +1,7 @@
 """The `strider` command line end to end: the built-in run trains, a resumed run
 is bit-identical to an uninterrupted one, Ctrl-C stops after the current step
-with a checkpoint, and a plan that cannot work is refused with the number."""
+with a checkpoint, and a plan that cannot work is refused with the number.
+Faults and bad input: test_cli_faults.py."""
 import json
 import signal
 import subprocess
@@ -18,7 +19,7 @@ def strider(strider_binary):
 
 def finetune(strider, tmp_path, *args):
     cmd = [str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
-           "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--eval-every", "0", *args]
+           "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--eval-batches", "0", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True).stdout
 
 
@@ -34,8 +35,10 @@ def test_resume_is_bit_identical(strider, tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)), k
-    state = json.loads((tmp_path / "ck" / "trainer_state.json").read_text())
+    state = json.loads((tmp_path / "ck" / "step-00000004" / "trainer_state.json").read_text())
     assert state["step"] == 4
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-")) == [
+        "step-00000002", "step-00000004"]
 
 
 def test_loss_falls_and_metrics_are_written(strider, tmp_path):
@@ -52,9 +55,10 @@ def test_loss_falls_and_metrics_are_written(strider, tmp_path):
 
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint(strider, tmp_path):
+    """Ctrl-C finishes the step, saves and exits 130 (128 + SIGINT), as a shell expects."""
     cmd = [str(strider), "finetune", "--device", "cpu", "--seq", "32", "--steps", "1000",
            "--work-dir", str(tmp_path / "work"), "--checkpoint-dir", str(tmp_path / "ck"),
-           "--out", str(tmp_path / "out"), "--eval-every", "0"]
+           "--out", str(tmp_path / "out"), "--eval-batches", "0"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     for line in p.stdout:  # wait for two steps, then interrupt
@@ -63,11 +67,12 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint(strider, tmp_path):
             break
         assert time.time() < deadline
     rest = p.communicate(timeout=120)[0]
-    assert p.returncode == 0
-    assert "interrupted after step" in rest
-    step = json.loads((tmp_path / "ck" / "trainer_state.json").read_text())["step"]
+    assert p.returncode == 128 + signal.SIGINT
+    assert "interrupted by SIGINT after step" in rest
+    [ck] = [p for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-")]
+    step = json.loads((ck / "trainer_state.json").read_text())["step"]
     assert 2 <= step < 1000
-    assert (tmp_path / "out" / "model.safetensors").exists()
+    assert (ck / "model.safetensors").exists()  # the checkpoint holds the model transformers loads
 
 
 def test_impossible_budget_is_refused_with_the_number(strider, tmp_path):

@@ -1,0 +1,82 @@
+#include "engine/cli/run_outputs.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fmt/format.h>
+
+#include "host/error.h"
+
+namespace strider::cli {
+namespace fs = std::filesystem;
+namespace {
+
+volatile std::sig_atomic_t g_signal = 0;
+
+void on_stop_signal(int signo) {
+  if (g_signal != 0) {  // the second: stop now
+    std::signal(signo, SIG_DFL);
+    std::raise(signo);
+    return;
+  }
+  g_signal = signo;
+}
+
+// Creates `dir` (and parents) and checks that a file can be created in it.
+void probe_dir(const fs::path& dir, std::string_view option, const std::string& value) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  STRIDER_CHECK(!ec, "{} {}: cannot create the directory {}: {}", option, value, dir.string(), ec.message());
+  STRIDER_CHECK(fs::is_directory(dir), "{} {}: {} is not a directory", option, value, dir.string());
+  std::string probe = (dir / ".strider-write-probe-XXXXXX").string();
+  const int fd = ::mkstemp(probe.data());
+  STRIDER_CHECK(fd >= 0, "{} {}: cannot write into {}: {}", option, value, dir.string(), errno_text(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+}  // namespace
+
+void check_output_dir(const std::string& path, std::string_view option) {
+  STRIDER_CHECK(!path.empty(), "{}: the path is empty", option);
+  probe_dir(fs::path(path), option, path);
+}
+
+void check_output_file(const std::string& path, std::string_view option) {
+  STRIDER_CHECK(!path.empty(), "{}: the path is empty", option);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) {
+    STRIDER_CHECK(S_ISREG(st.st_mode), "{} {}: it exists and is not a regular file (a device, a directory or a "
+                  "pipe); refusing to replace it: name a file", option, path);
+  } else {
+    STRIDER_CHECK(errno == ENOENT, "{} {}: {}", option, path, errno_text(errno));
+  }
+  const fs::path parent = fs::path(path).has_parent_path() ? fs::path(path).parent_path() : fs::path(".");
+  probe_dir(parent, option, path);
+}
+
+StopSignals::StopSignals() {
+  g_signal = 0;
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;  // I/O in flight goes on; the loop checks the flag between steps
+  ::sigaction(SIGINT, &sa, &old_int_);
+  ::sigaction(SIGTERM, &sa, &old_term_);
+}
+
+StopSignals::~StopSignals() {
+  ::sigaction(SIGINT, &old_int_, nullptr);
+  ::sigaction(SIGTERM, &old_term_, nullptr);
+}
+
+bool StopSignals::requested() const { return g_signal != 0; }
+int StopSignals::signal_number() const { return int(g_signal); }
+
+const char* StopSignals::name(int signo) {
+  return signo == SIGINT ? "SIGINT" : signo == SIGTERM ? "SIGTERM" : "a signal";
+}
+
+}  // namespace strider::cli

@@ -1,0 +1,43 @@
+// What a training run writes, checked before the first step, and how it is
+// asked to stop. A run must not train for hours and then find that it cannot
+// write its result, nor replace something that is not its own file.
+#pragma once
+
+#include <csignal>
+#include <string>
+#include <string_view>
+
+namespace strider::cli {
+
+// `path` (the value of `option`) is a directory this run can write into:
+// created if absent (with its parents), then probed by creating and removing
+// a file there. Throws Error naming the option, the path and why.
+void check_output_dir(const std::string& path, std::string_view option);
+
+// `path` is a file this run may replace or append to: absent, or a regular
+// file (never a device, a FIFO or a directory), in a directory it can write
+// into (created if absent). Throws Error naming the option and the path.
+void check_output_file(const std::string& path, std::string_view option);
+
+// SIGINT and SIGTERM ask the run to stop: the first sets a flag that the
+// training loop reads between steps (it finishes the step, saves and exits
+// with 128 + the signal's number); a second one of either restores the
+// default action and re-raises, ending the process at once. The checkpoint
+// protocol (train_checkpoint.h) keeps the last checkpoint loadable even then.
+// One instance at a time; the destructor restores the previous handlers.
+class StopSignals {
+ public:
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+  bool requested() const;     // a first signal came
+  int signal_number() const;  // which (0 if none)
+  static const char* name(int signo);  // "SIGINT", "SIGTERM"
+
+ private:
+  struct sigaction old_int_ {}, old_term_ {};
+};
+
+}  // namespace strider::cli

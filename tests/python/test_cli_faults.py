@@ -1,0 +1,248 @@
+"""`strider finetune` under faults and bad input, through the real binary:
+each test starts the process (or several) in its own temporary directory,
+with real signals, real files and real locks, and checks what a user relies
+on: a diverging run ends non-zero with the last finite checkpoint on disk, a
+signal saves and resumes bit-identically, outputs are checked before the
+first step, a second run on the same directories is refused, out-of-range
+options are refused while parsing, and resuming on other data is refused
+unless asked for."""
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_token_data import write_tokens
+
+BASE = ("--device", "cpu", "--seq", "32", "--micro-batch", "2", "--accumulation", "2", "--eval-batches", "0")
+
+
+@pytest.fixture
+def strider(strider_binary):
+    return strider_binary("strider")
+
+
+def run(strider, tmp_path, *args, timeout=300, work="work"):
+    cmd = [str(strider), "finetune", *BASE, "--work-dir", str(tmp_path / work), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(strider, tmp_path, *args):
+    r = run(strider, tmp_path, *args)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return r.stdout
+
+
+def start(strider, tmp_path, *args):
+    cmd = [str(strider), "finetune", *BASE, "--work-dir", str(tmp_path / "work"), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_step(p, n, timeout=120):
+    """Reads the run's output until step n is printed."""
+    deadline = time.time() + timeout
+    for line in p.stdout:
+        if line.startswith(f"step {n:>4}/"):
+            return
+        assert time.time() < deadline, "the run did not reach step %d in time" % n
+    raise AssertionError("the run ended before step %d: %s" % (n, p.stderr.read()[-2000:]))
+
+
+def checkpoints(root):
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+
+
+def same_model(a, b):
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    return x.keys() == y.keys() and all(torch.equal(x[k].view(torch.int16), y[k].view(torch.int16)) for k in x)
+
+
+def test_a_diverging_run_stops_nonzero_with_the_last_finite_checkpoint(strider, tmp_path):
+    ck = tmp_path / "ck"
+    r = run(strider, tmp_path, "--lr", "1e20", "--warmup", "0", "--steps", "10", "--checkpoint-dir", str(ck),
+            "--checkpoint-every", "1", "--keep-checkpoints", "3", "--out", str(tmp_path / "out"))
+    assert r.returncode != 0
+    assert "skipped: loss is nan" in r.stdout or "skipped: loss is inf" in r.stdout
+    assert "the run diverged" in r.stderr and "3 steps in a row were skipped" in r.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()  # no final model from a diverged run
+    good = [int(l.split()[1].split("/")[0]) for l in r.stdout.splitlines() if l.startswith("step") and "| loss" in l]
+    newest = ck / checkpoints(ck)[-1]
+    state = json.loads((newest / "trainer_state.json").read_text())
+    assert good and state["step"] == good[-1]
+    tensors = load_file(str(newest / "state.safetensors"))
+    assert all(torch.isfinite(t).all() for t in tensors.values())
+
+
+def test_sigterm_saves_and_the_resume_is_bit_identical(strider, tmp_path):
+    ok(strider, tmp_path, "--steps", "6", "--out", str(tmp_path / "straight"))
+    p = start(strider, tmp_path, "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"),
+              "--out", str(tmp_path / "never"))
+    wait_for_step(p, 2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    if p.returncode == 0:
+        pytest.skip("the run finished before the signal was handled")  # 6 tiny steps: rare
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM" in out
+    saved = json.loads((tmp_path / "ck" / checkpoints(tmp_path / "ck")[-1] / "trainer_state.json").read_text())
+    assert 2 <= saved["step"] < 6
+    assert not (tmp_path / "never" / "model.safetensors").exists()
+    out = ok(strider, tmp_path, "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+             "--out", str(tmp_path / "resumed"))
+    assert f"at step {saved['step']}" in out
+    assert same_model(tmp_path / "straight", tmp_path / "resumed")
+
+
+def test_sigint_without_a_checkpoint_dir_saves_under_out(strider, tmp_path):
+    p = start(strider, tmp_path, "--steps", "1000", "--out", str(tmp_path / "out"))
+    wait_for_step(p, 2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGINT, err
+    root = tmp_path / "out" / "strider-checkpoints"
+    assert f"--checkpoint-dir {root} --resume" in out
+    assert len(checkpoints(root)) == 1
+
+
+def test_a_second_signal_ends_the_run_at_once_and_the_last_checkpoint_loads(strider, tmp_path):
+    ck = tmp_path / "ck"
+    p = start(strider, tmp_path, "--steps", "1000", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+              "--out", str(tmp_path / "out"))
+    wait_for_step(p, 2)
+    p.send_signal(signal.SIGTERM)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=120)
+    assert p.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM)  # killed, unless the first was handled already
+    out = ok(strider, tmp_path, "--checkpoint-dir", str(ck), "--resume", "--steps", "6", "--out", str(tmp_path / "out"))
+    assert "resumed from" in out
+
+
+def test_outputs_are_checked_before_the_first_step(strider, tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    r = run(strider, tmp_path, "--steps", "3", "--out", str(tmp_path / "file" / "out"))
+    assert r.returncode != 0 and "--out" in r.stderr and "step    1" not in r.stdout
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    r = run(strider, tmp_path, "--steps", "3", "--trace", str(fifo), "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "--trace" in r.stderr and "not a regular file" in r.stderr
+    assert fifo.exists() and not fifo.is_file()  # untouched
+    r = run(strider, tmp_path, "--steps", "3", "--metrics", str(tmp_path), "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "--metrics" in r.stderr and "step    1" not in r.stdout
+    r = run(strider, tmp_path, "--steps", "3", "--checkpoint-dir", str(tmp_path / "file"), "--out",
+            str(tmp_path / "o"))
+    assert r.returncode != 0 and "--checkpoint-dir" in r.stderr
+
+
+def test_a_metrics_write_error_stops_the_run(strider, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with open(disk / "filler", "wb", buffering=0) as f:  # then leave room for about one metrics line
+            try:
+                while True:
+                    f.write(b"x" * 512)
+                    f.flush()
+            except OSError:
+                pass
+        os.truncate(disk / "filler", os.path.getsize(disk / "filler") - 1024)
+        r = run(strider, tmp_path, "--steps", "20", "--metrics", str(disk / "m.jsonl"), "--out", str(tmp_path / "o"))
+        assert r.returncode != 0
+        assert "--metrics" in r.stderr and "writing failed" in r.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+@pytest.mark.parametrize("what", ["--checkpoint-dir", "--nvme"])
+def test_a_second_run_on_the_same_directory_is_refused_naming_the_holder(strider, tmp_path, what):
+    shared = tmp_path / "shared"
+    extra = ("--host-ram", "60MiB") if what == "--nvme" else ()
+    a = start(strider, tmp_path, "--steps", "1000", what, str(shared), *extra, "--out", str(tmp_path / "a"))
+    try:
+        wait_for_step(a, 1)
+        b = run(strider, tmp_path, "--steps", "2", what, str(shared), *extra, "--out", str(tmp_path / "b"),
+                work="work-b")
+        assert b.returncode != 0
+        assert "in use by another strider run" in b.stderr and f"pid {a.pid}" in b.stderr
+    finally:
+        a.kill()
+        a.communicate()
+
+
+BAD_OPTIONS = [("--steps", "0"), ("--steps", "-3"), ("--warmup", "-5"), ("--window", "-1"), ("--vocab-chunk", "0"),
+               ("--optimizer-threads", "-1"), ("--eval-every", "0"), ("--checkpoint-every", "-1"), ("--lr", "-1"),
+               ("--lr", "nan"), ("--keep-checkpoints", "0"), ("--max-skipped-steps", "0"), ("--seq", "0"),
+               ("--accumulation", "-2"), ("--clip", "-1"), ("--weight-decay", "-0.1"), ("--allow-changed", "colour")]
+
+
+def test_out_of_range_options_are_refused_while_parsing(strider, tmp_path):
+    def refused(case):
+        option, value = case
+        work = tmp_path / ("w" + option + value)
+        r = subprocess.run([str(strider), "finetune", option, value, "--work-dir", str(work)],
+                           capture_output=True, text=True, timeout=120)
+        ok = (r.returncode != 0 and option in r.stderr and
+              any(s in r.stderr for s in ("is outside", "not in {", "not a number")) and not work.exists())
+        return None if ok else f"{option} {value}: rc {r.returncode}, {r.stderr.strip()}"
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # each start loads libtorch: overlap them
+        failures = [f for f in pool.map(refused, BAD_OPTIONS) if f]
+    assert not failures
+
+
+def write_data(path, seed):
+    rng = np.random.default_rng(seed)
+    write_tokens(path, rng.integers(0, 2048, 20000), vocab=2048)
+
+
+def test_resume_refuses_other_data_and_changed_settings_unless_allowed(strider, tmp_path):
+    a, b = tmp_path / "a.tokens", tmp_path / "b.tokens"
+    write_data(a, 1)
+    write_data(b, 2)
+    ck = str(tmp_path / "ck")
+    ok(strider, tmp_path, "--data", str(a), "--steps", "2", "--checkpoint-dir", ck, "--out", str(tmp_path / "o"))
+    r = run(strider, tmp_path, "--data", str(b), "--steps", "4", "--checkpoint-dir", ck, "--resume",
+            "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and str(a) in r.stderr and "--allow-changed data" in r.stderr
+    r = run(strider, tmp_path, "--data", str(a), "--lr", "1e-3", "--steps", "4", "--checkpoint-dir", ck, "--resume",
+            "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "lr" in r.stderr and "--allow-changed" in r.stderr
+    r = run(strider, tmp_path, "--data", str(a), "--steps", "2", "--checkpoint-dir", ck, "--resume",
+            "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "at step 2 already" in r.stderr
+    out = ok(strider, tmp_path, "--data", str(b), "--lr", "1e-3", "--steps", "3", "--checkpoint-dir", ck, "--resume",
+             "--allow-changed", "data,lr", "--out", str(tmp_path / "o"))
+    assert "resumed from" in out and "step    3/3" in out
+
+
+def test_a_token_file_truncated_during_the_run_is_an_error_naming_it(strider, tmp_path):
+    data = tmp_path / "d.tokens"
+    write_data(data, 3)
+    p = start(strider, tmp_path, "--data", str(data), "--steps", "1000", "--out", str(tmp_path / "o"))
+    wait_for_step(p, 1)
+    os.truncate(data, 4096)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode > 0, "killed by signal %d" % -p.returncode  # an error, not SIGBUS
+    assert str(data) in err
+
+
+def test_a_model_with_a_nan_weight_is_refused_naming_the_tensor(strider, tmp_path):
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=64)
+    model_dir = tmp_path / "model"
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    name = "model.layers.1.mlp.up_proj.weight"
+    tensors[name][3, 4] = float("nan")
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    r = run(strider, tmp_path, "--model", str(model_dir), "--steps", "3", "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and name in r.stderr and "non-finite" in r.stderr
