@@ -23,15 +23,15 @@
 # Environment: STRIDER_BUILD_DIR (default build/), STRIDER_JOBS (build jobs, default nproc),
 # TMPDIR (scratch: bench_nvme's 2 GiB file, plan's --nvme dir, the demo's data).
 #
-# Parts, in order, with their wall time on the 2-core development VM, quiet
-# (see the README's Measured section for the machine):
-#   plan       10 `strider plan --predict rtx4090 --json` runs (8B, 70B/123B on NVMe, refusals)  ~10 s
-#   profile    `strider profile --json` on the built-in model                                   ~10 s
-#   step       bench_step                                                                       ~ 1 min
-#   demo       `strider finetune` with the demo's defaults (as scripts/demo.sh runs it)         ~ 1 min
-#   calibrate  bench_calibrate                                                                  ~ 3 min
-#   adam       bench_adam                                                                       ~ 3 min
-#   nvme       bench_nvme                                                                       ~ 6 min
+# Parts, in order, with their wall time on the 2-core development VM while two
+# other C++ builds ran on it (18m38s in all; a quiet machine takes less):
+#   plan       10 `strider plan --predict rtx4090 --json` runs (8B; 70B/123B on NVMe; refusals)  10 s
+#   profile    `strider profile --json` on the built-in model                                    21 s
+#   step       bench_step                                                                        73 s
+#   demo       `strider finetune` with the demo's defaults (as scripts/demo.sh runs it)         433 s
+#   calibrate  bench_calibrate                                                                  243 s
+#   adam       bench_adam                                                                        62 s
+#   nvme       bench_nvme                                                                       275 s
 # Figures are whatever this machine printed: a benchmark never fails on speed.
 # Not part of scripts/test.sh: it takes minutes.
 set -euo pipefail
