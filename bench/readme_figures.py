@@ -1,0 +1,571 @@
+#!/usr/bin/env python3
+"""The figures half of bench/readme_figures.sh: reads the log folder that the
+script filled (one NAME.log per command, commands.tsv with each command's exit
+status and wall time, machine.json), extracts every figure the README quotes,
+prints the figures report and, on request, rewrites the README's marked blocks.
+
+    readme_figures.py LOGS [--check] [--update-readme README]
+
+Figures come from the JSON the tools print (the benches' last line, `strider
+plan --json`, `strider profile --json`, `strider finetune --metrics`). Four
+demo figures have no JSON to come from, since `strider finetune` prints them
+only as text: the held-out loss before training, the device budget, the window
+K and the block count; they are read from its printout, by the patterns in
+demo_text_figures().
+
+The README's figures live between `<!-- figures:begin NAME -->` and
+`<!-- figures:end -->`; BLOCKS below renders each NAME from the figures. A
+block that is not in BLOCKS (the GPU block, owned by bench/gpu_check.sh's
+figures) is left as it is.
+"""
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+import textwrap
+from pathlib import Path
+
+GIB = float(1 << 30)
+MIB = float(1 << 20)
+
+# ---- reading the log folder ---------------------------------------------------------
+
+
+class Logs:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.commands = {}  # name -> {cmd, rc, expected_rc, wall_s}
+        tsv = folder / "commands.tsv"
+        if tsv.exists():
+            for line in tsv.read_text().splitlines():
+                name, rc, expected, wall, cmd = line.split("\t", 4)
+                self.commands[name] = {"cmd": cmd, "rc": int(rc), "expected_rc": int(expected),
+                                       "wall_s": float(wall)}
+        m = folder / "machine.json"
+        self.machine = json.loads(m.read_text()) if m.exists() else {}
+
+    def text(self, name):
+        p = self.folder / f"{name}.log"
+        return p.read_text(errors="replace") if p.exists() else None
+
+    def last_json(self, name, key=None):
+        """The last line of NAME.log that is a JSON object (holding `key`, if given)."""
+        text = self.text(name)
+        if text is None:
+            return None
+        for line in reversed(text.splitlines()):
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and (key is None or key in obj):
+                return obj
+        return None
+
+    def json_lines(self, path):
+        p = self.folder / path
+        if not p.exists():
+            return []
+        return [json.loads(l) for l in p.read_text().splitlines() if l.strip().startswith("{")]
+
+
+class Figures:
+    """Figures by name, each with the command (a name in Logs.commands) that printed it."""
+
+    def __init__(self):
+        self.values = {}
+        self.source = {}
+
+    def put(self, name, value, command):
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return
+        self.values[name] = value
+        self.source[name] = command
+
+    def __getitem__(self, name):
+        return self.values[name]
+
+
+# ---- the commands and the figures each one prints -------------------------------------
+# PARTS: part -> command names, as bench/readme_figures.sh runs them.
+# EXPECTED: part -> the figure names that part must produce (what --check holds).
+
+PLAN_8B = {8: "plan-8b-b8", 16: "plan-8b-b16", 32: "plan-8b-b32"}
+PLAN_NVME = {  # (model tag, clip tag) -> command name
+    ("70b", "clip1"): "plan-70b-nvme", ("70b", "clip0"): "plan-70b-nvme-clip0",
+    ("123b", "clip1"): "plan-123b-nvme", ("123b", "clip0"): "plan-123b-nvme-clip0"}
+PLAN_REFUSED = {"70b": "plan-70b-ram-only", "123b": "plan-123b-ram-only"}
+
+PARTS = {
+    "plan": list(PLAN_8B.values()) + ["plan-8b-b8-clip0"] + list(PLAN_NVME.values()) + list(PLAN_REFUSED.values()),
+    "profile": ["profile"],
+    "demo": ["demo"],
+    "step": ["bench_step"],
+    "calibrate": ["bench_calibrate"],
+    "adam": ["bench_adam"],
+    "nvme": ["bench_nvme"],
+}
+
+
+def plan_figures(logs, f):
+    for batch, cmd in PLAN_8B.items():
+        j = logs.last_json(cmd, "step_s")
+        if not j or j.get("step_s") is None:
+            continue
+        p = f"predict.8b.b{batch}"
+        f.put(f"{p}.tokens_per_s", j["tokens_per_s"], cmd)
+        f.put(f"{p}.step_s", j["step_s"], cmd)
+        f.put(f"{p}.lower_bound_s", j["lower_bound_s"], cmd)
+        tokens = j["tokens_per_s"] * j["step_s"]  # per step: batch x seq
+        f.put(f"{p}.bound_tokens_per_s", tokens / j["lower_bound_s"], cmd)
+        f.put(f"{p}.overlap_efficiency", j["overlap_efficiency"], cmd)
+        if batch == 8:
+            f.put(f"{p}.optimizer_s", j["lane_busy_s"]["optimizer"], cmd)
+            f.put(f"{p}.host_gib", j["host_bytes"] / GIB, cmd)
+            f.put("predict.8b.unit_gib", j["unit_bytes"] / GIB, cmd)
+            m = next((re.search(r"\((\d+) parameters", w) for w in j.get("why", []) if "cache units" in w), None)
+            if m:
+                f.put("predict.8b.unit_params", int(m.group(1)), cmd)
+    cmd = "plan-8b-b8-clip0"
+    j = logs.last_json(cmd, "step_s")
+    if j and j.get("step_s") is not None:
+        f.put("predict.8b.b8.clip0.tokens_per_s", j["tokens_per_s"], cmd)
+        f.put("predict.8b.b8.clip0.overlap_efficiency", j["overlap_efficiency"], cmd)
+        f.put("predict.8b.b8.clip0.host_gib", j["host_bytes"] / GIB, cmd)
+    for (model, clip), cmd in PLAN_NVME.items():
+        j = logs.last_json(cmd, "step_s")
+        if not j or j.get("step_s") is None:
+            continue
+        p = f"predict.{model}.nvme.{clip}"
+        f.put(f"{p}.tokens_per_s", j["tokens_per_s"], cmd)
+        f.put(f"{p}.step_s", j["step_s"], cmd)
+        f.put(f"{p}.overlap_efficiency", j["overlap_efficiency"], cmd)
+        if clip == "clip1":
+            f.put(f"{p}.lower_bound_s", j["lower_bound_s"], cmd)
+            f.put(f"{p}.critical_lane", j["critical_lane"], cmd)
+            f.put(f"{p}.nvme_write_s", j["lane_busy_s"]["nvme write"], cmd)
+            f.put(f"{p}.nvme_blocks", len(j["nvme_blocks"]), cmd)
+            m = re.match(r"(\d+) blocks", (j.get("why") or [""])[0])
+            if m:
+                f.put(f"{p}.blocks", int(m.group(1)), cmd)
+            f.put(f"{p}.host_gib", j["host_bytes"] / GIB, cmd)
+            f.put(f"{p}.nvme_gib", j["nvme_bytes"] / GIB, cmd)
+    for model, cmd in PLAN_REFUSED.items():
+        j = logs.last_json(cmd, "feasible")
+        # A refusal is the figure: infeasible, with the RAM it needs in its reason.
+        if j and j.get("feasible") is False:
+            m = re.search(r"needs ([\d.]+) GiB of pinned host RAM", j.get("reason", ""))
+            if m:
+                f.put(f"refused.{model}.ram_needed_gib", float(m.group(1)), cmd)
+
+
+def profile_figures(logs, f):
+    j = logs.last_json("profile", "command")
+    if not j:
+        return
+    c = "profile"
+    f.put("profile.step_s", j["step_s"], c)
+    f.put("profile.tokens_per_s", j["tokens_per_s"], c)
+    for lane in ("compute", "h2d", "d2h", "optimizer"):
+        f.put(f"profile.{lane}_pct", 100 * j["lanes"][lane]["busy_fraction"], c)
+    f.put("profile.critical_lane", j["critical_lane"], c)
+    f.put("profile.overlap_efficiency", j["overlap_efficiency"], c)
+    f.put("profile.model_gflops", j["model_flops_per_s"] / 1e9, c)
+    f.put("profile.executed_gflops", j["executed_flops_per_s"] / 1e9, c)
+    f.put("profile.params", j["params"], c)
+
+
+def demo_text_figures(text):
+    """The demo's figures that `strider finetune` prints only as text."""
+    pats = {
+        "demo.eval_loss_before": (r"eval loss before training: ([\d.]+)", float),
+        "demo.device_budget_mib": (r"^\s*device: .* of ([\d.]+) MiB$", float),
+        "demo.window": (r"window K = (\d+)", int),
+        "demo.blocks": (r"^\s*(\d+) blocks:", int),
+    }
+    out = {}
+    for name, (pat, conv) in pats.items():
+        m = re.search(pat, text, re.M)
+        if m:
+            out[name] = conv(m.group(1))
+    return out
+
+
+def demo_figures(logs, f):
+    c = "demo"
+    text = logs.text(c)
+    if text is None:
+        return
+    for name, v in demo_text_figures(text).items():
+        f.put(name, v, c)
+    steps = logs.json_lines("demo-metrics.jsonl")
+    if not steps:
+        return
+    f.put("demo.steps", len(steps), c)
+    f.put("demo.train_loss_first", steps[0]["loss"], c)
+    f.put("demo.train_loss_last", steps[-1]["loss"], c)
+    evals = [s["eval_loss"] for s in steps if "eval_loss" in s]
+    if evals:
+        f.put("demo.eval_loss_last", evals[-1], c)
+    tps = [s["tokens_per_s"] for s in steps]
+    f.put("demo.tokens_per_s_min", min(tps), c)
+    f.put("demo.tokens_per_s_median", statistics.median(tps), c)
+    f.put("demo.tokens_per_s_max", max(tps), c)
+    f.put("demo.peak_device_mib", max(s["peak_device_bytes"] for s in steps) / MIB, c)
+    if c in logs.commands:
+        f.put("demo.wall_s", logs.commands[c]["wall_s"], c)
+
+
+def step_figures(logs, f):
+    c = "bench_step"
+    j = logs.last_json(c, "bench")
+    if not j:
+        return
+    f.put("step.offload_over_resident", j["offload_over_resident"], c)
+    f.put("step.overlap_efficiency", j["overlap_efficiency"], c)
+    f.put("step.critical_lane", j["critical_lane"], c)
+
+
+def calibrate_figures(logs, f):
+    c = "bench_calibrate"
+    j = logs.last_json(c, "bench")
+    if not j:
+        return
+    ratios = [x["ratio"] for x in j["configs"]]
+    f.put("calibrate.ratio", j["ratio"], c)
+    f.put("calibrate.ratio_min", min(ratios), c)
+    f.put("calibrate.ratio_max", max(ratios), c)
+    f.put("calibrate.accumulations", [x["accumulation"] for x in j["configs"]], c)
+
+
+def adam_figures(logs, f):
+    c = "bench_adam"
+    j = logs.last_json(c, "bench")
+    if not j:
+        return
+    runs = j["runs"]
+    f.put("adam.isa", j["isa"], c)
+    f.put("adam.roofline_ratio_min", j["roofline_ratio"], c)
+    f.put("adam.roofline_ratio_max", max(r["roofline_ratio"] for r in runs), c)
+    f.put("adam.vs_torch_min", j["vs_torch"], c)
+    f.put("adam.vs_torch_max", max(r["vs_torch"] for r in runs), c)
+    f.put("adam.params_m", sorted({round(r["params"] / 1e6) for r in runs}), c)
+    f.put("adam.threads", sorted({r["threads"] for r in runs}), c)
+
+
+def nvme_figures(logs, f):
+    c = "bench_nvme"
+    j = logs.last_json(c, "bench")
+    if not j:
+        return
+    cfgs = j["configs"]
+    f.put("nvme.write_vs_fio", j["write_vs_fio"], c)
+    f.put("nvme.read_vs_fio", j["read_vs_fio"], c)
+    f.put("nvme.write_median_max", max(x["write"]["ratio"] for x in cfgs), c)
+    f.put("nvme.read_median_max", max(x["read"]["ratio"] for x in cfgs), c)
+    f.put("nvme.fio_write_max_over_min", j["fio_write_max_over_min"], c)
+    f.put("nvme.fio_read_max_over_min", j["fio_read_max_over_min"], c)
+    f.put("nvme.size_gib", j["size_bytes"] / GIB, c)
+    f.put("nvme.pairs", j["pairs"], c)
+    f.put("nvme.configs", len(cfgs), c)
+    f.put("nvme.chunks_mib", sorted({x["chunk_mib"] for x in cfgs}), c)
+    f.put("nvme.depths", sorted({x["depth"] for x in cfgs}), c)
+
+
+EXTRACT = {"plan": plan_figures, "profile": profile_figures, "demo": demo_figures, "step": step_figures,
+           "calibrate": calibrate_figures, "adam": adam_figures, "nvme": nvme_figures}
+
+
+def expected_names():
+    """part -> the figure names it must print: what the README's blocks quote."""
+    e = {"plan": [], "profile": [], "demo": [], "step": [], "calibrate": [], "adam": [], "nvme": []}
+    for b in PLAN_8B:
+        e["plan"] += [f"predict.8b.b{b}.{k}" for k in
+                      ("tokens_per_s", "step_s", "lower_bound_s", "bound_tokens_per_s", "overlap_efficiency")]
+    e["plan"] += ["predict.8b.b8.optimizer_s", "predict.8b.b8.host_gib", "predict.8b.unit_gib",
+                  "predict.8b.unit_params", "predict.8b.b8.clip0.tokens_per_s",
+                  "predict.8b.b8.clip0.overlap_efficiency", "predict.8b.b8.clip0.host_gib"]
+    for (model, clip) in PLAN_NVME:
+        p = f"predict.{model}.nvme.{clip}"
+        e["plan"] += [f"{p}.tokens_per_s", f"{p}.step_s", f"{p}.overlap_efficiency"]
+        if clip == "clip1":
+            e["plan"] += [f"{p}.{k}" for k in ("lower_bound_s", "critical_lane", "nvme_write_s", "nvme_blocks",
+                                               "blocks", "host_gib", "nvme_gib")]
+    e["plan"] += [f"refused.{m}.ram_needed_gib" for m in PLAN_REFUSED]
+    e["profile"] = [f"profile.{k}" for k in ("step_s", "tokens_per_s", "compute_pct", "h2d_pct", "d2h_pct",
+                                             "optimizer_pct", "critical_lane", "overlap_efficiency",
+                                             "model_gflops", "executed_gflops", "params")]
+    e["demo"] = [f"demo.{k}" for k in ("eval_loss_before", "device_budget_mib", "window", "blocks", "steps",
+                                       "train_loss_first", "train_loss_last", "eval_loss_last",
+                                       "tokens_per_s_min", "tokens_per_s_median", "tokens_per_s_max",
+                                       "peak_device_mib", "wall_s")]
+    e["step"] = ["step.offload_over_resident", "step.overlap_efficiency", "step.critical_lane"]
+    e["calibrate"] = ["calibrate.ratio", "calibrate.ratio_min", "calibrate.ratio_max", "calibrate.accumulations"]
+    e["adam"] = [f"adam.{k}" for k in ("isa", "roofline_ratio_min", "roofline_ratio_max", "vs_torch_min",
+                                       "vs_torch_max", "params_m", "threads")]
+    e["nvme"] = [f"nvme.{k}" for k in ("write_vs_fio", "read_vs_fio", "write_median_max", "read_median_max",
+                                       "fio_write_max_over_min", "fio_read_max_over_min", "size_gib", "pairs",
+                                       "configs", "chunks_mib", "depths")]
+    return e
+
+
+# ---- the README's blocks ------------------------------------------------------------------
+
+
+def slash(xs):
+    return "/".join(str(x) for x in xs)
+
+
+def prose(text):
+    """A paragraph wrapped as the README's own prose is (at whitespace only:
+    `--clip 0` stays whole)."""
+    return textwrap.fill(text, width=80, break_long_words=False, break_on_hyphens=False)
+
+
+def block_machine(f, logs):
+    m = logs.machine
+    return prose(f"Figures of one run of `bench/readme_figures.sh` on {m['date']}, at commit {m['commit']}, on "
+                 f"{m['nproc']} cores (`nproc`) of an {m['cpu_model']} (AdamW kernel: {f['adam.isa']}), "
+                 f"{m['mem_gib']:.0f} GiB of RAM, {m['tmp_disk']}, {m.get('gpu') or 'no GPU'}.")
+
+
+def block_demo_model(f, logs):
+    return f"a {f['profile.params'] / 1e6:.1f}M-parameter"
+
+
+def block_demo_plan(f, logs):
+    return f"a window of K = {f['demo.window']} cache units over {f['demo.blocks']} blocks"
+
+
+def block_profile(f, logs):
+    crit = f["profile.critical_lane"]
+    lanes = ", ".join(f"{lane} {f[f'profile.{lane}_pct']:.1f}%{' (critical)' if lane == crit else ''}"
+                      for lane in ("compute", "h2d", "d2h", "optimizer"))
+    if crit not in ("compute", "h2d", "d2h", "optimizer"):
+        lanes += f", critical lane {crit}"
+    return prose(f"On the built-in model (`{cmd(logs, 'profile')}`): step {f['profile.step_s']:.3f} s, "
+                 f"{lanes}, overlap efficiency {f['profile.overlap_efficiency']:.3f}, "
+                 f"{f['profile.model_gflops']:.3g} GFLOP/s by 6·N·tokens, "
+                 f"{f['profile.executed_gflops']:.3g} GFLOP/s executed.")
+
+
+def block_measured(f, logs):
+    rows = [
+        ("CPU AdamW vs the memory roofline (best of a STREAM triad, an in-place update and our own access "
+         f"pattern with trivial arithmetic), {slash(f['adam.params_m'])}M params, {slash(f['adam.threads'])} "
+         "threads",
+         "bench_adam",
+         f"{f['adam.roofline_ratio_min']:.3f}-{f['adam.roofline_ratio_max']:.3f} of the roofline"),
+        ("CPU AdamW (bf16 grad in, bf16 copy out) vs torch `_fused_adamw_` + bf16 cast, same threads",
+         "bench_adam",
+         f"{f['adam.vs_torch_min']:.2f}-{f['adam.vs_torch_max']:.2f}x torch's speed"),
+        ("NvmeStore vs fio (io_uring, O_DIRECT, fixed buffers, both on huge pages with fio-sized buffer memory, "
+         "the store's caller resubmitting from completion callbacks as fio does), "
+         f"{f['nvme.size_gib']:g} GiB, chunks {slash(f['nvme.chunks_mib'])} MiB x depths "
+         f"{slash(f['nvme.depths'])}, median of {f['nvme.pairs']} interleaved store/fio pairs per "
+         "configuration, every byte XXH3-checksummed by the store",
+         "bench_nvme",
+         f"lowest median over the {f['nvme.configs']} configurations: write {f['nvme.write_vs_fio']:.3f}, "
+         f"read {f['nvme.read_vs_fio']:.3f} (highest: write {f['nvme.write_median_max']:.3f}, read "
+         f"{f['nvme.read_median_max']:.3f}); fio against itself varies up to "
+         f"{max(f['nvme.fio_write_max_over_min'], f['nvme.fio_read_max_over_min']):.2f}x between passes"),
+        ("Offloaded step (K=2 of 8 blocks, host checkpoints) vs the same model resident, CPU device",
+         "bench_step",
+         f"{f['step.offload_over_resident']:.3f}x the resident step; overlap efficiency "
+         f"{f['step.overlap_efficiency']:.2f} ({f['step.critical_lane']} the critical lane)"),
+        ("The simulator fed with the CPU device's isolated costs (compute per op kind, copies, AdamW) vs the CPU "
+         f"device's measured step, built-in model offloaded, accumulation {slash(f['calibrate.accumulations'])}",
+         "bench_calibrate",
+         f"predicted/measured {f['calibrate.ratio']:.3f} (accumulation {f['calibrate.accumulations'][0]}), "
+         f"{f['calibrate.ratio_min']:.2f}-{f['calibrate.ratio_max']:.2f} over the {len(f['calibrate.accumulations'])} "
+         "(target: within 15%)"),
+        (f"The demo: built-in model, {f['demo.steps']} steps",
+         "demo",
+         f"train loss {f['demo.train_loss_first']:.2f} -> {f['demo.train_loss_last']:.2f}, held-out "
+         f"{f['demo.eval_loss_before']:.2f} -> {f['demo.eval_loss_last']:.2f}, {f['demo.wall_s']:.0f} s, "
+         f"{f['demo.tokens_per_s_min']:.0f}-{f['demo.tokens_per_s_max']:.0f} tokens/s (median "
+         f"{f['demo.tokens_per_s_median']:.0f}), peak device {f['demo.peak_device_mib']:.1f} MiB of a "
+         f"{f['demo.device_budget_mib']:g} MiB budget"),
+    ]
+    out = ["| what | command | figure |", "| --- | --- | --- |"]
+    for what, c, fig in rows:
+        shown = f"`scripts/demo.sh` (`{cmd(logs, c)}`)" if c == "demo" else f"`{cmd(logs, c)}`"
+        out.append(f"| {what} | {shown} | {fig} |")
+    return "\n".join(out)
+
+
+# SlideFormer's records of DeepSpeed ZeRO-3 offload on an RTX 4090 (tokens/s):
+# a published comparison, not a figure of ours, so it is quoted as it stands.
+DEEPSPEED_4090 = {8: 914, 16: 1373, 32: 1791}
+
+
+def block_predict_8b(f, logs):
+    out = ["| batch | strider predicted tokens/s | compute-bound limit (the lower bound) | DeepSpeed ZeRO-3 offload, "
+           "RTX 4090 (SlideFormer's records) |", "| --- | --- | --- | --- |"]
+    for b in PLAN_8B:
+        p = f"predict.8b.b{b}"
+        out.append(f"| {b} | {f[p + '.tokens_per_s']:.0f} | {f[p + '.bound_tokens_per_s']:.0f} "
+                   f"({f[p + '.lower_bound_s']:.2f} s/step) | {DEEPSPEED_4090[b]} |")
+    out.append("")
+    out.append(prose(
+        "These are predictions from an assumed sustained fraction of peak (50%), not measurements; no GPU was "
+        "available to calibrate them. They say where strider loses: at batch 8 the optimizer "
+        f"({f['predict.8b.b8.optimizer_s']:.1f} s of CPU AdamW after the clipping norm) is not hidden behind "
+        f"the next forward (overlap efficiency {f['predict.8b.b8.overlap_efficiency']:.2f}; with `--clip 0` the "
+        f"prediction is {f['predict.8b.b8.clip0.tokens_per_s']:.0f} tokens/s, overlap "
+        f"{f['predict.8b.b8.clip0.overlap_efficiency']:.2f}); the embedding and LM head are not yet split into "
+        f"layer-sized chunks, so each cache unit holds {f['predict.8b.unit_params'] / 1e6:.0f}M parameters and "
+        f"their fp32 gradients ({f['predict.8b.unit_gib']:.2f} GiB)."))
+    return "\n".join(out)
+
+
+def block_predict_nvme(f, logs):
+    out = ["| model | RAM | clip 1.0: blocks on NVMe | host / NVMe | clip 1.0: tokens/s (step, bound) | clip 0 | "
+           "clip 1.0: critical |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for model, name, ram in (("70b", "Llama-3.1-70B", "256 GiB"), ("123b", "Mistral-Large-123B", "384 GiB")):
+        p, q = f"predict.{model}.nvme.clip1", f"predict.{model}.nvme.clip0"
+        out.append(f"| {name} | {ram} | {f[p + '.nvme_blocks']} of {f[p + '.blocks']} | "
+                   f"{f[p + '.host_gib']:.0f} GiB / {f[p + '.nvme_gib']:.0f} GiB | "
+                   f"{f[p + '.tokens_per_s']:.0f} ({f[p + '.step_s']:.0f} s; {f[p + '.lower_bound_s']:.0f} s) | "
+                   f"{f[q + '.tokens_per_s']:.0f} ({f[q + '.step_s']:.0f} s) | "
+                   f"{f[p + '.critical_lane']}; NVMe write {f[p + '.nvme_write_s']:.0f} s |")
+    out.append("")
+    out.append(prose(
+        "Without `--nvme` both are refused, naming the RAM needed at batch 1 "
+        f"({f['refused.70b.ram_needed_gib']:.0f} GiB for 70B, {f['refused.123b.ram_needed_gib']:.0f} GiB for "
+        "123B). With clipping the updates must wait for the norm, and on NVMe each one reads 16 and writes 16 "
+        "bytes per parameter, so they no longer hide behind the next forward: overlap efficiency "
+        f"{f['predict.70b.nvme.clip1.overlap_efficiency']:.2f} (70B) and "
+        f"{f['predict.123b.nvme.clip1.overlap_efficiency']:.2f} (123B) against "
+        f"{f['predict.70b.nvme.clip0.overlap_efficiency']:.2f} and "
+        f"{f['predict.123b.nvme.clip0.overlap_efficiency']:.2f} without clipping."))
+    return "\n".join(out)
+
+
+def block_ram_8b(f, logs):
+    return (f"Llama-3.1-8B: {f['predict.8b.b8.clip0.host_gib']:.1f} instead of "
+            f"{f['predict.8b.b8.host_gib']:.1f} GiB of host RAM")
+
+
+BLOCKS = {"machine": block_machine, "demo-model": block_demo_model, "demo-plan": block_demo_plan,
+          "profile": block_profile, "measured": block_measured, "predict-8b": block_predict_8b,
+          "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b}
+# Blocks the script knows and leaves alone: their figures come from elsewhere.
+FOREIGN_BLOCKS = {"gpu"}  # bench/gpu_check.sh's figures, quoted with that check's date
+
+MARKER = re.compile(r"<!-- figures:begin ([\w-]+) -->(.*?)<!-- figures:end -->", re.S)
+
+
+def cmd(logs, name):
+    return logs.commands.get(name, {}).get("cmd", f"<{name} did not run>")
+
+
+def update_readme(readme: Path, f, logs):
+    text = readme.read_text()
+    found = set()
+
+    def render(m):
+        name, old = m.group(1), m.group(2)
+        found.add(name)
+        if name in FOREIGN_BLOCKS:
+            return m.group(0)
+        if name not in BLOCKS:
+            raise SystemExit(f"readme_figures: {readme}: unknown block '{name}' (known: {', '.join(BLOCKS)})")
+        body = BLOCKS[name](f, logs)
+        inline = "\n" not in old  # an inline block stays inside its sentence
+        return f"<!-- figures:begin {name} -->{body if inline else chr(10) + body + chr(10)}<!-- figures:end -->"
+
+    new = MARKER.sub(render, text)
+    missing = [b for b in list(BLOCKS) + sorted(FOREIGN_BLOCKS) if b not in found]
+    if missing:
+        raise SystemExit(f"readme_figures: {readme} has no block for: {', '.join(missing)} "
+                         "(add `<!-- figures:begin NAME -->` ... `<!-- figures:end -->` where it belongs)")
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+
+def show(v):
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    if isinstance(v, list):
+        return "/".join(str(x) for x in v)
+    return str(v)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("logs", type=Path)
+    ap.add_argument("--parts", default=",".join(PARTS), help="the parts that ran (comma-separated)")
+    ap.add_argument("--check", action="store_true", help="exit 1 when a command failed or a figure is missing")
+    ap.add_argument("--update-readme", type=Path, metavar="README")
+    a = ap.parse_args()
+    logs = Logs(a.logs)
+    parts = [p for p in a.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"readme_figures: unknown part(s) {', '.join(unknown)} (parts: {', '.join(PARTS)})")
+
+    f = Figures()
+    for p in parts:
+        EXTRACT[p](logs, f)
+    expected = expected_names()
+    failed, missing = [], []
+    for p in parts:
+        for c in PARTS[p]:
+            r = logs.commands.get(c)
+            if r is None:
+                failed.append(f"{c}: did not run")
+            elif r["rc"] != r["expected_rc"]:
+                failed.append(f"{c}: exit status {r['rc']} (expected {r['expected_rc']}), see {a.logs}/{c}.log")
+        missing += [n for n in expected[p] if n not in f.values]
+
+    width = max((len(n) for n in f.values), default=0)
+    print("figures (name: value    # the command that printed it):")
+    for p in parts:
+        for n in expected[p]:
+            if n in f.values:
+                print(f"  {n + ':':<{width + 1}} {show(f[n]):<12}  # {cmd(logs, f.source[n])}")
+    print("commands (exit status, wall time):")
+    for p in parts:
+        for c in PARTS[p]:
+            r = logs.commands.get(c)
+            if r:
+                print(f"  {c:<22} rc {r['rc']}{'' if r['rc'] == r['expected_rc'] else ' FAILED'}"
+                      f"  {r['wall_s']:8.1f} s  {r['cmd']}")
+    wall = {p: round(sum(logs.commands.get(c, {}).get("wall_s", 0) for c in PARTS[p]), 1) for p in parts}
+    for x in failed:
+        print(f"FAILED  {x}")
+    for n in missing:
+        print(f"MISSING {n}")
+    summary = {"machine": logs.machine, "parts": parts, "part_wall_s": wall, "figures": f.values,
+               "commands": {n: logs.commands[n] for p in parts for n in PARTS[p] if n in logs.commands},
+               "failed": failed, "missing": missing, "logs": str(a.logs)}
+    print(json.dumps(summary))
+
+    bad = bool(failed or missing)
+    if a.update_readme:
+        if bad or set(parts) != set(PARTS):
+            print(f"readme_figures: README not updated: {'a command failed or a figure is missing' if bad else 'not every part ran'}",
+                  file=sys.stderr)
+            return 1
+        changed = update_readme(a.update_readme, f, logs)
+        print(f"readme_figures: {a.update_readme} {'updated' if changed else 'already holds these figures'}",
+              file=sys.stderr)
+    if a.check and bad:
+        print(f"readme_figures: check failed: {len(failed)} command(s) failed, {len(missing)} figure(s) missing",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
