@@ -1,5 +1,7 @@
 #include "tests/catch_torch.h"
 
+#include <algorithm>
+#include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "engine/builtin.h"
@@ -120,4 +122,40 @@ TEST_CASE("without clipping every block's gradients share the ring: grad_ring sl
   Engine e(spec, c, make_device({.spec = "cpu", .budget_bytes = 64ull << 20}));
   CHECK(e.arena_bytes() >= ring.host_bytes);
   CHECK(e.arena_bytes() < ring.host_bytes + (2u << 20));
+}
+
+TEST_CASE("a model or a step past any machine is refused before the plan loops over it", "[engine][plan]") {
+  const ModelSpec spec = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  const PlanLimits l{.device_bytes = 24ull << 30, .host_bytes = 64ull << 30, .nvme_dir = "/nvme/strider"};
+  auto refused = [&](const ModelSpec& s, const PlanLimits& lim, const std::string& what) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(Plan::make(s, lim), Catch::Contains(what));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
+  };
+  for (int64_t layers : {int64_t{1'000'000'000'000}, int64_t{100'000'000}}) {
+    ModelSpec s = spec;
+    s.layers = layers;
+    refused(s, l, fmt::format("field 'num_hidden_layers' = {} is outside [1, 100000]", layers));
+  }
+  PlanLimits big = l;
+  big.seq = int64_t{1} << 20;
+  big.micro_batch = int64_t{1} << 20;
+  big.accumulation = 2;
+  refused(spec, big, "tokens is past 2^40");
+  big = l;
+  big.window = 35;
+  refused(spec, big, "window 35 is outside [0, 34]");
+  // Every count within its bound, the sizes they multiply into are not:
+  // attention scores of 2^30-token sequences,
+  big = l;
+  big.seq = int64_t{1} << 30;
+  big.micro_batch = 1 << 10;
+  refused(spec, big, "layer.0: its forward working memory for micro-batch 1024 x seq 1073741824");
+  // the block inputs of a 2^40-token step of hidden 2^20.
+  ModelSpec wide = spec;
+  wide.dims.hidden = int64_t{1} << 20;
+  big = l;
+  big.seq = int64_t{1} << 20;
+  big.micro_batch = int64_t{1} << 20;
+  refused(wide, big, "the block inputs of one step");
 }
