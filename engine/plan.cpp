@@ -159,17 +159,35 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
                              format_bytes(f.host_bytes), format_bytes(l.host_bytes));
       return p;
     }
+    std::vector<size_t> elems(static_cast<size_t>(blocks));
     std::vector<int64_t> order(static_cast<size_t>(blocks));
-    for (int64_t b = 0; b < blocks; ++b) order[size_t(b)] = b;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return spec.layout(a).total_elems() > spec.layout(b).total_elems();
-    });
-    for (int64_t b : order) {
-      lim.nvme_dir = l.nvme_dir;
-      p.nvme_blocks.push_back(b);
+    for (int64_t b = 0; b < blocks; ++b) {
+      elems[size_t(b)] = spec.layout(b).total_elems();
+      order[size_t(b)] = b;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return elems[size_t(a)] > elems[size_t(b)]; });
+    // The fewest of the largest blocks whose moving makes it fit. From one
+    // block on, each further one only takes its state out of RAM (the NVMe
+    // staging and ring slots are already sized by the largest), so the RAM
+    // needed falls with n and a binary search finds the n a scan would, in
+    // log(blocks) footprints instead of blocks (a scan is quadratic in the
+    // layers: minutes for a model of 10^5).
+    lim.nvme_dir = l.nvme_dir;
+    auto footprint_with = [&](size_t n) {
       Plan trial = p;
-      f = Engine::footprint(spec, trial.engine_config(lim));
-      if (f.host_bytes <= l.host_bytes) break;
+      trial.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(n));
+      return Engine::footprint(spec, trial.engine_config(lim));
+    };
+    size_t lo = 1, hi = order.size();  // footprint_with(hi) is checked first: does anything fit?
+    f = footprint_with(hi);
+    while (f.host_bytes <= l.host_bytes && lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (footprint_with(mid).host_bytes <= l.host_bytes) hi = mid;
+      else lo = mid + 1;
+    }
+    if (f.host_bytes <= l.host_bytes) {
+      f = footprint_with(hi);
+      p.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(hi));
     }
     if (f.host_bytes > l.host_bytes) {
       p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (the compute "

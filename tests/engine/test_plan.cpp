@@ -53,6 +53,33 @@ TEST_CASE("host RAM short: state goes to NVMe when there is one, else refused wi
   CHECK(p.nvme_bytes > 0);
 }
 
+TEST_CASE("host RAM short: the plan moves the fewest blocks to NVMe that make it fit", "[engine][plan]") {
+  ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  const PlanLimits base{.device_bytes = 64ull << 20, .nvme_dir = "/nvme/strider", .seq = 32};
+  const uint64_t all_in_ram = Plan::make(spec, base).host_bytes;
+  int moved_some = 0;
+  for (int tenths = 1; tenths < 10; ++tenths) {
+    PlanLimits l = base;
+    l.host_bytes = all_in_ram * uint64_t(tenths) / 10;
+    INFO("host limit " << l.host_bytes);
+    Plan p = Plan::make(spec, l);
+    if (!p.feasible || p.nvme_blocks.empty()) continue;
+    ++moved_some;
+    CHECK(p.host_bytes <= l.host_bytes);
+    CHECK(Engine::footprint(spec, p.engine_config(l)).host_bytes == p.host_bytes);
+    if (p.nvme_blocks.size() < 2) continue;
+    // Without its smallest NVMe block (the last one a largest-first order
+    // adds) the state would not fit.
+    Plan fewer = p;
+    auto smallest = std::min_element(fewer.nvme_blocks.begin(), fewer.nvme_blocks.end(), [&](int64_t a, int64_t b) {
+      return spec.layout(a).total_elems() < spec.layout(b).total_elems();
+    });
+    fewer.nvme_blocks.erase(smallest);
+    CHECK(Engine::footprint(spec, fewer.engine_config(l)).host_bytes > l.host_bytes);
+  }
+  CHECK(moved_some >= 3);
+}
+
 TEST_CASE("sizes parse with binary and decimal units and name bad text", "[engine][plan]") {
   CHECK(parse_bytes("24GiB") == 24ull << 30);
   CHECK(parse_bytes("512 MiB") == 512ull << 20);
