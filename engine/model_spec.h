@@ -59,10 +59,22 @@ struct ModelSpec {
   // embedding's (the engine keeps that one parameter in both places).
   ParamLayout layout(int64_t i) const;
 
+  // Throws if batch x seq is past kMaxTokens or a byte count past kMaxBytes.
   BlockCost cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes) const;
+  static constexpr int64_t kMaxTokens = int64_t{1} << 40;  // per micro-batch: 8 TiB of ids alone
+  static constexpr int64_t kMaxBytes = int64_t{1} << 62;   // any one size: past every machine
 
-  // All parameters, counted once (tied weights once).
+  // All parameters, counted once (tied weights once). O(1) in the layers.
   int64_t param_count() const;
+
+  // More parameters than this is no model a machine holds: 1e14 parameters
+  // need 1.6 PB of fp32 master weights and Adam state.
+  static constexpr int64_t kMaxParams = 100'000'000'000'000;
+  // Throws an Error naming `source` unless every dimension is within the
+  // bounds from_json enforces and the model has at most kMaxParams
+  // parameters. O(1): callers run it before anything loops over the blocks or
+  // sizes a buffer (from_json and Plan::make do).
+  void check_size(std::string_view source) const;
 
   // A short human-readable line: "Qwen3ForCausalLM: 2 layers, hidden 64, ...".
   std::string summary() const;

@@ -54,9 +54,48 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   return c;
 }
 
+namespace {
+
+// Before anything loops over the blocks or sums a size: the model and the
+// limits must be ones whose sizes a machine could hold, so that no uint64 in
+// the plan or the engine's footprint can wrap. The bounds are upper bounds of
+// those sums in long double (which cannot overflow here), not the sums.
+void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
+  spec.check_size(spec.arch_name.empty() ? "plan: model" : "plan: " + spec.arch_name);
+  STRIDER_CHECK(l.seq >= 1 && l.micro_batch >= 1 && l.accumulation >= 1, "plan: seq {}, micro-batch {} "
+                "and accumulation {} must be >= 1", l.seq, l.micro_batch, l.accumulation);
+  using ld = long double;
+  const ld step_tokens = ld(l.seq) * ld(l.micro_batch) * ld(l.accumulation);
+  STRIDER_CHECK(step_tokens <= ld(ModelSpec::kMaxTokens), "plan: a step of seq {} x micro-batch {} x "
+                "accumulation {} = {:.4g} tokens is past 2^40 (its ids alone would fill 8 TiB)", l.seq,
+                l.micro_batch, l.accumulation, double(step_tokens));
+  const int64_t blocks = spec.num_blocks();
+  STRIDER_CHECK(l.window >= 0 && l.window <= blocks, "plan: window {} is outside [0, {}] (0: choose; "
+                "at most one cache unit per block)", l.window, blocks);
+  STRIDER_CHECK(l.vocab_chunk >= 0, "plan: vocab chunk {} must be >= 0", l.vocab_chunk);
+  STRIDER_CHECK(l.grad_ring >= 1, "plan: grad_ring {} must be >= 1", l.grad_ring);
+  // Block inputs kept for backward (every block, every micro-batch, fp32 at
+  // most), and the largest block in every cache unit and ring slot.
+  const ld ckpt = ld(blocks) * ld(l.accumulation) * ld(l.micro_batch) * ld(l.seq) * ld(spec.dims.hidden) * 4;
+  STRIDER_CHECK(ckpt <= ld(ModelSpec::kMaxBytes), "plan: the block inputs of one step ({} blocks x "
+                "accumulation {} x micro-batch {} x seq {} x hidden {}) come to {:.4g} bytes, past 2^62; "
+                "shorten seq or the batch", blocks, l.accumulation, l.micro_batch, l.seq,
+                spec.dims.hidden, double(ckpt));
+  const ld emb = ld(spec.layout(0).total_elems()), head = ld(spec.layout(blocks - 1).total_elems());
+  const ld largest = std::max({emb, ld(spec.layout(1).total_elems()), head + emb});
+  const int64_t slots = std::max<int64_t>({l.window, Plan::kMaxAutoWindow, l.grad_ring});
+  const ld units = ld(slots) * largest * 8;
+  STRIDER_CHECK(units <= ld(ModelSpec::kMaxBytes), "plan: {} cache units or gradient ring slots of "
+                "{:.4g} elements each come to {:.4g} bytes, past 2^62", slots, double(largest),
+                double(units));
+}
+
+}  // namespace
+
 Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   Plan p;
   STRIDER_CHECK(l.device_bytes > 0, "plan: the device budget must be > 0");
+  check_plan_inputs(spec, l);
   const int64_t blocks = spec.num_blocks();
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
   // ATen's working memory: the largest block's backward (recompute + autograd)
@@ -120,17 +159,35 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
                              format_bytes(f.host_bytes), format_bytes(l.host_bytes));
       return p;
     }
+    std::vector<size_t> elems(static_cast<size_t>(blocks));
     std::vector<int64_t> order(static_cast<size_t>(blocks));
-    for (int64_t b = 0; b < blocks; ++b) order[size_t(b)] = b;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return spec.layout(a).total_elems() > spec.layout(b).total_elems();
-    });
-    for (int64_t b : order) {
-      lim.nvme_dir = l.nvme_dir;
-      p.nvme_blocks.push_back(b);
+    for (int64_t b = 0; b < blocks; ++b) {
+      elems[size_t(b)] = spec.layout(b).total_elems();
+      order[size_t(b)] = b;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return elems[size_t(a)] > elems[size_t(b)]; });
+    // The fewest of the largest blocks whose moving makes it fit. From one
+    // block on, each further one only takes its state out of RAM (the NVMe
+    // staging and ring slots are already sized by the largest), so the RAM
+    // needed falls with n and a binary search finds the n a scan would, in
+    // log(blocks) footprints instead of blocks (a scan is quadratic in the
+    // layers: minutes for a model of 10^5).
+    lim.nvme_dir = l.nvme_dir;
+    auto footprint_with = [&](size_t n) {
       Plan trial = p;
-      f = Engine::footprint(spec, trial.engine_config(lim));
-      if (f.host_bytes <= l.host_bytes) break;
+      trial.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(n));
+      return Engine::footprint(spec, trial.engine_config(lim));
+    };
+    size_t lo = 1, hi = order.size();  // footprint_with(hi) is checked first: does anything fit?
+    f = footprint_with(hi);
+    while (f.host_bytes <= l.host_bytes && lo < hi) {
+      const size_t mid = lo + (hi - lo) / 2;
+      if (footprint_with(mid).host_bytes <= l.host_bytes) hi = mid;
+      else lo = mid + 1;
+    }
+    if (f.host_bytes <= l.host_bytes) {
+      f = footprint_with(hi);
+      p.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(hi));
     }
     if (f.host_bytes > l.host_bytes) {
       p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (the compute "

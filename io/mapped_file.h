@@ -1,5 +1,6 @@
 // MappedFile: a whole file mapped read-only, the zero-copy base of the
-// safetensors and token-data readers.
+// safetensors reader. (Token files are read with pread instead: a run reads
+// them for hours, and a mapped file truncated meanwhile SIGBUSes its reader.)
 //
 // Views handed out by the readers are pointers into this mapping, so the
 // MappedFile must outlive them (the readers own theirs and say so).

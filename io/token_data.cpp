@@ -1,10 +1,16 @@
 #include "io/token_data.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <numeric>
 
 #include "host/error.h"
+#include "io/checksum.h"
 
 namespace strider {
 namespace {
@@ -17,35 +23,35 @@ uint64_t header_word(std::span<const std::byte> file, size_t i) {
   return v;
 }
 
-}  // namespace
-
-TokenFileLayout parse_token_file(std::span<const std::byte> file, std::string_view label,
-                                 uint64_t vocab_size, bool check_contents) {
-  STRIDER_CHECK(file.size() >= kTokenHeaderBytes, "{}: {} bytes is shorter than the {}-byte token "
-                "file header; the file is truncated or not a token file", label, file.size(),
+// The header's fields, checked against the size of the whole file. `header`
+// holds the file's first min(file_bytes, kTokenHeaderBytes) bytes.
+TokenFileLayout parse_header(std::span<const std::byte> header, uint64_t file_bytes,
+                             std::string_view label) {
+  STRIDER_CHECK(file_bytes >= kTokenHeaderBytes, "{}: {} bytes is shorter than the {}-byte token "
+                "file header; the file is truncated or not a token file", label, file_bytes,
                 kTokenHeaderBytes);
   TokenFileLayout l;
-  l.file_bytes = file.size();
-  uint64_t magic = header_word(file, 0);
+  l.file_bytes = file_bytes;
+  uint64_t magic = header_word(header, 0);
   STRIDER_CHECK(magic == kTokenFileMagic, "{}: field 'magic' is 0x{:016x}, expected 0x{:016x} "
                 "(\"STRDTOKN\"); not a strider token file", label, magic, kTokenFileMagic);
-  uint64_t version = header_word(file, 1);
+  uint64_t version = header_word(header, 1);
   STRIDER_CHECK(version == kTokenFileVersion, "{}: field 'version' is {}; this build reads "
                 "version {} only", label, version, kTokenFileVersion);
-  l.token_bytes = header_word(file, 2);
+  l.token_bytes = header_word(header, 2);
   STRIDER_CHECK(l.token_bytes == 2 || l.token_bytes == 4, "{}: field 'token_bytes' is {}, must "
                 "be 2 (uint16 ids) or 4 (uint32 ids)", label, l.token_bytes);
-  l.num_tokens = header_word(file, 3);
-  l.flags = header_word(file, 4);
+  l.num_tokens = header_word(header, 3);
+  l.flags = header_word(header, 4);
   STRIDER_CHECK((l.flags & ~(kTokenFlagMask | kTokenFlagDocs)) == 0, "{}: field 'flags' is 0x{:x}; "
                 "only bits 0 (mask) and 1 (docs) are defined", label, l.flags);
-  l.num_docs = header_word(file, 5);
+  l.num_docs = header_word(header, 5);
   STRIDER_CHECK((l.flags & kTokenFlagDocs) || l.num_docs == 0, "{}: field 'num_docs' is {} but "
                 "flag bit 1 (docs) is clear", label, l.num_docs);
-  l.vocab_size = header_word(file, 6);
+  l.vocab_size = header_word(header, 6);
   for (size_t i = 7; i < kTokenHeaderBytes / 8; ++i)
-    STRIDER_CHECK(header_word(file, i) == 0, "{}: reserved header word {} is {}, must be 0", label,
-                  i, header_word(file, i));
+    STRIDER_CHECK(header_word(header, i) == 0, "{}: reserved header word {} is {}, must be 0", label,
+                  i, header_word(header, i));
 
   // The size the header implies, in 128 bits: a lying count must give a clear
   // error, not a wrapped size that happens to match.
@@ -60,73 +66,215 @@ TokenFileLayout parse_token_file(std::span<const std::byte> file, std::string_vi
     l.docs_offset_bytes = static_cast<uint64_t>(std::min<u128>(expected, UINT64_MAX));
     expected += u128{l.num_docs} * 8;
   }
-  STRIDER_CHECK(expected == file.size(), "{}: field 'num_tokens' {} (token_bytes {}, flags "
+  STRIDER_CHECK(expected == file_bytes, "{}: field 'num_tokens' {} (token_bytes {}, flags "
                 "0x{:x}, num_docs {}) implies a file of {} bytes, but it has {}; the file is "
                 "truncated or its header is wrong", label, l.num_tokens, l.token_bytes, l.flags,
                 l.num_docs, expected <= UINT64_MAX ? fmt::format("{}", static_cast<uint64_t>(expected))
                                                    : std::string("more than 2^64"),
-                file.size());
+                file_bytes);
+  return l;
+}
 
+// The vocab ids are checked against: the tighter of the given one and the
+// recorded one; 0 = none. `given` says which, for the message.
+uint64_t effective_vocab(const TokenFileLayout& l, uint64_t vocab_size, bool* given) {
+  *given = vocab_size != 0 && (l.vocab_size == 0 || vocab_size <= l.vocab_size);
+  return *given ? vocab_size : l.vocab_size;
+}
+
+// Ids `first`.. of the token section, raw bytes (a whole number of ids).
+void check_ids(std::span<const std::byte> raw, uint64_t first, const TokenFileLayout& l,
+               uint64_t vocab, bool given, std::string_view label) {
+  for (uint64_t i = 0; i < raw.size() / l.token_bytes; ++i) {
+    uint32_t id = 0;
+    std::memcpy(&id, raw.data() + i * l.token_bytes, l.token_bytes);  // little-endian host
+    STRIDER_CHECK(id < vocab, "{}: token {} is id {}, not below the vocab size {} ({}); wrong "
+                  "tokenizer for this model?", label, first + i, id, vocab,
+                  given ? "given" : "field 'vocab_size'");
+  }
+}
+
+// Mask bytes `first`...
+void check_mask(std::span<const std::byte> raw, uint64_t first, std::string_view label) {
+  for (uint64_t i = 0; i < raw.size(); ++i) {
+    const auto m = static_cast<uint8_t>(raw[i]);
+    STRIDER_CHECK(m <= 1, "{}: loss mask of token {} is {}, must be 0 or 1", label, first + i, m);
+  }
+}
+
+// The whole doc-start section, raw bytes.
+void check_docs(std::span<const std::byte> raw, const TokenFileLayout& l, std::string_view label) {
+  uint64_t prev = 0;
+  for (uint64_t i = 0; i < l.num_docs; ++i) {
+    uint64_t d = header_word(raw, i);
+    STRIDER_CHECK(d < l.num_tokens && (i == 0 || d > prev), "{}: doc start {} is {}; doc starts "
+                  "must increase strictly and stay below num_tokens {}", label, i, d,
+                  l.num_tokens);
+    prev = d;
+  }
+}
+
+// Validation and fingerprint passes read this much at a time.
+constexpr uint64_t kChunkBytes = uint64_t{4} << 20;
+
+int64_t mtime_ns(const struct stat& st) {
+  return int64_t(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+}
+
+}  // namespace
+
+TokenFileLayout parse_token_file(std::span<const std::byte> file, std::string_view label,
+                                 uint64_t vocab_size, bool check_contents) {
+  TokenFileLayout l = parse_header(file.first(std::min<size_t>(file.size(), kTokenHeaderBytes)),
+                                   file.size(), label);
   if (!check_contents) return l;
-  // The tighter of the given vocab and the recorded one.
-  const bool given = vocab_size != 0 && (l.vocab_size == 0 || vocab_size <= l.vocab_size);
-  const uint64_t vocab = given ? vocab_size : l.vocab_size;
-  if (vocab != 0) {
-    const std::byte* p = file.data() + l.tokens_offset_bytes;
-    for (uint64_t i = 0; i < l.num_tokens; ++i) {
-      uint32_t id = 0;
-      std::memcpy(&id, p + i * l.token_bytes, l.token_bytes);  // little-endian host
-      STRIDER_CHECK(id < vocab, "{}: token {} is id {}, not below the vocab size {} ({}); wrong "
-                    "tokenizer for this model?", label, i, id, vocab,
-                    given ? "given" : "field 'vocab_size'");
-    }
-  }
-  if (l.mask_offset_bytes != 0) {
-    const auto* m = reinterpret_cast<const uint8_t*>(file.data() + l.mask_offset_bytes);
-    for (uint64_t i = 0; i < l.num_tokens; ++i)
-      STRIDER_CHECK(m[i] <= 1, "{}: loss mask of token {} is {}, must be 0 or 1", label, i, m[i]);
-  }
-  if (l.docs_offset_bytes != 0) {
-    uint64_t prev = 0;
-    for (uint64_t i = 0; i < l.num_docs; ++i) {
-      uint64_t d = header_word(file.subspan(l.docs_offset_bytes), i);
-      STRIDER_CHECK(d < l.num_tokens && (i == 0 || d > prev), "{}: doc start {} is {}; doc starts "
-                    "must increase strictly and stay below num_tokens {}", label, i, d,
-                    l.num_tokens);
-      prev = d;
-    }
-  }
+  bool given = false;
+  if (uint64_t vocab = effective_vocab(l, vocab_size, &given); vocab != 0)
+    check_ids(file.subspan(l.tokens_offset_bytes, l.num_tokens * l.token_bytes), 0, l, vocab, given,
+              label);
+  if (l.mask_offset_bytes != 0) check_mask(file.subspan(l.mask_offset_bytes, l.num_tokens), 0, label);
+  if (l.docs_offset_bytes != 0) check_docs(file.subspan(l.docs_offset_bytes), l, label);
   return l;
 }
 
 // ---- TokenFile -------------------------------------------------------------
 
-TokenFile::TokenFile(const std::string& path, uint64_t vocab_size)
-    : map_(path), layout_(parse_token_file(map_.bytes(), path, vocab_size)) {}
+TokenFile::TokenFile(const std::string& path, uint64_t vocab_size) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  STRIDER_CHECK(fd_ >= 0, "{}: cannot open for reading: {}; check the path and permissions", path,
+                errno_text(errno));
+  try {
+    struct stat st {};
+    STRIDER_CHECK(::fstat(fd_, &st) == 0, "{}: fstat failed: {}", path, errno_text(errno));
+    STRIDER_CHECK(S_ISREG(st.st_mode), "{}: not a regular file; pass a token file", path);
+    opened_mtime_ns_ = mtime_ns(st);
+    const auto file_bytes = static_cast<uint64_t>(st.st_size);
+    layout_.file_bytes = file_bytes;  // read_at's messages quote it
+    std::vector<std::byte> buf(std::min<uint64_t>(file_bytes, kTokenHeaderBytes));
+    read_at(0, buf);
+    layout_ = parse_header(buf, file_bytes, path);
+
+    // The contents, as parse_token_file checks them, a chunk at a time.
+    bool given = false;
+    const uint64_t vocab = effective_vocab(layout_, vocab_size, &given);
+    const uint64_t tb = layout_.token_bytes;
+    if (vocab != 0) {
+      for (uint64_t first = 0; first < layout_.num_tokens;) {
+        const uint64_t n = std::min(layout_.num_tokens - first, kChunkBytes / tb);
+        buf.resize(n * tb);
+        read_at(layout_.tokens_offset_bytes + first * tb, buf);
+        check_ids(buf, first, layout_, vocab, given, path);
+        first += n;
+      }
+    }
+    if (has_mask()) {
+      for (uint64_t first = 0; first < layout_.num_tokens;) {
+        const uint64_t n = std::min(layout_.num_tokens - first, kChunkBytes);
+        buf.resize(n);
+        read_at(layout_.mask_offset_bytes + first, buf);
+        check_mask(buf, first, path);
+        first += n;
+      }
+    }
+    if (layout_.docs_offset_bytes != 0) {
+      doc_starts_.resize(layout_.num_docs);
+      auto raw = std::as_writable_bytes(std::span(doc_starts_));
+      read_at(layout_.docs_offset_bytes, raw);
+      check_docs(raw, layout_, path);
+    }
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+}
+
+TokenFile::~TokenFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void TokenFile::read_at(uint64_t offset, std::span<std::byte> out) const {
+  size_t got = 0;
+  while (got < out.size()) {
+    const ssize_t r = ::pread(fd_, out.data() + got, out.size() - got, off_t(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    STRIDER_CHECK(r >= 0, "{}: read of {} bytes at offset {} failed: {}", path_, out.size(), offset,
+                  errno_text(errno));
+    if (r == 0) {
+      struct stat st {};
+      const std::string now = ::fstat(fd_, &st) == 0 ? fmt::format("{} bytes", st.st_size) : "unknown";
+      throw Error(fmt::format("{}: read of {} bytes at offset {} hit the end of the file at byte {} "
+                              "(its size now: {}), but it had {} bytes when opened; it was truncated "
+                              "while in use: keep a run's token file unchanged until the run ends",
+                              path_, out.size(), offset, offset + got, now, layout_.file_bytes));
+    }
+    got += size_t(r);
+  }
+}
+
+void TokenFile::check_unchanged() const {
+  struct stat st {};
+  STRIDER_CHECK(::fstat(fd_, &st) == 0, "{}: fstat failed: {}", path_, errno_text(errno));
+  STRIDER_CHECK(uint64_t(st.st_size) == layout_.file_bytes && mtime_ns(st) == opened_mtime_ns_,
+                "{}: the token file changed while in use: it has {} bytes modified at {} ns, but "
+                "had {} bytes modified at {} ns when opened; keep a run's token file unchanged "
+                "until the run ends (write new data to a new file)", path_, st.st_size,
+                mtime_ns(st), layout_.file_bytes, opened_mtime_ns_);
+}
+
+void TokenFile::read_tokens(uint64_t first, std::span<uint32_t> out) const {
+  STRIDER_CHECK(first <= size() && out.size() <= size() - first, "{}: ids [{}, {}) are outside the "
+                "file's {} tokens", path_, first, first + out.size(), size());
+  const uint64_t tb = layout_.token_bytes;
+  // Read the raw ids into the front of `out`, then widen from the back so no
+  // id is overwritten before it is read.
+  auto raw = std::as_writable_bytes(out).first(out.size() * tb);
+  read_at(layout_.tokens_offset_bytes + first * tb, raw);
+  if (tb == 4) return;
+  for (size_t i = out.size(); i-- > 0;) {
+    uint16_t v;
+    std::memcpy(&v, raw.data() + 2 * i, 2);
+    out[i] = v;
+  }
+}
 
 uint32_t TokenFile::token(uint64_t i) const {
-  const std::byte* p = map_.bytes().data() + layout_.tokens_offset_bytes + i * layout_.token_bytes;
-  if (layout_.token_bytes == 2) {
-    uint16_t v;
-    std::memcpy(&v, p, 2);
-    return v;
-  }
-  uint32_t v;
-  std::memcpy(&v, p, 4);
+  uint32_t v = 0;
+  read_tokens(i, std::span(&v, 1));
   return v;
 }
 
-std::span<const uint8_t> TokenFile::mask() const {
-  if (!has_mask()) return {};
-  return {reinterpret_cast<const uint8_t*>(map_.bytes().data() + layout_.mask_offset_bytes),
-          layout_.num_tokens};
+void TokenFile::read_mask(uint64_t first, std::span<uint8_t> out) const {
+  STRIDER_CHECK(first <= size() && out.size() <= size() - first, "{}: mask bytes [{}, {}) are "
+                "outside the file's {} tokens", path_, first, first + out.size(), size());
+  if (!has_mask()) {
+    std::fill(out.begin(), out.end(), uint8_t{1});
+    return;
+  }
+  read_at(layout_.mask_offset_bytes + first, std::as_writable_bytes(out));
 }
 
-std::span<const uint64_t> TokenFile::doc_starts() const {
-  if (layout_.docs_offset_bytes == 0) return {};
-  // 8-byte aligned: the mapping is page aligned and every section is padded to 8.
-  return {reinterpret_cast<const uint64_t*>(map_.bytes().data() + layout_.docs_offset_bytes),
-          layout_.num_docs};
+std::vector<uint8_t> TokenFile::mask() const {
+  if (!has_mask()) return {};
+  std::vector<uint8_t> m(size());
+  read_mask(0, m);
+  return m;
+}
+
+TokenFileFingerprint TokenFile::fingerprint() const {
+  std::lock_guard lk(fingerprint_mu_);
+  if (fingerprint_) return *fingerprint_;
+  check_unchanged();
+  Checksum64Stream hash;
+  std::vector<std::byte> buf(std::min(layout_.file_bytes, kChunkBytes));
+  for (uint64_t at = 0; at < layout_.file_bytes;) {
+    auto chunk = std::span(buf).first(std::min(layout_.file_bytes - at, kChunkBytes));
+    read_at(at, chunk);
+    hash.update(chunk);
+    at += chunk.size();
+  }
+  check_unchanged();  // a rewrite during the pass would give a hash of no one version
+  fingerprint_ = TokenFileFingerprint{layout_.file_bytes, hash.digest()};
+  return *fingerprint_;
 }
 
 // ---- TokenFileWriter ---------------------------------------------------------
@@ -216,9 +364,13 @@ TokenLoader::TokenLoader(const TokenFile& file, TokenLoaderOptions options)
     : file_(file), options_(options) {
   STRIDER_CHECK(options_.batch > 0 && options_.seq > 0, "{}: batch {} and seq {} must be positive",
                 file.path(), options_.batch, options_.seq);
-  STRIDER_CHECK(file.size() >= options_.seq + 1, "{}: {} tokens is too few for one window of seq "
+  STRIDER_CHECK(file.size() > options_.seq, "{}: {} tokens is too few for one window of seq "
                 "{} (needs seq + 1 = {})", file.path(), file.size(), options_.seq, options_.seq + 1);
+  STRIDER_CHECK(options_.batch <= UINT64_MAX / options_.seq, "{}: batch {} x seq {} overflows "
+                "a 64-bit count", file.path(), options_.batch, options_.seq);
   num_windows_ = (file.size() - 1) / options_.seq;
+  window_ids_.resize(options_.seq + 1);
+  window_mask_.resize(options_.seq);
   restore(TokenLoaderState{0, 0, options_.seed, num_windows_, options_.seq});
 }
 
@@ -227,23 +379,38 @@ void TokenLoader::next(std::span<int64_t> inputs, std::span<int64_t> labels) {
   STRIDER_CHECK(inputs.size() == n && labels.size() == n, "{}: next() needs inputs and labels of "
                 "batch * seq = {} values, got {} and {}", file_.path(), n, inputs.size(),
                 labels.size());
-  auto mask = file_.mask();
-  auto docs = file_.doc_starts();
+  file_.check_unchanged();
+  // A read that fails leaves the position where it was: state() never
+  // counts a batch that was not handed out.
+  const TokenLoaderState before = state();
+  try {
+    fill(inputs, labels);
+  } catch (...) {
+    restore(before);
+    throw;
+  }
+}
+
+void TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels) {
+  const uint64_t seq = options_.seq;
+  const auto docs = file_.doc_starts();
   for (uint64_t b = 0; b < options_.batch; ++b) {
     if (cursor_ == num_windows_) restore(TokenLoaderState{epoch_ + 1, 0, options_.seed,
                                                           num_windows_, seq});
     const uint64_t start = order_[cursor_++] * seq;
+    file_.read_tokens(start, window_ids_);          // tokens start .. start + seq
+    file_.read_mask(start + 1, window_mask_);       // the targets' mask bytes
     // First document start after `start`: boundaries are walked, not searched per token.
     auto doc = std::upper_bound(docs.begin(), docs.end(), start);
     for (uint64_t t = 0; t < seq; ++t) {
       const uint64_t target = start + t + 1;
-      inputs[b * seq + t] = file_.token(start + t);
-      bool ignore = !mask.empty() && mask[target] == 0;
+      inputs[b * seq + t] = window_ids_[t];
+      bool ignore = window_mask_[t] == 0;
       if (doc != docs.end() && *doc == target) {
         ignore = true;
         ++doc;
       }
-      labels[b * seq + t] = ignore ? kIgnoreLabel : file_.token(target);
+      labels[b * seq + t] = ignore ? kIgnoreLabel : int64_t{window_ids_[t + 1]};
     }
   }
 }

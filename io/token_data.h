@@ -40,23 +40,34 @@
 // (see window_order()); a batch is the next `batch` windows, and an epoch
 // that runs out mid-batch continues into the next one. state() captures the
 // position; restore() resumes exactly there.
+//
+// Reading. TokenFile reads with pread, never through a mapping: a file that is
+// truncated while a run reads it would make a mapped read SIGBUS (a signal
+// that kills the Python process hosting us), while a short pread is an Error
+// naming the file. The reads are small (batch x (seq + 1) ids per step, plus
+// as many mask bytes), so the copy costs nothing next to a training step.
+// Every batch also checks that the file's size and modification time are
+// those it had when opened, so a file rewritten in place is refused too.
+// A file replaced by rename is not: the open descriptor keeps reading the
+// file that was validated.
 #pragma once
 
 #include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "io/atomic_file.h"
-#include "io/mapped_file.h"
 
 namespace strider {
 
 static_assert(std::endian::native == std::endian::little,
-              "token files are read in place; a big-endian host needs byte swaps here");
+              "token files are little-endian; a big-endian host needs byte swaps here");
 
 inline constexpr uint64_t kTokenFileMagic = 0x4E4B4F5444525453ull;  // "STRDTOKN"
 inline constexpr uint64_t kTokenFileVersion = 1;
@@ -85,22 +96,58 @@ struct TokenFileLayout {
 TokenFileLayout parse_token_file(std::span<const std::byte> file, std::string_view label,
                                  uint64_t vocab_size = 0, bool check_contents = true);
 
-// A mapped, validated token file.
+// What identifies a token file's content, so that a resumed run can refuse
+// data other than the data it started with.
+struct TokenFileFingerprint {
+  uint64_t bytes = 0;  // the file's size
+  uint64_t xxh3 = 0;   // XXH3-64, seed 0, of every byte of the file (io/checksum.h's checksum64)
+  bool operator==(const TokenFileFingerprint&) const = default;
+};
+
+// An open, validated token file (the whole file is checked when opened, as
+// parse_token_file does). Reads go through pread on the descriptor opened
+// here; they are safe from several threads.
 class TokenFile {
  public:
   explicit TokenFile(const std::string& path, uint64_t vocab_size = 0);
+  ~TokenFile();
+  TokenFile(const TokenFile&) = delete;
+  TokenFile& operator=(const TokenFile&) = delete;
 
-  const std::string& path() const { return map_.path(); }
+  const std::string& path() const { return path_; }
   const TokenFileLayout& layout() const { return layout_; }
   uint64_t size() const { return layout_.num_tokens; }
-  uint32_t token(uint64_t i) const;
   bool has_mask() const { return layout_.mask_offset_bytes != 0; }
-  std::span<const uint8_t> mask() const;        // empty without a mask
-  std::span<const uint64_t> doc_starts() const;  // empty without documents
+  // One id (one read of the file: for tools and tests, not for batches).
+  uint32_t token(uint64_t i) const;
+  // Ids [first, first + out.size()).
+  void read_tokens(uint64_t first, std::span<uint32_t> out) const;
+  // Mask bytes [first, first + out.size()); without a mask, all 1.
+  void read_mask(uint64_t first, std::span<uint8_t> out) const;
+  // The whole mask (N bytes), empty without one: for tools and tests.
+  std::vector<uint8_t> mask() const;
+  // Read and checked when the file is opened, then held in memory (8 bytes per
+  // document, small next to the document's tokens).
+  std::span<const uint64_t> doc_starts() const { return doc_starts_; }
+  // Size and XXH3-64 of the whole file. The first call reads it all, in
+  // chunks; later calls return the same value. Throws if the file changed
+  // since it was opened.
+  TokenFileFingerprint fingerprint() const;
+  // Throws an Error naming the file if its size or modification time is not
+  // what it was when opened (truncated, grown or rewritten in place).
+  void check_unchanged() const;
 
  private:
-  MappedFile map_;
+  // Exactly out.size() bytes at `offset`, or an Error naming the file.
+  void read_at(uint64_t offset, std::span<std::byte> out) const;
+
+  std::string path_;
+  int fd_ = -1;
   TokenFileLayout layout_;
+  std::vector<uint64_t> doc_starts_;
+  int64_t opened_mtime_ns_ = 0;
+  mutable std::mutex fingerprint_mu_;
+  mutable std::optional<TokenFileFingerprint> fingerprint_;
 };
 
 struct TokenWriterOptions {
@@ -163,17 +210,22 @@ class TokenLoader {
 
   uint64_t num_windows() const { return num_windows_; }
   // Fills inputs and labels, each batch * seq values, row-major [batch, seq].
+  // Throws an Error naming the file if it changed since it was opened.
   void next(std::span<int64_t> inputs, std::span<int64_t> labels);
   TokenLoaderState state() const;
   void restore(const TokenLoaderState& state);
 
  private:
+  void fill(std::span<int64_t> inputs, std::span<int64_t> labels);
+
   const TokenFile& file_;
   TokenLoaderOptions options_;
   uint64_t num_windows_ = 0;
   uint64_t epoch_ = 0;
   uint64_t cursor_ = 0;
   std::vector<uint64_t> order_;
+  std::vector<uint32_t> window_ids_;   // seq + 1 ids of the window being read
+  std::vector<uint8_t> window_mask_;   // its seq target mask bytes
 };
 
 }  // namespace strider

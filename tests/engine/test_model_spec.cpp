@@ -1,6 +1,11 @@
 #include <catch2/catch.hpp>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+#include <cstdint>
+#include <limits>
+
+#include "engine/model_presets.h"
 #include "engine/model_spec.h"
 #include "host/error.h"
 
@@ -76,13 +81,13 @@ TEST_CASE("bad configs fail naming the file and the field", "[engine][spec]") {
   fails(j, "'hidden_size'");
   j = llama31_8b();
   j["num_attention_heads"] = 0;
-  fails(j, "'num_attention_heads' must be > 0");
+  fails(j, "field 'num_attention_heads' = 0 is outside [1, 65536]");
   j = llama31_8b();
   j["num_key_value_heads"] = 5;
   fails(j, "num_key_value_heads 5");
   j = llama31_8b();
   j["hidden_size"] = "4096";
-  fails(j, "'hidden_size' must be an integer");
+  fails(j, "field 'hidden_size' must be an integer in [1, 1048576]");
   j = llama31_8b();
   j["rope_scaling"]["rope_type"] = "yarn";
   fails(j, "rope_type 'yarn'");
@@ -90,4 +95,98 @@ TEST_CASE("bad configs fail naming the file and the field", "[engine][spec]") {
   j["hidden_act"] = "gelu";
   fails(j, "hidden_act 'gelu'");
   CHECK_THROWS_WITH(ModelSpec::from_file("/nonexistent/dir"), Catch::Contains("/nonexistent/dir"));
+}
+
+TEST_CASE("every numeric field is range-checked, naming the field, the value and the range",
+          "[engine][spec]") {
+  auto fails = [](json j, const std::string& what) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(ModelSpec::from_json(j, "m/config.json"),
+                      Catch::Contains("m/config.json") && Catch::Contains(what));
+    // Refused before anything is sized by the value: at once, not after a loop.
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
+  };
+  auto with = [](const char* key, json value) {
+    json j = llama31_8b();
+    j[key] = std::move(value);
+    return j;
+  };
+  fails(with("num_hidden_layers", int64_t{1'000'000'000'000}),
+        "field 'num_hidden_layers' = 1000000000000 is outside [1, 100000]");
+  fails(with("num_hidden_layers", int64_t{100'000'000}), "field 'num_hidden_layers' = 100000000 is outside [1, 100000]");
+  fails(with("num_hidden_layers", -3), "field 'num_hidden_layers' = -3 is outside [1, 100000]");
+  // JSON's 1e12 is a floating-point number: refused as one, with the range.
+  fails(json::parse(R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+                        "num_hidden_layers": 1e12, "num_attention_heads": 4, "vocab_size": 100})"),
+        "field 'num_hidden_layers' = 1000000000000.0 is a floating-point number; it must be an integer in [1, 100000]");
+  fails(with("num_hidden_layers", 32.0), "field 'num_hidden_layers' = 32.0 is a floating-point number");
+  // Past int64: get<int64_t>() would wrap it to -1.
+  fails(with("vocab_size", std::numeric_limits<uint64_t>::max()),
+        "field 'vocab_size' = 18446744073709551615 is outside [1, 16777216]");
+  fails(with("hidden_size", (int64_t{1} << 20) + 1), "field 'hidden_size' = 1048577 is outside [1, 1048576]");
+  fails(with("num_key_value_heads", 0), "field 'num_key_value_heads' = 0 is outside [1, 65536]");
+  // As parsed from text, 0 is an unsigned number: the same bound holds.
+  fails(with("num_key_value_heads", json::parse("0")), "field 'num_key_value_heads' = 0 is outside [1, 65536]");
+  fails(with("head_dim", 0), "field 'head_dim' = 0 is outside [2, 1048576]");
+  fails(with("intermediate_size", int64_t{1} << 23), "field 'intermediate_size' = 8388608 is outside [1, 4194304]");
+  fails(with("max_position_embeddings", int64_t{1} << 31),
+        "field 'max_position_embeddings' = 2147483648 is outside [1, 1073741824]");
+  fails(with("rms_norm_eps", 0), "field 'rms_norm_eps' = 0 is outside (0, 1]");
+  fails(with("rms_norm_eps", 2.5), "field 'rms_norm_eps' = 2.5 is outside (0, 1]");
+  fails(with("rope_theta", -1.0), "field 'rope_theta' = -1.0 is outside (0, 1000000000000]");
+  json j = llama31_8b();
+  j["rope_scaling"]["factor"] = 1e9;
+  fails(j, "field 'rope_scaling.factor' = 1000000000.0 is outside (0, 1000000]");
+  j = llama31_8b();
+  j["rope_scaling"]["original_max_position_embeddings"] = 0;
+  fails(j, "field 'rope_scaling.original_max_position_embeddings' = 0 is outside [1, 1073741824]");
+  j = llama31_8b();
+  j["architectures"] = {"MistralForCausalLM"};
+  j["sliding_window"] = 0;
+  fails(j, "field 'sliding_window' = 0 is outside [1, 1073741824]");
+  // Each field within its range, the product past any machine: refused by the count.
+  j = llama31_8b();
+  j["num_hidden_layers"] = 100000;
+  j["hidden_size"] = 1 << 20;
+  j["intermediate_size"] = 1 << 22;
+  fails(j, "past the 1e+14 strider accepts");
+}
+
+TEST_CASE("the bounds refuse no published shape", "[engine][spec]") {
+  for (const std::string& name : model_preset_names()) {
+    INFO(name);
+    CHECK_NOTHROW(ModelSpec::from_json(model_preset(name), name));
+  }
+  // Llama 3.1 405B: the largest dense shape published.
+  json j = llama31_8b();
+  j["hidden_size"] = 16384;
+  j["intermediate_size"] = 53248;
+  j["num_hidden_layers"] = 126;
+  j["num_attention_heads"] = 128;
+  ModelSpec s = ModelSpec::from_json(j, "405b/config.json");
+  CHECK(s.param_count() == 405'853'388'800);
+}
+
+TEST_CASE("a spec built in code is held to the same bounds, in constant time", "[engine][spec]") {
+  ModelSpec s = ModelSpec::from_json(llama31_8b(), "config.json");
+  CHECK_NOTHROW(s.check_size("x"));
+  s.layers = 1'000'000'000'000;
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(s.check_size("built"), Catch::Contains("built: field 'num_hidden_layers' = 1000000000000 "
+                                                           "is outside [1, 100000]"));
+  CHECK_THROWS_WITH(s.param_count(), Catch::Contains("num_hidden_layers"));
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
+  s.layers = 32;
+  s.dims.vocab = int64_t{1} << 40;
+  CHECK_THROWS_WITH(s.check_size("built"), Catch::Contains("field 'vocab_size' = 1099511627776"));
+}
+
+TEST_CASE("block costs refuse byte counts that would wrap", "[engine][spec]") {
+  ModelSpec s = ModelSpec::from_json(llama31_8b(), "config.json");
+  CHECK_NOTHROW(s.cost(1, 1, 131072, 8192, 2));
+  // 2^31 sequences of 2^20 tokens: past 2^40 tokens.
+  CHECK_THROWS_WITH(s.cost(1, int64_t{1} << 31, int64_t{1} << 20, 8192, 2), Catch::Contains("2^40 tokens"));
+  // Attention scores of one 2^30-token sequence: 32 heads x 2^60 x 4 bytes.
+  CHECK_THROWS_WITH(s.cost(1, 1, int64_t{1} << 30, 8192, 2),
+                    Catch::Contains("layer.0: its forward working memory") && Catch::Contains("past 2^62"));
 }

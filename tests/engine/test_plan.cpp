@@ -1,5 +1,7 @@
 #include "tests/catch_torch.h"
 
+#include <algorithm>
+#include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "engine/builtin.h"
@@ -49,6 +51,33 @@ TEST_CASE("host RAM short: state goes to NVMe when there is one, else refused wi
   CHECK_FALSE(p.nvme_blocks.empty());
   CHECK(p.host_bytes <= l.host_bytes);
   CHECK(p.nvme_bytes > 0);
+}
+
+TEST_CASE("host RAM short: the plan moves the fewest blocks to NVMe that make it fit", "[engine][plan]") {
+  ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  const PlanLimits base{.device_bytes = 64ull << 20, .nvme_dir = "/nvme/strider", .seq = 32};
+  const uint64_t all_in_ram = Plan::make(spec, base).host_bytes;
+  int moved_some = 0;
+  for (int tenths = 1; tenths < 10; ++tenths) {
+    PlanLimits l = base;
+    l.host_bytes = all_in_ram * uint64_t(tenths) / 10;
+    INFO("host limit " << l.host_bytes);
+    Plan p = Plan::make(spec, l);
+    if (!p.feasible || p.nvme_blocks.empty()) continue;
+    ++moved_some;
+    CHECK(p.host_bytes <= l.host_bytes);
+    CHECK(Engine::footprint(spec, p.engine_config(l)).host_bytes == p.host_bytes);
+    if (p.nvme_blocks.size() < 2) continue;
+    // Without its smallest NVMe block (the last one a largest-first order
+    // adds) the state would not fit.
+    Plan fewer = p;
+    auto smallest = std::min_element(fewer.nvme_blocks.begin(), fewer.nvme_blocks.end(), [&](int64_t a, int64_t b) {
+      return spec.layout(a).total_elems() < spec.layout(b).total_elems();
+    });
+    fewer.nvme_blocks.erase(smallest);
+    CHECK(Engine::footprint(spec, fewer.engine_config(l)).host_bytes > l.host_bytes);
+  }
+  CHECK(moved_some >= 3);
 }
 
 TEST_CASE("sizes parse with binary and decimal units and name bad text", "[engine][plan]") {
@@ -120,4 +149,40 @@ TEST_CASE("without clipping every block's gradients share the ring: grad_ring sl
   Engine e(spec, c, make_device({.spec = "cpu", .budget_bytes = 64ull << 20}));
   CHECK(e.arena_bytes() >= ring.host_bytes);
   CHECK(e.arena_bytes() < ring.host_bytes + (2u << 20));
+}
+
+TEST_CASE("a model or a step past any machine is refused before the plan loops over it", "[engine][plan]") {
+  const ModelSpec spec = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  const PlanLimits l{.device_bytes = 24ull << 30, .host_bytes = 64ull << 30, .nvme_dir = "/nvme/strider"};
+  auto refused = [&](const ModelSpec& s, const PlanLimits& lim, const std::string& what) {
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_WITH(Plan::make(s, lim), Catch::Contains(what));
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
+  };
+  for (int64_t layers : {int64_t{1'000'000'000'000}, int64_t{100'000'000}}) {
+    ModelSpec s = spec;
+    s.layers = layers;
+    refused(s, l, fmt::format("field 'num_hidden_layers' = {} is outside [1, 100000]", layers));
+  }
+  PlanLimits big = l;
+  big.seq = int64_t{1} << 20;
+  big.micro_batch = int64_t{1} << 20;
+  big.accumulation = 2;
+  refused(spec, big, "tokens is past 2^40");
+  big = l;
+  big.window = 35;
+  refused(spec, big, "window 35 is outside [0, 34]");
+  // Every count within its bound, the sizes they multiply into are not:
+  // attention scores of 2^30-token sequences,
+  big = l;
+  big.seq = int64_t{1} << 30;
+  big.micro_batch = 1 << 10;
+  refused(spec, big, "layer.0: its forward working memory for micro-batch 1024 x seq 1073741824");
+  // the block inputs of a 2^40-token step of hidden 2^20.
+  ModelSpec wide = spec;
+  wide.dims.hidden = int64_t{1} << 20;
+  big = l;
+  big.seq = int64_t{1} << 20;
+  big.micro_batch = int64_t{1} << 20;
+  refused(wide, big, "the block inputs of one step");
 }

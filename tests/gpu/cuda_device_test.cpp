@@ -68,7 +68,7 @@ TEST_CASE("cuda: device memory stays under the byte budget", "[cuda][gpu]") {
   CHECK(dev->peak_allocated_bytes() == 1024);
 }
 
-TEST_CASE("cuda: copies round-trip through registered pinned memory; events signal the host", "[cuda][gpu]") {
+TEST_CASE("cuda: copies round-trip through registered pinned memory and events signal the host", "[cuda][gpu]") {
   auto dev = cuda_or_skip();
   if (!dev) return;
   auto never = dev->make_event();

@@ -22,7 +22,8 @@ TEST_CASE("auto picks CUDA when a GPU is usable, else the CPU, and says why", "[
   }
 }
 
-TEST_CASE("\"cpu\" is honoured; unknown specs and unusable CUDA are refused clearly", "[gpu][make_device]") {
+TEST_CASE("the \"cpu\" spec is honoured and unknown specs and unusable CUDA are refused clearly",
+          "[gpu][make_device]") {
   DeviceOptions o;
   o.spec = "cpu";
   CHECK(make_device(o)->kind() == DeviceKind::kCpu);

@@ -249,7 +249,7 @@ TEST_CASE("sim: launch never calls the closure and copies touch no memory", "[gp
                     Catch::Contains("flops = -1"));
 }
 
-TEST_CASE("sim: events stamp virtual time; waits on unrecorded events are no-ops", "[gpu][sim_device]") {
+TEST_CASE("sim: events stamp virtual time and waits on unrecorded events are no-ops", "[gpu][sim_device]") {
   SimDevice dev(toy_model());
   auto never = dev.make_event();
   CHECK(never->query());
@@ -336,7 +336,7 @@ TEST_CASE("sim: copies refuse swapped host/device pointers, as CpuDevice does", 
   CHECK(dev.virtual_time_us() == 0);  // refused copies cost nothing
 }
 
-TEST_CASE("sim: spans carry the model's times; PCIe is full duplex unless shared", "[gpu][sim_device]") {
+TEST_CASE("sim: spans carry the model's times and PCIe is full duplex unless shared", "[gpu][sim_device]") {
   CostModel m = toy_model();
   SimDevice dev(m, with_spans());
   DeviceBuffer buf = dev.allocate(8000, "buf");

@@ -148,7 +148,7 @@ int tok_copy(const Args& a) {
                        l.vocab_size};
   TokenFileWriter w(a.at(1, "dst"), o);
   auto docs = f.doc_starts();
-  auto mask = f.mask();
+  const std::vector<uint8_t> mask = f.mask();
   // Pieces between consecutive boundaries; a piece is a document if the file
   // says one starts at its first token.
   std::vector<uint64_t> cuts(docs.begin(), docs.end());
@@ -159,7 +159,8 @@ int tok_copy(const Args& a) {
   for (size_t i = 0; i + 1 < cuts.size(); ++i) {
     std::vector<uint32_t> ids;
     for (uint64_t t = cuts[i]; t < cuts[i + 1]; ++t) ids.push_back(f.token(t));
-    std::span<const uint8_t> m = mask.empty() ? mask : mask.subspan(cuts[i], ids.size());
+    std::span<const uint8_t> m(mask);
+    if (!m.empty()) m = m.subspan(cuts[i], ids.size());
     if (std::binary_search(docs.begin(), docs.end(), cuts[i])) w.append_document(ids, m);
     else w.append(ids, m);
   }

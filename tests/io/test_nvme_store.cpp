@@ -370,7 +370,7 @@ TEST_CASE("ENOSPC from a real full filesystem names the file", "[nvme]") {
                                        Catch::Contains("offset") && Catch::Contains("full"));
 }
 
-TEST_CASE("sync() persists checksums; a reopened store verifies them", "[nvme]") {
+TEST_CASE("sync() persists checksums and a reopened store verifies them", "[nvme]") {
   const NvmeBackend backend = GENERATE(NvmeBackend::kUring, NvmeBackend::kPosix);
   INFO(backend_name(backend));
   TempDir dir;

@@ -96,7 +96,7 @@ TEST_CASE("safetensors: one file round-trips dtype, shape, bytes and metadata, z
   CHECK_THROWS_WITH(f.get("missing"), Catch::Contains("missing") && Catch::Contains("model.safetensors"));
 }
 
-TEST_CASE("safetensors: sharded write gives numbered shards and an index; lookup spans shards",
+TEST_CASE("safetensors: sharded write gives numbered shards and an index and lookup spans shards",
           "[safetensors]") {
   TempDir dir;
   std::vector<std::vector<std::byte>> data;
@@ -163,7 +163,7 @@ TEST_CASE("safetensors: a plan that fits one shard is written as one file withou
   CHECK(SafetensorsCheckpoint(dir.str()).size() == 4);
 }
 
-TEST_CASE("safetensors: the writer streams chunks in any order; nothing appears before finish",
+TEST_CASE("safetensors: the writer streams chunks in any order and nothing appears before finish",
           "[safetensors]") {
   TempDir dir;
   auto big = iota_bytes(4096, 3), small = iota_bytes(6, 9);

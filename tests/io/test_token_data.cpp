@@ -1,16 +1,25 @@
 // Token data: the file format (writer, reader, validation), the label rule
 // (shift by one, -100 for masked targets and document starts), determinism
-// for a seed, and resuming from state().
+// for a seed, resuming from state(), a file changed under a run (an Error,
+// never a SIGBUS), and the fingerprint a checkpoint records.
 #include <catch2/catch.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "host/error.h"
+#include "io/checksum.h"
 #include "io/token_data.h"
 
 namespace fs = std::filesystem;
@@ -46,6 +55,23 @@ std::string write_counting(const fs::path& dir, uint32_t n, TokenWriterOptions o
   return path;
 }
 
+// Writes `bytes` at `offset` of `path` through a descriptor of its own, as
+// another process would.
+void overwrite(const std::string& path, uint64_t offset, std::vector<std::byte> bytes) {
+  int fd = ::open(path.c_str(), O_WRONLY);
+  REQUIRE(fd >= 0);
+  REQUIRE(::pwrite(fd, bytes.data(), bytes.size(), off_t(offset)) == ssize_t(bytes.size()));
+  ::close(fd);
+}
+
+std::vector<std::byte> read_whole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(c.size());
+  std::memcpy(out.data(), c.data(), c.size());
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("token data: writer and reader agree on ids, mask, documents and size", "[token_data]") {
@@ -73,8 +99,7 @@ TEST_CASE("token data: writer and reader agree on ids, mask, documents and size"
   std::vector<uint32_t> ids;
   for (uint64_t i = 0; i < f.size(); ++i) ids.push_back(f.token(i));
   CHECK(ids == std::vector<uint32_t>{1, 2, 3, 70001, 70002, 4, 99999, 6, 7});
-  CHECK(std::vector<uint8_t>(f.mask().begin(), f.mask().end()) ==
-        std::vector<uint8_t>{0, 0, 0, 1, 1, 0, 1, 1, 1});
+  CHECK(f.mask() == std::vector<uint8_t>{0, 0, 0, 1, 1, 0, 1, 1, 1});
   CHECK(std::vector<uint64_t>(f.doc_starts().begin(), f.doc_starts().end()) ==
         std::vector<uint64_t>{0, 5});
   CHECK_THROWS_WITH(TokenFile(path, 70000), Catch::Contains("token 3") &&
@@ -102,7 +127,7 @@ TEST_CASE("token data: labels shift by one, -100 on masked targets and document 
   CHECK(lab == std::vector<int64_t>{-100, 12, 13, 14, -100, 21, 22, -100});
 }
 
-TEST_CASE("token data: same seed same batches; every epoch visits each window once",
+TEST_CASE("token data: same seed same batches and every epoch visits each window once",
           "[token_data]") {
   TempDir dir;
   TokenFile f(write_counting(dir.path, 1001));
@@ -120,7 +145,10 @@ TEST_CASE("token data: same seed same batches; every epoch visits each window on
     differs |= ba != bc;
     for (int r = 0; r < 3; ++r) {
       starts.push_back(ba.first[r * 10]);
-      for (int t = 0; t < 10; ++t) CHECK(ba.second[r * 10 + t] == ba.first[r * 10 + t] + 1);
+      // label[t] = token[s + t + 1], and ids count modulo 1000: the window at
+      // 990 ends on token 1000, id 0, so its last label is 0, not 999 + 1.
+      for (int t = 0; t < 10; ++t)
+        CHECK(ba.second[r * 10 + t] == (ba.first[r * 10 + t] + 1) % 1000);
     }
   }
   CHECK(differs);
@@ -214,4 +242,67 @@ TEST_CASE("token data: each malformed corpus file gives a clear error", "[token_
   CHECK(ok.token(0) == 70000);
   CHECK_THROWS_WITH(TokenFile((corpus / "valid_u16.tok").string(), 9),
                     Catch::Contains("token 4") && Catch::Contains("vocab size 9 (given)"));
+}
+
+TEST_CASE("token data: a file truncated while a run reads it is an Error naming it, not a SIGBUS",
+          "[token_data]") {
+  TempDir dir;
+  const std::string path = write_counting(dir.path, 100001);
+  TokenFile f(path);
+  TokenLoader loader(f, {.batch = 4, .seq = 64, .seed = 1});
+  next_batch(loader, 4, 64);
+  int fd = ::open(path.c_str(), O_WRONLY);
+  REQUIRE(fd >= 0);
+  REQUIRE(::ftruncate(fd, 4096) == 0);
+  ::close(fd);
+  const TokenLoaderState before = loader.state();
+  CHECK_THROWS_WITH(next_batch(loader, 4, 64),
+                    Catch::Contains(path) && Catch::Contains("changed while in use") &&
+                        Catch::Contains("4096 bytes") && Catch::Contains("201032 bytes"));
+  CHECK(loader.state() == before);  // the batch that failed is not counted as handed out
+  // A read that lands past the new end (as one racing the size check would)
+  // fails by its byte count.
+  CHECK_THROWS_WITH(f.token(50000), Catch::Contains(path) && Catch::Contains("its size now: 4096 bytes") &&
+                                        Catch::Contains("truncated while in use"));
+  CHECK_THROWS_WITH(f.fingerprint(), Catch::Contains(path) && Catch::Contains("changed while in use"));
+}
+
+TEST_CASE("token data: a file rewritten in place while a run reads it is refused", "[token_data]") {
+  TempDir dir;
+  const std::string path = write_counting(dir.path, 1001);
+  TokenFile f(path);
+  TokenLoader loader(f, {.batch = 2, .seq = 10, .seed = 1});
+  next_batch(loader, 2, 10);
+  // Past the file system's timestamp granularity (a few ms), so the
+  // modification time moves.
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  overwrite(path, kTokenHeaderBytes, std::vector<std::byte>(2, std::byte{7}));
+  CHECK_THROWS_WITH(next_batch(loader, 2, 10), Catch::Contains(path) && Catch::Contains("changed while in use"));
+}
+
+TEST_CASE("token data: the fingerprint is the file's size and XXH3 of its bytes, and tells content apart",
+          "[token_data]") {
+  TempDir dir;
+  // Over 4 MiB: the hash is fed in several chunks.
+  const std::string path = write_counting(dir.path, 3'000'001);
+  TokenFileFingerprint before;
+  {
+    TokenFile f(path);
+    before = f.fingerprint();
+    CHECK(f.fingerprint() == before);
+    CHECK(before.bytes == fs::file_size(path));
+    CHECK(before.xxh3 == checksum64(read_whole(path)));
+  }
+  // The same bytes in another file: the same fingerprint.
+  const std::string copy = (dir.path / "copy.tok").string();
+  fs::copy_file(path, copy);
+  CHECK(TokenFile(copy).fingerprint() == before);
+  // One id changed, the size unchanged (id 10 becomes 11, still a valid file).
+  overwrite(path, kTokenHeaderBytes + 2 * 10, {std::byte{11}, std::byte{0}});
+  TokenFile g(path);
+  CHECK(g.token(10) == 11);
+  const TokenFileFingerprint after = g.fingerprint();
+  CHECK(after.bytes == before.bytes);
+  CHECK(after.xxh3 != before.xxh3);
+  CHECK_FALSE(after == before);
 }
