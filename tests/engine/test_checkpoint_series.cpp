@@ -135,7 +135,7 @@ TEST_CASE("checkpoint series: a save that cannot fit is refused before writing, 
   CHECK(series.resume(*fresh, {}, stderr).dir == series.dir_for(1));
 }
 
-TEST_CASE("DirLock: one run per directory, the holder named; released when dropped", "[checkpoint_series]") {
+TEST_CASE("DirLock: one run per directory, the holder named, released when dropped", "[checkpoint_series]") {
   test::TempDir tmp;
   const std::string dir = (tmp.path / "ckpt").string();
   {
