@@ -67,6 +67,10 @@ if [ -z "$python" ] && [ -x "$repo/.venv/bin/python" ] && "$repo/.venv/bin/pytho
   python=$repo/.venv/bin/python
 fi
 [ -n "$python" ] || python=$(command -v python3 || true)
+# The GPU image's torch environment, should its python3 not be first on PATH.
+if [ -x /opt/torch/.venv/bin/python3 ] && ! "${python:-false}" -c 'import torch' 2>/dev/null; then
+  python=/opt/torch/.venv/bin/python3
+fi
 if [ -z "$python" ] || ! torch_line=$("$python" -c 'import sys, torch; print(torch.__version__, torch.version.cuda, sys.version.split()[0])' 2>>"$logs/gpu_check.log"); then
   log "no Python with torch (set STRIDER_PYTHON): nothing can be built or checked"
   exit 1

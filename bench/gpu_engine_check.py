@@ -26,16 +26,12 @@ Prints what it compares, and as its last line one JSON object: {"ok": bool, "dev
 """
 import argparse
 import copy
-import json
 import os
-import pathlib
 import sys
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python_shim"))  # the package from this tree; the op library from the build
-
-import torch  # noqa: E402
+import torch
+from gpu_check_common import require_device, run_check  # also puts this tree's strider package on sys.path
 
 SEQ, MICRO_BATCH, ACCUMULATION, STEPS = 17, 2, 2, 3
 BATCH = MICRO_BATCH * ACCUMULATION
@@ -189,12 +185,12 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
     args = ap.parse_args()
     out = {"check": "engine", "device": args.device, "torch": torch.__version__}
-    try:
+
+    def body(out):
         import transformers
         out["transformers"] = transformers.__version__
+        require_device(args.device)
         if args.device.startswith("cuda"):
-            if not torch.cuda.is_available():
-                raise RuntimeError(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
             torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on the reference side too
             torch.backends.cudnn.allow_tf32 = False
             out["device_name"] = torch.cuda.get_device_name(torch.device(args.device))
@@ -205,15 +201,8 @@ def main():
         for dtype in ("fp32", "bf16"):
             out[dtype] = check_dtype(dtype, args.device)
         out["ok"] = all(out[d]["ok"] for d in ("fp32", "bf16"))
-        rc = 0 if out["ok"] else 1
-    except Exception as e:  # the check could not run: say why, in the JSON too
-        import traceback
-        traceback.print_exc()
-        out.update(ok=False, error=f"{type(e).__name__}: {e}")
-        rc = 2
-    print(json.dumps(out, default=str))
-    return rc
 
+    return run_check(out, body)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,17 +25,14 @@ The last line printed is one JSON object.
 """
 import argparse
 import json
-import os
 import pathlib
 import subprocess
 import sys
 import tempfile
 import time
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "python_shim"))
-
-import torch  # noqa: E402
+import torch
+from gpu_check_common import require_device, run_check  # also puts this tree's strider package on sys.path
 
 MIB = 1 << 20
 # Units of realistic size: a decoder layer of 45M parameters (90 MiB bf16 + 180 MiB fp32 gradients),
@@ -147,9 +144,9 @@ def main():
     cuda = args.device.startswith("cuda")
     out = {"check": "memory", "device": args.device, "torch": torch.__version__,
            "model": CUDA_MODEL if cuda else CPU_MODEL}
-    try:
-        if cuda and not torch.cuda.is_available():
-            raise RuntimeError(f"--device {args.device}: torch {torch.__version__} sees no CUDA device")
+
+    def body(out):
+        require_device(args.device)
         import strider
         strider.load_library()
         with tempfile.TemporaryDirectory() as work:
@@ -157,14 +154,8 @@ def main():
                                      work) for c in (CUDA_CASES if cuda else CPU_CASES)]
         out["findings"] = [f"{c['name']}: {f}" for c in out["cases"] for f in c["findings"]]
         out["ok"] = all(c["buffers_match_plan"] for c in out["cases"])
-        rc = 0 if out["ok"] else 1
-    except Exception as e:
-        import traceback
-        traceback.print_exc()
-        out.update(ok=False, error=f"{type(e).__name__}: {e}")
-        rc = 2
-    print(json.dumps(out, default=str))
-    return rc
+
+    return run_check(out, body)
 
 
 if __name__ == "__main__":
