@@ -34,7 +34,9 @@ PROFILE = {
                 skip_steps=1, steps=2),
 }
 H200_DENSE_BF16_TFLOPS = 989  # gpu/sim_device.cpp's h200 preset (datasheet, dense)
-TIMEOUT_S = {"cuda_tests": 180, "engine": 240, "memory": 240, "speed": 300, "calibrate": 300}
+# Each check's own limit; $STRIDER_GPU_CHECK_DEADLINE_S (seconds from gpu_check.sh's start) bounds them all,
+# so that a run under a hard time limit still ends with its summary written.
+TIMEOUT_S = {"cuda_tests": 120, "engine": 180, "memory": 180, "speed": 240, "calibrate": 240}
 
 
 class Check:
@@ -44,7 +46,7 @@ class Check:
         self.name, self.ctx = name, ctx
         self.log_path = ctx.logs / f"{name}.log"
         self.log = open(self.log_path, "w")
-        self.deadline = time.time() + TIMEOUT_S[name]
+        self.deadline = min(time.time() + TIMEOUT_S[name], ctx.deadline)
 
     def run(self, cmd, env=None, timeout=None):
         """Runs cmd (stdout+stderr into the log); returns (rc, output). rc None: timed out."""
@@ -94,7 +96,8 @@ def check_cuda_tests(c, ctx):
         res["status"] = "skipped (no GPU, as expected in --cpu)" if res["holds"] else status_of(rc, False)
     else:
         res["holds"] = rc == 0 and not skipped
-        res["status"] = "failed: the [cuda] tests skipped, no GPU usable" if rc == 0 and skipped else status_of(rc, res["holds"])
+        res["status"] = ("failed: the [cuda] tests skipped, no GPU usable" if rc == 0 and skipped
+                         else status_of(rc, res["holds"]))
     return res
 
 
@@ -125,7 +128,8 @@ def check_speed(c, ctx):
     work.mkdir(parents=True)
     res = {"holds": False, "profile_options": p}
     try:
-        rc, _ = c.run([ctx.python, pathlib.Path(__file__).resolve(), "make-model", work / "model", "--size", p["model"]])
+        rc, _ = c.run([ctx.python, pathlib.Path(__file__).resolve(), "make-model", work / "model",
+                       "--size", p["model"]])
         if rc != 0:
             res.update(status=status_of(rc, False), error="could not write the random model (see speed.log)")
             return res
@@ -147,7 +151,8 @@ def check_speed(c, ctx):
             res["mfu_6nt"] = prof["model_flops_per_s"] / peak if peak else None
             res["mfu_peak_tflops"] = H200_DENSE_BF16_TFLOPS if peak else None
             print(f"  profile: {prof['params'] / 1e6:.1f}M params, K {prof['window']} of {res['blocks']} blocks, "
-                  f"{prof['step_s']:.3f} s/step, {prof['tokens_per_s']:.0f} tokens/s, critical {prof['critical_lane']}, overlap "
+                  f"{prof['step_s']:.3f} s/step, {prof['tokens_per_s']:.0f} tokens/s, "
+                  f"critical {prof['critical_lane']}, overlap "
                   f"{prof['overlap_efficiency']:.3f}, {prof['model_flops_per_s'] / 1e12:.3g} TFLOP/s by 6NT"
                   + (f", MFU {res['mfu_6nt']:.3f}" if res["mfu_6nt"] is not None else ""))
         transfer = ctx.build / "bench/bench_transfer"
@@ -212,12 +217,16 @@ CHECKS = [("cuda_tests", check_cuda_tests), ("engine", check_engine), ("memory",
 
 class Context:
     def __init__(self, a):
-        self.mode, self.repo, self.build, self.out = a.mode, pathlib.Path(a.repo), pathlib.Path(a.build), pathlib.Path(a.out)
+        self.mode = a.mode
+        self.repo, self.build, self.out = pathlib.Path(a.repo), pathlib.Path(a.build), pathlib.Path(a.out)
         self.device = "cuda" if self.mode == "gpu" else "cpu"
         self.state = self.build / "gpu-check"
         self.logs = self.state / "logs"
         self.stamps = self.state / "stamps"
         self.python = sys.executable
+        self.t0 = float(os.environ.get("STRIDER_GPU_CHECK_T0") or time.time())
+        limit = os.environ.get("STRIDER_GPU_CHECK_DEADLINE_S")
+        self.deadline = self.t0 + float(limit) if limit else float("inf")
         key_file = self.state / "key"
         self.key = f"{key_file.read_text().strip() if key_file.exists() else 'no-key'} mode-{self.mode}"
         self.gpu_name = ""
@@ -245,8 +254,10 @@ def environment(ctx):
     return env
 
 
-def run_checks(ctx, build):
-    results = {}
+def run_checks(ctx, build, write_summary):
+    """Runs (or takes from its stamp) each check in turn; the summary is rewritten after each one, so a run
+    stopped from outside still leaves what it did in OUT_DIR."""
+    results = {name: {"status": "not run yet", "holds": False} for name, _ in CHECKS}
     ctx.stamps.mkdir(parents=True, exist_ok=True)
     for name, fn in CHECKS:
         stamp = ctx.stamps / f"{name}.json"
@@ -261,6 +272,9 @@ def run_checks(ctx, build):
                 print(f"gpu_check: {name}: {results[name]['status']}", flush=True)
                 continue
         stamp.unlink(missing_ok=True)
+        if time.time() >= ctx.deadline - 5:
+            results[name] = {"status": "not run: past STRIDER_GPU_CHECK_DEADLINE_S", "holds": False}
+            continue
         print(f"gpu_check: {name} ...", flush=True)
         t0 = time.time()
         c = Check(name, ctx)
@@ -278,18 +292,20 @@ def run_checks(ctx, build):
         print(f"gpu_check: {name}: {res['status']} ({res['seconds']} s)", flush=True)
         if res.get("holds"):
             stamp.write_text(json.dumps({"key": ctx.key, "result": res}, default=str))
+        write_summary(results, complete=False)
     return results
 
 
 def main_checks(a):
     ctx = Context(a)
     ctx.logs.mkdir(parents=True, exist_ok=True)
+    ctx.out.mkdir(parents=True, exist_ok=True)
     build_file = ctx.state / "build.json"
-    build = json.loads(build_file.read_text()) if build_file.exists() else {"status": "failed", "message": "no build.json"}
+    build = (json.loads(build_file.read_text()) if build_file.exists()
+             else {"status": "failed", "message": "no build.json"})
     if "t0" in build and "t1" in build:
         build["seconds"] = round(float(build.pop("t1")) - float(build.pop("t0")), 1)
-    results = run_checks(ctx, build)
-    t0 = float(os.environ.get("STRIDER_GPU_CHECK_T0", time.time()))
+    env = environment(ctx)
     notes = ["No GPU has run this check yet: every figure in a --cpu summary comes from the CPU device."
              if ctx.mode == "cpu" else "A GPU run: these are this machine's figures."]
     if ctx.mode == "cpu":
@@ -297,16 +313,26 @@ def main_checks(a):
                      "CPU_MODEL; gpu_check.py SPEED_MODELS['cpu']), calibration runs 4 rounds, ATen's CPU working "
                      "memory is not measured.")
     notes.append("bench_vs_torch does not exist yet: the speed check has no plain-PyTorch baseline.")
-    summary = {"gpu_check": 1, "mode": ctx.mode, "ok": build["status"] in ("built", "cached") and
-               all(r.get("holds") for r in results.values()),
-               "elapsed_s": round(time.time() - t0, 1), "key": ctx.key, "build": build,
-               "environment": environment(ctx), "checks": results,
-               "findings": [f"{n}: {f}" for n, r in results.items() for f in r.get("findings", [])], "notes": notes}
-    ctx.out.mkdir(parents=True, exist_ok=True)
-    (ctx.out / "gpu_check.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-    shutil.copy(ctx.out / "gpu_check.json", ctx.logs / "gpu_check.json")
-    with tarfile.open(ctx.out / "gpu_check_logs.tar.gz", "w:gz") as tar:
-        tar.add(ctx.logs, arcname="gpu_check_logs")
+
+    def write_summary(results, complete):
+        built = build["status"] in ("built", "cached")
+        summary = {"gpu_check": 1, "mode": ctx.mode, "complete": complete,
+                   "ok": complete and built and all(r.get("holds") for r in results.values()),
+                   "elapsed_s": round(time.time() - ctx.t0, 1), "key": ctx.key, "build": build, "environment": env,
+                   "checks": results,
+                   "findings": [f"{n}: {f}" for n, r in results.items() for f in r.get("findings", [])], "notes": notes}
+        tmp = ctx.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+        shutil.copy(tmp, ctx.logs / "gpu_check.json")
+        tmp.replace(ctx.out / "gpu_check.json")
+        with tarfile.open(ctx.out / "gpu_check_logs.tar.gz.tmp", "w:gz") as tar:
+            tar.add(ctx.logs, arcname="gpu_check_logs")
+        (ctx.out / "gpu_check_logs.tar.gz.tmp").replace(ctx.out / "gpu_check_logs.tar.gz")
+        return summary
+
+    write_summary({name: {"status": "not run yet", "holds": False} for name, _ in CHECKS}, complete=False)
+    results = run_checks(ctx, build, write_summary)
+    summary = write_summary(results, complete=True)
     print(f"gpu_check: {'ALL HOLD' if summary['ok'] else 'NOT ALL HOLD'} in {summary['elapsed_s']} s; "
           + ", ".join(f"{n} {r.get('status')}" for n, r in results.items()))
     print(f"gpu_check: wrote {ctx.out / 'gpu_check.json'} and {ctx.out / 'gpu_check_logs.tar.gz'}")
