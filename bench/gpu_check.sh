@@ -1,91 +1,174 @@
 #!/usr/bin/env bash
-# gpu_check.sh OUT_DIR [BUILD_DIR]: on a GPU machine, build gpu/ with CUDA, run
-# the [cuda] tests and bench_transfer, and write JSON (and logs) to OUT_DIR.
-#   OUT_DIR/cuda_tests.log      Catch2 output of `gpu_test [cuda]`
-#   OUT_DIR/seam_tests.log      the CPU seam tests, for comparison
-#   OUT_DIR/bench_transfer.json bench_transfer's JSON line
-#   OUT_DIR/bench_calibrate.json bench_calibrate --device cuda's JSON line: the
-#                               simulator fed with this GPU's isolated costs vs
-#                               the GPU's measured step (needs torch; with it,
-#                               `strider` is built too)
-#   OUT_DIR/gpu_check.json      summary: return codes, whether tests ran or skipped, the bench lines
-# Takes a few minutes on one GPU (most of it compiling). Exits non-zero when a
-# step fails or when the [cuda] tests skipped because no GPU was usable.
+# bench/gpu_check.sh [--cpu] OUT_DIR [BUILD_DIR]: proves strider on a bare GPU machine, in one command.
+#
+# The GPU machine has CUDA, CMake, ninja, g++ and a Python with torch (>= 2.11),
+# transformers and safetensors, but none of the C++ libraries strider links and
+# no network. This script
+#   1. unpacks the Debian packages of .gpu-bundle/ (scripts/gpu_bundle.sh made
+#      it, here; it travels with the tree) into BUILD_DIR/prefix with dpkg-deb -x,
+#      never into /, after checking them against the bundle's MANIFEST;
+#   2. configures CMake against that prefix and that machine's own torch
+#      ($STRIDER_PYTHON, else python3) and builds only the targets the checks
+#      run, with every core; the binaries find the prefix's shared libraries
+#      through their build RPATH (checked with ldd before anything runs);
+#   3. runs the checks (bench/gpu_check.py): the [cuda] Catch2 tests; the
+#      engine on CUDA against the engine on the CPU device and against
+#      transformers + AdamW (bench/gpu_engine_check.py); measured peak device
+#      memory against the plan (bench/gpu_memory_check.py); speed (`strider
+#      profile` on a 1.1B model made on the spot, bench_transfer's PCIe GB/s);
+#      the simulator calibrated on the GPU (bench_calibrate --device cuda).
+# OUT_DIR receives two files: gpu_check.json (the summary: every check's status
+# and figures) and gpu_check_logs.tar.gz (every step's stdout/stderr).
+#
+# A second run with the same BUILD_DIR skips the build and every check that
+# passed, while the tree, the bundle and the torch are the same (stamps in
+# BUILD_DIR/gpu-check/). Meant to take under 5 minutes on a cold GPU machine.
+#
+# --cpu: the dry run. The same logic (bundle, prefix, build, every check) on the
+# CPU device: the engine check on the CPU device (with chaos delays, against the
+# plain CPU device and transformers on the CPU), the memory and speed checks on
+# smaller models, calibration with --device cpu and fewer rounds; the [cuda]
+# tests must report skipped. 5 minutes from cold on the idle 2-core development
+# machine (4 of them the build), 1.5 with a warm compiler cache.
+#
+# STRIDER_GPU_CHECK_DEADLINE_S=N: the checks end within N seconds of the start
+# (a check that would start later is reported as not run); the summary is
+# rewritten after every check, so a run stopped from outside leaves one too.
+#
+# Exit status 0 when every check holds; 1 otherwise (gpu_check.json says which).
 set -uo pipefail
 
-out=${1:?usage: bench/gpu_check.sh OUT_DIR [BUILD_DIR]}
+mode=gpu
+if [ "${1:-}" = "--cpu" ]; then mode=cpu; shift; fi
+out=${1:?usage: bench/gpu_check.sh [--cpu] OUT_DIR [BUILD_DIR]}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${2:-$repo/build-gpu-check}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
-jobs=$(nproc 2>/dev/null || echo 4)
-log() { echo "gpu_check: $*" | tee -a "$out/gpu_check.log"; }
+bundle=${STRIDER_GPU_BUNDLE:-$repo/.gpu-bundle}
+export STRIDER_GPU_CHECK_T0=${STRIDER_GPU_CHECK_T0:-$(date +%s.%N)}
+mkdir -p "$out" "$build" && out=$(cd "$out" && pwd) && build=$(cd "$build" && pwd)
+prefix=$build/prefix
+state=$build/gpu-check          # stamps, and the logs the archive packs
+logs=$state/logs
+mkdir -p "$logs"
+jobs=${STRIDER_JOBS:-$(nproc 2>/dev/null || echo 4)}
+log() { echo "gpu_check: $*" | tee -a "$logs/gpu_check.log"; }
+: > "$logs/gpu_check.log"
+log "mode $mode, tree $repo, build $build, out $out, $(date -u +%FT%TZ)"
 
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || log "nvidia-smi failed (see nvidia-smi.txt)"
+# The summary is written by gpu_check.py whatever happens here; a step that
+# fails before it records why in build.json.
+build_status() {  # status message
+  printf '{"status": "%s", "message": "%s", "key": "%s", "t0": %s, "t1": %s}\n' "$1" "$2" "${key:-}" \
+    "${build_t0:-$STRIDER_GPU_CHECK_T0}" "$(date +%s.%N)" > "$state/build.json"
+}
+summarize() {
+  "$python" "$repo/bench/gpu_check.py" --mode "$mode" --repo "$repo" --build "$build" --out "$out" --jobs "$jobs"
+  exit $?
+}
 
-# torch is optional here: without it the CUDA seam, the pool and the bench
-# still build; only the ATen unit-view test drops out.
-python=${STRIDER_PYTHON:-$repo/.venv/bin/python}
-torch_args=(-DSTRIDER_WITH_TORCH=OFF)
-if [ -x "$python" ] && "$python" -c 'import torch' >/dev/null 2>&1; then
-  torch_args=(-DSTRIDER_WITH_TORCH=ON "-DSTRIDER_PYTHON=$python")
+# 0. The Python whose torch the build links and the checks use.
+python=${STRIDER_PYTHON:-}
+if [ -z "$python" ] && [ -x "$repo/.venv/bin/python" ] && "$repo/.venv/bin/python" -c 'import torch' 2>/dev/null; then
+  python=$repo/.venv/bin/python
 fi
-generator=()
-command -v ninja >/dev/null 2>&1 && generator=(-G Ninja)
-
-log "configure $build (${torch_args[*]})"
-if ! cmake -S "$repo" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DSTRIDER_WITH_CUDA=ON \
-     "${torch_args[@]}" > "$out/configure.log" 2>&1; then
-  log "configure failed (see configure.log)"; tail -20 "$out/configure.log"; exit 1
+[ -n "$python" ] || python=$(command -v python3 || true)
+# The GPU image's torch environment, should its python3 not be first on PATH.
+if [ -x /opt/torch/.venv/bin/python3 ] && ! "${python:-false}" -c 'import torch' 2>/dev/null; then
+  python=/opt/torch/.venv/bin/python3
 fi
-if ! grep -q 'strider: CUDA=ON' "$out/configure.log"; then
-  log "CMake found no CUDA toolkit (see configure.log)"; exit 1
+if [ -z "$python" ] || ! torch_line=$("$python" -c 'import sys, torch; print(torch.__version__, torch.version.cuda, sys.version.split()[0])' 2>>"$logs/gpu_check.log"); then
+  log "no Python with torch (set STRIDER_PYTHON): nothing can be built or checked"
+  exit 1
 fi
-log "build gpu_test gpu_seam_test bench_transfer with -j$jobs"
-if ! cmake --build "$build" -j"$jobs" --target gpu_test gpu_seam_test bench_transfer > "$out/build.log" 2>&1; then
-  log "build failed (see build.log)"; tail -30 "$out/build.log"; exit 1
-fi
+python=$(command -v "$python")
+log "python $python: torch, CUDA, Python = $torch_line"
+{ nvidia-smi 2>&1 || echo "nvidia-smi: not available"; } > "$logs/nvidia-smi.txt"
 
-tests=$build/tests/gpu
-timeout 300 "$tests/gpu_test" "[cuda]" -d yes > "$out/cuda_tests.log" 2>&1
-cuda_rc=$?
-timeout 120 "$tests/gpu_seam_test" > "$out/seam_tests.log" 2>&1
-seam_rc=$?
-cuda_skipped=false
-grep -q 'skipped: no GPU' "$out/cuda_tests.log" && cuda_skipped=true
-log "[cuda] tests rc=$cuda_rc skipped=$cuda_skipped; seam tests rc=$seam_rc"
-tail -3 "$out/cuda_tests.log"
-
-timeout 180 "$build/bench/bench_transfer" --out "$out/bench_transfer.json" | tee "$out/bench_transfer.log"
-bench_rc=${PIPESTATUS[0]}
-bench_json=$(tail -n 1 "$out/bench_transfer.json" 2>/dev/null)
-[ -n "$bench_json" ] || bench_json=null
-
-# The calibration: strider and bench_calibrate link the engine, which needs torch.
-calib_rc=-1  # not run
-calib_json=null
-if [ "${torch_args[0]}" = "-DSTRIDER_WITH_TORCH=ON" ]; then
-  log "build strider bench_calibrate with -j$jobs"
-  if cmake --build "$build" -j"$jobs" --target strider bench_calibrate > "$out/build_calibrate.log" 2>&1; then
-    timeout 300 "$build/bench/bench_calibrate" --device cuda > "$out/bench_calibrate.log" 2>&1
-    calib_rc=$?
-    tail -n 25 "$out/bench_calibrate.log"
-    calib_json=$(tail -n 1 "$out/bench_calibrate.log")
-    if [ "$calib_rc" -eq 0 ] && [ "${calib_json:0:1}" = "{" ]; then
-      printf '%s\n' "$calib_json" > "$out/bench_calibrate.json"
-    else
-      calib_json=null
-    fi
+# 1. The bundle: verified against its manifest, unpacked once per manifest.
+if [ ! -f "$bundle/MANIFEST" ]; then
+  if [ "$mode" = cpu ] && command -v apt-get >/dev/null; then
+    log "no bundle at $bundle: making it (scripts/gpu_bundle.sh)"
+    "$repo/scripts/gpu_bundle.sh" "$bundle" >> "$logs/gpu_check.log" 2>&1 || { build_status failed "scripts/gpu_bundle.sh failed"; summarize; }
   else
-    calib_rc=1
-    log "build of strider/bench_calibrate failed (see build_calibrate.log)"; tail -30 "$out/build_calibrate.log"
+    log "no bundle at $bundle: run scripts/gpu_bundle.sh on a Debian 12 machine with network first"
+    build_status failed "no bundle at $bundle (scripts/gpu_bundle.sh makes it)"; summarize
   fi
-  log "bench_calibrate rc=$calib_rc"
-else
-  log "no torch at $python: bench_calibrate (and strider) not built"
+fi
+manifest_hash=$(sha256sum "$bundle/MANIFEST" | cut -c1-16)
+if [ "$(cat "$prefix/.manifest" 2>/dev/null)" != "$manifest_hash" ]; then
+  rm -rf "$prefix" && mkdir -p "$prefix"
+  while read -r pkg version file sha; do
+    case "$pkg" in ''|'#'*) continue ;; esac
+    if [ ! -f "$bundle/$file" ] || [ "$(sha256sum "$bundle/$file" | cut -d' ' -f1)" != "$sha" ]; then
+      log "bundle: $bundle/$file ($pkg $version) is missing or its sha256 differs from MANIFEST: remake the bundle"
+      build_status failed "bundle file $file missing or damaged"; summarize
+    fi
+    if command -v dpkg-deb >/dev/null; then
+      dpkg-deb -x "$bundle/$file" "$prefix"
+    else  # a .deb is an ar archive holding data.tar.*; GNU tar picks the decompressor from the file
+      tmp=$(mktemp -d) && member=$(ar t "$bundle/$file" | grep '^data\.tar') &&
+        (cd "$tmp" && ar x "$bundle/$file" "$member") && tar -xf "$tmp/$member" -C "$prefix" && rm -rf "$tmp"
+    fi || { log "bundle: cannot unpack $file"; build_status failed "cannot unpack $file"; summarize; }
+  done < "$bundle/MANIFEST"
+  echo "$manifest_hash" > "$prefix/.manifest"
+  log "unpacked $(grep -vc '^#' "$bundle/MANIFEST") packages into $prefix"
 fi
 
-printf '{"cuda_tests_rc":%d,"cuda_tests_skipped":%s,"seam_tests_rc":%d,"bench_rc":%d,"bench":%s,"calibrate_rc":%d,"calibrate":%s}\n' \
-  "$cuda_rc" "$cuda_skipped" "$seam_rc" "$bench_rc" "$bench_json" "$calib_rc" "$calib_json" | tee "$out/gpu_check.json"
-
-[ "$cuda_rc" -eq 0 ] && [ "$seam_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$cuda_skipped" = false ] &&
-  { [ "$calib_rc" -eq 0 ] || [ "$calib_rc" -eq -1 ]; }
+# 2. Configure and build, unless this tree, bundle and torch were built already.
+tree_hash=$(cd "$repo" && find CMakeLists.txt pyproject.toml cmake host io gpu engine python_shim bench tests -type f \
+              ! -name '*.pyc' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+key="tree-$tree_hash bundle-$manifest_hash torch-$(echo "$python $torch_line" | sha256sum | cut -c1-12)"
+echo "$key" > "$state/key"
+build_t0=$(date +%s.%N)
+if [ "$(cat "$state/build.stamp" 2>/dev/null)" = "$key" ] && [ -f "$build/strider" ]; then
+  log "build: this tree, bundle and torch were built already ($key): skipped"
+  build_status cached "built by an earlier run"
+  summarize
+fi
+rm -f "$state/build.stamp"
+lib=$prefix/usr/lib/x86_64-linux-gnu
+cmake_args=(-DCMAKE_BUILD_TYPE=Release -DSTRIDER_WITH_CUDA=ON -DSTRIDER_WITH_TORCH=ON "-DSTRIDER_PYTHON=$python"
+            "-DCMAKE_PREFIX_PATH=$prefix/usr"
+            # The configs by name, so that a copy elsewhere on the machine never mixes in.
+            "-DTBB_DIR=$lib/cmake/TBB" "-Dfmt_DIR=$lib/cmake/fmt" "-DCatch2_DIR=$prefix/usr/lib/cmake/Catch2"
+            "-Dnlohmann_json_DIR=$prefix/usr/share/cmake/nlohmann_json" "-DCLI11_DIR=$prefix/usr/share/cmake/CLI11")
+command -v ninja >/dev/null && cmake_args+=(-G Ninja)
+if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDACXX=/usr/local/cuda/bin/nvcc
+fi
+# Only this GPU's architecture: half the nvcc time of the default "89;90".
+if [ "$mode" = gpu ] && cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1) && [ -n "$cc" ]; then
+  cmake_args+=("-DCMAKE_CUDA_ARCHITECTURES=${cc//./}")
+fi
+log "configure: cmake ${cmake_args[*]}"
+if ! cmake -S "$repo" -B "$build" "${cmake_args[@]}" > "$logs/configure.log" 2>&1; then
+  log "configure failed (see configure.log in the logs archive)"; tail -20 "$logs/configure.log"
+  build_status failed "cmake configure failed"; summarize
+fi
+cuda=OFF
+grep -q 'strider: CUDA=ON' "$logs/configure.log" && cuda=ON
+if [ "$mode" = gpu ] && [ "$cuda" = OFF ]; then
+  log "CMake found no CUDA toolkit (nvcc); see configure.log"
+  build_status failed "no CUDA toolkit found by CMake"; summarize
+fi
+targets=(gpu_test strider strider_ops bench_calibrate)
+[ "$cuda" = ON ] && targets+=(bench_transfer)
+# bench_vs_torch (strider against plain PyTorch) joins the speed check once the tree has it.
+cmake --build "$build" --target help 2>/dev/null | grep -q 'bench_vs_torch' && targets+=(bench_vs_torch)
+log "build ${targets[*]} with -j$jobs (CUDA=$cuda)"
+if ! cmake --build "$build" -j "$jobs" --target "${targets[@]}" > "$logs/build.log" 2>&1; then
+  log "build failed (see build.log in the logs archive)"; grep -m5 -E 'error|Error' "$logs/build.log"; tail -15 "$logs/build.log"
+  build_status failed "build failed"; summarize
+fi
+# Every binary must find its shared libraries without the system's copies.
+unresolved=$(for f in "$build/strider" "$build/tests/gpu/gpu_test" "$build/bench/bench_calibrate" \
+                      "$build/python_shim/libstrider_ops.so"; do ldd "$f" | sed "s|^|$(basename "$f"): |"; done | grep 'not found')
+if [ -n "$unresolved" ]; then
+  log "binaries with unresolved shared libraries:"; echo "$unresolved" | tee -a "$logs/gpu_check.log"
+  build_status failed "unresolved shared libraries"; summarize
+fi
+ldd "$build/strider" | grep -E 'tbb|fmt|uring|xxhash|torch' >> "$logs/gpu_check.log"
+echo "$key" > "$state/build.stamp"
+build_status built "built $(printf '%s ' "${targets[@]}")"
+log "build done"
+summarize

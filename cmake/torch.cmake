@@ -7,6 +7,7 @@
 #   strider::torch       ATen/c10 on the CPU (gpu/ blocks, engine glue, tests)
 #   strider::torch_cuda  the CUDA half, only where STRIDER_HAVE_CUDA
 set(STRIDER_HAVE_TORCH OFF)
+set(STRIDER_TORCH_FLOOR 2.11)
 if(NOT STRIDER_PYTHON AND SKBUILD AND Python_EXECUTABLE)
   set(STRIDER_PYTHON ${Python_EXECUTABLE})  # pip install .: the installing interpreter
 endif()
@@ -18,6 +19,10 @@ execute_process(
   COMMAND ${STRIDER_PYTHON} -c "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.__version__)"
   OUTPUT_VARIABLE _torch_out RESULT_VARIABLE _torch_rc ERROR_QUIET OUTPUT_STRIP_TRAILING_WHITESPACE)
 if(NOT _torch_rc EQUAL 0)
+  if(SKBUILD)
+    message(FATAL_ERROR "strider: '${STRIDER_PYTHON}' cannot import torch. Build the package against the "
+                        "environment's own torch (>= ${STRIDER_TORCH_FLOOR}): pip install --no-build-isolation .")
+  endif()
   message(FATAL_ERROR "strider: '${STRIDER_PYTHON}' cannot import torch. Run scripts/setup.sh, "
                       "or pass -DSTRIDER_PYTHON=<python with torch>, or -DSTRIDER_WITH_TORCH=OFF.")
 endif()
@@ -25,6 +30,14 @@ string(REPLACE "\n" ";" _torch_out "${_torch_out}")
 list(GET _torch_out 0 STRIDER_TORCH_DIR)
 list(GET _torch_out 1 _torch_abi)
 list(GET _torch_out 2 STRIDER_TORCH_VERSION)
+# The oldest torch strider builds and runs against (pyproject.toml says the
+# same); the project's environment pins a newer one (requirements.txt).
+string(REGEX MATCH "^[0-9]+\\.[0-9]+" _torch_major_minor "${STRIDER_TORCH_VERSION}")
+if(_torch_major_minor VERSION_LESS STRIDER_TORCH_FLOOR)
+  message(FATAL_ERROR "strider: torch ${STRIDER_TORCH_VERSION} at ${STRIDER_TORCH_DIR} is older than "
+                      "${STRIDER_TORCH_FLOOR}, the oldest strider supports; upgrade torch or point "
+                      "STRIDER_PYTHON at a Python with a newer one")
+endif()
 message(STATUS "strider: torch ${STRIDER_TORCH_VERSION} at ${STRIDER_TORCH_DIR} (cxx11 abi ${_torch_abi})")
 
 add_library(strider_torch INTERFACE)

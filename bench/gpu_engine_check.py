@@ -1,0 +1,208 @@
+"""The engine on a device against the engine on the CPU device and against transformers + torch.optim.AdamW.
+
+    python bench/gpu_engine_check.py --device cuda     # on a GPU machine (bench/gpu_check.sh runs it)
+    python bench/gpu_engine_check.py --device cpu      # the same logic on the CPU (gpu_check.sh --cpu)
+
+A tiny Llama made from a config on the spot (4 decoder layers: 6 blocks), a window of K = 2 cache units
+(fewer than the blocks, so the window slides), block inputs checkpointed to pinned host memory, micro-batch
+2 x accumulation 2, exact global-norm clipping at 1.0 (it clips), warm-up + linear decay, AdamW with
+weight decay; 3 optimizer steps, in fp32 and in bf16. Three runs per dtype on the same data:
+
+  engine  strider.Engine on --device (with --device cpu: the CPU device with chaos delays, so the
+          comparison with the plain CPU device below still means something: it must be bit-identical)
+  cpu     strider.Engine on the CPU device
+  torch   transformers + torch.optim.AdamW on --device (the reference), per micro-batch sum of token
+          losses / the batch's valid tokens (HF's num_items_in_batch), clip, AdamW, scheduler
+
+Tolerances (relative; a tensor's error is its largest absolute difference over its largest magnitude):
+  fp32  each step's loss and gradient norm, and every fp32 master after 3 steps: 1e-5. TF32 is off.
+  bf16  the reference keeps fp32 masters and computes forward/backward with a bf16 copy of them, gradients
+        accumulated in fp32, as the engine does. Different but equally valid bf16 operation orders differ
+        by a few ulps per op, so: loss 1e-2, gradient norm 2e-2, parameters 5e-2 (the tolerance of
+        tests/python/test_blocks_vs_hf.py's bf16 test, here after 3 steps).
+
+Prints what it compares, and as its last line one JSON object: {"ok": bool, "device": ..., "fp32": {...},
+"bf16": {...}}. Exit status 0 when every comparison holds, 1 when one does not, 2 when it could not run.
+"""
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+from gpu_check_common import require_device, run_check  # also puts this tree's strider package on sys.path
+
+SEQ, MICRO_BATCH, ACCUMULATION, STEPS = 17, 2, 2, 3
+BATCH = MICRO_BATCH * ACCUMULATION
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0
+WARMUP, TOTAL = 1, 4
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=1000, max_position_embeddings=64, rms_norm_eps=1e-5)
+TOL = {"fp32": dict(loss=1e-5, grad_norm=1e-5, params=1e-5),
+       "bf16": dict(loss=1e-2, grad_norm=2e-2, params=5e-2)}
+
+
+def make_model(seed=0):
+    import transformers
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**TINY)
+    cfg._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # norms start at ones: perturb them so their updates mean something
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def batches(vocab, seed=1):
+    """STEPS batches of [BATCH, SEQ], HF-style labels: -100 on a prompt and on padding (a different row each step)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for s in range(STEPS):
+        ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g)
+        labels = ids.clone()
+        labels[:, :3] = -100
+        labels[s % BATCH, 9 + s:] = -100
+        out.append((ids, labels))
+    return out
+
+
+def valid_count(labels):
+    return int((labels[:, 1:] != -100).sum())
+
+
+def engine_run(model, data, dtype, device, chaos=False):
+    import strider
+    cfg = strider.EngineConfig(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, window=2,
+                               dtype=dtype, vocab_chunk=300, checkpoints_on_host=True, lr=LR, schedule="linear",
+                               warmup_steps=WARMUP, total_steps=TOTAL, weight_decay=WEIGHT_DECAY, clip_norm=CLIP,
+                               betas=BETAS, eps=EPS, device=device, chaos=chaos, chaos_seed=7)
+    engine = strider.Engine(model, cfg)
+    steps = [engine.step(ids, labels) for ids, labels in data]
+    engine.finish()
+    params = {n: engine.param(n) for n in engine.param_names()}
+    return dict(loss=[r.loss for r in steps], grad_norm=[r.grad_norm for r in steps], params=params,
+                peak_device_bytes=max(r.peak_device_bytes for r in steps))
+
+
+def reference_run(model, data, dtype, device):
+    """transformers + torch.optim.AdamW on `device`; bf16: fp32 masters, a bf16 compute copy, fp32 gradients."""
+    import transformers
+    master = model.to(device)
+    compute = master if dtype == "fp32" else copy.deepcopy(master).to(torch.bfloat16)
+    opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
+                            foreach=False)
+    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
+    pairs = list(zip(master.parameters(), compute.parameters()))
+    losses, norms = [], []
+    for ids, labels in data:
+        ids, labels = ids.to(device), labels.to(device)
+        valid = valid_count(labels)
+        opt.zero_grad(set_to_none=False)
+        if compute is not master:
+            with torch.no_grad():
+                for m, c in pairs:
+                    c.copy_(m)
+                    c.grad = None
+        loss = 0.0
+        for k in range(ACCUMULATION):
+            rows = slice(k * MICRO_BATCH, (k + 1) * MICRO_BATCH)
+            part = compute(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid).loss
+            part.backward()
+            loss += part.item()
+            if compute is not master:  # accumulate in fp32, as the engine's units do
+                with torch.no_grad():
+                    for m, c in pairs:
+                        if c.grad is not None:
+                            m.grad = c.grad.float() if m.grad is None else m.grad.add_(c.grad.float())
+                            c.grad = None
+        norms.append(torch.nn.utils.clip_grad_norm_(master.parameters(), CLIP).item())
+        losses.append(loss)
+        opt.step()
+        sched.step()
+    params = {n: p.detach().float().cpu() for n, p in master.named_parameters()}
+    return dict(loss=losses, grad_norm=norms, params=params)
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def tensor_rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def compare(name, run, ref, tol):
+    """Worst relative errors of `run` against `ref`, and whether each is within `tol`."""
+    out = {"loss": max(rel(a, b) for a, b in zip(run["loss"], ref["loss"])),
+           "grad_norm": max(rel(a, b) for a, b in zip(run["grad_norm"], ref["grad_norm"]))}
+    missing = sorted(set(ref["params"]) - set(run["params"]))
+    worst = max(((tensor_rel(run["params"][n], p), n) for n, p in ref["params"].items() if n in run["params"]),
+                default=(float("inf"), None))
+    out["params"], out["worst_param"] = worst
+    out["ok"] = not missing and all(out[k] <= tol[k] for k in ("loss", "grad_norm", "params"))
+    if missing:
+        out["missing_params"] = missing
+    print(f"  {name}: loss {out['loss']:.3g} (tol {tol['loss']:g}), grad norm {out['grad_norm']:.3g} "
+          f"(tol {tol['grad_norm']:g}), params {out['params']:.3g} (tol {tol['params']:g}; worst "
+          f"{out['worst_param']}) -> {'ok' if out['ok'] else 'NOT WITHIN TOLERANCE'}")
+    return out
+
+
+def check_dtype(dtype, device):
+    base = make_model()
+    data = batches(base.config.vocab_size)
+    clipped = None
+    chaos = device == "cpu"
+    t0 = time.time()
+    ours = engine_run(copy.deepcopy(base), data, dtype, device, chaos=chaos)
+    cpu = engine_run(copy.deepcopy(base), data, dtype, "cpu")
+    ref = reference_run(copy.deepcopy(base), data, dtype, device)
+    clipped = sum(n > CLIP for n in ref["grad_norm"])
+    label = "engine on cpu with chaos" if chaos else f"engine on {device}"
+    print(f"{dtype}: {STEPS} steps, losses {['%.5f' % x for x in ours['loss']]} ({label}), "
+          f"{['%.5f' % x for x in ref['loss']]} (transformers + AdamW on {device}); {clipped} of {STEPS} clipped")
+    res = {"engine_vs_torch": compare(f"{label} vs transformers + AdamW on {device}", ours, ref, TOL[dtype]),
+           "engine_vs_cpu_engine": compare(f"{label} vs engine on cpu", ours, cpu, TOL[dtype]),
+           "losses": ours["loss"], "reference_losses": ref["loss"], "clipped_steps": clipped,
+           "peak_device_bytes": ours["peak_device_bytes"], "tolerance": TOL[dtype], "seconds": time.time() - t0}
+    if chaos:  # offload changes nothing: chaos delays on the CPU device are bit-identical
+        same = ours["loss"] == cpu["loss"] and all(torch.equal(ours["params"][n], p) for n, p in cpu["params"].items())
+        res["chaos_bit_identical"] = same
+        print(f"  chaos delays bit-identical to the plain CPU device: {same}")
+    res["ok"] = (res["engine_vs_torch"]["ok"] and res["engine_vs_cpu_engine"]["ok"] and clipped > 0
+                 and res.get("chaos_bit_identical", True))
+    if clipped == 0:
+        print("  no step was clipped: the clipping path went untested")
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    args = ap.parse_args()
+    out = {"check": "engine", "device": args.device, "torch": torch.__version__}
+
+    def body(out):
+        import transformers
+        out["transformers"] = transformers.__version__
+        require_device(args.device)
+        if args.device.startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on the reference side too
+            torch.backends.cudnn.allow_tf32 = False
+            out["device_name"] = torch.cuda.get_device_name(torch.device(args.device))
+        import strider
+        out["library"] = str(strider.load_library())
+        print(f"gpu_engine_check: torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"{os.path.basename(out['library'])} from {os.path.dirname(out['library'])}")
+        for dtype in ("fp32", "bf16"):
+            out[dtype] = check_dtype(dtype, args.device)
+        out["ok"] = all(out[d]["ok"] for d in ("fp32", "bf16"))
+
+    return run_check(out, body)
+
+if __name__ == "__main__":
+    sys.exit(main())
