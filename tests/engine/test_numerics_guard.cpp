@@ -68,6 +68,18 @@ const std::vector<Setup>& setups() {
   return s;
 }
 
+// Two engines of one setup, one good step in each: `a` meets the fault,
+// `b` is the run that never saw it.
+struct Twins {
+  TempDir da, db;
+  std::unique_ptr<Engine> a, b;
+  Twins(const ModelSpec& spec, const Setup& s)
+      : a(make(spec, s, da.path.string())), b(make(spec, s, db.path.string())) {
+    step(*a, 1);
+    step(*b, 1);
+  }
+};
+
 }  // namespace
 
 TEST_CASE("a non-finite loss skips the step: nothing changes, and the run goes on as if it never came",
@@ -75,12 +87,11 @@ TEST_CASE("a non-finite loss skips the step: nothing changes, and the run goes o
   const ModelSpec spec = ModelSpec::from_json(test::tiny_config(false, 3), "tiny");
   for (const Setup& s : setups()) {
     INFO(s.name);
-    TempDir da, db;
-    auto a = make(spec, s, da.path.string()), b = make(spec, s, db.path.string());
-    // a: step, a step on a model with a NaN weight (skipped), the weight
-    // restored, step. b: the same two good steps only.
-    step(*a, 1);
-    step(*b, 1);
+    // a: a step on a model with a NaN weight (skipped), the weight restored,
+    // a step. b: the good step only.
+    Twins t(spec, s);
+    Engine* a = t.a.get();
+    Engine* b = t.b.get();
     const std::string name = "model.layers.1.mlp.up_proj.weight";
     const std::vector<float> good = a->param(name);
     std::vector<float> bad = good;
@@ -108,10 +119,9 @@ TEST_CASE("a non-finite gradient skips the step before any update, naming the bl
   const ModelSpec spec = ModelSpec::from_json(test::tiny_config(false, 3), "tiny");
   for (const Setup& s : setups()) {
     INFO(s.name);
-    TempDir da, db;
-    auto a = make(spec, s, da.path.string()), b = make(spec, s, db.path.string());
-    step(*a, 1);
-    step(*b, 1);
+    Twins t(spec, s);
+    Engine* a = t.a.get();
+    Engine* b = t.b.get();
     // With clipping any block's gradient is checked before any update;
     // without, the head's (the first to land and be updated).
     const int64_t bad = s.clip > 0 ? 1 : spec.num_blocks() - 1;
