@@ -233,15 +233,25 @@ int run(const Options& o) {
 
   // 5. How the run ends: diverged, interrupted, or done.
   if (!diverged.empty()) {
-    // Skipped steps changed nothing: the state is the last good step's.
-    if (!o.checkpoint_dir.empty()) save_checkpoint();
+    // Skipped steps changed nothing: the state is the last good step's,
+    // unless an update itself overflowed (a save then refuses the state, and
+    // says so below the reason the run stopped).
+    std::string not_saved;
+    if (!o.checkpoint_dir.empty()) {
+      try {
+        save_checkpoint();
+      } catch (const Error& e) {
+        not_saved = fmt::format(" (its state was not saved: {})", e.what());
+      }
+    }
     write_trace();
-    throw Error(fmt::format("the run diverged: {}. Lower --lr (or raise --warmup) and resume from {}", diverged,
-                            saved_step >= 0 ? ckpt_root : "a new start"));
+    throw Error(fmt::format("the run diverged: {}{}. Lower --lr (or raise --warmup) and resume from {}", diverged,
+                            not_saved, saved_step >= 0 ? ckpt_root : "a new start"));
   }
   if (signals.requested()) {
     fmt::print("interrupted by {} after step {}: saving\n", StopSignals::name(signals.signal_number()),
                engine.steps_done());
+    std::fflush(stdout);  // a supervisor watching the output knows the save has begun
     save_checkpoint();
     write_trace();
     fmt::print("resume with --checkpoint-dir {} --resume\n", ckpt_root);
