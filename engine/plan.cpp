@@ -140,7 +140,9 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   p.window = k;
   p.checkpoints_on_host = host_ckpt;
   fits(k, host_ckpt, &f);  // f: the footprint of the chosen window
-  p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head", blocks, spec.layers));
+  p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head; the embedding and the LM head move in {} "
+                              "vocabulary shard{} of {} rows, no larger than a layer", blocks, spec.layers,
+                              f.vocab_shards, f.vocab_shards == 1 ? "" : "s", f.shard_rows));
   p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients) {}", k, k,
                               format_bytes(f.unit_bytes), f.unit_elems,
                               l.window > 0 ? "(as asked)" : k == blocks ? "(the whole model fits)"
@@ -209,6 +211,8 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
                                 l.grad_ring));
   p.feasible = true;
   p.unit_elems = f.unit_elems;
+  p.vocab_shards = f.vocab_shards;
+  p.shard_rows = f.shard_rows;
   p.unit_bytes = f.unit_bytes;
   p.device_buffer_bytes = f.device_bytes;
   p.device_peak_bytes = f.device_bytes + work;
@@ -231,7 +235,8 @@ std::string Plan::explain() const {
 nlohmann::json Plan::to_json() const {
   return {{"feasible", feasible}, {"reason", reason}, {"window", window},
           {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
-          {"unit_bytes", unit_bytes}, {"device_buffer_bytes", device_buffer_bytes},
+          {"unit_bytes", unit_bytes}, {"vocab_shards", vocab_shards}, {"shard_rows", shard_rows},
+          {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
           {"host_bytes", host_bytes}, {"nvme_bytes", nvme_bytes}, {"why", why}};
 }

@@ -44,6 +44,7 @@ struct Plan {
   bool checkpoints_on_host = false;
   std::vector<int64_t> nvme_blocks;
   uint64_t unit_elems = 0, unit_bytes = 0;
+  int64_t vocab_shards = 1, shard_rows = 0;  // the embedding's and LM head's vocabulary shards (engine/shards.h)
   uint64_t device_buffer_bytes = 0;  // what the engine allocates on the device (units, activations)
   uint64_t device_work_bytes = 0;    // ATen's working memory, estimated from the block costs
   uint64_t device_peak_bytes = 0;    // the two together

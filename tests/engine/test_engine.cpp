@@ -31,6 +31,7 @@ struct Case {
   bool chaos = false;
   uint64_t seed = 1;
   int64_t grad_ring = 3;
+  int64_t shard_rows = 0;  // vocabulary rows per embedding / LM-head shard (0: the tiny model's one shard)
 };
 
 struct Result {
@@ -70,6 +71,7 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
   cfg.nvme_blocks = c.nvme;
   cfg.nvme_dir = nvme_dir();
   cfg.grad_ring = c.grad_ring;
+  cfg.vocab_shard_rows = c.shard_rows;
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,
                      .chaos = {.enabled = c.chaos, .seed = c.seed, .max_delay_us = 300}};
@@ -114,6 +116,13 @@ std::vector<Case> cases(int64_t blocks) {
       // (no clipping) or spilled to NVMe (clipping).
       {"all state on NVMe, gradient ring of 1", 2, false, {0, 1, 2, 3, 4}, false, 1, 1},
       {"chaos seed 4, NVMe, gradient ring of 2", 3, true, {1, 2, 3, 4}, true, 4, 2},
+      // Vocabulary shards (40 + 40 + 16 rows of 96, on the 40-row chunks):
+      // the embedding and the LM head move, and are updated, shard by shard.
+      {"3 vocabulary shards, K=2", 2, false, {}, false, 1, 3, 40},
+      {"2 vocabulary shards, K=3, host checkpoints", 3, true, {}, false, 1, 3, 80},
+      {"3 vocabulary shards, chaos seed 5, NVMe head and embedding", 2, false, {0, blocks - 1}, true, 5, 3, 40},
+      {"3 vocabulary shards, all state on NVMe, gradient ring of 1", 2, true, {0, 1, 2, 3, 4}, false, 1, 1, 40},
+      {"3 vocabulary shards, chaos seed 6, NVMe, ring of 2", 3, false, {0, 2, 4}, true, 6, 2, 40},
   };
 }
 
@@ -145,7 +154,7 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
 }
 
 TEST_CASE("one engine step equals the resident reference's gradients plus AdamW", "[engine]") {
-  for (bool tied : {false, true}) {
+  for (auto [tied, shard_rows] : {std::pair{false, 0}, {true, 0}, {false, 40}, {true, 40}}) {
     ModelSpec spec = tiny(tied);
     const Case c{"K=2 chaos", 2, false, {}, true, 9};
     EngineConfig cfg;
@@ -154,7 +163,9 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     cfg.accumulation = 2;
     cfg.compute = {at::kFloat, 40};
     cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
+    cfg.vocab_shard_rows = shard_rows;
     Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 9}}));
+    CHECK(e.sharding().shards == (shard_rows ? 3 : 1));
     e.init_params(3);
     ResidentModel ref(spec, cfg.compute);
     std::vector<std::vector<float>> before;
@@ -167,7 +178,7 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     at::Tensor ids = at::from_blob(b.ids.data(), {cfg.batch(), cfg.seq}, at::kLong);
     at::Tensor labels = at::from_blob(b.labels.data(), {cfg.batch(), cfg.seq}, at::kLong);
     StepLoss rl = ref.forward_backward(ids, labels, cfg.accumulation);
-    INFO("tied=" << tied);
+    INFO("tied=" << tied << " shard rows " << shard_rows);
     CHECK(rep.loss == rl.loss);
     size_t i = 0;
     for (const std::string& name : ref.param_names()) {
