@@ -167,7 +167,7 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
                       [dims, norm, rows, v0, in, labels, chunk, tile, st, lse, loss_sum, valid_tokens, first,
                        last](const LaunchContext&) mutable {
                         if (first) head_state_reset(st);
-                        head_lse_shard(head_normed(dims, norm, in), rows, v0, labels, chunk, tile, st);
+                        head_lse_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, st);
                         if (!last) return;
                         lse.copy_(head_lse(st));
                         head_loss_sums(st, lse, labels, loss_sum, valid_tokens);
@@ -195,7 +195,7 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
                     [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first](
                         const LaunchContext&) {
                       if (first) grad_h.zero_();
-                      head_grad_shard(head_normed(dims, norm, in), rows, v0, labels, chunk, tile, lse,
+                      head_grad_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, lse,
                                       1.0 / double(valid), grad_h, grad_rows);
                     });
   }
@@ -203,8 +203,9 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
     for (int64_t m = 0; m < M; ++m) {
       at::Tensor in = act(head_, m), grad_h = grad_h_[size_t(m)], gout = grad_out_[size_t(m)];
       device_->launch(StreamId::kCompute, {"head norm backward", int32_t(head_), 0.0},
-                      [dims, norm, in, grad_h, grad_norm, gout](const LaunchContext&) {
-                        gout.copy_(head_norm_backward(dims, norm, in, grad_h, grad_norm));
+                      [dims, norm, in, grad_h, grad_norm, gout, tile](const LaunchContext&) {
+                        gout.view({-1, dims.hidden})
+                            .copy_(head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile));
                       });
     }
   auto done = device_->make_event();

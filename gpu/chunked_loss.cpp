@@ -55,17 +55,12 @@ void head_state_reset(HeadState& st) {
   st.target.zero_();
 }
 
-at::Tensor head_normed(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x) {
-  at::NoGradGuard no_grad;
-  return rms_norm(x, norm, d.rms_eps).reshape({-1, d.hidden});
-}
-
-void head_lse_shard(const at::Tensor& h, const at::Tensor& w_rows, int64_t v0, const at::Tensor& labels,
-                    int64_t chunk, int64_t token_tile, HeadState& st) {
+void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
+                    int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, HeadState& st) {
   at::NoGradGuard no_grad;
   const int64_t rows = w_rows.size(0);
-  for_tiles(h.size(0), token_tile, [&](int64_t t0, int64_t t1) {
-    at::Tensor ht = h.slice(0, t0, t1), lab = labels.slice(0, t0, t1);
+  for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
+    at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps), lab = labels.slice(0, t0, t1);
     at::Tensor run_max = st.run_max.slice(0, t0, t1), run_sum = st.run_sum.slice(0, t0, t1);
     at::Tensor target = st.target.slice(0, t0, t1);
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
@@ -91,13 +86,14 @@ void head_loss_sums(const HeadState& st, const at::Tensor& lse, const at::Tensor
   valid_tokens.copy_(valid.sum(at::kDouble));
 }
 
-void head_grad_shard(const at::Tensor& h, const at::Tensor& w_rows, int64_t v0, const at::Tensor& labels,
-                     int64_t chunk, int64_t token_tile, const at::Tensor& lse, double loss_scale,
-                     const at::Tensor& grad_h, const at::Tensor& grad_rows) {
+void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
+                     int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, const at::Tensor& lse,
+                     double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows) {
   at::NoGradGuard no_grad;
   const int64_t rows = w_rows.size(0);
-  for_tiles(h.size(0), token_tile, [&](int64_t t0, int64_t t1) {
-    at::Tensor ht = h.slice(0, t0, t1), lab = labels.slice(0, t0, t1), lse_t = lse.slice(0, t0, t1);
+  for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
+    at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps);
+    at::Tensor lab = labels.slice(0, t0, t1), lse_t = lse.slice(0, t0, t1);
     at::Tensor gh = grad_h.slice(0, t0, t1);
     // d(scale * sum_t (lse_t - logit_t[label]))/d(logit) = scale * (softmax - onehot), valid rows only.
     at::Tensor row_scale = (lab != kIgnore).to(at::kFloat) * loss_scale;
@@ -118,24 +114,36 @@ void head_grad_shard(const at::Tensor& h, const at::Tensor& w_rows, int64_t v0, 
 }
 
 at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x,
-                              const at::Tensor& grad_h, const at::Tensor& grad_norm) {
+                              const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile) {
   at::AutoGradMode enable(true);
-  at::Tensor xin = x.detach().requires_grad_(true);
   at::Tensor norm_w = norm.detach().requires_grad_(true);
-  at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
-  std::vector<at::Tensor> g = torch::autograd::grad(
-      {normed}, {xin, norm_w}, {grad_h.to(normed.scalar_type()).view(normed.sizes())});
-  grad_norm.add_(g[1]);
-  return g[0];
+  const int64_t tokens = x.size(0);
+  if (token_tile <= 0 || token_tile >= tokens) {
+    at::Tensor xin = x.detach().requires_grad_(true);
+    at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
+    std::vector<at::Tensor> g = torch::autograd::grad({normed}, {xin, norm_w}, {grad_h.to(normed.scalar_type())});
+    grad_norm.add_(g[1]);
+    return g[0];
+  }
+  at::Tensor grad_x = at::empty_like(x);
+  for_tiles(tokens, token_tile, [&](int64_t t0, int64_t t1) {
+    at::Tensor xin = x.slice(0, t0, t1).detach().requires_grad_(true);
+    at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
+    std::vector<at::Tensor> g =
+        torch::autograd::grad({normed}, {xin, norm_w}, {grad_h.slice(0, t0, t1).to(normed.scalar_type())});
+    grad_norm.add_(g[1]);
+    grad_x.slice(0, t0, t1).copy_(g[0]);
+  });
+  return grad_x;
 }
 
 HeadResult head_loss(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
                      const at::Tensor& labels, int64_t vocab_chunk, Scalars scalars) {
   at::NoGradGuard no_grad;
-  at::Tensor h = head_normed(d, w.norm, x);
+  at::Tensor h = x.reshape({-1, d.hidden});
   at::Tensor lab = labels.reshape({-1});
   HeadState st = fresh_state(h);
-  head_lse_shard(h, w.lm_head, 0, lab, chunk_size(d, vocab_chunk), 0, st);
+  head_lse_shard(d, w.norm, h, w.lm_head, 0, lab, chunk_size(d, vocab_chunk), 0, st);
   auto f64 = h.options().dtype(at::kDouble);
   at::Tensor loss_sum = at::empty({}, f64), valid = at::empty({}, f64);
   head_loss_sums(st, head_lse(st), lab, loss_sum, valid);
@@ -148,10 +156,10 @@ HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at
                               const at::Tensor& labels, int64_t vocab_chunk, double loss_scale,
                               HeadGrads& grads, Scalars scalars) {
   const int64_t chunk = chunk_size(d, vocab_chunk);
-  at::Tensor h = head_normed(d, w.norm, x);
+  at::Tensor h = x.reshape({-1, d.hidden});
   at::Tensor lab = labels.reshape({-1});
   HeadState st = fresh_state(h);
-  head_lse_shard(h, w.lm_head, 0, lab, chunk, 0, st);
+  head_lse_shard(d, w.norm, h, w.lm_head, 0, lab, chunk, 0, st);
   at::Tensor lse = head_lse(st);
   auto f64 = h.options().dtype(at::kDouble);
   at::Tensor loss_sum = at::empty({}, f64), valid = at::empty({}, f64);
@@ -159,8 +167,8 @@ HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at
   HeadResult r;
   set_scalars(d, loss_sum, valid, lab, scalars, r);
   at::Tensor grad_h = at::zeros(h.sizes(), h.options().dtype(at::kFloat));
-  head_grad_shard(h, w.lm_head, 0, lab, chunk, 0, lse, loss_scale, grad_h, grads.lm_head);
-  r.grad_input = head_norm_backward(d, w.norm, x, grad_h, grads.norm);
+  head_grad_shard(d, w.norm, h, w.lm_head, 0, lab, chunk, 0, lse, loss_scale, grad_h, grads.lm_head);
+  r.grad_input = head_norm_backward(d, w.norm, h, grad_h, grads.norm, 0).view(x.sizes());
   return r;
 }
 
