@@ -37,6 +37,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   head_ = num_blocks_ - 1;
   for (int64_t b = 0; b < num_blocks_; ++b) layouts_.push_back(spec_.layout(b));
   compute_bytes_ = config_.compute.dtype == at::kFloat ? 4 : 2;
+  grad_bytes_ = config_.grad_dtype() == at::kFloat ? 4 : 2;
   const int64_t M = config_.accumulation;
 
   shards_ = make_sharding(spec_, config_.compute.vocab_chunk, config_.vocab_shard_rows);
@@ -58,7 +59,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
     nvme_piece_[size_t(p)] = true;
     const size_t bytes = piece(p).elems() * sizeof(float);
     for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) extents.push_back({p, k, bytes});
-    if (config_.clip_norm > 0) extents.push_back({p, ExtentKind::kGrad, bytes});
+    if (config_.clip_norm > 0) extents.push_back({p, ExtentKind::kGrad, piece(p).elems() * grad_bytes_});
     max_nvme_state = std::max(max_nvme_state, round_up(bytes, kAlign));
   }
   // Visits of one step: forward (embedding shards, layers), the head's shards
@@ -98,7 +99,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   for (int64_t p : landing_)
     if (grads_in_ring(on_nvme(p), config_)) {
       ring_slot_[size_t(p)] = int(rank++ % config_.grad_ring);
-      ring_slot_bytes = std::max(ring_slot_bytes, round_up(piece(p).elems() * sizeof(float), kAlign));
+      ring_slot_bytes = std::max(ring_slot_bytes, round_up(piece(p).elems() * grad_bytes_, kAlign));
     }
 
   // Pinned host memory: the store, batch staging, tied-gradient staging,
@@ -108,7 +109,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
     const bool ring = grads_in_ring(nvme_block[size_t(b)], config_);
     specs.push_back({layouts_[b], !nvme_block[size_t(b)], !ring});
   }
-  StoreOptions so{.grad_dtype = DType::kF32,
+  StoreOptions so{.grad_dtype = grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                   .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                   .zero = !simulated()};
   const size_t tokens = size_t(config_.batch() * config_.seq);
@@ -191,7 +192,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
 EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) {
   EngineFootprint f;
   const int64_t blocks = spec.num_blocks(), head = blocks - 1, M = c.accumulation;
-  const size_t cbytes = c.compute.dtype == at::kFloat ? 4 : 2;
+  const size_t cbytes = c.compute.dtype == at::kFloat ? 4 : 2, gbytes = c.grad_dtype() == at::kFloat ? 4 : 2;
   const Sharding sh = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows);
   std::vector<BlockSpec> specs;
   std::vector<bool> nvme(size_t(blocks), false);
@@ -201,11 +202,11 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   size_t max_nvme_state = 0, ring_slot_bytes = 0;
   for (int64_t b = 0; b < blocks; ++b) specs.push_back({spec.layout(b), !nvme[size_t(b)], !grads_in_ring(nvme[size_t(b)], c)});
   for (const Piece& p : sh.pieces) {
-    const size_t bytes = round_up(p.elems() * 4, kAlign);
-    if (grads_in_ring(nvme[size_t(p.block)], c)) ring_slot_bytes = std::max(ring_slot_bytes, bytes);
+    const size_t bytes = round_up(p.elems() * 4, kAlign), grad = round_up(p.elems() * gbytes, kAlign);
+    if (grads_in_ring(nvme[size_t(p.block)], c)) ring_slot_bytes = std::max(ring_slot_bytes, grad);
     if (nvme[size_t(p.block)]) {
       max_nvme_state = std::max(max_nvme_state, bytes);
-      f.nvme_bytes += (clip ? 4 : 3) * bytes;  // master, m, v (+ spilled gradients)
+      f.nvme_bytes += 3 * bytes + (clip ? grad : 0);  // master, m, v (+ spilled gradients)
     }
   }
   const size_t emb_elems = specs[0].layout.total_elems();
@@ -225,7 +226,8 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
                        uint64_t(M) * (4 * round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256));
   f.device_bytes = f.pool_bytes + f.activation_bytes;
   // Must match the constructor's carving.
-  StoreOptions so{.grad_dtype = DType::kF32, .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16};
+  StoreOptions so{.grad_dtype = gbytes == 4 ? DType::kF32 : DType::kBF16,
+                  .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16};
   f.host_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) +
                  round_up(size_t(2 * M) * 8, kAlign) + 8 * kAlign;
   if (spec.tie_embeddings) f.host_bytes += round_up(emb_elems * 4, kAlign);

@@ -67,6 +67,13 @@ struct EngineConfig {
   // Vocabulary rows per embedding / LM-head shard (engine/shards.h); 0: the
   // most whole LM-head chunks whose visit fits in the largest layer's unit.
   int64_t vocab_shard_rows = 0;
+  // Gradients are summed in fp32 on the device over the micro-batches, then
+  // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
+  // keeps them exact (the exactness tests; an fp32 compute dtype always does).
+  bool fp32_grad_transfer = false;
+  at::ScalarType grad_dtype() const {
+    return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
+  }
   NvmeBackend nvme_backend = NvmeBackend::kAuto;
   LockPolicy lock = LockPolicy::kPrefer;
 
@@ -218,9 +225,13 @@ class Engine {
   // staged, checked and updated piece by piece.
   // Host staging of piece p's fp32 gradients: its block's own buffer, or its ring slot.
   std::span<std::byte> grad_host(int64_t p);
-  // The D2H of piece p's gradients from `src` (a unit), once its staging is
-  // free; records grads_ready_[p] and tells the updater.
+  // The D2H of piece p's gradients from `src` (a unit, in the transfer
+  // dtype), once its staging is free; records grads_ready_[p] and tells the updater.
   void copy_grads_out(int64_t p, const void* src);
+  // The first `elems` gradients of unit u in the transfer dtype: the fp32
+  // accumulators themselves, or (bf16) rounded on the compute stream into the
+  // unit's parameter area, which the visit no longer reads.
+  const std::byte* grads_to_send(const CacheUnit& u, size_t elems);
   void release_ring_slot(int64_t p);  // the slot's gradients are consumed
   void updater_main();
   // Updates piece order[pos]; the next NVMe-tier piece after it in `order`
@@ -229,9 +240,10 @@ class Engine {
   // A skipped step: piece p's gradients are consumed without an update (its
   // staging is freed; its next H2D may go).
   void skip_piece(const UpdateJob& job, int64_t p);
-  // The name of the first tensor of piece p whose values in `grads` (the
-  // piece's elements) are not finite.
+  // The name of the first tensor of piece p whose values (the piece's
+  // elements, fp32 or `dtype`) are not finite.
   std::string first_non_finite(int64_t p, const float* values) const;
+  std::string first_non_finite_grad(int64_t p, const std::byte* grads) const;
   // Simulation of the updater, in the order it works: sim_landed(p) right
   // after piece p's D2H is enqueued, sim_finish() after the pass (returns
   // the virtual time the step ends).
@@ -254,6 +266,7 @@ class Engine {
   Sharding shards_;
   std::vector<int64_t> landing_;    // pieces in the order their gradients are copied out
   size_t compute_bytes_;            // 2 (bf16) or 4 (fp32)
+  size_t grad_bytes_;               // gradients on the host: 2 (bf16) or 4 (fp32)
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<ParamStore> store_;
   std::unique_ptr<NvmeStore> nvme_;

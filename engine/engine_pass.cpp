@@ -208,18 +208,16 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
                             .copy_(head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile));
                       });
     }
-  auto done = device_->make_event();
-  device_->record(*done, StreamId::kCompute);
-  device_->wait(StreamId::kD2H, *done);
-  if (last) copy_grads_out(sh.norm_piece, u.grads_fp32);  // the order of landing_
-  const std::byte* rows_src = reinterpret_cast<const std::byte*>(u.grads_fp32 + norm_pc.elems());
+  const std::byte* send = grads_to_send(u, used);
+  if (last) copy_grads_out(sh.norm_piece, send);  // the order of landing_
   if (spec_.tie_embeddings) {
-    // The embedding's gradient starts from the head's share (run_backward).
-    device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows_pc.begin, rows_src, rows_pc.elems() * 4,
-                      {"d2h tied grads", int32_t(head_)});
+    // The embedding's gradient starts from the head's share (run_backward),
+    // kept in fp32 so that the sum is the resident reference's.
+    device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows_pc.begin, u.grads_fp32 + norm_pc.elems(),
+                      rows_pc.elems() * 4, {"d2h tied grads", int32_t(head_)});
     device_->record(*tied_grad_ready_, StreamId::kD2H);
   } else {
-    copy_grads_out(sh.lm_piece[size_t(v.shard)], rows_src);
+    copy_grads_out(sh.lm_piece[size_t(v.shard)], send + norm_pc.elems() * grad_bytes_);
   }
 }
 
@@ -278,17 +276,30 @@ void Engine::run_backward(int64_t p, const CacheUnit& u) {
                       if (gin.defined()) gout.copy_(gin);
                     });
   }
+  copy_grads_out(p, grads_to_send(u, pc.elems()));
+}
+
+const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems) {
+  const std::byte* out = reinterpret_cast<const std::byte*>(u.grads_fp32);
+  if (grad_bytes_ == 2) {
+    at::Tensor acc = grads_view(u).slice(0, 0, int64_t(elems));
+    at::Tensor dst = at::from_blob(u.params_bf16, {int64_t(elems)},
+                                   at::TensorOptions().dtype(at::kBFloat16).device(aten_device_));
+    device_->launch(StreamId::kCompute, {"grads to bf16", -1, 0.0},
+                    [acc, dst](const LaunchContext&) { dst.copy_(acc); });
+    out = static_cast<const std::byte*>(u.params_bf16);
+  }
   auto done = device_->make_event();
   device_->record(*done, StreamId::kCompute);
   device_->wait(StreamId::kD2H, *done);
-  copy_grads_out(p, u.grads_fp32);
+  return out;
 }
 
 std::span<std::byte> Engine::grad_host(int64_t p) {
   const int r = ring_slot_[size_t(p)];
   if (r >= 0) return grad_ring_[size_t(r)];
   const Piece& pc = piece(p);
-  return store_->block(size_t(pc.block)).grad.subspan(pc.begin * sizeof(float), pc.elems() * sizeof(float));
+  return store_->block(size_t(pc.block)).grad.subspan(pc.begin * grad_bytes_, pc.elems() * grad_bytes_);
 }
 
 void Engine::copy_grads_out(int64_t p, const void* src) {
@@ -306,7 +317,7 @@ void Engine::copy_grads_out(int64_t p, const void* src) {
       if (updater_error_) std::rethrow_exception(updater_error_);
     }
   }
-  const size_t bytes = piece(p).elems() * sizeof(float);
+  const size_t bytes = piece(p).elems() * grad_bytes_;
   device_->copy_d2h(StreamId::kD2H, grad_host(p).data(), src, bytes, {"d2h grads", int32_t(piece(p).block)});
   device_->record(*grads_ready_[size_t(p)], StreamId::kD2H);
   if (simulated()) {

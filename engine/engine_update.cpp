@@ -40,6 +40,13 @@ std::string Engine::first_non_finite(int64_t p, const float* values) const {
   return "(padding)";
 }
 
+std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads) const {
+  if (grad_bytes_ == 4) return first_non_finite(p, reinterpret_cast<const float*>(grads));
+  std::vector<float> values(piece(p).elems());
+  bf16_to_float({reinterpret_cast<const uint16_t*>(grads), values.size()}, values);
+  return first_non_finite(p, values.data());
+}
+
 std::string Engine::first_non_finite_param() {
   for (int64_t b = 0; b < num_blocks_; ++b) {
     std::vector<float> w(layouts_[size_t(b)].total_elems());
@@ -126,11 +133,16 @@ void Engine::updater_main() {
         }
         grads_ready_[size_t(b)]->synchronize();
         const size_t n = piece(b).elems();
-        float* g = reinterpret_cast<float*>(grad_host(b).data());
-        if (b == fault_piece) g[0] = std::numeric_limits<float>::quiet_NaN();
-        sumsq[size_t(b)] = sum_squares({g, n});
+        std::byte* g = grad_host(b).data();
+        if (grad_bytes_ == 4) {
+          if (b == fault_piece) reinterpret_cast<float*>(g)[0] = std::numeric_limits<float>::quiet_NaN();
+          sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(g), n});
+        } else {
+          if (b == fault_piece) reinterpret_cast<uint16_t*>(g)[0] = 0x7FC0;  // a bf16 NaN
+          sumsq[size_t(b)] = sum_squares_bf16({reinterpret_cast<const uint16_t*>(g), n});
+        }
         // Named now: a ring slot may hold other gradients by the time it matters.
-        if (!std::isfinite(sumsq[size_t(b)])) bad_tensor[size_t(b)] = first_non_finite(b, g);
+        if (!std::isfinite(sumsq[size_t(b)])) bad_tensor[size_t(b)] = first_non_finite_grad(b, g);
         if (spills_grads(b)) {
           // The norm waits for every piece: park this one's gradients on NVMe
           // and free the ring slot once they are written.
@@ -138,7 +150,7 @@ void Engine::updater_main() {
           const double w0 = Timeline::now_us();
           const int32_t blk = int32_t(piece(b).block);
           grad_spill_[size_t(b)] = nvme_->write(
-              e, grad_host(b).first(e.io_bytes), [this, b, blk, w0, step = job->step, bytes = n * 4](std::exception_ptr err) {
+              e, grad_host(b).first(e.io_bytes), [this, b, blk, w0, step = job->step, bytes = n * grad_bytes_](std::exception_ptr err) {
                 if (err) {
                   std::lock_guard lk(mu_);
                   if (!updater_error_) updater_error_ = err;
@@ -288,14 +300,15 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
     slot->reads.clear();
     slot->reading = -1;
     timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(pc.block), -1, job.step, slot->read_begin_us,
-                   Timeline::now_us(), 0, uint64_t((spills_grads(b) ? 4 : 3) * n * sizeof(float))});
+                   Timeline::now_us(), 0, uint64_t(3 * n * sizeof(float) + (spills_grads(b) ? n * grad_bytes_ : 0))});
     p = reinterpret_cast<float*>(slot->master.data());
     m = reinterpret_cast<float*>(slot->m.data());
     v = reinterpret_cast<float*>(slot->v.data());
   }
   const double t0 = Timeline::now_us();
   const std::byte* grads = spills_grads(b) ? slot->grad.data() : grad_host(b).data();
-  AdamArgs args{p, m, v, grads, DType::kF32, fp32 ? nullptr : s.compute.data() + pc.begin, n};
+  AdamArgs args{p, m, v, grads, grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
+                fp32 ? nullptr : s.compute.data() + pc.begin, n};
   if (fp32) {
     // fp32 compute: the compute copy is the master itself, chunk by chunk.
     float* out = s.compute_f32.data() + pc.begin;
@@ -306,7 +319,7 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
     adam_->step(st, args);
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,
-                 uint64_t(n * 28)});
+                 uint64_t(n * (24 + grad_bytes_))});
   if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b)) release_ring_slot(b);
   if (slot) {
     const double w0 = Timeline::now_us();
@@ -339,14 +352,14 @@ void Engine::sim_landed(int64_t b) {
   st.all_landed = std::max(st.all_landed, landed);
   const uint64_t n = piece(b).elems();
   const int32_t blk = int32_t(piece(b).block);
-  SimInterval t = sim_optimizer_.run(landed, cm.adam_us(n) * 4.0 / 28.0);
-  timeline_.add({Lane::kOptimizer, "grad norm", blk, -1, st.job.step, t.begin_us, t.end_us, 0, n * 4});
+  SimInterval t = sim_optimizer_.run(landed, cm.adam_us(n) * double(grad_bytes_) / 28.0);
+  timeline_.add({Lane::kOptimizer, "grad norm", blk, -1, st.job.step, t.begin_us, t.end_us, 0, n * grad_bytes_});
   st.norm_known = std::max(st.norm_known, t.end_us);
   if (config_.clip_norm <= 0) {
     sim_update(b, t.end_us);
   } else if (spills_grads(b)) {
-    SimInterval w = sim_nvme_write_.run(t.end_us, cm.nvme_write_us(n * 4));
-    timeline_.add({Lane::kNvmeWrite, "nvme write grads", blk, -1, st.job.step, w.begin_us, w.end_us, 0, n * 4});
+    SimInterval w = sim_nvme_write_.run(t.end_us, cm.nvme_write_us(n * grad_bytes_));
+    timeline_.add({Lane::kNvmeWrite, "nvme write grads", blk, -1, st.job.step, w.begin_us, w.end_us, 0, n * grad_bytes_});
     sim_->record_at(*sim_ring_free_[size_t(ring_slot_[size_t(b)])], w.end_us);
     st.spilled_us[size_t(b)] = w.end_us;
   }
@@ -360,13 +373,13 @@ void Engine::sim_update(int64_t b, double ready) {
     timeline_.add({lane, name, int32_t(piece(b).block), -1, st.job.step, t.begin_us, t.end_us, 0, bytes});
   };
   if (on_nvme(b)) {
-    const uint64_t bytes = (spills_grads(b) ? 4 : 3) * n * 4;
+    const uint64_t bytes = 3 * n * 4 + (spills_grads(b) ? n * grad_bytes_ : 0);
     SimInterval r = sim_nvme_read_.run(std::max(st.read_ahead_from, st.spilled_us[size_t(b)]), cm.nvme_read_us(bytes));
     span(Lane::kNvmeRead, "nvme read state", r, bytes);
     ready = std::max(ready, r.end_us);
   }
   SimInterval t = sim_optimizer_.run(ready, cm.adam_us(n));
-  span(Lane::kOptimizer, "adamw", t, n * 28);
+  span(Lane::kOptimizer, "adamw", t, n * (24 + grad_bytes_));
   st.read_ahead_from = t.begin_us;
   if (on_nvme(b))
     span(Lane::kNvmeWrite, "nvme write state", sim_nvme_write_.run(t.end_us, cm.nvme_write_us(3 * n * 4)), 3 * n * 4);

@@ -44,7 +44,9 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.seq = l.seq;
   c.micro_batch = l.micro_batch;
   c.accumulation = l.accumulation;
-  c.compute = {l.dtype, l.vocab_chunk};
+  c.compute = {l.dtype, l.vocab_chunk, token_tile};
+  c.vocab_shard_rows = l.vocab_shard_rows;
+  c.fp32_grad_transfer = l.fp32_grad_transfer;
   c.window = window;
   c.checkpoints_on_host = checkpoints_on_host;
   c.nvme_dir = l.nvme_dir;
@@ -74,6 +76,8 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
                 "at most one cache unit per block)", l.window, blocks);
   STRIDER_CHECK(l.vocab_chunk >= 0, "plan: vocab chunk {} must be >= 0", l.vocab_chunk);
   STRIDER_CHECK(l.grad_ring >= 1, "plan: grad_ring {} must be >= 1", l.grad_ring);
+  STRIDER_CHECK(l.token_tile >= -1 && l.vocab_shard_rows >= 0, "plan: token tile {} must be >= -1 (-1: choose) and "
+                "vocab shard rows {} >= 0", l.token_tile, l.vocab_shard_rows);
   // Block inputs kept for backward (every block, every micro-batch, fp32 at
   // most), and the largest block in every cache unit and ring slot.
   const ld ckpt = ld(blocks) * ld(l.accumulation) * ld(l.micro_batch) * ld(l.seq) * ld(spec.dims.hidden) * 4;
@@ -108,9 +112,10 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   }
   p.device_work_bytes = work;
 
+  p.token_tile = l.token_tile < 0 ? 0 : l.token_tile;
   PlanLimits lim = l;
   auto fits = [&](int64_t k, bool host_ckpt, EngineFootprint* out) {
-    Plan trial;
+    Plan trial = p;
     trial.window = k;
     trial.checkpoints_on_host = host_ckpt;
     EngineFootprint f = Engine::footprint(spec, trial.engine_config(lim));
@@ -236,6 +241,7 @@ nlohmann::json Plan::to_json() const {
   return {{"feasible", feasible}, {"reason", reason}, {"window", window},
           {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
           {"unit_bytes", unit_bytes}, {"vocab_shards", vocab_shards}, {"shard_rows", shard_rows},
+          {"token_tile", token_tile},
           {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
           {"host_bytes", host_bytes}, {"nvme_bytes", nvme_bytes}, {"why", why}};

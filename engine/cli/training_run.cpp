@@ -38,6 +38,15 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   c.add_option("--vocab-chunk", o.vocab_chunk, "LM-head vocabulary rows per chunk")
       ->capture_default_str()
       ->check(in_range<int64_t>(1, kMaxVocabChunk));
+  c.add_option("--token-tile", o.token_tile,
+               "tokens per tile in the LM head and the MLP (long context; -1: the plan chooses, 0: untiled)")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(-1, kMaxSeq));
+  c.add_option("--grad-transfer", o.grad_transfer,
+               "gradients to the host in bf16 (summed in fp32 on the device first) or fp32 (exact; "
+               "--dtype fp32 always sends fp32)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bf16", "fp32"}));
 }
 
 void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window) {
@@ -106,6 +115,8 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   lim.vocab_chunk = o.vocab_chunk;
+  lim.token_tile = o.token_tile;
+  lim.fp32_grad_transfer = o.grad_transfer == "fp32";
   lim.window = o.window;
   lim.clip_norm = o.clip;  // with clipping, NVMe-tier gradients need NVMe space too
   run.plan = Plan::make(run.spec, lim);

@@ -24,6 +24,8 @@ struct TrainOptions {
   std::string device = "auto", device_budget = "24MiB", host_ram = "0", nvme, dtype = "bf16", schedule = "cosine";
   std::string work_dir = ".strider";
   int64_t seq = 128, micro_batch = 4, accumulation = 2, window = 0, warmup = 10, vocab_chunk = 8192;
+  int64_t token_tile = -1;              // -1: the plan chooses
+  std::string grad_transfer = "bf16";
   double lr = 5e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
   int optimizer_threads = 0;
