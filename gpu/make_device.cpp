@@ -9,7 +9,23 @@
 #include "gpu/sim_device.h"
 #include "host/error.h"
 
+#if STRIDER_HAVE_TORCH
+#include "gpu/aten_memory.h"  // install_aten_cpu_counter: the CPU device's working-memory meter
+#endif
+
 namespace strider {
+namespace {
+
+std::unique_ptr<Device> make_cpu_device(const DeviceOptions& options) {
+#if STRIDER_HAVE_TORCH
+  // The CPU device measures (and limits) each op's working memory by counting
+  // ATen's CPU allocations; without torch no ATen runs, so there is nothing to count.
+  install_aten_cpu_counter();
+#endif
+  return std::make_unique<CpuDevice>(options);
+}
+
+}  // namespace
 
 std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why) {
   const std::string& spec = options.spec;
@@ -18,7 +34,7 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* w
   };
   if (spec == "cpu") {
     say("cpu: asked for");
-    return std::make_unique<CpuDevice>(options);
+    return make_cpu_device(options);
   }
   if (spec == "sim" || spec.rfind("sim:", 0) == 0) {
     say(fmt::format("{}: asked for (cost model, no work runs)", spec));
@@ -31,7 +47,7 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* w
       return make_cuda_device(0, options);
     }
     say(fmt::format("cpu: {}", probe.reason));
-    return std::make_unique<CpuDevice>(options);
+    return make_cpu_device(options);
   }
   if (spec == "cuda" || spec.rfind("cuda:", 0) == 0) {
     int ordinal = 0;
