@@ -431,6 +431,17 @@ std::unique_ptr<Device> make_cuda_device(int ordinal, const DeviceOptions& optio
   return std::make_unique<CudaDevice>(ordinal, options);
 }
 
+CudaMemory cuda_memory(int ordinal) {
+  const CudaProbe probe = probe_cuda();
+  STRIDER_CHECK(probe.device_count > 0, "cuda:{}: {}", ordinal, probe.reason);
+  STRIDER_CHECK(ordinal >= 0 && ordinal < probe.device_count, "cuda:{} requested but only {} CUDA device(s) exist",
+                ordinal, probe.device_count);
+  CurrentDevice cd(ordinal);
+  CudaMemory m;
+  STRIDER_CUDA_CHECK(cudaMemGetInfo(&m.free_bytes, &m.total_bytes));
+  return m;
+}
+
 std::shared_ptr<MemoryRegistrar> make_cuda_host_registrar() { return std::make_shared<CudaHostRegistrar>(); }
 
 }  // namespace strider

@@ -179,4 +179,13 @@ struct DeviceOptions {
 // The device `options.spec` asks for; "auto" says in `why` (if given) what it chose and why.
 std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why = nullptr);
 
+// What make_device would make of `spec`, without making it: the kind, the
+// CUDA ordinal, and why ("auto" probes for a GPU). Throws on an unknown spec.
+struct DeviceChoice {
+  DeviceKind kind = DeviceKind::kCpu;
+  int ordinal = 0;  // CUDA only
+  std::string why;
+};
+DeviceChoice choose_device(const std::string& spec);
+
 }  // namespace strider
