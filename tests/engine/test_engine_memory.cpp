@@ -103,3 +103,19 @@ TEST_CASE("a step reports the bytes its visits moved each way and ATen's working
     }
   }
 }
+
+TEST_CASE("a step whose op needs more ATen working memory than the device's limit fails, naming the op",
+          "[engine][memory]") {
+  const ModelSpec spec = ModelSpec::from_json(test::tiny_config(false), "tiny");
+  EngineConfig cfg;
+  cfg.seq = 16;
+  cfg.micro_batch = 2;
+  cfg.optimizer_threads = 1;
+  const test::Batch b = test::batch(cfg.batch(), cfg.seq, spec.dims.vocab, 7);
+  // The embedding's forward alone makes its [2, 16, 32] bf16 output: 2 KiB.
+  Engine e(spec, cfg, make_device({.spec = "cpu", .budget_bytes = size_t(64) << 20, .work_limit_bytes = 1024}));
+  e.init_params(3);
+  CHECK_THROWS_WITH(e.step(b.ids.data(), b.labels.data()),
+                    Catch::Contains("'forward' (block 0)") && Catch::Contains("limit of 1024 bytes") &&
+                        Catch::Contains("work_limit_bytes"));
+}
