@@ -304,6 +304,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   rep.step = steps_ + 1;
   rep.lr = config_.adam.lr * config_.schedule.factor(steps_);
   rep.tokens = config_.batch() * config_.seq;
+  device_->reset_work_peak();  // no compute op is in flight between steps
   upload_batch(ids, labels);
   STRIDER_CHECK(batch_valid_ > 0 || simulated(), "the batch has no label other than -100: nothing to train on");
 
@@ -318,7 +319,9 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
     run_pass(visits_, /*train=*/true);
     const double end = sim_finish();
     ++steps_;
-    collect_device_spans();
+    const Moved moved = collect_device_spans();
+    rep.h2d_bytes = moved.h2d_bytes;
+    rep.d2h_bytes = moved.d2h_bytes;
     rep.loss = rep.grad_norm = std::numeric_limits<double>::quiet_NaN();
     rep.step_s = (end - begin) * 1e-6;
     rep.tokens_per_s = double(rep.tokens) / rep.step_s;
@@ -362,7 +365,12 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   }
   rep.loss = loss / double(rep.valid_tokens);
   const double t1 = Timeline::now_us();
-  collect_device_spans();
+  // Every copy of the step has finished: the gradients landed (the norm is
+  // known), the loss figures too; nothing of the next step is issued yet.
+  const Moved moved = collect_device_spans();
+  rep.h2d_bytes = moved.h2d_bytes;
+  rep.d2h_bytes = moved.d2h_bytes;
+  rep.work_peak_bytes = device_->work_peak_bytes();
   rep.step_s = (t1 - t0) * 1e-6;
   rep.tokens_per_s = double(rep.tokens) / rep.step_s;
   rep.stats = timeline_.stats(t0, t1);

@@ -91,6 +91,15 @@ struct StepReport {
   double tokens_per_s = 0;
   StepStats stats;             // per-lane busy time, overlap efficiency
   size_t peak_device_bytes = 0;
+  // What the step's device work moved and needed. The bytes sum the spans of
+  // the step's copies (so they need DeviceOptions::record_spans): H2D the
+  // parameters of each visit, the batch, host checkpoints coming back, a tied
+  // embedding's gradient; D2H gradients, checkpoints going out, the loss
+  // figures. The working memory is Device::work_peak_bytes over the step: the
+  // most ATen held inside any one compute op (0 where not measured).
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;
+  uint64_t work_peak_bytes = 0;
   // The numerics guard: a step whose loss, gradient norm (with clipping) or
   // first-updated block's gradient (without) is not finite changes nothing:
   // no block is updated, steps_done() does not advance (nor AdamW's count or
@@ -208,7 +217,10 @@ class Engine {
   at::Tensor act(int64_t b, int64_t m) const;   // input of block b for micro-batch m
   double visit_flops(const Visit& v, bool train) const;
   void wait_updated(int64_t p);                 // piece p's update of the previous pass is done
-  void collect_device_spans();
+  // Moves the device's finished spans into the timeline; returns the bytes
+  // they copied each way.
+  struct Moved { uint64_t h2d_bytes = 0, d2h_bytes = 0; };
+  Moved collect_device_spans();
 
   // The updater (optimizer and NVMe lanes), engine_update.cpp.
   struct UpdateJob {

@@ -331,14 +331,18 @@ void Engine::copy_grads_out(int64_t p, const void* src) {
   cv_.notify_all();
 }
 
-void Engine::collect_device_spans() {
+Engine::Moved Engine::collect_device_spans() {
   std::vector<OpSpan> spans;
   device_->drain_spans(spans);
+  Moved moved;
   for (const OpSpan& o : spans) {
     Lane lane = o.stream == StreamId::kCompute ? Lane::kCompute : o.stream == StreamId::kH2D ? Lane::kH2D : Lane::kD2H;
     timeline_.add({lane, o.tag.name, o.tag.block, -1, steps_, o.begin_us + device_origin_us_,
-                   o.end_us + device_origin_us_, o.tag.flops, o.tag.bytes});
+                   o.end_us + device_origin_us_, o.tag.flops, o.tag.bytes, o.work_peak_bytes});
+    if (o.kind == OpKind::kCopyH2D) moved.h2d_bytes += o.tag.bytes;
+    if (o.kind == OpKind::kCopyD2H) moved.d2h_bytes += o.tag.bytes;
   }
+  return moved;
 }
 
 void Engine::run_pass(const std::vector<Visit>& visits, bool train) {
