@@ -204,8 +204,8 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
       at::Tensor in = act(head_, m), grad_h = grad_h_[size_t(m)], gout = grad_out_[size_t(m)];
       device_->launch(StreamId::kCompute, {"head norm backward", int32_t(head_), 0.0},
                       [dims, norm, in, grad_h, grad_norm, gout, tile](const LaunchContext&) {
-                        gout.view({-1, dims.hidden})
-                            .copy_(head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile));
+                        head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile,
+                                           gout.view({-1, dims.hidden}));
                       });
     }
   const std::byte* send = grads_to_send(u, used);

@@ -102,6 +102,7 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
       at::Tensor wc = w_rows.slice(0, c0, c1);
       at::Tensor logits = at::matmul(ht, wc.t()).to(at::kFloat);
       at::Tensor g = at::exp(logits - lse_t.unsqueeze(1));
+      logits.reset();  // dead: one [tile, chunk] fp32 less at the peak
       at::Tensor in_chunk = (lab >= a) & (lab < b);
       at::Tensor idx = (lab - a).clamp(0, c1 - c0 - 1).unsqueeze(1);
       g.scatter_add_(1, idx, -in_chunk.to(at::kFloat).unsqueeze(1));
@@ -114,7 +115,8 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
 }
 
 at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x,
-                              const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile) {
+                              const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile,
+                              const at::Tensor& grad_x_out) {
   at::AutoGradMode enable(true);
   at::Tensor norm_w = norm.detach().requires_grad_(true);
   const int64_t tokens = x.size(0);
@@ -123,9 +125,11 @@ at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const 
     at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
     std::vector<at::Tensor> g = torch::autograd::grad({normed}, {xin, norm_w}, {grad_h.to(normed.scalar_type())});
     grad_norm.add_(g[1]);
-    return g[0];
+    if (!grad_x_out.defined()) return g[0];
+    grad_x_out.copy_(g[0]);
+    return grad_x_out;
   }
-  at::Tensor grad_x = at::empty_like(x);
+  at::Tensor grad_x = grad_x_out.defined() ? grad_x_out : at::empty_like(x);
   for_tiles(tokens, token_tile, [&](int64_t t0, int64_t t1) {
     at::Tensor xin = x.slice(0, t0, t1).detach().requires_grad_(true);
     at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);

@@ -86,8 +86,10 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
                      int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, const at::Tensor& lse,
                      double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows);
 // The final norm's backward once grad_h is complete: adds into grad_norm
-// (fp32) and returns d(loss)/dx, [tokens, hidden] (tile by tile with a token tile).
+// (fp32) and returns d(loss)/dx, [tokens, hidden] (tile by tile with a token
+// tile), written into grad_x_out when it is given.
 at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x,
-                              const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile);
+                              const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile,
+                              const at::Tensor& grad_x_out = {});
 
 }  // namespace strider
