@@ -65,6 +65,10 @@ at::Tensor inv_freq(const RopeDims& r, int64_t head_dim) {
   return inv;
 }
 
+// at::_fused_sdp_choice's answer for the math (unfused) backend
+// (sdp::SDPBackend::math in ATen's internal sdp_utils_cpp.h).
+constexpr int64_t kSdpMath = 0;
+
 // The attention half of the layer: x1 = x + o_proj(attention(norm(x))), on
 // tensors that may require grad (shared by the plain forward and the
 // recompute).
@@ -88,9 +92,19 @@ at::Tensor attention_part(const BlockDims& d, const TensorMap& w, const RopeTabl
   v = v.transpose(1, 2);
   // enable_gqa: each group of heads / kv_heads query heads reads its K/V head
   // in place; no repeated K/V is materialised. The CPU picks its flash
-  // kernel (O(S) working memory, no S x S scores) with and without grad.
+  // kernel (no S x S scores) for grouped K/V with and without grad, and so
+  // does CUDA in 16 bits. Where no fused kernel takes grouped K/V (fp32 on
+  // CUDA: flash wants 16 bits, memory-efficient equal heads), ATen would
+  // fall back to math (S x S scores); repeated K/V let memory-efficient run.
+  bool grouped = d.kv_heads != d.heads;
+  if (grouped && at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
+                                       /*enable_gqa=*/true) == kSdpMath) {
+    k = k.repeat_interleave(d.heads / d.kv_heads, 1);
+    v = v.repeat_interleave(d.heads / d.kv_heads, 1);
+    grouped = false;
+  }
   at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
-                                                  /*enable_gqa=*/d.kv_heads != d.heads);
+                                                  /*enable_gqa=*/grouped);
   q = k = v = at::Tensor();
   a = a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
   return x + linear(a, w, "self_attn.o_proj");

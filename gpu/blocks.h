@@ -45,7 +45,8 @@ void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::T
 // b * s tokens) runs them on all tokens at once. Attention (SDPA, grouped K/V
 // read in place) keeps O(b * s * hidden) working memory either way. A tiled
 // layer equals the untiled one up to summation order (its GEMMs see fewer
-// rows); the untiled one is the plain formula, bit for bit.
+// rows). The untiled one is the plain formula (transformers') bit for bit,
+// but for grouped K/V's gradients: SDPA sums them over each group itself.
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
                          const at::Tensor& x, int64_t token_tile);
 // Recomputes the layer from its saved input x with autograd, back-propagates

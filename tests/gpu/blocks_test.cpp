@@ -182,7 +182,7 @@ bool same_bits(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
-TEST_CASE("untiled layer is the plain formula bit for bit (MHA), its forward also with GQA", "[blocks]") {
+TEST_CASE("untiled layer is the plain formula bit for bit with MHA and in its forward with GQA", "[blocks]") {
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     for (bool qwen3 : {false, true}) {
       for (bool gqa : {false, true}) {
@@ -209,6 +209,33 @@ TEST_CASE("untiled layer is the plain formula bit for bit (MHA), its forward als
           }
         }
       }
+    }
+  }
+}
+
+TEST_CASE("without a fused kernel for grouped K/V the layer repeats them as the plain formula does", "[blocks]") {
+  // With flash attention off the CPU has only math for grouped K/V (which
+  // _fused_sdp_choice answers with 0): the layer then repeats K/V itself, so
+  // that CUDA in fp32 can run memory-efficient attention, and is the plain
+  // formula bit for bit.
+  struct FlashOff {
+    bool was = at::globalContext().userEnabledFlashSDP();
+    FlashOff() { at::globalContext().setSDPUseFlash(false); }
+    ~FlashOff() { at::globalContext().setSDPUseFlash(was); }
+  } flash_off;
+  const at::Tensor q = at::randn({1, 4, 8, 12}), kv = at::randn({1, 2, 8, 12});
+  REQUIRE(at::_fused_sdp_choice(q, kv, kv, {}, 0.0, true, std::nullopt, /*enable_gqa=*/true) == 0);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    INFO("dtype " << c10::toString(dtype));
+    const BlockDims d = dims(/*gqa=*/true);
+    const Inputs in = inputs(d, dtype, 2, 13);
+    const Pass want = plain_pass(d, random_layer(d, dtype, 6), in.rope, in.x, in.gout);
+    const Pass got = strider_pass(d, random_layer(d, dtype, 6), in.rope, in.x, in.gout, 0);
+    CHECK(same_bits(got.out, want.out));
+    CHECK(same_bits(got.dx, want.dx));
+    for (const auto& [name, g] : want.grads) {
+      INFO(name);
+      CHECK(same_bits(got.grads.at(name), g));
     }
   }
 }
@@ -245,7 +272,7 @@ TEST_CASE("tiled layer in bf16 is within bf16 tolerance of the fp32 formula", "[
   }
 }
 
-TEST_CASE("layer backward adds into the accumulators, part by part", "[blocks]") {
+TEST_CASE("layer backward adds into the accumulators, not over them", "[blocks]") {
   const BlockDims d = dims(/*gqa=*/true);
   const Inputs in = inputs(d, at::kFloat, 1, 9);
   Layer once = random_layer(d, at::kFloat, 4);
