@@ -44,7 +44,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.seq = l.seq;
   c.micro_batch = l.micro_batch;
   c.accumulation = l.accumulation;
-  c.compute = {l.dtype, l.vocab_chunk};
+  c.compute = {l.dtype, l.vocab_chunk, l.token_tile};
   c.window = window;
   c.checkpoints_on_host = checkpoints_on_host;
   c.nvme_dir = l.nvme_dir;
@@ -73,6 +73,7 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
   STRIDER_CHECK(l.window >= 0 && l.window <= blocks, "plan: window {} is outside [0, {}] (0: choose; "
                 "at most one cache unit per block)", l.window, blocks);
   STRIDER_CHECK(l.vocab_chunk >= 0, "plan: vocab chunk {} must be >= 0", l.vocab_chunk);
+  STRIDER_CHECK(l.token_tile >= 0, "plan: token tile {} must be >= 0 (0: untiled)", l.token_tile);
   STRIDER_CHECK(l.grad_ring >= 1, "plan: grad_ring {} must be >= 1", l.grad_ring);
   // Block inputs kept for backward (every block, every micro-batch, fp32 at
   // most), and the largest block in every cache unit and ring slot.
@@ -103,7 +104,7 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   // does not allocate it, ATen's caching allocator does.
   uint64_t work = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes);
+    BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes, l.token_tile);
     work = std::max<uint64_t>(work, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
   }
   p.device_work_bytes = work;

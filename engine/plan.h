@@ -27,6 +27,7 @@ struct PlanLimits {
   int64_t accumulation = 1;
   at::ScalarType dtype = at::kBFloat16;
   int64_t vocab_chunk = 8192;
+  int64_t token_tile = 0;        // decoder layers' MLP tile in tokens (ComputeOptions); 0: untiled
   int64_t window = 0;            // 0: the largest that fits (at most kMaxAutoWindow)
   CheckpointPlace checkpoints = CheckpointPlace::kAuto;
   // Exact global-norm clipping keeps every gradient until the norm is known:
