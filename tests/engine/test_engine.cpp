@@ -145,14 +145,17 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
 }
 
 TEST_CASE("one engine step equals the resident reference's gradients plus AdamW", "[engine]") {
-  for (bool tied : {false, true}) {
+  // Untied and tied; and with the layers' MLP in tiles of 5 of a micro-batch's
+  // 18 tokens, which the engine and the reference share through ComputeOptions.
+  const std::pair<bool, int64_t> variants[] = {{false, 0}, {true, 0}, {false, 5}};
+  for (const auto& [tied, tile] : variants) {
     ModelSpec spec = tiny(tied);
     const Case c{"K=2 chaos", 2, false, {}, true, 9};
     EngineConfig cfg;
     cfg.seq = 9;
     cfg.micro_batch = 2;
     cfg.accumulation = 2;
-    cfg.compute = {at::kFloat, 40};
+    cfg.compute = {at::kFloat, 40, tile};
     cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
     Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 9}}));
     e.init_params(3);
@@ -167,7 +170,7 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     at::Tensor ids = at::from_blob(b.ids.data(), {cfg.batch(), cfg.seq}, at::kLong);
     at::Tensor labels = at::from_blob(b.labels.data(), {cfg.batch(), cfg.seq}, at::kLong);
     StepLoss rl = ref.forward_backward(ids, labels, cfg.accumulation);
-    INFO("tied=" << tied);
+    INFO("tied=" << tied << " token_tile=" << tile);
     CHECK(rep.loss == rl.loss);
     size_t i = 0;
     for (const std::string& name : ref.param_names()) {
