@@ -15,7 +15,7 @@ namespace strider {
 struct ComputeOptions {
   at::ScalarType dtype = at::kBFloat16;  // parameters and activations; kFloat for exactness tests
   int64_t vocab_chunk = 8192;            // LM-head chunk (vocabulary rows per pass)
-  int64_t token_tile = 0;                // decoder layers' MLP tile (tokens per pass); 0: untiled
+  int64_t token_tile = 0;                // tokens per tile in the LM head (and layers' MLP); 0: all at once
 };
 
 // Named views of a block's flat 1-D buffer (`flat` holds layout.total_elems()

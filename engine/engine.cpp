@@ -37,41 +37,79 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   head_ = num_blocks_ - 1;
   for (int64_t b = 0; b < num_blocks_; ++b) layouts_.push_back(spec_.layout(b));
   compute_bytes_ = config_.compute.dtype == at::kFloat ? 4 : 2;
+  grad_bytes_ = config_.grad_dtype() == at::kFloat ? 4 : 2;
   const int64_t M = config_.accumulation;
 
-  // Which blocks keep their fp32 state on NVMe.
-  nvme_slot_.assign(num_blocks_, -1);
-  std::vector<ExtentSpec> extents;
-  size_t max_nvme_state = 0;
+  shards_ = make_sharding(spec_, config_.compute.vocab_chunk, config_.vocab_shard_rows);
+  const int64_t P = num_pieces();
+
+  // Which blocks keep their fp32 state on NVMe: every piece of them, each in
+  // extents of its own.
+  std::vector<bool> nvme_block(size_t(num_blocks_), false);
   for (int64_t b : config_.nvme_blocks) {
     STRIDER_CHECK(b >= 0 && b < num_blocks_, "nvme block {} out of range (the model has {} blocks)", b, num_blocks_);
-    STRIDER_CHECK(nvme_slot_[b] < 0, "nvme block {} listed twice", b);
-    nvme_slot_[b] = 0;
-    const size_t bytes = layouts_[b].total_elems() * sizeof(float);
-    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV})
-      extents.push_back({b, k, bytes});
-    if (config_.clip_norm > 0) extents.push_back({b, ExtentKind::kGrad, bytes});
+    STRIDER_CHECK(!nvme_block[size_t(b)], "nvme block {} listed twice", b);
+    nvme_block[size_t(b)] = true;
+  }
+  nvme_piece_.assign(size_t(P), false);
+  std::vector<ExtentSpec> extents;
+  size_t max_nvme_state = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    if (!nvme_block[size_t(piece(p).block)]) continue;
+    nvme_piece_[size_t(p)] = true;
+    const size_t bytes = piece(p).elems() * sizeof(float);
+    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) extents.push_back({p, k, bytes});
+    if (config_.clip_norm > 0) extents.push_back({p, ExtentKind::kGrad, piece(p).elems() * grad_bytes_});
     max_nvme_state = std::max(max_nvme_state, round_up(bytes, kAlign));
   }
-  // Staging slots alternate between NVMe blocks in block order, so the updater
-  // (which walks blocks in order, up or down) can read the next one's state
-  // into the other slot while it updates this one. Gradient ring slots go
-  // round in the order gradients land: head, B-2, ..., 0.
-  ring_slot_.assign(num_blocks_, -1);
-  for (int rank = 0, b = 0; b < num_blocks_; ++b)
-    if (nvme_slot_[b] >= 0) nvme_slot_[b] = rank++;
+  // Visits of one step: forward (embedding shards, layers), the head's shards
+  // (pass 1 over all, then pass 2 over all; both in one visit when there is
+  // one), backward (layers, embedding shards), all in reverse.
+  const Sharding& sh = shards_;
+  for (int64_t p = 0; p < sh.first_of(head_); ++p) visits_.push_back({Visit::kForward, p});
+  std::vector<Visit> head_lse, head_grad;
+  for (int64_t k = 0; k < sh.shards; ++k) {
+    if (sh.shards == 1) {
+      head_lse.push_back({Visit::kHead, 0, k, true, false});
+      head_grad.push_back({Visit::kHead, 0, k, true, true});
+    } else {
+      head_lse.push_back({Visit::kHead, 0, k, true, false});
+      head_grad.push_back({Visit::kHead, 0, k, false, true});
+    }
+  }
+  eval_visits_ = visits_;
+  eval_visits_.insert(eval_visits_.end(), head_lse.begin(), head_lse.end());
+  if (sh.shards > 1) visits_.insert(visits_.end(), head_lse.begin(), head_lse.end());
+  visits_.insert(visits_.end(), head_grad.begin(), head_grad.end());
+  for (int64_t p = sh.first_of(head_) - 1; p >= 0; --p) visits_.push_back({Visit::kBackward, p});
+  // Where gradients land, in order: the LM-head shards (untied; the head's
+  // norm just before the last one, which computes it), then each backward
+  // visit's piece.
+  for (const Visit& v : visits_) {
+    if (v.kind == Visit::kBackward) landing_.push_back(v.piece);
+    if (v.kind != Visit::kHead || !v.grad) continue;
+    if (v.shard + 1 == sh.shards) landing_.push_back(sh.norm_piece);
+    if (!spec_.tie_embeddings) landing_.push_back(sh.lm_piece[size_t(v.shard)]);
+  }
+  STRIDER_CHECK(int64_t(landing_.size()) == P, "internal: {} pieces land gradients, {} exist", landing_.size(), P);
+  // Gradient ring slots go round in the order gradients land.
+  ring_slot_.assign(size_t(P), -1);
   size_t ring_slot_bytes = 0;
-  for (int rank = 0, b = int(num_blocks_) - 1; b >= 0; --b)
-    if (grads_in_ring(nvme_slot_[b] >= 0, config_)) {
-      ring_slot_[b] = int(rank++ % config_.grad_ring);
-      ring_slot_bytes = std::max(ring_slot_bytes, round_up(layouts_[b].total_elems() * sizeof(float), kAlign));
+  int rank = 0;
+  for (int64_t p : landing_)
+    if (grads_in_ring(on_nvme(p), config_)) {
+      ring_slot_[size_t(p)] = int(rank++ % config_.grad_ring);
+      ring_slot_bytes = std::max(ring_slot_bytes, round_up(piece(p).elems() * grad_bytes_, kAlign));
     }
 
   // Pinned host memory: the store, batch staging, tied-gradient staging,
   // host checkpoints and NVMe staging, all in one arena mapped now.
   std::vector<BlockSpec> specs;
-  for (int64_t b = 0; b < num_blocks_; ++b) specs.push_back({layouts_[b], nvme_slot_[b] < 0, ring_slot_[b] < 0});
-  StoreOptions so{.grad_dtype = DType::kF32,
+  for (int64_t b = 0; b < num_blocks_; ++b) {
+    const bool ring = grads_in_ring(nvme_block[size_t(b)], config_);
+    specs.push_back({layouts_[b], !nvme_block[size_t(b)], !ring});
+  }
+  StoreOptions so{.grad_dtype = grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                   .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                   .zero = !simulated()};
   const size_t tokens = size_t(config_.batch() * config_.seq);
@@ -110,17 +148,16 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
                                                      : std::span<std::byte>()});
     // Fresh state: zero master, m and v on the drive, so every extent is valid.
     std::memset(nvme_staging_[0].master.data(), 0, max_nvme_state);
-    for (int64_t b = 0; b < num_blocks_; ++b) {
-      if (!on_nvme(b)) continue;
+    for (int64_t p = 0; p < P; ++p) {
+      if (!on_nvme(p)) continue;
       for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
-        const Extent& e = nvme_->extent(b, k);
+        const Extent& e = nvme_->extent(p, k);
         nvme_->wait(nvme_->write(e, nvme_staging_[0].master.first(e.io_bytes)));
       }
     }
   }
 
-  // The device: K units sized for the largest block (with a tied embedding the
-  // head also holds the embedding's weight, after its own tensors).
+  // The device: K units sized for the largest visit.
   pool_ = std::make_unique<CacheUnitPool>(
       *device_, size_t(config_.window), fp.unit_elems,
       CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = compute_bytes_});
@@ -128,22 +165,17 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   runner_ = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, aten_device_);
   adam_ = std::make_unique<CpuAdam>(CpuAdam::Options{.threads = config_.optimizer_threads});
 
-  // Visits of one step: forward 0..B-2, head, backward B-2..0.
-  for (int64_t b = 0; b < head_; ++b) visits_.push_back({Visit::kForward, b});
-  visits_.push_back({Visit::kHead, head_});
-  for (int64_t b = head_ - 1; b >= 0; --b) visits_.push_back({Visit::kBackward, b});
-  eval_visits_.assign(visits_.begin(), visits_.begin() + head_ + 1);
-  for (int64_t b = 0; b < num_blocks_; ++b) grads_ready_.push_back(device_->make_event());
-  grads_recorded_.assign(num_blocks_, 0);
-  grad_spill_.resize(size_t(num_blocks_));
+  for (int64_t p = 0; p < P; ++p) grads_ready_.push_back(device_->make_event());
+  grads_recorded_.assign(size_t(P), 0);
+  grad_spill_.resize(size_t(P));
   data_ready_ = device_->make_event();
   tied_grad_ready_ = device_->make_event();
   head_stats_ready_ = device_->make_event();
-  updated_.assign(num_blocks_, 0);
+  updated_.assign(size_t(P), 0);
 
   if (simulated()) {
     // No updater thread: step() prices the updates on the host lanes.
-    for (int64_t b = 0; b < num_blocks_; ++b) sim_update_done_.push_back(device_->make_event());
+    for (int64_t p = 0; p < P; ++p) sim_update_done_.push_back(device_->make_event());
     for (size_t r = 0; r < grad_ring_.size(); ++r) sim_ring_free_.push_back(device_->make_event());
     return;
   }
@@ -160,38 +192,42 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
 EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) {
   EngineFootprint f;
   const int64_t blocks = spec.num_blocks(), head = blocks - 1, M = c.accumulation;
-  const size_t cbytes = c.compute.dtype == at::kFloat ? 4 : 2;
+  const size_t cbytes = c.compute.dtype == at::kFloat ? 4 : 2, gbytes = c.grad_dtype() == at::kFloat ? 4 : 2;
+  const Sharding sh = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows);
   std::vector<BlockSpec> specs;
   std::vector<bool> nvme(size_t(blocks), false);
   for (int64_t b : c.nvme_blocks)
     if (b >= 0 && b < blocks) nvme[size_t(b)] = true;
   const bool clip = c.clip_norm > 0;
-  size_t max_elems = 0, max_nvme_state = 0, ring_slot_bytes = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const bool ring = grads_in_ring(nvme[size_t(b)], c);
-    specs.push_back({spec.layout(b), !nvme[size_t(b)], !ring});
-    const size_t n = specs.back().layout.total_elems();
-    max_elems = std::max(max_elems, n);
-    if (ring) ring_slot_bytes = std::max(ring_slot_bytes, round_up(n * 4, kAlign));
-    if (nvme[size_t(b)]) {
-      max_nvme_state = std::max(max_nvme_state, round_up(n * 4, kAlign));
-      f.nvme_bytes += (clip ? 4 : 3) * round_up(n * 4, kAlign);  // master, m, v (+ spilled gradients)
+  size_t max_nvme_state = 0, ring_slot_bytes = 0;
+  for (int64_t b = 0; b < blocks; ++b) specs.push_back({spec.layout(b), !nvme[size_t(b)], !grads_in_ring(nvme[size_t(b)], c)});
+  for (const Piece& p : sh.pieces) {
+    const size_t bytes = round_up(p.elems() * 4, kAlign), grad = round_up(p.elems() * gbytes, kAlign);
+    if (grads_in_ring(nvme[size_t(p.block)], c)) ring_slot_bytes = std::max(ring_slot_bytes, grad);
+    if (nvme[size_t(p.block)]) {
+      max_nvme_state = std::max(max_nvme_state, bytes);
+      f.nvme_bytes += 3 * bytes + (clip ? grad : 0);  // master, m, v (+ spilled gradients)
     }
   }
   const size_t emb_elems = specs[0].layout.total_elems();
-  f.unit_elems = spec.tie_embeddings ? std::max(max_elems, specs[size_t(head)].layout.total_elems() + emb_elems)
-                                     : max_elems;
+  f.unit_elems = sh.unit_elems;
+  f.vocab_shards = sh.shards;
+  f.shard_rows = sh.rows;
   f.unit_bytes = CacheUnitPool::unit_bytes_for(f.unit_elems, cbytes);
   f.pool_bytes = f.unit_bytes * uint64_t(c.window);
-  // Must match allocate_activations(): the batch, checkpoints or ring, output gradients.
-  const size_t tokens = size_t(c.batch() * c.seq);
-  const size_t act = round_up(size_t(c.micro_batch * c.seq * spec.dims.hidden) * cbytes, 256);
+  // Must match allocate_activations(): the batch, checkpoints or ring, output
+  // gradients, the streamed head's per-token state and hidden gradient.
+  const size_t tokens = size_t(c.batch() * c.seq), mb_tokens = size_t(c.micro_batch * c.seq);
+  const size_t hidden = size_t(spec.dims.hidden);
+  const size_t act = round_up(mb_tokens * hidden * cbytes, 256);
   const int64_t sets = c.checkpoints_on_host ? 2 : head;
   f.activation_bytes = 2 * round_up(tokens * 8, 256) + round_up(size_t(2 * M) * 8, 256) + uint64_t(sets * M) * act +
-                       uint64_t(M) * act;
+                       uint64_t(M) * act +
+                       uint64_t(M) * (4 * round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256));
   f.device_bytes = f.pool_bytes + f.activation_bytes;
   // Must match the constructor's carving.
-  StoreOptions so{.grad_dtype = DType::kF32, .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16};
+  StoreOptions so{.grad_dtype = gbytes == 4 ? DType::kF32 : DType::kBF16,
+                  .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16};
   f.host_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) +
                  round_up(size_t(2 * M) * 8, kAlign) + 8 * kAlign;
   if (spec.tie_embeddings) f.host_bytes += round_up(emb_elems * 4, kAlign);
@@ -253,6 +289,12 @@ void Engine::allocate_activations() {
   const int64_t sets = config_.checkpoints_on_host ? 2 : head_;
   for (int64_t i = 0; i < sets * M; ++i) act_.push_back(make({mb, S, H}, cdt, "activations"));
   for (int64_t m = 0; m < M; ++m) grad_out_.push_back(make({mb, S, H}, cdt, "output gradients"));
+  for (int64_t m = 0; m < M; ++m) {
+    head_state_.push_back({make({mb * S}, at::kFloat, "head running max"), make({mb * S}, at::kFloat, "head running sum"),
+                           make({mb * S}, at::kFloat, "head target logits")});
+    head_lse_.push_back(make({mb * S}, at::kFloat, "head log-sum-exp"));
+    grad_h_.push_back(make({mb * S, H}, at::kFloat, "head hidden gradient"));
+  }
   for (int s = 0; s < 2; ++s) ring_free_.push_back(device_->make_event());
 }
 
@@ -262,6 +304,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   rep.step = steps_ + 1;
   rep.lr = config_.adam.lr * config_.schedule.factor(steps_);
   rep.tokens = config_.batch() * config_.seq;
+  device_->reset_work_peak();  // no compute op is in flight between steps
   upload_batch(ids, labels);
   STRIDER_CHECK(batch_valid_ > 0 || simulated(), "the batch has no label other than -100: nothing to train on");
 
@@ -272,11 +315,13 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   job->lr = rep.lr;
   if (simulated()) {
     const double begin = sim_step_end_us_;
-    sim_step_ = {.job = *job, .spilled_us = std::vector<double>(size_t(num_blocks_), 0.0)};
+    sim_step_ = {.job = *job, .spilled_us = std::vector<double>(size_t(num_pieces()), 0.0)};
     run_pass(visits_, /*train=*/true);
     const double end = sim_finish();
     ++steps_;
-    collect_device_spans();
+    const Moved moved = collect_device_spans();
+    rep.h2d_bytes = moved.h2d_bytes;
+    rep.d2h_bytes = moved.d2h_bytes;
     rep.loss = rep.grad_norm = std::numeric_limits<double>::quiet_NaN();
     rep.step_s = (end - begin) * 1e-6;
     rep.tokens_per_s = double(rep.tokens) / rep.step_s;
@@ -320,7 +365,12 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   }
   rep.loss = loss / double(rep.valid_tokens);
   const double t1 = Timeline::now_us();
-  collect_device_spans();
+  // Every copy of the step has finished: the gradients landed (the norm is
+  // known), the loss figures too; nothing of the next step is issued yet.
+  const Moved moved = collect_device_spans();
+  rep.h2d_bytes = moved.h2d_bytes;
+  rep.d2h_bytes = moved.d2h_bytes;
+  rep.work_peak_bytes = device_->work_peak_bytes();
   rep.step_s = (t1 - t0) * 1e-6;
   rep.tokens_per_s = double(rep.tokens) / rep.step_s;
   rep.stats = timeline_.stats(t0, t1);

@@ -38,6 +38,7 @@
 #include "engine/block_runner.h"
 #include "engine/lr_schedule.h"
 #include "engine/model_spec.h"
+#include "engine/shards.h"
 #include "engine/timeline.h"
 #include "gpu/cache_unit_pool.h"
 #include "gpu/device.h"
@@ -63,6 +64,16 @@ struct EngineConfig {
   std::string nvme_dir;        // where NVMe-tier state lives (needed if nvme_blocks is not empty)
   std::vector<int64_t> nvme_blocks;  // blocks whose fp32 master/m/v live on NVMe
   int64_t grad_ring = 3;       // gradient staging slots shared by ring blocks (>= 1; see above)
+  // Vocabulary rows per embedding / LM-head shard (engine/shards.h); 0: the
+  // most whole LM-head chunks whose visit fits in the largest layer's unit.
+  int64_t vocab_shard_rows = 0;
+  // Gradients are summed in fp32 on the device over the micro-batches, then
+  // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
+  // keeps them exact (the exactness tests; an fp32 compute dtype always does).
+  bool fp32_grad_transfer = false;
+  at::ScalarType grad_dtype() const {
+    return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
+  }
   NvmeBackend nvme_backend = NvmeBackend::kAuto;
   LockPolicy lock = LockPolicy::kPrefer;
 
@@ -80,6 +91,15 @@ struct StepReport {
   double tokens_per_s = 0;
   StepStats stats;             // per-lane busy time, overlap efficiency
   size_t peak_device_bytes = 0;
+  // What the step's device work moved and needed. The bytes sum the spans of
+  // the step's copies (so they need DeviceOptions::record_spans): H2D the
+  // parameters of each visit, the batch, host checkpoints coming back, a tied
+  // embedding's gradient; D2H gradients, checkpoints going out, the loss
+  // figures. The working memory is Device::work_peak_bytes over the step: the
+  // most ATen held inside any one compute op (0 where not measured).
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;
+  uint64_t work_peak_bytes = 0;
   // The numerics guard: a step whose loss, gradient norm (with clipping) or
   // first-updated block's gradient (without) is not finite changes nothing:
   // no block is updated, steps_done() does not advance (nor AdamW's count or
@@ -93,7 +113,9 @@ struct StepReport {
 // What an Engine allocates, computed by the same code the Engine sizes its
 // buffers with (so the Plan's numbers are the Engine's numbers).
 struct EngineFootprint {
-  uint64_t unit_elems = 0;          // parameters one cache unit holds
+  uint64_t unit_elems = 0;          // parameters one cache unit holds (the largest visit's)
+  int64_t vocab_shards = 1;         // embedding / LM-head shards (engine/shards.h)
+  int64_t shard_rows = 0;           // vocabulary rows per shard
   uint64_t unit_bytes = 0;          // one unit: parameters + fp32 gradients
   uint64_t pool_bytes = 0;          // K units
   uint64_t activation_bytes = 0;    // checkpoints (or the ring), output gradients, the batch
@@ -149,6 +171,7 @@ class Engine {
 
   const ModelSpec& spec() const { return spec_; }
   const EngineConfig& config() const { return config_; }
+  const Sharding& sharding() const { return shards_; }
   Device& device() { return *device_; }
   Timeline& timeline() { return timeline_; }
   int64_t steps_done() const { return steps_; }
@@ -161,27 +184,43 @@ class Engine {
   // block's master (from NVMe too): a diagnosis, not for inside a loop.
   std::string first_non_finite_param();
   // Fault injection, for the numerics guard's tests: block b's gradients in
-  // the next training pass land with a NaN in their first element, as a bad
-  // transfer or kernel would leave them.
+  // the next training pass land with a NaN in the first element of the
+  // block's first piece to land (the head's norm when it has one vocabulary
+  // shard), as a bad transfer or kernel would leave them.
   void inject_nonfinite_gradient(int64_t b);
 
  private:
-  struct Visit { enum Kind { kForward, kHead, kBackward } kind; int64_t block; };
+  // One visit of the sliding window. Forward and backward visit a piece (a
+  // layer or an embedding shard); a head visit loads the final norm and one
+  // vocabulary shard's LM-head rows and runs pass 1 (log-sum-exp), pass 2
+  // (gradients) or both (one shard) of the streamed loss (gpu/chunked_loss.h).
+  struct Visit {
+    enum Kind { kForward, kHead, kBackward } kind;
+    int64_t piece = 0;    // kForward / kBackward
+    int64_t shard = 0;    // kHead
+    bool lse = false, grad = false;
+  };
   struct Loaded { const CacheUnit* unit; std::unique_ptr<Event> ready; };
 
   void check_config() const;
   void run_pass(const std::vector<Visit>& visits, bool train);
   void allocate_activations();
   void upload_batch(const int64_t* ids, const int64_t* labels);
-  void load_visit(const Visit& v, size_t i);    // acquire + H2D (+ tied weight) into loaded_[i]
-  void run_forward(int64_t b, const CacheUnit& u);
-  void run_head(const CacheUnit& u, bool train);
-  void run_backward(int64_t b, const CacheUnit& u);
-  at::Tensor params_view(const CacheUnit& u, int64_t b) const;
+  std::vector<int64_t> visit_segments(const Visit& v) const;
+  void load_visit(const Visit& v, size_t i);    // acquire + H2D of its pieces into loaded_[i]
+  void run_forward(int64_t p, const CacheUnit& u);
+  void run_head(const Visit& v, const CacheUnit& u, bool train);
+  void run_backward(int64_t p, const CacheUnit& u);
+  at::Tensor params_view(const CacheUnit& u, size_t offset, size_t elems) const;
   at::Tensor grads_view(const CacheUnit& u) const;
+  at::Tensor rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const;  // [rows, hidden]
   at::Tensor act(int64_t b, int64_t m) const;   // input of block b for micro-batch m
-  void wait_updated(int64_t b);
-  void collect_device_spans();
+  double visit_flops(const Visit& v, bool train) const;
+  void wait_updated(int64_t p);                 // piece p's update of the previous pass is done
+  // Moves the device's finished spans into the timeline; returns the bytes
+  // they copied each way.
+  struct Moved { uint64_t h2d_bytes = 0, d2h_bytes = 0; };
+  Moved collect_device_spans();
 
   // The updater (optimizer and NVMe lanes), engine_update.cpp.
   struct UpdateJob {
@@ -194,30 +233,40 @@ class Engine {
     int64_t nonfinite_block = -1;
     std::string nonfinite_tensor;
   };
-  // Host staging of block b's fp32 gradients: its own buffer, or its ring slot.
-  std::span<std::byte> grad_host(int64_t b);
-  // The D2H of block b's gradients from `src` (a unit), once its staging is
-  // free; records grads_ready_[b] and tells the updater.
-  void copy_grads_out(int64_t b, const void* src);
-  void release_ring_slot(int64_t b);  // the slot's gradients are consumed
+  // Everything below is per piece (engine/shards.h): gradients land, are
+  // staged, checked and updated piece by piece.
+  // Host staging of piece p's fp32 gradients: its block's own buffer, or its ring slot.
+  std::span<std::byte> grad_host(int64_t p);
+  // The D2H of piece p's gradients from `src` (a unit, in the transfer
+  // dtype), once its staging is free; records grads_ready_[p] and tells the updater.
+  void copy_grads_out(int64_t p, const void* src);
+  // The first `elems` gradients of unit u in the transfer dtype: the fp32
+  // accumulators themselves, or (bf16) rounded on the compute stream into the
+  // unit's parameter area, which the visit no longer reads.
+  const std::byte* grads_to_send(const CacheUnit& u, size_t elems);
+  void release_ring_slot(int64_t p);  // the slot's gradients are consumed
   void updater_main();
-  // Updates block b; `next` (or -1) is the block the updater takes next, whose
-  // NVMe-tier state is read ahead into the other staging slot.
-  void update_block(const UpdateJob& job, int64_t b, double grad_scale, int64_t next);
-  // A skipped step: block b's gradients are consumed without an update (its
+  // Updates piece order[pos]; the next NVMe-tier piece after it in `order`
+  // has its state read ahead into the other staging slot.
+  void update_piece(const UpdateJob& job, const std::vector<int64_t>& order, size_t pos, double grad_scale);
+  // A skipped step: piece p's gradients are consumed without an update (its
   // staging is freed; its next H2D may go).
-  void skip_block(const UpdateJob& job, int64_t b);
-  // The name of the first tensor of block b whose values in `grads` are not finite.
-  std::string first_non_finite(int64_t b, const float* values) const;
-  // Simulation of the updater, in the order it works: sim_landed(b) right
-  // after block b's D2H is enqueued, sim_finish() after the pass (returns
+  void skip_piece(const UpdateJob& job, int64_t p);
+  // The name of the first tensor of piece p whose values (the piece's
+  // elements, fp32 or `dtype`) are not finite.
+  std::string first_non_finite(int64_t p, const float* values) const;
+  std::string first_non_finite_grad(int64_t p, const std::byte* grads) const;
+  // Simulation of the updater, in the order it works: sim_landed(p) right
+  // after piece p's D2H is enqueued, sim_finish() after the pass (returns
   // the virtual time the step ends).
-  void sim_landed(int64_t b);
-  void sim_update(int64_t b, double ready_us);
+  void sim_landed(int64_t p);
+  void sim_update(int64_t p, double ready_us);
   double sim_finish();
-  void start_state_read(int64_t b);
-  bool on_nvme(int64_t b) const { return nvme_slot_.at(b) >= 0; }
-  bool spills_grads(int64_t b) const { return ring_slot_.at(b) >= 0 && config_.clip_norm > 0; }
+  void start_state_read(int64_t p, int slot);
+  bool on_nvme(int64_t p) const { return nvme_piece_.at(size_t(p)); }
+  bool spills_grads(int64_t p) const { return ring_slot_.at(size_t(p)) >= 0 && config_.clip_norm > 0; }
+  const Piece& piece(int64_t p) const { return shards_.pieces[size_t(p)]; }
+  int64_t num_pieces() const { return int64_t(shards_.pieces.size()); }
 
   ModelSpec spec_;
   EngineConfig config_;
@@ -226,12 +275,15 @@ class Engine {
   at::Device aten_device_;
   int64_t num_blocks_, head_;
   std::vector<ParamLayout> layouts_;
+  Sharding shards_;
+  std::vector<int64_t> landing_;    // pieces in the order their gradients are copied out
   size_t compute_bytes_;            // 2 (bf16) or 4 (fp32)
+  size_t grad_bytes_;               // gradients on the host: 2 (bf16) or 4 (fp32)
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<ParamStore> store_;
   std::unique_ptr<NvmeStore> nvme_;
-  std::vector<int> nvme_slot_;      // per block: index among NVMe blocks, or -1
-  std::vector<int> ring_slot_;      // per block: its gradient ring slot, or -1 (own staging)
+  std::vector<bool> nvme_piece_;    // per piece: its state lives on NVMe (its block's does)
+  std::vector<int> ring_slot_;      // per piece: its gradient ring slot, or -1 (its block's own staging)
   std::unique_ptr<CacheUnitPool> pool_;
   std::unique_ptr<BlockRunner> runner_;
   std::unique_ptr<CpuAdam> adam_;
@@ -252,7 +304,8 @@ class Engine {
     int64_t reading = -1;            // whose state `reads` bring
     double read_begin_us = 0;
   };
-  std::vector<NvmeStaging> nvme_staging_;   // 2 slots, alternating between NVMe blocks
+  std::vector<NvmeStaging> nvme_staging_;   // 2 slots: one being updated, one read ahead
+  int last_staging_ = 1;                    // the slot the latest NVMe update used
   NvmeStaging& idle_staging();
 
   // Device memory beyond the pool, allocated once.
@@ -260,6 +313,11 @@ class Engine {
   at::Tensor ids_dev_, labels_dev_;         // [batch, seq]
   std::vector<at::Tensor> act_;             // checkpoints (device) or the 2-set ring
   std::vector<at::Tensor> grad_out_;        // [M] gradient flowing backward
+  // The streamed head, per micro-batch: pass 1's running max, sum, target
+  // logit and then log-sum-exp (fp32 [tokens] each), and d(loss)/d(normed
+  // hidden) summed over the shards of pass 2 (fp32 [tokens, hidden]).
+  std::vector<HeadState> head_state_;
+  std::vector<at::Tensor> head_lse_, grad_h_;
   std::vector<std::unique_ptr<Event>> ring_free_;  // per ring set: its last reader is done
   std::unique_ptr<Event> data_ready_, tied_grad_ready_;
 
@@ -272,7 +330,7 @@ class Engine {
   std::unique_ptr<Event> head_stats_ready_;
   std::vector<Visit> visits_, eval_visits_;
   std::vector<Loaded> loaded_;
-  std::vector<std::unique_ptr<Event>> grads_ready_;  // per block: its D2H is done
+  std::vector<std::unique_ptr<Event>> grads_ready_;  // per piece: its D2H is done
   int64_t steps_ = 0;      // optimizer steps taken (skipped steps do not count)
   int64_t passes_ = 0;     // training passes run: the updater's and the waits' sequence number
   int64_t fault_block_ = -1, fault_pass_ = 0;  // inject_nonfinite_gradient
@@ -282,10 +340,10 @@ class Engine {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<UpdateJob>> jobs_;
-  std::vector<int64_t> updated_;            // per block: the last pass whose gradients were consumed
-  std::vector<int64_t> grads_recorded_;     // per block: the pass whose gradient D2H is enqueued
+  std::vector<int64_t> updated_;            // per piece: the last pass whose gradients were consumed
+  std::vector<int64_t> grads_recorded_;     // per piece: the pass whose gradient D2H is enqueued
   std::vector<int64_t> ring_released_;      // per ring slot: gradients consumed from it
-  std::vector<NvmeTicket> grad_spill_;      // per block: the write of its spilled gradients
+  std::vector<NvmeTicket> grad_spill_;      // per piece: the write of its spilled gradients
   std::exception_ptr updater_error_;
   bool stopping_ = false;
   double last_norm_ = -1;                   // set by the updater per pass
@@ -294,12 +352,12 @@ class Engine {
   // Simulation: host lanes on virtual clocks, and per block the virtual time
   // its update is done (the next H2D of the block waits for it).
   SimHostLane sim_optimizer_, sim_nvme_read_, sim_nvme_write_;
-  std::vector<std::unique_ptr<Event>> sim_update_done_;
+  std::vector<std::unique_ptr<Event>> sim_update_done_;  // per piece
   std::vector<std::unique_ptr<Event>> sim_ring_free_;  // per ring slot: when its gradients were consumed
   struct SimStep {
     UpdateJob job;
     double all_landed = 0, norm_known = 0, last_update = 0, read_ahead_from = 0;
-    std::vector<double> spilled_us;  // per block: its spilled gradients are on NVMe
+    std::vector<double> spilled_us;  // per piece: its spilled gradients are on NVMe
   } sim_step_;
   double sim_step_end_us_ = 0;
 };

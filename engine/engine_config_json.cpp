@@ -18,6 +18,9 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"accumulation", c.accumulation},
           {"dtype", c.compute.dtype == at::kFloat ? "fp32" : "bf16"},
           {"vocab_chunk", c.compute.vocab_chunk},
+          {"token_tile", c.compute.token_tile},
+          {"vocab_shard_rows", c.vocab_shard_rows},
+          {"grad_transfer", c.fp32_grad_transfer ? "fp32" : "bf16"},
           {"window", c.window},
           {"checkpoints_on_host", c.checkpoints_on_host},
           {"lr", c.adam.lr},
@@ -58,6 +61,13 @@ EngineConfig engine_config_from_json(const nlohmann::json& j) {
     c.compute.dtype = d == "fp32" ? at::kFloat : at::kBFloat16;
   }
   get("vocab_chunk", c.compute.vocab_chunk);
+  get("token_tile", c.compute.token_tile);
+  get("vocab_shard_rows", c.vocab_shard_rows);
+  if (j.contains("grad_transfer")) {
+    const std::string g = j["grad_transfer"];
+    STRIDER_CHECK(g == "fp32" || g == "bf16", "engine config: grad_transfer '{}' is not bf16 or fp32", g);
+    c.fp32_grad_transfer = g == "fp32";
+  }
   get("window", c.window);
   get("checkpoints_on_host", c.checkpoints_on_host);
   get("lr", c.adam.lr);

@@ -15,10 +15,9 @@ at::Tensor Engine::act(int64_t b, int64_t m) const {
   return act_[size_t(set * config_.accumulation + m)];
 }
 
-at::Tensor Engine::params_view(const CacheUnit& u, int64_t b) const {
-  int64_t n = int64_t(layouts_[b].total_elems());
-  if (b == head_ && spec_.tie_embeddings) n += int64_t(layouts_[0].total_elems());
-  return at::from_blob(u.params_bf16, {n}, at::TensorOptions().dtype(config_.compute.dtype).device(aten_device_));
+at::Tensor Engine::params_view(const CacheUnit& u, size_t offset, size_t elems) const {
+  return at::from_blob(static_cast<std::byte*>(u.params_bf16) + offset * compute_bytes_, {int64_t(elems)},
+                       at::TensorOptions().dtype(config_.compute.dtype).device(aten_device_));
 }
 
 at::Tensor Engine::grads_view(const CacheUnit& u) const {
@@ -26,15 +25,40 @@ at::Tensor Engine::grads_view(const CacheUnit& u) const {
                        at::TensorOptions().dtype(at::kFloat).device(aten_device_));
 }
 
-void Engine::wait_updated(int64_t b) {
+at::Tensor Engine::rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const {
+  const int64_t H = spec_.dims.hidden;
+  return flat.slice(0, int64_t(offset), int64_t(offset) + (rows.row_end - rows.row_begin) * H)
+      .view({rows.row_end - rows.row_begin, H});
+}
+
+std::vector<int64_t> Engine::visit_segments(const Visit& v) const {
+  if (v.kind != Visit::kHead) return {v.piece};
+  return {shards_.norm_piece, shards_.lm_piece[size_t(v.shard)]};
+}
+
+double Engine::visit_flops(const Visit& v, bool train) const {
+  const double tokens = double(config_.micro_batch * config_.seq), H = double(spec_.dims.hidden);
+  if (v.kind == Visit::kHead) {
+    const Piece& rows = piece(shards_.lm_piece[size_t(v.shard)]);
+    const double logits = 2.0 * tokens * H * double(rows.row_end - rows.row_begin);
+    // Pass 1: the logits; pass 2: the logits again and both gradients.
+    return (v.lse ? logits : 0.0) + (v.grad && train ? 3.0 * logits : 0.0);
+  }
+  const int64_t b = piece(v.piece).block;
+  if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
+  const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_));
+  return v.kind == Visit::kForward ? c.forward_flops : c.backward_flops * 1.5;  // recompute + backward
+}
+
+void Engine::wait_updated(int64_t p) {
   if (simulated()) return;  // ordered by sim_update_done_ events instead
   std::unique_lock lk(mu_);
-  cv_.wait(lk, [&] { return updated_[b] >= passes_ || updater_error_ || stopping_; });
+  cv_.wait(lk, [&] { return updated_[size_t(p)] >= passes_ || updater_error_ || stopping_; });
   if (updater_error_) std::rethrow_exception(updater_error_);
 }
 
 void Engine::finish_updates() {
-  for (int64_t b = 0; b < num_blocks_; ++b) wait_updated(b);
+  for (int64_t p = 0; p < num_pieces(); ++p) wait_updated(p);
 }
 
 void Engine::upload_batch(const int64_t* ids, const int64_t* labels) {
@@ -57,44 +81,52 @@ void Engine::upload_batch(const int64_t* ids, const int64_t* labels) {
 }
 
 void Engine::load_visit(const Visit& v, size_t i) {
-  const int64_t b = v.block;
-  wait_updated(b);
-  if (b == head_ && spec_.tie_embeddings) wait_updated(0);
+  const std::vector<int64_t> segs = visit_segments(v);
+  for (int64_t p : segs) wait_updated(p);
   const CacheUnit& u = pool_->acquire(StreamId::kH2D);
-  if (simulated()) {
-    device_->wait(StreamId::kH2D, *sim_update_done_[b]);
-    if (b == head_ && spec_.tie_embeddings) device_->wait(StreamId::kH2D, *sim_update_done_[0]);
-  }
-  const BlockState& s = store_->block(size_t(b));
-  auto bytes = s.compute_bytes();
-  device_->copy_h2d(StreamId::kH2D, u.params_bf16, bytes.data(), bytes.size(), {"h2d params", int32_t(b)});
-  if (b == head_ && spec_.tie_embeddings) {
-    auto emb = store_->block(0).compute_bytes();
-    device_->copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + bytes.size(), emb.data(),
-                      emb.size(), {"h2d tied embedding", int32_t(b)});
+  if (simulated())
+    for (int64_t p : segs) device_->wait(StreamId::kH2D, *sim_update_done_[size_t(p)]);
+  size_t offset = 0;
+  for (int64_t p : segs) {
+    const Piece& pc = piece(p);
+    auto bytes = store_->block(size_t(pc.block)).compute_bytes().subspan(pc.begin * compute_bytes_,
+                                                                          pc.elems() * compute_bytes_);
+    device_->copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + offset * compute_bytes_, bytes.data(),
+                      bytes.size(), {"h2d params", int32_t(pc.block)});
+    offset += pc.elems();
   }
   auto ready = device_->make_event();
   device_->record(*ready, StreamId::kH2D);
   loaded_[i] = {&u, std::move(ready)};
 }
 
-void Engine::run_forward(int64_t b, const CacheUnit& u) {
+void Engine::run_forward(int64_t p, const CacheUnit& u) {
   const int64_t M = config_.accumulation;
-  at::Tensor params = params_view(u, b);
-  if (config_.checkpoints_on_host) {
+  const Piece& pc = piece(p);
+  const int64_t b = pc.block;
+  const bool first = p == shards_.first_of(b), last = p + 1 == shards_.end_of(b);
+  at::Tensor params = params_view(u, 0, pc.elems());
+  if (config_.checkpoints_on_host && first) {
     // Block b writes ring set (b+1)%2, whose checkpoint copy-out (two blocks ago) must be done.
     device_->wait(StreamId::kCompute, *ring_free_[(b + 1) % 2]);
   }
+  const double flops = visit_flops({Visit::kForward, p}, true);
   for (int64_t m = 0; m < M; ++m) {
     at::Tensor in = b == 0 ? ids_dev_.chunk(M, 0)[m] : act(b, m);
     at::Tensor out = act(b + 1, m);
-    device_->launch(StreamId::kCompute, {"forward", int32_t(b), spec_.cost(b, config_.micro_batch, config_.seq,
-                                                                            config_.compute.vocab_chunk, int(compute_bytes_)).forward_flops},
+    if (b == 0) {
+      at::Tensor rows = rows_view(params, 0, pc);
+      const int64_t v0 = pc.row_begin;
+      device_->launch(StreamId::kCompute, {"embedding shard", int32_t(b), flops},
+                      [rows, v0, in, out](const LaunchContext&) { embedding_shard_forward(rows, v0, in, out); });
+      continue;
+    }
+    device_->launch(StreamId::kCompute, {"forward", int32_t(b), flops},
                     [this, b, params, in, out](const LaunchContext&) {
                       out.copy_(runner_->forward(b, params, in));
                     });
   }
-  if (config_.checkpoints_on_host && b + 1 < head_) {
+  if (config_.checkpoints_on_host && last && b + 1 < head_) {
     // Copy block b+1's inputs out; the ring set is free again once they left.
     auto done = device_->make_event();
     device_->record(*done, StreamId::kCompute);
@@ -108,62 +140,99 @@ void Engine::run_forward(int64_t b, const CacheUnit& u) {
   }
 }
 
-void Engine::run_head(const CacheUnit& u, bool train) {
+void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
   const int64_t M = config_.accumulation;
-  at::Tensor params = params_view(u, head_);
-  at::Tensor grads = grads_view(u);
-  const int64_t own = int64_t(layouts_[head_].total_elems());
-  const bool tied = spec_.tie_embeddings;
+  const Sharding& sh = shards_;
+  const Piece& norm_pc = piece(sh.norm_piece);
+  const Piece& rows_pc = piece(sh.lm_piece[size_t(v.shard)]);
+  const bool first = v.shard == 0, last = v.shard + 1 == sh.shards, grad = train && v.grad;
+  const size_t used = norm_pc.elems() + rows_pc.elems();
+  at::Tensor params = params_view(u, 0, used);
+  at::Tensor norm = params.slice(0, 0, spec_.dims.hidden);
+  at::Tensor rows = rows_view(params, norm_pc.elems(), rows_pc);
+  at::Tensor grads = grads_view(u).slice(0, 0, int64_t(used));
+  at::Tensor grad_norm = grads.slice(0, 0, spec_.dims.hidden);
+  at::Tensor grad_rows = rows_view(grads, norm_pc.elems(), rows_pc);
+  const BlockDims dims = spec_.dims;
+  const int64_t chunk = sh.chunk, tile = config_.compute.token_tile, v0 = rows_pc.row_begin;
   const int64_t valid = batch_valid_;
-  BlockCost cost = spec_.cost(head_, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_));
-  if (train) device_->launch(StreamId::kCompute, {"zero grads", int32_t(head_)}, [grads](const LaunchContext&) { grads.zero_(); });
+  if (v.lse) {
+    for (int64_t m = 0; m < M; ++m) {
+      at::Tensor in = act(head_, m);
+      at::Tensor labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
+      HeadState st = head_state_[size_t(m)];
+      at::Tensor lse = head_lse_[size_t(m)];
+      at::Tensor loss_sum = head_stats_dev_[0][m], valid_tokens = head_stats_dev_[1][m];
+      device_->launch(StreamId::kCompute, {"head log-sum-exp", int32_t(head_), visit_flops({Visit::kHead, 0, v.shard, true, false}, false)},
+                      [dims, norm, rows, v0, in, labels, chunk, tile, st, lse, loss_sum, valid_tokens, first,
+                       last](const LaunchContext&) mutable {
+                        if (first) head_state_reset(st);
+                        head_lse_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, st);
+                        if (!last) return;
+                        lse.copy_(head_lse(st));
+                        head_loss_sums(st, lse, labels, loss_sum, valid_tokens);
+                      });
+    }
+    if (last) {
+      // The loss's D2H precedes every head gradient's on the d2h stream: the
+      // updater checks it when the first gradients land.
+      auto done = device_->make_event();
+      device_->record(*done, StreamId::kCompute);
+      device_->wait(StreamId::kD2H, *done);
+      device_->copy_d2h(StreamId::kD2H, head_stats_host_.data(), head_stats_dev_.data_ptr(),
+                        head_stats_host_.size_bytes(), {"d2h loss", int32_t(head_)});
+      device_->record(*head_stats_ready_, StreamId::kD2H);
+    }
+  }
+  if (!grad) return;
+  device_->launch(StreamId::kCompute, {"zero grads", int32_t(head_)}, [grads](const LaunchContext&) { grads.zero_(); });
+  const double flops = visit_flops({Visit::kHead, 0, v.shard, false, true}, true);
   for (int64_t m = 0; m < M; ++m) {
     at::Tensor in = act(head_, m);
-    at::Tensor labels = labels_dev_.chunk(M, 0)[m];
-    at::Tensor gout = grad_out_[size_t(m)];
-    at::Tensor loss_sum = head_stats_dev_[0][m], valid_tokens = head_stats_dev_[1][m];
-    device_->launch(StreamId::kCompute, {train ? "head loss+backward" : "head loss", int32_t(head_),
-                                         train ? cost.forward_flops + cost.backward_flops : cost.forward_flops},
-                    [this, params, grads, in, labels, gout, own, tied, train, valid, loss_sum,
-                     valid_tokens](const LaunchContext&) {
-                      at::Tensor own_p = params.slice(0, 0, own);
-                      at::Tensor tied_p = tied ? params.slice(0, own) : at::Tensor();
-                      at::Tensor own_g = grads.slice(0, 0, own);
-                      at::Tensor tied_g = tied ? grads.slice(0, own, own + params.numel() - own) : at::Tensor();
-                      // The labels were checked on the host (upload_batch).
-                      HeadResult r = train ? runner_->head_backward(own_p, own_g, tied_p, tied_g, in, labels,
-                                                                    1.0 / double(valid), Scalars::kOnDevice)
-                                           : runner_->head_eval(own_p, tied_p, in, labels, Scalars::kOnDevice);
-                      loss_sum.copy_(r.loss_sum_dev);
-                      valid_tokens.copy_(r.valid_tokens_dev);
-                      if (train) gout.copy_(r.grad_input);
+    at::Tensor labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
+    at::Tensor lse = head_lse_[size_t(m)], grad_h = grad_h_[size_t(m)];
+    device_->launch(StreamId::kCompute, {"head backward", int32_t(head_), flops},
+                    [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first](
+                        const LaunchContext&) {
+                      if (first) grad_h.zero_();
+                      head_grad_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, lse,
+                                      1.0 / double(valid), grad_h, grad_rows);
                     });
   }
-  auto done = device_->make_event();
-  device_->record(*done, StreamId::kCompute);
-  device_->wait(StreamId::kD2H, *done);
-  device_->copy_d2h(StreamId::kD2H, head_stats_host_.data(), head_stats_dev_.data_ptr(),
-                    head_stats_host_.size_bytes(), {"d2h loss", int32_t(head_)});
-  device_->record(*head_stats_ready_, StreamId::kD2H);
-  if (!train) return;
-  copy_grads_out(head_, u.grads_fp32);
-  if (tied) {
-    device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data(), u.grads_fp32 + own, tied_grad_host_.size_bytes(),
-                      {"d2h tied grads", int32_t(head_)});
+  if (last)
+    for (int64_t m = 0; m < M; ++m) {
+      at::Tensor in = act(head_, m), grad_h = grad_h_[size_t(m)], gout = grad_out_[size_t(m)];
+      device_->launch(StreamId::kCompute, {"head norm backward", int32_t(head_), 0.0},
+                      [dims, norm, in, grad_h, grad_norm, gout, tile](const LaunchContext&) {
+                        gout.view({-1, dims.hidden})
+                            .copy_(head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile));
+                      });
+    }
+  const std::byte* send = grads_to_send(u, used);
+  if (last) copy_grads_out(sh.norm_piece, send);  // the order of landing_
+  if (spec_.tie_embeddings) {
+    // The embedding's gradient starts from the head's share (run_backward),
+    // kept in fp32 so that the sum is the resident reference's.
+    device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows_pc.begin, u.grads_fp32 + norm_pc.elems(),
+                      rows_pc.elems() * 4, {"d2h tied grads", int32_t(head_)});
     device_->record(*tied_grad_ready_, StreamId::kD2H);
+  } else {
+    copy_grads_out(sh.lm_piece[size_t(v.shard)], send + norm_pc.elems() * grad_bytes_);
   }
 }
 
-void Engine::run_backward(int64_t b, const CacheUnit& u) {
+void Engine::run_backward(int64_t p, const CacheUnit& u) {
   const int64_t M = config_.accumulation;
-  at::Tensor params = params_view(u, b);
-  at::Tensor grads = grads_view(u).slice(0, 0, int64_t(layouts_[b].total_elems()));
+  const Piece& pc = piece(p);
+  const int64_t b = pc.block;
+  at::Tensor params = params_view(u, 0, pc.elems());
+  at::Tensor grads = grads_view(u).slice(0, 0, int64_t(pc.elems()));
   if (b == 0 && spec_.tie_embeddings) {
     // The embedding's gradient starts from the head's share, so the sum runs
     // in the same order as in the resident reference. (Issued here, not when
     // the unit is prefetched: the head's share must have been computed.)
     device_->wait(StreamId::kH2D, *tied_grad_ready_);
-    device_->copy_h2d(StreamId::kH2D, u.grads_fp32, tied_grad_host_.data(), tied_grad_host_.size_bytes(),
+    device_->copy_h2d(StreamId::kH2D, u.grads_fp32, tied_grad_host_.data() + pc.begin, pc.elems() * 4,
                       {"h2d tied gradient", 0});
     auto in = device_->make_event();
     device_->record(*in, StreamId::kH2D);
@@ -188,30 +257,53 @@ void Engine::run_backward(int64_t b, const CacheUnit& u) {
     device_->record(*back, StreamId::kH2D);
     device_->wait(StreamId::kCompute, *back);
   }
-  const double flops = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_))
-                           .backward_flops * 1.5;  // recompute + backward
+  const double flops = visit_flops({Visit::kBackward, p}, true);
   for (int64_t m = 0; m < M; ++m) {
     at::Tensor in = b == 0 ? ids_dev_.chunk(M, 0)[m] : act(b, m);
     at::Tensor gout = grad_out_[size_t(m)];
+    if (b == 0) {
+      at::Tensor grad_rows = rows_view(grads, 0, pc);
+      const int64_t v0 = pc.row_begin;
+      device_->launch(StreamId::kCompute, {"embedding shard backward", int32_t(b), flops},
+                      [in, v0, gout, grad_rows](const LaunchContext&) {
+                        embedding_shard_backward(in, v0, gout, grad_rows);
+                      });
+      continue;
+    }
     device_->launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
                     [this, b, params, grads, in, gout](const LaunchContext&) {
                       at::Tensor gin = runner_->backward(b, params, in, gout, grads);
                       if (gin.defined()) gout.copy_(gin);
                     });
   }
+  copy_grads_out(p, grads_to_send(u, pc.elems()));
+}
+
+const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems) {
+  const std::byte* out = reinterpret_cast<const std::byte*>(u.grads_fp32);
+  if (grad_bytes_ == 2) {
+    at::Tensor acc = grads_view(u).slice(0, 0, int64_t(elems));
+    at::Tensor dst = at::from_blob(u.params_bf16, {int64_t(elems)},
+                                   at::TensorOptions().dtype(at::kBFloat16).device(aten_device_));
+    device_->launch(StreamId::kCompute, {"grads to bf16", -1, 0.0},
+                    [acc, dst](const LaunchContext&) { dst.copy_(acc); });
+    out = static_cast<const std::byte*>(u.params_bf16);
+  }
   auto done = device_->make_event();
   device_->record(*done, StreamId::kCompute);
   device_->wait(StreamId::kD2H, *done);
-  copy_grads_out(b, u.grads_fp32);
+  return out;
 }
 
-std::span<std::byte> Engine::grad_host(int64_t b) {
-  const int r = ring_slot_[size_t(b)];
-  return r < 0 ? store_->block(size_t(b)).grad : grad_ring_[size_t(r)];
+std::span<std::byte> Engine::grad_host(int64_t p) {
+  const int r = ring_slot_[size_t(p)];
+  if (r >= 0) return grad_ring_[size_t(r)];
+  const Piece& pc = piece(p);
+  return store_->block(size_t(pc.block)).grad.subspan(pc.begin * grad_bytes_, pc.elems() * grad_bytes_);
 }
 
-void Engine::copy_grads_out(int64_t b, const void* src) {
-  const int r = ring_slot_[size_t(b)];
+void Engine::copy_grads_out(int64_t p, const void* src) {
+  const int r = ring_slot_[size_t(p)];
   if (r >= 0) {
     // The slot's n-th use waits for n consumptions: the previous gradients in
     // it were updated with (or spilled to NVMe). The updater gets there on its
@@ -225,28 +317,32 @@ void Engine::copy_grads_out(int64_t b, const void* src) {
       if (updater_error_) std::rethrow_exception(updater_error_);
     }
   }
-  const size_t bytes = layouts_[size_t(b)].total_elems() * sizeof(float);
-  device_->copy_d2h(StreamId::kD2H, grad_host(b).data(), src, bytes, {"d2h grads", int32_t(b)});
-  device_->record(*grads_ready_[b], StreamId::kD2H);
+  const size_t bytes = piece(p).elems() * grad_bytes_;
+  device_->copy_d2h(StreamId::kD2H, grad_host(p).data(), src, bytes, {"d2h grads", int32_t(piece(p).block)});
+  device_->record(*grads_ready_[size_t(p)], StreamId::kD2H);
   if (simulated()) {
-    sim_landed(b);
+    sim_landed(p);
     return;
   }
   {
     std::lock_guard lk(mu_);
-    grads_recorded_[size_t(b)] = passes_ + 1;
+    grads_recorded_[size_t(p)] = passes_ + 1;
   }
   cv_.notify_all();
 }
 
-void Engine::collect_device_spans() {
+Engine::Moved Engine::collect_device_spans() {
   std::vector<OpSpan> spans;
   device_->drain_spans(spans);
+  Moved moved;
   for (const OpSpan& o : spans) {
     Lane lane = o.stream == StreamId::kCompute ? Lane::kCompute : o.stream == StreamId::kH2D ? Lane::kH2D : Lane::kD2H;
     timeline_.add({lane, o.tag.name, o.tag.block, -1, steps_, o.begin_us + device_origin_us_,
-                   o.end_us + device_origin_us_, o.tag.flops, o.tag.bytes});
+                   o.end_us + device_origin_us_, o.tag.flops, o.tag.bytes, o.work_peak_bytes});
+    if (o.kind == OpKind::kCopyH2D) moved.h2d_bytes += o.tag.bytes;
+    if (o.kind == OpKind::kCopyD2H) moved.d2h_bytes += o.tag.bytes;
   }
+  return moved;
 }
 
 void Engine::run_pass(const std::vector<Visit>& visits, bool train) {
@@ -261,11 +357,11 @@ void Engine::run_pass(const std::vector<Visit>& visits, bool train) {
     const CacheUnit& u = *loaded_[i].unit;
     device_->wait(StreamId::kCompute, *loaded_[i].ready);
     switch (v.kind) {
-      case Visit::kForward: run_forward(v.block, u); break;
-      case Visit::kHead: run_head(u, train); break;
-      case Visit::kBackward: run_backward(v.block, u); break;
+      case Visit::kForward: run_forward(v.piece, u); break;
+      case Visit::kHead: run_head(v, u, train); break;
+      case Visit::kBackward: run_backward(v.piece, u); break;
     }
-    if (v.kind == Visit::kForward || !train) pool_->release(u, {StreamId::kCompute});
+    if (v.kind == Visit::kForward || !train || (v.kind == Visit::kHead && !v.grad)) pool_->release(u, {StreamId::kCompute});
     else pool_->release(u, {StreamId::kCompute, StreamId::kD2H});
   }
 }

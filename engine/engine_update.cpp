@@ -30,18 +30,32 @@ void skip(auto& job, std::string reason) {
 
 }  // namespace
 
-std::string Engine::first_non_finite(int64_t b, const float* values) const {
-  for (const TensorSlot& t : layouts_[size_t(b)].slots())
-    for (size_t i = 0; i < t.numel; ++i)
-      if (!std::isfinite(values[t.offset_elems + i])) return t.name;
+std::string Engine::first_non_finite(int64_t p, const float* values) const {
+  const Piece& pc = piece(p);
+  for (const TensorSlot& t : layouts_[size_t(pc.block)].slots()) {
+    const size_t lo = std::max(pc.begin, t.offset_elems), hi = std::min(pc.end, t.offset_elems + t.numel);
+    for (size_t i = lo; i < hi; ++i)
+      if (!std::isfinite(values[i - pc.begin])) return t.name;
+  }
   return "(padding)";
+}
+
+std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads) const {
+  if (grad_bytes_ == 4) return first_non_finite(p, reinterpret_cast<const float*>(grads));
+  std::vector<float> values(piece(p).elems());
+  bf16_to_float({reinterpret_cast<const uint16_t*>(grads), values.size()}, values);
+  return first_non_finite(p, values.data());
 }
 
 std::string Engine::first_non_finite_param() {
   for (int64_t b = 0; b < num_blocks_; ++b) {
     std::vector<float> w(layouts_[size_t(b)].total_elems());
     read_state(b, ExtentKind::kMaster, w);
-    if (!std::isfinite(sum_squares(w))) return first_non_finite(b, w.data());
+    if (std::isfinite(sum_squares(w))) continue;
+    for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
+      std::string name = first_non_finite(p, w.data() + piece(p).begin);
+      if (name != "(padding)") return name;
+    }
   }
   return "";
 }
@@ -53,7 +67,7 @@ void Engine::inject_nonfinite_gradient(int64_t b) {
   fault_pass_ = passes_ + 1;
 }
 
-void Engine::skip_block(const UpdateJob& job, int64_t b) {
+void Engine::skip_piece(const UpdateJob& job, int64_t b) {
   if (spills_grads(b)) {
     // Its ring slot is freed by the spill's completion; the spill must be
     // done before the next pass writes the extent again.
@@ -73,13 +87,14 @@ void Engine::skip_block(const UpdateJob& job, int64_t b) {
 Engine::NvmeStaging& Engine::idle_staging() {
   // Outside steps (finish_updates() first), slot 0 is free once its last
   // write-back has left.
-  NvmeStaging& slot = nvme_staging_[0];
-  for (auto& t : slot.writes) nvme_->wait(t);
-  for (auto& t : slot.reads) nvme_->wait(t);
-  slot.writes.clear();
-  slot.reads.clear();
-  slot.reading = -1;
-  return slot;
+  for (NvmeStaging& slot : nvme_staging_) {
+    for (auto& t : slot.writes) nvme_->wait(t);
+    for (auto& t : slot.reads) nvme_->wait(t);
+    slot.writes.clear();
+    slot.reads.clear();
+    slot.reading = -1;
+  }
+  return nvme_staging_[0];
 }
 
 void Engine::updater_main() {
@@ -93,38 +108,54 @@ void Engine::updater_main() {
       jobs_.pop_front();
     }
     try {
-      // Gradients land in backward order: head, B-2, ..., 0.
-      std::vector<double> sumsq(size_t(num_blocks_), 0.0);
-      std::vector<std::string> bad_tensor(static_cast<size_t>(num_blocks_));  // per block: first non-finite gradient tensor
+      // Gradients land piece by piece in landing_ order (the head's, then
+      // backward's); every per-piece figure is indexed by piece.
+      const int64_t P = num_pieces();
+      std::vector<double> sumsq(size_t(P), 0.0);
+      std::vector<std::string> bad_tensor(static_cast<size_t>(P));  // per piece: first non-finite gradient tensor
       const bool clip = config_.clip_norm > 0;
+      int64_t fault_piece = -1;
+      {
+        std::lock_guard lk(mu_);
+        // The first of the block's pieces to land (for the head: what lands first of the whole step).
+        if (fault_pass_ == job->pass && fault_block_ >= 0)
+          for (int64_t p : landing_)
+            if (piece(p).block == fault_block_) {
+              fault_piece = p;
+              break;
+            }
+      }
       auto land = [&](int64_t b) {
         {
           std::unique_lock lk(mu_);
           cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job->pass || stopping_; });
-          STRIDER_CHECK(!stopping_, "the engine stopped before block {}'s gradients were copied out", b);
+          STRIDER_CHECK(!stopping_, "the engine stopped before {}'s gradients were copied out", shards_.name(spec_, b));
         }
-        grads_ready_[b]->synchronize();
-        const size_t n = layouts_[size_t(b)].total_elems();
-        float* g = reinterpret_cast<float*>(grad_host(b).data());
-        {
-          std::lock_guard lk(mu_);
-          if (fault_block_ == b && fault_pass_ == job->pass) g[0] = std::numeric_limits<float>::quiet_NaN();
+        grads_ready_[size_t(b)]->synchronize();
+        const size_t n = piece(b).elems();
+        std::byte* g = grad_host(b).data();
+        if (grad_bytes_ == 4) {
+          if (b == fault_piece) reinterpret_cast<float*>(g)[0] = std::numeric_limits<float>::quiet_NaN();
+          sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(g), n});
+        } else {
+          if (b == fault_piece) reinterpret_cast<uint16_t*>(g)[0] = 0x7FC0;  // a bf16 NaN
+          sumsq[size_t(b)] = sum_squares_bf16({reinterpret_cast<const uint16_t*>(g), n});
         }
-        sumsq[size_t(b)] = sum_squares({g, n});
         // Named now: a ring slot may hold other gradients by the time it matters.
-        if (!std::isfinite(sumsq[size_t(b)])) bad_tensor[size_t(b)] = first_non_finite(b, g);
+        if (!std::isfinite(sumsq[size_t(b)])) bad_tensor[size_t(b)] = first_non_finite_grad(b, g);
         if (spills_grads(b)) {
-          // The norm waits for every block: park this one's gradients on NVMe
+          // The norm waits for every piece: park this one's gradients on NVMe
           // and free the ring slot once they are written.
           const Extent& e = nvme_->extent(b, ExtentKind::kGrad);
           const double w0 = Timeline::now_us();
+          const int32_t blk = int32_t(piece(b).block);
           grad_spill_[size_t(b)] = nvme_->write(
-              e, grad_host(b).first(e.io_bytes), [this, b, w0, step = job->step, bytes = n * 4](std::exception_ptr err) {
+              e, grad_host(b).first(e.io_bytes), [this, b, blk, w0, step = job->step, bytes = n * grad_bytes_](std::exception_ptr err) {
                 if (err) {
                   std::lock_guard lk(mu_);
                   if (!updater_error_) updater_error_ = err;
                 } else {
-                  timeline_.add({Lane::kNvmeWrite, "nvme write grads", int32_t(b), -1, step, w0, Timeline::now_us(),
+                  timeline_.add({Lane::kNvmeWrite, "nvme write grads", blk, -1, step, w0, Timeline::now_us(),
                                  0, uint64_t(bytes)});
                 }
                 release_ring_slot(b);
@@ -141,44 +172,45 @@ void Engine::updater_main() {
       };
       // Which block to name: the first in forward order with a bad gradient.
       auto name_bad_block = [&] {
-        for (int64_t b = 0; b <= head_; ++b)
+        for (int64_t b = 0; b < P; ++b)
           if (!bad_tensor[size_t(b)].empty()) {
-            job->nonfinite_block = b;
+            job->nonfinite_block = piece(b).block;
             job->nonfinite_tensor = bad_tensor[size_t(b)];
             return;
           }
       };
       auto publish_norm = [&] {
         double total = 0;
-        for (double x : sumsq) total += x;  // block order: independent of arrival order
+        for (double x : sumsq) total += x;  // piece order: independent of arrival order
         std::lock_guard lk(mu_);
         last_norm_ = std::sqrt(total);
         norm_pass_ = job->pass;
       };
       if (!clip) {
-        // Updates overlap backward: the loss and each block's gradient are
-        // checked just before its update. Only the head's (the first) can
-        // still skip the step; a later one finds blocks already updated.
-        for (int64_t b = head_; b >= 0; --b) {
+        // Updates overlap backward: the loss and each piece's gradient are
+        // checked just before its update. Only the first piece to land can
+        // still skip the step; a later one finds pieces already updated.
+        for (size_t i = 0; i < landing_.size(); ++i) {
+          const int64_t b = landing_[i];
           land(b);
-          if (b == head_) check_loss();
+          if (i == 0) check_loss();
           if (!job->skipped && !std::isfinite(sumsq[size_t(b)])) {
-            STRIDER_CHECK(b == head_,
-                          "step {}: block {}'s gradient is not finite (first non-finite tensor: {}) after blocks "
-                          "{}..{} were updated; without clipping updates overlap backward, so the step is partly "
-                          "applied: the run stops here, and nothing of this step may be saved (the last checkpoint "
-                          "stays). Clipping (--clip) checks every gradient before any update.",
-                          job->step, b, bad_tensor[size_t(b)], head_, b + 1);
-            skip(*job, fmt::format("the gradient of block {} is not finite", b));
+            STRIDER_CHECK(i == 0,
+                          "step {}: block {}'s gradient is not finite ({}; first non-finite tensor: {}) after "
+                          "{} earlier pieces of the step were updated; without clipping updates overlap backward, "
+                          "so the step is partly applied: the run stops here, and nothing of this step may be saved "
+                          "(the last checkpoint stays). Clipping (--clip) checks every gradient before any update.",
+                          job->step, piece(b).block, shards_.name(spec_, b), bad_tensor[size_t(b)], i);
+            skip(*job, fmt::format("the gradient of block {} is not finite", piece(b).block));
           }
-          if (job->skipped) skip_block(*job, b);
-          else update_block(*job, b, 1.0, b - 1);
+          if (job->skipped) skip_piece(*job, b);
+          else update_piece(*job, landing_, i, 1.0);
         }
         if (job->skipped) name_bad_block();
         publish_norm();
         cv_.notify_all();
       } else {
-        for (int64_t b = head_; b >= 0; --b) land(b);
+        for (int64_t b : landing_) land(b);
         check_loss();
         double total = 0;
         for (double x : sumsq) total += x;
@@ -187,11 +219,13 @@ void Engine::updater_main() {
         publish_norm();
         cv_.notify_all();
         if (job->skipped) {
-          for (int64_t b = 0; b <= head_; ++b) skip_block(*job, b);
+          for (int64_t b = 0; b < P; ++b) skip_piece(*job, b);
         } else {
           // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1.
           const double coef = std::min(1.0, config_.clip_norm / (last_norm_ + 1e-6));
-          for (int64_t b = 0; b <= head_; ++b) update_block(*job, b, coef, b < head_ ? b + 1 : -1);  // forward order
+          std::vector<int64_t> order(static_cast<size_t>(P));
+          for (int64_t b = 0; b < P; ++b) order[size_t(b)] = b;  // forward order
+          for (size_t i = 0; i < order.size(); ++i) update_piece(*job, order, i, coef);
         }
       }
     } catch (...) {
@@ -211,8 +245,8 @@ void Engine::release_ring_slot(int64_t b) {
   cv_.notify_all();
 }
 
-void Engine::start_state_read(int64_t b) {
-  NvmeStaging& slot = nvme_staging_[size_t(nvme_slot_[b] % 2)];
+void Engine::start_state_read(int64_t b, int slot_index) {
+  NvmeStaging& slot = nvme_staging_[size_t(slot_index)];
   if (slot.reading == b) return;
   for (auto& t : slot.writes) nvme_->wait(t);  // the slot's previous write-back has left
   slot.writes.clear();
@@ -232,55 +266,69 @@ void Engine::start_state_read(int64_t b) {
   slot.reading = b;
 }
 
-void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale, int64_t next) {
+void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& order, size_t pos, double grad_scale) {
+  const int64_t b = order[pos];
   AdamHyper h = config_.adam;
   h.lr = job.lr;
   const AdamStep st = AdamStep::make(h, job.step, grad_scale);
-  BlockState& s = store_->block(size_t(b));
-  const size_t n = s.elems();
+  const Piece& pc = piece(b);
+  BlockState& s = store_->block(size_t(pc.block));
+  const size_t n = pc.elems();
   const bool fp32 = !s.compute_f32.empty();
-  float *p = s.master.data(), *m = s.m.data(), *v = s.v.data();
+  float *p = nullptr, *m = nullptr, *v = nullptr;
+  if (!on_nvme(b)) {
+    p = s.master.data() + pc.begin;
+    m = s.m.data() + pc.begin;
+    v = s.v.data() + pc.begin;
+  }
   NvmeStaging* slot = nullptr;
   if (on_nvme(b)) {
-    start_state_read(b);  // a no-op when read ahead
-    slot = &nvme_staging_[size_t(nvme_slot_[b] % 2)];
+    // Its state is read ahead into one slot (or read now into the one the
+    // previous NVMe update did not use); the next NVMe piece's goes to the other.
+    int k = nvme_staging_[0].reading == b ? 0 : nvme_staging_[1].reading == b ? 1 : 1 - last_staging_;
+    start_state_read(b, k);  // a no-op when read ahead
+    slot = &nvme_staging_[size_t(k)];
+    last_staging_ = k;
   }
-  for (int64_t nb = next; nb >= 0 && nb <= head_; nb += (next > b ? 1 : -1))
-    if (on_nvme(nb)) {
-      start_state_read(nb);
+  for (size_t i = pos + 1; i < order.size(); ++i)
+    if (on_nvme(order[i])) {
+      start_state_read(order[i], 1 - last_staging_);
       break;
     }
   if (slot) {
     for (auto& t : slot->reads) nvme_->wait(t);
     slot->reads.clear();
     slot->reading = -1;
-    timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(b), -1, job.step, slot->read_begin_us,
-                   Timeline::now_us(), 0, uint64_t((spills_grads(b) ? 4 : 3) * n * sizeof(float))});
+    timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(pc.block), -1, job.step, slot->read_begin_us,
+                   Timeline::now_us(), 0, uint64_t(3 * n * sizeof(float) + (spills_grads(b) ? n * grad_bytes_ : 0))});
     p = reinterpret_cast<float*>(slot->master.data());
     m = reinterpret_cast<float*>(slot->m.data());
     v = reinterpret_cast<float*>(slot->v.data());
   }
   const double t0 = Timeline::now_us();
   const std::byte* grads = spills_grads(b) ? slot->grad.data() : grad_host(b).data();
-  AdamArgs args{p, m, v, grads, DType::kF32, fp32 ? nullptr : s.compute.data(), n};
+  AdamArgs args{p, m, v, grads, grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
+                fp32 ? nullptr : s.compute.data() + pc.begin, n};
   if (fp32) {
     // fp32 compute: the compute copy is the master itself, chunk by chunk.
+    float* out = s.compute_f32.data() + pc.begin;
     adam_->step(st, args, [&](size_t begin, size_t end) {
-      std::memcpy(s.compute_f32.data() + begin, p + begin, (end - begin) * sizeof(float));
+      std::memcpy(out + begin, p + begin, (end - begin) * sizeof(float));
     });
   } else {
     adam_->step(st, args);
   }
-  timeline_.add({Lane::kOptimizer, "adamw", int32_t(b), -1, job.step, t0, Timeline::now_us(), 0,
-                 uint64_t(n * 28)});
+  timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,
+                 uint64_t(n * (24 + grad_bytes_))});
   if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b)) release_ring_slot(b);
   if (slot) {
     const double w0 = Timeline::now_us();
+    const int32_t blk = int32_t(pc.block);
     for (auto [kind, buf] : {std::pair{ExtentKind::kMaster, slot->master}, {ExtentKind::kAdamM, slot->m},
                              {ExtentKind::kAdamV, slot->v}}) {
       const Extent& e = nvme_->extent(b, kind);
-      slot->writes.push_back(nvme_->write(e, buf.first(e.io_bytes), [this, b, w0, step = job.step](std::exception_ptr err) {
-        if (!err) timeline_.add({Lane::kNvmeWrite, "nvme write state", int32_t(b), -1, step, w0, Timeline::now_us()});
+      slot->writes.push_back(nvme_->write(e, buf.first(e.io_bytes), [this, blk, w0, step = job.step](std::exception_ptr err) {
+        if (!err) timeline_.add({Lane::kNvmeWrite, "nvme write state", blk, -1, step, w0, Timeline::now_us()});
       }));
     }
   }
@@ -292,25 +340,26 @@ void Engine::update_block(const UpdateJob& job, int64_t b, double grad_scale, in
 }
 
 // The updater on virtual clocks, called where the real one would act: per
-// block as its gradients land (one pass for the norm: 4 of the 28 bytes per
+// piece as its gradients land (one pass for the norm: 4 of the 28 bytes per
 // parameter AdamW moves; without clipping the update follows at once; with
 // clipping a ring block's gradients are spilled to NVMe), then, with clipping,
-// every update in forward order once the norm is known. The next NVMe block's
+// every update in forward order once the norm is known. The next NVMe piece's
 // state is read while the current one updates.
 void Engine::sim_landed(int64_t b) {
   const CostModel& cm = sim_->model();
   SimStep& st = sim_step_;
-  const double landed = sim_->event_time_us(*grads_ready_[b]);
+  const double landed = sim_->event_time_us(*grads_ready_[size_t(b)]);
   st.all_landed = std::max(st.all_landed, landed);
-  const uint64_t n = layouts_[size_t(b)].total_elems();
-  SimInterval t = sim_optimizer_.run(landed, cm.adam_us(n) * 4.0 / 28.0);
-  timeline_.add({Lane::kOptimizer, "grad norm", int32_t(b), -1, st.job.step, t.begin_us, t.end_us, 0, n * 4});
+  const uint64_t n = piece(b).elems();
+  const int32_t blk = int32_t(piece(b).block);
+  SimInterval t = sim_optimizer_.run(landed, cm.adam_us(n) * double(grad_bytes_) / 28.0);
+  timeline_.add({Lane::kOptimizer, "grad norm", blk, -1, st.job.step, t.begin_us, t.end_us, 0, n * grad_bytes_});
   st.norm_known = std::max(st.norm_known, t.end_us);
   if (config_.clip_norm <= 0) {
     sim_update(b, t.end_us);
   } else if (spills_grads(b)) {
-    SimInterval w = sim_nvme_write_.run(t.end_us, cm.nvme_write_us(n * 4));
-    timeline_.add({Lane::kNvmeWrite, "nvme write grads", int32_t(b), -1, st.job.step, w.begin_us, w.end_us, 0, n * 4});
+    SimInterval w = sim_nvme_write_.run(t.end_us, cm.nvme_write_us(n * grad_bytes_));
+    timeline_.add({Lane::kNvmeWrite, "nvme write grads", blk, -1, st.job.step, w.begin_us, w.end_us, 0, n * grad_bytes_});
     sim_->record_at(*sim_ring_free_[size_t(ring_slot_[size_t(b)])], w.end_us);
     st.spilled_us[size_t(b)] = w.end_us;
   }
@@ -319,24 +368,24 @@ void Engine::sim_landed(int64_t b) {
 void Engine::sim_update(int64_t b, double ready) {
   const CostModel& cm = sim_->model();
   SimStep& st = sim_step_;
-  const uint64_t n = layouts_[size_t(b)].total_elems();
+  const uint64_t n = piece(b).elems();
   auto span = [&](Lane lane, const char* name, SimInterval t, uint64_t bytes) {
-    timeline_.add({lane, name, int32_t(b), -1, st.job.step, t.begin_us, t.end_us, 0, bytes});
+    timeline_.add({lane, name, int32_t(piece(b).block), -1, st.job.step, t.begin_us, t.end_us, 0, bytes});
   };
   if (on_nvme(b)) {
-    const uint64_t bytes = (spills_grads(b) ? 4 : 3) * n * 4;
+    const uint64_t bytes = 3 * n * 4 + (spills_grads(b) ? n * grad_bytes_ : 0);
     SimInterval r = sim_nvme_read_.run(std::max(st.read_ahead_from, st.spilled_us[size_t(b)]), cm.nvme_read_us(bytes));
     span(Lane::kNvmeRead, "nvme read state", r, bytes);
     ready = std::max(ready, r.end_us);
   }
   SimInterval t = sim_optimizer_.run(ready, cm.adam_us(n));
-  span(Lane::kOptimizer, "adamw", t, n * 28);
+  span(Lane::kOptimizer, "adamw", t, n * (24 + grad_bytes_));
   st.read_ahead_from = t.begin_us;
   if (on_nvme(b))
     span(Lane::kNvmeWrite, "nvme write state", sim_nvme_write_.run(t.end_us, cm.nvme_write_us(3 * n * 4)), 3 * n * 4);
   if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b))
     sim_->record_at(*sim_ring_free_[size_t(ring_slot_[size_t(b)])], t.end_us);
-  sim_->record_at(*sim_update_done_[b], t.end_us);
+  sim_->record_at(*sim_update_done_[size_t(b)], t.end_us);
   st.last_update = std::max(st.last_update, t.end_us);
 }
 
@@ -344,7 +393,7 @@ double Engine::sim_finish() {
   SimStep& st = sim_step_;
   const bool clip = config_.clip_norm > 0;
   if (clip)
-    for (int64_t b = 0; b <= head_; ++b) sim_update(b, st.norm_known);
+    for (int64_t p = 0; p < num_pieces(); ++p) sim_update(p, st.norm_known);
   // As in a real run, step() returns once the norm is known: after every
   // update without clipping (the norm is published last), before them with.
   sim_step_end_us_ = std::max(st.all_landed, clip ? st.norm_known : st.last_update);
@@ -356,15 +405,17 @@ void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
                 "read_state: block {} and a buffer of {} elements do not match", b, out.size());
-  if (!on_nvme(b)) {
+  if (!on_nvme(shards_.first_of(b))) {
     std::span<float> src = host_state(store_->block(size_t(b)), kind);
     std::copy(src.begin(), src.end(), out.begin());
     return;
   }
   NvmeStaging& slot = idle_staging();
-  const Extent& e = nvme_->extent(b, kind);
-  nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
-  std::memcpy(out.data(), slot.master.data(), out.size_bytes());
+  for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
+    const Extent& e = nvme_->extent(p, kind);
+    nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
+    std::memcpy(out.data() + piece(p).begin, slot.master.data(), piece(p).elems() * sizeof(float));
+  }
 }
 
 void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
@@ -377,15 +428,17 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
     if (!s.compute.empty()) float_to_bf16(in, s.compute);
     else std::copy(in.begin(), in.end(), s.compute_f32.begin());
   }
-  if (!on_nvme(b)) {
+  if (!on_nvme(shards_.first_of(b))) {
     std::copy(in.begin(), in.end(), host_state(s, kind).begin());
     return;
   }
   NvmeStaging& slot = idle_staging();
-  const Extent& e = nvme_->extent(b, kind);
-  std::memset(slot.master.data(), 0, e.io_bytes);
-  std::memcpy(slot.master.data(), in.data(), in.size_bytes());
-  nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
+  for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
+    const Extent& e = nvme_->extent(p, kind);
+    std::memset(slot.master.data(), 0, e.io_bytes);
+    std::memcpy(slot.master.data(), in.data() + piece(p).begin, piece(p).elems() * sizeof(float));
+    nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
+  }
 }
 
 }  // namespace strider

@@ -44,7 +44,9 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.seq = l.seq;
   c.micro_batch = l.micro_batch;
   c.accumulation = l.accumulation;
-  c.compute = {l.dtype, l.vocab_chunk, l.token_tile};
+  c.compute = {l.dtype, l.vocab_chunk, token_tile};
+  c.vocab_shard_rows = l.vocab_shard_rows;
+  c.fp32_grad_transfer = l.fp32_grad_transfer;
   c.window = window;
   c.checkpoints_on_host = checkpoints_on_host;
   c.nvme_dir = l.nvme_dir;
@@ -73,8 +75,9 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
   STRIDER_CHECK(l.window >= 0 && l.window <= blocks, "plan: window {} is outside [0, {}] (0: choose; "
                 "at most one cache unit per block)", l.window, blocks);
   STRIDER_CHECK(l.vocab_chunk >= 0, "plan: vocab chunk {} must be >= 0", l.vocab_chunk);
-  STRIDER_CHECK(l.token_tile >= 0, "plan: token tile {} must be >= 0 (0: untiled)", l.token_tile);
   STRIDER_CHECK(l.grad_ring >= 1, "plan: grad_ring {} must be >= 1", l.grad_ring);
+  STRIDER_CHECK(l.token_tile >= -1 && l.vocab_shard_rows >= 0, "plan: token tile {} must be >= -1 (-1: choose) and "
+                "vocab shard rows {} >= 0", l.token_tile, l.vocab_shard_rows);
   // Block inputs kept for backward (every block, every micro-batch, fp32 at
   // most), and the largest block in every cache unit and ring slot.
   const ld ckpt = ld(blocks) * ld(l.accumulation) * ld(l.micro_batch) * ld(l.seq) * ld(spec.dims.hidden) * 4;
@@ -102,16 +105,17 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   // ATen's working memory: the largest block's backward (recompute + autograd)
   // or the head's chunked loss, for one micro-batch. An estimate: the engine
   // does not allocate it, ATen's caching allocator does.
+  p.token_tile = l.token_tile < 0 ? 0 : l.token_tile;
   uint64_t work = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes, l.token_tile);
+    BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes, p.token_tile);
     work = std::max<uint64_t>(work, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
   }
   p.device_work_bytes = work;
 
   PlanLimits lim = l;
   auto fits = [&](int64_t k, bool host_ckpt, EngineFootprint* out) {
-    Plan trial;
+    Plan trial = p;
     trial.window = k;
     trial.checkpoints_on_host = host_ckpt;
     EngineFootprint f = Engine::footprint(spec, trial.engine_config(lim));
@@ -141,7 +145,9 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   p.window = k;
   p.checkpoints_on_host = host_ckpt;
   fits(k, host_ckpt, &f);  // f: the footprint of the chosen window
-  p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head", blocks, spec.layers));
+  p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head; the embedding and the LM head move in {} "
+                              "vocabulary shard{} of {} rows, no larger than a layer", blocks, spec.layers,
+                              f.vocab_shards, f.vocab_shards == 1 ? "" : "s", f.shard_rows));
   p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients) {}", k, k,
                               format_bytes(f.unit_bytes), f.unit_elems,
                               l.window > 0 ? "(as asked)" : k == blocks ? "(the whole model fits)"
@@ -210,6 +216,8 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
                                 l.grad_ring));
   p.feasible = true;
   p.unit_elems = f.unit_elems;
+  p.vocab_shards = f.vocab_shards;
+  p.shard_rows = f.shard_rows;
   p.unit_bytes = f.unit_bytes;
   p.device_buffer_bytes = f.device_bytes;
   p.device_peak_bytes = f.device_bytes + work;
@@ -232,7 +240,9 @@ std::string Plan::explain() const {
 nlohmann::json Plan::to_json() const {
   return {{"feasible", feasible}, {"reason", reason}, {"window", window},
           {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
-          {"unit_bytes", unit_bytes}, {"device_buffer_bytes", device_buffer_bytes},
+          {"unit_bytes", unit_bytes}, {"vocab_shards", vocab_shards}, {"shard_rows", shard_rows},
+          {"token_tile", token_tile},
+          {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
           {"host_bytes", host_bytes}, {"nvme_bytes", nvme_bytes}, {"why", why}};
 }

@@ -27,13 +27,15 @@ struct PlanLimits {
   int64_t accumulation = 1;
   at::ScalarType dtype = at::kBFloat16;
   int64_t vocab_chunk = 8192;
-  int64_t token_tile = 0;        // decoder layers' MLP tile in tokens (ComputeOptions); 0: untiled
   int64_t window = 0;            // 0: the largest that fits (at most kMaxAutoWindow)
   CheckpointPlace checkpoints = CheckpointPlace::kAuto;
   // Exact global-norm clipping keeps every gradient until the norm is known:
   // NVMe-tier blocks then spill theirs to NVMe (more NVMe space and traffic).
   double clip_norm = 1.0;
   int64_t grad_ring = 3;         // gradient staging slots of the NVMe-tier blocks
+  int64_t token_tile = -1;       // tokens per tile in the head and the MLP; -1: the plan chooses, 0: untiled
+  int64_t vocab_shard_rows = 0;  // 0: shards no larger than a layer (engine/shards.h)
+  bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
 };
 
 struct Plan {
@@ -45,6 +47,8 @@ struct Plan {
   bool checkpoints_on_host = false;
   std::vector<int64_t> nvme_blocks;
   uint64_t unit_elems = 0, unit_bytes = 0;
+  int64_t vocab_shards = 1, shard_rows = 0;  // the embedding's and LM head's vocabulary shards (engine/shards.h)
+  int64_t token_tile = 0;                    // tokens per tile in the head and the MLP (0: untiled)
   uint64_t device_buffer_bytes = 0;  // what the engine allocates on the device (units, activations)
   uint64_t device_work_bytes = 0;    // ATen's working memory, estimated from the block costs
   uint64_t device_peak_bytes = 0;    // the two together

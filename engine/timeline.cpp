@@ -84,6 +84,7 @@ void Timeline::write_chrome_trace(const std::string& path) const {
     json args = {{"step", s.step}, {"block", s.block}, {"micro_batch", s.micro_batch}};
     if (s.bytes) args["bytes"] = s.bytes;
     if (s.flops) args["flops"] = s.flops;
+    if (s.work_peak_bytes) args["work_peak_bytes"] = s.work_peak_bytes;
     events.push_back({{"name", name}, {"ph", "X"}, {"pid", 1}, {"tid", static_cast<int>(s.lane)},
                       {"ts", s.begin_us}, {"dur", std::max(0.0, s.end_us - s.begin_us)}, {"args", args}});
   }

@@ -27,6 +27,7 @@ struct Span {
   double begin_us = 0, end_us = 0;  // Timeline::now_us() basis
   double flops = 0;
   uint64_t bytes = 0;
+  uint64_t work_peak_bytes = 0;  // compute: ATen's working memory during the op (OpSpan::work_peak_bytes)
 };
 
 struct LaneStats {

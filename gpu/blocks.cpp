@@ -171,6 +171,23 @@ void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::T
   grad_weight.index_add_(0, ids.reshape({-1}), grad_out.reshape({-1, hidden}).to(at::kFloat));
 }
 
+void embedding_shard_forward(const at::Tensor& rows, int64_t v0, const at::Tensor& ids, const at::Tensor& out) {
+  const int64_t n = rows.size(0), hidden = rows.size(1);
+  at::Tensor flat_ids = ids.reshape({-1});
+  at::Tensor sel = ((flat_ids >= v0) & (flat_ids < v0 + n)).nonzero().squeeze(1);  // token positions, in order
+  at::Tensor flat_out = out.view({-1, hidden});
+  flat_out.index_copy_(0, sel, rows.index_select(0, flat_ids.index_select(0, sel) - v0));
+}
+
+void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tensor& grad_out,
+                              const at::Tensor& grad_rows) {
+  const int64_t n = grad_rows.size(0), hidden = grad_rows.size(1);
+  at::Tensor flat_ids = ids.reshape({-1});
+  at::Tensor sel = ((flat_ids >= v0) & (flat_ids < v0 + n)).nonzero().squeeze(1);
+  grad_rows.index_add_(0, flat_ids.index_select(0, sel) - v0,
+                       grad_out.reshape({-1, hidden}).index_select(0, sel).to(at::kFloat));
+}
+
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
                          const at::Tensor& x, int64_t token_tile) {
   at::NoGradGuard no_grad;

@@ -36,6 +36,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids);
 // Adds d(loss)/d(weight) for this micro-batch into grad_weight (fp32).
 void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight);
+// One vocabulary shard of the embedding, rows [v0, v0 + rows.size(0)): writes
+// the rows of `out` ([b, s, hidden]) whose ids fall in the shard and leaves the
+// others as they are; over all shards, out equals embedding_forward's.
+void embedding_shard_forward(const at::Tensor& rows, int64_t v0, const at::Tensor& ids, const at::Tensor& out);
+// Adds d(loss)/d(rows) of the shard's ids into grad_rows (fp32), the tokens in
+// order, as embedding_backward sums them for these rows.
+void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tensor& grad_out,
+                              const at::Tensor& grad_rows);
 
 // Decoder layer: x [b, s, hidden] -> [b, s, hidden], no autograd.
 //

@@ -12,60 +12,143 @@ namespace {
 
 constexpr int64_t kIgnore = -100;
 
-// Per-token statistics from pass 1: log-sum-exp and the target's logit (fp32).
-struct Pass1 {
-  at::Tensor lse, target_logit, valid;
-};
-
 int64_t chunk_size(const BlockDims& d, int64_t vocab_chunk) {
   return vocab_chunk > 0 ? std::min(vocab_chunk, d.vocab) : d.vocab;
 }
 
-void check_labels(const BlockDims& d, const at::Tensor& labels, const at::Tensor& valid) {
+void check_labels(const BlockDims& d, const at::Tensor& labels) {
   if (labels.numel() == 0) return;
-  at::Tensor bad = valid & ((labels < 0) | (labels >= d.vocab));
+  at::Tensor bad = (labels != kIgnore) & ((labels < 0) | (labels >= d.vocab));
   STRIDER_CHECK(!bad.any().item<bool>(), "labels hold ids outside [0, {}) that are not -100", d.vocab);
 }
 
-Pass1 pass1(const BlockDims& d, const at::Tensor& h, const at::Tensor& w, const at::Tensor& labels,
-            int64_t chunk) {
-  const int64_t t = h.size(0);
-  auto f32 = h.options().dtype(at::kFloat);
-  at::Tensor run_max = at::full({t}, -std::numeric_limits<float>::infinity(), f32);
-  at::Tensor run_sum = at::zeros({t}, f32);
-  at::Tensor target = at::zeros({t}, f32);
-  for (int64_t v0 = 0; v0 < d.vocab; v0 += chunk) {
-    const int64_t v1 = std::min(d.vocab, v0 + chunk);
-    at::Tensor logits = at::matmul(h, w.slice(0, v0, v1).t()).to(at::kFloat);  // [t, c]
-    at::Tensor new_max = at::maximum(run_max, std::get<0>(logits.max(1)));
-    run_sum = run_sum * at::exp(run_max - new_max) + at::exp(logits - new_max.unsqueeze(1)).sum(1);
-    run_max = new_max;
-    at::Tensor in_chunk = (labels >= v0) & (labels < v1);
-    at::Tensor idx = (labels - v0).clamp(0, v1 - v0 - 1).unsqueeze(1);
-    target = at::where(in_chunk, logits.gather(1, idx).squeeze(1), target);
-  }
-  return {run_max + at::log(run_sum), target, labels != kIgnore};
+// Token tiles [t0, t1) of `tokens`: one tile when token_tile is 0 or covers them.
+template <class F>
+void for_tiles(int64_t tokens, int64_t token_tile, F&& f) {
+  const int64_t step = token_tile > 0 ? token_tile : tokens;
+  for (int64_t t0 = 0; t0 < tokens; t0 += step) f(t0, std::min(tokens, t0 + step));
+  if (tokens == 0) f(0, 0);
 }
 
-void set_scalars(const BlockDims& d, const Pass1& p, const at::Tensor& labels, Scalars scalars, HeadResult& r) {
-  r.loss_sum_dev = at::where(p.valid, p.lse - p.target_logit, 0.0f).sum(at::kDouble);
-  r.valid_tokens_dev = p.valid.sum(at::kDouble);
+HeadState fresh_state(const at::Tensor& h) {
+  auto f32 = h.options().dtype(at::kFloat);
+  HeadState st{at::empty({h.size(0)}, f32), at::empty({h.size(0)}, f32), at::empty({h.size(0)}, f32)};
+  head_state_reset(st);
+  return st;
+}
+
+void set_scalars(const BlockDims& d, const at::Tensor& loss_sum, const at::Tensor& valid, const at::Tensor& labels,
+                 Scalars scalars, HeadResult& r) {
+  r.loss_sum_dev = loss_sum;
+  r.valid_tokens_dev = valid;
   if (scalars == Scalars::kOnDevice) return;
-  check_labels(d, labels, p.valid);
-  r.loss_sum = r.loss_sum_dev.item<double>();
-  r.valid_tokens = p.valid.sum().item<int64_t>();
+  check_labels(d, labels);
+  r.loss_sum = loss_sum.item<double>();
+  r.valid_tokens = int64_t(valid.item<double>());
 }
 
 }  // namespace
 
+void head_state_reset(HeadState& st) {
+  st.run_max.fill_(-std::numeric_limits<float>::infinity());
+  st.run_sum.zero_();
+  st.target.zero_();
+}
+
+void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
+                    int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, HeadState& st) {
+  at::NoGradGuard no_grad;
+  const int64_t rows = w_rows.size(0);
+  for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
+    at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps), lab = labels.slice(0, t0, t1);
+    at::Tensor run_max = st.run_max.slice(0, t0, t1), run_sum = st.run_sum.slice(0, t0, t1);
+    at::Tensor target = st.target.slice(0, t0, t1);
+    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+      const int64_t c1 = std::min(rows, c0 + chunk), a = v0 + c0, b = v0 + c1;
+      at::Tensor logits = at::matmul(ht, w_rows.slice(0, c0, c1).t()).to(at::kFloat);  // [t, c]
+      at::Tensor new_max = at::maximum(run_max, std::get<0>(logits.max(1)));
+      run_sum.copy_(run_sum * at::exp(run_max - new_max) + at::exp(logits - new_max.unsqueeze(1)).sum(1));
+      run_max.copy_(new_max);
+      at::Tensor in_chunk = (lab >= a) & (lab < b);
+      at::Tensor idx = (lab - a).clamp(0, c1 - c0 - 1).unsqueeze(1);
+      target.copy_(at::where(in_chunk, logits.gather(1, idx).squeeze(1), target));
+    }
+  });
+}
+
+at::Tensor head_lse(const HeadState& st) { return st.run_max + at::log(st.run_sum); }
+
+void head_loss_sums(const HeadState& st, const at::Tensor& lse, const at::Tensor& labels, at::Tensor& loss_sum,
+                    at::Tensor& valid_tokens) {
+  at::NoGradGuard no_grad;
+  at::Tensor valid = labels != kIgnore;
+  loss_sum.copy_(at::where(valid, lse - st.target, 0.0f).sum(at::kDouble));
+  valid_tokens.copy_(valid.sum(at::kDouble));
+}
+
+void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
+                     int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, const at::Tensor& lse,
+                     double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows) {
+  at::NoGradGuard no_grad;
+  const int64_t rows = w_rows.size(0);
+  for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
+    at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps);
+    at::Tensor lab = labels.slice(0, t0, t1), lse_t = lse.slice(0, t0, t1);
+    at::Tensor gh = grad_h.slice(0, t0, t1);
+    // d(scale * sum_t (lse_t - logit_t[label]))/d(logit) = scale * (softmax - onehot), valid rows only.
+    at::Tensor row_scale = (lab != kIgnore).to(at::kFloat) * loss_scale;
+    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+      const int64_t c1 = std::min(rows, c0 + chunk), a = v0 + c0, b = v0 + c1;
+      at::Tensor wc = w_rows.slice(0, c0, c1);
+      at::Tensor logits = at::matmul(ht, wc.t()).to(at::kFloat);
+      at::Tensor g = at::exp(logits - lse_t.unsqueeze(1));
+      at::Tensor in_chunk = (lab >= a) & (lab < b);
+      at::Tensor idx = (lab - a).clamp(0, c1 - c0 - 1).unsqueeze(1);
+      g.scatter_add_(1, idx, -in_chunk.to(at::kFloat).unsqueeze(1));
+      g.mul_(row_scale.unsqueeze(1));
+      at::Tensor gc = g.to(ht.scalar_type());
+      gh.add_(at::matmul(gc, wc));
+      grad_rows.slice(0, c0, c1).add_(at::matmul(gc.t(), ht));
+    }
+  });
+}
+
+at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x,
+                              const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile) {
+  at::AutoGradMode enable(true);
+  at::Tensor norm_w = norm.detach().requires_grad_(true);
+  const int64_t tokens = x.size(0);
+  if (token_tile <= 0 || token_tile >= tokens) {
+    at::Tensor xin = x.detach().requires_grad_(true);
+    at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
+    std::vector<at::Tensor> g = torch::autograd::grad({normed}, {xin, norm_w}, {grad_h.to(normed.scalar_type())});
+    grad_norm.add_(g[1]);
+    return g[0];
+  }
+  at::Tensor grad_x = at::empty_like(x);
+  for_tiles(tokens, token_tile, [&](int64_t t0, int64_t t1) {
+    at::Tensor xin = x.slice(0, t0, t1).detach().requires_grad_(true);
+    at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
+    std::vector<at::Tensor> g =
+        torch::autograd::grad({normed}, {xin, norm_w}, {grad_h.slice(0, t0, t1).to(normed.scalar_type())});
+    grad_norm.add_(g[1]);
+    grad_x.slice(0, t0, t1).copy_(g[0]);
+  });
+  return grad_x;
+}
+
 HeadResult head_loss(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
                      const at::Tensor& labels, int64_t vocab_chunk, Scalars scalars) {
   at::NoGradGuard no_grad;
-  at::Tensor h = rms_norm(x, w.norm, d.rms_eps).reshape({-1, d.hidden});
+  at::Tensor h = x.reshape({-1, d.hidden});
   at::Tensor lab = labels.reshape({-1});
-  Pass1 p = pass1(d, h, w.lm_head, lab, chunk_size(d, vocab_chunk));
+  HeadState st = fresh_state(h);
+  head_lse_shard(d, w.norm, h, w.lm_head, 0, lab, chunk_size(d, vocab_chunk), 0, st);
+  auto f64 = h.options().dtype(at::kDouble);
+  at::Tensor loss_sum = at::empty({}, f64), valid = at::empty({}, f64);
+  head_loss_sums(st, head_lse(st), lab, loss_sum, valid);
   HeadResult r;
-  set_scalars(d, p, lab, scalars, r);
+  set_scalars(d, loss_sum, valid, lab, scalars, r);
   return r;
 }
 
@@ -73,39 +156,19 @@ HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at
                               const at::Tensor& labels, int64_t vocab_chunk, double loss_scale,
                               HeadGrads& grads, Scalars scalars) {
   const int64_t chunk = chunk_size(d, vocab_chunk);
-  at::AutoGradMode enable(true);
-  at::Tensor xin = x.detach().requires_grad_(true);
-  at::Tensor norm_w = w.norm.detach().requires_grad_(true);
-  at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
-  at::Tensor h = normed.detach().reshape({-1, d.hidden});
+  at::Tensor h = x.reshape({-1, d.hidden});
   at::Tensor lab = labels.reshape({-1});
-
+  HeadState st = fresh_state(h);
+  head_lse_shard(d, w.norm, h, w.lm_head, 0, lab, chunk, 0, st);
+  at::Tensor lse = head_lse(st);
+  auto f64 = h.options().dtype(at::kDouble);
+  at::Tensor loss_sum = at::empty({}, f64), valid = at::empty({}, f64);
+  head_loss_sums(st, lse, lab, loss_sum, valid);
   HeadResult r;
+  set_scalars(d, loss_sum, valid, lab, scalars, r);
   at::Tensor grad_h = at::zeros(h.sizes(), h.options().dtype(at::kFloat));
-  {
-    at::NoGradGuard no_grad;
-    Pass1 p = pass1(d, h, w.lm_head, lab, chunk);
-    set_scalars(d, p, lab, scalars, r);
-    // d(scale * sum_t (lse_t - logit_t[label]))/d(logit) = scale * (softmax - onehot), valid rows only.
-    at::Tensor row_scale = p.valid.to(at::kFloat) * loss_scale;
-    for (int64_t v0 = 0; v0 < d.vocab; v0 += chunk) {
-      const int64_t v1 = std::min(d.vocab, v0 + chunk);
-      at::Tensor wc = w.lm_head.slice(0, v0, v1);
-      at::Tensor logits = at::matmul(h, wc.t()).to(at::kFloat);
-      at::Tensor g = at::exp(logits - p.lse.unsqueeze(1));
-      at::Tensor in_chunk = (lab >= v0) & (lab < v1);
-      at::Tensor idx = (lab - v0).clamp(0, v1 - v0 - 1).unsqueeze(1);
-      g.scatter_add_(1, idx, -in_chunk.to(at::kFloat).unsqueeze(1));
-      g.mul_(row_scale.unsqueeze(1));
-      at::Tensor gc = g.to(h.scalar_type());
-      grad_h.add_(at::matmul(gc, wc));
-      grads.lm_head.slice(0, v0, v1).add_(at::matmul(gc.t(), h));
-    }
-  }
-  std::vector<at::Tensor> g = torch::autograd::grad(
-      {normed}, {xin, norm_w}, {grad_h.to(normed.scalar_type()).view(normed.sizes())});
-  grads.norm.add_(g[1]);
-  r.grad_input = g[0];
+  head_grad_shard(d, w.norm, h, w.lm_head, 0, lab, chunk, 0, lse, loss_scale, grad_h, grads.lm_head);
+  r.grad_input = head_norm_backward(d, w.norm, h, grad_h, grads.norm, 0).view(x.sizes());
   return r;
 }
 

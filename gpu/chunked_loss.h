@@ -50,4 +50,44 @@ HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at
                               const at::Tensor& labels, int64_t vocab_chunk, double loss_scale,
                               HeadGrads& grads, Scalars scalars = Scalars::kToHost);
 
+// The same computation streamed over vocabulary shards, for a head whose LM
+// weight never sits on the device whole (engine/shards.h). For each
+// micro-batch: head_lse_shard over every shard in vocabulary order (pass 1),
+// head_lse and head_loss_sums, then head_grad_shard over every shard in the
+// same order (pass 2), then head_norm_backward. head_loss and
+// head_loss_backward are this with one shard, so both paths compute the same
+// bits.
+//
+// `x` is the head's input, [tokens, hidden]; the final norm is recomputed from
+// it where needed (cheap next to the logits, and nothing [tokens, hidden]
+// stays alive between shards). A shard's rows are `w_rows` = lm_head rows
+// [v0, v0 + w_rows.size(0)); `chunk` rows per logits matmul (chunks restart at
+// v0: shards fall on chunk boundaries). `token_tile` > 0 processes that many
+// tokens at a time, so the working memory is token_tile x (chunk + hidden)
+// rather than tokens x (chunk + hidden); the weight gradients are then summed
+// tile by tile (equal to fp32 rounding, not bit for bit).
+struct HeadState {
+  at::Tensor run_max, run_sum, target;  // fp32 [tokens] each
+};
+// Fresh state in caller-owned fp32 [tokens] buffers: -inf, 0, 0.
+void head_state_reset(HeadState& st);
+void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
+                    int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, HeadState& st);
+// After pass 1: the per-token log-sum-exp (a new fp32 [tokens] tensor), and
+// the micro-batch's loss sum and valid-token count written into 0-dim float64
+// tensors on the device.
+at::Tensor head_lse(const HeadState& st);
+void head_loss_sums(const HeadState& st, const at::Tensor& lse, const at::Tensor& labels, at::Tensor& loss_sum,
+                    at::Tensor& valid_tokens);
+// Pass 2 over one shard: adds d(loss_scale * loss)/dh (h the normed input)
+// into grad_h (fp32 [tokens, hidden]) and the rows' gradient into grad_rows
+// (fp32, like w_rows).
+void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
+                     int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, const at::Tensor& lse,
+                     double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows);
+// The final norm's backward once grad_h is complete: adds into grad_norm
+// (fp32) and returns d(loss)/dx, [tokens, hidden] (tile by tile with a token tile).
+at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x,
+                              const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile);
+
 }  // namespace strider

@@ -55,6 +55,7 @@ const CpuEvent& own_event(const Event& e, const CpuDevice* self) {
 
 struct CpuDevice::Op {
   bool traced = false;  // copies and launches get a span; event plumbing does not
+  bool metered = false; // compute-stream launches: their working memory is measured
   OpKind kind = OpKind::kCompute;
   OpTag tag;
   std::function<void()> work;
@@ -76,7 +77,14 @@ struct CpuDevice::Worker {
 CpuDevice::CpuDevice(const DeviceOptions& options)
     : options_(options),
       start_(std::chrono::steady_clock::now()),
+      meter_(registered_work_meter()),
       ledger_("CpuDevice", options.budget_bytes != 0 ? options.budget_bytes : kDefaultBudgetBytes) {
+  // A limit nothing measures would only be hoped for.
+  STRIDER_CHECK(options.work_limit_bytes == 0 || meter_ != nullptr,
+                "CpuDevice: a working-memory limit of {} bytes was asked for, but no WorkMeter counts ATen's "
+                "allocations in this process; make the device with make_device (or call "
+                "install_aten_cpu_counter() from gpu/aten_memory.h first), in a build with torch",
+                options.work_limit_bytes);
   for (int i = 0; i < kNumStreams; ++i) {
     auto w = std::make_unique<Worker>();
     w->id = static_cast<StreamId>(i);
@@ -175,18 +183,27 @@ void CpuDevice::run_worker(Worker& w) {
       std::this_thread::sleep_for(std::chrono::microseconds(w.rng() % (uint64_t{chaos.max_delay_us} + 1)));
     }
     const double begin = now_us();
+    uint64_t work = 0;
     try {
-      op.work();
+      WorkWatch watch(op.metered ? meter_ : nullptr, op.tag, options_.work_limit_bytes);
+      try {
+        op.work();
+      } catch (...) {
+        work = watch.finish();
+        throw;
+      }
+      work = watch.finish();
     } catch (const std::exception& e) {
       std::lock_guard lk(error_mutex_);
       if (first_error_.empty())
         first_error_ = fmt::format("CpuDevice: {} op '{}' (block {}) on stream {} failed: {}",
                                    op_kind_name(op.kind), op.tag.name, op.tag.block, stream_name(w.id), e.what());
     }
+    if (work > work_peak_.load()) work_peak_.store(work);  // this worker is the only writer
     if (op.traced && options_.record_spans) {
       const double end = now_us();
       std::lock_guard lk(spans_mutex_);
-      spans_.push_back(OpSpan{w.id, op.kind, op.tag, begin, end});
+      spans_.push_back(OpSpan{w.id, op.kind, op.tag, begin, end, work});
     }
     op = Op{};  // drop captures before reporting progress
     {
@@ -201,20 +218,23 @@ void CpuDevice::copy_h2d(StreamId s, void* dst_device, const void* src_host, siz
   check_device_range(dst_device, bytes, "copy_h2d", "destination");
   check_host_range(src_host, bytes, "copy_h2d", "source");
   tag.bytes = bytes;
-  enqueue(s, Op{true, OpKind::kCopyH2D, tag, [=] { std::memcpy(dst_device, src_host, bytes); }});
+  enqueue(s, Op{true, false, OpKind::kCopyH2D, tag, [=] { std::memcpy(dst_device, src_host, bytes); }});
 }
 
 void CpuDevice::copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag) {
   check_device_range(src_device, bytes, "copy_d2h", "source");
   check_host_range(dst_host, bytes, "copy_d2h", "destination");
   tag.bytes = bytes;
-  enqueue(s, Op{true, OpKind::kCopyD2H, tag, [=] { std::memcpy(dst_host, src_device, bytes); }});
+  enqueue(s, Op{true, false, OpKind::kCopyD2H, tag, [=] { std::memcpy(dst_host, src_device, bytes); }});
 }
 
 void CpuDevice::launch(StreamId s, OpTag tag, LaunchFn fn) {
   STRIDER_CHECK(fn != nullptr, "CpuDevice::launch: empty closure for '{}'", tag.name);
   LaunchContext ctx{DeviceKind::kCpu, 0, nullptr, s};
-  enqueue(s, Op{true, OpKind::kCompute, tag, [ctx, fn = std::move(fn)] { fn(ctx); }});
+  // Only the compute stream is metered: the meter counts the whole process,
+  // so two streams computing at once would each be charged the other's bytes.
+  enqueue(s, Op{true, s == StreamId::kCompute && meter_ != nullptr, OpKind::kCompute, tag,
+                [ctx, fn = std::move(fn)] { fn(ctx); }});
 }
 
 // ---- events -----------------------------------------------------------------
@@ -228,7 +248,7 @@ void CpuDevice::record(Event& e, StreamId s) {
     std::lock_guard lk(st->m);
     gen = ++st->recorded;
   }
-  enqueue(s, Op{false, OpKind::kCompute, OpTag{"event record"}, [st, gen] {
+  enqueue(s, Op{false, false, OpKind::kCompute, OpTag{"event record"}, [st, gen] {
                   {
                     std::lock_guard lk(st->m);
                     st->completed = std::max(st->completed, gen);
@@ -245,7 +265,7 @@ void CpuDevice::wait(StreamId s, const Event& e) {
     gen = st->recorded;  // like cudaStreamWaitEvent: the latest record at the time of the call
   }
   if (gen == 0) return;
-  enqueue(s, Op{false, OpKind::kCompute, OpTag{"event wait"}, [st, gen] {
+  enqueue(s, Op{false, false, OpKind::kCompute, OpTag{"event wait"}, [st, gen] {
                   std::unique_lock lk(st->m);
                   st->cv.wait(lk, [&] { return st->completed >= gen; });
                 }});

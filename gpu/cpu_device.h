@@ -5,8 +5,21 @@
 // worker thread running its queue in order; events are real cross-thread
 // signals. Chaos mode (seeded) sleeps a random while before queued operations,
 // so a missing wait corrupts a result in a test instead of on a GPU later.
+//
+// Working memory: each op launched on the compute stream is watched by the
+// process's WorkMeter (gpu/work_meter.h; registered by make_device in builds
+// with torch, which counts every ATen CPU allocation of every thread). The
+// meter is process-wide, so what it attributes to an op is everything ATen
+// allocated anywhere while the op ran. The engine's figures are still the
+// op's own: one compute stream runs one op at a time, its intra-op worker
+// threads are the op's, the copy streams do no ATen allocation, and the
+// engine's host threads (its caller, the updater) allocate no ATen memory
+// mid-step. What pollutes a figure: another thread of the process allocating
+// ATen CPU tensors meanwhile (a test's main thread, Python code running beside
+// a step, a second device computing at the same time).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -18,6 +31,7 @@
 
 #include "gpu/device.h"
 #include "gpu/device_ledger.h"
+#include "gpu/work_meter.h"
 
 namespace strider {
 
@@ -53,6 +67,8 @@ class CpuDevice final : public Device {
   void synchronize() override;
 
   void drain_spans(std::vector<OpSpan>& out) override;
+  uint64_t work_peak_bytes() const override { return work_peak_.load(); }
+  void reset_work_peak() override { work_peak_.store(0); }
   std::shared_ptr<MemoryRegistrar> host_registrar() override { return nullptr; }
 
  protected:
@@ -71,6 +87,8 @@ class CpuDevice final : public Device {
 
   const DeviceOptions options_;
   const std::chrono::steady_clock::time_point start_;
+  WorkMeter* const meter_;  // the registered meter when made; nullptr: nothing measured
+  std::atomic<uint64_t> work_peak_{0};  // raised by the compute worker
 
   mutable std::mutex mem_mutex_;
   DeviceLedger ledger_;  // guarded by mem_mutex_

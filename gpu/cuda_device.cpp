@@ -2,6 +2,7 @@
 #include "gpu/cuda_device.h"
 
 #include <algorithm>
+#include <atomic>
 #include <deque>
 #include <mutex>
 #include <vector>
@@ -11,8 +12,11 @@
 #include "host/pinned_arena.h"
 
 #if STRIDER_HAVE_TORCH_CUDA
-#include <c10/cuda/CUDAGuard.h>   // CUDAStreamGuard: ATen's current stream for a scope
-#include <c10/cuda/CUDAStream.h>  // getStreamFromExternal: wraps our cudaStream_t
+#include <ATen/Context.h>                   // lazyInitDevice: the caching allocator exists after it
+#include <c10/cuda/CUDACachingAllocator.h>  // its statistics (working memory) and memory fraction (the limit)
+#include <c10/cuda/CUDAGuard.h>             // CUDAStreamGuard: ATen's current stream for a scope
+#include <c10/cuda/CUDAStream.h>            // getStreamFromExternal: wraps our cudaStream_t
+#include <c10/util/Exception.h>             // c10::OutOfMemoryError
 #endif
 
 namespace strider {
@@ -92,6 +96,7 @@ class CudaDevice final : public Device {
     STRIDER_CHECK(budget_bytes_ <= free_bytes,
                   "{}: device budget of {} bytes exceeds the {} bytes free on the GPU; lower the budget",
                   name_, budget_bytes_, free_bytes);
+    init_work_meter(total_bytes);
     for (auto& s : streams_) STRIDER_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     if (options_.record_spans) {
       STRIDER_CUDA_CHECK(cudaEventCreate(&epoch_));
@@ -102,6 +107,14 @@ class CudaDevice final : public Device {
 
   ~CudaDevice() override {
     for (auto s : streams_) (void)cudaStreamSynchronize(s);
+#if STRIDER_HAVE_TORCH_CUDA
+    if (options_.work_limit_bytes > 0 && metering_) {
+      try {  // the cap is process-wide: back to none, the default (a cap set before us is not restored)
+        c10::cuda::CUDACachingAllocator::setMemoryFraction(1.0, static_cast<c10::DeviceIndex>(ordinal_));
+      } catch (...) {
+      }
+    }
+#endif
     for (auto& p : pending_) {
       (void)cudaEventDestroy(p.begin);
       (void)cudaEventDestroy(p.end);
@@ -166,14 +179,22 @@ class CudaDevice final : public Device {
     STRIDER_CHECK(fn != nullptr, "{}: launch of an empty closure for '{}'", name_, tag.name);
     CurrentDevice cd(ordinal_);
     const LaunchContext ctx{DeviceKind::kCuda, ordinal_, stream(s), s};
-    traced(s, OpKind::kCompute, tag, [&] {
+    uint64_t work = 0;
+    traced(
+        s, OpKind::kCompute, tag,
+        [&] {
 #if STRIDER_HAVE_TORCH_CUDA
-      // ATen enqueues on its "current" stream; make that ours for the closure.
-      c10::cuda::CUDAStreamGuard guard(
-          c10::cuda::getStreamFromExternal(stream(s), static_cast<c10::DeviceIndex>(ordinal_)));
+          // ATen enqueues on its "current" stream; make that ours for the closure.
+          c10::cuda::CUDAStreamGuard guard(
+              c10::cuda::getStreamFromExternal(stream(s), static_cast<c10::DeviceIndex>(ordinal_)));
+          if (s == StreamId::kCompute && metering_) {
+            work = metered(tag, [&] { fn(ctx); });
+            return;
+          }
 #endif
-      fn(ctx);
-    });
+          fn(ctx);
+        },
+        &work);
   }
 
   std::unique_ptr<Event> make_event() override { return std::make_unique<CudaEvent>(this, ordinal_); }
@@ -207,12 +228,15 @@ class CudaDevice final : public Device {
       float begin_ms = 0, end_ms = 0;
       STRIDER_CUDA_CHECK(cudaEventElapsedTime(&begin_ms, epoch_, it->begin));
       STRIDER_CUDA_CHECK(cudaEventElapsedTime(&end_ms, epoch_, it->end));
-      out.push_back(OpSpan{it->stream, it->kind, it->tag, begin_ms * 1e3, end_ms * 1e3});
+      out.push_back(OpSpan{it->stream, it->kind, it->tag, begin_ms * 1e3, end_ms * 1e3, it->work_peak_bytes});
       spare_.push_back(it->begin);
       spare_.push_back(it->end);
       it = pending_.erase(it);
     }
   }
+
+  uint64_t work_peak_bytes() const override { return work_peak_.load(); }
+  void reset_work_peak() override { work_peak_.store(0); }
 
   std::shared_ptr<MemoryRegistrar> host_registrar() override { return make_cuda_host_registrar(); }
 
@@ -234,7 +258,80 @@ class CudaDevice final : public Device {
     OpTag tag;
     cudaEvent_t begin;
     cudaEvent_t end;
+    uint64_t work_peak_bytes;
   };
+
+  // ATen's working memory (DESIGN.md: the plan counts it; this measures it).
+  // A closure only enqueues kernels, but the caching allocator accounts each
+  // allocation when it is made, on this host thread, and a freed block is
+  // reused only by work later in the same stream: the allocated-bytes peak
+  // during the closure is what the op holds on the device. The caching
+  // allocator is per device and process-wide: ATen work another thread
+  // enqueues on this GPU meanwhile is counted too, and the peak statistics
+  // are reset at each op (torch.cuda.max_memory_allocated() in the same
+  // process reads the last op's peak).
+  void init_work_meter(size_t total_bytes) {
+#if STRIDER_HAVE_TORCH_CUDA
+    namespace cca = c10::cuda::CUDACachingAllocator;
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);  // creates the caching allocator's per-device state
+    try {
+      (void)cca::getDeviceStats(static_cast<c10::DeviceIndex>(ordinal_));
+      metering_ = true;
+    } catch (const std::exception& e) {
+      // A pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator) may keep no statistics.
+      STRIDER_CHECK(options_.work_limit_bytes == 0,
+                    "{}: a working-memory limit of {} bytes was asked for, but ATen's CUDA allocator keeps no "
+                    "statistics to enforce it with ({})",
+                    name_, options_.work_limit_bytes, e.what());
+      return;
+    }
+    if (options_.work_limit_bytes > 0) {
+      // The cap is on everything the caching allocator reserves on this GPU
+      // in this process; strider's units are cudaMalloc'ed outside it. It
+      // reserves in segments (up to 20 MiB for a 1-10 MiB request, 2 MiB
+      // multiples above), so the cap leaves kSegmentSlackBytes for rounding;
+      // the exact limit is checked on each op's peak after it is enqueued.
+      const double cap = double(options_.work_limit_bytes + kSegmentSlackBytes);
+      cca::setMemoryFraction(std::min(1.0, cap / double(total_bytes)), static_cast<c10::DeviceIndex>(ordinal_));
+    }
+#else
+    STRIDER_CHECK(options_.work_limit_bytes == 0,
+                  "{}: a working-memory limit of {} bytes was asked for, but this build has no torch CUDA "
+                  "(STRIDER_HAVE_TORCH_CUDA) to measure ATen's allocations with",
+                  name_, options_.work_limit_bytes);
+#endif
+  }
+
+#if STRIDER_HAVE_TORCH_CUDA
+  // Runs `body` (one compute closure) and returns ATen's working memory
+  // during it; throws strider::Error, naming the op, when it exceeds the limit.
+  template <class F>
+  uint64_t metered(const OpTag& tag, F&& body) {
+    namespace cca = c10::cuda::CUDACachingAllocator;
+    const auto dev = static_cast<c10::DeviceIndex>(ordinal_);
+    const uint64_t limit = options_.work_limit_bytes;
+    // allocated_bytes[0]: StatType::AGGREGATE, whose namespace moved between torch versions.
+    cca::resetPeakStats(dev);
+    const int64_t base = cca::getDeviceStats(dev).allocated_bytes[0].current;
+    try {
+      body();
+    } catch (const c10::OutOfMemoryError& e) {
+      if (limit == 0) throw;
+      throw Error(fmt::format("{}: op '{}' (block {}) ran out of ATen working memory under the limit of {} bytes "
+                              "(DeviceOptions::work_limit_bytes; ATen's allocator capped at the limit + {} bytes): "
+                              "{}; raise the limit, or shrink the micro-batch or the sequence",
+                              name_, tag.name, tag.block, limit, kSegmentSlackBytes, e.what()));
+    }
+    const int64_t peak = cca::getDeviceStats(dev).allocated_bytes[0].peak;
+    const uint64_t work = peak > base ? uint64_t(peak - base) : 0;
+    if (work > work_peak_.load()) work_peak_.store(work);  // launches come from one host thread at a time
+    STRIDER_CHECK(limit == 0 || work <= limit,
+                  "{}: op '{}' (block {}) needed {} bytes of ATen working memory, over the limit of {} bytes "
+                  "(DeviceOptions::work_limit_bytes); raise the limit, or shrink the micro-batch or the sequence",
+                  name_, tag.name, tag.block, work, limit);
+    return work;
+  }
+#endif
 
   cudaStream_t stream(StreamId s) const {
     const int i = static_cast<int>(s);
@@ -249,8 +346,9 @@ class CudaDevice final : public Device {
   }
 
   // Brackets the enqueue with timing events when spans are recorded.
+  // `work`, if given, is read after the enqueue (the op's working memory).
   template <class F>
-  void traced(StreamId s, OpKind kind, const OpTag& tag, F&& enqueue) {
+  void traced(StreamId s, OpKind kind, const OpTag& tag, F&& enqueue, const uint64_t* work = nullptr) {
     if (!options_.record_spans) {
       enqueue();
       return;
@@ -268,7 +366,7 @@ class CudaDevice final : public Device {
       throw;
     }
     std::lock_guard lk(spans_mutex_);
-    pending_.push_back(PendingSpan{s, kind, tag, begin, end});
+    pending_.push_back(PendingSpan{s, kind, tag, begin, end, work != nullptr ? *work : 0});
   }
   cudaEvent_t take_timing_event() {
     {
@@ -284,9 +382,13 @@ class CudaDevice final : public Device {
     return e;
   }
 
+  static constexpr uint64_t kSegmentSlackBytes = uint64_t{32} << 20;
+
   const int ordinal_;
   const DeviceOptions options_;
   std::string name_;
+  bool metering_ = false;               // ATen's allocator keeps statistics (torch CUDA builds)
+  std::atomic<uint64_t> work_peak_{0};
   size_t budget_bytes_ = 0;
   cudaStream_t streams_[kNumStreams] = {};
 
@@ -327,6 +429,17 @@ std::unique_ptr<Device> make_cuda_device(int ordinal, const DeviceOptions& optio
   STRIDER_CHECK(ordinal >= 0 && ordinal < probe.device_count, "cuda:{} requested but only {} CUDA device(s) exist",
                 ordinal, probe.device_count);
   return std::make_unique<CudaDevice>(ordinal, options);
+}
+
+CudaMemory cuda_memory(int ordinal) {
+  const CudaProbe probe = probe_cuda();
+  STRIDER_CHECK(probe.device_count > 0, "cuda:{}: {}", ordinal, probe.reason);
+  STRIDER_CHECK(ordinal >= 0 && ordinal < probe.device_count, "cuda:{} requested but only {} CUDA device(s) exist",
+                ordinal, probe.device_count);
+  CurrentDevice cd(ordinal);
+  CudaMemory m;
+  STRIDER_CUDA_CHECK(cudaMemGetInfo(&m.free_bytes, &m.total_bytes));
+  return m;
 }
 
 std::shared_ptr<MemoryRegistrar> make_cuda_host_registrar() { return std::make_shared<CudaHostRegistrar>(); }

@@ -25,6 +25,15 @@ CudaProbe probe_cuda();
 // The CUDA device `ordinal`; throws strider::Error when it is not usable.
 std::unique_ptr<Device> make_cuda_device(int ordinal, const DeviceOptions& options);
 
+// Memory of CUDA device `ordinal` now (cudaMemGetInfo: its context is made if
+// there is none yet, so `free_bytes` is net of it); throws strider::Error when
+// the device is not usable.
+struct CudaMemory {
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+};
+CudaMemory cuda_memory(int ordinal);
+
 // A MemoryRegistrar that page-locks a PinnedArena for the GPU (cudaHostRegister).
 std::shared_ptr<MemoryRegistrar> make_cuda_host_registrar();
 

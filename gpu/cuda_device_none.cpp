@@ -11,6 +11,10 @@ std::unique_ptr<Device> make_cuda_device(int ordinal, const DeviceOptions&) {
                           "(STRIDER_WITH_CUDA=ON) or use the device \"cpu\"", ordinal));
 }
 
+CudaMemory cuda_memory(int ordinal) {
+  throw Error(fmt::format("cuda:{}: strider was built without CUDA; its memory cannot be read", ordinal));
+}
+
 std::shared_ptr<MemoryRegistrar> make_cuda_host_registrar() {
   throw Error("cudaHostRegister requested but strider was built without CUDA");
 }

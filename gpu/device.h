@@ -47,6 +47,11 @@ struct OpSpan {
   OpTag tag;
   double begin_us = 0;
   double end_us = 0;
+  // Compute ops on the compute stream: ATen's working memory, the most bytes
+  // it held during the op above what it held when the op began (CPU: counted
+  // by gpu/aten_memory.h; CUDA: the caching allocator's allocated bytes). 0
+  // where not measured (copies, other streams, SimDevice, no counter).
+  uint64_t work_peak_bytes = 0;
 };
 
 // Handed to a closure run by Device::launch.
@@ -135,6 +140,12 @@ class Device {
   // Moves the spans of finished ops into `out` (only with DeviceOptions::record_spans).
   virtual void drain_spans(std::vector<OpSpan>& out) = 0;
 
+  // The largest OpSpan::work_peak_bytes of any compute op finished since the
+  // device was made or reset_work_peak() (measured with or without spans).
+  virtual uint64_t work_peak_bytes() const = 0;
+  // Starts that maximum afresh; call with no compute op in flight.
+  virtual void reset_work_peak() = 0;
+
   // What must register the pinned arena for this device (cudaHostRegister); nullptr if nothing.
   virtual std::shared_ptr<MemoryRegistrar> host_registrar() = 0;
 
@@ -157,9 +168,24 @@ struct DeviceOptions {
   size_t budget_bytes = 0;    // 0: CPU 1 GiB; CUDA the free memory at start-up
   bool record_spans = false;  // keep an OpSpan per copy and launch for drain_spans
   ChaosOptions chaos;         // CPU device only
+  // ATen working memory one compute op may use (OpSpan::work_peak_bytes); 0:
+  // no limit. An op that needs more fails naming itself, the bytes and the
+  // limit: CPU, inside the op (reported by synchronize, like any failed op);
+  // CUDA, from launch (the caching allocator capped to the limit, and each
+  // op's peak checked after it is enqueued).
+  uint64_t work_limit_bytes = 0;
 };
 
 // The device `options.spec` asks for; "auto" says in `why` (if given) what it chose and why.
 std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why = nullptr);
+
+// What make_device would make of `spec`, without making it: the kind, the
+// CUDA ordinal, and why ("auto" probes for a GPU). Throws on an unknown spec.
+struct DeviceChoice {
+  DeviceKind kind = DeviceKind::kCpu;
+  int ordinal = 0;  // CUDA only
+  std::string why;
+};
+DeviceChoice choose_device(const std::string& spec);
 
 }  // namespace strider

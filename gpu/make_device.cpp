@@ -9,29 +9,33 @@
 #include "gpu/sim_device.h"
 #include "host/error.h"
 
-namespace strider {
+#if STRIDER_HAVE_TORCH
+#include "gpu/aten_memory.h"  // install_aten_cpu_counter: the CPU device's working-memory meter
+#endif
 
-std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why) {
-  const std::string& spec = options.spec;
-  auto say = [&](std::string s) {
-    if (why != nullptr) *why = std::move(s);
-  };
-  if (spec == "cpu") {
-    say("cpu: asked for");
-    return std::make_unique<CpuDevice>(options);
-  }
-  if (spec == "sim" || spec.rfind("sim:", 0) == 0) {
-    say(fmt::format("{}: asked for (cost model, no work runs)", spec));
-    return make_sim_device(spec, options);
-  }
+namespace strider {
+namespace {
+
+std::unique_ptr<Device> make_cpu_device(const DeviceOptions& options) {
+#if STRIDER_HAVE_TORCH
+  // The CPU device measures (and limits) each op's working memory by counting
+  // ATen's CPU allocations; without torch no ATen runs, so there is nothing to count.
+  install_aten_cpu_counter();
+#endif
+  return std::make_unique<CpuDevice>(options);
+}
+
+}  // namespace
+
+DeviceChoice choose_device(const std::string& spec) {
+  if (spec == "cpu") return {DeviceKind::kCpu, 0, "cpu: asked for"};
+  if (spec == "sim" || spec.rfind("sim:", 0) == 0)
+    return {DeviceKind::kSim, 0, fmt::format("{}: asked for (cost model, no work runs)", spec)};
   if (spec == "auto" || spec.empty()) {
     const CudaProbe probe = probe_cuda();
-    if (probe.device_count > 0) {
-      say(fmt::format("cuda:0: {} CUDA device(s) found", probe.device_count));
-      return make_cuda_device(0, options);
-    }
-    say(fmt::format("cpu: {}", probe.reason));
-    return std::make_unique<CpuDevice>(options);
+    if (probe.device_count > 0)
+      return {DeviceKind::kCuda, 0, fmt::format("cuda:0: {} CUDA device(s) found", probe.device_count)};
+    return {DeviceKind::kCpu, 0, fmt::format("cpu: {}", probe.reason)};
   }
   if (spec == "cuda" || spec.rfind("cuda:", 0) == 0) {
     int ordinal = 0;
@@ -42,12 +46,22 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* w
       STRIDER_CHECK(ec == std::errc() && ptr == last && ordinal >= 0,
                     "device \"{}\": expected cuda:N with N a device index", spec);
     }
-    say(fmt::format("cuda:{}: asked for", ordinal));
-    return make_cuda_device(ordinal, options);
+    return {DeviceKind::kCuda, ordinal, fmt::format("cuda:{}: asked for", ordinal)};
   }
   throw Error(fmt::format("device \"{}\" is not one of \"auto\", \"cpu\", \"cuda\", \"cuda:N\", "
                           "\"sim:<preset>[,key=value...]\"",
                           spec));
+}
+
+std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why) {
+  DeviceChoice c = choose_device(options.spec);
+  if (why != nullptr) *why = std::move(c.why);
+  switch (c.kind) {
+    case DeviceKind::kCpu: return make_cpu_device(options);
+    case DeviceKind::kSim: return make_sim_device(options.spec, options);
+    case DeviceKind::kCuda: return make_cuda_device(c.ordinal, options);
+  }
+  throw Error(fmt::format("device \"{}\": no such kind", options.spec));
 }
 
 }  // namespace strider

@@ -149,6 +149,9 @@ class SimDevice final : public Device {
   void synchronize() override {}
 
   void drain_spans(std::vector<OpSpan>& out) override;
+  // No ATen runs and the cost model prices time, not memory: always 0.
+  uint64_t work_peak_bytes() const override { return 0; }
+  void reset_work_peak() override {}
   std::shared_ptr<MemoryRegistrar> host_registrar() override { return nullptr; }
 
   // ---- virtual time ----

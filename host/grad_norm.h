@@ -5,10 +5,13 @@
 // changes nothing" invariant extends to the clipping factor).
 #pragma once
 
+#include <cstdint>
 #include <span>
 
 namespace strider {
 
 double sum_squares(std::span<const float> x);
+// The same over bf16 values (their bits), exactly as over the same values in fp32.
+double sum_squares_bf16(std::span<const uint16_t> x);
 
 }  // namespace strider

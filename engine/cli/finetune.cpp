@@ -216,7 +216,8 @@ int run(const Options& o) {
     nlohmann::json line = {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
                            {"tokens_per_s", r.tokens_per_s}, {"step_s", r.step_s},
                            {"overlap_efficiency", r.stats.overlap_efficiency}, {"lanes", lanes},
-                           {"peak_device_bytes", r.peak_device_bytes}};
+                           {"peak_device_bytes", r.peak_device_bytes}, {"h2d_bytes", r.h2d_bytes},
+                           {"d2h_bytes", r.d2h_bytes}, {"work_peak_bytes", r.work_peak_bytes}};
     if (eval_file && r.step % o.eval_every == 0) {
       line["eval_loss"] = evaluate();
       fmt::print("           eval loss {:.4f}\n", line["eval_loss"].get<double>());

@@ -5,6 +5,10 @@
 //   6·N·tokens     the usual convention (N: every parameter, embeddings too);
 //   executed       what the engine computes: forward, the backward's recompute
 //                  of each block's forward, and backward (ModelSpec::cost).
+// Per step, too, what crossed the bus each way (bytes, and bytes per model
+// parameter: 2 in for each bf16 visit of a parameter, 4 out for its fp32
+// gradient) and ATen's working memory (the most any one compute op held: the
+// figure the plan's per-block estimate is meant to cover).
 // Writes the run's Chrome trace, and a PNG of one measured step drawn by
 // bench/profile_plot.py under the project's Python. Saves no checkpoint.
 #include <sys/wait.h>
@@ -118,6 +122,7 @@ int run(const Options& o) {
   const EngineConfig& cfg = engine.config();
   const int64_t tokens = cfg.batch() * cfg.seq;
 
+  const double params = double(tr.spec.param_count());
   std::vector<int64_t> ids(static_cast<size_t>(tokens)), labels(ids.size());
   std::vector<StepReport> measured;
   nlohmann::json per_step = nlohmann::json::array();
@@ -128,19 +133,28 @@ int run(const Options& o) {
     fmt::print(log, "step {:>3} {} | loss {:.4f} | {:.3f} s | {:>7.0f} tok/s | overlap {:.2f} (critical: {})\n",
                r.step, timed ? "measured" : "untimed ", r.loss, r.step_s, r.tokens_per_s,
                r.stats.overlap_efficiency, lane_name(r.stats.critical));
+    fmt::print(log, "             | h2d {} ({:.2f} B/param) | d2h {} ({:.2f} B/param) | ATen working memory {}{}\n",
+               format_bytes(r.h2d_bytes), double(r.h2d_bytes) / params, format_bytes(r.d2h_bytes),
+               double(r.d2h_bytes) / params, format_bytes(r.work_peak_bytes),
+               engine.simulated() ? " (not simulated)" : "");
     std::fflush(log);
     if (!timed) continue;
     measured.push_back(r);
     per_step.push_back({{"step", r.step}, {"step_s", r.step_s}, {"loss", r.loss},
-                        {"overlap_efficiency", r.stats.overlap_efficiency}});
+                        {"overlap_efficiency", r.stats.overlap_efficiency}, {"h2d_bytes", r.h2d_bytes},
+                        {"d2h_bytes", r.d2h_bytes}, {"h2d_bytes_per_param", double(r.h2d_bytes) / params},
+                        {"d2h_bytes_per_param", double(r.d2h_bytes) / params},
+                        {"work_peak_bytes", r.work_peak_bytes}});
   }
   engine.finish_updates();
 
   // The measured steps together: busy time per lane over their summed time.
   double total_s = 0;
   std::array<double, kNumLanes> busy_s{};
+  uint64_t work_peak = 0;
   for (const StepReport& r : measured) {
     total_s += r.step_s;
+    work_peak = std::max(work_peak, r.work_peak_bytes);
     for (int l = 0; l < kNumLanes; ++l) busy_s[size_t(l)] += r.stats.lanes[size_t(l)].busy_s;
   }
   const double n = double(measured.size());
@@ -172,6 +186,9 @@ int run(const Options& o) {
                         {"executed_flops_per_step", flops.executed},
                         {"model_flops_per_s", flops.six_n_t / step_s},
                         {"executed_flops_per_s", flops.executed / step_s},
+                        {"h2d_bytes_per_step", measured.back().h2d_bytes},
+                        {"d2h_bytes_per_step", measured.back().d2h_bytes},
+                        {"work_peak_bytes", work_peak},
                         {"per_step", per_step}};
   for (int l = 0; l < kNumLanes; ++l)
     out["lanes"][std::string(lane_name(Lane(l)))] = {{"busy_s", busy_s[size_t(l)] / n},
@@ -192,6 +209,11 @@ int run(const Options& o) {
              double(tr.spec.param_count()), flops.six_n_t / step_s * 1e-9, flops.six_n_t * 1e-9);
   fmt::print(log, "  executed FLOP/s (forward + recompute + backward): {:.4g} GFLOP/s ({:.4g} GFLOP per step)\n",
              flops.executed / step_s * 1e-9, flops.executed * 1e-9);
+  fmt::print(log, "  moved per step: h2d {} ({:.2f} B/param), d2h {} ({:.2f} B/param)\n",
+             format_bytes(measured.back().h2d_bytes), double(measured.back().h2d_bytes) / params,
+             format_bytes(measured.back().d2h_bytes), double(measured.back().d2h_bytes) / params);
+  fmt::print(log, "  ATen working memory: {} at most in one compute op (the plan estimated {})\n",
+             format_bytes(work_peak), format_bytes(tr.plan.device_work_bytes));
 
   // The trace, and the PNG of the last measured step.
   fs::create_directories(o.out);

@@ -9,6 +9,7 @@
 #include "engine/cli/cli.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/hf_checkpoint.h"
+#include "gpu/cuda_device.h"
 #include "host/error.h"
 
 namespace strider::cli {
@@ -29,7 +30,12 @@ void add_model_options(CLI::App& c, TrainOptions& o) {
 
 void add_placement_options(CLI::App& c, TrainOptions& o) {
   c.add_option("--device", o.device, "auto, cpu, cuda, cuda:N")->capture_default_str();
-  c.add_option("--device-budget", o.device_budget, "device memory strider may use (e.g. 20GiB)")->capture_default_str();
+  c.add_option("--device-budget", o.device_budget,
+               fmt::format("device memory strider may use (e.g. 20GiB); auto: on a CUDA device its free memory at "
+                           "start less {:.0f}% of it and {} MiB (CUDA context, cuBLAS workspaces, allocator "
+                           "rounding), on the CPU device {} MiB (the demo's)",
+                           kCudaBudgetMarginFraction * 100, kCudaBudgetMarginBytes >> 20, kCpuDefaultBudgetBytes >> 20))
+      ->capture_default_str();
   c.add_option("--host-ram", o.host_ram, "pinned host RAM limit (0: no limit); past it state goes to --nvme")
       ->capture_default_str();
   c.add_option("--nvme", o.nvme, "directory on NVMe for optimizer state that does not fit in RAM");
@@ -38,6 +44,15 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   c.add_option("--vocab-chunk", o.vocab_chunk, "LM-head vocabulary rows per chunk")
       ->capture_default_str()
       ->check(in_range<int64_t>(1, kMaxVocabChunk));
+  c.add_option("--token-tile", o.token_tile,
+               "tokens per tile in the LM head and the MLP (long context; -1: the plan chooses, 0: untiled)")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(-1, kMaxSeq));
+  c.add_option("--grad-transfer", o.grad_transfer,
+               "gradients to the host in bf16 (summed in fp32 on the device first) or fp32 (exact; "
+               "--dtype fp32 always sends fp32)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bf16", "fp32"}));
 }
 
 void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window) {
@@ -80,6 +95,26 @@ void add_work_dir_option(CLI::App& c, TrainOptions& o) {
   c.add_option("--work-dir", o.work_dir, "where built-in data is generated")->capture_default_str();
 }
 
+uint64_t device_budget_bytes(const std::string& device, const std::string& budget, std::string* why) {
+  if (why != nullptr) why->clear();
+  if (budget != "auto") return parse_bytes(budget);
+  const DeviceChoice choice = choose_device(device);
+  if (choice.kind != DeviceKind::kCuda) return kCpuDefaultBudgetBytes;
+  const CudaMemory m = cuda_memory(choice.ordinal);
+  const double margin = kCudaBudgetMarginFraction * double(m.free_bytes) + double(kCudaBudgetMarginBytes);
+  STRIDER_CHECK(double(m.free_bytes) > margin,
+                "--device-budget auto: cuda:{} has {} free, no more than the margin of {:.0f}% and {} MiB kept for "
+                "the CUDA context and ATen's allocator; free GPU memory, or give --device-budget a size",
+                choice.ordinal, format_bytes(m.free_bytes), kCudaBudgetMarginFraction * 100,
+                kCudaBudgetMarginBytes >> 20);
+  const uint64_t bytes = uint64_t(double(m.free_bytes) - margin);
+  if (why != nullptr)
+    *why = fmt::format("{} (auto: cuda:{}'s {} free of {}, less {:.0f}% and {} MiB)", format_bytes(bytes),
+                       choice.ordinal, format_bytes(m.free_bytes), format_bytes(m.total_bytes),
+                       kCudaBudgetMarginFraction * 100, kCudaBudgetMarginBytes >> 20);
+  return bytes;
+}
+
 TrainingRun make_training_run(const TrainOptions& o, std::string_view command, int64_t total_steps,
                               std::FILE* log) {
   namespace fs = std::filesystem;
@@ -97,7 +132,8 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
 
   // The plan, before anything is allocated.
   PlanLimits& lim = run.limits;
-  lim.device_bytes = parse_bytes(o.device_budget);
+  std::string budget_why;
+  lim.device_bytes = device_budget_bytes(o.device, o.device_budget, &budget_why);
   lim.host_bytes = parse_bytes(o.host_ram);
   lim.nvme_dir = o.nvme;
   lim.seq = o.seq;
@@ -106,10 +142,13 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   lim.vocab_chunk = o.vocab_chunk;
+  lim.token_tile = o.token_tile;
+  lim.fp32_grad_transfer = o.grad_transfer == "fp32";
   lim.window = o.window;
   lim.clip_norm = o.clip;  // with clipping, NVMe-tier gradients need NVMe space too
   run.plan = Plan::make(run.spec, lim);
   fmt::print(log, "strider {}: {}\n{}", command, run.spec.summary(), run.plan.explain());
+  if (!budget_why.empty()) fmt::print(log, "  device budget: {}\n", budget_why);
   STRIDER_CHECK(run.plan.feasible, "{}", run.plan.reason);
 
   EngineConfig cfg = run.plan.engine_config(lim);

@@ -21,9 +21,11 @@ namespace strider::cli {
 
 struct TrainOptions {
   std::string model = "builtin", data = "builtin";
-  std::string device = "auto", device_budget = "24MiB", host_ram = "0", nvme, dtype = "bf16", schedule = "cosine";
+  std::string device = "auto", device_budget = "auto", host_ram = "0", nvme, dtype = "bf16", schedule = "cosine";
   std::string work_dir = ".strider";
   int64_t seq = 128, micro_batch = 4, accumulation = 2, window = 0, warmup = 10, vocab_chunk = 8192;
+  int64_t token_tile = -1;              // -1: the plan chooses
+  std::string grad_transfer = "bf16";
   double lr = 5e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
   int optimizer_threads = 0;
@@ -43,6 +45,18 @@ void add_work_dir_option(CLI::App& c, TrainOptions& o);
 // --seq, --micro-batch, --accumulation, --window; --clip (shared with `strider plan`).
 void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window);
 void add_clip_option(CLI::App& c, double& clip, const std::string& help);
+
+// --device-budget "auto": on a CUDA device, its free memory at start less a
+// margin for what strider does not allocate itself (the CUDA context's
+// growth, cuBLAS workspaces, the caching allocator's rounding): 5% of the free
+// memory and 512 MiB. On the CPU device (and a simulated one) 24 MiB, the
+// demo's: small enough that the built-in model slides its window. Any other
+// value is a size ("20GiB") and wins. `why`, if given, says how "auto" came
+// to its figure on CUDA (empty otherwise).
+inline constexpr uint64_t kCpuDefaultBudgetBytes = uint64_t{24} << 20;
+inline constexpr double kCudaBudgetMarginFraction = 0.05;
+inline constexpr uint64_t kCudaBudgetMarginBytes = uint64_t{512} << 20;
+uint64_t device_budget_bytes(const std::string& device, const std::string& budget, std::string* why = nullptr);
 
 struct TrainingRun {
   nlohmann::json config;   // the model's config.json

@@ -62,6 +62,10 @@ class EngineConfig:
     window: int = 2                 # cache units K on the device (>= 2)
     dtype: str = "bf16"             # compute dtype: bf16 or fp32 (fp32 tracks torch to 1e-5)
     vocab_chunk: int = 8192         # LM-head vocabulary rows per chunk
+    token_tile: int = 0             # tokens per tile in the LM head and the MLP (long context); 0: all at once
+    vocab_shard_rows: int = 0       # vocabulary rows per embedding / LM-head shard; 0: no larger than a layer
+    grad_transfer: str = "bf16"     # gradients to the host in bf16 (summed in fp32 first) or fp32 (exact);
+                                    # an fp32 dtype always sends fp32
     checkpoints_on_host: bool = False  # block inputs kept in pinned host memory, not on the device
     # The optimizer (AdamW on fp32 masters, on the CPU).
     lr: float = 1e-5                # peak learning rate
@@ -120,6 +124,10 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}")
         integer("vocab_chunk", 1)
+        integer("token_tile", 0)
+        integer("vocab_shard_rows", 0)
+        if self.grad_transfer not in ("bf16", "fp32"):
+            bad("grad_transfer", "must be bf16 or fp32")
         if not isinstance(self.checkpoints_on_host, bool):
             bad("checkpoints_on_host", "expected a bool")
         number("lr", 0)
@@ -163,7 +171,8 @@ class EngineConfig:
         """The engine config JSON's fields (engine/engine_config_json.cpp)."""
         self.validate()
         return dict(seq=self.seq, micro_batch=self.micro_batch, accumulation=self.accumulation, dtype=self.dtype,
-                    vocab_chunk=self.vocab_chunk, window=self.window, checkpoints_on_host=self.checkpoints_on_host,
+                    vocab_chunk=self.vocab_chunk, token_tile=self.token_tile, vocab_shard_rows=self.vocab_shard_rows,
+                    grad_transfer=self.grad_transfer, window=self.window, checkpoints_on_host=self.checkpoints_on_host,
                     lr=float(self.lr), beta1=float(self.betas[0]), beta2=float(self.betas[1]), eps=float(self.eps),
                     weight_decay=float(self.weight_decay), optimizer=self.optimizer, schedule=self.schedule,
                     warmup_steps=self.warmup_steps, total_steps=self.total_steps, clip_norm=float(self.clip_norm),

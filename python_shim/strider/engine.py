@@ -72,6 +72,12 @@ class StepResult:
     critical_lane: str
     lanes: Dict[str, float] = field(default_factory=dict)  # busy fraction per lane
     peak_device_bytes: int = 0
+    # What the step's device work moved and needed: bytes copied host -> device (parameters of each visit,
+    # the batch, host checkpoints back) and device -> host (gradients, checkpoints out, the loss figures),
+    # and ATen's working memory, the most any one compute op held (0 where the device does not measure it).
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    work_peak_bytes: int = 0
     # The numerics guard: a non-finite loss or gradient skips the step before
     # any update (no weight, moment or step count changes; the batch is spent).
     skipped: bool = False
@@ -86,6 +92,8 @@ class StepResult:
                    step_s=report["step_s"], tokens_per_s=report["tokens_per_s"],
                    overlap_efficiency=report["overlap_efficiency"], critical_lane=report["critical_lane"],
                    lanes=dict(report["busy_fraction"]), peak_device_bytes=report["peak_device_bytes"],
+                   h2d_bytes=report["h2d_bytes"], d2h_bytes=report["d2h_bytes"],
+                   work_peak_bytes=report["work_peak_bytes"],
                    skipped=report["skipped"], skip_reason=report["skip_reason"],
                    nonfinite_block=report["nonfinite_block"], nonfinite_tensor=report["nonfinite_tensor"])
 

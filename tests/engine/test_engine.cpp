@@ -31,6 +31,7 @@ struct Case {
   bool chaos = false;
   uint64_t seed = 1;
   int64_t grad_ring = 3;
+  int64_t shard_rows = 0;  // vocabulary rows per embedding / LM-head shard (0: the tiny model's one shard)
 };
 
 struct Result {
@@ -70,6 +71,7 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
   cfg.nvme_blocks = c.nvme;
   cfg.nvme_dir = nvme_dir();
   cfg.grad_ring = c.grad_ring;
+  cfg.vocab_shard_rows = c.shard_rows;
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,
                      .chaos = {.enabled = c.chaos, .seed = c.seed, .max_delay_us = 300}};
@@ -114,6 +116,13 @@ std::vector<Case> cases(int64_t blocks) {
       // (no clipping) or spilled to NVMe (clipping).
       {"all state on NVMe, gradient ring of 1", 2, false, {0, 1, 2, 3, 4}, false, 1, 1},
       {"chaos seed 4, NVMe, gradient ring of 2", 3, true, {1, 2, 3, 4}, true, 4, 2},
+      // Vocabulary shards (40 + 40 + 16 rows of 96, on the 40-row chunks):
+      // the embedding and the LM head move, and are updated, shard by shard.
+      {"3 vocabulary shards, K=2", 2, false, {}, false, 1, 3, 40},
+      {"2 vocabulary shards, K=3, host checkpoints", 3, true, {}, false, 1, 3, 80},
+      {"3 vocabulary shards, chaos seed 5, NVMe head and embedding", 2, false, {0, blocks - 1}, true, 5, 3, 40},
+      {"3 vocabulary shards, all state on NVMe, gradient ring of 1", 2, true, {0, 1, 2, 3, 4}, false, 1, 1, 40},
+      {"3 vocabulary shards, chaos seed 6, NVMe, ring of 2", 3, false, {0, 2, 4}, true, 6, 2, 40},
   };
 }
 
@@ -136,28 +145,65 @@ TEST_CASE("offload changes nothing: bit-identical across K, tiers, checkpoints a
 }
 
 TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
-  ModelSpec spec = tiny(false);
-  Result ref = run(spec, {"all resident", spec.num_blocks()}, at::kBFloat16, 1.0);
-  for (const Case& c : {Case{"K=2", 2}, Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5}}) {
-    INFO(c.name);
-    CHECK(same_bits(run(spec, c, at::kBFloat16, 1.0), ref));
+  // Gradients cross in bf16 (summed in fp32 on the device first), through own
+  // buffers, the ring and NVMe spills alike.
+  for (double clip : {1.0, 0.0}) {
+    ModelSpec spec = tiny(false);
+    Result ref = run(spec, {"all resident", spec.num_blocks()}, at::kBFloat16, clip);
+    for (const Case& c : {Case{"K=2", 2}, Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
+                          Case{"3 vocabulary shards, chaos, NVMe, ring of 1", 2, false, {0, 2, 4}, true, 7, 1, 40}}) {
+      INFO(c.name << " clip " << clip);
+      CHECK(same_bits(run(spec, c, at::kBFloat16, clip), ref));
+    }
   }
 }
 
+TEST_CASE("gradients cross to the host in bf16: half the bytes, the same training to bf16 rounding", "[engine]") {
+  ModelSpec spec = tiny(false);
+  auto train = [&](bool fp32_transfer, double* d2h_grad_bytes) {
+    EngineConfig cfg;
+    cfg.seq = 9;
+    cfg.micro_batch = 2;
+    cfg.accumulation = 2;
+    cfg.compute = {at::kBFloat16, 40};
+    cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
+    cfg.clip_norm = 1.0;
+    cfg.fp32_grad_transfer = fp32_transfer;
+    Engine e(spec, cfg, make_device({.spec = "cpu", .record_spans = true}));
+    e.init_params(7);
+    std::vector<double> losses;
+    for (int s = 0; s < 4; ++s) {
+      Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100 + s);
+      losses.push_back(e.step(b.ids.data(), b.labels.data()).loss);
+    }
+    for (const Span& sp : e.timeline().spans())
+      if (sp.step == 1 && sp.name == "d2h grads") *d2h_grad_bytes += double(sp.bytes);
+    return losses;
+  };
+  double bf16_bytes = 0, fp32_bytes = 0;
+  const auto bf16 = train(false, &bf16_bytes), fp32 = train(true, &fp32_bytes);
+  size_t elems = 0;  // every parameter (and its padding) crosses once per step
+  for (int64_t b = 0; b < spec.num_blocks(); ++b) elems += spec.layout(b).total_elems();
+  CHECK(bf16_bytes == double(2 * elems));
+  CHECK(fp32_bytes == double(4 * elems));
+  CHECK(bf16.front() == fp32.front());  // the first loss precedes any update
+  for (size_t i = 0; i < bf16.size(); ++i) CHECK(std::abs(bf16[i] - fp32[i]) <= 2e-2 * fp32[i]);
+  CHECK(bf16.back() < bf16.front());
+}
+
 TEST_CASE("one engine step equals the resident reference's gradients plus AdamW", "[engine]") {
-  // Untied and tied; and with the layers' MLP in tiles of 5 of a micro-batch's
-  // 18 tokens, which the engine and the reference share through ComputeOptions.
-  const std::pair<bool, int64_t> variants[] = {{false, 0}, {true, 0}, {false, 5}};
-  for (const auto& [tied, tile] : variants) {
+  for (auto [tied, shard_rows] : {std::pair{false, 0}, {true, 0}, {false, 40}, {true, 40}}) {
     ModelSpec spec = tiny(tied);
     const Case c{"K=2 chaos", 2, false, {}, true, 9};
     EngineConfig cfg;
     cfg.seq = 9;
     cfg.micro_batch = 2;
     cfg.accumulation = 2;
-    cfg.compute = {at::kFloat, 40, tile};
+    cfg.compute = {at::kFloat, 40};
     cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
+    cfg.vocab_shard_rows = shard_rows;
     Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 9}}));
+    CHECK(e.sharding().shards == (shard_rows ? 3 : 1));
     e.init_params(3);
     ResidentModel ref(spec, cfg.compute);
     std::vector<std::vector<float>> before;
@@ -170,7 +216,7 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     at::Tensor ids = at::from_blob(b.ids.data(), {cfg.batch(), cfg.seq}, at::kLong);
     at::Tensor labels = at::from_blob(b.labels.data(), {cfg.batch(), cfg.seq}, at::kLong);
     StepLoss rl = ref.forward_backward(ids, labels, cfg.accumulation);
-    INFO("tied=" << tied << " token_tile=" << tile);
+    INFO("tied=" << tied << " shard rows " << shard_rows);
     CHECK(rep.loss == rl.loss);
     size_t i = 0;
     for (const std::string& name : ref.param_names()) {

@@ -1,6 +1,6 @@
 // The decoder layer's working memory against ModelSpec::cost: the peak ATen
-// bytes of a layer's forward and backward, counted by a CPU allocator that
-// wraps ATen's, must lie in [0.7, 1] x the predicted forward_work_bytes /
+// bytes of a layer's forward and backward, counted by gpu/aten_memory's CPU
+// allocator, must lie in [0.7, 1] x the predicted forward_work_bytes /
 // backward_work_bytes, for short and long sequences, tiled and untiled, fp32
 // and bf16, grouped and plain attention. Without S x S scores and with the
 // MLP in tiles, the measurement grows with S x hidden; a kernel that
@@ -10,87 +10,17 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/alloc_cpu.h>  // alloc_cpu, free_cpu: what the default CPU allocator calls
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
 #include <cstdio>
-#include <mutex>
-#include <unordered_map>
 
 #include "engine/block_runner.h"
 #include "engine/model_spec.h"
+#include "gpu/aten_memory.h"
 
 using namespace strider;
 
 namespace {
-
-// ATen's CPU allocations (c10::alloc_cpu, as the default allocator), counted:
-// live bytes and their peak. A minimal stand-in for a proper measuring
-// allocator. Some kernels free through raw_deleter() with the data pointer
-// alone (raw_allocate requires context == data), so sizes live in a table.
-class CountingAllocator final : public c10::Allocator {
- public:
-  c10::DataPtr allocate(size_t n) override {
-    void* data = c10::alloc_cpu(n);
-    if (data != nullptr) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      sizes_[data] = n;
-      live_ += int64_t(n);
-      peak_ = std::max(peak_, live_);
-    }
-    return {data, data, &CountingAllocator::release, c10::Device(c10::DeviceType::CPU)};
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return &CountingAllocator::release; }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-
-  // Starts a measurement: the peak restarts from what is live now.
-  int64_t start() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    peak_ = live_;
-    return live_;
-  }
-  int64_t peak() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return peak_;
-  }
-
-  static CountingAllocator& instance();
-
- private:
-  static void release(void* data) {
-    if (data == nullptr) return;
-    CountingAllocator& a = instance();
-    {
-      std::lock_guard<std::mutex> lock(a.mutex_);
-      auto it = a.sizes_.find(data);
-      if (it != a.sizes_.end()) {
-        a.live_ -= int64_t(it->second);
-        a.sizes_.erase(it);
-      }
-    }
-    c10::free_cpu(data);
-  }
-
-  std::mutex mutex_;
-  std::unordered_map<void*, size_t> sizes_;
-  int64_t live_ = 0, peak_ = 0;
-};
-
-// Installed once for the whole test binary (and never removed: tensors it
-// made may outlive any scope).
-CountingAllocator& CountingAllocator::instance() {
-  static CountingAllocator* a = [] {
-    auto* c = new CountingAllocator();
-    c10::SetCPUAllocator(c, /*priority=*/100);
-    return c;
-  }();
-  return *a;
-}
-CountingAllocator& counting() { return CountingAllocator::instance(); }
 
 ModelSpec llama(int64_t kv_heads, bool qwen3 = false) {
   nlohmann::json cfg = {{"architectures", {qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
@@ -114,7 +44,6 @@ struct Measured {
 
 // Peak bytes above what was live before each call, the returned tensor included.
 Measured measure(const Shape& s) {
-  CountingAllocator& a = counting();
   const int64_t layer = 1;
   BlockRunner run(s.spec, ComputeOptions{s.dtype, 8192, s.tile}, s.seq, at::kCPU);
   const int64_t n = int64_t(s.spec.layout(layer).total_elems());
@@ -123,14 +52,20 @@ Measured measure(const Shape& s) {
   at::Tensor grads = at::zeros({n});
   at::Tensor x = at::randn({s.batch, s.seq, s.spec.dims.hidden}).to(s.dtype);
   at::Tensor gout = at::randn({s.batch, s.seq, s.spec.dims.hidden}).to(s.dtype);
+  // The peak above what is live when it is reset.
+  auto start = [] {
+    reset_aten_cpu_peak();
+    return aten_cpu_counts().live_bytes;
+  };
+  auto peak_since = [](uint64_t base) { return int64_t(aten_cpu_counts().peak_bytes - base); };
   Measured m;
-  int64_t base = a.start();
+  uint64_t base = start();
   at::Tensor out = run.forward(layer, params, x);
-  m.forward = a.peak() - base;
+  m.forward = peak_since(base);
   out.reset();
-  base = a.start();
+  base = start();
   at::Tensor dx = run.backward(layer, params, x, gout, grads);
-  m.backward = a.peak() - base;
+  m.backward = peak_since(base);
   return m;
 }
 
@@ -140,8 +75,8 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   // The CPU flash-attention kernel keeps a scratch block per thread; fix the
   // thread count so that the measurement does not depend on the machine.
   at::set_num_threads(2);
-  CountingAllocator& installed = counting();
-  REQUIRE(c10::GetCPUAllocator() == &installed);
+  install_aten_cpu_counter();
+  REQUIRE(aten_cpu_counter_installed());
   const ModelSpec gqa = llama(2), mha = llama(8), qwen3 = llama(4, true);
   std::vector<Shape> shapes;
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})

@@ -1,5 +1,7 @@
 // CpuDevice: stream order, events as cross-thread signals, the byte budget,
-// copy checks, failed ops and timeline spans.
+// copy checks, failed ops, timeline spans, and how it meters compute ops'
+// working memory (with a stand-in meter: this binary links no torch; the real
+// one is tested in aten_memory_test.cpp).
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "gpu/cpu_device.h"
+#include "gpu/work_meter.h"
 #include "host/error.h"
 
 using namespace strider;
@@ -164,4 +167,78 @@ TEST_CASE("spans record each copy and launch with its lane, tag and times", "[gp
   spans.clear();
   dev.drain_spans(spans);
   CHECK(spans.empty());
+}
+
+namespace {
+// Charges each watched op a fixed figure per begin() and refuses ops named
+// "refused", as the real meter refuses an allocation past the limit.
+class FakeMeter final : public WorkMeter {
+ public:
+  int begin(const OpTag& tag, uint64_t limit_bytes) override {
+    if (std::string_view(tag.name) == "refused") throw Error(fmt::format("refused at limit {}", limit_bytes));
+    limits.push_back(limit_bytes);
+    names.emplace_back(tag.name);
+    return int(names.size());
+  }
+  uint64_t end(int handle) noexcept override { return uint64_t(handle) * 1000; }
+  const char* what() const override { return "fake"; }
+  // Touched by the compute worker only, read after synchronize.
+  std::vector<uint64_t> limits;
+  std::vector<std::string> names;
+};
+}  // namespace
+
+TEST_CASE("compute-stream launches are metered: the figure in the span and the maximum, the limit passed on",
+          "[gpu][cpu_device]") {
+  FakeMeter meter;
+  register_work_meter(&meter);
+  struct Unregister {
+    ~Unregister() { register_work_meter(nullptr); }
+  } unregister;
+  DeviceOptions o;
+  o.record_spans = true;
+  o.work_limit_bytes = 12345;
+  CpuDevice dev(o);
+  dev.launch(StreamId::kCompute, OpTag{"first", 0}, [](const LaunchContext&) {});
+  dev.launch(StreamId::kD2H, OpTag{"not compute", 1}, [](const LaunchContext&) {});
+  dev.launch(StreamId::kCompute, OpTag{"second", 2}, [](const LaunchContext&) {});
+  dev.synchronize();
+  CHECK(meter.names == std::vector<std::string>{"first", "second"});  // the copy streams are not metered
+  CHECK(meter.limits == std::vector<uint64_t>{12345, 12345});
+  std::vector<OpSpan> spans;
+  dev.drain_spans(spans);
+  REQUIRE(spans.size() == 3);
+  for (const OpSpan& s : spans) {
+    const std::string name = s.tag.name;
+    CHECK(s.work_peak_bytes == (name == "first" ? 1000u : name == "second" ? 2000u : 0u));
+  }
+  CHECK(dev.work_peak_bytes() == 2000);
+  dev.reset_work_peak();
+  CHECK(dev.work_peak_bytes() == 0);
+
+  // A refusal while the op runs fails the op, as any failed op does.
+  bool later_ran = false;
+  dev.launch(StreamId::kCompute, OpTag{"refused", 4}, [](const LaunchContext&) {});
+  dev.launch(StreamId::kCompute, OpTag{"later"}, [&](const LaunchContext&) { later_ran = true; });
+  CHECK_THROWS_WITH(dev.synchronize(), Catch::Contains("'refused' (block 4)") && Catch::Contains("limit 12345"));
+  CHECK(later_ran);
+}
+
+TEST_CASE("without a meter nothing is measured, and a working-memory limit is refused at construction",
+          "[gpu][cpu_device]") {
+  REQUIRE(registered_work_meter() == nullptr);  // this binary links no torch: nothing registers one
+  DeviceOptions o;
+  o.record_spans = true;
+  {
+    CpuDevice dev(o);
+    dev.launch(StreamId::kCompute, OpTag{"op"}, [](const LaunchContext&) { std::vector<char> v(1 << 20); });
+    dev.synchronize();
+    std::vector<OpSpan> spans;
+    dev.drain_spans(spans);
+    REQUIRE(spans.size() == 1);
+    CHECK(spans[0].work_peak_bytes == 0);
+    CHECK(dev.work_peak_bytes() == 0);
+  }
+  o.work_limit_bytes = 1 << 20;
+  CHECK_THROWS_WITH(CpuDevice(o), Catch::Contains("limit of 1048576 bytes") && Catch::Contains("no WorkMeter"));
 }

@@ -49,6 +49,10 @@ def test_loss_falls_and_metrics_are_written(strider, tmp_path):
     assert [l["step"] for l in lines] == list(range(1, 13))
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.5
     assert set(lines[0]["lanes"]) == {"compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write"}
+    # What each step moved and ATen's working memory: the same shapes each step, so the same bytes.
+    assert all(l["h2d_bytes"] == lines[0]["h2d_bytes"] > 0 and l["d2h_bytes"] == lines[0]["d2h_bytes"] > 0
+               for l in lines)
+    assert all(l["work_peak_bytes"] > 0 for l in lines)
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e["name"].split(" b")[0] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"forward", "recompute+backward", "h2d params", "d2h grads", "adamw"} <= names
@@ -83,6 +87,16 @@ def test_impossible_budget_is_refused_with_the_number(strider, tmp_path):
     plan = subprocess.run([str(strider), "plan", "--gpu", "1MiB", "--json"], capture_output=True, text=True)
     assert plan.returncode == 1
     assert json.loads(plan.stdout)["feasible"] is False
+
+
+def test_device_budget_defaults_to_24_mib_on_the_cpu_and_a_given_one_wins(strider, tmp_path):
+    out = finetune(strider, tmp_path, "--steps", "1", "--out", str(tmp_path / "a"))
+    assert "ATen working memory = " in out and " of 24.0 MiB\n" in out
+    out = finetune(strider, tmp_path, "--steps", "1", "--device-budget", "40MiB", "--out", str(tmp_path / "b"))
+    assert " of 40.0 MiB\n" in out
+    assert "device budget: " not in out  # the CUDA default's explanation, not printed for the CPU
+    help_text = subprocess.run([str(strider), "finetune", "--help"], capture_output=True, text=True).stdout
+    assert "auto: on a CUDA device its free memory at start less 5% of it and 512 MiB" in " ".join(help_text.split())
 
 
 @pytest.mark.parametrize("clip", ["1.0", "0"])

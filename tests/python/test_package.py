@@ -130,6 +130,11 @@ def test_three_fp32_steps_match_adamw_and_save_pretrained_round_trips(tmp_path):
         ids, labels, mask = data[s]
         assert r.valid_tokens == int((labels.masked_fill(mask == 0, -100)[:, 1:] != -100).sum())
         assert r.tokens == BATCH * SEQ and r.tokens_per_s > 0 and {"compute", "h2d"} <= set(r.lanes)
+        # Every parameter's fp32 gradient comes out once, every parameter goes in at least once (its forward
+        # or the head's one visit), and ATen needed working memory inside the block visits.
+        params = sum(p.numel() for p in model.parameters())
+        assert r.d2h_bytes >= 4 * params and r.h2d_bytes >= params and r.work_peak_bytes > 0
+    assert len({(r.h2d_bytes, r.d2h_bytes) for r in results}) == 1  # per step, not accumulated
 
     engine.finish()  # the model's parameters are the engine's: no copy back
     for name, p in model.named_parameters():
