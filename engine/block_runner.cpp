@@ -38,6 +38,7 @@ BlockRunner::BlockRunner(const ModelSpec& spec, ComputeOptions options, int64_t 
     : spec_(spec), options_(options) {
   STRIDER_CHECK(options.dtype == at::kBFloat16 || options.dtype == at::kFloat,
                 "compute dtype {} is not supported (bf16 or fp32)", c10::toString(options.dtype));
+  STRIDER_CHECK(options.token_tile >= 0, "token tile {} must be >= 0 (0: untiled)", options.token_tile);
   for (int64_t b = 0; b < spec.num_blocks(); ++b) layouts_.push_back(spec.layout(b));
   rope_ = rope_tables(spec.dims.rope, spec.dims.head_dim, seq, options.dtype, device);
 }
@@ -46,7 +47,7 @@ at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::T
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input);
-    case BlockKind::kLayer: return layer_forward(spec_.dims, w, rope_, input);
+    case BlockKind::kLayer: return layer_forward(spec_.dims, w, rope_, input, options_.token_tile);
     case BlockKind::kHead: break;
   }
   throw Error("BlockRunner::forward: the head has no plain forward; use head_eval or head_backward");
@@ -60,7 +61,7 @@ at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::
     case BlockKind::kEmbedding:
       embedding_backward(input, grad_out, g.at("weight"));
       return {};
-    case BlockKind::kLayer: return layer_backward(spec_.dims, w, rope_, input, grad_out, g);
+    case BlockKind::kLayer: return layer_backward(spec_.dims, w, rope_, input, grad_out, g, options_.token_tile);
     case BlockKind::kHead: break;
   }
   throw Error("BlockRunner::backward: use head_backward for the head");

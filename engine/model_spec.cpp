@@ -1,5 +1,6 @@
 #include "engine/model_spec.h"
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <tuple>
@@ -151,6 +152,78 @@ RopeDims parse_rope(const Reader& r) {
   return rope;
 }
 
+// The working memory of gpu/blocks' decoder layer for a micro-batch of
+// batch x seq tokens: the peak of ATen's allocations above what was live
+// before the call (its output included), phase by phase in the order
+// gpu/blocks.cpp runs them. tests/engine/test_layer_memory measures it on the
+// CPU and holds it within [0.7, 1] of this.
+//
+// Per token unless said otherwise; e = compute dtype bytes; H, Q, KV = hidden,
+// heads x head_dim, kv_heads x head_dim; I = intermediate; t = MLP tile.
+// Nothing grows with seq^2 (SDPA's flash kernels) and nothing with
+// tokens x intermediate beyond one tile.
+struct LayerWork {
+  __int128 forward = 0, backward = 0;
+};
+LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t token_tile, int dtype_bytes) {
+  using i128 = __int128;
+  const i128 n = i128{batch} * seq;
+  const i128 t = token_tile == 0 || token_tile > n ? n : token_tile;
+  const i128 e = dtype_bytes, h = d.hidden, inter = d.intermediate, heads = d.heads;
+  const i128 q = heads * d.head_dim, kv = i128{d.kv_heads} * d.head_dim;
+  // Below fp32, RMSNorm normalises an fp32 copy of its input (and autograd
+  // keeps it), and a GEMM may write its output in fp32 first (oneDNN on CPUs
+  // without bf16 units).
+  const i128 f32_copy = dtype_bytes < 4 ? 4 : 0, gemm_f32 = dtype_bytes < 4 ? 4 : 0;
+  // RMSNorm of w features without grad: the fp32 copy, x * rsqrt in fp32, its
+  // cast and the scaled output; mean, +eps and rsqrt per row (`rows` of them).
+  auto norm = [&](i128 w, i128 rows) { return w * (8 + f32_copy) + 12 * rows; };
+  // The flash kernel's blocks of scores: on a GPU they stay on chip; ATen's
+  // CPU kernel allocates, per thread, a 256 x 512 fp32 block (and, backward,
+  // one of their gradients). The model allows two threads (as the test runs).
+  const i128 q_blk = std::min<i128>(seq, 256), kv_blk = std::min<i128>(seq, 512);
+  const i128 scores = 2 * q_blk * (kv_blk + d.head_dim + 2) * 4;
+  const i128 small = 4096;  // scalars and shapes
+  // Headroom for what the count above does not see: a caching allocator's
+  // rounding and fragmentation, other ATen versions' kernels. 1/8.
+  auto headroom = [](i128 bytes) { return bytes + bytes / 8; };
+
+  // Forward, no autograd: the largest of the attention half's steps, and
+  // the MLP with x1 alive (the output, which each tile adds into).
+  i128 attn = std::max({norm(h, 1),                                   // input norm
+                        (h + q + 2 * kv) * e + gemm_f32 * q,          // h, q, k, v
+                        (5 * q / 2 + 2 * kv) * e,                     // RoPE: q, q * cos, a half, k, v
+                        q * e + h * e + std::max(gemm_f32, e) * h});  // o_proj, then x + o
+  if (d.qk_norm) attn = std::max(attn, (q + 2 * kv) * e + norm(q, heads));
+  attn = std::max(n * attn, n * ((2 * q + 2 * kv) * e + 4 * heads) + scores);  // SDPA, logsumexp
+  const i128 mlp = n * h * e + t * std::max(norm(h, 1), h * e + 2 * inter * e + gemm_f32 * inter);  // gate, up
+  LayerWork w;
+  w.forward = headroom(std::max(attn, mlp) + small);
+
+  // Backward. What attention's recompute keeps for its backward: the
+  // norm's fp32 input and normalised input, its output h, RoPE'd q and k, v,
+  // SDPA's output and logsumexp, rsqrt, and x1 (with q/k norms: their fp32
+  // inputs, normalised values and rsqrt); then d(loss)/d(x1).
+  i128 saved = h * (3 * e + f32_copy) + 2 * (q + kv) * e + 4 * heads + 4;
+  if (d.qk_norm) saved += (q + kv) * (e + 4) + 4 * (heads + d.kv_heads);
+  const i128 held = n * saved + n * h * e;
+  // One MLP tile: the same saved by the tile's recompute (norm, h2, gate,
+  // silu, up, their product, the output), the largest step of its backward
+  // (the product's gradient and the gradients of silu and up; below fp32 the
+  // down projection's gradient with its fp32 GEMM output) and the weight
+  // gradient alive with it.
+  const i128 tile = t * (h * (3 * e + f32_copy) + 4 * inter * e + 4 +
+                         std::max(2 * inter * e, inter * e + gemm_f32 * inter)) +
+                    h * inter * (e + gemm_f32);
+  // Attention's backward at SDPA: d(out), d(q), d(k), d(v) (below fp32 the
+  // CPU kernel accumulates d(q) in fp32), the block scores' gradients, and
+  // the attention weights' gradients that autograd returns together.
+  const i128 attn_back = n * (2 * (q + kv) * e + (dtype_bytes < 4 ? 4 * q : 0)) + 2 * scores +
+                         (2 * h * q + 2 * h * kv) * e;
+  w.backward = headroom(held + std::max(tile, attn_back) + small);
+  return w;
+}
+
 }  // namespace
 
 ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
@@ -280,15 +353,17 @@ ParamLayout ModelSpec::layout(int64_t i) const {
   return l;
 }
 
-BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes) const {
+BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
+                          int64_t token_tile) const {
   // Byte counts in 128 bits, then checked: batch and seq come from the
   // caller, and their products with the model's dimensions must not wrap.
   using i128 = __int128;
   STRIDER_CHECK(batch >= 1 && seq >= 1 && i128{batch} * seq <= kMaxTokens,
                 "block cost: micro-batch {} x seq {} must be positive and at most 2^40 tokens", batch,
                 seq);
-  STRIDER_CHECK(vocab_chunk >= 0 && dtype_bytes >= 1 && dtype_bytes <= 8,
-                "block cost: vocab chunk {} and dtype bytes {} are out of range", vocab_chunk, dtype_bytes);
+  STRIDER_CHECK(vocab_chunk >= 0 && dtype_bytes >= 1 && dtype_bytes <= 8 && token_tile >= 0,
+                "block cost: vocab chunk {}, dtype bytes {} or token tile {} is out of range", vocab_chunk,
+                dtype_bytes, token_tile);
   const std::string name = block_name(i);
   auto bytes = [&](i128 x, std::string_view what) {
     STRIDER_CHECK(x <= kMaxBytes, "{}: its {} for micro-batch {} x seq {} is {:.4g} bytes, past 2^62 "
@@ -313,12 +388,9 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       const double mlp = 2.0 * 3.0 * t * d.hidden * d.intermediate;
       c.forward_flops = proj + attn + mlp;
       c.backward_flops = 2.0 * c.forward_flops;
-      // Live activations of one layer (norm out, q/k/v, attention out, MLP
-      // gate/up/act) plus attention scores if the kernel materialises them.
-      const i128 acts = tok * (3 * d.hidden + 2 * q + 2 * kv + 3 * d.intermediate) * dtype_bytes;
-      const i128 scores = i128{batch} * d.heads * seq * seq * 4;
-      c.forward_work_bytes = bytes(acts + scores, "forward working memory");
-      c.backward_work_bytes = bytes(2 * acts + 2 * scores + tok * d.hidden * 4, "backward working memory");
+      const LayerWork w = layer_work(d, batch, seq, token_tile, dtype_bytes);
+      c.forward_work_bytes = bytes(w.forward, "forward working memory");
+      c.backward_work_bytes = bytes(w.backward, "backward working memory");
       break;
     }
     case BlockKind::kHead: {

@@ -60,7 +60,9 @@ struct ModelSpec {
   ParamLayout layout(int64_t i) const;
 
   // Throws if batch x seq is past kMaxTokens or a byte count past kMaxBytes.
-  BlockCost cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes) const;
+  // token_tile: the decoder layers' MLP tile in tokens (ComputeOptions), 0 untiled.
+  BlockCost cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
+                 int64_t token_tile = 0) const;
   static constexpr int64_t kMaxTokens = int64_t{1} << 40;  // per micro-batch: 8 TiB of ids alone
   static constexpr int64_t kMaxBytes = int64_t{1} << 62;   // any one size: past every machine
 

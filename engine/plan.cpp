@@ -105,14 +105,14 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   // ATen's working memory: the largest block's backward (recompute + autograd)
   // or the head's chunked loss, for one micro-batch. An estimate: the engine
   // does not allocate it, ATen's caching allocator does.
+  p.token_tile = l.token_tile < 0 ? 0 : l.token_tile;
   uint64_t work = 0;
   for (int64_t b = 0; b < blocks; ++b) {
-    BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes);
+    BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes, p.token_tile);
     work = std::max<uint64_t>(work, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
   }
   p.device_work_bytes = work;
 
-  p.token_tile = l.token_tile < 0 ? 0 : l.token_tile;
   PlanLimits lim = l;
   auto fits = [&](int64_t k, bool host_ckpt, EngineFootprint* out) {
     Plan trial = p;

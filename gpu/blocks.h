@@ -46,12 +46,26 @@ void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tenso
                               const at::Tensor& grad_rows);
 
 // Decoder layer: x [b, s, hidden] -> [b, s, hidden], no autograd.
+//
+// token_tile > 0 runs the post-attention norm and the MLP over tiles of that
+// many tokens (of the b * s, in order), so that one tile's [tile,
+// intermediate] intermediates are alive at a time; 0 (or a tile of at least
+// b * s tokens) runs them on all tokens at once. Attention (SDPA, grouped K/V
+// read in place) keeps O(b * s * hidden) working memory either way. A tiled
+// layer equals the untiled one up to summation order (its GEMMs see fewer
+// rows). The untiled one is the plain formula (transformers') bit for bit,
+// but for grouped K/V's gradients: SDPA sums them over each group itself.
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
-                         const at::Tensor& x);
+                         const at::Tensor& x, int64_t token_tile);
 // Recomputes the layer from its saved input x with autograd, back-propagates
 // grad_out, adds every parameter gradient into `grads` (fp32, same names as
-// `w`) and returns d(loss)/dx.
+// `w`) and returns d(loss)/dx. In parts, so that no moment holds the whole
+// layer's weight gradients: the attention half is recomputed with autograd;
+// then each MLP tile (token_tile as above) is recomputed, back-propagated and
+// its weight gradients added; last, attention is back-propagated and its
+// weight gradients added.
 at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
-                          const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads);
+                          const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads,
+                          int64_t token_tile);
 
 }  // namespace strider

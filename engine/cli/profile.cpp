@@ -62,7 +62,8 @@ StepFlops step_flops(const ModelSpec& spec, const EngineConfig& c) {
   const int dtype_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   const int64_t head = spec.num_blocks() - 1;
   for (int64_t b = 0; b <= head; ++b) {
-    const BlockCost k = spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes);
+    const BlockCost k =
+        spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes, c.compute.token_tile);
     const double per_micro_batch = b == head ? k.forward_flops + k.backward_flops
                                              : 2 * k.forward_flops + k.backward_flops;
     f.executed += per_micro_batch * double(c.accumulation);

@@ -186,7 +186,12 @@ TEST_CASE("block costs refuse byte counts that would wrap", "[engine][spec]") {
   CHECK_NOTHROW(s.cost(1, 1, 131072, 8192, 2));
   // 2^31 sequences of 2^20 tokens: past 2^40 tokens.
   CHECK_THROWS_WITH(s.cost(1, int64_t{1} << 31, int64_t{1} << 20, 8192, 2), Catch::Contains("2^40 tokens"));
-  // Attention scores of one 2^30-token sequence: 32 heads x 2^60 x 4 bytes.
-  CHECK_THROWS_WITH(s.cost(1, 1, int64_t{1} << 30, 8192, 2),
+  // A layer's working memory grows with tokens x intermediate (no seq^2
+  // scores): 2^40 tokens of the largest intermediate a config may give.
+  s.dims.intermediate = int64_t{1} << 22;
+  CHECK_THROWS_WITH(s.cost(1, 1, int64_t{1} << 40, 8192, 2),
                     Catch::Contains("layer.0: its forward working memory") && Catch::Contains("past 2^62"));
+  // A token tile bounds the MLP's share; attention's O(tokens x hidden) remains.
+  CHECK_NOTHROW(s.cost(1, 1, int64_t{1} << 36, 8192, 2, 4096));
+  CHECK_THROWS_WITH(s.cost(1, 1, 1024, 8192, 2, -1), Catch::Contains("token tile -1"));
 }

@@ -174,11 +174,13 @@ TEST_CASE("a model or a step past any machine is refused before the plan loops o
   big.window = 35;
   refused(spec, big, "window 35 is outside [0, 34]");
   // Every count within its bound, the sizes they multiply into are not:
-  // attention scores of 2^30-token sequences,
+  // a layer's MLP over 2^40 tokens of the largest intermediate,
+  ModelSpec broad = spec;
+  broad.dims.intermediate = int64_t{1} << 22;
   big = l;
   big.seq = int64_t{1} << 30;
   big.micro_batch = 1 << 10;
-  refused(spec, big, "layer.0: its forward working memory for micro-batch 1024 x seq 1073741824");
+  refused(broad, big, "layer.0: its forward working memory for micro-batch 1024 x seq 1073741824");
   // the block inputs of a 2^40-token step of hidden 2^20.
   ModelSpec wide = spec;
   wide.dims.hidden = int64_t{1} << 20;

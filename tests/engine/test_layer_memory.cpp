@@ -1,0 +1,109 @@
+// The decoder layer's working memory against ModelSpec::cost: the peak ATen
+// bytes of a layer's forward and backward, counted by gpu/aten_memory's CPU
+// allocator, must lie in [0.7, 1] x the predicted forward_work_bytes /
+// backward_work_bytes, for short and long sequences, tiled and untiled, fp32
+// and bf16, grouped and plain attention. Without S x S scores and with the
+// MLP in tiles, the measurement grows with S x hidden; a kernel that
+// materialised the scores (S = 4096: 8 heads x 4096^2 x 4 B = 512 MiB) would
+// break the upper bound.
+#include "tests/catch_torch.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+#include "engine/block_runner.h"
+#include "engine/model_spec.h"
+#include "gpu/aten_memory.h"
+
+using namespace strider;
+
+namespace {
+
+ModelSpec llama(int64_t kv_heads, bool qwen3 = false) {
+  nlohmann::json cfg = {{"architectures", {qwen3 ? "Qwen3ForCausalLM" : "LlamaForCausalLM"}},
+                        {"hidden_size", 256}, {"intermediate_size", 688}, {"num_hidden_layers", 1},
+                        {"num_attention_heads", 8}, {"num_key_value_heads", kv_heads},
+                        {"vocab_size", 64}, {"max_position_embeddings", 8192}};
+  if (qwen3) cfg["head_dim"] = 48;
+  return ModelSpec::from_json(cfg, "test");
+}
+
+struct Shape {
+  const char* model;
+  ModelSpec spec;
+  int64_t batch, seq, tile;
+  at::ScalarType dtype;
+};
+
+struct Measured {
+  int64_t forward = 0, backward = 0;
+};
+
+// Peak bytes above what was live before each call, the returned tensor included.
+Measured measure(const Shape& s) {
+  const int64_t layer = 1;
+  BlockRunner run(s.spec, ComputeOptions{s.dtype, 8192, s.tile}, s.seq, at::kCPU);
+  const int64_t n = int64_t(s.spec.layout(layer).total_elems());
+  at::manual_seed(1);
+  at::Tensor params = (at::randn({n}) * 0.05 + 0.1).to(s.dtype);
+  at::Tensor grads = at::zeros({n});
+  at::Tensor x = at::randn({s.batch, s.seq, s.spec.dims.hidden}).to(s.dtype);
+  at::Tensor gout = at::randn({s.batch, s.seq, s.spec.dims.hidden}).to(s.dtype);
+  // The peak above what is live when it is reset.
+  auto start = [] {
+    reset_aten_cpu_peak();
+    return aten_cpu_counts().live_bytes;
+  };
+  auto peak_since = [](uint64_t base) { return int64_t(aten_cpu_counts().peak_bytes - base); };
+  Measured m;
+  uint64_t base = start();
+  at::Tensor out = run.forward(layer, params, x);
+  m.forward = peak_since(base);
+  out.reset();
+  base = start();
+  at::Tensor dx = run.backward(layer, params, x, gout, grads);
+  m.backward = peak_since(base);
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost model's", "[memory]") {
+  // The CPU flash-attention kernel keeps a scratch block per thread; fix the
+  // thread count so that the measurement does not depend on the machine.
+  at::set_num_threads(2);
+  install_aten_cpu_counter();
+  REQUIRE(aten_cpu_counter_installed());
+  const ModelSpec gqa = llama(2), mha = llama(8), qwen3 = llama(4, true);
+  std::vector<Shape> shapes;
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+    for (int64_t seq : {256, 1024, 4096})
+      for (int64_t tile : {int64_t{0}, int64_t{192}}) shapes.push_back({"gqa", gqa, 1, seq, tile, dtype});
+  shapes.push_back({"mha", mha, 2, 1024, 0, at::kBFloat16});
+  shapes.push_back({"mha", mha, 2, 1024, 500, at::kFloat});
+  shapes.push_back({"qwen3", qwen3, 1, 2048, 0, at::kBFloat16});
+  shapes.push_back({"qwen3", qwen3, 1, 2048, 256, at::kFloat});
+
+  std::printf("%-6s %5s %5s %5s %5s  %12s %12s %6s  %12s %12s %6s\n", "model", "b", "s", "tile", "dtype",
+              "fwd meas", "fwd pred", "ratio", "bwd meas", "bwd pred", "ratio");
+  for (const Shape& s : shapes) {
+    const int dtype_bytes = s.dtype == at::kFloat ? 4 : 2;
+    const BlockCost c = s.spec.cost(1, s.batch, s.seq, 8192, dtype_bytes, s.tile);
+    const Measured m = measure(s);
+    std::printf("%-6s %5lld %5lld %5lld %5s  %12lld %12lld %6.3f  %12lld %12lld %6.3f\n", s.model,
+                (long long)s.batch, (long long)s.seq, (long long)s.tile, s.dtype == at::kFloat ? "fp32" : "bf16",
+                (long long)m.forward, (long long)c.forward_work_bytes,
+                double(m.forward) / double(c.forward_work_bytes), (long long)m.backward,
+                (long long)c.backward_work_bytes, double(m.backward) / double(c.backward_work_bytes));
+    INFO(s.model << " b " << s.batch << " s " << s.seq << " tile " << s.tile << " "
+                 << c10::toString(s.dtype) << ": forward " << m.forward << " of " << c.forward_work_bytes
+                 << ", backward " << m.backward << " of " << c.backward_work_bytes);
+    CHECK(m.forward <= c.forward_work_bytes);
+    CHECK(double(m.forward) >= 0.7 * double(c.forward_work_bytes));
+    CHECK(m.backward <= c.backward_work_bytes);
+    CHECK(double(m.backward) >= 0.7 * double(c.backward_work_bytes));
+  }
+}

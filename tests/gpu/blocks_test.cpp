@@ -1,0 +1,297 @@
+// The decoder layer of gpu/blocks: the untiled layer is the plain formula
+// (transformers' LlamaDecoderLayer written out: repeated K/V, rotate_half by
+// concatenation, one autograd pass over the whole layer) bit for bit, and the
+// tiled layer equals the untiled one up to fp32 summation order.
+// tests/python/test_blocks_vs_hf.py checks the plain formula against
+// transformers itself.
+#include "tests/catch_torch.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <string>
+#include <vector>
+
+#include "gpu/blocks.h"
+#include "host/error.h"
+
+using namespace strider;
+
+namespace {
+
+// Small dimensions; `gqa`: 4 query heads over 2 K/V heads, else 4 over 4.
+// Qwen3-like options (q/k norm, biases) where asked for.
+BlockDims dims(bool gqa, bool qwen3 = false) {
+  BlockDims d;
+  d.hidden = 48;
+  d.heads = 4;
+  d.kv_heads = gqa ? 2 : 4;
+  d.head_dim = qwen3 ? 16 : 12;
+  d.intermediate = 80;
+  d.rms_eps = 1e-5;
+  d.qk_norm = qwen3;
+  d.qkv_bias = d.o_bias = d.mlp_bias = qwen3;
+  return d;
+}
+
+// Random weights in `dtype` (norm weights near 1), and zeroed fp32 accumulators.
+struct Layer {
+  TensorMap w, grads;
+};
+Layer random_layer(const BlockDims& d, at::ScalarType dtype, uint64_t seed) {
+  at::manual_seed(seed);
+  const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
+  Layer l;
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
+    at::Tensor t = at::randn(shape) * (norm ? 0.1 : 0.2);
+    if (norm) t += 1;
+    l.w.emplace(name, t.to(dtype));
+    l.grads.emplace(name, at::zeros(shape));
+  };
+  add("input_layernorm.weight", {d.hidden}, true);
+  add("self_attn.q_proj.weight", {q, d.hidden});
+  add("self_attn.k_proj.weight", {kv, d.hidden});
+  add("self_attn.v_proj.weight", {kv, d.hidden});
+  add("self_attn.o_proj.weight", {d.hidden, q});
+  if (d.qkv_bias) {
+    add("self_attn.q_proj.bias", {q});
+    add("self_attn.k_proj.bias", {kv});
+    add("self_attn.v_proj.bias", {kv});
+  }
+  if (d.o_bias) add("self_attn.o_proj.bias", {d.hidden});
+  if (d.qk_norm) {
+    add("self_attn.q_norm.weight", {d.head_dim}, true);
+    add("self_attn.k_norm.weight", {d.head_dim}, true);
+  }
+  add("post_attention_layernorm.weight", {d.hidden}, true);
+  add("mlp.gate_proj.weight", {d.intermediate, d.hidden});
+  add("mlp.up_proj.weight", {d.intermediate, d.hidden});
+  add("mlp.down_proj.weight", {d.hidden, d.intermediate});
+  if (d.mlp_bias) {
+    add("mlp.gate_proj.bias", {d.intermediate});
+    add("mlp.up_proj.bias", {d.intermediate});
+    add("mlp.down_proj.bias", {d.hidden});
+  }
+  return l;
+}
+
+// The plain formula, as gpu/blocks computed it before SDPA's grouped K/V,
+// RoPE without concatenation and tiles.
+at::Tensor plain_linear(const at::Tensor& x, const TensorMap& w, const std::string& p) {
+  auto b = w.find(p + ".bias");
+  return at::linear(x, w.at(p + ".weight"), b == w.end() ? at::Tensor() : b->second);
+}
+at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.slice(-1, half), x.slice(-1, 0, half)}, -1);
+}
+at::Tensor plain_layer(const BlockDims& d, const TensorMap& w, const RopeTables& rope, const at::Tensor& x) {
+  const int64_t b = x.size(0), s = x.size(1);
+  at::Tensor h = rms_norm(x, w.at("input_layernorm.weight"), d.rms_eps);
+  at::Tensor q = plain_linear(h, w, "self_attn.q_proj").view({b, s, d.heads, d.head_dim});
+  at::Tensor k = plain_linear(h, w, "self_attn.k_proj").view({b, s, d.kv_heads, d.head_dim});
+  at::Tensor v = plain_linear(h, w, "self_attn.v_proj").view({b, s, d.kv_heads, d.head_dim});
+  if (d.qk_norm) {
+    q = rms_norm(q, w.at("self_attn.q_norm.weight"), d.rms_eps);
+    k = rms_norm(k, w.at("self_attn.k_norm.weight"), d.rms_eps);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
+  v = v.transpose(1, 2);
+  q = q * rope.cos + rotate_half(q) * rope.sin;
+  k = k * rope.cos + rotate_half(k) * rope.sin;
+  if (d.kv_heads != d.heads) {
+    k = k.repeat_interleave(d.heads / d.kv_heads, 1);
+    v = v.repeat_interleave(d.heads / d.kv_heads, 1);
+  }
+  at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true);
+  a = a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
+  at::Tensor x1 = x + plain_linear(a, w, "self_attn.o_proj");
+  at::Tensor h2 = rms_norm(x1, w.at("post_attention_layernorm.weight"), d.rms_eps);
+  return x1 + plain_linear(at::silu(plain_linear(h2, w, "mlp.gate_proj")) * plain_linear(h2, w, "mlp.up_proj"),
+                           w, "mlp.down_proj");
+}
+
+// Output, d(loss)/dx and the parameter gradients (fp32) of one pass.
+struct Pass {
+  at::Tensor out, dx;
+  TensorMap grads;
+};
+
+Pass plain_pass(const BlockDims& d, Layer l, const RopeTables& rope, const at::Tensor& x, const at::Tensor& gout) {
+  Pass p;
+  {
+    at::NoGradGuard no_grad;
+    p.out = plain_layer(d, l.w, rope, x);
+  }
+  at::AutoGradMode enable(true);
+  TensorMap leaves;
+  std::vector<at::Tensor> inputs{x.detach().requires_grad_(true)};
+  for (const auto& [name, t] : l.w) {
+    inputs.push_back(t.detach().requires_grad_(true));
+    leaves.emplace(name, inputs.back());
+  }
+  std::vector<at::Tensor> g = torch::autograd::grad({plain_layer(d, leaves, rope, inputs[0])}, inputs, {gout});
+  p.dx = g[0];
+  size_t i = 1;
+  for (const auto& [name, t] : l.w) p.grads.emplace(name, l.grads.at(name).add_(g[i++]));
+  return p;
+}
+
+Pass strider_pass(const BlockDims& d, Layer l, const RopeTables& rope, const at::Tensor& x,
+                  const at::Tensor& gout, int64_t tile) {
+  Pass p;
+  p.out = layer_forward(d, l.w, rope, x, tile);
+  p.dx = layer_backward(d, l.w, rope, x, gout, l.grads, tile);
+  p.grads = l.grads;
+  return p;
+}
+
+struct Inputs {
+  RopeTables rope;
+  at::Tensor x, gout;
+};
+Inputs inputs(const BlockDims& d, at::ScalarType dtype, int64_t b, int64_t s) {
+  RopeDims r;
+  r.theta = 500.0;  // short wavelengths, so that positions 0..s differ visibly
+  at::manual_seed(7);
+  return {rope_tables(r, d.head_dim, s, dtype, at::kCPU), at::randn({b, s, d.hidden}).to(dtype),
+          at::randn({b, s, d.hidden}).to(dtype)};
+}
+
+double rel_err(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor ad = a.to(at::kDouble), bd = b.to(at::kDouble);
+  return (ad - bd).abs().max().item<double>() / std::max(bd.abs().max().item<double>(), 1e-30);
+}
+
+// Every tensor of `got` within `tol` of `want`, relative to want's largest magnitude.
+void check_close(const Pass& got, const Pass& want, double tol) {
+  CHECK(rel_err(got.out, want.out) <= tol);
+  CHECK(rel_err(got.dx, want.dx) <= tol);
+  REQUIRE(got.grads.size() == want.grads.size());
+  for (const auto& [name, g] : want.grads) {
+    INFO(name);
+    CHECK(rel_err(got.grads.at(name), g) <= tol);
+  }
+}
+
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && at::equal(a, b);
+}
+
+}  // namespace
+
+TEST_CASE("untiled layer is the plain formula bit for bit with MHA and in its forward with GQA", "[blocks]") {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (bool qwen3 : {false, true}) {
+      for (bool gqa : {false, true}) {
+        INFO("dtype " << c10::toString(dtype) << " qwen3 " << qwen3 << " gqa " << gqa);
+        const BlockDims d = dims(gqa, qwen3);
+        const Layer l = random_layer(d, dtype, 1);
+        const Inputs in = inputs(d, dtype, 2, 13);
+        const Pass want = plain_pass(d, l, in.rope, in.x, in.gout);
+        for (int64_t tile : {int64_t{0}, int64_t{26}, int64_t{1000}}) {  // 26 = all 2 x 13 tokens
+          INFO("token_tile " << tile);
+          const Pass got = strider_pass(d, random_layer(d, dtype, 1), in.rope, in.x, in.gout, tile);
+          CHECK(same_bits(got.out, want.out));
+          if (!gqa) {
+            CHECK(same_bits(got.dx, want.dx));
+            for (const auto& [name, g] : want.grads) {
+              INFO(name << " rel err " << rel_err(got.grads.at(name), g));
+              CHECK(same_bits(got.grads.at(name), g));
+            }
+          } else {
+            // SDPA sums each K/V head's gradient over its group of query heads
+            // inside the kernel (in fp32); the repeat summed per-head results
+            // afterwards, in the compute dtype. Same maths, other roundings.
+            check_close(got, want, dtype == at::kFloat ? 1e-6 : 2e-2);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("without a fused kernel for grouped K/V the layer repeats them as the plain formula does", "[blocks]") {
+  // With flash attention off the CPU has only math for grouped K/V (which
+  // _fused_sdp_choice answers with 0): the layer then repeats K/V itself, so
+  // that CUDA in fp32 can run memory-efficient attention, and is the plain
+  // formula bit for bit.
+  struct FlashOff {
+    bool was = at::globalContext().userEnabledFlashSDP();
+    FlashOff() { at::globalContext().setSDPUseFlash(false); }
+    ~FlashOff() { at::globalContext().setSDPUseFlash(was); }
+  } flash_off;
+  const at::Tensor q = at::randn({1, 4, 8, 12}), kv = at::randn({1, 2, 8, 12});
+  REQUIRE(at::_fused_sdp_choice(q, kv, kv, {}, 0.0, true, std::nullopt, /*enable_gqa=*/true) == 0);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    INFO("dtype " << c10::toString(dtype));
+    const BlockDims d = dims(/*gqa=*/true);
+    const Inputs in = inputs(d, dtype, 2, 13);
+    const Pass want = plain_pass(d, random_layer(d, dtype, 6), in.rope, in.x, in.gout);
+    const Pass got = strider_pass(d, random_layer(d, dtype, 6), in.rope, in.x, in.gout, 0);
+    CHECK(same_bits(got.out, want.out));
+    CHECK(same_bits(got.dx, want.dx));
+    for (const auto& [name, g] : want.grads) {
+      INFO(name);
+      CHECK(same_bits(got.grads.at(name), g));
+    }
+  }
+}
+
+TEST_CASE("tiled layer equals the untiled one up to summation order", "[blocks]") {
+  for (bool qwen3 : {false, true}) {
+    const BlockDims d = dims(/*gqa=*/true, qwen3);
+    const Inputs in = inputs(d, at::kFloat, 3, 11);  // 33 tokens
+    const Pass untiled = strider_pass(d, random_layer(d, at::kFloat, 2), in.rope, in.x, in.gout, 0);
+    // Tiles of one token, tiles that straddle sequences, a last short tile, one short of all.
+    for (int64_t tile : {1, 5, 11, 16, 32}) {
+      INFO("qwen3 " << qwen3 << " token_tile " << tile);
+      check_close(strider_pass(d, random_layer(d, at::kFloat, 2), in.rope, in.x, in.gout, tile), untiled,
+                  1e-6);
+    }
+  }
+}
+
+TEST_CASE("tiled layer in bf16 is within bf16 tolerance of the fp32 formula", "[blocks]") {
+  // Reference: the plain formula in fp32 on the same (bf16-representable)
+  // weights and inputs. The tiles' bf16 weight gradients are each rounded
+  // before the fp32 accumulator adds them; the tolerance is
+  // test_blocks_vs_hf.py's for bf16.
+  const BlockDims d = dims(/*gqa=*/true);
+  const Inputs in16 = inputs(d, at::kBFloat16, 2, 24);
+  const Inputs in32 = inputs(d, at::kFloat, 2, 24);
+  Layer l32 = random_layer(d, at::kFloat, 3);
+  for (auto& [name, t] : l32.w) t = t.to(at::kBFloat16).to(at::kFloat);
+  const Pass ref = plain_pass(d, l32, in32.rope, in16.x.to(at::kFloat), in16.gout.to(at::kFloat));
+  for (int64_t tile : {0, 1, 7, 47}) {
+    INFO("token_tile " << tile);
+    check_close(strider_pass(d, random_layer(d, at::kBFloat16, 3), in16.rope, in16.x, in16.gout, tile), ref,
+                5e-2);
+  }
+}
+
+TEST_CASE("layer backward adds into the accumulators, not over them", "[blocks]") {
+  const BlockDims d = dims(/*gqa=*/true);
+  const Inputs in = inputs(d, at::kFloat, 1, 9);
+  Layer once = random_layer(d, at::kFloat, 4);
+  layer_backward(d, once.w, in.rope, in.x, in.gout, once.grads, 4);
+  Layer twice = random_layer(d, at::kFloat, 4);
+  for (auto& [name, g] : twice.grads) g.fill_(0.5);
+  layer_backward(d, twice.w, in.rope, in.x, in.gout, twice.grads, 4);
+  for (const auto& [name, g] : once.grads) {
+    INFO(name);
+    CHECK(g.abs().max().item<float>() > 0);
+    CHECK(at::allclose(twice.grads.at(name), g + 0.5, 1e-6, 1e-6));
+  }
+}
+
+TEST_CASE("a negative token tile is refused with its value", "[blocks]") {
+  const BlockDims d = dims(false);
+  Layer l = random_layer(d, at::kFloat, 5);
+  const Inputs in = inputs(d, at::kFloat, 1, 4);
+  CHECK_THROWS_WITH(layer_forward(d, l.w, in.rope, in.x, -1), Catch::Contains("token tile -1"));
+  CHECK_THROWS_WITH(layer_backward(d, l.w, in.rope, in.x, in.gout, l.grads, -3),
+                    Catch::Contains("token tile -3"));
+}
