@@ -87,12 +87,14 @@ HeadResult BlockRunner::head_backward(const at::Tensor& params, const at::Tensor
   HeadGrads hg{g.at("norm.weight"),
                spec_.tie_embeddings ? block_views(spec_, 0, layouts_[0], tied_grads).at("weight")
                                     : g.at("lm_head.weight")};
-  return head_loss_backward(spec_.dims, w, input, labels, options_.vocab_chunk, loss_scale, hg, scalars);
+  return head_loss_backward(spec_.dims, w, input, labels, options_.vocab_chunk, loss_scale, hg, scalars,
+                            options_.token_tile);
 }
 
 HeadResult BlockRunner::head_eval(const at::Tensor& params, const at::Tensor& tied_params,
                                   const at::Tensor& input, const at::Tensor& labels, Scalars scalars) const {
-  return head_loss(spec_.dims, head_weights(params, tied_params), input, labels, options_.vocab_chunk, scalars);
+  return head_loss(spec_.dims, head_weights(params, tied_params), input, labels, options_.vocab_chunk, scalars,
+                   options_.token_tile);
 }
 
 }  // namespace strider

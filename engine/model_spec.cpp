@@ -378,10 +378,16 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
   BlockCost c;
   c.output_bytes = bytes(tok * d.hidden * dtype_bytes, "output");
   switch (block(i).kind) {
-    case BlockKind::kEmbedding:
-      c.forward_work_bytes = c.output_bytes;
-      c.backward_work_bytes = bytes(tok * d.hidden * 4 * 2, "backward working memory");  // fp32 scatter of the gradient
+    case BlockKind::kEmbedding: {
+      // One vocabulary shard's visit (engine/shards.h): forward gathers the
+      // rows of its tokens, backward their gradient (cast to fp32) for the
+      // index_add (below fp32); ids, masks and positions are ~32 bytes a
+      // token. tests/engine/test_head_memory measures them.
+      const i128 e = dtype_bytes, to_f32 = dtype_bytes < 4 ? 4 : 0;
+      c.forward_work_bytes = bytes(tok * (d.hidden * e + 32) + 4096, "forward working memory");
+      c.backward_work_bytes = bytes(tok * (d.hidden * (e + to_f32) + 32) + 4096, "backward working memory");
       break;
+    }
     case BlockKind::kLayer: {
       const double proj = 2.0 * t * d.hidden * (2.0 * double(q) + 2.0 * double(kv));
       const double attn = 2.0 * 2.0 * double(batch) * d.heads * d.head_dim * double(seq) * double(seq) / 2;
@@ -394,11 +400,30 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       break;
     }
     case BlockKind::kHead: {
+      // One launch of the streamed head (gpu/chunked_loss.h) on a token tile
+      // t (all tokens untiled) and `vocab_chunk` rows at a time, c: the tile's
+      // normed input t x H; pass 1's logits, their shifted copy and its exp
+      // (12 t c); pass 2's fp32 softmax gradient with its cast (4 + e) t c and
+      // then one of the two gradient GEMMs' results with its fp32 copy (below
+      // fp32 both the cast and the copy; in fp32 neither); the final norm's
+      // backward through autograd (24 bytes a feature, 2e more below fp32).
+      // The norm itself (an fp32 copy, its square, the scaled value, the cast)
+      // stays under 12 + 2e. Per-token state: ~32 bytes. Plus 1/8 headroom, as
+      // for the layers. tests/engine/test_head_memory holds this within
+      // [0.7, 1] of what the CPU measures.
       const int64_t chunk = std::min(vocab_chunk > 0 ? vocab_chunk : d.vocab, d.vocab);
       c.forward_flops = 2.0 * t * d.hidden * d.vocab;         // logits, pass 1
       c.backward_flops = 2.0 * 3.0 * t * d.hidden * d.vocab;  // logits again + both grads
-      c.forward_work_bytes = bytes(tok * d.hidden * 4 + tok * chunk * 4 * 2, "forward working memory");
-      c.backward_work_bytes = bytes(tok * d.hidden * 4 * 2 + tok * chunk * 4 * 3, "backward working memory");
+      const i128 e = dtype_bytes, H = d.hidden, ch = chunk, below = dtype_bytes < 4 ? 1 : 0;
+      const i128 tt = token_tile > 0 && token_tile < tok ? i128{token_tile} : tok;
+      const i128 normed = tt * H * e, norm_tmp = tt * H * (12 + 2 * e);
+      const i128 lse = normed + 12 * tt * ch;
+      const i128 grad = normed + std::max<i128>(12 * tt * ch, (4 + below * e) * tt * ch +
+                                                                  std::max(tt, ch) * H * (e + below * 4));
+      const i128 norm_back = tt * H * (24 + below * 2 * e);
+      auto headroom = [&](i128 x) { return x + x / 8 + 32 * tok + 4096; };
+      c.forward_work_bytes = bytes(headroom(std::max(lse, norm_tmp)), "forward working memory");
+      c.backward_work_bytes = bytes(headroom(std::max({lse, grad, norm_back, norm_tmp})), "backward working memory");
       break;
     }
   }

@@ -102,16 +102,22 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   check_plan_inputs(spec, l);
   const int64_t blocks = spec.num_blocks();
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
-  // ATen's working memory: the largest block's backward (recompute + autograd)
-  // or the head's chunked loss, for one micro-batch. An estimate: the engine
-  // does not allocate it, ATen's caching allocator does.
-  p.token_tile = l.token_tile < 0 ? 0 : l.token_tile;
+  // ATen's working memory: the largest visit's backward (recompute + autograd)
+  // or the head's streamed loss, for one micro-batch, as ModelSpec::cost
+  // models it from what tests/engine/test_layer_memory and test_head_memory
+  // measure on the CPU (the CUDA figure is unmeasured until a GPU run). Every
+  // layer has the same dimensions, so the embedding, one layer and the head
+  // say it all.
+  const Sharding sh = make_sharding(spec, l.vocab_chunk, l.vocab_shard_rows);
   uint64_t work = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes, p.token_tile);
-    work = std::max<uint64_t>(work, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
-  }
-  p.device_work_bytes = work;
+  auto work_for = [&](int64_t tile) {
+    uint64_t w = 0;
+    for (int64_t b : {int64_t{0}, int64_t{1}, blocks - 1}) {
+      const BlockCost c = spec.cost(b, l.micro_batch, l.seq, sh.chunk, cbytes, tile);
+      w = std::max<uint64_t>(w, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
+    }
+    return w;
+  };
 
   PlanLimits lim = l;
   auto fits = [&](int64_t k, bool host_ckpt, EngineFootprint* out) {
@@ -122,12 +128,32 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
     if (out) *out = f;
     return f.device_bytes + work <= l.device_bytes;
   };
+  const int64_t k_min = l.window > 0 ? l.window : 2;
+  auto host_ckpt_for = [&] {
+    return l.checkpoints == CheckpointPlace::kHost || (l.checkpoints == CheckpointPlace::kAuto && !fits(2, false, nullptr));
+  };
+  // The token tile (head and MLP): untiled unless the working memory does not
+  // fit, then the largest tile that makes it fit (long context).
+  std::vector<int64_t> tiles;
+  const int64_t mb_tokens = l.micro_batch * l.seq;
+  if (l.token_tile >= 0) {
+    tiles.push_back(l.token_tile);
+  } else {
+    tiles.push_back(0);
+    for (int64_t t : {8192, 4096, 2048, 1024, 512, 256})
+      if (t < mb_tokens) tiles.push_back(t);
+  }
+  const uint64_t untiled_work = work_for(tiles.front());
+  for (size_t i = 0; i < tiles.size(); ++i) {
+    p.token_tile = tiles[i];
+    work = work_for(p.token_tile);
+    if (fits(k_min, host_ckpt_for(), nullptr)) break;
+  }
+  p.device_work_bytes = work;
 
   // Checkpoints on the device when they fit with K = 2, else on the host.
   EngineFootprint f;
-  bool host_ckpt = l.checkpoints == CheckpointPlace::kHost;
-  if (l.checkpoints == CheckpointPlace::kAuto && !fits(2, false, nullptr)) host_ckpt = true;
-  const int64_t k_min = l.window > 0 ? l.window : 2;
+  const bool host_ckpt = host_ckpt_for();
   if (!fits(k_min, host_ckpt, &f)) {
     p.reason = fmt::format(
         "needs {} of device memory for K={} at micro-batch {} (seq {}): {} cache units of {}, {} of "
@@ -155,6 +181,12 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
                                                                    : "(the most that fits)"));
   p.why.push_back(fmt::format("checkpoints (block inputs) on the {}: {} of activations on the device", host_ckpt ? "host" : "device",
                               format_bytes(f.activation_bytes)));
+  if (p.token_tile == 0)
+    p.why.push_back(fmt::format("head and MLP untiled: ~{} of ATen working memory per visit", format_bytes(work)));
+  else
+    p.why.push_back(fmt::format("head and MLP in tiles of {} tokens{}: ~{} of ATen working memory per visit{}",
+                                p.token_tile, l.token_tile >= 0 ? " (as asked)" : "", format_bytes(work),
+                                l.token_tile >= 0 ? "" : fmt::format(" (untiled: {})", format_bytes(untiled_work))));
 
   // Host RAM: move blocks' fp32 state to NVMe, largest first, until it fits.
   if (l.host_bytes > 0 && f.host_bytes > l.host_bytes) {

@@ -142,12 +142,12 @@ at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const 
 }
 
 HeadResult head_loss(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
-                     const at::Tensor& labels, int64_t vocab_chunk, Scalars scalars) {
+                     const at::Tensor& labels, int64_t vocab_chunk, Scalars scalars, int64_t token_tile) {
   at::NoGradGuard no_grad;
   at::Tensor h = x.reshape({-1, d.hidden});
   at::Tensor lab = labels.reshape({-1});
   HeadState st = fresh_state(h);
-  head_lse_shard(d, w.norm, h, w.lm_head, 0, lab, chunk_size(d, vocab_chunk), 0, st);
+  head_lse_shard(d, w.norm, h, w.lm_head, 0, lab, chunk_size(d, vocab_chunk), token_tile, st);
   auto f64 = h.options().dtype(at::kDouble);
   at::Tensor loss_sum = at::empty({}, f64), valid = at::empty({}, f64);
   head_loss_sums(st, head_lse(st), lab, loss_sum, valid);
@@ -158,12 +158,12 @@ HeadResult head_loss(const BlockDims& d, const HeadWeights& w, const at::Tensor&
 
 HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
                               const at::Tensor& labels, int64_t vocab_chunk, double loss_scale,
-                              HeadGrads& grads, Scalars scalars) {
+                              HeadGrads& grads, Scalars scalars, int64_t token_tile) {
   const int64_t chunk = chunk_size(d, vocab_chunk);
   at::Tensor h = x.reshape({-1, d.hidden});
   at::Tensor lab = labels.reshape({-1});
   HeadState st = fresh_state(h);
-  head_lse_shard(d, w.norm, h, w.lm_head, 0, lab, chunk, 0, st);
+  head_lse_shard(d, w.norm, h, w.lm_head, 0, lab, chunk, token_tile, st);
   at::Tensor lse = head_lse(st);
   auto f64 = h.options().dtype(at::kDouble);
   at::Tensor loss_sum = at::empty({}, f64), valid = at::empty({}, f64);
@@ -171,8 +171,8 @@ HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at
   HeadResult r;
   set_scalars(d, loss_sum, valid, lab, scalars, r);
   at::Tensor grad_h = at::zeros(h.sizes(), h.options().dtype(at::kFloat));
-  head_grad_shard(d, w.norm, h, w.lm_head, 0, lab, chunk, 0, lse, loss_scale, grad_h, grads.lm_head);
-  r.grad_input = head_norm_backward(d, w.norm, h, grad_h, grads.norm, 0).view(x.sizes());
+  head_grad_shard(d, w.norm, h, w.lm_head, 0, lab, chunk, token_tile, lse, loss_scale, grad_h, grads.lm_head);
+  r.grad_input = head_norm_backward(d, w.norm, h, grad_h, grads.norm, token_tile).view(x.sizes());
   return r;
 }
 

@@ -43,12 +43,13 @@ struct HeadGrads {
 
 // Loss only (evaluation).
 HeadResult head_loss(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
-                     const at::Tensor& labels, int64_t vocab_chunk, Scalars scalars = Scalars::kToHost);
+                     const at::Tensor& labels, int64_t vocab_chunk, Scalars scalars = Scalars::kToHost,
+                     int64_t token_tile = 0);
 
 // Loss and gradients: adds into `grads`, returns grad_input.
 HeadResult head_loss_backward(const BlockDims& d, const HeadWeights& w, const at::Tensor& x,
                               const at::Tensor& labels, int64_t vocab_chunk, double loss_scale,
-                              HeadGrads& grads, Scalars scalars = Scalars::kToHost);
+                              HeadGrads& grads, Scalars scalars = Scalars::kToHost, int64_t token_tile = 0);
 
 // The same computation streamed over vocabulary shards, for a head whose LM
 // weight never sits on the device whole (engine/shards.h). For each

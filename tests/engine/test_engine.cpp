@@ -192,14 +192,22 @@ TEST_CASE("gradients cross to the host in bf16: half the bytes, the same trainin
 }
 
 TEST_CASE("one engine step equals the resident reference's gradients plus AdamW", "[engine]") {
-  for (auto [tied, shard_rows] : {std::pair{false, 0}, {true, 0}, {false, 40}, {true, 40}}) {
+  // Untied and tied; in vocabulary shards; with token tiles of 5 of a
+  // micro-batch's 18 tokens (the last one short) in the layers' MLP and the
+  // head, which the engine and the reference share through ComputeOptions.
+  struct Variant {
+    bool tied;
+    int64_t shard_rows, tile;
+  };
+  for (auto [tied, shard_rows, tile] : {Variant{false, 0, 0}, {true, 0, 0}, {false, 40, 0}, {true, 40, 0},
+                                        {false, 40, 5}, {true, 0, 5}}) {
     ModelSpec spec = tiny(tied);
     const Case c{"K=2 chaos", 2, false, {}, true, 9};
     EngineConfig cfg;
     cfg.seq = 9;
     cfg.micro_batch = 2;
     cfg.accumulation = 2;
-    cfg.compute = {at::kFloat, 40};
+    cfg.compute = {at::kFloat, 40, tile};
     cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
     cfg.vocab_shard_rows = shard_rows;
     Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 9}}));
@@ -216,7 +224,7 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     at::Tensor ids = at::from_blob(b.ids.data(), {cfg.batch(), cfg.seq}, at::kLong);
     at::Tensor labels = at::from_blob(b.labels.data(), {cfg.batch(), cfg.seq}, at::kLong);
     StepLoss rl = ref.forward_backward(ids, labels, cfg.accumulation);
-    INFO("tied=" << tied << " shard rows " << shard_rows);
+    INFO("tied=" << tied << " shard rows " << shard_rows << " token tile " << tile);
     CHECK(rep.loss == rl.loss);
     size_t i = 0;
     for (const std::string& name : ref.param_names()) {

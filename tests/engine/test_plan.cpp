@@ -228,6 +228,20 @@ TEST_CASE("vocabulary shards: no cache unit is larger than the largest layer's",
   const Plan p = Plan::make(llama, l);
   REQUIRE(p.feasible);
   CHECK(p.unit_bytes <= 1.32e9);
+  // 64K tokens of context, batch 1, on the same 24 GiB: the working memory
+  // grows with seq x hidden (no seq^2 scores; the head and the MLP in token
+  // tiles), so it fits; untiled it would not.
+  const PlanLimits long_ctx{.device_bytes = 24ull << 30, .host_bytes = 256ull << 30, .seq = 65536};
+  const Plan lc = Plan::make(llama, long_ctx);
+  INFO(lc.reason);
+  REQUIRE(lc.feasible);
+  CHECK(lc.token_tile > 0);
+  CHECK(lc.device_peak_bytes <= long_ctx.device_bytes);
+  PlanLimits untiled = long_ctx;
+  untiled.token_tile = 0;
+  const Plan refused = Plan::make(llama, untiled);
+  CHECK_FALSE(refused.feasible);
+  CHECK_THAT(refused.reason, Catch::Contains("working memory") && Catch::Contains("budget is 24.00 GiB"));
   // Asked-for shards must fall on the chunks.
   CHECK_THROWS_WITH(make_sharding(llama, 8192, 10000), Catch::Contains("10000") && Catch::Contains("8192"));
 }
