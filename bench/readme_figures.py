@@ -128,6 +128,7 @@ def plan_figures(logs, f):
             f.put(f"{p}.optimizer_s", j["lane_busy_s"]["optimizer"], cmd)
             f.put(f"{p}.host_gib", j["host_bytes"] / GIB, cmd)
             f.put("predict.8b.unit_gib", j["unit_bytes"] / GIB, cmd)
+            f.put("predict.8b.vocab_shards", j["vocab_shards"], cmd)
             m = next((re.search(r"\((\d+) parameters", w) for w in j.get("why", []) if "cache units" in w), None)
             if m:
                 f.put("predict.8b.unit_params", int(m.group(1)), cmd)
@@ -287,7 +288,7 @@ def expected_names():
     for b in PLAN_8B:
         e["plan"] += [f"predict.8b.b{b}.{k}" for k in
                       ("tokens_per_s", "step_s", "lower_bound_s", "bound_tokens_per_s", "overlap_efficiency")]
-    e["plan"] += ["predict.8b.b8.optimizer_s", "predict.8b.b8.host_gib", "predict.8b.unit_gib",
+    e["plan"] += ["predict.8b.b8.optimizer_s", "predict.8b.b8.host_gib", "predict.8b.unit_gib", "predict.8b.vocab_shards",
                   "predict.8b.unit_params", "predict.8b.b8.clip0.tokens_per_s",
                   "predict.8b.b8.clip0.overlap_efficiency", "predict.8b.b8.clip0.host_gib"]
     for (model, clip) in PLAN_NVME:
@@ -418,9 +419,10 @@ def block_predict_8b(f, logs):
         f"({f['predict.8b.b8.optimizer_s']:.1f} s of CPU AdamW after the clipping norm) is not hidden behind "
         f"the next forward (overlap efficiency {f['predict.8b.b8.overlap_efficiency']:.2f}; with `--clip 0` the "
         f"prediction is {f['predict.8b.b8.clip0.tokens_per_s']:.0f} tokens/s, overlap "
-        f"{f['predict.8b.b8.clip0.overlap_efficiency']:.2f}); the embedding and LM head are not yet split into "
-        f"layer-sized chunks, so each cache unit holds {f['predict.8b.unit_params'] / 1e6:.0f}M parameters and "
-        f"their fp32 gradients ({f['predict.8b.unit_gib']:.2f} GiB)."))
+        f"{f['predict.8b.b8.clip0.overlap_efficiency']:.2f}). Each cache unit holds one layer, "
+        f"{f['predict.8b.unit_params'] / 1e6:.0f}M parameters and their fp32 gradients "
+        f"({f['predict.8b.unit_gib']:.2f} GiB): the embedding and the LM head move in "
+        f"{f['predict.8b.vocab_shards']} vocabulary shards each, and gradients cross PCIe in bf16."))
     return "\n".join(out)
 
 

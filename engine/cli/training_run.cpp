@@ -1,5 +1,6 @@
 #include "engine/cli/training_run.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fmt/format.h>
@@ -161,7 +162,13 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
     run.nvme_lock.emplace(o.nvme, "--nvme");
   }
   std::string why;
-  auto device = make_device({.spec = o.device, .budget_bytes = lim.device_bytes, .record_spans = true}, &why);
+  // ATen's working memory gets what the budget leaves after the engine's own
+  // buffers, enforced per op (a visit that would pass it fails naming itself,
+  // rather than the budget being exceeded); the plan's estimate of it fits in there.
+  const uint64_t work_limit = lim.device_bytes - std::min(lim.device_bytes, run.plan.device_buffer_bytes);
+  auto device = make_device({.spec = o.device, .budget_bytes = lim.device_bytes, .record_spans = true,
+                             .work_limit_bytes = work_limit},
+                            &why);
   fmt::print(log, "  device: {}{}\n", device->name(), why.empty() ? "" : " (" + why + ")");
   run.engine = std::make_unique<Engine>(run.spec, cfg, std::move(device));
   Engine& engine = *run.engine;
