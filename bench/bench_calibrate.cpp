@@ -205,6 +205,46 @@ void measure_compute(Device& dev, const ModelSpec& spec, const EngineConfig& cfg
       fn = [&runner, params, grads, act, labels, loss_scale](const LaunchContext&) {
         runner.head_backward(params, grads, at::Tensor(), at::Tensor(), act, labels, loss_scale);
       };
+    } else if ((key.name == "embedding shard" || key.name == "embedding shard backward") && b == 0) {
+      // The whole vocabulary as one shard (the built-in model's).
+      at::Tensor rows = params.slice(0, 0, V * H).view({V, H}), grad_rows = grads.slice(0, 0, V * H).view({V, H});
+      if (key.name == "embedding shard")
+        fn = [rows, ids, out_act](const LaunchContext&) { embedding_shard_forward(rows, 0, ids, out_act); };
+      else
+        fn = [ids, gout, grad_rows](const LaunchContext&) { embedding_shard_backward(ids, 0, gout, grad_rows); };
+    } else if ((key.name == "head log-sum-exp" || key.name == "head backward" || key.name == "head norm backward") &&
+               b == head && !spec.tie_embeddings) {
+      // The streamed head over one shard of the whole vocabulary (gpu/chunked_loss.h), as the engine launches it.
+      const size_t lm = spec.layout(head).find("lm_head.weight")->offset_elems;
+      at::Tensor norm = params.slice(0, 0, H), rows = params.slice(0, int64_t(lm), int64_t(lm) + V * H).view({V, H});
+      at::Tensor grad_norm = grads.slice(0, 0, H), grad_rows = grads.slice(0, int64_t(lm), int64_t(lm) + V * H).view({V, H});
+      at::Tensor x = act.view({-1, H}), lab = labels.view({-1});
+      auto f32 = at::TensorOptions().dtype(at::kFloat).device(d);
+      HeadState st{at::empty({mb * S}, f32), at::empty({mb * S}, f32), at::empty({mb * S}, f32)};
+      head_state_reset(st);
+      at::Tensor lse = at::zeros({mb * S}, f32), grad_h = at::zeros({mb * S, H}, f32);
+      at::Tensor sums = at::zeros({2}, f32.dtype(at::kDouble));
+      const BlockDims dims = spec.dims;
+      const int64_t chunk = std::min(cfg.compute.vocab_chunk, V), tile = cfg.compute.token_tile;
+      if (key.name == "head log-sum-exp")
+        fn = [dims, norm, x, rows, lab, chunk, tile, st, lse, sums](const LaunchContext&) mutable {
+          head_state_reset(st);
+          head_lse_shard(dims, norm, x, rows, 0, lab, chunk, tile, st);
+          lse.copy_(head_lse(st));
+          at::Tensor loss = sums[0], valid = sums[1];
+          head_loss_sums(st, lse, lab, loss, valid);
+        };
+      else if (key.name == "head backward")
+        fn = [dims, norm, x, rows, lab, chunk, tile, lse, loss_scale, grad_h, grad_rows](const LaunchContext&) {
+          head_grad_shard(dims, norm, x, rows, 0, lab, chunk, tile, lse, loss_scale, grad_h, grad_rows);
+        };
+      else
+        fn = [dims, norm, x, grad_h, grad_norm, tile, gin_dst](const LaunchContext&) {
+          head_norm_backward(dims, norm, x, grad_h, grad_norm, tile, gin_dst.view({-1, dims.hidden}));
+        };
+    } else if (key.name == "grads to bf16") {
+      at::Tensor dst = at::empty({int64_t(spec.layout(b).total_elems())}, bf16);
+      fn = [grads, dst](const LaunchContext&) { dst.copy_(grads); };
     } else if (key.name == "zero grads") {
       fn = [grads](const LaunchContext&) { grads.zero_(); };
     } else {

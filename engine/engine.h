@@ -243,7 +243,7 @@ class Engine {
   // The first `elems` gradients of unit u in the transfer dtype: the fp32
   // accumulators themselves, or (bf16) rounded on the compute stream into the
   // unit's parameter area, which the visit no longer reads.
-  const std::byte* grads_to_send(const CacheUnit& u, size_t elems);
+  const std::byte* grads_to_send(const CacheUnit& u, size_t elems, int64_t block);
   void release_ring_slot(int64_t p);  // the slot's gradients are consumed
   void updater_main();
   // Updates piece order[pos]; the next NVMe-tier piece after it in `order`

@@ -208,7 +208,7 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
                                            gout.view({-1, dims.hidden}));
                       });
     }
-  const std::byte* send = grads_to_send(u, used);
+  const std::byte* send = grads_to_send(u, used, head_);
   if (last) copy_grads_out(sh.norm_piece, send);  // the order of landing_
   if (spec_.tie_embeddings) {
     // The embedding's gradient starts from the head's share (run_backward),
@@ -276,16 +276,16 @@ void Engine::run_backward(int64_t p, const CacheUnit& u) {
                       if (gin.defined()) gout.copy_(gin);
                     });
   }
-  copy_grads_out(p, grads_to_send(u, pc.elems()));
+  copy_grads_out(p, grads_to_send(u, pc.elems(), b));
 }
 
-const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems) {
+const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems, int64_t block) {
   const std::byte* out = reinterpret_cast<const std::byte*>(u.grads_fp32);
   if (grad_bytes_ == 2) {
     at::Tensor acc = grads_view(u).slice(0, 0, int64_t(elems));
     at::Tensor dst = at::from_blob(u.params_bf16, {int64_t(elems)},
                                    at::TensorOptions().dtype(at::kBFloat16).device(aten_device_));
-    device_->launch(StreamId::kCompute, {"grads to bf16", -1, 0.0},
+    device_->launch(StreamId::kCompute, {"grads to bf16", int32_t(block), 0.0},
                     [acc, dst](const LaunchContext&) { dst.copy_(acc); });
     out = static_cast<const std::byte*>(u.params_bf16);
   }
