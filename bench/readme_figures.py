@@ -440,7 +440,7 @@ def block_predict_nvme(f, logs):
     out.append(prose(
         "Without `--nvme` both are refused, naming the RAM needed at batch 1 "
         f"({f['refused.70b.ram_needed_gib']:.0f} GiB for 70B, {f['refused.123b.ram_needed_gib']:.0f} GiB for "
-        "123B). With clipping the updates must wait for the norm, and on NVMe each one reads 16 and writes 16 "
+        "123B). With clipping the updates must wait for the norm, and on NVMe each one reads 14 and writes 14 "
         "bytes per parameter, so they no longer hide behind the next forward: overlap efficiency "
         f"{f['predict.70b.nvme.clip1.overlap_efficiency']:.2f} (70B) and "
         f"{f['predict.123b.nvme.clip1.overlap_efficiency']:.2f} (123B) against "
