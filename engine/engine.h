@@ -1,28 +1,34 @@
 // Engine: the sliding-window training step of DESIGN.md ("One training step").
 //
-// The device holds K cache units, a window over the model's blocks; the host
+// The device holds K cache units, a window over the model's pieces; the host
 // holds every block's bf16 (or fp32) compute copy and, in RAM or on NVMe, its
-// fp32 master/m/v. A step of M micro-batches is one sequence of block visits:
-//   forward 0 .. B-2, head (loss + its backward), backward B-2 .. 0
-// Each visit needs its block's parameters in a unit; the H2D for visit i is
+// fp32 master/m/v. A piece (engine/shards.h) is a layer, a vocabulary shard
+// of the embedding or the LM head, or the head's final norm: the embedding and
+// the LM head are cut so that no unit is larger than a layer. A step of M
+// micro-batches is one sequence of visits:
+//   forward: embedding shards, layers; head: pass 1 (log-sum-exp) over every
+//   LM-head shard, then pass 2 (gradients) over every shard (one visit when
+//   there is one shard); backward: layers, embedding shards, in reverse
+// Each visit needs its pieces' parameters in a unit; the H2D for visit i is
 // issued K-1 visits ahead. Backward visits accumulate fp32 gradients in the
-// unit over all micro-batches and copy them out once. An updater thread runs
-// CPU AdamW per block as its gradients land (reading/writing NVMe-tier state
-// through the NvmeStore), or, with global-norm clipping, after all have landed
-// and in forward order, overlapped with the next step's forward. The next H2D
-// of a block waits for exactly that block's update.
+// unit over all micro-batches and copy them out once, in the compute dtype
+// (bf16 by default; fp32 on request). An updater thread runs CPU AdamW per
+// piece as its gradients land (reading/writing NVMe-tier state through the
+// NvmeStore), or, with global-norm clipping, after all have landed and in
+// forward order, overlapped with the next step's forward. The next H2D of a
+// piece waits for exactly that piece's update.
 //
 // Gradients land in host staging: a ring of `grad_ring` slots, reused once
-// its previous gradients are consumed by their block's update. With exact
+// its previous gradients are consumed by their piece's update. With exact
 // clipping every gradient must outlive the global norm, so there a block
 // whose state lives in RAM keeps a buffer of its own, and an NVMe-tier block
 // (which keeps only its compute copy in RAM) goes through the ring with its
-// gradients spilled to its fp32 gradient extent on NVMe, read back with its
-// state for the update. Still fp32 all the way: offload changes nothing.
+// gradients spilled to their extent on NVMe, read back with its state for
+// the update.
 //
 // The same code runs on CpuDevice (tests, with chaos) and CudaDevice; results
-// are bit-identical to ResidentModel + AdamW whatever K, the tiers or where
-// checkpoints live.
+// are bit-identical to ResidentModel + AdamW whatever K, the tiers, the
+// vocabulary shards or where checkpoints live.
 #pragma once
 
 #include <ATen/ATen.h>
