@@ -64,18 +64,13 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   }
   // Visits of one step: forward (embedding shards, layers), the head's shards
   // (pass 1 over all, then pass 2 over all; both in one visit when there is
-  // one), backward (layers, embedding shards), all in reverse.
+  // one), backward (layers, then embedding shards, each in reverse order).
   const Sharding& sh = shards_;
   for (int64_t p = 0; p < sh.first_of(head_); ++p) visits_.push_back({Visit::kForward, p});
   std::vector<Visit> head_lse, head_grad;
   for (int64_t k = 0; k < sh.shards; ++k) {
-    if (sh.shards == 1) {
-      head_lse.push_back({Visit::kHead, 0, k, true, false});
-      head_grad.push_back({Visit::kHead, 0, k, true, true});
-    } else {
-      head_lse.push_back({Visit::kHead, 0, k, true, false});
-      head_grad.push_back({Visit::kHead, 0, k, false, true});
-    }
+    head_lse.push_back({Visit::kHead, 0, k, true, false});
+    head_grad.push_back({Visit::kHead, 0, k, sh.shards == 1, true});
   }
   eval_visits_ = visits_;
   eval_visits_.insert(eval_visits_.end(), head_lse.begin(), head_lse.end());

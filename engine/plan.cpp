@@ -143,10 +143,11 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
     for (int64_t t : {8192, 4096, 2048, 1024, 512, 256})
       if (t < mb_tokens) tiles.push_back(t);
   }
-  const uint64_t untiled_work = work_for(tiles.front());
+  uint64_t untiled_work = 0;
   for (size_t i = 0; i < tiles.size(); ++i) {
     p.token_tile = tiles[i];
     work = work_for(p.token_tile);
+    if (i == 0) untiled_work = work;
     if (fits(k_min, host_ckpt_for(), nullptr)) break;
   }
   p.device_work_bytes = work;
