@@ -77,6 +77,14 @@ struct EngineConfig {
   // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
   // keeps them exact (the exactness tests; an fp32 compute dtype always does).
   bool fp32_grad_transfer = false;
+  // Decoder-layer blocks (1..layers) whose backward does not recompute their
+  // forward's matmuls: forward keeps their outputs (gpu/blocks.h's
+  // LayerSaved: q, k, v, x1, gate, up) and copies them out to pinned host
+  // memory on the d2h stream; they come back on the h2d stream, prefetched,
+  // before the layer's backward. Every other layer recomputes its forward
+  // from its checkpoint. The two are bit-identical (the same ops in the same
+  // order); the plan chooses (engine/plan.h, PlanLimits::activations).
+  std::vector<int64_t> saved_blocks;
   at::ScalarType grad_dtype() const {
     return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
   }
@@ -124,7 +132,10 @@ struct EngineFootprint {
   int64_t shard_rows = 0;           // vocabulary rows per shard
   uint64_t unit_bytes = 0;          // one unit: parameters + fp32 gradients
   uint64_t pool_bytes = 0;          // K units
-  uint64_t activation_bytes = 0;    // checkpoints (or the ring), output gradients, the batch
+  uint64_t activation_bytes = 0;    // checkpoints (or the ring), output gradients, the batch, saved-activation slots
+  int64_t saved_layers = 0;         // layers whose activations are kept (EngineConfig::saved_blocks)
+  uint64_t saved_bytes_per_layer = 0;  // host bytes one such layer keeps, all micro-batches of a step
+  uint64_t saved_host_bytes = 0;    // host bytes of all kept activations (part of host_bytes)
   uint64_t device_bytes = 0;        // pool + activations: every device allocation
   uint64_t host_bytes = 0;          // the pinned arena
   uint64_t nvme_bytes = 0;          // NVMe-tier state files

@@ -45,6 +45,22 @@ void embedding_shard_forward(const at::Tensor& rows, int64_t v0, const at::Tenso
 void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tensor& grad_out,
                               const at::Tensor& grad_rows);
 
+// What a decoder layer's backward needs of its forward besides the input x:
+// the outputs of its projections, one micro-batch's, as [tokens, features]
+// views in the compute dtype: q, k, v before the q/k norms and RoPE, x1 = x +
+// attention (the residual stream between the halves), and the MLP's gate and
+// up projections. With them a backward recomputes no matmul: only the norms,
+// RoPE, the attention core (SDPA, to rebuild its output for o_proj's
+// gradient and its autograd graph) and silu(gate) * up.
+struct LayerSaved {
+  at::Tensor q, k, v, x1, gate, up;
+};
+// Elements of one micro-batch's LayerSaved for `tokens` tokens (b * s).
+int64_t layer_saved_elems(const BlockDims& d, int64_t tokens);
+// Views of a flat 1-D tensor of at least layer_saved_elems elements, in the
+// order q, k, v, x1, gate, up (one copy moves them all).
+LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tensor& flat);
+
 // Decoder layer: x [b, s, hidden] -> [b, s, hidden], no autograd.
 //
 // token_tile > 0 runs the post-attention norm and the MLP over tiles of that
@@ -53,19 +69,23 @@ void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tenso
 // b * s tokens) runs them on all tokens at once. Attention (SDPA, grouped K/V
 // read in place) keeps O(b * s * hidden) working memory either way. A tiled
 // layer equals the untiled one up to summation order (its GEMMs see fewer
-// rows). The untiled one is the plain formula (transformers') bit for bit,
-// but for grouped K/V's gradients: SDPA sums them over each group itself.
+// rows).
+//
+// `save` (views from layer_saved_views) receives what the backward needs;
+// the output is the same bits with or without it.
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
-                         const at::Tensor& x, int64_t token_tile);
-// Recomputes the layer from its saved input x with autograd, back-propagates
-// grad_out, adds every parameter gradient into `grads` (fp32, same names as
-// `w`) and returns d(loss)/dx. In parts, so that no moment holds the whole
-// layer's weight gradients: the attention half is recomputed with autograd;
-// then each MLP tile (token_tile as above) is recomputed, back-propagated and
-// its weight gradients added; last, attention is back-propagated and its
-// weight gradients added.
+                         const at::Tensor& x, int64_t token_tile, const LayerSaved* save = nullptr);
+// Back-propagates grad_out through the layer whose input was x, adds every
+// parameter gradient into `grads` (fp32, same names as `w`) and returns
+// d(loss)/dx. `saved` (what layer_forward saved for this x) spares the
+// projections; without it they are recomputed from x by the forward's own
+// ops, tile by tile, so the two give the same bits. In parts, so that no
+// moment holds the whole layer's weight gradients: each MLP tile (token_tile
+// as above) is back-propagated and its weight gradients added, then
+// attention. Matmul gradients are explicit GEMMs; autograd differentiates
+// only the element-wise parts and the attention core.
 at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
                           const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads,
-                          int64_t token_tile);
+                          int64_t token_tile, const LayerSaved* saved = nullptr);
 
 }  // namespace strider

@@ -1,0 +1,231 @@
+#!/usr/bin/env python3
+"""strider against plain PyTorch: the same Hugging Face model, the same batches
+and hyper-parameters, trained two ways in one run, interleaved.
+
+- torch: the model resident in fp32, forward and backward under autocast to
+  the compute dtype, exact global-norm clipping, torch.optim.AdamW(fused=True).
+- strider: strider.Engine on a copy of the same model, offloaded to a window
+  of K cache units on the device (the CPU device by default: its copies are
+  real memcpys), CPU AdamW on fp32 masters, the same clipping.
+
+Each side lives in its own worker process (so each has its own peak RSS and
+neither's memory or threads disturb the other), with the same thread count.
+The parent runs rounds: in each, one side runs `--steps-per-round` steps, then
+the other (the order alternating round by round), so that the machine's noise
+falls on both. Both sides see the same batch at the same step, so their
+losses compare step by step.
+
+Prints each round's tokens/s for both, both peak RSS, each step's loss for
+both, and one JSON line: strider_over_torch is the median over rounds of
+strider's tokens/s divided by torch's in the same round; loss_max_rel_diff the
+largest relative difference of a step's loss. A figure, never pass/fail.
+
+    bench/bench_vs_torch.py                        # the default: ~135M Llama, 49152 vocabulary
+    bench/bench_vs_torch.py --rounds 5 --window 2 --activations auto
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A SmolLM-135M-shaped Llama (hidden 576, 30 layers, GQA 9/3, tied, vocabulary 49152).
+MODEL_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                  tie_word_embeddings=True, rope_theta=10000.0)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 5 for a median worth quoting)")
+    p.add_argument("--steps-per-round", type=int, default=2)
+    p.add_argument("--warmup-steps", type=int, default=1, help="steps each side runs before the first round")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--window", type=int, default=2, help="strider's K (cache units)")
+    p.add_argument("--activations", default=None,
+                   help="strider's activation mode (recompute, saved, auto); default: the engine's default")
+    p.add_argument("--threads", type=int, default=0, help="intra-op and optimizer threads, both sides; 0: all cores")
+    p.add_argument("--layers", type=int, default=MODEL_135M["num_hidden_layers"], help="decoder layers")
+    p.add_argument("--hidden", type=int, default=MODEL_135M["hidden_size"])
+    p.add_argument("--intermediate", type=int, default=MODEL_135M["intermediate_size"])
+    p.add_argument("--vocab", type=int, default=MODEL_135M["vocab_size"])
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--device-budget", default="8GiB", help="strider's device budget (the CPU device's memory)")
+    p.add_argument("--json-out", default="", help="also write the JSON line to this file")
+    return p.parse_args(argv)
+
+
+def model_config(a):
+    from transformers import LlamaConfig
+    cfg = dict(MODEL_135M, num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.intermediate,
+               vocab_size=a.vocab)
+    c = LlamaConfig(**cfg)
+    c._attn_implementation = "sdpa"
+    return c
+
+
+def make_batches(a, count):
+    import torch
+    g = torch.Generator().manual_seed(1234)
+    batch = a.micro_batch * a.accumulation
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, a.vocab, (batch, a.seq), generator=g)
+        out.append((ids, ids.clone()))
+    return out
+
+
+def peak_rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class TorchSide:
+    """Plain PyTorch: resident fp32 model, autocast, fused AdamW, exact clipping."""
+
+    def __init__(self, a, model):
+        import torch
+        self.torch, self.a, self.model = torch, a, model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                     fused=True)
+        self.dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+
+    def step(self, ids, labels):
+        torch, a = self.torch, self.a
+        mb = a.micro_batch
+        # The engine's loss: the mean over the batch's valid tokens (labels shifted as HF does).
+        valid = int((labels[:, 1:] != -100).sum())
+        total = 0.0
+        for m in range(a.accumulation):
+            i, l = ids[m * mb:(m + 1) * mb], labels[m * mb:(m + 1) * mb]
+            with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
+                logits = self.model(input_ids=i).logits
+            loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
+                                                         l[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
+            (loss_sum / valid).backward()
+            total += float(loss_sum)
+            del logits, loss_sum
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return total / valid
+
+
+class StriderSide:
+    def __init__(self, a, model):
+        import strider
+        over = {} if a.activations is None else {"activations": a.activations}
+        cfg = strider.EngineConfig(seq=a.seq, micro_batch=a.micro_batch, accumulation=a.accumulation,
+                                   window=a.window, dtype=a.dtype, lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
+                                   weight_decay=0.1, clip_norm=1.0, optimizer_threads=a.threads, device="cpu",
+                                   device_budget=a.device_budget, **over)
+        self.engine = strider.Engine(model, cfg)
+
+    def step(self, ids, labels):
+        return self.engine.step(ids, labels).loss
+
+    def finish(self):
+        self.engine.finish()
+
+
+def worker(side, a, conn):
+    import torch
+    import transformers
+    sys.path.insert(0, str(REPO / "python_shim"))
+    threads = a.threads or os.cpu_count()
+    torch.set_num_threads(threads)
+    a.threads = threads
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(model_config(a)).float()
+    params = sum(p.numel() for p in model.parameters())
+    runner = TorchSide(a, model) if side == "torch" else StriderSide(a, model)
+    total_steps = a.warmup_steps + a.rounds * a.steps_per_round
+    batches = make_batches(a, total_steps)
+    done = 0
+    conn.send({"params": params, "threads": threads})
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            break
+        n = int(msg)
+        losses = []
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ids, labels = batches[done]
+            losses.append(runner.step(ids, labels))
+            done += 1
+        if hasattr(runner, "finish"):
+            runner.finish()  # the step's updates belong to its time
+        elapsed = time.perf_counter() - t0
+        conn.send({"seconds": elapsed, "losses": losses, "peak_rss": peak_rss_bytes()})
+    conn.close()
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    ctx = mp.get_context("spawn")
+    procs, conns = {}, {}
+    for side in ("torch", "strider"):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=worker, args=(side, a, child), daemon=True)
+        p.start()
+        procs[side], conns[side] = p, parent
+    info = {side: conns[side].recv() for side in conns}
+    tokens_per_step = a.micro_batch * a.accumulation * a.seq
+    print(f"model: Llama {info['torch']['params'] / 1e6:.1f}M parameters ({a.layers} layers, hidden {a.hidden}, "
+          f"vocabulary {a.vocab}); batch {a.micro_batch} x {a.accumulation} x seq {a.seq}, {a.dtype}, "
+          f"{info['torch']['threads']} threads; strider K = {a.window}, activations "
+          f"{a.activations or 'default'}, CPU device", flush=True)
+
+    def run(side, n):
+        conns[side].send(n)
+        return conns[side].recv()
+
+    losses = {"torch": [], "strider": []}
+    if a.warmup_steps:
+        for side in conns:
+            losses[side] += run(side, a.warmup_steps)["losses"]
+    ratios, tps = [], {"torch": [], "strider": []}
+    rss = {}
+    for r in range(a.rounds):
+        order = ("torch", "strider") if r % 2 == 0 else ("strider", "torch")
+        got = {side: run(side, a.steps_per_round) for side in order}
+        for side in order:
+            losses[side] += got[side]["losses"]
+            tps[side].append(a.steps_per_round * tokens_per_step / got[side]["seconds"])
+            rss[side] = got[side]["peak_rss"]
+        ratios.append(tps["strider"][-1] / tps["torch"][-1])
+        print(f"round {r + 1}: torch {tps['torch'][-1]:.0f} tokens/s, strider {tps['strider'][-1]:.0f} tokens/s, "
+              f"strider/torch {ratios[-1]:.3f}", flush=True)
+    for side in conns:
+        conns[side].send("stop")
+        procs[side].join(timeout=60)
+
+    rel = [abs(s - t) / abs(t) for s, t in zip(losses["strider"], losses["torch"])]
+    for i, (t, s) in enumerate(zip(losses["torch"], losses["strider"])):
+        print(f"step {i + 1}: loss torch {t:.5f} strider {s:.5f} (rel diff {rel[i]:.2e})")
+    print(f"peak RSS: torch {rss['torch'] / 2**30:.2f} GiB, strider {rss['strider'] / 2**30:.2f} GiB")
+    result = dict(bench="vs_torch", params=info["torch"]["params"], seq=a.seq, micro_batch=a.micro_batch,
+                  accumulation=a.accumulation, dtype=a.dtype, window=a.window,
+                  activations=a.activations or "default", threads=info["torch"]["threads"], rounds=a.rounds,
+                  torch_tokens_per_s=statistics.median(tps["torch"]),
+                  strider_tokens_per_s=statistics.median(tps["strider"]),
+                  strider_over_torch=statistics.median(ratios), ratios=[round(x, 4) for x in ratios],
+                  torch_peak_rss_bytes=rss["torch"], strider_peak_rss_bytes=rss["strider"],
+                  loss_max_rel_diff=max(rel), steps=len(rel))
+    line = json.dumps(result)
+    print(line)
+    if a.json_out:
+        Path(a.json_out).write_text(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
