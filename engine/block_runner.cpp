@@ -43,25 +43,34 @@ BlockRunner::BlockRunner(const ModelSpec& spec, ComputeOptions options, int64_t 
   rope_ = rope_tables(spec.dims.rope, spec.dims.head_dim, seq, options.dtype, device);
 }
 
-at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::Tensor& input) const {
+at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
+                                const at::Tensor& save) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input);
-    case BlockKind::kLayer: return layer_forward(spec_.dims, w, rope_, input, options_.token_tile);
+    case BlockKind::kLayer: {
+      if (!save.defined()) return layer_forward(spec_.dims, w, rope_, input, options_.token_tile);
+      const LayerSaved s = layer_saved_views(spec_.dims, input.size(0) * input.size(1), save);
+      return layer_forward(spec_.dims, w, rope_, input, options_.token_tile, &s);
+    }
     case BlockKind::kHead: break;
   }
   throw Error("BlockRunner::forward: the head has no plain forward; use head_eval or head_backward");
 }
 
 at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
-                                 const at::Tensor& grad_out, const at::Tensor& grads) const {
+                                 const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   TensorMap g = block_views(spec_, b, layouts_[b], grads);
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding:
       embedding_backward(input, grad_out, g.at("weight"));
       return {};
-    case BlockKind::kLayer: return layer_backward(spec_.dims, w, rope_, input, grad_out, g, options_.token_tile);
+    case BlockKind::kLayer: {
+      if (!saved.defined()) return layer_backward(spec_.dims, w, rope_, input, grad_out, g, options_.token_tile);
+      const LayerSaved s = layer_saved_views(spec_.dims, input.size(0) * input.size(1), saved);
+      return layer_backward(spec_.dims, w, rope_, input, grad_out, g, options_.token_tile, &s);
+    }
     case BlockKind::kHead: break;
   }
   throw Error("BlockRunner::backward: use head_backward for the head");

@@ -29,13 +29,17 @@ class BlockRunner {
 
   // Forward of block `b` without autograd. `input` is token ids [mb, seq] for
   // the embedding and the previous block's output otherwise. Not for the head.
-  at::Tensor forward(int64_t b, const at::Tensor& params, const at::Tensor& input) const;
+  // `save` (a layer only: a flat buffer of layer_saved_elems elements in the
+  // compute dtype) receives what its backward needs (gpu/blocks.h, LayerSaved).
+  at::Tensor forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
+                     const at::Tensor& save = {}) const;
 
-  // Recompute + backward of a layer or the embedding: adds parameter gradients
-  // into `grads` (fp32 flat, same layout) and returns d(loss)/d(input)
-  // (undefined for the embedding).
+  // Backward of a layer or the embedding: adds parameter gradients into
+  // `grads` (fp32 flat, same layout) and returns d(loss)/d(input) (undefined
+  // for the embedding). A layer recomputes its forward's projections, or
+  // takes them from `saved` (what forward wrote into `save`): the same bits.
   at::Tensor backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
-                      const at::Tensor& grad_out, const at::Tensor& grads) const;
+                      const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved = {}) const;
 
   // The head: loss and gradients. With tied embeddings `tied_params` /
   // `tied_grads` are the embedding block's flat buffers (the LM head reads

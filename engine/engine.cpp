@@ -36,6 +36,14 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   num_blocks_ = spec_.num_blocks();
   head_ = num_blocks_ - 1;
   for (int64_t b = 0; b < num_blocks_; ++b) layouts_.push_back(spec_.layout(b));
+  saved_index_.assign(size_t(num_blocks_), -1);
+  int64_t kept = 0;
+  for (int64_t b : config_.saved_blocks) {
+    STRIDER_CHECK(b >= 1 && b < head_, "saved_blocks: block {} is not a decoder layer (blocks 1..{} are)", b,
+                  head_ - 1);
+    STRIDER_CHECK(saved_index_[size_t(b)] < 0, "saved_blocks: block {} listed twice", b);
+    saved_index_[size_t(b)] = kept++;
+  }
   compute_bytes_ = config_.compute.dtype == at::kFloat ? 4 : 2;
   grad_bytes_ = config_.grad_dtype() == at::kFloat ? 4 : 2;
   const int64_t M = config_.accumulation;
@@ -121,6 +129,8 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kAlign);
   if (config_.checkpoints_on_host)
     for (int64_t i = 0; i < head_ * M; ++i) host_ckpt_.push_back(arena_->carve(act_bytes, kAlign, "host checkpoint"));
+  saved_bytes_ = size_t(layer_saved_elems(spec_.dims, config_.micro_batch * config_.seq)) * compute_bytes_;
+  for (int64_t i = 0; i < kept * M; ++i) saved_host_.push_back(arena_->carve(saved_bytes_, kAlign, "kept activations"));
   if (ring_slot_bytes > 0)
     for (int64_t r = 0; r < config_.grad_ring; ++r)
       grad_ring_.push_back(arena_->carve(ring_slot_bytes, kAlign, "gradient ring slot"));
@@ -232,6 +242,16 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   // clipping), and the gradient ring.
   f.host_bytes += 2 * (clip ? 4 : 3) * max_nvme_state;
   f.host_bytes += uint64_t(c.grad_ring) * ring_slot_bytes;
+  // Kept activations: a host copy per layer and micro-batch, two device slots.
+  f.saved_layers = int64_t(c.saved_blocks.size());
+  if (f.saved_layers > 0) {
+    const size_t kept = size_t(layer_saved_elems(spec.dims, int64_t(mb_tokens))) * cbytes;
+    f.saved_bytes_per_layer = uint64_t(M) * round_up(kept, kAlign);
+    f.saved_host_bytes = uint64_t(f.saved_layers) * f.saved_bytes_per_layer;
+    f.host_bytes += f.saved_host_bytes;
+    f.activation_bytes += 2 * round_up(kept, 256);
+    f.device_bytes = f.pool_bytes + f.activation_bytes;
+  }
   return f;
 }
 
@@ -291,6 +311,14 @@ void Engine::allocate_activations() {
     grad_h_.push_back(make({mb * S, H}, at::kFloat, "head hidden gradient"));
   }
   for (int s = 0; s < 2; ++s) ring_free_.push_back(device_->make_event());
+  if (!config_.saved_blocks.empty()) {
+    const int64_t elems = layer_saved_elems(spec_.dims, mb * S);
+    for (int s = 0; s < 2; ++s) {
+      saved_dev_.push_back(make({elems}, cdt, "kept activations"));
+      saved_free_.push_back(device_->make_event());
+    }
+    for (size_t i = 0; i < config_.saved_blocks.size(); ++i) saved_out_.push_back(device_->make_event());
+  }
 }
 
 StepReport Engine::step(const int64_t* ids, const int64_t* labels) {

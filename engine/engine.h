@@ -225,13 +225,19 @@ class Engine {
   void upload_batch(const int64_t* ids, const int64_t* labels);
   std::vector<int64_t> visit_segments(const Visit& v) const;
   void load_visit(const Visit& v, size_t i);    // acquire + H2D of its pieces into loaded_[i]
-  void run_forward(int64_t p, const CacheUnit& u);
+  void run_forward(int64_t p, const CacheUnit& u, bool train);
   void run_head(const Visit& v, const CacheUnit& u, bool train);
   void run_backward(int64_t p, const CacheUnit& u);
   at::Tensor params_view(const CacheUnit& u, size_t offset, size_t elems) const;
   at::Tensor grads_view(const CacheUnit& u) const;
   at::Tensor rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const;  // [rows, hidden]
   at::Tensor act(int64_t b, int64_t m) const;   // input of block b for micro-batch m
+  // Kept activations (EngineConfig::saved_blocks). Block b keeps them, its
+  // host copy for micro-batch m, and the H2D of that copy into the next
+  // device slot (slots alternate; each use waits for the slot's last reader).
+  bool keeps(int64_t b) const { return b > 0 && b < head_ && saved_index_[size_t(b)] >= 0; }
+  std::span<std::byte> saved_host(int64_t b, int64_t m) const;
+  void fetch_saved(int64_t b, int64_t m);
   double visit_flops(const Visit& v, bool train) const;
   void wait_updated(int64_t p);                 // piece p's update of the previous pass is done
   // Moves the device's finished spans into the timeline; returns the bytes
@@ -336,6 +342,23 @@ class Engine {
   std::vector<HeadState> head_state_;
   std::vector<at::Tensor> head_lse_, grad_h_;
   std::vector<std::unique_ptr<Event>> ring_free_;  // per ring set: its last reader is done
+  // Kept activations: per block its index among the kept ones (or -1); their
+  // host copies [index * M + m]; two device slots (flat, compute dtype) that
+  // forward fills and copies out of and backward copies into; per slot, its
+  // last reader (a D2H out, a backward) is done; per kept block, its copies
+  // out are on the host. H2Ds issued ahead wait in saved_in_, in order.
+  std::vector<int64_t> saved_index_;
+  std::vector<std::span<std::byte>> saved_host_;
+  size_t saved_bytes_ = 0;                  // one micro-batch's kept activations
+  std::vector<at::Tensor> saved_dev_;
+  std::vector<std::unique_ptr<Event>> saved_free_, saved_out_;
+  int64_t saved_uses_ = 0;                  // device slot uses so far: the next is uses % 2
+  struct SavedIn {
+    int64_t block = -1, m = -1;
+    int slot = 0;
+    std::unique_ptr<Event> ready;
+  };
+  std::deque<SavedIn> saved_in_;
   std::unique_ptr<Event> data_ready_, tied_grad_ready_;
 
   // Per-step state shared with closures (they run in stream order).

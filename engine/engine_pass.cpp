@@ -47,7 +47,28 @@ double Engine::visit_flops(const Visit& v, bool train) const {
   const int64_t b = piece(v.piece).block;
   if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
   const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_));
-  return v.kind == Visit::kForward ? c.forward_flops : c.backward_flops * 1.5;  // recompute + backward
+  if (v.kind == Visit::kForward) return c.forward_flops;
+  if (!keeps(b)) return c.backward_flops * 1.5;  // recompute + backward
+  // Kept activations: backward, and the attention core recomputed (its
+  // causal QK^T and PV: as ModelSpec::cost counts them).
+  const BlockDims& d = spec_.dims;
+  const double S = double(config_.seq);
+  return c.backward_flops + 2.0 * double(config_.micro_batch) * double(d.heads * d.head_dim) * S * S;
+}
+
+std::span<std::byte> Engine::saved_host(int64_t b, int64_t m) const {
+  return saved_host_[size_t(saved_index_[size_t(b)] * config_.accumulation + m)];
+}
+
+void Engine::fetch_saved(int64_t b, int64_t m) {
+  const int slot = int(saved_uses_++ % 2);
+  device_->wait(StreamId::kH2D, *saved_free_[size_t(slot)]);              // its last reader is done
+  device_->wait(StreamId::kH2D, *saved_out_[size_t(saved_index_[size_t(b)])]);  // the forward's copy has landed
+  device_->copy_h2d(StreamId::kH2D, saved_dev_[size_t(slot)].data_ptr(), saved_host(b, m).data(), saved_bytes_,
+                    {"h2d activations", int32_t(b)});
+  auto ready = device_->make_event();
+  device_->record(*ready, StreamId::kH2D);
+  saved_in_.push_back({b, m, slot, std::move(ready)});
 }
 
 void Engine::wait_updated(int64_t p) {
@@ -100,7 +121,7 @@ void Engine::load_visit(const Visit& v, size_t i) {
   loaded_[i] = {&u, std::move(ready)};
 }
 
-void Engine::run_forward(int64_t p, const CacheUnit& u) {
+void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
   const int64_t M = config_.accumulation;
   const Piece& pc = piece(p);
   const int64_t b = pc.block;
@@ -121,11 +142,30 @@ void Engine::run_forward(int64_t p, const CacheUnit& u) {
                       [rows, v0, in, out](const LaunchContext&) { embedding_shard_forward(rows, v0, in, out); });
       continue;
     }
+    if (train && keeps(b)) {
+      // Keep what backward needs: written into a device slot (once its last
+      // reader is done), copied out to the block's host copy.
+      const int slot = int(saved_uses_++ % 2);
+      at::Tensor save = saved_dev_[size_t(slot)];
+      device_->wait(StreamId::kCompute, *saved_free_[size_t(slot)]);
+      device_->launch(StreamId::kCompute, {"forward", int32_t(b), flops},
+                      [this, b, params, in, out, save](const LaunchContext&) {
+                        out.copy_(runner_->forward(b, params, in, save));
+                      });
+      auto done = device_->make_event();
+      device_->record(*done, StreamId::kCompute);
+      device_->wait(StreamId::kD2H, *done);
+      device_->copy_d2h(StreamId::kD2H, saved_host(b, m).data(), save.data_ptr(), saved_bytes_,
+                        {"d2h activations", int32_t(b)});
+      device_->record(*saved_free_[size_t(slot)], StreamId::kD2H);
+      continue;
+    }
     device_->launch(StreamId::kCompute, {"forward", int32_t(b), flops},
                     [this, b, params, in, out](const LaunchContext&) {
                       out.copy_(runner_->forward(b, params, in));
                     });
   }
+  if (train && keeps(b)) device_->record(*saved_out_[size_t(saved_index_[size_t(b)])], StreamId::kD2H);
   if (config_.checkpoints_on_host && last && b + 1 < head_) {
     // Copy block b+1's inputs out; the ring set is free again once they left.
     auto done = device_->make_event();
@@ -270,6 +310,25 @@ void Engine::run_backward(int64_t p, const CacheUnit& u) {
                       });
       continue;
     }
+    if (keeps(b)) {
+      // The kept activations of micro-batch m came in ahead (run_pass
+      // fetched m = 0 during the previous visit); fetch m + 1's now, into the
+      // other slot, once micro-batch m - 1's backward has read it.
+      if (saved_in_.empty() || saved_in_.front().block != b) fetch_saved(b, m);
+      if (m + 1 < M) fetch_saved(b, m + 1);
+      SavedIn got = std::move(saved_in_.front());
+      saved_in_.pop_front();
+      STRIDER_CHECK(got.block == b && got.m == m, "kept activations: block {} micro-batch {} expected, {} {} came",
+                    b, m, got.block, got.m);
+      device_->wait(StreamId::kCompute, *got.ready);
+      at::Tensor saved = saved_dev_[size_t(got.slot)];
+      device_->launch(StreamId::kCompute, {"backward", int32_t(b), flops},
+                      [this, b, params, grads, in, gout, saved](const LaunchContext&) {
+                        gout.copy_(runner_->backward(b, params, in, gout, grads, saved));
+                      });
+      device_->record(*saved_free_[size_t(got.slot)], StreamId::kCompute);
+      continue;
+    }
     device_->launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
                     [this, b, params, grads, in, gout](const LaunchContext&) {
                       at::Tensor gin = runner_->backward(b, params, in, gout, grads);
@@ -349,6 +408,7 @@ void Engine::run_pass(const std::vector<Visit>& visits, bool train) {
   const size_t n = visits.size(), ahead = size_t(config_.window) - 1;
   loaded_.clear();
   loaded_.resize(n);
+  saved_in_.clear();  // a pass that threw left nothing to wait for in order
   size_t next = 0;
   for (size_t i = 0; i < n; ++i) {
     // Visits i .. i+K-1 hold the K units; i-1 was released last iteration.
@@ -357,12 +417,18 @@ void Engine::run_pass(const std::vector<Visit>& visits, bool train) {
     const CacheUnit& u = *loaded_[i].unit;
     device_->wait(StreamId::kCompute, *loaded_[i].ready);
     switch (v.kind) {
-      case Visit::kForward: run_forward(v.piece, u); break;
+      case Visit::kForward: run_forward(v.piece, u, train); break;
       case Visit::kHead: run_head(v, u, train); break;
       case Visit::kBackward: run_backward(v.piece, u); break;
     }
     if (v.kind == Visit::kForward || !train || (v.kind == Visit::kHead && !v.grad)) pool_->release(u, {StreamId::kCompute});
     else pool_->release(u, {StreamId::kCompute, StreamId::kD2H});
+    // A layer that kept its activations gets its first micro-batch's in
+    // while this visit computes.
+    if (train && i + 1 < n && visits[i + 1].kind == Visit::kBackward) {
+      const int64_t b = piece(visits[i + 1].piece).block;
+      if (keeps(b)) fetch_saved(b, 0);
+    }
   }
 }
 

@@ -200,27 +200,27 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   LayerWork w;
   w.forward = headroom(std::max(attn, mlp) + small);
 
-  // Backward. What attention's recompute keeps for its backward: the
-  // norm's fp32 input and normalised input, its output h, RoPE'd q and k, v,
-  // SDPA's output and logsumexp, rsqrt, and x1 (with q/k norms: their fp32
-  // inputs, normalised values and rsqrt); then d(loss)/d(x1).
-  i128 saved = h * (3 * e + f32_copy) + 2 * (q + kv) * e + 4 * heads + 4;
-  if (d.qk_norm) saved += (q + kv) * (e + 4) + 4 * (heads + d.kv_heads);
-  const i128 held = n * saved + n * h * e;
-  // One MLP tile: the same saved by the tile's recompute (norm, h2, gate,
-  // silu, up, their product, the output), the largest step of its backward
-  // (the product's gradient and the gradients of silu and up; below fp32 the
-  // down projection's gradient with its fp32 GEMM output) and the weight
-  // gradient alive with it.
-  const i128 tile = t * (h * (3 * e + f32_copy) + 4 * inter * e + 4 +
-                         std::max(2 * inter * e, inter * e + gemm_f32 * inter)) +
-                    h * inter * (e + gemm_f32);
-  // Attention's backward at SDPA: d(out), d(q), d(k), d(v) (below fp32 the
-  // CPU kernel accumulates d(q) in fp32), the block scores' gradients, and
-  // the attention weights' gradients that autograd returns together.
-  const i128 attn_back = n * (2 * (q + kv) * e + (dtype_bytes < 4 ? 4 * q : 0)) + 2 * scores +
-                         (2 * h * q + 2 * h * kv) * e;
-  w.backward = headroom(held + std::max(tile, attn_back) + small);
+  // Backward (gpu/blocks.cpp's layer_backward, recomputing: a layer whose
+  // activations are kept holds less). Held through the MLP: the attention
+  // core's autograd graph (RoPE'd q and k, SDPA's output and log-sum-exp,
+  // the heads' output reshaped for o_proj; with q/k norms their fp32 inputs
+  // and normalised values), the recomputed projections q, k, v, x1 and
+  // d(loss)/d(x1).
+  i128 held = (3 * q + kv) * e + 4 * heads + (q + 2 * kv) * e + 2 * h * e;
+  if (d.qk_norm) held += (q + kv) * (e + 4) + 4 * (heads + d.kv_heads);
+  // One MLP tile: gate, up, d(act), d(up), d(gate) and silu_backward's
+  // scratch (fp32 below fp32), and d(h2) with a GEMM's output; one weight
+  // gradient [intermediate, hidden] at a time.
+  const i128 tile = n * held + t * (inter * (4 * e + f32_copy) + 2 * h * e) + h * inter * e;
+  // Attention's backward, x1 gone: d(a), its transposed copy, d(q), d(k),
+  // d(v) (below fp32 the CPU kernel accumulates d(q) in fp32) and the
+  // block scores' gradients.
+  const i128 attn_back = n * (held - h * e + 2 * q * e + (q + 2 * kv) * e + f32_copy * q) + 2 * scores;
+  // Last, the input norm recomputed with autograd and back-propagated, the
+  // rest freed: d(loss)/d(x1), d(h1), the norm's fp32 graph and its
+  // backward's fp32 temporaries.
+  const i128 norm_back = n * (2 * h * e + h * (12 + 2 * e) + 12 * h);
+  w.backward = headroom(std::max({tile, attn_back, norm_back}) + small);
   return w;
 }
 

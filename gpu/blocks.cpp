@@ -69,20 +69,29 @@ at::Tensor inv_freq(const RopeDims& r, int64_t head_dim) {
 // (sdp::SDPBackend::math in ATen's internal sdp_utils_cpp.h).
 constexpr int64_t kSdpMath = 0;
 
-// The attention half of the layer: x1 = x + o_proj(attention(norm(x))), on
-// tensors that may require grad (shared by the plain forward and the
-// recompute).
-at::Tensor attention_part(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
-                          const at::Tensor& x) {
-  const int64_t b = x.size(0), s = x.size(1);
+// The attention half's projections of x: q, k, v ([b, s, features], before
+// the q/k norms and RoPE), from the input norm. What LayerSaved keeps.
+struct Projections {
+  at::Tensor q, k, v;
+};
+Projections attention_projections(const TensorMap& w, const BlockDims& d, const at::Tensor& x) {
+  at::Tensor h = rms_norm(x, weight(w, "input_layernorm.weight"), d.rms_eps);
+  return {linear(h, w, "self_attn.q_proj"), linear(h, w, "self_attn.k_proj"), linear(h, w, "self_attn.v_proj")};
+}
+
+// The attention core from the projections: the q/k norms, RoPE and SDPA,
+// returning the heads' output as [b, s, heads * head_dim] (o_proj's input),
+// on tensors that may require grad (the forward, and the backward's graph).
+at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const RopeTables& rope, at::Tensor q_proj,
+                          at::Tensor k_proj, at::Tensor v_proj) {
+  const int64_t b = q_proj.size(0), s = q_proj.size(1);
   STRIDER_CHECK(d.sliding_window == 0 || s <= d.sliding_window,
                 "sequence length {} exceeds the model's sliding window {}; strider computes full "
                 "causal attention only", s, d.sliding_window);
-  at::Tensor h = rms_norm(x, weight(w, "input_layernorm.weight"), d.rms_eps);
-  at::Tensor q = linear(h, w, "self_attn.q_proj").view({b, s, d.heads, d.head_dim});
-  at::Tensor k = linear(h, w, "self_attn.k_proj").view({b, s, d.kv_heads, d.head_dim});
-  at::Tensor v = linear(h, w, "self_attn.v_proj").view({b, s, d.kv_heads, d.head_dim});
-  h = at::Tensor();
+  at::Tensor q = q_proj.view({b, s, d.heads, d.head_dim});
+  at::Tensor k = k_proj.view({b, s, d.kv_heads, d.head_dim});
+  at::Tensor v = v_proj.view({b, s, d.kv_heads, d.head_dim});
+  q_proj = k_proj = v_proj = at::Tensor();  // the callers' own references go as the core replaces them
   if (d.qk_norm) {
     q = rms_norm(q, weight(w, "self_attn.q_norm.weight"), d.rms_eps);
     k = rms_norm(k, weight(w, "self_attn.k_norm.weight"), d.rms_eps);
@@ -106,43 +115,38 @@ at::Tensor attention_part(const BlockDims& d, const TensorMap& w, const RopeTabl
   at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
                                                   /*enable_gqa=*/grouped);
   q = k = v = at::Tensor();
-  a = a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
-  return x + linear(a, w, "self_attn.o_proj");
+  return a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
 }
 
-// The MLP half without its residual: mlp(norm(x1)), for x1 [..., hidden].
-at::Tensor mlp_part(const BlockDims& d, const TensorMap& w, const at::Tensor& x1) {
+// The MLP's projections of x1 (its rows: a tile of tokens): gate and up,
+// from the post-attention norm. What LayerSaved keeps.
+struct MlpProjections {
+  at::Tensor gate, up;
+};
+MlpProjections mlp_projections(const BlockDims& d, const TensorMap& w, const at::Tensor& x1) {
   at::Tensor h = rms_norm(x1, weight(w, "post_attention_layernorm.weight"), d.rms_eps);
-  at::Tensor act = linear(h, w, "mlp.gate_proj");
-  if (at::GradMode::is_enabled()) {
-    act = at::silu(act) * linear(h, w, "mlp.up_proj");
-  } else {  // in place: two [tokens, intermediate] tensors alive, not three; the same bits
-    at::silu_(act);
-    act.mul_(linear(h, w, "mlp.up_proj"));
-  }
-  h = at::Tensor();
-  return linear(act, w, "mlp.down_proj");
+  return {linear(h, w, "mlp.gate_proj"), linear(h, w, "mlp.up_proj")};
 }
 
-// Which half of the layer a parameter belongs to (names as in gpu/blocks.h).
-bool in_mlp_part(std::string_view name) {
-  return name.starts_with("mlp.") || name == "post_attention_layernorm.weight";
+// y = x W^T (+ b) for 2-D dy = dL/dy and x: adds dL/dW = dy^T x (and dL/db,
+// summed in fp32) into the fp32 accumulators of `proj`.
+void add_linear_grads(TensorMap& grads, const std::string& proj, const at::Tensor& dy, const at::Tensor& x) {
+  auto acc = [&](const std::string& name) -> at::Tensor& {
+    auto it = grads.find(name);
+    STRIDER_CHECK(it != grads.end(), "model block: no gradient accumulator for '{}'", name);
+    return it->second;
+  };
+  acc(proj + ".weight").add_(at::mm(dy.t(), x));
+  if (auto it = grads.find(proj + ".bias"); it != grads.end()) it->second.add_(dy.sum({0}, false, at::kFloat));
 }
+
+// A fresh leaf that aliases t: autograd reads it, never writes it.
+at::Tensor leaf(const at::Tensor& t) { return t.detach().requires_grad_(true); }
 
 // Tokens per MLP tile for n tokens: all of them when untiled.
 int64_t tile_tokens(int64_t token_tile, int64_t n) {
   STRIDER_CHECK(token_tile >= 0, "token tile {} must be >= 0 (0: untiled)", token_tile);
   return token_tile == 0 || token_tile > n ? n : token_tile;
-}
-
-// Adds each gradient g[i] into the fp32 accumulator of names[i].
-void accumulate(TensorMap& grads, const std::vector<std::string_view>& names,
-                const std::vector<at::Tensor>& g, size_t first) {
-  for (size_t i = 0; i < names.size(); ++i) {
-    auto it = grads.find(names[i]);
-    STRIDER_CHECK(it != grads.end(), "model block: no gradient accumulator for '{}'", names[i]);
-    it->second.add_(g[first + i]);
-  }
 }
 
 }  // namespace
@@ -188,67 +192,203 @@ void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tenso
                        grad_out.reshape({-1, hidden}).index_select(0, sel).to(at::kFloat));
 }
 
+int64_t layer_saved_elems(const BlockDims& d, int64_t tokens) {
+  const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
+  return tokens * (q + 2 * kv + d.hidden + 2 * d.intermediate);
+}
+
+LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tensor& flat) {
+  STRIDER_CHECK(flat.dim() == 1 && flat.numel() >= layer_saved_elems(d, tokens),
+                "saved activations: a flat buffer of {} elements is smaller than {} tokens need ({})",
+                flat.numel(), tokens, layer_saved_elems(d, tokens));
+  int64_t at = 0;
+  auto next = [&](int64_t features) {
+    at::Tensor v = flat.slice(0, at, at + tokens * features).view({tokens, features});
+    at += tokens * features;
+    return v;
+  };
+  const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
+  LayerSaved s;
+  s.q = next(q);
+  s.k = next(kv);
+  s.v = next(kv);
+  s.x1 = next(d.hidden);
+  s.gate = next(d.intermediate);
+  s.up = next(d.intermediate);
+  return s;
+}
+
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
-                         const at::Tensor& x, int64_t token_tile) {
+                         const at::Tensor& x, int64_t token_tile, const LayerSaved* save) {
   at::NoGradGuard no_grad;
-  at::Tensor x1 = attention_part(d, w, rope, x);
+  const int64_t n = x.size(0) * x.size(1);
+  at::Tensor x1;
+  {
+    Projections p = attention_projections(w, d, x);
+    if (save) {
+      save->q.copy_(p.q.view({n, -1}));
+      save->k.copy_(p.k.view({n, -1}));
+      save->v.copy_(p.v.view({n, -1}));
+    }
+    at::Tensor a = attention_core(d, w, rope, std::move(p.q), std::move(p.k), std::move(p.v));
+    x1 = x + linear(a, w, "self_attn.o_proj");
+  }
+  if (save) save->x1.copy_(x1.view({n, d.hidden}));
   // x1 + mlp, tile by tile, in place: x1 is ours (a fresh sum), and the sum
   // rounds the same in place as out of place.
-  const int64_t n = x1.size(0) * x1.size(1);
   const int64_t tile = tile_tokens(token_tile, n);
   at::Tensor flat = x1.contiguous().view({n, d.hidden});
   for (int64_t t0 = 0; t0 < n; t0 += tile) {
-    at::Tensor t = flat.slice(0, t0, std::min(n, t0 + tile));
-    t.add_(mlp_part(d, w, t));
+    const int64_t t1 = std::min(n, t0 + tile);
+    at::Tensor t = flat.slice(0, t0, t1);
+    MlpProjections m = mlp_projections(d, w, t);
+    if (save) {
+      save->gate.slice(0, t0, t1).copy_(m.gate);
+      save->up.slice(0, t0, t1).copy_(m.up);
+    }
+    // In place: two [tokens, intermediate] tensors alive, not three; the
+    // same bits as silu(gate) * up.
+    at::silu_(m.gate);
+    m.gate.mul_(m.up);
+    m.up = at::Tensor();
+    t.add_(linear(m.gate, w, "mlp.down_proj"));
   }
   return flat.view(x1.sizes());
 }
 
 at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
                           const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads,
-                          int64_t token_tile) {
-  at::AutoGradMode enable(true);
-  // Leaves that alias the unit's memory: autograd reads them, never writes.
-  // Split by half, so that each backward returns only its own half's gradients.
-  TensorMap leaves;
-  std::vector<std::string_view> attn_names, mlp_names;
-  std::vector<at::Tensor> attn_inputs(1), mlp_inputs(1);  // [0]: the half's input
-  for (const auto& [name, t] : w) {
-    at::Tensor leaf = t.detach().requires_grad_(true);
-    const bool mlp = in_mlp_part(name);
-    (mlp ? mlp_names : attn_names).push_back(name);
-    (mlp ? mlp_inputs : attn_inputs).push_back(leaf);
-    leaves.emplace(name, leaf);
+                          int64_t token_tile, const LayerSaved* saved) {
+  const int64_t b = x.size(0), s = x.size(1), n = b * s, qf = d.heads * d.head_dim;
+  // Leaves for the weights autograd differentiates (norms; the projections'
+  // gradients are explicit GEMMs below).
+  auto weight_leaf = [&](const char* name) { return leaf(weight(w, name)); };
+  auto add_grad = [&](const char* name, const at::Tensor& g) {
+    auto it = grads.find(name);
+    STRIDER_CHECK(it != grads.end(), "model block: no gradient accumulator for '{}'", name);
+    it->second.add_(g);
+  };
+
+  // 1. The attention core rebuilt with autograd from the projections (kept,
+  // or recomputed from x by the forward's own ops), and x1: kept, or x +
+  // o_proj of the core's output (SDPA computes the same bits with and
+  // without grad, so this is the forward's x1).
+  at::Tensor q_proj, k_proj, v_proj, x1;
+  if (saved) {
+    q_proj = saved->q.view({b, s, -1});
+    k_proj = saved->k.view({b, s, -1});
+    v_proj = saved->v.view({b, s, -1});
+  } else {
+    at::NoGradGuard no_grad;
+    Projections p = attention_projections(w, d, x);
+    q_proj = p.q, k_proj = p.k, v_proj = p.v;
+  }
+  std::vector<at::Tensor> core_inputs = {leaf(q_proj), leaf(k_proj), leaf(v_proj)};
+  TensorMap core_w;
+  if (d.qk_norm) {
+    core_w.emplace("self_attn.q_norm.weight", weight_leaf("self_attn.q_norm.weight"));
+    core_w.emplace("self_attn.k_norm.weight", weight_leaf("self_attn.k_norm.weight"));
+    core_inputs.push_back(core_w.at("self_attn.q_norm.weight"));
+    core_inputs.push_back(core_w.at("self_attn.k_norm.weight"));
+  }
+  at::Tensor a;
+  {
+    at::AutoGradMode enable(true);
+    a = attention_core(d, core_w, rope, core_inputs[0], core_inputs[1], core_inputs[2]);
+  }
+  if (saved) {
+    x1 = saved->x1.view({b, s, d.hidden});
+  } else {
+    at::NoGradGuard no_grad;
+    x1 = x + linear(a.detach(), w, "self_attn.o_proj");
   }
 
-  // 1. Attention, recomputed with autograd; its graph waits for step 3.
-  attn_inputs[0] = x.detach().requires_grad_(true);
-  at::Tensor x1 = attention_part(d, leaves, rope, attn_inputs[0]);
-
-  // 2. The MLP tile by tile: recompute the tile with autograd, back-propagate
-  // it, add its weight gradients to the accumulators, keep d(loss)/d(x1) for
-  // its tokens. The residual is part of the tile's graph so that autograd
-  // sums x1's gradients (residual, and in fp32 the norm's two uses of x1) in
-  // the order one graph over the whole layer would: untiled, the same bits.
-  const int64_t n = x1.size(0) * x1.size(1);
+  // 2. The MLP tile by tile (the forward's tiles): gate and up (kept, or
+  // recomputed); silu(gate) * up's gradients written out (silu_backward, as
+  // autograd would), the projections' by GEMMs, the post-attention norm's by
+  // autograd, recomputed once the tile's [tile, intermediate] tensors are
+  // gone; d(loss)/d(x1) adds the residual.
   const int64_t tile = tile_tokens(token_tile, n);
-  const at::Tensor x1_flat = x1.detach().reshape({n, d.hidden});
+  at::Tensor x1_flat = x1.reshape({n, d.hidden});
+  x1 = at::Tensor();
   const at::Tensor gout_flat = grad_out.reshape({n, d.hidden});
-  at::Tensor gx1 = at::empty({n, d.hidden}, x1.options());
+  const at::Tensor& w_gate = weight(w, "mlp.gate_proj.weight");
+  const at::Tensor& w_up = weight(w, "mlp.up_proj.weight");
+  const at::Tensor& w_down = weight(w, "mlp.down_proj.weight");
+  const at::Tensor& norm2 = weight(w, "post_attention_layernorm.weight");
+  const at::Tensor norm2_w = weight_leaf("post_attention_layernorm.weight");
+  at::Tensor gx1 = at::empty({n, d.hidden}, x1_flat.options());
   for (int64_t t0 = 0; t0 < n; t0 += tile) {
     const int64_t t1 = std::min(n, t0 + tile);
-    mlp_inputs[0] = x1_flat.slice(0, t0, t1).detach().requires_grad_(true);
-    at::Tensor y = mlp_inputs[0] + mlp_part(d, leaves, mlp_inputs[0]);
-    std::vector<at::Tensor> g = torch::autograd::grad({y}, mlp_inputs, {gout_flat.slice(0, t0, t1)});
-    accumulate(grads, mlp_names, g, 1);
-    gx1.slice(0, t0, t1).copy_(g[0]);
+    const at::Tensor x1_t = x1_flat.slice(0, t0, t1), gout_t = gout_flat.slice(0, t0, t1);
+    at::Tensor dh2;
+    {
+      at::NoGradGuard no_grad;
+      MlpProjections m;
+      if (saved) m = {saved->gate.slice(0, t0, t1), saved->up.slice(0, t0, t1)};
+      else m = mlp_projections(d, w, x1_t);
+      at::Tensor silu = at::silu(m.gate);
+      add_linear_grads(grads, "mlp.down_proj", gout_t, silu * m.up);
+      at::Tensor dact = at::mm(gout_t, w_down);
+      const at::Tensor du = dact * silu;
+      silu = at::Tensor();
+      const at::Tensor dg = at::silu_backward(dact.mul_(m.up), m.gate);
+      dact = at::Tensor();
+      m = {};
+      const at::Tensor h2 = rms_norm(x1_t, norm2, d.rms_eps);
+      add_linear_grads(grads, "mlp.gate_proj", dg, h2);
+      add_linear_grads(grads, "mlp.up_proj", du, h2);
+      dh2 = at::mm(dg, w_gate).add_(at::mm(du, w_up));
+    }
+    at::AutoGradMode enable(true);
+    at::Tensor x1_leaf = leaf(x1_t);
+    std::vector<at::Tensor> g =
+        torch::autograd::grad({rms_norm(x1_leaf, norm2_w, d.rms_eps)}, {x1_leaf, norm2_w}, {dh2});
+    add_grad("post_attention_layernorm.weight", g[1]);
+    gx1.slice(0, t0, t1).copy_(g[0].add_(gout_t));
   }
-  mlp_inputs.clear();
+  x1_flat = at::Tensor();
 
-  // 3. Attention's backward from d(loss)/d(x1).
-  std::vector<at::Tensor> g = torch::autograd::grad({x1}, attn_inputs, {gx1.view(x1.sizes())});
-  accumulate(grads, attn_names, g, 1);
-  return g[0];
+  // 3. Attention: o_proj's gradients by GEMMs, the core's by autograd, the
+  // q/k/v projections' by GEMMs, the input norm's by autograd (recomputed
+  // once the projections' gradients are gone); d(loss)/dx adds the residual.
+  std::vector<at::Tensor> g;
+  {
+    at::Tensor da;
+    {
+      const at::Tensor a_flat = a.detach().reshape({n, qf});
+      add_linear_grads(grads, "self_attn.o_proj", gx1, a_flat);
+      da = at::mm(gx1, weight(w, "self_attn.o_proj.weight"));
+    }
+    at::AutoGradMode enable(true);
+    g = torch::autograd::grad({a}, core_inputs, {da.view(a.sizes())});
+  }
+  a = at::Tensor();
+  core_inputs.clear();
+  q_proj = k_proj = v_proj = at::Tensor();
+  if (d.qk_norm) {
+    add_grad("self_attn.q_norm.weight", g[3]);
+    add_grad("self_attn.k_norm.weight", g[4]);
+  }
+  const at::Tensor& norm1 = weight(w, "input_layernorm.weight");
+  at::Tensor dh1;
+  {
+    at::NoGradGuard no_grad;
+    const at::Tensor h1 = rms_norm(x, norm1, d.rms_eps).reshape({n, d.hidden});
+    const at::Tensor dq = g[0].reshape({n, -1}), dk = g[1].reshape({n, -1}), dv = g[2].reshape({n, -1});
+    add_linear_grads(grads, "self_attn.q_proj", dq, h1);
+    add_linear_grads(grads, "self_attn.k_proj", dk, h1);
+    add_linear_grads(grads, "self_attn.v_proj", dv, h1);
+    dh1 = at::mm(dq, weight(w, "self_attn.q_proj.weight"));
+    dh1.add_(at::mm(dk, weight(w, "self_attn.k_proj.weight"))).add_(at::mm(dv, weight(w, "self_attn.v_proj.weight")));
+  }
+  g.clear();
+  at::AutoGradMode enable(true);
+  at::Tensor x_leaf = leaf(x), norm1_w = weight_leaf("input_layernorm.weight");
+  at::Tensor h1 = rms_norm(x_leaf, norm1_w, d.rms_eps);
+  g = torch::autograd::grad({h1}, {x_leaf, norm1_w}, {dh1.view(h1.sizes())});
+  add_grad("input_layernorm.weight", g[1]);
+  return g[0].add_(gx1.view(x.sizes()));
 }
 
 }  // namespace strider

@@ -7,7 +7,9 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <random>
+#include <set>
 
 #include "engine/engine.h"
 #include "engine/resident_model.h"
@@ -32,6 +34,7 @@ struct Case {
   uint64_t seed = 1;
   int64_t grad_ring = 3;
   int64_t shard_rows = 0;  // vocabulary rows per embedding / LM-head shard (0: the tiny model's one shard)
+  std::vector<int64_t> saved;  // layers that keep their activations (EngineConfig::saved_blocks)
 };
 
 struct Result {
@@ -72,6 +75,7 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
   cfg.nvme_dir = nvme_dir();
   cfg.grad_ring = c.grad_ring;
   cfg.vocab_shard_rows = c.shard_rows;
+  cfg.saved_blocks = c.saved;
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,
                      .chaos = {.enabled = c.chaos, .seed = c.seed, .max_delay_us = 300}};
@@ -123,6 +127,12 @@ std::vector<Case> cases(int64_t blocks) {
       {"3 vocabulary shards, chaos seed 5, NVMe head and embedding", 2, false, {0, blocks - 1}, true, 5, 3, 40},
       {"3 vocabulary shards, all state on NVMe, gradient ring of 1", 2, true, {0, 1, 2, 3, 4}, false, 1, 1, 40},
       {"3 vocabulary shards, chaos seed 6, NVMe, ring of 2", 3, false, {0, 2, 4}, true, 6, 2, 40},
+      // Kept activations: every layer, or some, with the rest recomputing.
+      {"kept activations in every layer, K=2", 2, false, {}, false, 1, 3, 0, {1, 2, 3}},
+      {"kept activations in layers 1 and 3, chaos seed 7, host checkpoints", 2, true, {}, true, 7, 3, 0, {1, 3}},
+      {"kept activations in layer 2, K=3, chaos seed 8", 3, false, {}, true, 8, 3, 0, {2}},
+      {"kept activations, 3 vocabulary shards, all state on NVMe, ring of 1, chaos seed 9", 2, true,
+       {0, 1, 2, 3, 4}, true, 9, 1, 40, {3, 2, 1}},
   };
 }
 
@@ -151,7 +161,9 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
     ModelSpec spec = tiny(false);
     Result ref = run(spec, {"all resident", spec.num_blocks()}, at::kBFloat16, clip);
     for (const Case& c : {Case{"K=2", 2}, Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
-                          Case{"3 vocabulary shards, chaos, NVMe, ring of 1", 2, false, {0, 2, 4}, true, 7, 1, 40}}) {
+                          Case{"3 vocabulary shards, chaos, NVMe, ring of 1", 2, false, {0, 2, 4}, true, 7, 1, 40},
+                          Case{"kept activations, chaos, host ckpt", 2, true, {}, true, 11, 3, 0, {1, 2, 3}},
+                          Case{"kept activations in layer 1, chaos, K=3", 3, false, {}, true, 12, 3, 0, {1}}}) {
       INFO(c.name << " clip " << clip);
       CHECK(same_bits(run(spec, c, at::kBFloat16, clip), ref));
     }
@@ -195,12 +207,15 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
   // Untied and tied; in vocabulary shards; with token tiles of 5 of a
   // micro-batch's 18 tokens (the last one short) in the layers' MLP and the
   // head, which the engine and the reference share through ComputeOptions.
+  // Kept activations in some layers: the resident reference recomputes.
   struct Variant {
     bool tied;
     int64_t shard_rows, tile;
+    std::vector<int64_t> saved;
   };
-  for (auto [tied, shard_rows, tile] : {Variant{false, 0, 0}, {true, 0, 0}, {false, 40, 0}, {true, 40, 0},
-                                        {false, 40, 5}, {true, 0, 5}}) {
+  for (auto [tied, shard_rows, tile, saved] :
+       {Variant{false, 0, 0}, {true, 0, 0}, {false, 40, 0}, {true, 40, 0}, {false, 40, 5}, {true, 0, 5},
+        {false, 0, 0, {1, 2, 3}}, {true, 40, 5, {1, 3}}}) {
     ModelSpec spec = tiny(tied);
     const Case c{"K=2 chaos", 2, false, {}, true, 9};
     EngineConfig cfg;
@@ -210,6 +225,7 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     cfg.compute = {at::kFloat, 40, tile};
     cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
     cfg.vocab_shard_rows = shard_rows;
+    cfg.saved_blocks = saved;
     Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 9}}));
     CHECK(e.sharding().shards == (shard_rows ? 3 : 1));
     e.init_params(3);
@@ -224,7 +240,8 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     at::Tensor ids = at::from_blob(b.ids.data(), {cfg.batch(), cfg.seq}, at::kLong);
     at::Tensor labels = at::from_blob(b.labels.data(), {cfg.batch(), cfg.seq}, at::kLong);
     StepLoss rl = ref.forward_backward(ids, labels, cfg.accumulation);
-    INFO("tied=" << tied << " shard rows " << shard_rows << " token tile " << tile);
+    INFO("tied=" << tied << " shard rows " << shard_rows << " token tile " << tile << " kept layers "
+                 << saved.size());
     CHECK(rep.loss == rl.loss);
     size_t i = 0;
     for (const std::string& name : ref.param_names()) {
@@ -247,4 +264,56 @@ TEST_CASE("a budget too small for the window fails before any work, with the num
                     Catch::Contains("4096") && Catch::Contains("budget"));
   cfg.window = 1;
   CHECK_THROWS_WITH(Engine(spec, cfg, make_device({.spec = "cpu"})), Catch::Contains("K = 1"));
+}
+
+TEST_CASE("kept activations cross once each way per layer and micro-batch, and spare the recompute", "[engine]") {
+  ModelSpec spec = tiny(false);
+  EngineConfig cfg;
+  cfg.seq = 9;
+  cfg.micro_batch = 2;
+  cfg.accumulation = 2;
+  cfg.compute = {at::kBFloat16, 40};
+  cfg.saved_blocks = {1, 3};
+  Engine e(spec, cfg, make_device({.spec = "cpu", .record_spans = true}));
+  e.init_params(7);
+  for (int s = 0; s < 2; ++s) {
+    Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100 + s);
+    e.step(b.ids.data(), b.labels.data());
+  }
+  e.finish_updates();
+  const uint64_t per_mb = uint64_t(layer_saved_elems(spec.dims, cfg.micro_batch * cfg.seq)) * 2;
+  std::map<std::string, uint64_t> bytes;
+  std::map<std::string, std::set<int32_t>> blocks;
+  for (const Span& sp : e.timeline().spans()) {
+    if (sp.step != 1) continue;
+    bytes[sp.name] += sp.bytes;
+    blocks[sp.name].insert(sp.block);
+  }
+  CHECK(bytes["d2h activations"] == 2 * 2 * per_mb);  // 2 layers x 2 micro-batches
+  CHECK(bytes["h2d activations"] == 2 * 2 * per_mb);
+  CHECK(blocks["d2h activations"] == std::set<int32_t>{1, 3});
+  CHECK(blocks["backward"] == std::set<int32_t>{1, 3});
+  CHECK(blocks["recompute+backward"] == std::set<int32_t>{2});
+  const EngineFootprint fp = Engine::footprint(spec, cfg);
+  CHECK(fp.saved_layers == 2);
+  CHECK(fp.saved_bytes_per_layer >= 2 * per_mb);
+  CHECK(fp.saved_host_bytes == 2 * fp.saved_bytes_per_layer);
+  EngineConfig none = cfg;
+  none.saved_blocks.clear();
+  const EngineFootprint fp0 = Engine::footprint(spec, none);
+  CHECK(fp.host_bytes == fp0.host_bytes + fp.saved_host_bytes);
+  CHECK(fp.device_bytes >= fp0.device_bytes + 2 * per_mb);
+  CHECK(e.arena_bytes() >= fp.host_bytes);  // the arena rounds up to its pages
+}
+
+TEST_CASE("kept activations name only decoder layers, once each", "[engine]") {
+  ModelSpec spec = tiny(false);
+  for (auto [saved, what] : {std::pair{std::vector<int64_t>{0}, "block 0 is not a decoder layer (blocks 1..3 are)"},
+                             {{4}, "block 4 is not a decoder layer"},
+                             {{2, 2}, "block 2 listed twice"}}) {
+    EngineConfig cfg;
+    cfg.seq = 9;
+    cfg.saved_blocks = saved;
+    CHECK_THROWS_WITH(Engine(spec, cfg, make_device({.spec = "cpu"})), Catch::Contains(what));
+  }
 }
