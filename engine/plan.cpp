@@ -345,6 +345,11 @@ std::string activations_line(const ModelSpec& spec, const PlanLimits& l, const P
   if (wanted == 0)
     return fmt::format("activations: every layer recomputes from its checkpoint: keeping its projections' outputs "
                        "would not pay ({})", costs);
+  if (p.saved_layers == 0)
+    return fmt::format("activations: every layer recomputes from its checkpoint: the host RAM limit {} leaves no "
+                       "room for kept activations ({} per layer per step) after the optimizer state (kept "
+                       "activations never push state to NVMe)",
+                       format_bytes(l.host_bytes), format_bytes(p.saved_bytes_per_layer));
   std::string line = fmt::format(
       "activations: {} of {} layers keep their projections' outputs in host RAM ({} per layer per step, {}): their "
       "backward recomputes no matmul",

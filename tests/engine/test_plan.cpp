@@ -330,6 +330,7 @@ TEST_CASE("activations saved, RAM for only some: the last layers keep them, the 
   const Plan zero = Plan::make(spec, l);
   REQUIRE(zero.feasible);
   CHECK(zero.saved_layers == 0);
+  CHECK_THAT(zero.explain(), Catch::Contains("leaves no room for kept activations"));
   // Kept activations never push optimizer state to NVMe: with an NVMe tier
   // and RAM short of the state, the state is placed as without them.
   l.nvme_dir = "/nvme/strider";
