@@ -116,8 +116,8 @@ class EngineHolder : public torch::CustomClassHolder {
     // The Python package's own field (not the engine config's): how to choose saved_blocks.
     std::string activations;
     if (engine_json.is_object() && engine_json.contains("activations")) {
-      TORCH_CHECK_VALUE(engine_json["activations"].is_string(), "engine_config_json: activations must be a string, got ",
-                        engine_json["activations"].dump());
+      TORCH_CHECK_VALUE(engine_json["activations"].is_string(),
+                        "engine_config_json: activations must be a string, got ", engine_json["activations"].dump());
       activations = engine_json["activations"].get<std::string>();
       engine_json.erase("activations");
     }

@@ -61,7 +61,8 @@ int run(const Options& o) {
   const bool predicting = !o.predict.empty() && o.predict != "none";
   // --activations auto prices recompute against the link on the machine
   // predicted for (the rtx4090's rates without one).
-  if (predicting) l.set_machine_rates(CostModel::parse(o.predict.rfind("sim:", 0) == 0 ? o.predict.substr(4) : o.predict));
+  if (predicting)
+    l.set_machine_rates(CostModel::parse(o.predict.rfind("sim:", 0) == 0 ? o.predict.substr(4) : o.predict));
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();

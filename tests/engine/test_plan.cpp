@@ -374,7 +374,8 @@ TEST_CASE("the plan's JSON names the activations asked and chosen", "[engine][pl
   CHECK(j["activation_cost"].contains("recompute_s"));
   CHECK(Plan::make(spec, activation_limits(ActivationMode::kAuto)).to_json()["activations"] == "auto");
   CHECK(parse_activation_mode("recompute") == ActivationMode::kRecompute);
-  CHECK_THROWS_WITH(parse_activation_mode("keep"), Catch::Contains("'keep'") && Catch::Contains("auto, recompute or saved"));
+  CHECK_THROWS_WITH(parse_activation_mode("keep"),
+                    Catch::Contains("'keep'") && Catch::Contains("auto, recompute or saved"));
 }
 
 TEST_CASE("the engine config's saved_blocks round-trip through JSON, checked", "[engine][plan][activations]") {
