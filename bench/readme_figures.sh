@@ -25,7 +25,7 @@
 #
 # Parts, in order, with their wall time on the 2-core development VM while two
 # other C++ builds ran on it (18m38s in all; a quiet machine takes less):
-#   plan       10 `strider plan --predict rtx4090 --json` runs (8B; 70B/123B on NVMe; refusals)  10 s
+#   plan       11 `strider plan --predict rtx4090 --json` runs (8B; 70B/123B on NVMe; refusals)  10 s
 #   profile    `strider profile --json` on the built-in model                                    21 s
 #   step       bench_step                                                                        73 s
 #   demo       `strider finetune` with the demo's defaults (as scripts/demo.sh runs it)         433 s
@@ -157,8 +157,9 @@ fi
 
 S=$build/strider
 if has_part plan; then
-  # Llama-3.1-8B on the rtx4090 preset at batch 8/16/32, and batch 8 without clipping.
-  for acc in 8 16 32; do
+  # Llama-3.1-8B on the rtx4090 preset at batch 8/16/32/64 (the plan chooses which layers keep
+  # their activations: --activations auto), and batch 8 without clipping.
+  for acc in 8 16 32 64; do
     run "plan-8b-b$acc" 0 "$S" plan --model llama-3.1-8b --gpu 24GiB --seq 1024 --accumulation "$acc" \
         --predict rtx4090 --json
   done

@@ -1,5 +1,6 @@
 #include "engine/engine_config_json.h"
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "host/error.h"
@@ -36,7 +37,8 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"optimizer_threads", c.optimizer_threads},
           {"nvme_dir", c.nvme_dir},
           {"nvme_blocks", c.nvme_blocks},
-          {"grad_ring", c.grad_ring}};
+          {"grad_ring", c.grad_ring},
+          {"saved_blocks", c.saved_blocks}};
 }
 
 EngineConfig engine_config_from_json(const nlohmann::json& j) {
@@ -88,6 +90,18 @@ EngineConfig engine_config_from_json(const nlohmann::json& j) {
   get("nvme_dir", c.nvme_dir);
   get("nvme_blocks", c.nvme_blocks);
   get("grad_ring", c.grad_ring);
+  // Decoder-layer blocks are 1..layers: the upper bound needs the model,
+  // which whoever builds the Engine checks (the Engine does too).
+  if (j.contains("saved_blocks")) {
+    for (const auto& b : j["saved_blocks"])
+      STRIDER_CHECK(b.is_number_integer() && b.get<int64_t>() >= 1, "engine config: saved_blocks holds {}: each "
+                    "must be a decoder-layer block index >= 1 (block 0 is the embedding)", b.dump());
+    c.saved_blocks = j["saved_blocks"].get<std::vector<int64_t>>();
+    std::vector<int64_t> sorted = c.saved_blocks;
+    std::sort(sorted.begin(), sorted.end());
+    STRIDER_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                  "engine config: saved_blocks lists a block twice ({})", j["saved_blocks"].dump());
+  }
   return c;
 }
 

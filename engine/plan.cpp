@@ -53,6 +53,41 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.nvme_blocks = nvme_blocks;
   c.clip_norm = l.clip_norm;
   c.grad_ring = l.grad_ring;
+  c.saved_blocks = saved_blocks;
+  return c;
+}
+
+const char* activation_mode_name(ActivationMode m) {
+  return m == ActivationMode::kRecompute ? "recompute" : m == ActivationMode::kSaved ? "saved" : "auto";
+}
+
+ActivationMode parse_activation_mode(const std::string& text) {
+  for (ActivationMode m : {ActivationMode::kAuto, ActivationMode::kRecompute, ActivationMode::kSaved})
+    if (text == activation_mode_name(m)) return m;
+  throw Error(fmt::format("activations '{}': expected auto, recompute or saved", text));
+}
+
+double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq) {
+  // QK^T and PV: 2 matmuls of 2 FLOPs per multiply-add over heads x head_dim
+  // x seq^2, of which a causal mask computes half (ModelSpec::cost's `attn`).
+  const BlockDims& d = spec.dims;
+  return 2.0 * 2.0 * double(batch) * double(d.heads) * double(d.head_dim) * double(seq) * double(seq) / 2;
+}
+
+ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint64_t saved_bytes_per_layer) {
+  STRIDER_CHECK(l.compute_flops_per_s > 0 && l.link_bytes_per_s > 0, "plan: compute rate {} FLOP/s and link rate {} "
+                "bytes/s must be > 0", l.compute_flops_per_s, l.link_bytes_per_s);
+  ActivationCost c;
+  const int cbytes = l.dtype == at::kFloat ? 4 : 2;
+  const double m = double(l.accumulation);
+  c.forward_flops = spec.cost(1, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0).forward_flops * m;
+  c.attention_flops = attention_core_flops(spec, l.micro_batch, l.seq) * m;
+  c.param_bytes = uint64_t(spec.layout(1).total_elems()) * uint64_t(cbytes);
+  c.saved_bytes = saved_bytes_per_layer;
+  const double f = c.forward_flops / l.compute_flops_per_s, a = c.attention_flops / l.compute_flops_per_s;
+  const double p = double(c.param_bytes) / l.link_bytes_per_s, s = double(c.saved_bytes) / l.link_bytes_per_s;
+  c.recompute_s = std::max(f, p) + std::max(3 * f, p);
+  c.saved_s = std::max({f, p, s}) + std::max(2 * f + a, p + s);
   return c;
 }
 
@@ -96,10 +131,15 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
 
 }  // namespace
 
-Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
+namespace {
+
+// The plan with the decoder layers `wanted` keeping their activations, as
+// many of them as the host RAM left after everything else holds (the last
+// ones). The device counts the kept activations' two slots whenever `wanted`
+// is not empty.
+Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<int64_t>& wanted) {
+  constexpr int64_t kMaxAutoWindow = Plan::kMaxAutoWindow;
   Plan p;
-  STRIDER_CHECK(l.device_bytes > 0, "plan: the device budget must be > 0");
-  check_plan_inputs(spec, l);
   const int64_t blocks = spec.num_blocks();
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
   // ATen's working memory: the largest visit's backward (recompute + autograd)
@@ -124,6 +164,7 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
     Plan trial = p;
     trial.window = k;
     trial.checkpoints_on_host = host_ckpt;
+    trial.saved_blocks = wanted;
     EngineFootprint f = Engine::footprint(spec, trial.engine_config(lim));
     if (out) *out = f;
     return f.device_bytes + work <= l.device_bytes;
@@ -189,7 +230,13 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
                                 p.token_tile, l.token_tile >= 0 ? " (as asked)" : "", format_bytes(work),
                                 l.token_tile >= 0 ? "" : fmt::format(" (untiled: {})", format_bytes(untiled_work))));
 
-  // Host RAM: move blocks' fp32 state to NVMe, largest first, until it fits.
+  // Host RAM. The optimizer state is placed first, as if no activation were
+  // kept: kept activations only take the RAM left after it, so they never
+  // push a block's state to NVMe (an NVMe-tier block costs a read and a
+  // write of 12 bytes per parameter every step; a layer that cannot keep its
+  // activations only recomputes its forward).
+  f = Engine::footprint(spec, p.engine_config(lim));
+  // Move blocks' fp32 state to NVMe, largest first, until it fits.
   if (l.host_bytes > 0 && f.host_bytes > l.host_bytes) {
     if (l.nvme_dir.empty()) {
       p.feasible = false;
@@ -247,6 +294,25 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
     p.why.push_back(fmt::format("no clipping: every block's gradients through a ring of {} host slots, each freed "
                                 "by its block's update",
                                 l.grad_ring));
+  // Kept activations: the last of the wanted layers that the RAM left holds
+  // (their backward comes first, so their copies back are the first needed).
+  p.saved_blocks = wanted;
+  if (!wanted.empty()) {
+    const EngineFootprint all = Engine::footprint(spec, p.engine_config(lim));
+    size_t n = wanted.size();
+    if (l.host_bytes > 0 && all.host_bytes > l.host_bytes) {
+      const uint64_t left = l.host_bytes - std::min(l.host_bytes, f.host_bytes);
+      if (all.saved_bytes_per_layer > 0) n = std::min<size_t>(n, size_t(left / all.saved_bytes_per_layer));
+      for (;; --n) {
+        p.saved_blocks.assign(wanted.end() - ptrdiff_t(n), wanted.end());
+        if (n == 0 || Engine::footprint(spec, p.engine_config(lim)).host_bytes <= l.host_bytes) break;
+      }
+    }
+    f = Engine::footprint(spec, p.engine_config(lim));
+  }
+  p.saved_layers = int64_t(p.saved_blocks.size());
+  p.saved_host_bytes = f.saved_host_bytes;
+
   p.feasible = true;
   p.unit_elems = f.unit_elems;
   p.vocab_shards = f.vocab_shards;
@@ -260,6 +326,82 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
                               format_bytes(f.device_bytes), format_bytes(work), format_bytes(p.device_peak_bytes),
                               format_bytes(l.device_bytes)));
   p.why.push_back(fmt::format("host: {} pinned", format_bytes(f.host_bytes)));
+  return p;
+}
+
+std::string seconds_text(double s) { return s >= 1 ? fmt::format("{:.2f} s", s) : fmt::format("{:.1f} ms", s * 1e3); }
+
+// The line that says which layers keep their activations, and why.
+std::string activations_line(const ModelSpec& spec, const PlanLimits& l, const Plan& p, size_t wanted,
+                             const std::string& device_fallback) {
+  const ActivationCost& c = p.layer_cost;
+  const std::string rates = fmt::format("at {:.4g} TFLOP/s and {:.4g} GB/s", l.compute_flops_per_s * 1e-12,
+                                        l.link_bytes_per_s * 1e-9);
+  const std::string costs = fmt::format("per layer and step: recompute ~{}, kept ~{} {}", seconds_text(c.recompute_s),
+                                        seconds_text(c.saved_s), rates);
+  if (l.activations == ActivationMode::kRecompute)
+    return "activations: every layer recomputes its forward from its checkpoint in backward (as asked)";
+  if (!device_fallback.empty()) return "activations: every layer recomputes from its checkpoint: " + device_fallback;
+  if (wanted == 0)
+    return fmt::format("activations: every layer recomputes from its checkpoint: keeping its projections' outputs "
+                       "would not pay ({})", costs);
+  if (p.saved_layers == 0)
+    return fmt::format("activations: every layer recomputes from its checkpoint: the host RAM limit {} leaves no "
+                       "room for kept activations ({} per layer per step) after the optimizer state (kept "
+                       "activations never push state to NVMe)",
+                       format_bytes(l.host_bytes), format_bytes(p.saved_bytes_per_layer));
+  std::string line = fmt::format(
+      "activations: {} of {} layers keep their projections' outputs in host RAM ({} per layer per step, {}): their "
+      "backward recomputes no matmul",
+      p.saved_layers, spec.layers, format_bytes(p.saved_bytes_per_layer), format_bytes(p.saved_host_bytes));
+  if (size_t(p.saved_layers) < wanted)
+    line += fmt::format("; the host RAM limit {} holds {} of the {} after the optimizer state (kept activations "
+                        "never push state to NVMe): the last {} keep theirs (their backward comes first)",
+                        format_bytes(l.host_bytes), p.saved_layers, wanted, p.saved_layers);
+  if (p.saved_layers < spec.layers) line += "; the rest recompute from checkpoints";
+  if (l.activations == ActivationMode::kAuto) line += fmt::format(" ({})", costs);
+  return line;
+}
+
+}  // namespace
+
+Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
+  STRIDER_CHECK(l.device_bytes > 0, "plan: the device budget must be > 0");
+  check_plan_inputs(spec, l);
+  // What one kept layer holds per step, and whether keeping pays (kAuto).
+  EngineConfig one;
+  one.seq = l.seq;
+  one.micro_batch = l.micro_batch;
+  one.accumulation = l.accumulation;
+  one.compute = {l.dtype, l.vocab_chunk, 0};
+  one.saved_blocks = {1};
+  const uint64_t per_layer = Engine::footprint(spec, one).saved_bytes_per_layer;
+  const ActivationCost cost = activation_cost(spec, l, per_layer);
+  std::vector<int64_t> wanted;
+  if (l.activations == ActivationMode::kSaved || (l.activations == ActivationMode::kAuto && cost.pays()))
+    for (int64_t b = 1; b <= spec.layers; ++b) wanted.push_back(b);
+
+  Plan p = make_placed(spec, l, wanted);
+  std::string device_fallback;
+  if (!p.feasible && !wanted.empty()) {
+    // The kept activations' two device slots may be what does not fit: then
+    // every layer recomputes, and the plan says so.
+    Plan without = make_placed(spec, l, {});
+    if (without.feasible) {
+      device_fallback = fmt::format("the two device slots of kept activations do not fit (with them the plan {})",
+                                    p.reason);
+      p = std::move(without);
+    }
+  }
+  p.activations = l.activations;
+  p.layer_cost = cost;
+  p.saved_bytes_per_layer = per_layer;
+  if (p.feasible) {
+    // After the checkpoints line, with the decisions about the device.
+    const auto at = std::find_if(p.why.begin(), p.why.end(),
+                                 [](const std::string& w) { return w.rfind("checkpoints", 0) == 0; });
+    p.why.insert(at == p.why.end() ? at : at + 1, activations_line(spec, l, p, wanted.size(), device_fallback));
+  }
   return p;
 }
 
@@ -277,7 +419,13 @@ nlohmann::json Plan::to_json() const {
           {"token_tile", token_tile},
           {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
-          {"host_bytes", host_bytes}, {"nvme_bytes", nvme_bytes}, {"why", why}};
+          {"host_bytes", host_bytes}, {"nvme_bytes", nvme_bytes},
+          {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
+          {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
+          {"saved_host_bytes", saved_host_bytes},
+          {"activation_cost", {{"recompute_s", layer_cost.recompute_s}, {"saved_s", layer_cost.saved_s},
+                               {"pays", layer_cost.pays()}}},
+          {"why", why}};
 }
 
 }  // namespace strider

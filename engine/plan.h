@@ -5,6 +5,7 @@
 // the same numbers drive the cost-model simulator.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,6 +18,15 @@
 namespace strider {
 
 enum class CheckpointPlace { kAuto, kDevice, kHost };
+
+// Per decoder layer, what its backward starts from (EngineConfig::saved_blocks):
+// kRecompute: its block-input checkpoint (the forward's matmuls run again);
+// kSaved: its projections' outputs kept in pinned host RAM (every layer RAM
+// holds after everything else); kAuto: kept where that pays on the link by
+// the cost model below (Plan::make), within the same RAM.
+enum class ActivationMode { kAuto, kRecompute, kSaved };
+const char* activation_mode_name(ActivationMode m);  // "auto", "recompute", "saved"
+ActivationMode parse_activation_mode(const std::string& text);  // throws naming the text
 
 struct PlanLimits {
   uint64_t device_bytes = 0;     // the device budget
@@ -36,7 +46,45 @@ struct PlanLimits {
   int64_t token_tile = -1;       // tokens per tile in the head and the MLP; -1: the plan chooses, 0: untiled
   int64_t vocab_shard_rows = 0;  // 0: shards no larger than a layer (engine/shards.h)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
+  ActivationMode activations = ActivationMode::kAuto;
+  // The machine kAuto prices a layer's recompute against its kept
+  // activations' traffic on: sustained compute (FLOP/s) and PCIe per
+  // direction (bytes/s). Defaults: the rtx4090 cost model (gpu/sim_device.h);
+  // set_machine_rates takes another machine's (`strider plan --predict h200`).
+  double compute_flops_per_s = CostModel::preset("rtx4090").sustained_tflops() * 1e12;
+  double link_bytes_per_s = link_rate(CostModel::preset("rtx4090"));
+
+  static double link_rate(const CostModel& m) { return std::min(m.h2d_gbps, m.d2h_gbps) * 1e9; }
+  void set_machine_rates(const CostModel& m) {
+    compute_flops_per_s = m.sustained_tflops() * 1e12;
+    link_bytes_per_s = link_rate(m);
+  }
 };
+
+// kAuto's cost model for one decoder layer over one step (all micro-batches),
+// in seconds; Plan::make keeps a layer's activations when saved_s < recompute_s.
+//   F = forward FLOPs / compute rate, A = attention-core FLOPs / compute rate,
+//   P = the layer's parameter bytes (compute dtype), S = its kept bytes, link:
+//   recompute: forward max(F, P/link) + backward max(3F, P/link)
+//              (backward runs the forward again: F + 2F; the parameters cross
+//              the link once per sweep, twice in all);
+//   saved:     forward max(F, P/link, S/link) (S goes out on the d2h lane
+//              while P comes in on h2d) + backward max(2F + A, (P + S)/link)
+//              (no matmul recomputed, the attention core is; P and S both
+//              come in on h2d).
+// The gradients' D2H is the same either way and left out. A rough, one-layer
+// model: the whole schedule, with its overlaps, is what --predict simulates.
+struct ActivationCost {
+  double forward_flops = 0, attention_flops = 0;  // the layer's, one step
+  uint64_t param_bytes = 0, saved_bytes = 0;
+  double recompute_s = 0, saved_s = 0;
+  bool pays() const { return saved_s < recompute_s; }
+};
+ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& limits, uint64_t saved_bytes_per_layer);
+// FLOPs of one decoder layer's attention core (QK^T and PV, causal: half the
+// square) for `batch` sequences of `seq`: what a kept layer's backward still
+// recomputes. The same count ModelSpec::cost includes in forward_flops.
+double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq);
 
 struct Plan {
   static constexpr int64_t kMaxAutoWindow = 4;
@@ -54,6 +102,16 @@ struct Plan {
   uint64_t device_peak_bytes = 0;    // the two together
   uint64_t host_bytes = 0;           // the pinned arena
   uint64_t nvme_bytes = 0;
+  // Kept activations (PlanLimits::activations): the mode asked, the decoder
+  // layers that keep theirs (blocks, ascending), what one such layer keeps
+  // per step and all of them together (pinned host RAM, part of host_bytes),
+  // and kAuto's per-layer figures.
+  ActivationMode activations = ActivationMode::kAuto;
+  std::vector<int64_t> saved_blocks;
+  int64_t saved_layers = 0;
+  uint64_t saved_bytes_per_layer = 0;
+  uint64_t saved_host_bytes = 0;
+  ActivationCost layer_cost;
   std::vector<std::string> why;      // the decisions, one line each
 
   static Plan make(const ModelSpec& spec, const PlanLimits& limits);

@@ -19,6 +19,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -52,6 +54,49 @@ auto translated(const char* what, bool value_error, Fn&& fn) -> decltype(fn()) {
   }
 }
 
+// MemAvailable of /proc/meminfo in bytes; 0 where it cannot be read.
+uint64_t mem_available_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+}
+
+// The Python package's `activations` (strider.EngineConfig) onto
+// EngineConfig::saved_blocks. The Python engine has no Plan, so:
+//   recompute: no layer keeps its activations;
+//   saved:     every decoder layer (blocks 1..layers);
+//   auto:      the last decoder layers whose kept bytes fit in half of this
+//              machine's MemAvailable after the engine's other pinned host
+//              bytes (their backward comes first), without a link cost
+//              model: on PCIe 4.0 and faster, keeping pays at the batch sizes
+//              the Python engine runs (`strider plan` prices it).
+// Under saved and auto, none when the two device slots of kept activations
+// do not fit the device budget next to the engine's other buffers.
+std::vector<int64_t> choose_saved_blocks(const std::string& mode, const ModelSpec& spec, EngineConfig config,
+                                         uint64_t device_budget) {
+  TORCH_CHECK_VALUE(mode == "auto" || mode == "recompute" || mode == "saved", "engine_config_json: activations '",
+                    mode, "' is not auto, recompute or saved");
+  std::vector<int64_t> all;
+  if (mode == "recompute") return all;
+  for (int64_t b = 1; b <= spec.layers; ++b) all.push_back(b);
+  config.saved_blocks = all;
+  const EngineFootprint with = Engine::footprint(spec, config);
+  if (device_budget > 0 && with.device_bytes > device_budget) return {};
+  if (mode == "saved") return all;
+  config.saved_blocks.clear();
+  const uint64_t others = Engine::footprint(spec, config).host_bytes;
+  const uint64_t half = mem_available_bytes() / 2;
+  const uint64_t left = half > others ? half - others : 0;
+  const size_t n = with.saved_bytes_per_layer == 0
+                       ? all.size()
+                       : std::min<size_t>(all.size(), size_t(left / with.saved_bytes_per_layer));
+  return {all.end() - ptrdiff_t(n), all.end()};
+}
+
 nlohmann::json parse_json(const std::string& text, const char* what) {
   try {
     return nlohmann::json::parse(text);
@@ -67,9 +112,20 @@ class EngineHolder : public torch::CustomClassHolder {
     TORCH_CHECK_VALUE(device_budget_bytes >= 0, "device_budget_bytes must be >= 0 (0: the device's default), got ",
                       device_budget_bytes);
     const nlohmann::json model_json = parse_json(model_config_json, "model_config_json");
-    const nlohmann::json engine_json = parse_json(engine_config_json, "engine_config_json");
+    nlohmann::json engine_json = parse_json(engine_config_json, "engine_config_json");
+    // The Python package's own field (not the engine config's): how to choose saved_blocks.
+    std::string activations;
+    if (engine_json.is_object() && engine_json.contains("activations")) {
+      TORCH_CHECK_VALUE(engine_json["activations"].is_string(),
+                        "engine_config_json: activations must be a string, got ", engine_json["activations"].dump());
+      activations = engine_json["activations"].get<std::string>();
+      engine_json.erase("activations");
+    }
     ModelSpec spec = translated("model_config_json", true, [&] { return ModelSpec::from_json(model_json, "model_config_json"); });
     EngineConfig config = translated("engine_config_json", true, [&] { return engine_config_from_json(engine_json); });
+    for (int64_t b : config.saved_blocks)
+      TORCH_CHECK_VALUE(b >= 1 && b <= spec.layers, "engine_config_json: saved_blocks holds ", b,
+                        ", which is not a decoder-layer block (1..", spec.layers, ")");
     for (int64_t b = 0; b < spec.num_blocks(); ++b) {
       const ParamLayout layout = spec.layout(b);  // named: slots() refers into it
       for (const TensorSlot& t : layout.slots()) {
@@ -84,7 +140,10 @@ class EngineHolder : public torch::CustomClassHolder {
     // The engine checks its config (window, seq against max positions, ...)
     // and the budget before any work: those are the caller's to fix.
     engine_ = translated("engine", true, [&] {
-      return std::make_unique<Engine>(std::move(spec), std::move(config), make_device(dev));
+      std::unique_ptr<Device> device = make_device(dev);
+      if (!activations.empty())
+        config.saved_blocks = choose_saved_blocks(activations, spec, config, device->budget_bytes());
+      return std::make_unique<Engine>(std::move(spec), std::move(config), std::move(device));
     });
   }
 
@@ -141,6 +200,13 @@ class EngineHolder : public torch::CustomClassHolder {
   int64_t steps_done() {
     std::lock_guard lk(mu_);
     return engine_->steps_done();
+  }
+
+  // The engine's config as engine/engine_config_json.h writes it: what was
+  // chosen (saved_blocks for `activations`), not only what was asked.
+  std::string engine_config_json() {
+    std::lock_guard lk(mu_);
+    return engine_config_to_json(engine_->config()).dump();
   }
 
   // engine/train_checkpoint.h's save: every block's master, m and v, the step
@@ -320,6 +386,7 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("write_trace", &EngineHolder::write_trace)
       .def("compute_view", &EngineHolder::compute_view)
       .def("steps_done", &EngineHolder::steps_done)
+      .def("engine_config_json", &EngineHolder::engine_config_json)
       .def("save_checkpoint", &EngineHolder::save_checkpoint)
       .def("load_checkpoint", &EngineHolder::load_checkpoint);
 }

@@ -17,6 +17,7 @@ namespace {
 
 struct Options {
   std::string model = "builtin", gpu = "24GiB", ram = "0", nvme, dtype = "bf16", predict = "rtx4090";
+  std::string activations = "auto";
   int64_t seq = 1024, micro_batch = 1, accumulation = 1, window = 0, steps = 3;
   double clip = 1.0;
   bool json = false;
@@ -56,10 +57,15 @@ int run(const Options& o) {
   l.window = o.window;
   l.clip_norm = o.clip;
   l.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
+  l.activations = parse_activation_mode(o.activations);
+  const bool predicting = !o.predict.empty() && o.predict != "none";
+  // --activations auto prices recompute against the link on the machine
+  // predicted for (the rtx4090's rates without one).
+  if (predicting)
+    l.set_machine_rates(CostModel::parse(o.predict.rfind("sim:", 0) == 0 ? o.predict.substr(4) : o.predict));
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();
-  const bool predicting = !o.predict.empty() && o.predict != "none";
   if (predicting && p.feasible) {
     Prediction pr = predict(spec, p, l, o);
     const StepReport& r = pr.step;
@@ -106,6 +112,7 @@ std::function<int()> add_plan(CLI::App& app) {
   c->add_option("--nvme", o->nvme, "NVMe directory for optimizer state");
   add_shape_options(*c, o->seq, o->micro_batch, o->accumulation, o->window);
   c->add_option("--dtype", o->dtype, "bf16 or fp32")->capture_default_str()->check(CLI::IsMember({"bf16", "fp32"}));
+  add_activations_option(*c, o->activations);
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")

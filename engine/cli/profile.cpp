@@ -4,11 +4,15 @@
 // (busiest lane / step time), tokens/s and model FLOP/s, counted two ways:
 //   6·N·tokens     the usual convention (N: every parameter, embeddings too);
 //   executed       what the engine computes: forward, the backward's recompute
-//                  of each block's forward, and backward (ModelSpec::cost).
+//                  of each block's forward (only the attention core, for a
+//                  layer that keeps its activations), and backward
+//                  (ModelSpec::cost).
 // Per step, too, what crossed the bus each way (bytes, and bytes per model
 // parameter: 2 in for each bf16 visit of a parameter, 4 out for its fp32
-// gradient) and ATen's working memory (the most any one compute op held: the
-// figure the plan's per-block estimate is meant to cover).
+// gradient), of it the kept activations' traffic (the spans "d2h
+// activations" and "h2d activations": bytes and busy time), and ATen's
+// working memory (the most any one compute op held: the figure the plan's
+// per-block estimate is meant to cover).
 // Writes the run's Chrome trace, and a PNG of one measured step drawn by
 // bench/profile_plot.py under the project's Python. Saves no checkpoint.
 #include <sys/wait.h>
@@ -49,9 +53,13 @@ struct Options {
 
 // FLOPs of one optimizer step as the engine runs it: per micro-batch, every
 // block but the head runs forward, then recompute + backward (the engine's
-// "recompute+backward" op: 1.5 x backward = forward again + backward); the
-// head runs its loss forward and backward once (its backward recomputes the
-// logits chunk by chunk, which ModelSpec counts in backward_flops).
+// "recompute+backward" op: 1.5 x backward = forward again + backward); a
+// layer that keeps its activations (EngineConfig::saved_blocks, the op
+// "backward") recomputes only its attention core (ModelSpec's attention
+// FLOPs; its norms, RoPE and element-wise ops are not counted, as nowhere in
+// ModelSpec::cost); the head runs its loss forward and backward once (its
+// backward recomputes the logits chunk by chunk, which ModelSpec counts in
+// backward_flops).
 struct StepFlops {
   double executed = 0;      // forward + recompute + backward
   double six_n_t = 0;       // 6 x parameters x tokens
@@ -61,15 +69,43 @@ StepFlops step_flops(const ModelSpec& spec, const EngineConfig& c) {
   StepFlops f;
   const int dtype_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   const int64_t head = spec.num_blocks() - 1;
+  const double attention = attention_core_flops(spec, c.micro_batch, c.seq);
   for (int64_t b = 0; b <= head; ++b) {
     const BlockCost k =
         spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes, c.compute.token_tile);
-    const double per_micro_batch = b == head ? k.forward_flops + k.backward_flops
-                                             : 2 * k.forward_flops + k.backward_flops;
-    f.executed += per_micro_batch * double(c.accumulation);
+    const bool kept = std::find(c.saved_blocks.begin(), c.saved_blocks.end(), b) != c.saved_blocks.end();
+    const double recompute = b == head ? 0.0 : kept ? attention : k.forward_flops;
+    f.executed += (k.forward_flops + recompute + k.backward_flops) * double(c.accumulation);
   }
   f.six_n_t = 6.0 * double(spec.param_count()) * double(c.batch() * c.seq);
   return f;
+}
+
+// The kept activations' copies (EngineConfig::saved_blocks) among spans:
+// their bytes and busy time each way. One stream's copies never overlap, so
+// the busy time is the sum of the spans' durations.
+struct ActivationTraffic {
+  uint64_t d2h_bytes = 0, h2d_bytes = 0;
+  double d2h_busy_s = 0, h2d_busy_s = 0;
+  nlohmann::json to_json() const {
+    return {{"d2h_bytes", d2h_bytes}, {"h2d_bytes", h2d_bytes}, {"d2h_busy_s", d2h_busy_s},
+            {"h2d_busy_s", h2d_busy_s}};
+  }
+};
+
+ActivationTraffic activation_traffic(const std::vector<Span>& spans, size_t from) {
+  ActivationTraffic t;
+  for (size_t i = from; i < spans.size(); ++i) {
+    const Span& s = spans[i];
+    if (s.name == "d2h activations") {
+      t.d2h_bytes += s.bytes;
+      t.d2h_busy_s += (s.end_us - s.begin_us) * 1e-6;
+    } else if (s.name == "h2d activations") {
+      t.h2d_bytes += s.bytes;
+      t.h2d_busy_s += (s.end_us - s.begin_us) * 1e-6;
+    }
+  }
+  return t;
 }
 
 // 'text' for sh -c, whatever it holds.
@@ -125,10 +161,17 @@ int run(const Options& o) {
   const double params = double(tr.spec.param_count());
   std::vector<int64_t> ids(static_cast<size_t>(tokens)), labels(ids.size());
   std::vector<StepReport> measured;
+  std::vector<ActivationTraffic> measured_traffic;
   nlohmann::json per_step = nlohmann::json::array();
+  size_t spans_seen = 0;
   for (int64_t i = 0; i < o.skip_steps + o.steps; ++i) {
     tr.loader->next(ids, labels);
     StepReport r = engine.step(ids.data(), labels.data());
+    // The step's device spans are in the timeline once step() returns (the
+    // timeline only grows here: nothing calls forget_before).
+    const std::vector<Span> spans = engine.timeline().spans();
+    const ActivationTraffic act = activation_traffic(spans, spans_seen);
+    spans_seen = spans.size();
     const bool timed = i >= o.skip_steps;
     fmt::print(log, "step {:>3} {} | loss {:.4f} | {:.3f} s | {:>7.0f} tok/s | overlap {:.2f} (critical: {})\n",
                r.step, timed ? "measured" : "untimed ", r.loss, r.step_s, r.tokens_per_s,
@@ -137,14 +180,18 @@ int run(const Options& o) {
                format_bytes(r.h2d_bytes), double(r.h2d_bytes) / params, format_bytes(r.d2h_bytes),
                double(r.d2h_bytes) / params, format_bytes(r.work_peak_bytes),
                engine.simulated() ? " (not simulated)" : "");
+    if (!cfg.saved_blocks.empty())
+      fmt::print(log, "             | of which kept activations: d2h {} ({:.4f} s busy), h2d {} ({:.4f} s busy)\n",
+                 format_bytes(act.d2h_bytes), act.d2h_busy_s, format_bytes(act.h2d_bytes), act.h2d_busy_s);
     std::fflush(log);
     if (!timed) continue;
     measured.push_back(r);
+    measured_traffic.push_back(act);
     per_step.push_back({{"step", r.step}, {"step_s", r.step_s}, {"loss", r.loss},
                         {"overlap_efficiency", r.stats.overlap_efficiency}, {"h2d_bytes", r.h2d_bytes},
                         {"d2h_bytes", r.d2h_bytes}, {"h2d_bytes_per_param", double(r.h2d_bytes) / params},
                         {"d2h_bytes_per_param", double(r.d2h_bytes) / params},
-                        {"work_peak_bytes", r.work_peak_bytes}});
+                        {"work_peak_bytes", r.work_peak_bytes}, {"activations", act.to_json()}});
   }
   engine.finish_updates();
 
@@ -164,6 +211,16 @@ int run(const Options& o) {
     if (busy_s[size_t(l)] > busy_s[size_t(critical)]) critical = l;
   const double overlap = total_s > 0 ? busy_s[size_t(critical)] / total_s : 0.0;
   const StepFlops flops = step_flops(tr.spec, cfg);
+  // The kept activations' traffic, per step: the mean over the measured steps.
+  ActivationTraffic activations;
+  for (const ActivationTraffic& t : measured_traffic) {
+    activations.d2h_bytes += t.d2h_bytes;
+    activations.h2d_bytes += t.h2d_bytes;
+    activations.d2h_busy_s += t.d2h_busy_s / n;
+    activations.h2d_busy_s += t.h2d_busy_s / n;
+  }
+  activations.d2h_bytes = uint64_t(double(activations.d2h_bytes) / n);
+  activations.h2d_bytes = uint64_t(double(activations.h2d_bytes) / n);
 
   nlohmann::json out = {{"command", "profile"},
                         {"model", tr.spec.summary()},
@@ -189,6 +246,10 @@ int run(const Options& o) {
                         {"h2d_bytes_per_step", measured.back().h2d_bytes},
                         {"d2h_bytes_per_step", measured.back().d2h_bytes},
                         {"work_peak_bytes", work_peak},
+                        {"saved_layers", int64_t(cfg.saved_blocks.size())},
+                        {"saved_blocks", cfg.saved_blocks},
+                        {"activations_mode", o.train.activations},
+                        {"activations", activations.to_json()},
                         {"per_step", per_step}};
   for (int l = 0; l < kNumLanes; ++l)
     out["lanes"][std::string(lane_name(Lane(l)))] = {{"busy_s", busy_s[size_t(l)] / n},
@@ -200,15 +261,27 @@ int run(const Options& o) {
              cfg.window, cfg.checkpoints_on_host ? "host" : "device");
   fmt::print(log, "  step time {:.4f} s, {:.0f} tokens/s{}\n", step_s, double(tokens) / step_s,
              engine.simulated() ? " (virtual time: a simulated device)" : "");
-  for (int l = 0; l < kNumLanes; ++l)
+  for (int l = 0; l < kNumLanes; ++l) {
     fmt::print(log, "  {:>10}: busy {:.4f} s per step, {:5.1f}% of the step{}\n", lane_name(Lane(l)),
                busy_s[size_t(l)] / n, 100.0 * busy_s[size_t(l)] / total_s, l == critical ? "  <- critical" : "");
+    if (Lane(l) == Lane::kH2D || Lane(l) == Lane::kD2H) {
+      const bool in = Lane(l) == Lane::kH2D;
+      const double act_s = in ? activations.h2d_busy_s : activations.d2h_busy_s;
+      if (!cfg.saved_blocks.empty())
+        fmt::print(log, "  {:>10}  of which kept activations: {:.4f} s, {} per step ({} layers)\n", "", act_s,
+                   format_bytes(in ? activations.h2d_bytes : activations.d2h_bytes), cfg.saved_blocks.size());
+    }
+  }
   fmt::print(log, "  critical lane: {}\n  overlap efficiency: {:.3f} (busiest lane / step time; 1.0: all else hidden)\n",
              lane_name(Lane(critical)), overlap);
   fmt::print(log, "  model FLOP/s (6·N·tokens, N = {:.4g} parameters): {:.4g} GFLOP/s ({:.4g} GFLOP per step)\n",
              double(tr.spec.param_count()), flops.six_n_t / step_s * 1e-9, flops.six_n_t * 1e-9);
-  fmt::print(log, "  executed FLOP/s (forward + recompute + backward): {:.4g} GFLOP/s ({:.4g} GFLOP per step)\n",
-             flops.executed / step_s * 1e-9, flops.executed * 1e-9);
+  fmt::print(log, "  executed FLOP/s (forward + recompute + backward): {:.4g} GFLOP/s ({:.4g} GFLOP per step){}\n",
+             flops.executed / step_s * 1e-9, flops.executed * 1e-9,
+             cfg.saved_blocks.empty() ? ""
+                                      : fmt::format("; {} of {} layers keep their activations and recompute only "
+                                                    "their attention core",
+                                                    cfg.saved_blocks.size(), tr.spec.layers));
   fmt::print(log, "  moved per step: h2d {} ({:.2f} B/param), d2h {} ({:.2f} B/param)\n",
              format_bytes(measured.back().h2d_bytes), double(measured.back().h2d_bytes) / params,
              format_bytes(measured.back().d2h_bytes), double(measured.back().d2h_bytes) / params);

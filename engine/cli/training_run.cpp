@@ -54,6 +54,16 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
                "--dtype fp32 always sends fp32)")
       ->capture_default_str()
       ->check(CLI::IsMember({"bf16", "fp32"}));
+  add_activations_option(c, o.activations);
+}
+
+void add_activations_option(CLI::App& c, std::string& activations) {
+  c.add_option("--activations", activations,
+               "what a decoder layer's backward starts from: recompute (its forward again, from its checkpoint), "
+               "saved (its projections' outputs, kept in pinned host RAM as far as --host-ram/--ram allows), or "
+               "auto (saved where that beats recomputing on this machine's link, by the plan's cost model)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "recompute", "saved"}));
 }
 
 void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window) {
@@ -147,6 +157,10 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   lim.fp32_grad_transfer = o.grad_transfer == "fp32";
   lim.window = o.window;
   lim.clip_norm = o.clip;  // with clipping, NVMe-tier gradients need NVMe space too
+  lim.activations = parse_activation_mode(o.activations);
+  // A simulated device prices kept activations on its own machine; a real
+  // one on the rtx4090's rates (PlanLimits' defaults).
+  if (o.device.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(o.device.substr(4)));
   run.plan = Plan::make(run.spec, lim);
   fmt::print(log, "strider {}: {}\n{}", command, run.spec.summary(), run.plan.explain());
   if (!budget_why.empty()) fmt::print(log, "  device budget: {}\n", budget_why);

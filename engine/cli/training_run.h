@@ -26,6 +26,7 @@ struct TrainOptions {
   int64_t seq = 128, micro_batch = 4, accumulation = 2, window = 0, warmup = 10, vocab_chunk = 8192;
   int64_t token_tile = -1;              // -1: the plan chooses
   std::string grad_transfer = "bf16";
+  std::string activations = "auto";     // auto, recompute, saved (PlanLimits::activations)
   double lr = 5e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
   int optimizer_threads = 0;
@@ -45,6 +46,8 @@ void add_work_dir_option(CLI::App& c, TrainOptions& o);
 // --seq, --micro-batch, --accumulation, --window; --clip (shared with `strider plan`).
 void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window);
 void add_clip_option(CLI::App& c, double& clip, const std::string& help);
+// --activations {auto,recompute,saved} (shared with `strider plan`).
+void add_activations_option(CLI::App& c, std::string& activations);
 
 // --device-budget "auto": on a CUDA device, its free memory at start less a
 // margin for what strider does not allocate itself (the CUDA context's

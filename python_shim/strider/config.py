@@ -3,7 +3,8 @@
 The fields are `strider finetune`'s options (seq, micro_batch, accumulation,
 window, dtype, lr, schedule, ...). `engine_json()` maps them onto the engine
 config JSON of engine/engine_config_json.cpp (betas -> beta1/beta2); device,
-device_budget and chaos go to the device, not the engine config.
+device_budget and chaos go to the device, not the engine config; activations
+goes to the binding, which chooses the engine config's saved_blocks from it.
 
 Names that differ from the command line, and why: `warmup_steps` (--warmup),
 `total_steps` (--steps) and `clip_norm` (--clip) use the engine config's names
@@ -23,6 +24,7 @@ from typing import Optional, Sequence, Tuple, Union
 SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("bf16", "fp32")
 OPTIMIZERS = ("adamw", "adam")
+ACTIVATIONS = ("auto", "recompute", "saved")
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1e3, "kib": 1024, "m": 1 << 20, "mb": 1e6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1e9, "gib": 1 << 30, "t": 1 << 40, "tb": 1e12, "tib": 1 << 40}
@@ -67,6 +69,12 @@ class EngineConfig:
     grad_transfer: str = "bf16"     # gradients to the host in bf16 (summed in fp32 first) or fp32 (exact);
                                     # an fp32 dtype always sends fp32
     checkpoints_on_host: bool = False  # block inputs kept in pinned host memory, not on the device
+    # What a decoder layer's backward starts from: "recompute" (its forward again, from its checkpoint),
+    # "saved" (its projections' outputs, kept in pinned host RAM: every layer), or "auto" (the last layers
+    # whose kept bytes fit in half of MemAvailable after the engine's other host bytes). The engine chooses
+    # the layers (python_shim/engine_class.cpp); the result is bit-identical either way. Placement: a resumed
+    # run may choose differently.
+    activations: str = "auto"
     # The optimizer (AdamW on fp32 masters, on the CPU).
     lr: float = 1e-5                # peak learning rate
     schedule: str = "constant"      # constant, linear or cosine, after warmup_steps of linear warm-up
@@ -130,6 +138,8 @@ class EngineConfig:
             bad("grad_transfer", "must be bf16 or fp32")
         if not isinstance(self.checkpoints_on_host, bool):
             bad("checkpoints_on_host", "expected a bool")
+        if self.activations not in ACTIVATIONS:
+            bad("activations", f"must be one of {ACTIVATIONS}")
         number("lr", 0)
         if self.schedule not in SCHEDULES:
             bad("schedule", f"must be one of {SCHEDULES}")
@@ -177,13 +187,18 @@ class EngineConfig:
                     weight_decay=float(self.weight_decay), optimizer=self.optimizer, schedule=self.schedule,
                     warmup_steps=self.warmup_steps, total_steps=self.total_steps, clip_norm=float(self.clip_norm),
                     optimizer_threads=self.optimizer_threads, nvme_dir=self.nvme_dir,
-                    nvme_blocks=list(self.nvme_blocks), grad_ring=self.grad_ring)
+                    nvme_blocks=list(self.nvme_blocks), grad_ring=self.grad_ring,
+                    # Not an engine config field: the binding turns it into saved_blocks.
+                    activations=self.activations)
 
     @classmethod
     def from_engine_dict(cls, d: dict, **placement) -> "EngineConfig":
         """The inverse of engine_dict (beta1/beta2 -> betas), e.g. the engine config a training checkpoint
         saved; `placement` sets the fields the engine config does not hold (device, device_budget, chaos)."""
         d = dict(d)
+        # The layers that kept their activations are placement, chosen again on this machine (by
+        # `activations`, default "auto"), like the device; the maths is bit-identical either way.
+        d.pop("saved_blocks", None)
         if "beta1" in d or "beta2" in d:
             d["betas"] = (d.pop("beta1", 0.9), d.pop("beta2", 0.999))
         known = {f.name for f in dataclasses.fields(cls)}

@@ -6,6 +6,7 @@
 
 #include "engine/builtin.h"
 #include "engine/engine.h"
+#include "engine/engine_config_json.h"
 #include "engine/model_presets.h"
 #include "engine/plan.h"
 #include "host/error.h"
@@ -257,4 +258,136 @@ TEST_CASE("a SmolLM2-sized model slides in a budget its layers fit, not its voca
   INFO(p.reason);
   CHECK(p.feasible);
   CHECK(p.unit_bytes < (24ull << 20));
+}
+
+// Kept activations (PlanLimits::activations). The built-in model, with the
+// engine's footprint counting what a kept layer holds.
+namespace {
+PlanLimits activation_limits(ActivationMode mode) {
+  PlanLimits l{.device_bytes = 64ull << 20, .seq = 32, .micro_batch = 2, .accumulation = 2};
+  l.activations = mode;
+  return l;
+}
+}  // namespace
+
+TEST_CASE("activations recompute: no layer keeps its activations", "[engine][plan][activations]") {
+  const ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  const PlanLimits l = activation_limits(ActivationMode::kRecompute);
+  const Plan p = Plan::make(spec, l);
+  REQUIRE(p.feasible);
+  CHECK(p.saved_blocks.empty());
+  CHECK(p.saved_layers == 0);
+  CHECK(p.saved_host_bytes == 0);
+  CHECK(p.engine_config(l).saved_blocks.empty());
+  CHECK_THAT(p.explain(), Catch::Contains("activations: every layer recomputes"));
+}
+
+TEST_CASE("activations saved with unlimited RAM: every decoder layer keeps them", "[engine][plan][activations]") {
+  const ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  const PlanLimits l = activation_limits(ActivationMode::kSaved);
+  const Plan p = Plan::make(spec, l);
+  REQUIRE(p.feasible);
+  std::vector<int64_t> layers;
+  for (int64_t b = 1; b <= spec.layers; ++b) layers.push_back(b);
+  CHECK(p.saved_blocks == layers);
+  CHECK(p.saved_layers == spec.layers);
+  CHECK(p.engine_config(l).saved_blocks == layers);
+  const EngineFootprint f = Engine::footprint(spec, p.engine_config(l));
+  CHECK(p.saved_host_bytes == f.saved_host_bytes);
+  CHECK(p.saved_bytes_per_layer == f.saved_bytes_per_layer);
+  CHECK(p.host_bytes == f.host_bytes);
+  CHECK(p.device_buffer_bytes == f.device_bytes);
+  CHECK_THAT(p.explain(), Catch::Contains(fmt::format("activations: {} of {} layers keep", spec.layers, spec.layers)));
+}
+
+TEST_CASE("activations saved, RAM for only some: the last layers keep them, the plan says how many",
+          "[engine][plan][activations]") {
+  const ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  REQUIRE(spec.layers >= 3);
+  PlanLimits l = activation_limits(ActivationMode::kSaved);
+  const Plan all = Plan::make(spec, l);
+  REQUIRE(all.feasible);
+  const uint64_t per_layer = all.saved_bytes_per_layer;
+  if (per_layer == 0) {
+    WARN("Engine::footprint counts no kept activations yet: nothing to limit");
+    return;
+  }
+  PlanLimits none = activation_limits(ActivationMode::kRecompute);
+  const uint64_t state = Plan::make(spec, none).host_bytes;
+  // Room for two layers and a half: two keep theirs.
+  l.host_bytes = state + 2 * per_layer + per_layer / 2;
+  const Plan some = Plan::make(spec, l);
+  INFO(some.explain());
+  REQUIRE(some.feasible);
+  CHECK(some.saved_layers == 2);
+  CHECK(some.saved_blocks == std::vector<int64_t>{spec.layers - 1, spec.layers});
+  CHECK(some.host_bytes <= l.host_bytes);
+  CHECK(some.nvme_blocks.empty());
+  CHECK_THAT(some.explain(), Catch::Contains(fmt::format("2 of {} layers keep", spec.layers)) &&
+                                 Catch::Contains("the rest recompute"));
+  // RAM for the state alone: every layer recomputes, still feasible, no error.
+  l.host_bytes = state;
+  const Plan zero = Plan::make(spec, l);
+  REQUIRE(zero.feasible);
+  CHECK(zero.saved_layers == 0);
+  CHECK_THAT(zero.explain(), Catch::Contains("leaves no room for kept activations"));
+  // Kept activations never push optimizer state to NVMe: with an NVMe tier
+  // and RAM short of the state, the state is placed as without them.
+  l.nvme_dir = "/nvme/strider";
+  none.nvme_dir = l.nvme_dir;
+  l.host_bytes = none.host_bytes = state * 3 / 4;
+  const Plan tight = Plan::make(spec, l), recompute = Plan::make(spec, none);
+  REQUIRE(tight.feasible);
+  REQUIRE(recompute.feasible);
+  CHECK(tight.nvme_blocks == recompute.nvme_blocks);
+  CHECK(tight.host_bytes <= l.host_bytes);
+}
+
+TEST_CASE("activations auto: kept on a fast link, recomputed on a slow one", "[engine][plan][activations]") {
+  const ModelSpec spec = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  PlanLimits l{.device_bytes = 24ull << 30, .seq = 1024, .accumulation = 8};
+  l.activations = ActivationMode::kAuto;
+  // The rtx4090's rates by default.
+  CHECK(l.compute_flops_per_s == CostModel::preset("rtx4090").sustained_tflops() * 1e12);
+  l.link_bytes_per_s = 1e15;  // a link far faster than any
+  const Plan fast = Plan::make(spec, l);
+  REQUIRE(fast.feasible);
+  CHECK(fast.layer_cost.pays());
+  CHECK(fast.saved_layers == spec.layers);
+  l.link_bytes_per_s = 1e6;  // 1 MB/s
+  const Plan slow = Plan::make(spec, l);
+  REQUIRE(slow.feasible);
+  CHECK_FALSE(slow.layer_cost.pays());
+  CHECK(slow.saved_layers == 0);
+  CHECK_THAT(slow.explain(), Catch::Contains("would not pay"));
+}
+
+TEST_CASE("the plan's JSON names the activations asked and chosen", "[engine][plan][activations]") {
+  const ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  const Plan p = Plan::make(spec, activation_limits(ActivationMode::kSaved));
+  const nlohmann::json j = p.to_json();
+  CHECK(j["activations"] == "saved");
+  CHECK(j["saved_layers"] == spec.layers);
+  CHECK(j["saved_blocks"].size() == size_t(spec.layers));
+  CHECK(j["saved_host_bytes"] == p.saved_host_bytes);
+  CHECK(j["saved_bytes_per_layer"] == p.saved_bytes_per_layer);
+  CHECK(j["activation_cost"].contains("recompute_s"));
+  CHECK(Plan::make(spec, activation_limits(ActivationMode::kAuto)).to_json()["activations"] == "auto");
+  CHECK(parse_activation_mode("recompute") == ActivationMode::kRecompute);
+  CHECK_THROWS_WITH(parse_activation_mode("keep"),
+                    Catch::Contains("'keep'") && Catch::Contains("auto, recompute or saved"));
+}
+
+TEST_CASE("the engine config's saved_blocks round-trip through JSON, checked", "[engine][plan][activations]") {
+  EngineConfig c;
+  c.saved_blocks = {2, 3, 5};
+  const EngineConfig back = engine_config_from_json(engine_config_to_json(c));
+  CHECK(back.saved_blocks == c.saved_blocks);
+  nlohmann::json j = engine_config_to_json(c);
+  j["saved_blocks"] = {0, 1};
+  CHECK_THROWS_WITH(engine_config_from_json(j), Catch::Contains("saved_blocks holds 0"));
+  j["saved_blocks"] = {2, 2};
+  CHECK_THROWS_WITH(engine_config_from_json(j), Catch::Contains("twice"));
+  j.erase("saved_blocks");
+  CHECK(engine_config_from_json(j).saved_blocks.empty());
 }
