@@ -252,6 +252,11 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
     f.activation_bytes += 2 * round_up(kept, 256);
     f.device_bytes = f.pool_bytes + f.activation_bytes;
   }
+  if (c.keep_logits) {
+    f.logits_bytes = uint64_t(M) * round_up(mb_tokens * size_t(spec.dims.vocab) * cbytes, 256);
+    f.activation_bytes += f.logits_bytes;
+    f.device_bytes = f.pool_bytes + f.activation_bytes;
+  }
   return f;
 }
 
@@ -311,6 +316,8 @@ void Engine::allocate_activations() {
     grad_h_.push_back(make({mb * S, H}, at::kFloat, "head hidden gradient"));
   }
   for (int s = 0; s < 2; ++s) ring_free_.push_back(device_->make_event());
+  if (config_.keep_logits)
+    for (int64_t m = 0; m < M; ++m) logits_.push_back(make({mb * S, spec_.dims.vocab}, cdt, "kept logits"));
   if (!config_.saved_blocks.empty()) {
     const int64_t elems = layer_saved_elems(spec_.dims, mb * S);
     for (int s = 0; s < 2; ++s) {

@@ -85,6 +85,11 @@ struct EngineConfig {
   // from its checkpoint. The two are bit-identical (the same ops in the same
   // order); the plan chooses (engine/plan.h, PlanLimits::activations).
   std::vector<int64_t> saved_blocks;
+  // The head's pass 1 keeps every micro-batch's logits on the device
+  // ([micro_batch * seq, vocab] each, the compute dtype) for pass 2, which
+  // then computes two of the three logits GEMMs instead of three: the same
+  // bits, at batch x seq x vocab x 2 bytes of device memory.
+  bool keep_logits = false;
   at::ScalarType grad_dtype() const {
     return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
   }
@@ -136,6 +141,7 @@ struct EngineFootprint {
   int64_t saved_layers = 0;         // layers whose activations are kept (EngineConfig::saved_blocks)
   uint64_t saved_bytes_per_layer = 0;  // host bytes one such layer keeps, all micro-batches of a step
   uint64_t saved_host_bytes = 0;    // host bytes of all kept activations (part of host_bytes)
+  uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes)
   uint64_t device_bytes = 0;        // pool + activations: every device allocation
   uint64_t host_bytes = 0;          // the pinned arena
   uint64_t nvme_bytes = 0;          // NVMe-tier state files
@@ -237,6 +243,8 @@ class Engine {
   // device slot (slots alternate; each use waits for the slot's last reader).
   bool keeps(int64_t b) const { return b > 0 && b < head_ && saved_index_[size_t(b)] >= 0; }
   std::span<std::byte> saved_host(int64_t b, int64_t m) const;
+  // Micro-batch m's kept logits of one LM-head shard's rows: [tokens, rows].
+  at::Tensor kept_logits(int64_t m, const Piece& rows) const;
   void fetch_saved(int64_t b, int64_t m);
   double visit_flops(const Visit& v, bool train) const;
   void wait_updated(int64_t p);                 // piece p's update of the previous pass is done
@@ -341,6 +349,7 @@ class Engine {
   // hidden) summed over the shards of pass 2 (fp32 [tokens, hidden]).
   std::vector<HeadState> head_state_;
   std::vector<at::Tensor> head_lse_, grad_h_;
+  std::vector<at::Tensor> logits_;          // kept logits, per micro-batch (EngineConfig::keep_logits)
   std::vector<std::unique_ptr<Event>> ring_free_;  // per ring set: its last reader is done
   // Kept activations: per block its index among the kept ones (or -1); their
   // host copies [index * M + m]; two device slots (flat, compute dtype) that

@@ -38,7 +38,8 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"nvme_dir", c.nvme_dir},
           {"nvme_blocks", c.nvme_blocks},
           {"grad_ring", c.grad_ring},
-          {"saved_blocks", c.saved_blocks}};
+          {"saved_blocks", c.saved_blocks},
+          {"keep_logits", c.keep_logits}};
 }
 
 EngineConfig engine_config_from_json(const nlohmann::json& j) {
@@ -90,6 +91,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& j) {
   get("nvme_dir", c.nvme_dir);
   get("nvme_blocks", c.nvme_blocks);
   get("grad_ring", c.grad_ring);
+  get("keep_logits", c.keep_logits);
   // Decoder-layer blocks are 1..layers: the upper bound needs the model,
   // which whoever builds the Engine checks (the Engine does too).
   if (j.contains("saved_blocks")) {

@@ -42,7 +42,8 @@ double Engine::visit_flops(const Visit& v, bool train) const {
     const Piece& rows = piece(shards_.lm_piece[size_t(v.shard)]);
     const double logits = 2.0 * tokens * H * double(rows.row_end - rows.row_begin);
     // Pass 1: the logits; pass 2: the logits again and both gradients.
-    return (v.lse ? logits : 0.0) + (v.grad && train ? 3.0 * logits : 0.0);
+    // With kept logits, pass 2 computes only the two gradients.
+    return (v.lse ? logits : 0.0) + (v.grad && train ? (config_.keep_logits ? 2.0 : 3.0) * logits : 0.0);
   }
   const int64_t b = piece(v.piece).block;
   if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
@@ -54,6 +55,10 @@ double Engine::visit_flops(const Visit& v, bool train) const {
   const BlockDims& d = spec_.dims;
   const double S = double(config_.seq);
   return c.backward_flops + 2.0 * double(config_.micro_batch) * double(d.heads * d.head_dim) * S * S;
+}
+
+at::Tensor Engine::kept_logits(int64_t m, const Piece& rows) const {
+  return logits_[size_t(m)].slice(1, rows.row_begin, rows.row_end);
 }
 
 std::span<std::byte> Engine::saved_host(int64_t b, int64_t m) const {
@@ -203,11 +208,13 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
       HeadState st = head_state_[size_t(m)];
       at::Tensor lse = head_lse_[size_t(m)];
       at::Tensor loss_sum = head_stats_dev_[0][m], valid_tokens = head_stats_dev_[1][m];
+      const at::Tensor keep = train && config_.keep_logits ? kept_logits(m, rows_pc) : at::Tensor();
       device_->launch(StreamId::kCompute, {"head log-sum-exp", int32_t(head_), visit_flops({Visit::kHead, 0, v.shard, true, false}, false)},
                       [dims, norm, rows, v0, in, labels, chunk, tile, st, lse, loss_sum, valid_tokens, first,
-                       last](const LaunchContext&) mutable {
+                       last, keep](const LaunchContext&) mutable {
                         if (first) head_state_reset(st);
-                        head_lse_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, st);
+                        head_lse_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, st,
+                                       keep);
                         if (!last) return;
                         lse.copy_(head_lse(st));
                         head_loss_sums(st, lse, labels, loss_sum, valid_tokens);
@@ -231,12 +238,13 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
     at::Tensor in = act(head_, m);
     at::Tensor labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
     at::Tensor lse = head_lse_[size_t(m)], grad_h = grad_h_[size_t(m)];
+    const at::Tensor kept = config_.keep_logits ? kept_logits(m, rows_pc) : at::Tensor();
     device_->launch(StreamId::kCompute, {"head backward", int32_t(head_), flops},
-                    [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first](
+                    [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first, kept](
                         const LaunchContext&) {
                       if (first) grad_h.zero_();
                       head_grad_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, lse,
-                                      1.0 / double(valid), grad_h, grad_rows);
+                                      1.0 / double(valid), grad_h, grad_rows, kept);
                     });
   }
   if (last)

@@ -54,6 +54,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.clip_norm = l.clip_norm;
   c.grad_ring = l.grad_ring;
   c.saved_blocks = saved_blocks;
+  c.keep_logits = keep_logits;
   return c;
 }
 
@@ -312,6 +313,23 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   }
   p.saved_layers = int64_t(p.saved_blocks.size());
   p.saved_host_bytes = f.saved_host_bytes;
+  // Kept logits (not when asked to recompute): the head's pass 2 takes pass
+  // 1's logits, one logits GEMM of three less, when they fit on the device
+  // after everything else. No link traffic: nothing to weigh but the room.
+  if (l.activations != ActivationMode::kRecompute) {
+    p.keep_logits = true;
+    const EngineFootprint k = Engine::footprint(spec, p.engine_config(lim));
+    p.logits_bytes = k.logits_bytes;
+    p.keep_logits = k.device_bytes + work <= l.device_bytes;
+    if (p.keep_logits) f = k;
+    p.why.push_back(p.keep_logits
+                        ? fmt::format("logits: kept on the device between the head's two passes ({}): its "
+                                      "backward computes two of the three logits GEMMs",
+                                      format_bytes(p.logits_bytes))
+                        : fmt::format("logits: computed again in the head's backward: keeping them ({}) would pass "
+                                      "the device budget",
+                                      format_bytes(p.logits_bytes)));
+  }
 
   p.feasible = true;
   p.unit_elems = f.unit_elems;
@@ -422,7 +440,7 @@ nlohmann::json Plan::to_json() const {
           {"host_bytes", host_bytes}, {"nvme_bytes", nvme_bytes},
           {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
           {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
-          {"saved_host_bytes", saved_host_bytes},
+          {"saved_host_bytes", saved_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},
           {"activation_cost", {{"recompute_s", layer_cost.recompute_s}, {"saved_s", layer_cost.saved_s},
                                {"pays", layer_cost.pays()}}},
           {"why", why}};

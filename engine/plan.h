@@ -112,6 +112,10 @@ struct Plan {
   uint64_t saved_bytes_per_layer = 0;
   uint64_t saved_host_bytes = 0;
   ActivationCost layer_cost;
+  // The head's logits kept on the device between its passes
+  // (EngineConfig::keep_logits), and their bytes (counted whether kept or not).
+  bool keep_logits = false;
+  uint64_t logits_bytes = 0;
   std::vector<std::string> why;      // the decisions, one line each
 
   static Plan make(const ModelSpec& spec, const PlanLimits& limits);

@@ -56,7 +56,8 @@ void head_state_reset(HeadState& st) {
 }
 
 void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
-                    int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, HeadState& st) {
+                    int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, HeadState& st,
+                    const at::Tensor& keep) {
   at::NoGradGuard no_grad;
   const int64_t rows = w_rows.size(0);
   for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
@@ -65,7 +66,9 @@ void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor
     at::Tensor target = st.target.slice(0, t0, t1);
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
       const int64_t c1 = std::min(rows, c0 + chunk), a = v0 + c0, b = v0 + c1;
-      at::Tensor logits = at::matmul(ht, w_rows.slice(0, c0, c1).t()).to(at::kFloat);  // [t, c]
+      at::Tensor logits = at::matmul(ht, w_rows.slice(0, c0, c1).t());  // [t, c]
+      if (keep.defined()) keep.slice(0, t0, t1).slice(1, c0, c1).copy_(logits);
+      logits = logits.to(at::kFloat);
       at::Tensor new_max = at::maximum(run_max, std::get<0>(logits.max(1)));
       run_sum.copy_(run_sum * at::exp(run_max - new_max) + at::exp(logits - new_max.unsqueeze(1)).sum(1));
       run_max.copy_(new_max);
@@ -88,7 +91,8 @@ void head_loss_sums(const HeadState& st, const at::Tensor& lse, const at::Tensor
 
 void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
                      int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, const at::Tensor& lse,
-                     double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows) {
+                     double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows,
+                     const at::Tensor& kept) {
   at::NoGradGuard no_grad;
   const int64_t rows = w_rows.size(0);
   for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
@@ -100,7 +104,8 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
       const int64_t c1 = std::min(rows, c0 + chunk), a = v0 + c0, b = v0 + c1;
       at::Tensor wc = w_rows.slice(0, c0, c1);
-      at::Tensor logits = at::matmul(ht, wc.t()).to(at::kFloat);
+      at::Tensor logits =
+          (kept.defined() ? kept.slice(0, t0, t1).slice(1, c0, c1) : at::matmul(ht, wc.t())).to(at::kFloat);
       at::Tensor g = at::exp(logits - lse_t.unsqueeze(1));
       logits.reset();  // dead: one [tile, chunk] fp32 less at the peak
       at::Tensor in_chunk = (lab >= a) & (lab < b);

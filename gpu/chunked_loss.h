@@ -72,8 +72,14 @@ struct HeadState {
 };
 // Fresh state in caller-owned fp32 [tokens] buffers: -inf, 0, 0.
 void head_state_reset(HeadState& st);
+//
+// `keep` ([tokens, w_rows.size(0)], the compute dtype; may be a strided view
+// of a [tokens, vocab] buffer) receives the shard's logits as the GEMM wrote
+// them, so that pass 2 can take them instead of computing them again: the
+// same bits, one logits GEMM of three less.
 void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
-                    int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, HeadState& st);
+                    int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, HeadState& st,
+                    const at::Tensor& keep = {});
 // After pass 1: the per-token log-sum-exp (a new fp32 [tokens] tensor), and
 // the micro-batch's loss sum and valid-token count written into 0-dim float64
 // tensors on the device.
@@ -83,9 +89,12 @@ void head_loss_sums(const HeadState& st, const at::Tensor& lse, const at::Tensor
 // Pass 2 over one shard: adds d(loss_scale * loss)/dh (h the normed input)
 // into grad_h (fp32 [tokens, hidden]) and the rows' gradient into grad_rows
 // (fp32, like w_rows).
+// `kept`: what pass 1 wrote into `keep` for this shard (the logits are not
+// computed again).
 void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
                      int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, const at::Tensor& lse,
-                     double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows);
+                     double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows,
+                     const at::Tensor& kept = {});
 // The final norm's backward once grad_h is complete: adds into grad_norm
 // (fp32) and returns d(loss)/dx, [tokens, hidden] (tile by tile with a token
 // tile), written into grad_x_out when it is given.

@@ -97,6 +97,18 @@ std::vector<int64_t> choose_saved_blocks(const std::string& mode, const ModelSpe
   return {all.end() - ptrdiff_t(n), all.end()};
 }
 
+// The same field onto EngineConfig::keep_logits: under saved and auto the
+// head's logits stay on the device between its two passes when they take at
+// most an eighth of the budget the engine's buffers leave (the rest is ATen's
+// working memory, which only `strider plan` estimates).
+bool choose_keep_logits(const std::string& mode, const ModelSpec& spec, EngineConfig config, uint64_t device_budget) {
+  if (mode == "recompute" || device_budget == 0) return false;
+  config.keep_logits = true;
+  const EngineFootprint with = Engine::footprint(spec, config);
+  const uint64_t others = with.device_bytes - with.logits_bytes;
+  return others < device_budget && with.logits_bytes <= (device_budget - others) / 8;
+}
+
 nlohmann::json parse_json(const std::string& text, const char* what) {
   try {
     return nlohmann::json::parse(text);
@@ -141,8 +153,10 @@ class EngineHolder : public torch::CustomClassHolder {
     // and the budget before any work: those are the caller's to fix.
     engine_ = translated("engine", true, [&] {
       std::unique_ptr<Device> device = make_device(dev);
-      if (!activations.empty())
+      if (!activations.empty()) {
         config.saved_blocks = choose_saved_blocks(activations, spec, config, device->budget_bytes());
+        config.keep_logits = choose_keep_logits(activations, spec, config, device->budget_bytes());
+      }
       return std::make_unique<Engine>(std::move(spec), std::move(config), std::move(device));
     });
   }

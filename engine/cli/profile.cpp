@@ -59,7 +59,7 @@ struct Options {
 // FLOPs; its norms, RoPE and element-wise ops are not counted, as nowhere in
 // ModelSpec::cost); the head runs its loss forward and backward once (its
 // backward recomputes the logits chunk by chunk, which ModelSpec counts in
-// backward_flops).
+// backward_flops, unless they were kept: EngineConfig::keep_logits).
 struct StepFlops {
   double executed = 0;      // forward + recompute + backward
   double six_n_t = 0;       // 6 x parameters x tokens
@@ -75,7 +75,8 @@ StepFlops step_flops(const ModelSpec& spec, const EngineConfig& c) {
         spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes, c.compute.token_tile);
     const bool kept = std::find(c.saved_blocks.begin(), c.saved_blocks.end(), b) != c.saved_blocks.end();
     const double recompute = b == head ? 0.0 : kept ? attention : k.forward_flops;
-    f.executed += (k.forward_flops + recompute + k.backward_flops) * double(c.accumulation);
+    const double backward = b == head && c.keep_logits ? k.backward_flops * 2 / 3 : k.backward_flops;
+    f.executed += (k.forward_flops + recompute + backward) * double(c.accumulation);
   }
   f.six_n_t = 6.0 * double(spec.param_count()) * double(c.batch() * c.seq);
   return f;

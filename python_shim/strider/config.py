@@ -4,7 +4,8 @@ The fields are `strider finetune`'s options (seq, micro_batch, accumulation,
 window, dtype, lr, schedule, ...). `engine_json()` maps them onto the engine
 config JSON of engine/engine_config_json.cpp (betas -> beta1/beta2); device,
 device_budget and chaos go to the device, not the engine config; activations
-goes to the binding, which chooses the engine config's saved_blocks from it.
+goes to the binding, which chooses the engine config's saved_blocks and
+keep_logits from it.
 
 Names that differ from the command line, and why: `warmup_steps` (--warmup),
 `total_steps` (--steps) and `clip_norm` (--clip) use the engine config's names
@@ -71,9 +72,10 @@ class EngineConfig:
     checkpoints_on_host: bool = False  # block inputs kept in pinned host memory, not on the device
     # What a decoder layer's backward starts from: "recompute" (its forward again, from its checkpoint),
     # "saved" (its projections' outputs, kept in pinned host RAM: every layer), or "auto" (the last layers
-    # whose kept bytes fit in half of MemAvailable after the engine's other host bytes). The engine chooses
-    # the layers (python_shim/engine_class.cpp); the result is bit-identical either way. Placement: a resumed
-    # run may choose differently.
+    # whose kept bytes fit in half of MemAvailable after the engine's other host bytes). Under saved and
+    # auto the head's logits also stay on the device between its two passes when they take at most an
+    # eighth of the device budget the engine's buffers leave. The engine chooses (python_shim/engine_class.cpp);
+    # the result is bit-identical either way. Placement: a resumed run may choose differently.
     activations: str = "auto"
     # The optimizer (AdamW on fp32 masters, on the CPU).
     lr: float = 1e-5                # peak learning rate
@@ -188,7 +190,7 @@ class EngineConfig:
                     warmup_steps=self.warmup_steps, total_steps=self.total_steps, clip_norm=float(self.clip_norm),
                     optimizer_threads=self.optimizer_threads, nvme_dir=self.nvme_dir,
                     nvme_blocks=list(self.nvme_blocks), grad_ring=self.grad_ring,
-                    # Not an engine config field: the binding turns it into saved_blocks.
+                    # Not an engine config field: the binding turns it into saved_blocks and keep_logits.
                     activations=self.activations)
 
     @classmethod
@@ -199,6 +201,7 @@ class EngineConfig:
         # The layers that kept their activations are placement, chosen again on this machine (by
         # `activations`, default "auto"), like the device; the maths is bit-identical either way.
         d.pop("saved_blocks", None)
+        d.pop("keep_logits", None)
         if "beta1" in d or "beta2" in d:
             d["betas"] = (d.pop("beta1", 0.9), d.pop("beta2", 0.999))
         known = {f.name for f in dataclasses.fields(cls)}

@@ -35,6 +35,7 @@ struct Case {
   int64_t grad_ring = 3;
   int64_t shard_rows = 0;  // vocabulary rows per embedding / LM-head shard (0: the tiny model's one shard)
   std::vector<int64_t> saved;  // layers that keep their activations (EngineConfig::saved_blocks)
+  bool keep_logits = false;    // the head's pass 2 takes pass 1's logits (EngineConfig::keep_logits)
 };
 
 struct Result {
@@ -76,6 +77,7 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
   cfg.grad_ring = c.grad_ring;
   cfg.vocab_shard_rows = c.shard_rows;
   cfg.saved_blocks = c.saved;
+  cfg.keep_logits = c.keep_logits;
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,
                      .chaos = {.enabled = c.chaos, .seed = c.seed, .max_delay_us = 300}};
@@ -133,6 +135,10 @@ std::vector<Case> cases(int64_t blocks) {
       {"kept activations in layer 2, K=3, chaos seed 8", 3, false, {}, true, 8, 3, 0, {2}},
       {"kept activations, 3 vocabulary shards, all state on NVMe, ring of 1, chaos seed 9", 2, true,
        {0, 1, 2, 3, 4}, true, 9, 1, 40, {3, 2, 1}},
+      // Kept logits: pass 2 of the head takes pass 1's, shard by shard.
+      {"kept logits, K=2", 2, false, {}, false, 1, 3, 0, {}, true},
+      {"kept logits and activations, 3 vocabulary shards, chaos seed 10, host checkpoints", 2, true, {0, 4}, true,
+       10, 3, 40, {1, 2, 3}, true},
   };
 }
 
@@ -163,7 +169,8 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
     for (const Case& c : {Case{"K=2", 2}, Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
                           Case{"3 vocabulary shards, chaos, NVMe, ring of 1", 2, false, {0, 2, 4}, true, 7, 1, 40},
                           Case{"kept activations, chaos, host ckpt", 2, true, {}, true, 11, 3, 0, {1, 2, 3}},
-                          Case{"kept activations in layer 1, chaos, K=3", 3, false, {}, true, 12, 3, 0, {1}}}) {
+                          Case{"kept activations in layer 1, chaos, K=3", 3, false, {}, true, 12, 3, 0, {1}},
+                          Case{"kept logits, 2 vocabulary shards, chaos", 2, false, {}, true, 13, 3, 80, {}, true}}) {
       INFO(c.name << " clip " << clip);
       CHECK(same_bits(run(spec, c, at::kBFloat16, clip), ref));
     }
@@ -212,10 +219,11 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     bool tied;
     int64_t shard_rows, tile;
     std::vector<int64_t> saved;
+    bool keep_logits = false;
   };
-  for (auto [tied, shard_rows, tile, saved] :
+  for (auto [tied, shard_rows, tile, saved, keep_logits] :
        {Variant{false, 0, 0}, {true, 0, 0}, {false, 40, 0}, {true, 40, 0}, {false, 40, 5}, {true, 0, 5},
-        {false, 0, 0, {1, 2, 3}}, {true, 40, 5, {1, 3}}}) {
+        {false, 0, 0, {1, 2, 3}}, {true, 40, 5, {1, 3}, true}, {false, 40, 0, {}, true}}) {
     ModelSpec spec = tiny(tied);
     const Case c{"K=2 chaos", 2, false, {}, true, 9};
     EngineConfig cfg;
@@ -226,6 +234,7 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
     cfg.vocab_shard_rows = shard_rows;
     cfg.saved_blocks = saved;
+    cfg.keep_logits = keep_logits;
     Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 9}}));
     CHECK(e.sharding().shards == (shard_rows ? 3 : 1));
     e.init_params(3);
@@ -241,7 +250,7 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     at::Tensor labels = at::from_blob(b.labels.data(), {cfg.batch(), cfg.seq}, at::kLong);
     StepLoss rl = ref.forward_backward(ids, labels, cfg.accumulation);
     INFO("tied=" << tied << " shard rows " << shard_rows << " token tile " << tile << " kept layers "
-                 << saved.size());
+                 << saved.size() << " kept logits " << keep_logits);
     CHECK(rep.loss == rl.loss);
     size_t i = 0;
     for (const std::string& name : ref.param_names()) {
@@ -316,4 +325,35 @@ TEST_CASE("kept activations name only decoder layers, once each", "[engine]") {
     cfg.saved_blocks = saved;
     CHECK_THROWS_WITH(Engine(spec, cfg, make_device({.spec = "cpu"})), Catch::Contains(what));
   }
+}
+
+TEST_CASE("kept logits spare one logits GEMM of the head and cost their bytes on the device", "[engine]") {
+  ModelSpec spec = tiny(false);
+  EngineConfig cfg;
+  cfg.seq = 9;
+  cfg.micro_batch = 2;
+  cfg.accumulation = 2;
+  cfg.compute = {at::kBFloat16, 40};
+  cfg.vocab_shard_rows = 40;
+  auto head_flops = [&](bool keep) {
+    EngineConfig c = cfg;
+    c.keep_logits = keep;
+    Engine e(spec, c, make_device({.spec = "cpu", .record_spans = true}));
+    e.init_params(7);
+    Batch b = batch(c.batch(), c.seq, spec.dims.vocab, 100);
+    e.step(b.ids.data(), b.labels.data());
+    e.finish_updates();
+    double flops = 0;
+    for (const Span& sp : e.timeline().spans())
+      if (sp.name == "head backward" || sp.name == "head log-sum-exp") flops += sp.flops;
+    return flops;
+  };
+  const double logits = 2.0 * cfg.batch() * cfg.seq * spec.dims.hidden * spec.dims.vocab;
+  CHECK(head_flops(false) == Approx(4 * logits));
+  CHECK(head_flops(true) == Approx(3 * logits));
+  EngineConfig keep = cfg;
+  keep.keep_logits = true;
+  const EngineFootprint with = Engine::footprint(spec, keep), without = Engine::footprint(spec, cfg);
+  CHECK(with.logits_bytes >= uint64_t(cfg.batch() * cfg.seq * spec.dims.vocab * 2));
+  CHECK(with.device_bytes == without.device_bytes + with.logits_bytes);
 }

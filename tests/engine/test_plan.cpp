@@ -231,7 +231,7 @@ TEST_CASE("vocabulary shards: no cache unit is larger than the largest layer's",
   CHECK(p.unit_bytes <= 1.32e9);
   // 64K tokens of context, batch 1, on the same 24 GiB: the working memory
   // grows with seq x hidden (no seq^2 scores; the head and the MLP in token
-  // tiles), so it fits; untiled it would not.
+  // tiles), so it fits; 128K untiled would not.
   const PlanLimits long_ctx{.device_bytes = 24ull << 30, .host_bytes = 256ull << 30, .seq = 65536};
   const Plan lc = Plan::make(llama, long_ctx);
   INFO(lc.reason);
@@ -239,6 +239,7 @@ TEST_CASE("vocabulary shards: no cache unit is larger than the largest layer's",
   CHECK(lc.token_tile > 0);
   CHECK(lc.device_peak_bytes <= long_ctx.device_bytes);
   PlanLimits untiled = long_ctx;
+  untiled.seq = 131072;
   untiled.token_tile = 0;
   const Plan refused = Plan::make(llama, untiled);
   CHECK_FALSE(refused.feasible);
