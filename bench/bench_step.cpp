@@ -4,6 +4,11 @@
 // configurations every two steps so machine noise hits both alike. Prints each lane's busy
 // fraction and the overlap efficiency (busiest lane / step time); the last
 // line is one JSON object. A benchmark, not a test: it never fails on speed.
+//
+// A diagnostic of the sliding window's own cost, not a comparison with a
+// peer: both sides are strider, with the same schedule, copies and
+// activation choice, so its ratio cannot show what strider costs against
+// plain PyTorch. bench/bench_vs_torch.py measures that.
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <fmt/format.h>
@@ -34,7 +39,8 @@ std::unique_ptr<Engine> make_engine(const ModelSpec& spec, EngineConfig cfg, int
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"bench_step: offloaded (K=2) vs resident step time on the CPU device"};
+  CLI::App app{"bench_step: strider offloaded (K=2) vs strider with every block resident, CPU device (a "
+               "diagnostic of the window's cost; bench/bench_vs_torch.py compares with plain PyTorch)"};
   int steps = 8, warmup = 2;
   int64_t seq = 128, micro_batch = 4, accumulation = 2;
   app.add_option("--steps", steps, "timed steps per configuration");

@@ -106,6 +106,7 @@ PARTS = {
     "profile": ["profile"],
     "demo": ["demo"],
     "step": ["bench_step"],
+    "torch": ["bench_vs_torch"],
     "calibrate": ["bench_calibrate"],
     "adam": ["bench_adam"],
     "nvme": ["bench_nvme"],
@@ -286,13 +287,28 @@ def nvme_figures(logs, f):
     f.put("nvme.depths", sorted({x["depth"] for x in cfgs}), c)
 
 
+def torch_figures(logs, f):
+    c = "bench_vs_torch"
+    j = logs.last_json(c, "bench")
+    if not j:
+        return
+    for k in ("strider_over_torch", "torch_tokens_per_s", "strider_tokens_per_s", "loss_max_rel_diff", "rounds",
+              "steps", "threads", "seq", "micro_batch", "accumulation", "window"):
+        f.put(f"torch.{k}", j[k], c)
+    f.put("torch.params_m", j["params"] / 1e6, c)
+    f.put("torch.ratio_min", min(j["ratios"]), c)
+    f.put("torch.ratio_max", max(j["ratios"]), c)
+    f.put("torch.torch_rss_gib", j["torch_peak_rss_bytes"] / 2**30, c)
+    f.put("torch.strider_rss_gib", j["strider_peak_rss_bytes"] / 2**30, c)
+
+
 EXTRACT = {"plan": plan_figures, "profile": profile_figures, "demo": demo_figures, "step": step_figures,
-           "calibrate": calibrate_figures, "adam": adam_figures, "nvme": nvme_figures}
+           "torch": torch_figures, "calibrate": calibrate_figures, "adam": adam_figures, "nvme": nvme_figures}
 
 
 def expected_names():
     """part -> the figure names it must print: what the README's blocks quote."""
-    e = {"plan": [], "profile": [], "demo": [], "step": [], "calibrate": [], "adam": [], "nvme": []}
+    e = {"plan": [], "profile": [], "demo": [], "step": [], "torch": [], "calibrate": [], "adam": [], "nvme": []}
     for b in PLAN_8B:
         e["plan"] += [f"predict.8b.b{b}.{k}" for k in
                       ("tokens_per_s", "step_s", "lower_bound_s", "bound_tokens_per_s", "overlap_efficiency",
@@ -316,6 +332,10 @@ def expected_names():
                                        "tokens_per_s_min", "tokens_per_s_median", "tokens_per_s_max",
                                        "peak_device_mib", "wall_s")]
     e["step"] = ["step.offload_over_resident", "step.overlap_efficiency", "step.critical_lane"]
+    e["torch"] = [f"torch.{k}" for k in ("strider_over_torch", "torch_tokens_per_s", "strider_tokens_per_s",
+                                         "loss_max_rel_diff", "rounds", "steps", "threads", "seq", "micro_batch",
+                                         "accumulation", "window", "params_m", "ratio_min", "ratio_max",
+                                         "torch_rss_gib", "strider_rss_gib")]
     e["calibrate"] = ["calibrate.ratio", "calibrate.ratio_min", "calibrate.ratio_max", "calibrate.accumulations"]
     e["adam"] = [f"adam.{k}" for k in ("isa", "roofline_ratio_min", "roofline_ratio_max", "vs_torch_min",
                                        "vs_torch_max", "params_m", "threads")]
@@ -385,7 +405,19 @@ def block_measured(f, logs):
          f"read {f['nvme.read_vs_fio']:.3f} (highest: write {f['nvme.write_median_max']:.3f}, read "
          f"{f['nvme.read_median_max']:.3f}); fio against itself varies up to "
          f"{max(f['nvme.fio_write_max_over_min'], f['nvme.fio_read_max_over_min']):.2f}x between passes"),
-        ("Offloaded step (K=2 of 8 blocks, host checkpoints) vs the same model resident, CPU device",
+        (f"strider vs plain PyTorch (transformers, resident, autocast bf16, fused AdamW, exact clipping) on the "
+         f"same {f['torch.params_m']:.0f}M Llama (vocabulary 49152) and batches: micro-batch "
+         f"{f['torch.micro_batch']} x accumulation {f['torch.accumulation']} x seq {f['torch.seq']}, bf16, "
+         f"{f['torch.threads']} threads; strider at K = {f['torch.window']} on the CPU device, its default "
+         f"activation choice; median of {f['torch.rounds']} interleaved rounds",
+         "bench_vs_torch",
+         f"strider/torch tokens/s {f['torch.strider_over_torch']:.3f} ({f['torch.ratio_min']:.2f}-"
+         f"{f['torch.ratio_max']:.2f} over the rounds; {f['torch.strider_tokens_per_s']:.1f} vs "
+         f"{f['torch.torch_tokens_per_s']:.1f}); every step's loss within {f['torch.loss_max_rel_diff']:.1e} "
+         f"relative over {f['torch.steps']} steps; peak RSS {f['torch.strider_rss_gib']:.2f} vs "
+         f"{f['torch.torch_rss_gib']:.2f} GiB"),
+        ("Diagnostic, not a comparison with a peer: the offloaded step (K=2 of 8 blocks, host checkpoints) vs "
+         "strider itself with every block resident (the same copies and schedule), CPU device",
          "bench_step",
          f"{f['step.offload_over_resident']:.3f}x the resident step; overlap efficiency "
          f"{f['step.overlap_efficiency']:.2f} ({f['step.critical_lane']} the critical lane)"),

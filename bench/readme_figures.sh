@@ -13,7 +13,7 @@
 # Options:
 #   --logs DIR         where each command's output goes (default: a new temp dir, kept)
 #   --from-logs DIR    run nothing: report on (and --check, --update-readme from) an earlier run's logs
-#   --only P1,P2       run only these parts: plan profile step demo calibrate adam nvme
+#   --only P1,P2       run only these parts: plan profile step torch demo calibrate adam nvme
 #                      (--update-readme needs them all)
 #   --no-build         use the binaries as they are (default: build the five targets first)
 #   --adam-args A, --nvme-args A, --calibrate-args A, --step-args A
@@ -28,6 +28,7 @@
 #   plan       11 `strider plan --predict rtx4090 --json` runs (8B; 70B/123B on NVMe; refusals)  10 s
 #   profile    `strider profile --json` on the built-in model                                    21 s
 #   step       bench_step                                                                        73 s
+#   torch      bench/bench_vs_torch.py: strider vs plain PyTorch, 135M Llama, 5 rounds x 2 steps  ~420 s
 #   demo       `strider finetune` with the demo's defaults (as scripts/demo.sh runs it)         433 s
 #   calibrate  bench_calibrate                                                                  243 s
 #   adam       bench_adam                                                                        62 s
@@ -43,7 +44,7 @@ build=$(cd "$build" 2>/dev/null && pwd || echo "$build")
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "readme_figures: $*" >&2; exit 2; }
 
-all_parts=plan,profile,step,demo,calibrate,adam,nvme
+all_parts=plan,profile,step,torch,demo,calibrate,adam,nvme
 logs="" from_logs="" parts=$all_parts check=0 update=0 do_build=1
 adam_args="" nvme_args="" calibrate_args="" step_args=""
 while [ $# -gt 0 ]; do
@@ -142,6 +143,7 @@ EOF
 targets=()
 has_part plan || has_part profile || has_part demo && targets+=(strider)
 has_part step && targets+=(bench_step)
+has_part torch && targets+=(strider_ops)
 has_part calibrate && targets+=(bench_calibrate)
 has_part adam && targets+=(bench_adam)
 has_part nvme && targets+=(bench_nvme)
@@ -184,6 +186,11 @@ fi
 if has_part step; then
   # shellcheck disable=SC2086  # the extra arguments are words
   run bench_step 0 "$build/bench/bench_step" $step_args
+fi
+if has_part torch; then
+  # Against the peer a user would pick instead: the same HF model and batches
+  # in plain PyTorch, interleaved rounds, one worker process per side.
+  run bench_vs_torch 0 "$python" bench/bench_vs_torch.py --rounds 5 --steps-per-round 2
 fi
 if has_part demo; then
   # scripts/demo.sh is setup.sh, then this with the demo's defaults; its data
