@@ -1,7 +1,11 @@
 #include "engine/cli/training_run.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
@@ -20,6 +24,30 @@ std::string read_text(const std::filesystem::path& p) {
   std::ifstream in(p);
   STRIDER_CHECK(in.good(), "cannot read {}", p.string());
   return {std::istreambuf_iterator<char>(in), {}};
+}
+
+// The CPU device's own rates for the plan's activation choice, measured now
+// (its "GPU" is these cores and its "link" a memcpy, nothing like a
+// preset's): a GEMM the shape of a layer's projection in the compute dtype,
+// and a 64 MiB memcpy, the best of three each (about a tenth of a second).
+void measure_cpu_rates(PlanLimits& lim) {
+  using clock = std::chrono::steady_clock;
+  auto best_of_3 = [](auto&& f) {
+    double best = 1e30;
+    for (int i = 0; i < 3; ++i) {
+      const auto t0 = clock::now();
+      f();
+      best = std::min(best, std::chrono::duration<double>(clock::now() - t0).count());
+    }
+    return best;
+  };
+  const int64_t n = 512, k = 1024;
+  const at::Tensor a = at::randn({n, k}).to(lim.dtype), b = at::randn({k, k}).to(lim.dtype);
+  const double gemm_s = best_of_3([&] { at::mm(a, b); });
+  std::vector<std::byte> src(64 << 20, std::byte{1}), dst(src.size());
+  const double copy_s = best_of_3([&] { std::memcpy(dst.data(), src.data(), src.size()); });
+  lim.compute_flops_per_s = 2.0 * double(n) * double(k) * double(k) / std::max(gemm_s, 1e-9);
+  lim.link_bytes_per_s = double(src.size()) / std::max(copy_s, 1e-9);
 }
 
 }  // namespace
@@ -158,9 +186,11 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   lim.window = o.window;
   lim.clip_norm = o.clip;  // with clipping, NVMe-tier gradients need NVMe space too
   lim.activations = parse_activation_mode(o.activations);
-  // A simulated device prices kept activations on its own machine; a real
-  // one on the rtx4090's rates (PlanLimits' defaults).
+  // A simulated device prices kept activations on its own machine, the CPU
+  // device on its measured rates, a GPU on the rtx4090's (PlanLimits'
+  // defaults: no GPU has been measured yet).
   if (o.device.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(o.device.substr(4)));
+  else if (choose_device(o.device).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
   run.plan = Plan::make(run.spec, lim);
   fmt::print(log, "strider {}: {}\n{}", command, run.spec.summary(), run.plan.explain());
   if (!budget_why.empty()) fmt::print(log, "  device budget: {}\n", budget_why);

@@ -130,3 +130,34 @@ def test_profile_reports_the_kept_activations_traffic(strider_cli, tmp_path):
     assert act["d2h_busy_s"] > 0 and act["h2d_busy_s"] > 0
     assert j["per_step"][0]["activations"]["d2h_bytes"] == act["d2h_bytes"]
     assert "of which kept activations" in proc.stderr
+
+
+def test_kept_activations_and_logits_train_the_same_bits_from_python():
+    """A transformers model trained through strider.Engine: every layer and the head keeping what their
+    backward needs ("saved") gives the same losses and weights, bit for bit, as recomputing everything."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        strider.load_library()
+    except ImportError as e:
+        pytest.skip(str(e))
+    cfg = transformers.LlamaConfig(**{k: v for k, v in TINY.items() if k != "architectures"})
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, TINY["vocab_size"], (4, 16), generator=g) for _ in range(3)]
+
+    def train(mode):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
+        e = strider.Engine(model, config(dtype="bf16", activations=mode, device_budget="64MiB", chaos=True,
+                                         lr=1e-3))
+        losses = [e.step(ids, ids.clone()).loss for ids in batches]
+        e.finish()
+        chosen = json.loads(e._engine.engine_config_json())
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, chosen
+
+    losses_kept, params_kept, kept = train("saved")
+    losses_re, params_re, re = train("recompute")
+    assert kept["saved_blocks"] == [1, 2, 3] and kept["keep_logits"]
+    assert re["saved_blocks"] == [] and not re["keep_logits"]
+    assert losses_kept == losses_re
+    for name, p in params_re.items():
+        assert torch.equal(params_kept[name], p), name

@@ -55,7 +55,10 @@ def test_loss_falls_and_metrics_are_written(strider, tmp_path):
     assert all(l["work_peak_bytes"] > 0 for l in lines)
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e["name"].split(" b")[0] for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert {"forward", "recompute+backward", "h2d params", "d2h grads", "adamw"} <= names
+    assert {"forward", "h2d params", "d2h grads", "adamw"} <= names
+    # The layers' backward: recomputing, or (the plan's choice on this machine's measured rates) from the
+    # activations forward kept on the host, which then cross each way.
+    assert "recompute+backward" in names or {"backward", "d2h activations", "h2d activations"} <= names
 
 
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint(strider, tmp_path):

@@ -42,11 +42,16 @@ def test_profile_json_figures_trace_and_png(strider, tmp_path):
     assert out["overlap_efficiency"] == pytest.approx(busiest["busy_fraction"])
 
     # 6·N·tokens from the model's parameter count; the executed figure counts
-    # the recompute on top of forward + backward, so it is larger.
+    # the recompute on top of forward + backward, so with every layer
+    # recomputing it is larger. (Layers that keep their activations and kept
+    # logits recompute little, and the embedding's lookup, which 6·N·tokens
+    # counts as a matmul, computes nothing: then it may be smaller.)
     assert out["six_n_t_flops_per_step"] == pytest.approx(6 * out["params"] * out["tokens_per_step"])
     assert out["model_flops_per_s"] == pytest.approx(out["six_n_t_flops_per_step"] / out["step_s"])
     assert out["model_flops_per_s"] > 0
-    assert out["executed_flops_per_s"] > out["model_flops_per_s"]
+    assert out["executed_flops_per_s"] > 0
+    if out["saved_layers"] == 0:
+        assert out["executed_flops_per_s"] > out["model_flops_per_s"]
 
     # The bytes each step moved: every parameter goes in twice in bf16 (forward, backward) but the head's
     # (once: the built-in vocabulary is one shard), so under 4 bytes a parameter but well over 2; each comes
