@@ -99,6 +99,17 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
   return r;
 }
 
+// The tiny model's batch of the tests below: 2 micro-batches of 2 x 9
+// tokens, bf16, vocabulary chunks of 40.
+EngineConfig small_bf16() {
+  EngineConfig cfg;
+  cfg.seq = 9;
+  cfg.micro_batch = 2;
+  cfg.accumulation = 2;
+  cfg.compute = {at::kBFloat16, 40};
+  return cfg;
+}
+
 bool same_bits(const Result& a, const Result& b) {
   if (a.state.size() != b.state.size() || a.losses != b.losses) return false;
   for (size_t i = 0; i < a.state.size(); ++i)
@@ -180,11 +191,7 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
 TEST_CASE("gradients cross to the host in bf16: half the bytes, the same training to bf16 rounding", "[engine]") {
   ModelSpec spec = tiny(false);
   auto train = [&](bool fp32_transfer, double* d2h_grad_bytes) {
-    EngineConfig cfg;
-    cfg.seq = 9;
-    cfg.micro_batch = 2;
-    cfg.accumulation = 2;
-    cfg.compute = {at::kBFloat16, 40};
+    EngineConfig cfg = small_bf16();
     cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
     cfg.clip_norm = 1.0;
     cfg.fp32_grad_transfer = fp32_transfer;
@@ -277,11 +284,7 @@ TEST_CASE("a budget too small for the window fails before any work, with the num
 
 TEST_CASE("kept activations cross once each way per layer and micro-batch, and spare the recompute", "[engine]") {
   ModelSpec spec = tiny(false);
-  EngineConfig cfg;
-  cfg.seq = 9;
-  cfg.micro_batch = 2;
-  cfg.accumulation = 2;
-  cfg.compute = {at::kBFloat16, 40};
+  EngineConfig cfg = small_bf16();
   cfg.saved_blocks = {1, 3};
   Engine e(spec, cfg, make_device({.spec = "cpu", .record_spans = true}));
   e.init_params(7);
@@ -329,11 +332,7 @@ TEST_CASE("kept activations name only decoder layers, once each", "[engine]") {
 
 TEST_CASE("kept logits spare one logits GEMM of the head and cost their bytes on the device", "[engine]") {
   ModelSpec spec = tiny(false);
-  EngineConfig cfg;
-  cfg.seq = 9;
-  cfg.micro_batch = 2;
-  cfg.accumulation = 2;
-  cfg.compute = {at::kBFloat16, 40};
+  EngineConfig cfg = small_bf16();
   cfg.vocab_shard_rows = 40;
   auto head_flops = [&](bool keep) {
     EngineConfig c = cfg;
