@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "engine/engine.h"
+#include "engine/plan.h"  // attention_core_flops
 #include "host/error.h"
 
 namespace strider {
@@ -50,11 +51,8 @@ double Engine::visit_flops(const Visit& v, bool train) const {
   const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_));
   if (v.kind == Visit::kForward) return c.forward_flops;
   if (!keeps(b)) return c.backward_flops * 1.5;  // recompute + backward
-  // Kept activations: backward, and the attention core recomputed (its
-  // causal QK^T and PV: as ModelSpec::cost counts them).
-  const BlockDims& d = spec_.dims;
-  const double S = double(config_.seq);
-  return c.backward_flops + 2.0 * double(config_.micro_batch) * double(d.heads * d.head_dim) * S * S;
+  // Kept activations: backward, and the attention core recomputed.
+  return c.backward_flops + attention_core_flops(spec_, config_.micro_batch, config_.seq);
 }
 
 at::Tensor Engine::kept_logits(int64_t m, const Piece& rows) const {
