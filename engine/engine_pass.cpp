@@ -411,6 +411,7 @@ Engine::Moved Engine::collect_device_spans() {
 }
 
 void Engine::run_pass(const std::vector<Visit>& visits, bool train) {
+  device_->prepare_driver_thread();
   const size_t n = visits.size(), ahead = size_t(config_.window) - 1;
   loaded_.clear();
   loaded_.resize(n);

@@ -70,6 +70,8 @@ class CpuDevice final : public Device {
   uint64_t work_peak_bytes() const override { return work_peak_.load(); }
   void reset_work_peak() override { work_peak_.store(0); }
   std::shared_ptr<MemoryRegistrar> host_registrar() override { return nullptr; }
+  // Releases the calling thread's idle OpenMP team (libgomp only; see the .cpp).
+  void prepare_driver_thread() override;
 
  protected:
   void free_memory(std::byte* data, size_t bytes) noexcept override;

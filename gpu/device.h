@@ -149,6 +149,12 @@ class Device {
   // What must register the pinned arena for this device (cudaHostRegister); nullptr if nothing.
   virtual std::shared_ptr<MemoryRegistrar> host_registrar() = 0;
 
+  // Called on the host thread that drives a pass (enqueues its ops and waits
+  // on them), before the pass. The CPU device releases that thread's idle
+  // OpenMP workers so that its compute stream's team is the process's only
+  // one (see CpuDevice); a GPU has nothing to do.
+  virtual void prepare_driver_thread() {}
+
  protected:
   friend class DeviceBuffer;
   // Returns memory from allocate(); never throws.
