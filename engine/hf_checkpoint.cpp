@@ -173,6 +173,7 @@ void HfCheckpointReader::read_block(int64_t block, std::span<float> master) cons
     std::fill(master.begin() + cursor, master.begin() + slot.offset_elems, 0.0f);
     convert_to_f32(views[i].dtype, views[i].bytes.data(), slot.numel,
                    master.data() + slot.offset_elems);
+    checkpoint_.release_pages(views[i]);
     cursor = slot.offset_elems + slot.numel;
   }
   std::fill(master.begin() + cursor, master.end(), 0.0f);

@@ -49,6 +49,9 @@ class HfCheckpointReader {
 
   // Fills `master` (layout(block).total_elems() floats) with the block's
   // tensors at the layout's offsets, converted to fp32; padding is zeroed.
+  // Each tensor's file pages leave this process's RSS once read (a second
+  // read maps them again), so a load holds one tensor of the file at a time,
+  // not the whole file.
   void read_block(int64_t block, std::span<float> master) const;
 
   // For host-resident stores: every block's master from the checkpoint, then

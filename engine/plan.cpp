@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "host/error.h"
@@ -37,6 +39,14 @@ std::string format_bytes(uint64_t b) {
   if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", double(b) / double(1ull << 20));
   if (b >= (1ull << 10)) return fmt::format("{:.1f} KiB", double(b) / 1024.0);
   return fmt::format("{} B", b);
+}
+
+uint64_t process_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmRSS:", 0) == 0) return uint64_t(std::strtoull(line.c_str() + 6, nullptr, 10)) * 1024;  // kB
+  return 0;
 }
 
 EngineConfig Plan::engine_config(const PlanLimits& l) const {
@@ -343,7 +353,25 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.why.push_back(fmt::format("device: {} allocated at start + ~{} ATen working memory = {} of {}",
                               format_bytes(f.device_bytes), format_bytes(work), format_bytes(p.device_peak_bytes),
                               format_bytes(l.device_bytes)));
-  p.why.push_back(fmt::format("host: {} pinned", format_bytes(f.host_bytes)));
+  // The process's peak: what a host RAM figure given as "the machine's free
+  // memory" must hold.
+  // Staging, one whole block at a time: a load reads a block into an fp32
+  // buffer from one tensor's file pages at a time (at most as many bytes
+  // again); a save of NVMe-tier state reads each block's master back first.
+  uint64_t block_bytes = 0;
+  for (int64_t b = 0; b < spec.num_blocks(); ++b)
+    block_bytes = std::max<uint64_t>(block_bytes, sizeof(float) * spec.layout(b).total_elems());
+  const uint64_t staging = l.loads_checkpoint ? 2 * block_bytes : p.nvme_blocks.empty() ? 0 : block_bytes;
+  const uint64_t on_device = l.device_memory_on_host ? p.device_peak_bytes + PlanLimits::kCpuRuntimeGrowthBytes : 0;
+  p.host_peak_bytes = f.host_bytes + l.process_bytes + on_device + staging;
+  std::string parts = fmt::format("{} pinned", format_bytes(f.host_bytes));
+  if (l.process_bytes > 0) parts += fmt::format(" + {} the process before the run", format_bytes(l.process_bytes));
+  if (on_device > 0)
+    parts += fmt::format(" + {} device memory and ATen's runtime (host memory on the CPU device)",
+                         format_bytes(on_device));
+  if (staging > 0) parts += fmt::format(" + {} staging a block to load or save", format_bytes(staging));
+  p.why.push_back(fmt::format("host: {} pinned; at its peak the process holds ~{} ({})", format_bytes(f.host_bytes),
+                              format_bytes(p.host_peak_bytes), parts));
   return p;
 }
 
@@ -437,7 +465,7 @@ nlohmann::json Plan::to_json() const {
           {"token_tile", token_tile},
           {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
-          {"host_bytes", host_bytes}, {"nvme_bytes", nvme_bytes},
+          {"host_bytes", host_bytes}, {"host_peak_bytes", host_peak_bytes}, {"nvme_bytes", nvme_bytes},
           {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
           {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
           {"saved_host_bytes", saved_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},

@@ -51,6 +51,22 @@ struct PlanLimits {
   // activations' traffic on: sustained compute (FLOP/s) and PCIe per
   // direction (bytes/s). Defaults: the rtx4090 cost model (gpu/sim_device.h);
   // set_machine_rates takes another machine's (`strider plan --predict h200`).
+  // The rest of the process's host memory, for Plan::host_peak_bytes: what
+  // the process holds before the run allocates anything (its libraries and
+  // runtimes: the caller measures it, process_rss_bytes()), whether the
+  // device's memory is host memory too (the CPU device), and whether the run
+  // loads a checkpoint (one block in fp32 plus one tensor's file pages at a
+  // time, engine/hf_checkpoint.h).
+  uint64_t process_bytes = 0;
+  bool device_memory_on_host = false;
+  // Where the device is the CPU, what the process grows by once ATen computes
+  // beyond the device's own figure: its kernels' code paged in on first use,
+  // the compute threads' stacks and malloc arenas, the moments when a block's
+  // staging and ATen's work overlap. Fitted, not derived: the peak RSS of
+  // tests/python/test_host_peak.py's runs (52M-parameter Llama, torch 2.15,
+  // 2 cores) passed the other terms by 40-110 MiB.
+  static constexpr uint64_t kCpuRuntimeGrowthBytes = uint64_t{128} << 20;
+  bool loads_checkpoint = false;
   double compute_flops_per_s = CostModel::preset("rtx4090").sustained_tflops() * 1e12;
   double link_bytes_per_s = link_rate(CostModel::preset("rtx4090"));
 
@@ -101,6 +117,10 @@ struct Plan {
   uint64_t device_work_bytes = 0;    // ATen's working memory, estimated from the block costs
   uint64_t device_peak_bytes = 0;    // the two together
   uint64_t host_bytes = 0;           // the pinned arena
+  // The whole process at its peak: the arena, plus PlanLimits::process_bytes,
+  // plus the device's peak where its memory is host memory (the CPU device),
+  // plus the load's staging. Not counted: a GPU driver's own host memory.
+  uint64_t host_peak_bytes = 0;
   uint64_t nvme_bytes = 0;
   // Kept activations (PlanLimits::activations): the mode asked, the decoder
   // layers that keep theirs (blocks, ascending), what one such layer keeps
@@ -124,6 +144,9 @@ struct Plan {
   std::string explain() const;
   nlohmann::json to_json() const;
 };
+
+// This process's resident memory now (VmRSS of /proc/self/status); 0 where unreadable.
+uint64_t process_rss_bytes();
 
 // "24GiB", "512MiB", "1.5GB", "123456" -> bytes; throws naming the text.
 uint64_t parse_bytes(const std::string& text);

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <utility>
 
 #include "host/error.h"
@@ -54,6 +55,16 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
     size_bytes_ = std::exchange(other.size_bytes_, 0);
   }
   return *this;
+}
+
+bool MappedFile::release_pages(std::span<const std::byte> range) const noexcept {
+  if (range.empty() || data_ == nullptr || range.data() < data_ ||
+      range.data() + range.size() > data_ + size_bytes_)
+    return false;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(range.data()) / page * page;
+  const auto end = (reinterpret_cast<uintptr_t>(range.data() + range.size()) + page - 1) / page * page;
+  return ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED) == 0;
 }
 
 void MappedFile::release() noexcept {

@@ -25,6 +25,12 @@ class MappedFile {
   MappedFile& operator=(MappedFile&& other) noexcept;
 
   std::span<const std::byte> bytes() const { return {data_, size_bytes_}; }
+  // Gives back the resident pages under `range` (a part of bytes()): a read
+  // touches file pages into this process's RSS, where they stay until unmapped;
+  // this drops them (madvise MADV_DONTNEED; the page cache keeps the data, and
+  // a later read maps it again, unchanged: nothing was written). Whole pages,
+  // widened outward. Returns false if `range` is not inside the mapping.
+  bool release_pages(std::span<const std::byte> range) const noexcept;
   size_t size_bytes() const { return size_bytes_; }
   const std::string& path() const { return path_; }
 

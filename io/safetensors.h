@@ -83,6 +83,9 @@ class SafetensorsFile {
   TensorView tensor(size_t i) const;  // in data order
   std::optional<TensorView> find(std::string_view name) const;
   TensorView get(std::string_view name) const;  // throws Error naming the file
+  // Drops the pages a read of `view` made resident (MappedFile::release_pages);
+  // false if the view is not from this file.
+  bool release_pages(const TensorView& view) const noexcept { return map_.release_pages(view.bytes); }
 
  private:
   MappedFile map_;
@@ -104,6 +107,11 @@ class SafetensorsCheckpoint {
   std::optional<TensorView> find(std::string_view name) const;
   TensorView get(std::string_view name) const;  // throws Error naming the checkpoint
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
+  // Drops the pages a read of `view` made resident, in whichever file holds it.
+  void release_pages(const TensorView& view) const noexcept {
+    for (const auto& f : files_)
+      if (f->release_pages(view)) return;
+  }
   // The index's "metadata" object (total_size ...) as JSON text; "" without index.
   const std::string& index_metadata_json() const { return index_metadata_json_; }
 

@@ -58,6 +58,10 @@ int run(const Options& o) {
   l.clip_norm = o.clip;
   l.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   l.activations = parse_activation_mode(o.activations);
+  // host_peak_bytes counts this binary's own footprint (no run allocated yet)
+  // and, for a checkpoint on disk, the load's staging; the GPU's memory is its own.
+  l.process_bytes = process_rss_bytes();
+  l.loads_checkpoint = std::filesystem::exists(o.model);
   const bool predicting = !o.predict.empty() && o.predict != "none";
   // --activations auto prices recompute against the link on the machine
   // predicted for (the rtx4090's rates without one).

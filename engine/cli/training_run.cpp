@@ -191,6 +191,11 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // defaults: no GPU has been measured yet).
   if (o.device.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(o.device.substr(4)));
   else if (choose_device(o.device).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
+  // The process's peak host memory (the plan's host_peak_bytes): what it holds
+  // now, before anything is allocated, and what the run will add to the arena.
+  lim.process_bytes = process_rss_bytes();
+  lim.device_memory_on_host = o.device.rfind("sim:", 0) != 0 && choose_device(o.device).kind == DeviceKind::kCpu;
+  lim.loads_checkpoint = !run.model_dir.empty();
   run.plan = Plan::make(run.spec, lim);
   fmt::print(log, "strider {}: {}\n{}", command, run.spec.summary(), run.plan.explain());
   if (!budget_why.empty()) fmt::print(log, "  device budget: {}\n", budget_why);

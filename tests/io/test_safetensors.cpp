@@ -257,3 +257,36 @@ TEST_CASE("safetensors: each malformed corpus file gives a clear error", "[safet
   CHECK(SafetensorsFile((corpus / "valid_small.safetensors").string()).size() == 4);
   CHECK(SafetensorsFile((corpus / "valid_empty.safetensors").string()).size() == 0);
 }
+
+namespace {
+// This process's resident memory (VmRSS), in bytes.
+uint64_t rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
+}
+}  // namespace
+
+TEST_CASE("safetensors: a read tensor's pages leave the process's memory and read back the same",
+          "[safetensors]") {
+  TempDir dir;
+  constexpr size_t kBytes = size_t{64} << 20;  // 64 MiB: far above the noise of the rest of the process
+  const std::vector<std::byte> big = iota_bytes(kBytes, 3), small = iota_bytes(100, 5);
+  const std::vector<TensorData> tensors{{"big", DType::kU8, {int64_t(kBytes)}, big},
+                                        {"small", DType::kU8, {100}, small}};
+  write_safetensors(dir.str(), tensors);
+  SafetensorsCheckpoint ck(dir.str());
+  const TensorView v = ck.get("big");
+  const uint64_t before = rss_bytes();
+  CHECK(same_bytes(v.bytes, big));  // touches every page of the tensor
+  const uint64_t read = rss_bytes();
+  CHECK(read >= before + kBytes * 9 / 10);
+  ck.release_pages(v);
+  CHECK(rss_bytes() <= before + kBytes / 10);
+  CHECK(same_bytes(v.bytes, big));  // read again from the file: unchanged
+  CHECK(same_bytes(ck.get("small").bytes, small));  // a neighbour sharing a released page too
+  // A range outside the mapping is refused, not advised.
+  CHECK_FALSE(ck.files()[0]->release_pages(TensorView{.bytes = std::span<const std::byte>(big)}));
+}

@@ -1,0 +1,56 @@
+"""The process's peak host memory, measured, against the plan's host_peak_bytes:
+`strider finetune` on the CPU device loads a real checkpoint, trains and
+saves; the kernel's count of its peak resident memory (wait4's ru_maxrss) must
+be within the figure the plan printed before the run started, and the figure
+not padded past 1.25x of it."""
+import os
+import re
+import subprocess
+
+import pytest
+
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    d = tmp_path_factory.mktemp("peak-model")
+    cfg = LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=6, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).float().save_pretrained(d)  # ~52M parameters, fp32: a 210 MB file
+    return d
+
+
+def run_measured(cmd):
+    """Runs cmd; returns (stdout, peak resident bytes of that process alone)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, out
+    return out, usage.ru_maxrss * 1024  # Linux reports kB
+
+
+def planned_peak(out):
+    m = re.search(r"at its peak the process holds ~([\d.]+) (B|KiB|MiB|GiB)", out)
+    assert m, out
+    return float(m.group(1)) * UNITS[m.group(2)]
+
+
+@pytest.mark.parametrize("tier", ["ram", "nvme"])
+def test_peak_rss_is_within_the_plans_host_peak(strider_binary, model_dir, tmp_path, tier):
+    cmd = [str(strider_binary("strider")), "finetune", "--model", str(model_dir), "--device", "cpu",
+           "--device-budget", "256MiB", "--seq", "64", "--micro-batch", "2", "--accumulation", "2",
+           "--steps", "2", "--eval-batches", "0", "--work-dir", str(tmp_path / "work"), "--out",
+           str(tmp_path / "out")]
+    if tier == "nvme":  # most blocks' state on NVMe: the arena far smaller than the model's state
+        cmd += ["--host-ram", "300MiB", "--nvme", str(tmp_path / "nvme")]
+    out, rss = run_measured(cmd)
+    peak = planned_peak(out)
+    print(f"{tier}: planned host peak {peak / 2**20:.0f} MiB, measured peak RSS {rss / 2**20:.0f} MiB")
+    assert rss <= peak, out
+    assert peak <= 1.25 * rss, out
