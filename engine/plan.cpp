@@ -353,9 +353,8 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.why.push_back(fmt::format("device: {} allocated at start + ~{} ATen working memory = {} of {}",
                               format_bytes(f.device_bytes), format_bytes(work), format_bytes(p.device_peak_bytes),
                               format_bytes(l.device_bytes)));
-  // The process's peak: what a host RAM figure given as "the machine's free
-  // memory" must hold.
-  // Staging, one whole block at a time: a load reads a block into an fp32
+  // The process's peak (what a host RAM figure given as "the machine's free
+  // memory" must hold). Staging, one whole block at a time: a load reads a block into an fp32
   // buffer from one tensor's file pages at a time (at most as many bytes
   // again); a save of NVMe-tier state reads each block's master back first.
   uint64_t block_bytes = 0;

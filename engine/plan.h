@@ -47,10 +47,6 @@ struct PlanLimits {
   int64_t vocab_shard_rows = 0;  // 0: shards no larger than a layer (engine/shards.h)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
   ActivationMode activations = ActivationMode::kAuto;
-  // The machine kAuto prices a layer's recompute against its kept
-  // activations' traffic on: sustained compute (FLOP/s) and PCIe per
-  // direction (bytes/s). Defaults: the rtx4090 cost model (gpu/sim_device.h);
-  // set_machine_rates takes another machine's (`strider plan --predict h200`).
   // The rest of the process's host memory, for Plan::host_peak_bytes: what
   // the process holds before the run allocates anything (its libraries and
   // runtimes: the caller measures it, process_rss_bytes()), whether the
@@ -59,6 +55,7 @@ struct PlanLimits {
   // time, engine/hf_checkpoint.h).
   uint64_t process_bytes = 0;
   bool device_memory_on_host = false;
+  bool loads_checkpoint = false;
   // Where the device is the CPU, what the process grows by once ATen computes
   // beyond the device's own figure: its kernels' code paged in on first use,
   // the compute threads' stacks and malloc arenas, the moments when a block's
@@ -66,7 +63,10 @@ struct PlanLimits {
   // tests/python/test_host_peak.py's runs (52M-parameter Llama, torch 2.15,
   // 2 cores) passed the other terms by 40-110 MiB.
   static constexpr uint64_t kCpuRuntimeGrowthBytes = uint64_t{128} << 20;
-  bool loads_checkpoint = false;
+  // The machine kAuto prices a layer's recompute against its kept
+  // activations' traffic on: sustained compute (FLOP/s) and PCIe per
+  // direction (bytes/s). Defaults: the rtx4090 cost model (gpu/sim_device.h);
+  // set_machine_rates takes another machine's (`strider plan --predict h200`).
   double compute_flops_per_s = CostModel::preset("rtx4090").sustained_tflops() * 1e12;
   double link_bytes_per_s = link_rate(CostModel::preset("rtx4090"));
 
