@@ -8,6 +8,10 @@ and hyper-parameters, trained two ways in one run, interleaved.
   of K cache units on the device (the CPU device by default: its copies are
   real memcpys), CPU AdamW on fp32 masters, the same clipping.
 
+With --device cuda the torch side's model, batches and optimizer live on the
+GPU (autocast on CUDA, fused AdamW on the GPU) and strider runs on the CUDA
+device; both still use the same thread count on the host.
+
 Each side lives in its own worker process (so each has its own peak RSS and
 neither's memory or threads disturb the other), with the same thread count.
 The parent runs rounds: in each, one side runs `--steps-per-round` steps, then
@@ -22,6 +26,7 @@ largest relative difference of a step's loss. A figure, never pass/fail.
 
     bench/bench_vs_torch.py                        # the default: ~135M Llama, 49152 vocabulary
     bench/bench_vs_torch.py --rounds 5 --window 2 --activations auto
+    bench/bench_vs_torch.py --device cuda          # on a GPU (bench/gpu_check.sh runs it there)
 """
 import argparse
 import json
@@ -53,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=2, help="strider's K (cache units)")
     p.add_argument("--activations", default=None,
                    help="strider's activation mode (recompute, saved, auto); default: the engine's default")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where both sides compute: the CPU (strider's CPU device) or the GPU")
     p.add_argument("--threads", type=int, default=0, help="intra-op and optimizer threads, both sides; 0: all cores")
     p.add_argument("--layers", type=int, default=MODEL_135M["num_hidden_layers"], help="decoder layers")
     p.add_argument("--hidden", type=int, default=MODEL_135M["hidden_size"])
@@ -100,13 +107,14 @@ class TorchSide:
 
     def step(self, ids, labels):
         torch, a = self.torch, self.a
+        ids, labels = ids.to(a.device), labels.to(a.device)
         mb = a.micro_batch
         # The engine's loss: the mean over the batch's valid tokens (labels shifted as HF does).
         valid = int((labels[:, 1:] != -100).sum())
         total = 0.0
         for m in range(a.accumulation):
             i, l = ids[m * mb:(m + 1) * mb], labels[m * mb:(m + 1) * mb]
-            with torch.autocast("cpu", dtype=self.dtype, enabled=self.dtype != torch.float32):
+            with torch.autocast(a.device, dtype=self.dtype, enabled=self.dtype != torch.float32):
                 logits = self.model(input_ids=i).logits
             loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
                                                          l[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
@@ -118,6 +126,10 @@ class TorchSide:
         self.opt.zero_grad(set_to_none=True)
         return total / valid
 
+    def finish(self):
+        if self.a.device == "cuda":
+            self.torch.cuda.synchronize()  # the optimizer's kernels belong to the step's time
+
 
 class StriderSide:
     def __init__(self, a, model):
@@ -125,7 +137,7 @@ class StriderSide:
         over = {} if a.activations is None else {"activations": a.activations}
         cfg = strider.EngineConfig(seq=a.seq, micro_batch=a.micro_batch, accumulation=a.accumulation,
                                    window=a.window, dtype=a.dtype, lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
-                                   weight_decay=0.1, clip_norm=1.0, optimizer_threads=a.threads, device="cpu",
+                                   weight_decay=0.1, clip_norm=1.0, optimizer_threads=a.threads, device=a.device,
                                    device_budget=a.device_budget, **over)
         self.engine = strider.Engine(model, cfg)
 
@@ -146,6 +158,8 @@ def worker(side, a, conn):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(model_config(a)).float()
     params = sum(p.numel() for p in model.parameters())
+    if side == "torch":
+        model.to(a.device)  # strider takes the model on the CPU and streams it to the device itself
     runner = TorchSide(a, model) if side == "torch" else StriderSide(a, model)
     total_steps = a.warmup_steps + a.rounds * a.steps_per_round
     batches = make_batches(a, total_steps)
@@ -162,8 +176,7 @@ def worker(side, a, conn):
             ids, labels = batches[done]
             losses.append(runner.step(ids, labels))
             done += 1
-        if hasattr(runner, "finish"):
-            runner.finish()  # the step's updates belong to its time
+        runner.finish()  # the step's updates belong to its time
         elapsed = time.perf_counter() - t0
         conn.send({"seconds": elapsed, "losses": losses, "peak_rss": peak_rss_bytes()})
     conn.close()
@@ -183,7 +196,7 @@ def main(argv=None):
     print(f"model: Llama {info['torch']['params'] / 1e6:.1f}M parameters ({a.layers} layers, hidden {a.hidden}, "
           f"vocabulary {a.vocab}); batch {a.micro_batch} x {a.accumulation} x seq {a.seq}, {a.dtype}, "
           f"{info['torch']['threads']} threads; strider K = {a.window}, activations "
-          f"{a.activations or 'default'}, CPU device", flush=True)
+          f"{a.activations or 'default'}, {'CPU device' if a.device == 'cpu' else 'on the GPU'}", flush=True)
 
     def run(side, n):
         conns[side].send(n)
@@ -213,7 +226,7 @@ def main(argv=None):
     for i, (t, s) in enumerate(zip(losses["torch"], losses["strider"])):
         print(f"step {i + 1}: loss torch {t:.5f} strider {s:.5f} (rel diff {rel[i]:.2e})")
     print(f"peak RSS: torch {rss['torch'] / 2**30:.2f} GiB, strider {rss['strider'] / 2**30:.2f} GiB")
-    result = dict(bench="vs_torch", params=info["torch"]["params"], seq=a.seq, micro_batch=a.micro_batch,
+    result = dict(bench="vs_torch", device=a.device, params=info["torch"]["params"], seq=a.seq, micro_batch=a.micro_batch,
                   accumulation=a.accumulation, dtype=a.dtype, window=a.window,
                   activations=a.activations or "default", threads=info["torch"]["threads"], rounds=a.rounds,
                   torch_tokens_per_s=statistics.median(tps["torch"]),

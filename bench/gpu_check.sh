@@ -153,8 +153,6 @@ if [ "$mode" = gpu ] && [ "$cuda" = OFF ]; then
 fi
 targets=(gpu_test strider strider_ops bench_calibrate)
 [ "$cuda" = ON ] && targets+=(bench_transfer)
-# bench_vs_torch (strider against plain PyTorch) joins the speed check once the tree has it.
-cmake --build "$build" --target help 2>/dev/null | grep -q 'bench_vs_torch' && targets+=(bench_vs_torch)
 log "build ${targets[*]} with -j$jobs (CUDA=$cuda)"
 if ! cmake --build "$build" -j "$jobs" --target "${targets[@]}" > "$logs/build.log" 2>&1; then
   log "build failed (see build.log in the logs archive)"; grep -m5 -E 'error|Error' "$logs/build.log"; tail -15 "$logs/build.log"

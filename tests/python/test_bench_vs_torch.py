@@ -1,0 +1,21 @@
+"""bench/bench_vs_torch.py end to end at a toy size: both sides train the same
+model on the same batches, step by step, and the JSON line carries the ratio
+and the losses' agreement (the figure itself is never asserted: timing)."""
+import json
+import os
+import subprocess
+import sys
+
+
+def test_bench_vs_torch_runs_both_sides_and_their_losses_agree(build_dir, repo_root):
+    cmd = [sys.executable, str(repo_root / "bench/bench_vs_torch.py"), "--layers", "1", "--hidden", "72",
+           "--intermediate", "128", "--vocab", "512", "--seq", "32", "--rounds", "2", "--steps-per-round", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "STRIDER_BUILD_DIR": str(build_dir)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "vs_torch" and result["device"] == "cpu"
+    assert result["steps"] == 3  # one warm-up step, then 2 rounds x 1 step, each side
+    assert result["strider_over_torch"] > 0 and len(result["ratios"]) == 2
+    assert result["loss_max_rel_diff"] < 2e-2
+    assert "round 2:" in r.stdout and "step 3: loss torch" in r.stdout
