@@ -69,9 +69,13 @@ def plan(strider, config_path, budget, case):
 
 def measure(model_json, case, p, device, budget_bytes):
     cuda = device.startswith("cuda")
+    # The plan's engine: its window and checkpoint placement, the layers that keep their activations and
+    # whether the head keeps its logits (both in its device_buffer_bytes), its token tile.
     engine_json = json.dumps(dict(seq=case["seq"], micro_batch=case["micro_batch"],
                                   accumulation=case["accumulation"], dtype="bf16", window=p["window"],
-                                  checkpoints_on_host=p["checkpoints_on_host"], clip_norm=1.0, lr=1e-5))
+                                  checkpoints_on_host=p["checkpoints_on_host"], saved_blocks=p["saved_blocks"],
+                                  keep_logits=p["keep_logits"], token_tile=p["token_tile"], clip_norm=1.0,
+                                  lr=1e-5))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
