@@ -56,6 +56,7 @@ void append_line(std::ofstream& metrics, const std::string& path, const nlohmann
 
 int run(const Options& o) {
   namespace fs = std::filesystem;
+  check_single_process("finetune");
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
   check_output_dir(o.out, "--out");
   if (!o.trace.empty()) check_output_file(o.trace, "--trace");

@@ -152,6 +152,7 @@ PlotResult draw_png(const Options& o, const std::string& trace, const std::strin
 int run(const Options& o) {
   namespace fs = std::filesystem;
   STRIDER_CHECK(o.steps >= 1, "--steps {}: profile at least 1 measured step", o.steps);
+  check_single_process("profile");
   check_output_dir(o.out, "--out");  // before the run, not after it
   std::FILE* log = o.json ? stderr : stdout;  // --json: stdout holds the one JSON object
   TrainingRun tr = make_training_run(o.train, "profile", o.skip_steps + o.steps, log);

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <string_view>
 
 #include "engine/builtin.h"
 #include "engine/cli/cli.h"
@@ -152,6 +154,17 @@ uint64_t device_budget_bytes(const std::string& device, const std::string& budge
                        choice.ordinal, format_bytes(m.free_bytes), format_bytes(m.total_bytes),
                        kCudaBudgetMarginFraction * 100, kCudaBudgetMarginBytes >> 20);
   return bytes;
+}
+
+void check_single_process(std::string_view command) {
+  // Until data parallel exists (issue 15), under a launcher that starts
+  // several processes (torchrun sets WORLD_SIZE) each rank would train alone
+  // and race the others on --out, the checkpoints and --nvme.
+  if (const char* ws = std::getenv("WORLD_SIZE"); ws != nullptr && *ws != '\0' && std::string_view(ws) != "1")
+    throw Error(fmt::format("WORLD_SIZE={} (set by torchrun or another launcher): strider {} runs as one process; "
+                            "several would each train alone and overwrite each other's output. Launch one process "
+                            "(data parallel across processes is not there yet)",
+                            ws, command));
 }
 
 TrainingRun make_training_run(const TrainOptions& o, std::string_view command, int64_t total_steps,

@@ -74,6 +74,10 @@ struct TrainingRun {
   std::unique_ptr<TokenLoader> loader;
 };
 
+// Refuses, naming the variable, a run started as one of several processes
+// (WORLD_SIZE > 1, as torchrun sets it): call before anything touches disk.
+void check_single_process(std::string_view command);
+
 // Parses the model, makes the plan and prints it (headed "strider <command>:")
 // to `log`, refuses an infeasible plan with its reason, checks and locks the
 // --nvme directory, builds the engine on

@@ -132,6 +132,17 @@ def inspect_checkpoint(path) -> dict:
     return json.loads(torch.ops.strider.inspect_training_checkpoint(path))
 
 
+def check_single_process():
+    """One engine per run until data parallel exists (issue 15): ranks of a torch.distributed group would each
+    train alone on their own batches and save over each other."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError(f"strider.Engine: torch.distributed is initialized with {dist.get_world_size()} "
+                           f"processes (this is rank {dist.get_rank()}); strider trains in one process, and the "
+                           "ranks would each train alone and save over each other. Run one process (data "
+                           "parallel across processes is not there yet)")
+
+
 class Engine:
     """The sliding-window engine, training a transformers model's own parameters in place."""
 
@@ -172,6 +183,7 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"strider.Engine: config must be a strider.EngineConfig, got {type(config).__name__}")
         config.validate()
+        check_single_process()
         arch = architecture_of(model)
         check_on_cpu(model)
         max_pos = getattr(model.config, "max_position_embeddings", None)

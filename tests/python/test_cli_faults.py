@@ -249,3 +249,17 @@ def test_a_model_with_a_nan_weight_is_refused_naming_the_tensor(strider, tmp_pat
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     r = run(strider, tmp_path, "--model", str(model_dir), "--steps", "3", "--out", str(tmp_path / "o"))
     assert r.returncode != 0 and name in r.stderr and "non-finite" in r.stderr
+
+
+def test_several_ranks_from_a_launcher_are_refused_before_anything_is_written(strider, tmp_path):
+    """torchrun starts one process per rank and sets WORLD_SIZE: until data parallel exists each rank would
+    train alone and overwrite the others' output, so a world of more than one is refused up front."""
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    cmd = [str(strider), "finetune", *BASE, "--work-dir", str(tmp_path / "work"), "--steps", "1",
+           "--out", str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "WORLD_SIZE=2" in r.stderr and "one process" in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+    # A world of one (torchrun --nproc-per-node 1) is one process: it trains.
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "WORLD_SIZE": "1", "RANK": "0"})
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -225,3 +225,34 @@ def test_refused_resumes_leave_the_model_untouched(tmp_path):
         engine.load(tmp_path / "ckpt")
     assert_untouched(model, ptrs, vals)
     assert engine.steps_done == 1
+
+
+def test_an_engine_in_a_distributed_group_of_two_is_refused(tmp_path):
+    """Until data parallel exists, ranks of a torch.distributed group would each train alone and save over each
+    other: each rank's Engine(model) refuses, naming the group, and leaves its model as it was."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = textwrap.dedent("""
+        import sys, torch
+        sys.path[:0] = [sys.argv[1], sys.argv[2]]
+        import torch.distributed as dist
+        import strider
+        from test_package import config, make_model
+        rank, store = int(sys.argv[3]), sys.argv[4]
+        dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+        model = make_model()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            strider.Engine(model, config())
+            print("built")
+        except RuntimeError as e:
+            same = all(torch.equal(before[n], p) for n, p in model.named_parameters())
+            print("refused" if "2 processes" in str(e) and "rank %d" % rank in str(e) and same else repr(e))
+        dist.barrier()
+        dist.destroy_process_group()
+    """)
+    args = [os.path.dirname(strider.__path__[0]), here, None, str(tmp_path / "store")]
+    procs = [subprocess.Popen([sys.executable, "-c", code, *args[:2], str(r), args[3]], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and out.strip() == "refused", err[-3000:]
