@@ -68,7 +68,12 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--device-budget", default="8GiB", help="strider's device budget (the CPU device's memory)")
     p.add_argument("--json-out", default="", help="also write the JSON line to this file")
-    return p.parse_args(argv)
+    p.add_argument("--toy", action="store_true",
+                   help="a 1-layer, 78K-parameter cut (seq 32, 1 step per round): checks the bench itself in seconds")
+    a = p.parse_args(argv)
+    if a.toy:
+        a.layers, a.hidden, a.intermediate, a.vocab, a.seq, a.steps_per_round = 1, 72, 128, 512, 32, 1
+    return a
 
 
 def model_config(a):

@@ -162,12 +162,11 @@ def check_speed(c, ctx):
         else:
             res["transfer_rc"], res["transfer"] = None, "not built (no CUDA toolkit)"
         # strider against plain PyTorch on the same model and batches (a figure, never pass/fail on speed):
-        # on the GPU its default 135M Llama; the CPU twin the toy size of tests/python/test_bench_vs_torch.py
-        # (about 20 s on 2 cores), so that the speed check's time goes to the profile.
+        # on the GPU its default 135M Llama; the CPU twin its --toy cut (about 10 s on 2 cores), so that the
+        # speed check's time goes to the profile.
         vs_cmd = [ctx.python, ctx.repo / "bench/bench_vs_torch.py", "--device", ctx.device]
         if ctx.mode == "cpu":
-            vs_cmd += ["--layers", "1", "--hidden", "72", "--intermediate", "128", "--vocab", "512", "--seq", "32",
-                       "--rounds", "5", "--steps-per-round", "1"]
+            vs_cmd.append("--toy")
         rc_v, text_v = c.run(vs_cmd, env={"STRIDER_BUILD_DIR": str(ctx.build)}, timeout=150)
         res["vs_torch_rc"], res["vs_torch"] = rc_v, last_json(text_v)
         if isinstance(res["vs_torch"], dict):

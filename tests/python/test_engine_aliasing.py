@@ -250,9 +250,9 @@ def test_an_engine_in_a_distributed_group_of_two_is_refused(tmp_path):
         dist.barrier()
         dist.destroy_process_group()
     """)
-    args = [os.path.dirname(strider.__path__[0]), here, None, str(tmp_path / "store")]
-    procs = [subprocess.Popen([sys.executable, "-c", code, *args[:2], str(r), args[3]], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    shim, store = os.path.dirname(strider.__path__[0]), str(tmp_path / "store")
+    procs = [subprocess.Popen([sys.executable, "-c", code, shim, here, str(rank), store], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
     outs = [p.communicate(timeout=180) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and out.strip() == "refused", err[-3000:]
