@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "host/adam_kernel.h"
+#include "host/adam_q8.h"
 #include "host/error.h"
 
 namespace strider {
@@ -153,6 +154,33 @@ void CpuAdam::step(const AdamStep& step, const AdamArgs& args, const ChunkDone& 
   }
   // One chunk per task: chunks are large (MiBs of traffic), so scheduling cost
   // is noise and the callback fires as soon as each chunk is written.
+  arena_->arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, chunks, 1), body, tbb::simple_partitioner());
+  });
+}
+
+void CpuAdam::step_q8(const AdamStep& step, const Q8Args& args) {
+  const size_t chunk = options_.chunk_elems;
+  STRIDER_CHECK(chunk % kQ8GroupElems == 0, "CpuAdam: chunk_elems {} is not a multiple of the q8 group ({})", chunk,
+                kQ8GroupElems);
+  const size_t chunks = (args.n + chunk - 1) / chunk;
+  const size_t gbytes = dtype_size(args.grad_dtype);
+  auto body = [&](const tbb::blocked_range<size_t>& r) {
+    for (size_t c = r.begin(); c != r.end(); ++c) {
+      const size_t begin = c * chunk, end = std::min(args.n, begin + chunk), g = begin / kQ8GroupElems;
+      Q8Args a = args;
+      a.state = {args.state.hi + begin, args.state.ext + begin,     args.state.m + begin,
+                 args.state.m_scale + g, args.state.v + begin,       args.state.v_scale + g};
+      a.grad = static_cast<const std::byte*>(args.grad) + begin * gbytes;
+      a.n = end - begin;
+      a.first_elem = args.first_elem + uint32_t(begin);
+      adam_q8_update(options_.isa, step, a);
+    }
+  };
+  if (threads_ == 1 || chunks <= 1) {
+    body(tbb::blocked_range<size_t>(0, chunks));
+    return;
+  }
   arena_->arena.execute([&] {
     tbb::parallel_for(tbb::blocked_range<size_t>(0, chunks, 1), body, tbb::simple_partitioner());
   });

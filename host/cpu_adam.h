@@ -17,6 +17,8 @@
 
 namespace strider {
 
+struct Q8Args;  // host/adam_q8.h
+
 enum class AdamMode {
   kAdamW,  // decoupled weight decay: p *= 1 - lr * wd (torch.optim.AdamW)
   kAdam,   // L2: g += wd * p (torch.optim.Adam with weight_decay)
@@ -91,6 +93,9 @@ class CpuAdam {
   // Updates all `args.n` elements on this optimizer's threads and returns when
   // every chunk is done.
   void step(const AdamStep& step, const AdamArgs& args, const ChunkDone& on_chunk = {});
+  // The same over q8 state (host/adam_q8.h): chunks of chunk_elems (a
+  // multiple of the format's groups) on this optimizer's threads.
+  void step_q8(const AdamStep& step, const Q8Args& args);
 
   int threads() const { return threads_; }
   Isa isa() const { return options_.isa; }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "host/adam_q8.h"
 #include "host/bf16.h"
 #include "host/error.h"
 
@@ -13,13 +14,22 @@ constexpr size_t kAlignBytes = 256;
 
 size_t aligned(size_t bytes) { return (bytes + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
 
-// Bytes of each kind for one block, in carve order.
+// Bytes of each kind for one block, in carve order (state: master, m and v
+// together).
 struct KindBytes { size_t state, compute, grad; };
 
 KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
   const size_t n = b.layout.total_elems();
-  return {b.state_on_host ? aligned(n * sizeof(float)) : 0, aligned(n * dtype_size(o.compute_dtype)),
-          b.grad_staging ? aligned(n * dtype_size(o.grad_dtype)) : 0};
+  size_t state = 0;
+  if (b.state_on_host) {
+    if (o.format == StateFormat::kFp32) {
+      state = 3 * aligned(n * sizeof(float));
+    } else {
+      const size_t scales = aligned(n / kQ8GroupElems * sizeof(float));
+      state = 3 * aligned(n) + 2 * scales;
+    }
+  }
+  return {state, aligned(n * dtype_size(o.compute_dtype)), b.grad_staging ? aligned(n * dtype_size(o.grad_dtype)) : 0};
 }
 
 void check_options(const StoreOptions& o) {
@@ -29,6 +39,9 @@ void check_options(const StoreOptions& o) {
   STRIDER_CHECK(o.compute_dtype == DType::kBF16 || o.compute_dtype == DType::kF32,
                 "ParamStore: compute dtype {} is not supported (use BF16 or F32)",
                 dtype_name(o.compute_dtype));
+  STRIDER_CHECK(!state_uses_compute_copy(o.format) || o.compute_dtype == DType::kBF16,
+                "ParamStore: the {} optimizer state keeps its master's high half in the bf16 compute copy; "
+                "it cannot run with a {} compute copy", state_format_name(o.format), dtype_name(o.compute_dtype));
 }
 
 }  // namespace
@@ -38,7 +51,7 @@ size_t ParamStore::bytes_needed(const std::vector<BlockSpec>& blocks, const Stor
   size_t total = 0;
   for (const auto& b : blocks) {
     KindBytes k = kind_bytes(b, options);
-    total += 3 * k.state + k.compute + k.grad;
+    total += k.state + k.compute + k.grad;
   }
   return total;
 }
@@ -57,12 +70,20 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
     s.layout = &spec.layout;
     s.grad_dtype = options_.grad_dtype;
     s.state_on_host = spec.state_on_host;
+    s.format = options_.format;
     const size_t n = spec.layout.total_elems();
     const std::string& name = spec.layout.block_name();
-    if (spec.state_on_host) {
+    if (spec.state_on_host && options_.format == StateFormat::kFp32) {
       s.master = arena.carve_as<float>(n, name + " master", kAlignBytes);
       s.m = arena.carve_as<float>(n, name + " adam m", kAlignBytes);
       s.v = arena.carve_as<float>(n, name + " adam v", kAlignBytes);
+    } else if (spec.state_on_host) {
+      STRIDER_CHECK(n % kQ8GroupElems == 0, "ParamStore: block '{}' has {} elements, not whole q8 groups", name, n);
+      s.ext = arena.carve_as<uint8_t>(n, name + " master extension", kAlignBytes);
+      s.m_codes = arena.carve_as<uint8_t>(n, name + " adam m codes", kAlignBytes);
+      s.v_codes = arena.carve_as<uint8_t>(n, name + " adam v codes", kAlignBytes);
+      s.m_scale = arena.carve_as<float>(n / kQ8GroupElems, name + " adam m scales", kAlignBytes);
+      s.v_scale = arena.carve_as<float>(n / kQ8GroupElems, name + " adam v scales", kAlignBytes);
     }
     if (options_.compute_dtype == DType::kBF16)
       s.compute = arena.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
@@ -78,6 +99,8 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
     std::memset(s.master.data(), 0, s.master.size_bytes());
     std::memset(s.m.data(), 0, s.m.size_bytes());
     std::memset(s.v.data(), 0, s.v.size_bytes());
+    for (auto q : {s.ext, s.m_codes, s.v_codes}) std::memset(q.data(), 0, q.size_bytes());
+    for (auto q : {s.m_scale, s.v_scale}) std::memset(q.data(), 0, q.size_bytes());
     std::memset(s.compute_bytes().data(), 0, s.compute_bytes().size());
     std::memset(s.grad.data(), 0, s.grad.size_bytes());
     blocks_.push_back(s);
@@ -108,6 +131,9 @@ std::span<float> ParamStore::master_of(size_t b, std::string_view tensor) {
   BlockState& s = block(b);
   STRIDER_CHECK(s.state_on_host, "ParamStore: block '{}' keeps its fp32 state on NVMe; '{}' has no host master",
                 s.layout->block_name(), tensor);
+  STRIDER_CHECK(s.format == StateFormat::kFp32, "ParamStore: block '{}' keeps its master in the {} format; '{}' "
+                "has no fp32 master to point at (read_kind decodes it)", s.layout->block_name(),
+                state_format_name(s.format), tensor);
   const TensorSlot& t = s.layout->at(tensor);
   return s.master.subspan(t.offset_elems, t.numel);
 }
@@ -132,8 +158,44 @@ void ParamStore::refresh_compute(size_t b, size_t begin, size_t end) {
 }
 
 void ParamStore::refresh_compute_from_master() {
+  if (options_.format != StateFormat::kFp32) return;
   for (size_t b = 0; b < blocks_.size(); ++b)
     if (blocks_[b].state_on_host) refresh_compute(b);
+}
+
+void ParamStore::read_kind(size_t b, StateKind kind, std::span<float> out) const {
+  const BlockState& s = block(b);
+  STRIDER_CHECK(s.state_on_host && out.size() == s.elems(),
+                "ParamStore::read_kind: block '{}' ({} elements, state {}) and a buffer of {}", s.layout->block_name(),
+                s.elems(), s.state_on_host ? "on the host" : "on NVMe", out.size());
+  if (s.format == StateFormat::kFp32) {
+    std::span<const float> src = kind == StateKind::kMaster ? s.master : kind == StateKind::kAdamM ? s.m : s.v;
+    std::copy(src.begin(), src.end(), out.begin());
+  } else if (kind == StateKind::kMaster) {
+    q8_decode_master(s.compute.data(), s.ext.data(), out.data(), out.size());
+  } else {
+    const bool m = kind == StateKind::kAdamM;
+    q8_decode_moment(kind, (m ? s.m_codes : s.v_codes).data(), (m ? s.m_scale : s.v_scale).data(), out.data(),
+                     out.size());
+  }
+}
+
+void ParamStore::write_kind(size_t b, StateKind kind, std::span<const float> in) {
+  BlockState& s = block(b);
+  STRIDER_CHECK(s.state_on_host && in.size() == s.elems(),
+                "ParamStore::write_kind: block '{}' ({} elements, state {}) and a buffer of {}", s.layout->block_name(),
+                s.elems(), s.state_on_host ? "on the host" : "on NVMe", in.size());
+  if (s.format == StateFormat::kFp32) {
+    std::span<float> dst = kind == StateKind::kMaster ? s.master : kind == StateKind::kAdamM ? s.m : s.v;
+    std::copy(in.begin(), in.end(), dst.begin());
+    if (kind == StateKind::kMaster) refresh_compute(b);
+  } else if (kind == StateKind::kMaster) {
+    q8_encode_master(in.data(), s.compute.data(), s.ext.data(), in.size());
+  } else {
+    const bool m = kind == StateKind::kAdamM;
+    q8_encode_moment(kind, in.data(), (m ? s.m_codes : s.v_codes).data(), (m ? s.m_scale : s.v_scale).data(),
+                     in.size());
+  }
 }
 
 }  // namespace strider

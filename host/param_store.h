@@ -1,6 +1,9 @@
 // ParamStore: every block's training state in one PinnedArena, flat per block
 // and per kind (DESIGN.md, "The data, and where it lives"):
-//   master, m, v   fp32, host-resident unless the block's state lives on NVMe
+//   master, m, v   in the run's StateFormat (host/state_format.h): fp32, or
+//                  q8 (an 8-bit master extension, 8-bit m and v codes with
+//                  their groups' scales); host-resident unless the block's
+//                  state lives on NVMe
 //   compute        the copy the device computes with, the source of every
 //                  H2D: bf16 (compute), or fp32 (compute_f32) for exactness runs
 //   grad           staging for the block's gradients after D2H (bf16 or fp32)
@@ -16,6 +19,7 @@
 #include "host/dtype.h"
 #include "host/param_layout.h"
 #include "host/pinned_arena.h"
+#include "host/state_format.h"
 
 namespace strider {
 
@@ -28,6 +32,7 @@ struct BlockSpec {
 struct StoreOptions {
   DType grad_dtype = DType::kBF16;     // kBF16 or kF32
   DType compute_dtype = DType::kBF16;  // kBF16 or kF32 (fp32 compute for exactness tests)
+  StateFormat format = StateFormat::kFp32;  // q8 needs the bf16 compute copy (its master's high half)
   bool zero = true;                    // false: leave the memory untouched (simulation)
 };
 
@@ -35,7 +40,12 @@ struct StoreOptions {
 // does not live on the host.
 struct BlockState {
   const ParamLayout* layout = nullptr;
-  std::span<float> master, m, v;
+  std::span<float> master, m, v;      // fp32 format, else empty
+  // q8 format (host/adam_q8.h), else empty: the master's extension, the
+  // moments' codes and their groups' scales.
+  std::span<uint8_t> ext, m_codes, v_codes;
+  std::span<float> m_scale, v_scale;
+  StateFormat format = StateFormat::kFp32;
   std::span<uint16_t> compute;       // bf16 bits (compute_dtype kBF16), else empty
   std::span<float> compute_f32;      // compute_dtype kF32, else empty
   std::span<std::byte> grad;         // grad_dtype elements, layout->total_elems() of them (or empty)
@@ -76,10 +86,17 @@ class ParamStore {
   std::span<uint16_t> compute_of(size_t block, std::string_view tensor);
 
   // Writes block b's compute copy (bf16 rounded, or fp32 copied) from its fp32
-  // master, elements [begin, end) (default: all). For host-resident state.
+  // master, elements [begin, end) (default: all). For host-resident fp32 state.
   void refresh_compute(size_t b, size_t begin = 0, size_t end = SIZE_MAX);
-  // Writes every host-resident block's compute copy from its master (after a load).
+  // Writes every host-resident block's compute copy from its master (after a
+  // load). A no-op in q8, where the compute copy is part of the master.
   void refresh_compute_from_master();
+
+  // A host-resident block's state of one kind as floats (total_elems of
+  // them), whatever the format, and back (q8: rounded to nearest; writing the
+  // master rewrites the compute copy).
+  void read_kind(size_t b, StateKind kind, std::span<float> out) const;
+  void write_kind(size_t b, StateKind kind, std::span<const float> in);
 
  private:
   std::vector<BlockSpec> specs_;
