@@ -8,6 +8,7 @@
 #include <random>
 
 #include "gpu/unit_tensors.h"
+#include "host/bf16.h"
 #include "host/error.h"
 
 namespace strider {
@@ -48,7 +49,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   grad_bytes_ = config_.grad_dtype() == at::kFloat ? 4 : 2;
   const int64_t M = config_.accumulation;
 
-  shards_ = make_sharding(spec_, config_.compute.vocab_chunk, config_.vocab_shard_rows);
+  shards_ = make_sharding(spec_, config_.compute.vocab_chunk, config_.vocab_shard_rows, config_.shard_align());
   const int64_t P = num_pieces();
 
   // Which blocks keep their fp32 state on NVMe: every piece of them, each in
@@ -65,10 +66,15 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   for (int64_t p = 0; p < P; ++p) {
     if (!nvme_block[size_t(piece(p).block)]) continue;
     nvme_piece_[size_t(p)] = true;
-    const size_t bytes = piece(p).elems() * sizeof(float);
-    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) extents.push_back({p, k, bytes});
-    if (config_.clip_norm > 0) extents.push_back({p, ExtentKind::kGrad, piece(p).elems() * grad_bytes_});
-    max_nvme_state = std::max(max_nvme_state, round_up(bytes, kAlign));
+    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
+      const size_t bytes = state_kind_bytes(config_.optimizer_state, state_kind(k), piece(p).elems());
+      extents.push_back({p, k, bytes});
+      max_nvme_state = std::max(max_nvme_state, round_up(bytes, kAlign));
+    }
+    if (config_.clip_norm > 0) {
+      extents.push_back({p, ExtentKind::kGrad, piece(p).elems() * grad_bytes_});
+      max_nvme_state = std::max(max_nvme_state, round_up(piece(p).elems() * grad_bytes_, kAlign));
+    }
   }
   // Visits of one step: forward (embedding shards, layers), the head's shards
   // (pass 1 over all, then pass 2 over all; both in one visit when there is
@@ -114,6 +120,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   }
   StoreOptions so{.grad_dtype = grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                   .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16,
+                  .format = config_.optimizer_state,
                   .zero = !simulated()};
   const size_t tokens = size_t(config_.batch() * config_.seq);
   const size_t act_bytes = size_t(config_.micro_batch * config_.seq * spec_.dims.hidden) * compute_bytes_;
@@ -198,7 +205,7 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   EngineFootprint f;
   const int64_t blocks = spec.num_blocks(), head = blocks - 1, M = c.accumulation;
   const size_t cbytes = c.compute.dtype == at::kFloat ? 4 : 2, gbytes = c.grad_dtype() == at::kFloat ? 4 : 2;
-  const Sharding sh = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows);
+  const Sharding sh = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align());
   std::vector<BlockSpec> specs;
   std::vector<bool> nvme(size_t(blocks), false);
   for (int64_t b : c.nvme_blocks)
@@ -207,11 +214,18 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   size_t max_nvme_state = 0, ring_slot_bytes = 0;
   for (int64_t b = 0; b < blocks; ++b) specs.push_back({spec.layout(b), !nvme[size_t(b)], !grads_in_ring(nvme[size_t(b)], c)});
   for (const Piece& p : sh.pieces) {
-    const size_t bytes = round_up(p.elems() * 4, kAlign), grad = round_up(p.elems() * gbytes, kAlign);
+    const size_t grad = round_up(p.elems() * gbytes, kAlign);
     if (grads_in_ring(nvme[size_t(p.block)], c)) ring_slot_bytes = std::max(ring_slot_bytes, grad);
     if (nvme[size_t(p.block)]) {
-      max_nvme_state = std::max(max_nvme_state, bytes);
-      f.nvme_bytes += 3 * bytes + (clip ? grad : 0);  // master, m, v (+ spilled gradients)
+      for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV}) {
+        const size_t bytes = round_up(state_kind_bytes(c.optimizer_state, k, p.elems()), kAlign);
+        max_nvme_state = std::max(max_nvme_state, bytes);
+        f.nvme_bytes += bytes;  // master, m, v
+      }
+      if (clip) {  // spilled gradients
+        max_nvme_state = std::max(max_nvme_state, grad);
+        f.nvme_bytes += grad;
+      }
     }
   }
   const size_t emb_elems = specs[0].layout.total_elems();
@@ -232,10 +246,14 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   f.device_bytes = f.pool_bytes + f.activation_bytes;
   // Must match the constructor's carving.
   StoreOptions so{.grad_dtype = gbytes == 4 ? DType::kF32 : DType::kBF16,
-                  .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16};
+                  .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16,
+                  .format = c.optimizer_state};
   f.host_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) +
                  round_up(size_t(2 * M) * 8, kAlign) + 8 * kAlign;
   if (spec.tie_embeddings) f.host_bytes += round_up(emb_elems * 4, kAlign);
+  // The training state: the store, tied-gradient, NVMe and ring staging.
+  f.state_host_bytes = ParamStore::bytes_needed(specs, so) + (spec.tie_embeddings ? round_up(emb_elems * 4, kAlign) : 0) +
+                       2 * (clip ? 4 : 3) * max_nvme_state + uint64_t(c.grad_ring) * ring_slot_bytes;
   if (c.checkpoints_on_host)
     f.host_bytes += uint64_t(head * M) * round_up(size_t(c.micro_batch * c.seq * spec.dims.hidden) * cbytes, kAlign);
   // NVMe staging (2 slots of master, m, v, and read-back gradients with
@@ -288,6 +306,9 @@ void Engine::check_config() const {
   STRIDER_CHECK(c.compute.dtype == at::kFloat || c.compute.dtype == at::kBFloat16,
                 "compute dtype must be bf16 or fp32");
   STRIDER_CHECK(c.clip_norm >= 0, "clip_norm {} must be >= 0 (0 turns clipping off)", c.clip_norm);
+  STRIDER_CHECK(!state_uses_compute_copy(c.optimizer_state) || c.compute.dtype == at::kBFloat16,
+                "the {} optimizer state keeps the master's high half in the bf16 compute copy: it needs the bf16 "
+                "compute dtype, not fp32", state_format_name(c.optimizer_state));
   STRIDER_CHECK(c.grad_ring >= 1, "grad_ring {} must be >= 1 (gradient staging slots of the NVMe-tier blocks)",
                 c.grad_ring);
 }
@@ -470,6 +491,19 @@ std::span<std::byte> Engine::compute_copy(int64_t b) {
   STRIDER_CHECK(b >= 0 && b < num_blocks_, "compute_copy: block {} out of range (the model has {} blocks)", b,
                 num_blocks_);
   return store_->block(size_t(b)).compute_bytes();
+}
+
+void Engine::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
+  STRIDER_CHECK(!simulated(), "model_weights: a simulated engine holds no state");
+  STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
+                "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
+  if (file_dtype != DType::kBF16 || compute_bytes_ != 2) {
+    read_state(b, ExtentKind::kMaster, out);
+    return;
+  }
+  finish_updates();
+  const std::span<uint16_t> c = store_->block(size_t(b)).compute;
+  bf16_to_float(c, out);
 }
 
 std::vector<float> Engine::param(const std::string& name) {

@@ -50,11 +50,17 @@
 #include "gpu/device.h"
 #include "gpu/sim_device.h"
 #include "host/cpu_adam.h"
+#include "host/state_format.h"
 #include "host/param_store.h"
 #include "host/pinned_arena.h"
 #include "io/nvme_store.h"
 
 namespace strider {
+
+// The host format's kind of an NVMe extent of state (not kGrad).
+inline StateKind state_kind(ExtentKind k) {
+  return k == ExtentKind::kMaster ? StateKind::kMaster : k == ExtentKind::kAdamM ? StateKind::kAdamM : StateKind::kAdamV;
+}
 
 struct EngineConfig {
   int64_t seq = 128;
@@ -67,6 +73,11 @@ struct EngineConfig {
   LrSchedule schedule;
   double clip_norm = 0;        // > 0: exact global-norm clipping
   int optimizer_threads = 0;   // 0: all hardware threads
+  // How master, m and v are stored (host/state_format.h): fp32 (exact), or
+  // q8 (3.06 bytes per parameter; needs the bf16 compute dtype).
+  StateFormat optimizer_state = StateFormat::kFp32;
+  // Where pieces must start for that format (make_sharding's align_elems).
+  int64_t shard_align() const { return optimizer_state == StateFormat::kQ8 ? int64_t(kQ8GroupElems) : 1; }
   std::string nvme_dir;        // where NVMe-tier state lives (needed if nvme_blocks is not empty)
   std::vector<int64_t> nvme_blocks;  // blocks whose fp32 master/m/v live on NVMe
   int64_t grad_ring = 3;       // gradient staging slots shared by ring blocks (>= 1; see above)
@@ -144,6 +155,8 @@ struct EngineFootprint {
   uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes)
   uint64_t device_bytes = 0;        // pool + activations: every device allocation
   uint64_t host_bytes = 0;          // the pinned arena
+  uint64_t state_host_bytes = 0;    // of it, the training state: the store (format, compute copy, gradient
+                                    // staging), the tied gradient's, the NVMe staging and the gradient ring
   uint64_t nvme_bytes = 0;          // NVMe-tier state files
 };
 
@@ -173,6 +186,11 @@ class Engine {
   // next update (set_param / write_state change the master). Valid while the
   // Engine lives. This is what a wrapped model's parameters alias.
   std::span<std::byte> compute_copy(int64_t block);
+  // Block b's weights as a model file in `file_dtype` should hold them
+  // (total_elems floats): for a bf16 file with a bf16 compute copy, the
+  // compute copy's values (what the model computes with; the q8 format rounds
+  // its master to it ties-up, not ties-to-even), else the master.
+  void model_weights(int64_t block, DType file_dtype, std::span<float> out);
 
   // One optimizer step over `ids` / `labels`, [batch, seq] int64 each (labels
   // aligned with ids, -100 where no loss counts). Returns when the loss and the
@@ -295,6 +313,8 @@ class Engine {
   double sim_finish();
   void start_state_read(int64_t p, int slot);
   bool on_nvme(int64_t p) const { return nvme_piece_.at(size_t(p)); }
+  // Bytes of master, m and v for n elements in the run's format.
+  uint64_t state_bytes(size_t n) const;
   bool spills_grads(int64_t p) const { return ring_slot_.at(size_t(p)) >= 0 && config_.clip_norm > 0; }
   const Piece& piece(int64_t p) const { return shards_.pieces[size_t(p)]; }
   int64_t num_pieces() const { return int64_t(shards_.pieces.size()); }

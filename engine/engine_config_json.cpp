@@ -34,6 +34,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"warmup_steps", c.schedule.warmup_steps},
           {"total_steps", c.schedule.total_steps},
           {"clip_norm", c.clip_norm},
+          {"optimizer_state", std::string(state_format_name(c.optimizer_state))},
           {"optimizer_threads", c.optimizer_threads},
           {"nvme_dir", c.nvme_dir},
           {"nvme_blocks", c.nvme_blocks},
@@ -87,6 +88,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& j) {
   get("warmup_steps", c.schedule.warmup_steps);
   get("total_steps", c.schedule.total_steps);
   get("clip_norm", c.clip_norm);
+  if (j.contains("optimizer_state")) c.optimizer_state = parse_state_format(j["optimizer_state"].get<std::string>());
   get("optimizer_threads", c.optimizer_threads);
   get("nvme_dir", c.nvme_dir);
   get("nvme_blocks", c.nvme_blocks);

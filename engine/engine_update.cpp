@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "engine/engine.h"
+#include "host/adam_q8.h"
 #include "host/bf16.h"
 #include "host/error.h"
 #include "host/grad_norm.h"
@@ -13,10 +14,29 @@
 namespace strider {
 namespace {
 
-// The host-resident span of one kind of a block's fp32 state.
-std::span<float> host_state(BlockState& s, ExtentKind kind) {
-  return kind == ExtentKind::kMaster ? s.master : kind == ExtentKind::kAdamM ? s.m : s.v;
+// Bytes AdamW reads and writes per element (the optimizer lane's figure):
+// fp32 master, m, v read and written; q8 the compute copy, the extension and
+// both codes read and written plus the groups' scales; and the gradient.
+uint64_t adam_bytes(StateFormat f, size_t n, size_t grad_bytes) {
+  const uint64_t state = f == StateFormat::kFp32 ? 24 * n : 10 * n + 16 * (n / kQ8GroupElems);
+  return state + n * grad_bytes;
 }
+
+// One piece's q8 state, given where each kind's bytes are: the extension,
+// and codes followed by their groups' scales for m and v.
+Q8View q8_view(uint16_t* hi, std::byte* ext, std::byte* m, float* m_scale, std::byte* v, float* v_scale) {
+  return {hi, reinterpret_cast<uint8_t*>(ext), reinterpret_cast<uint8_t*>(m), m_scale,
+          reinterpret_cast<uint8_t*>(v), v_scale};
+}
+float* scales_after(std::byte* codes, size_t n) { return reinterpret_cast<float*>(codes + n); }
+
+// The simulator's price of a q8 update against an fp32 one on the same CPU:
+// the q8 kernel is compute-bound where the fp32 one is memory-bound.
+// Measured by build/bench/bench_adam --sizes 16 (16M parameters, bf16
+// gradients, AVX-512, 2 threads of the 2-core development machine): fp32
+// 1566 M parameters/s, q8 903 M/s, so 1.73 times the time. A CPU with more
+// cores per memory channel narrows the gap; no such machine has been measured.
+constexpr double kQ8AdamTimeRatio = 1566.0 / 903.0;
 
 // "nan", "inf" or "-inf" (fmt prints a NaN's sign bit: "-nan").
 std::string nonfinite_text(double x) { return std::isnan(x) ? "nan" : fmt::format("{}", x); }
@@ -275,11 +295,17 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
   BlockState& s = store_->block(size_t(pc.block));
   const size_t n = pc.elems();
   const bool fp32 = !s.compute_f32.empty();
+  const StateFormat format = config_.optimizer_state;
   float *p = nullptr, *m = nullptr, *v = nullptr;
-  if (!on_nvme(b)) {
+  Q8View q;
+  if (!on_nvme(b) && format == StateFormat::kFp32) {
     p = s.master.data() + pc.begin;
     m = s.m.data() + pc.begin;
     v = s.v.data() + pc.begin;
+  } else if (!on_nvme(b)) {
+    const size_t g = pc.begin / kQ8GroupElems;
+    q = {s.compute.data() + pc.begin, s.ext.data() + pc.begin, s.m_codes.data() + pc.begin, s.m_scale.data() + g,
+         s.v_codes.data() + pc.begin, s.v_scale.data() + g};
   }
   NvmeStaging* slot = nullptr;
   if (on_nvme(b)) {
@@ -300,16 +326,20 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
     slot->reads.clear();
     slot->reading = -1;
     timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(pc.block), -1, job.step, slot->read_begin_us,
-                   Timeline::now_us(), 0, uint64_t(3 * n * sizeof(float) + (spills_grads(b) ? n * grad_bytes_ : 0))});
+                   Timeline::now_us(), 0, uint64_t(state_bytes(n) + (spills_grads(b) ? n * grad_bytes_ : 0))});
     p = reinterpret_cast<float*>(slot->master.data());
     m = reinterpret_cast<float*>(slot->m.data());
     v = reinterpret_cast<float*>(slot->v.data());
+    q = q8_view(s.compute.data() + pc.begin, slot->master.data(), slot->m.data(), scales_after(slot->m.data(), n),
+                slot->v.data(), scales_after(slot->v.data(), n));
   }
   const double t0 = Timeline::now_us();
   const std::byte* grads = spills_grads(b) ? slot->grad.data() : grad_host(b).data();
   AdamArgs args{p, m, v, grads, grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                 fp32 ? nullptr : s.compute.data() + pc.begin, n};
-  if (fp32) {
+  if (format == StateFormat::kQ8) {
+    adam_->step_q8(st, Q8Args{q, grads, args.grad_dtype, n, uint32_t(pc.begin), q8_salt(job.step, pc.block)});
+  } else if (fp32) {
     // fp32 compute: the compute copy is the master itself, chunk by chunk.
     float* out = s.compute_f32.data() + pc.begin;
     adam_->step(st, args, [&](size_t begin, size_t end) {
@@ -319,7 +349,7 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
     adam_->step(st, args);
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,
-                 uint64_t(n * (24 + grad_bytes_))});
+                 adam_bytes(format, n, grad_bytes_)});
   if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b)) release_ring_slot(b);
   if (slot) {
     const double w0 = Timeline::now_us();
@@ -373,16 +403,18 @@ void Engine::sim_update(int64_t b, double ready) {
     timeline_.add({lane, name, int32_t(piece(b).block), -1, st.job.step, t.begin_us, t.end_us, 0, bytes});
   };
   if (on_nvme(b)) {
-    const uint64_t bytes = 3 * n * 4 + (spills_grads(b) ? n * grad_bytes_ : 0);
+    const uint64_t bytes = state_bytes(n) + (spills_grads(b) ? n * grad_bytes_ : 0);
     SimInterval r = sim_nvme_read_.run(std::max(st.read_ahead_from, st.spilled_us[size_t(b)]), cm.nvme_read_us(bytes));
     span(Lane::kNvmeRead, "nvme read state", r, bytes);
     ready = std::max(ready, r.end_us);
   }
-  SimInterval t = sim_optimizer_.run(ready, cm.adam_us(n));
-  span(Lane::kOptimizer, "adamw", t, n * (24 + grad_bytes_));
+  const bool q8 = config_.optimizer_state == StateFormat::kQ8;
+  SimInterval t = sim_optimizer_.run(ready, cm.adam_us(n) * (q8 ? kQ8AdamTimeRatio : 1.0));
+  span(Lane::kOptimizer, "adamw", t, adam_bytes(config_.optimizer_state, n, grad_bytes_));
   st.read_ahead_from = t.begin_us;
   if (on_nvme(b))
-    span(Lane::kNvmeWrite, "nvme write state", sim_nvme_write_.run(t.end_us, cm.nvme_write_us(3 * n * 4)), 3 * n * 4);
+    span(Lane::kNvmeWrite, "nvme write state", sim_nvme_write_.run(t.end_us, cm.nvme_write_us(state_bytes(n))),
+         state_bytes(n));
   if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b))
     sim_->record_at(*sim_ring_free_[size_t(ring_slot_[size_t(b)])], t.end_us);
   sim_->record_at(*sim_update_done_[size_t(b)], t.end_us);
@@ -400,21 +432,36 @@ double Engine::sim_finish() {
   return sim_step_end_us_;
 }
 
+uint64_t Engine::state_bytes(size_t n) const {
+  uint64_t total = 0;
+  for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV})
+    total += state_kind_bytes(config_.optimizer_state, k, n);
+  return total;
+}
+
 void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
   STRIDER_CHECK(!simulated(), "read_state: a simulated engine holds no state");
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
                 "read_state: block {} and a buffer of {} elements do not match", b, out.size());
   if (!on_nvme(shards_.first_of(b))) {
-    std::span<float> src = host_state(store_->block(size_t(b)), kind);
-    std::copy(src.begin(), src.end(), out.begin());
+    store_->read_kind(size_t(b), state_kind(kind), out);
     return;
   }
   NvmeStaging& slot = idle_staging();
+  BlockState& s = store_->block(size_t(b));
   for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
     const Extent& e = nvme_->extent(p, kind);
     nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
-    std::memcpy(out.data() + piece(p).begin, slot.master.data(), piece(p).elems() * sizeof(float));
+    const size_t n = piece(p).elems(), at = piece(p).begin;
+    std::byte* bytes = slot.master.data();
+    if (config_.optimizer_state == StateFormat::kFp32)
+      std::memcpy(out.data() + at, bytes, n * sizeof(float));
+    else if (kind == ExtentKind::kMaster)
+      q8_decode_master(s.compute.data() + at, reinterpret_cast<const uint8_t*>(bytes), out.data() + at, n);
+    else
+      q8_decode_moment(state_kind(kind), reinterpret_cast<const uint8_t*>(bytes), scales_after(bytes, n),
+                       out.data() + at, n);
   }
 }
 
@@ -423,20 +470,28 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < num_blocks_ && in.size() == layouts_[b].total_elems(),
                 "write_state: block {} and a buffer of {} elements do not match", b, in.size());
+  if (!on_nvme(shards_.first_of(b))) {
+    store_->write_kind(size_t(b), state_kind(kind), in);  // the compute copy follows the master
+    return;
+  }
   BlockState& s = store_->block(size_t(b));
-  if (kind == ExtentKind::kMaster) {  // the compute copy follows the master
+  const bool q8 = config_.optimizer_state == StateFormat::kQ8;
+  if (kind == ExtentKind::kMaster && !q8) {  // the compute copy follows the master
     if (!s.compute.empty()) float_to_bf16(in, s.compute);
     else std::copy(in.begin(), in.end(), s.compute_f32.begin());
-  }
-  if (!on_nvme(shards_.first_of(b))) {
-    std::copy(in.begin(), in.end(), host_state(s, kind).begin());
-    return;
   }
   NvmeStaging& slot = idle_staging();
   for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
     const Extent& e = nvme_->extent(p, kind);
-    std::memset(slot.master.data(), 0, e.io_bytes);
-    std::memcpy(slot.master.data(), in.data() + piece(p).begin, piece(p).elems() * sizeof(float));
+    const size_t n = piece(p).elems(), at = piece(p).begin;
+    std::byte* bytes = slot.master.data();
+    std::memset(bytes, 0, e.io_bytes);
+    if (!q8)
+      std::memcpy(bytes, in.data() + at, n * sizeof(float));
+    else if (kind == ExtentKind::kMaster)
+      q8_encode_master(in.data() + at, s.compute.data() + at, reinterpret_cast<uint8_t*>(bytes), n);
+    else
+      q8_encode_moment(state_kind(kind), in.data() + at, reinterpret_cast<uint8_t*>(bytes), scales_after(bytes, n), n);
     nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
   }
 }

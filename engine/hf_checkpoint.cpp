@@ -189,8 +189,17 @@ void HfCheckpointReader::load_into(ParamStore& store) const {
     STRIDER_CHECK(store.block(b).state_on_host, "{}: block '{}' keeps its state on NVMe; load it "
                   "with read_block() into a staging buffer instead", path_, layouts_[b].block_name());
   }
-  for (size_t b = 0; b < layouts_.size(); ++b) read_block(static_cast<int64_t>(b), store.block(b).master);
-  store.refresh_compute_from_master();  // the compute copy in whatever dtype the store keeps
+  std::vector<float> w;
+  for (size_t b = 0; b < layouts_.size(); ++b) {
+    if (store.options().format == StateFormat::kFp32) {  // straight into the master
+      read_block(static_cast<int64_t>(b), store.block(b).master);
+      store.refresh_compute(b);
+      continue;
+    }
+    w.resize(layouts_[b].total_elems());
+    read_block(static_cast<int64_t>(b), w);
+    store.write_kind(b, StateKind::kMaster, w);  // and the compute copy, in whatever format the store keeps
+  }
 }
 
 // ---- HfCheckpointWriter ----------------------------------------------------

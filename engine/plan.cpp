@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "host/error.h"
@@ -63,6 +64,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.nvme_blocks = nvme_blocks;
   c.clip_norm = l.clip_norm;
   c.grad_ring = l.grad_ring;
+  c.optimizer_state = l.optimizer_state;
   c.saved_blocks = saved_blocks;
   c.keep_logits = keep_logits;
   return c;
@@ -159,7 +161,8 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // measure on the CPU (the CUDA figure is unmeasured until a GPU run). Every
   // layer has the same dimensions, so the embedding, one layer and the head
   // say it all.
-  const Sharding sh = make_sharding(spec, l.vocab_chunk, l.vocab_shard_rows);
+  const Sharding sh = make_sharding(spec, l.vocab_chunk, l.vocab_shard_rows,
+                                    l.optimizer_state == StateFormat::kQ8 ? int64_t(kQ8GroupElems) : 1);
   uint64_t work = 0;
   auto work_for = [&](int64_t tile) {
     uint64_t w = 0;
@@ -251,10 +254,12 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   if (l.host_bytes > 0 && f.host_bytes > l.host_bytes) {
     if (l.nvme_dir.empty()) {
       p.feasible = false;
-      p.reason = fmt::format("needs {} of pinned host RAM (fp32 master, Adam m and v and gradient staging: 16 "
-                             "bytes per parameter, plus the compute copy); the limit is {}; give an NVMe directory "
-                             "(--nvme) for the optimizer state",
-                             format_bytes(f.host_bytes), format_bytes(l.host_bytes));
+      p.reason = fmt::format("needs {} of pinned host RAM ({}: {:.4g} bytes per parameter of master, Adam m and v, "
+                             "plus the compute copy and gradient staging); the limit is {}; give an NVMe directory "
+                             "(--nvme) for the optimizer state{}",
+                             format_bytes(f.host_bytes), state_format_name(l.optimizer_state),
+                             state_bytes_per_elem(l.optimizer_state), format_bytes(l.host_bytes),
+                             l.optimizer_state == StateFormat::kFp32 ? ", or a smaller optimizer-state format" : "");
       return p;
     }
     std::vector<size_t> elems(static_cast<size_t>(blocks));
@@ -299,7 +304,8 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     p.why.push_back(fmt::format("their gradients through a ring of {} slots{}", l.grad_ring,
                                 l.clip_norm > 0 ? ", spilled to NVMe until the clipping norm is known" : ""));
   } else {
-    p.why.push_back("optimizer state (fp32 master, Adam m, v) in host RAM");
+    p.why.push_back(fmt::format("optimizer state ({}: master, Adam m, v at {:.4g} bytes per parameter) in host RAM",
+                                state_format_name(l.optimizer_state), state_bytes_per_elem(l.optimizer_state)));
   }
   if (l.clip_norm <= 0)
     p.why.push_back(fmt::format("no clipping: every block's gradients through a ring of {} host slots, each freed "
@@ -348,7 +354,9 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.unit_bytes = f.unit_bytes;
   p.device_buffer_bytes = f.device_bytes;
   p.device_peak_bytes = f.device_bytes + work;
-  p.host_bytes = f.host_bytes;
+  p.host_bytes = f.state_host_bytes;
+  p.pinned_bytes = f.host_bytes;
+  p.optimizer_state = l.optimizer_state;
   p.nvme_bytes = f.nvme_bytes;
   p.why.push_back(fmt::format("device: {} allocated at start + ~{} ATen working memory = {} of {}",
                               format_bytes(f.device_bytes), format_bytes(work), format_bytes(p.device_peak_bytes),
@@ -369,7 +377,11 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     parts += fmt::format(" + {} device memory and ATen's runtime (host memory on the CPU device)",
                          format_bytes(on_device));
   if (staging > 0) parts += fmt::format(" + {} staging a block to load or save", format_bytes(staging));
-  p.why.push_back(fmt::format("host: {} pinned; at its peak the process holds ~{} ({})", format_bytes(f.host_bytes),
+  const double params = double(spec.param_count());
+  p.why.push_back(fmt::format("host: {} pinned, {} of it the training state ({:.2f} bytes per parameter: {} "
+                              "optimizer state, the compute copy, gradient staging); at its peak the process holds "
+                              "~{} ({})", format_bytes(f.host_bytes), format_bytes(p.host_bytes),
+                              double(p.host_bytes) / params, state_format_name(l.optimizer_state),
                               format_bytes(p.host_peak_bytes), parts));
   return p;
 }
@@ -438,6 +450,24 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
       p = std::move(without);
     }
   }
+  if (p.feasible) {
+    // What the other formats would take under the same limits.
+    std::vector<std::string> fits;
+    for (StateFormat other : {StateFormat::kFp32, StateFormat::kQ8}) {
+      if (other == l.optimizer_state) continue;
+      PlanLimits lo = l;
+      lo.optimizer_state = other;
+      if (other == StateFormat::kQ8 && lo.dtype != at::kBFloat16) continue;  // q8 needs the bf16 compute copy
+      const Plan q = make_placed(spec, lo, p.saved_blocks);
+      p.other_formats.push_back({other, q.feasible, q.host_bytes, int64_t(q.nvme_blocks.size())});
+      fits.push_back(!q.feasible ? fmt::format("{} does not fit ({})", state_format_name(other), q.reason)
+                     : fmt::format("{} would take {} ({:.2f} bytes per parameter) with {}", state_format_name(other),
+                                   format_bytes(q.host_bytes), double(q.host_bytes) / double(spec.param_count()),
+                                   q.nvme_blocks.empty() ? std::string("all state in RAM")
+                                                         : fmt::format("{} blocks' state on NVMe", q.nvme_blocks.size())));
+    }
+    if (!fits.empty()) p.why.push_back("other optimizer-state formats (--optimizer-state): " + fmt::format("{}", fmt::join(fits, "; ")));
+  }
   p.activations = l.activations;
   p.layer_cost = cost;
   p.saved_bytes_per_layer = per_layer;
@@ -457,6 +487,16 @@ std::string Plan::explain() const {
   return out;
 }
 
+namespace {
+nlohmann::json other_formats_json(const std::vector<Plan::FormatFit>& fits) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Plan::FormatFit& f : fits)
+    out.push_back({{"optimizer_state", state_format_name(f.format)}, {"feasible", f.feasible},
+                   {"host_bytes", f.host_bytes}, {"nvme_blocks", f.nvme_blocks}});
+  return out;
+}
+}  // namespace
+
 nlohmann::json Plan::to_json() const {
   return {{"feasible", feasible}, {"reason", reason}, {"window", window},
           {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
@@ -464,7 +504,9 @@ nlohmann::json Plan::to_json() const {
           {"token_tile", token_tile},
           {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
-          {"host_bytes", host_bytes}, {"host_peak_bytes", host_peak_bytes}, {"nvme_bytes", nvme_bytes},
+          {"host_bytes", host_bytes}, {"host_pinned_bytes", pinned_bytes}, {"host_peak_bytes", host_peak_bytes},
+          {"nvme_bytes", nvme_bytes}, {"optimizer_state", state_format_name(optimizer_state)},
+          {"other_formats", other_formats_json(other_formats)},
           {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
           {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
           {"saved_host_bytes", saved_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},

@@ -46,6 +46,7 @@ struct PlanLimits {
   int64_t token_tile = -1;       // tokens per tile in the head and the MLP; -1: the plan chooses, 0: untiled
   int64_t vocab_shard_rows = 0;  // 0: shards no larger than a layer (engine/shards.h)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
+  StateFormat optimizer_state = StateFormat::kFp32;  // how master, m and v are stored (host/state_format.h)
   ActivationMode activations = ActivationMode::kAuto;
   // The rest of the process's host memory, for Plan::host_peak_bytes: what
   // the process holds before the run allocates anything (its libraries and
@@ -117,7 +118,21 @@ struct Plan {
   uint64_t device_buffer_bytes = 0;  // what the engine allocates on the device (units, activations)
   uint64_t device_work_bytes = 0;    // ATen's working memory, estimated from the block costs
   uint64_t device_peak_bytes = 0;    // the two together
-  uint64_t host_bytes = 0;           // the pinned arena
+  // Pinned host RAM: the training state alone (the optimizer-state format's
+  // bytes in RAM, the compute copy, gradient staging, NVMe staging), and the
+  // whole arena (that, plus kept activations, host checkpoints, the batch).
+  uint64_t host_bytes = 0;
+  uint64_t pinned_bytes = 0;
+  StateFormat optimizer_state = StateFormat::kFp32;
+  // The same limits with each other format: what its state takes in RAM and
+  // how many blocks it puts on NVMe (a line of `why` says it too).
+  struct FormatFit {
+    StateFormat format = StateFormat::kFp32;
+    bool feasible = false;
+    uint64_t host_bytes = 0;
+    int64_t nvme_blocks = 0;
+  };
+  std::vector<FormatFit> other_formats;
   // The whole process at its peak: the arena, plus PlanLimits::process_bytes,
   // plus the device's peak where its memory is host memory (the CPU device),
   // plus the load's staging. Not counted: a GPU driver's own host memory.

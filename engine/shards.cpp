@@ -1,6 +1,7 @@
 #include "engine/shards.h"
 
 #include <algorithm>
+#include <numeric>
 #include <fmt/format.h>
 
 #include "host/error.h"
@@ -19,7 +20,7 @@ std::string Sharding::name(const ModelSpec& spec, int64_t i) const {
   return fmt::format("{}[{}:{})", kind == BlockKind::kEmbedding ? "embedding" : "lm_head", p.row_begin, p.row_end);
 }
 
-Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows) {
+Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows, int64_t align_elems) {
   STRIDER_CHECK(vocab_chunk >= 0 && shard_rows >= 0, "vocab chunk {} and shard rows {} must be >= 0", vocab_chunk,
                 shard_rows);
   Sharding s;
@@ -40,6 +41,19 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
     rows = fit >= chunk ? fit / chunk * chunk : fit;
   }
   rows = std::min(rows, V);
+  if (align_elems > 1 && rows < V) {
+    // Shard k starts at k * rows * H elements into its tensor (whose offset is
+    // a multiple of 128): rows must be a multiple of a.
+    const int64_t a = align_elems / std::gcd(align_elems, H);
+    if (shard_rows > 0) {
+      STRIDER_CHECK(rows % a == 0, "vocabulary shards of {} rows start at elements that are not multiples of {} "
+                    "({} rows x hidden {}), which the optimizer state's groups need: give a multiple of {} rows",
+                    rows, align_elems, rows, H, a);
+    } else {
+      const int64_t l = std::lcm(chunk, a);
+      rows = rows >= l ? rows / l * l : std::max(a, rows / a * a);
+    }
+  }
   if (rows < chunk) chunk = rows;
   STRIDER_CHECK(rows % chunk == 0 || rows == V, "vocabulary shards of {} rows do not fall on LM-head chunks of {} "
                 "rows: give a multiple of the chunk", rows, chunk);

@@ -66,6 +66,9 @@ struct Sharding {
 // chunk, or less than it: then the chunk shrinks to it); 0 chooses the most
 // whole chunks whose head visit (norm + rows) fits in the largest layer's
 // unit, at least one chunk. `vocab_chunk` 0 means the whole vocabulary.
-Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows = 0);
+// `align_elems` > 1: every piece starts at a multiple of it within its block
+// (the q8 optimizer state's groups must not straddle two pieces, which are
+// updated apart): chosen rows are rounded down to fit, given ones are refused.
+Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows = 0, int64_t align_elems = 1);
 
 }  // namespace strider

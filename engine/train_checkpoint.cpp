@@ -209,7 +209,15 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
         cs.update(bytes);
       }
       checksums[l.block_name()][kKindKey[k]] = hex64(cs.digest());
-      if (k == 0 && model) model->write_block(b, buf);
+      if (k == 0 && model) {
+        if (options.model_dtype == DType::kBF16) {  // the compute copy's values, exactly
+          std::vector<float> w(l.total_elems());
+          engine.model_weights(b, options.model_dtype, w);
+          model->write_block(b, w);
+        } else {
+          model->write_block(b, buf);
+        }
+      }
     }
   }
   state.finish();
@@ -305,7 +313,7 @@ TrainCheckpointInfo inspect_training_checkpoint(const fs::path& dir_in) {
 const std::vector<std::string>& maths_config_fields() {
   static const std::vector<std::string> kFields = {
       "seq", "micro_batch", "accumulation", "dtype", "vocab_chunk", "lr", "beta1", "beta2", "eps",
-      "weight_decay", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm"};
+      "weight_decay", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state"};
   return kFields;
 }
 
@@ -330,11 +338,16 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
   const nlohmann::json now = engine_config_to_json(engine.config());
   std::vector<std::string> changed;
   for (const std::string& f : fields) {
-    STRIDER_CHECK(info.engine_config.contains(f), "{}: engine_config has no field '{}'", ts_file, f);
+    // Checkpoints from before the optimizer-state formats hold fp32 state.
+    const nlohmann::json saved = f == "optimizer_state" ? info.engine_config.value(f, nlohmann::json("fp32"))
+                                                        : info.engine_config.value(f, nlohmann::json());
+    STRIDER_CHECK(!saved.is_null(), "{}: engine_config has no field '{}'", ts_file, f);
     const bool allowed = std::find(options.allow_changed.begin(), options.allow_changed.end(), f) !=
                          options.allow_changed.end();
-    if (info.engine_config[f] != now[f] && !allowed)
-      changed.push_back(fmt::format("{}: checkpoint {}, engine {}", f, info.engine_config[f].dump(), now[f].dump()));
+    if (saved != now[f] && !allowed)
+      changed.push_back(fmt::format("{}: checkpoint {}, engine {}{}", f, saved.dump(), now[f].dump(),
+                                    f == "optimizer_state" ? " (converting the state between formats is done only "
+                                                             "when asked: allow_changed optimizer_state)" : ""));
   }
   if (!changed.empty())
     throw CheckpointMismatch(fmt::format("{}: the engine config changes the maths of the saved run: {}; use the "

@@ -266,7 +266,7 @@ int run(const Options& o) {
   HfCheckpointWriter writer(o.out, spec, config.dump(2), {.dtype = DType::kBF16});
   for (int64_t b = 0; b < spec.num_blocks(); ++b) {
     std::vector<float> w(spec.layout(b).total_elems());
-    engine.read_state(b, ExtentKind::kMaster, w);
+    engine.model_weights(b, DType::kBF16, w);  // what the model computes with
     writer.write_block(b, w);
   }
   writer.finish();

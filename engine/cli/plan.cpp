@@ -11,6 +11,7 @@
 #include "engine/engine.h"
 #include "engine/model_presets.h"
 #include "engine/plan.h"
+#include "host/error.h"
 
 namespace strider::cli {
 namespace {
@@ -18,6 +19,7 @@ namespace {
 struct Options {
   std::string model = "builtin", gpu = "24GiB", ram = "0", nvme, dtype = "bf16", predict = "rtx4090";
   std::string activations = "auto";
+  std::string optimizer_state = "fp32";
   int64_t seq = 1024, micro_batch = 1, accumulation = 1, window = 0, steps = 3;
   double clip = 1.0;
   bool json = false;
@@ -58,6 +60,9 @@ int run(const Options& o) {
   l.clip_norm = o.clip;
   l.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   l.activations = parse_activation_mode(o.activations);
+  l.optimizer_state = parse_state_format(o.optimizer_state);
+  STRIDER_CHECK(l.optimizer_state != StateFormat::kQ8 || l.dtype == at::kBFloat16,
+                "--optimizer-state q8 keeps the master's high half in the bf16 compute copy: it needs --dtype bf16");
   // host_peak_bytes counts this binary's own footprint (no run allocated yet)
   // and, for a checkpoint on disk, the load's staging; the GPU's memory is its own.
   l.process_bytes = process_rss_bytes();
@@ -117,6 +122,7 @@ std::function<int()> add_plan(CLI::App& app) {
   add_shape_options(*c, o->seq, o->micro_batch, o->accumulation, o->window);
   c->add_option("--dtype", o->dtype, "bf16 or fp32")->capture_default_str()->check(CLI::IsMember({"bf16", "fp32"}));
   add_activations_option(*c, o->activations);
+  add_optimizer_state_option(*c, o->optimizer_state);
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")

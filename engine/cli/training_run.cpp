@@ -85,15 +85,32 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
       ->capture_default_str()
       ->check(CLI::IsMember({"bf16", "fp32"}));
   add_activations_option(c, o.activations);
+  add_optimizer_state_option(c, o.optimizer_state);
+}
+
+namespace {
+// An option whose value is one of `choices`, with its default shown.
+void add_choice_option(CLI::App& c, const std::string& name, std::string& value, const std::string& help,
+                       std::vector<std::string> choices) {
+  c.add_option(name, value, help)->capture_default_str()->check(CLI::IsMember(std::move(choices)));
+}
+}  // namespace
+
+void add_optimizer_state_option(CLI::App& c, std::string& format) {
+  add_choice_option(c, "--optimizer-state", format,
+                    "how master weights and Adam moments are stored: fp32 (12 bytes per parameter, exact) or q8 "
+                    "(3.06: the bf16 compute copy plus an 8-bit extension as the master, 8-bit m and sqrt(v) per "
+                    "group of 128, stochastic rounding; bf16 compute only)",
+                    {"fp32", "q8"});
 }
 
 void add_activations_option(CLI::App& c, std::string& activations) {
-  c.add_option("--activations", activations,
-               "what a decoder layer's backward starts from: recompute (its forward again, from its checkpoint), "
-               "saved (its projections' outputs, kept in pinned host RAM as far as --host-ram/--ram allows), or "
-               "auto (saved where that beats recomputing on this machine's link, by the plan's cost model)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "recompute", "saved"}));
+  add_choice_option(c, "--activations", activations,
+                    "what a decoder layer's backward starts from: recompute (its forward again, from its "
+                    "checkpoint), saved (its projections' outputs, kept in pinned host RAM as far as "
+                    "--host-ram/--ram allows), or auto (saved where that beats recomputing on this machine's "
+                    "link, by the plan's cost model)",
+                    {"auto", "recompute", "saved"});
 }
 
 void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window) {
@@ -199,6 +216,9 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   lim.window = o.window;
   lim.clip_norm = o.clip;  // with clipping, NVMe-tier gradients need NVMe space too
   lim.activations = parse_activation_mode(o.activations);
+  lim.optimizer_state = parse_state_format(o.optimizer_state);
+  STRIDER_CHECK(lim.optimizer_state != StateFormat::kQ8 || lim.dtype == at::kBFloat16,
+                "--optimizer-state q8 keeps the master's high half in the bf16 compute copy: it needs --dtype bf16");
   // A simulated device prices kept activations on its own machine, the CPU
   // device on its measured rates, a GPU on the rtx4090's (PlanLimits'
   // defaults: no GPU has been measured yet).

@@ -27,6 +27,7 @@ struct TrainOptions {
   int64_t token_tile = -1;              // -1: the plan chooses
   std::string grad_transfer = "bf16";
   std::string activations = "auto";     // auto, recompute, saved (PlanLimits::activations)
+  std::string optimizer_state = "fp32"; // host/state_format.h
   double lr = 5e-3, weight_decay = 0.01, clip = 1.0, beta1 = 0.9, beta2 = 0.95;
   uint64_t seed = 1234;
   int optimizer_threads = 0;
@@ -48,6 +49,7 @@ void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t&
 void add_clip_option(CLI::App& c, double& clip, const std::string& help);
 // --activations {auto,recompute,saved} (shared with `strider plan`).
 void add_activations_option(CLI::App& c, std::string& activations);
+void add_optimizer_state_option(CLI::App& c, std::string& format);
 
 // --device-budget "auto": on a CUDA device, its free memory at start less a
 // margin for what strider does not allocate itself (the CUDA context's

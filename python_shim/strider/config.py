@@ -26,6 +26,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 DTYPES = ("bf16", "fp32")
 OPTIMIZERS = ("adamw", "adam")
 ACTIVATIONS = ("auto", "recompute", "saved")
+OPTIMIZER_STATES = ("fp32", "q8")
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1e3, "kib": 1024, "m": 1 << 20, "mb": 1e6, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1e9, "gib": 1 << 30, "t": 1 << 40, "tb": 1e12, "tib": 1 << 40}
@@ -88,6 +89,11 @@ class EngineConfig:
     eps: float = 1e-8
     optimizer: str = "adamw"        # adamw (decoupled weight decay) or adam
     optimizer_threads: int = 0      # CPU AdamW threads; 0: all
+    # How master weights and Adam moments are stored (host/state_format.h): "fp32" (12 bytes per
+    # parameter, exact) or "q8" (3.06: the bf16 compute copy plus an 8-bit extension as the master,
+    # 8-bit m and sqrt(v) per group of 128, stochastic rounding; needs dtype bf16). Recorded in
+    # checkpoints; a checkpoint in another format is refused unless the change is asked for.
+    optimizer_state: str = "fp32"
     # Where optimizer state goes when RAM is short.
     nvme_dir: str = ""
     nvme_blocks: Sequence[int] = field(default_factory=tuple)  # blocks whose fp32 state lives in nvme_dir
@@ -160,6 +166,10 @@ class EngineConfig:
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"must be one of {OPTIMIZERS}")
         integer("optimizer_threads", 0)
+        if self.optimizer_state not in OPTIMIZER_STATES:
+            bad("optimizer_state", f"must be one of {OPTIMIZER_STATES}")
+        if self.optimizer_state == "q8" and self.dtype != "bf16":
+            bad("optimizer_state", "q8 keeps the master's high half in the bf16 compute copy: it needs dtype bf16")
         if not isinstance(self.nvme_dir, str):
             bad("nvme_dir", "expected a directory path (str)")
         if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.nvme_blocks):
@@ -188,7 +198,8 @@ class EngineConfig:
                     lr=float(self.lr), beta1=float(self.betas[0]), beta2=float(self.betas[1]), eps=float(self.eps),
                     weight_decay=float(self.weight_decay), optimizer=self.optimizer, schedule=self.schedule,
                     warmup_steps=self.warmup_steps, total_steps=self.total_steps, clip_norm=float(self.clip_norm),
-                    optimizer_threads=self.optimizer_threads, nvme_dir=self.nvme_dir,
+                    optimizer_threads=self.optimizer_threads, optimizer_state=self.optimizer_state,
+                    nvme_dir=self.nvme_dir,
                     nvme_blocks=list(self.nvme_blocks), grad_ring=self.grad_ring,
                     # Not an engine config field: the binding turns it into saved_blocks and keep_logits.
                     activations=self.activations)

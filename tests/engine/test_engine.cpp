@@ -62,8 +62,10 @@ std::string nvme_dir() {
   return dir.path;
 }
 
-Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double clip, int steps = 3) {
+Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double clip, int steps = 3,
+           StateFormat format = StateFormat::kFp32) {
   EngineConfig cfg;
+  cfg.optimizer_state = format;
   cfg.seq = 9;
   cfg.micro_batch = 2;
   cfg.accumulation = 2;
@@ -186,6 +188,49 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
       CHECK(same_bits(run(spec, c, at::kBFloat16, clip), ref));
     }
   }
+}
+
+TEST_CASE("q8 optimizer state: offload changes nothing, and it trains as fp32 does", "[engine][q8]") {
+  // The q8 format's stochastic rounding hashes (step, block, element), not
+  // the piece or the thread: K, tiers, shards, ring and chaos change no bit.
+  for (bool tied : {false, true}) {
+    for (double clip : {1.0, 0.0}) {
+      ModelSpec spec = tiny(tied);
+      const int64_t B = spec.num_blocks();
+      Result ref = run(spec, {"all resident", B}, at::kBFloat16, clip, 4, StateFormat::kQ8);
+      Result fp32 = run(spec, {"all resident", B}, at::kBFloat16, clip, 4, StateFormat::kFp32);
+      INFO("tied=" << tied << " clip=" << clip);
+      CHECK(ref.losses.back() < ref.losses.front());
+      CHECK_FALSE(same_bits(ref, fp32));  // q8 really ran: the comparisons below can fail
+      for (size_t i = 0; i < ref.losses.size(); ++i) CHECK(ref.losses[i] == Approx(fp32.losses[i]).epsilon(0.02));
+      for (const Case& c : {Case{"K=2", 2}, Case{"K=3, host checkpoints", 3, true},
+                            Case{"state of blocks 1 and 3 on NVMe, chaos", 2, false, {1, 3}, true, 3},
+                            Case{"all state on NVMe, ring of 1, 3 vocabulary shards", 2, true, {0, 1, 2, 3, 4}, false,
+                                 1, 1, 40},
+                            Case{"3 vocabulary shards, chaos, NVMe head and embedding", 2, false, {0, B - 1}, true, 5,
+                                 3, 40},
+                            Case{"kept activations and logits, 2 vocabulary shards, chaos", 2, false, {2}, true, 6, 2,
+                                 80, {1, 2, 3}, true}}) {
+        INFO(c.name);
+        Result r = run(spec, c, at::kBFloat16, clip, 4, StateFormat::kQ8);
+        CHECK(same_bits(r, ref));
+        CHECK(r.peak <= r.budget);
+      }
+    }
+  }
+}
+
+TEST_CASE("q8 optimizer state: refused with an fp32 compute copy, and vocabulary shards off its groups", "[engine][q8]") {
+  ModelSpec spec = tiny(false);
+  EngineConfig cfg = small_bf16();
+  cfg.optimizer_state = StateFormat::kQ8;
+  cfg.compute.dtype = at::kFloat;
+  CHECK_THROWS_WITH(Engine(spec, cfg, make_device({.spec = "cpu"})),
+                    Catch::Contains("q8 optimizer state keeps the master's high half in the bf16 compute copy"));
+  cfg.compute.dtype = at::kBFloat16;
+  cfg.vocab_shard_rows = 42;  // 42 x hidden 32 is not a multiple of 128
+  CHECK_THROWS_WITH(Engine(spec, cfg, make_device({.spec = "cpu"})),
+                    Catch::Contains("give a multiple of 4 rows"));
 }
 
 TEST_CASE("gradients cross to the host in bf16: half the bytes, the same training to bf16 rounding", "[engine]") {

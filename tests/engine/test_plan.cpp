@@ -22,7 +22,7 @@ TEST_CASE("the plan counts exactly what the engine allocates on the device", "[e
     CHECK(p.checkpoints_on_host == (place == CheckpointPlace::kHost));
     Engine e(spec, p.engine_config(l), make_device({.spec = "cpu", .budget_bytes = l.device_bytes}));
     CHECK(e.device().allocated_bytes() == p.device_buffer_bytes);
-    CHECK(e.arena_bytes() >= p.host_bytes);
+    CHECK(e.arena_bytes() >= p.pinned_bytes);
     CHECK(p.device_peak_bytes <= l.device_bytes);
   }
 }
@@ -50,14 +50,14 @@ TEST_CASE("host RAM short: state goes to NVMe when there is one, else refused wi
   Plan p = Plan::make(spec, l);
   REQUIRE(p.feasible);
   CHECK_FALSE(p.nvme_blocks.empty());
-  CHECK(p.host_bytes <= l.host_bytes);
+  CHECK(p.pinned_bytes <= l.host_bytes);
   CHECK(p.nvme_bytes > 0);
 }
 
 TEST_CASE("host RAM short: the plan moves the fewest blocks to NVMe that make it fit", "[engine][plan]") {
   ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
   const PlanLimits base{.device_bytes = 64ull << 20, .nvme_dir = "/nvme/strider", .seq = 32};
-  const uint64_t all_in_ram = Plan::make(spec, base).host_bytes;
+  const uint64_t all_in_ram = Plan::make(spec, base).pinned_bytes;
   int moved_some = 0;
   for (int tenths = 1; tenths < 10; ++tenths) {
     PlanLimits l = base;
@@ -66,8 +66,8 @@ TEST_CASE("host RAM short: the plan moves the fewest blocks to NVMe that make it
     Plan p = Plan::make(spec, l);
     if (!p.feasible || p.nvme_blocks.empty()) continue;
     ++moved_some;
-    CHECK(p.host_bytes <= l.host_bytes);
-    CHECK(Engine::footprint(spec, p.engine_config(l)).host_bytes == p.host_bytes);
+    CHECK(p.pinned_bytes <= l.host_bytes);
+    CHECK(Engine::footprint(spec, p.engine_config(l)).host_bytes == p.pinned_bytes);
     if (p.nvme_blocks.size() < 2) continue;
     // Without its smallest NVMe block (the last one a largest-first order
     // adds) the state would not fit.
@@ -103,7 +103,7 @@ TEST_CASE("123B on 24 GiB GPU / 384 GiB RAM: feasible with NVMe, refused without
     l.nvme_dir = "/nvme/strider";  // the plan only names it; nothing is created
     Plan p = Plan::make(spec, l);
     REQUIRE(p.feasible);
-    CHECK(p.host_bytes <= l.host_bytes);
+    CHECK(p.pinned_bytes <= l.host_bytes);
     CHECK(p.device_peak_bytes <= l.device_bytes);
     CHECK(p.nvme_blocks.size() + 2 < size_t(spec.num_blocks()));  // most blocks on NVMe, not all
     // With clipping the NVMe tier also holds each NVMe block's gradients (bf16).
@@ -296,7 +296,7 @@ TEST_CASE("activations saved with unlimited RAM: every decoder layer keeps them"
   const EngineFootprint f = Engine::footprint(spec, p.engine_config(l));
   CHECK(p.saved_host_bytes == f.saved_host_bytes);
   CHECK(p.saved_bytes_per_layer == f.saved_bytes_per_layer);
-  CHECK(p.host_bytes == f.host_bytes);
+  CHECK(p.pinned_bytes == f.host_bytes);
   CHECK(p.device_buffer_bytes == f.device_bytes);
   CHECK_THAT(p.explain(), Catch::Contains(fmt::format("activations: {} of {} layers keep", spec.layers, spec.layers)));
 }
@@ -314,7 +314,7 @@ TEST_CASE("activations saved, RAM for only some: the last layers keep them, the 
     return;
   }
   PlanLimits none = activation_limits(ActivationMode::kRecompute);
-  const uint64_t state = Plan::make(spec, none).host_bytes;
+  const uint64_t state = Plan::make(spec, none).pinned_bytes;
   // Room for two layers and a half: two keep theirs.
   l.host_bytes = state + 2 * per_layer + per_layer / 2;
   const Plan some = Plan::make(spec, l);

@@ -147,6 +147,53 @@ TEST_CASE("resume is bit-identical to an uninterrupted run, across window and ti
   }
 }
 
+TEST_CASE("q8 state: resume is bit-identical across window and tiers, and another format is refused unless asked",
+          "[train_checkpoint][q8]") {
+  const nlohmann::json model = tiny_config(false);
+  TempDir tmp;
+  const fs::path dir = tmp.path / "ckpt";
+  auto q8 = [](EngineConfig c) {
+    c.optimizer_state = StateFormat::kQ8;
+    return c;
+  };
+  auto ref = engine(model, q8(config(at::kBFloat16, 0.5, window(5))));
+  ref->init_params(7);
+  const std::vector<double> ref_losses = train(*ref, 0, 4);
+  const State ref_state = read_all(*ref);
+  State at_two;
+  {
+    auto first = engine(model, q8(config(at::kBFloat16, 0.5, window(2))));
+    first->init_params(7);
+    train(*first, 0, 2);
+    at_two = read_all(*first);
+    save_training_checkpoint(dir, *first, model.dump());
+  }
+  const nlohmann::json saved = inspect_training_checkpoint(dir).engine_config;
+  CHECK(saved["optimizer_state"] == "q8");
+  // The state went out as floats and comes back to the same codes, on NVMe too.
+  auto second = engine(model, q8(config(at::kBFloat16, 0.5, {3, true, {0, 2, 4}, tmp.path.string()})));
+  second->init_params(99);
+  load_training_checkpoint(dir, *second);
+  CHECK(same_bits(read_all(*second), at_two));
+  const std::vector<double> losses = train(*second, 2, 4);
+  CHECK(losses[0] == ref_losses[2]);
+  CHECK(losses[1] == ref_losses[3]);
+  CHECK(same_bits(read_all(*second), ref_state));
+
+  // An fp32 engine refuses the q8 checkpoint, naming the format, and is left untouched...
+  auto fp32 = engine(model, config(at::kBFloat16, 0.5));
+  fp32->init_params(5);
+  const State before = read_all(*fp32);
+  CHECK_THROWS_AS(load_training_checkpoint(dir, *fp32), CheckpointMismatch);
+  CHECK_THROWS_WITH(load_training_checkpoint(dir, *fp32),
+                    Catch::Contains("optimizer_state: checkpoint \"q8\", engine \"fp32\"") &&
+                        Catch::Contains("allow_changed optimizer_state"));
+  CHECK(same_bits(read_all(*fp32), before));
+  // ...and converts it when asked: the q8 values, now in fp32.
+  load_training_checkpoint(dir, *fp32, {.allow_changed = {"optimizer_state"}});
+  CHECK(same_bits(read_all(*fp32), at_two));
+}
+
 TEST_CASE("engine config: maths fields must match unless allowed, placement may change", "[train_checkpoint]") {
   const nlohmann::json model = tiny_config(false);
   TempDir tmp;

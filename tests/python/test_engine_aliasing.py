@@ -149,9 +149,9 @@ def test_refused_engines_leave_the_parameters_where_they_were():
         assert pointers(model) == ptrs
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_save_resume_continues_bit_identically(tmp_path, dtype):
-    cfg = config(dtype=dtype, total_steps=6)
+@pytest.mark.parametrize("dtype,state", [("fp32", "fp32"), ("bf16", "fp32"), ("bf16", "q8")])
+def test_save_resume_continues_bit_identically(tmp_path, dtype, state):
+    cfg = config(dtype=dtype, total_steps=6, optimizer_state=state)
     data = hf_batches(500, 5, seed=4)
     model = make_model()
     engine = strider.Engine(model, cfg)
@@ -164,6 +164,7 @@ def test_save_resume_continues_bit_identically(tmp_path, dtype):
 
     info = strider.inspect_checkpoint(tmp_path / "ckpt")
     assert (info["step"], info["extra"], info["engine_config"]["dtype"]) == (2, {"position": 2}, dtype)
+    assert info["engine_config"]["optimizer_state"] == state
     # The checkpoint's model files load with transformers.
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     for name, p in saved.named_parameters():
