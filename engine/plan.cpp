@@ -150,9 +150,54 @@ namespace {
 // many of them as the host RAM left after everything else holds (the last
 // ones). The device counts the kept activations' two slots whenever `wanted`
 // is not empty.
-Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<int64_t>& wanted) {
+// The largest fp32 block: what a load or an NVMe-tier save stages at a time.
+uint64_t largest_block_f32_bytes(const ModelSpec& spec) {
+  uint64_t bytes = 0;
+  for (int64_t b = 0; b < spec.num_blocks(); ++b)
+    bytes = std::max<uint64_t>(bytes, sizeof(float) * spec.layout(b).total_elems());
+  return bytes;
+}
+
+// Host memory the process holds at its peak besides the pinned arena, as
+// host_peak_bytes counts it (see the end of make_placed), at its largest
+// before the plan is made: the device's whole budget where its memory is
+// host memory. `parts` names them for a refusal.
+uint64_t rest_of_process(const ModelSpec& spec, const PlanLimits& l, bool nvme_staging, std::string* parts) {
+  const uint64_t block = largest_block_f32_bytes(spec);
+  const uint64_t staging = l.loads_checkpoint ? 2 * block : nvme_staging ? block : 0;
+  const uint64_t device = l.device_memory_on_host ? l.device_bytes + PlanLimits::kCpuRuntimeGrowthBytes : 0;
+  if (parts)
+    *parts = fmt::format("{} the process before the run{}{}", format_bytes(l.process_bytes),
+                         device ? fmt::format(" + {} the CPU device's budget and ATen's runtime", format_bytes(device))
+                                : std::string(),
+                         staging ? fmt::format(" + {} staging a block to load or save", format_bytes(staging))
+                                 : std::string());
+  return l.process_bytes + device + staging;
+}
+
+// `nvme_staging`: count one block's staging for a save of NVMe-tier state
+// against the host RAM limit (place() asks again with it when the first
+// placement put blocks on NVMe).
+Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<int64_t>& wanted,
+                 bool nvme_staging = false) {
   constexpr int64_t kMaxAutoWindow = Plan::kMaxAutoWindow;
   Plan p;
+  // The host RAM limit bounds the whole process at its peak (host_peak_bytes):
+  // the pinned arena gets what the rest of the process leaves of it.
+  std::string rest_parts;
+  const uint64_t rest = rest_of_process(spec, l, nvme_staging, &rest_parts);
+  if (l.host_bytes > 0 && rest >= l.host_bytes) {
+    p.reason = fmt::format("the host RAM limit {} is below what the process holds besides its pinned arena: {} "
+                           "({}); raise the limit",
+                           format_bytes(l.host_bytes), format_bytes(rest), rest_parts);
+    return p;
+  }
+  const uint64_t arena_limit = l.host_bytes > 0 ? l.host_bytes - rest : 0;
+  const std::string limit_text =
+      l.host_bytes == 0 ? std::string()
+                        : fmt::format("{} (the host RAM limit {} less {} for the rest of the process: {})",
+                                      format_bytes(arena_limit), format_bytes(l.host_bytes), format_bytes(rest),
+                                      rest_parts);
   const int64_t blocks = spec.num_blocks();
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
   // ATen's working memory: the largest visit's backward (recompute + autograd)
@@ -251,14 +296,14 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // activations only recomputes its forward).
   f = Engine::footprint(spec, p.engine_config(lim));
   // Move blocks' fp32 state to NVMe, largest first, until it fits.
-  if (l.host_bytes > 0 && f.host_bytes > l.host_bytes) {
+  if (arena_limit > 0 && f.host_bytes > arena_limit) {
     if (l.nvme_dir.empty()) {
       p.feasible = false;
       p.reason = fmt::format("needs {} of pinned host RAM ({}: {:.4g} bytes per parameter of master, Adam m and v, "
                              "plus the compute copy and gradient staging); the limit is {}; give an NVMe directory "
                              "(--nvme) for the optimizer state{}",
                              format_bytes(f.host_bytes), state_format_name(l.optimizer_state),
-                             state_bytes_per_elem(l.optimizer_state), format_bytes(l.host_bytes),
+                             state_bytes_per_elem(l.optimizer_state), limit_text,
                              l.optimizer_state == StateFormat::kFp32 ? ", or a smaller optimizer-state format" : "");
       return p;
     }
@@ -283,24 +328,24 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     };
     size_t lo = 1, hi = order.size();  // footprint_with(hi) is checked first: does anything fit?
     f = footprint_with(hi);
-    while (f.host_bytes <= l.host_bytes && lo < hi) {
+    while (f.host_bytes <= arena_limit && lo < hi) {
       const size_t mid = lo + (hi - lo) / 2;
-      if (footprint_with(mid).host_bytes <= l.host_bytes) hi = mid;
+      if (footprint_with(mid).host_bytes <= arena_limit) hi = mid;
       else lo = mid + 1;
     }
-    if (f.host_bytes <= l.host_bytes) {
+    if (f.host_bytes <= arena_limit) {
       f = footprint_with(hi);
       p.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(hi));
     }
-    if (f.host_bytes > l.host_bytes) {
+    if (f.host_bytes > arena_limit) {
       p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (the compute "
                              "copy, {} gradient ring slots and the NVMe staging stay in RAM); the limit is {}",
-                             format_bytes(f.host_bytes), l.grad_ring, format_bytes(l.host_bytes));
+                             format_bytes(f.host_bytes), l.grad_ring, limit_text);
       return p;
     }
     std::sort(p.nvme_blocks.begin(), p.nvme_blocks.end());
-    p.why.push_back(fmt::format("optimizer state of {} of {} blocks on NVMe ({}): host RAM limit {}",
-                                p.nvme_blocks.size(), blocks, format_bytes(f.nvme_bytes), format_bytes(l.host_bytes)));
+    p.why.push_back(fmt::format("optimizer state of {} of {} blocks on NVMe ({}): pinned RAM limit {}",
+                                p.nvme_blocks.size(), blocks, format_bytes(f.nvme_bytes), limit_text));
     p.why.push_back(fmt::format("their gradients through a ring of {} slots{}", l.grad_ring,
                                 l.clip_norm > 0 ? ", spilled to NVMe until the clipping norm is known" : ""));
   } else {
@@ -317,12 +362,12 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   if (!wanted.empty()) {
     const EngineFootprint all = Engine::footprint(spec, p.engine_config(lim));
     size_t n = wanted.size();
-    if (l.host_bytes > 0 && all.host_bytes > l.host_bytes) {
-      const uint64_t left = l.host_bytes - std::min(l.host_bytes, f.host_bytes);
+    if (arena_limit > 0 && all.host_bytes > arena_limit) {
+      const uint64_t left = arena_limit - std::min(arena_limit, f.host_bytes);
       if (all.saved_bytes_per_layer > 0) n = std::min<size_t>(n, size_t(left / all.saved_bytes_per_layer));
       for (;; --n) {
         p.saved_blocks.assign(wanted.end() - ptrdiff_t(n), wanted.end());
-        if (n == 0 || Engine::footprint(spec, p.engine_config(lim)).host_bytes <= l.host_bytes) break;
+        if (n == 0 || Engine::footprint(spec, p.engine_config(lim)).host_bytes <= arena_limit) break;
       }
     }
     f = Engine::footprint(spec, p.engine_config(lim));
@@ -365,9 +410,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // memory" must hold). Staging, one whole block at a time: a load reads a block into an fp32
   // buffer from one tensor's file pages at a time (at most as many bytes
   // again); a save of NVMe-tier state reads each block's master back first.
-  uint64_t block_bytes = 0;
-  for (int64_t b = 0; b < spec.num_blocks(); ++b)
-    block_bytes = std::max<uint64_t>(block_bytes, sizeof(float) * spec.layout(b).total_elems());
+  const uint64_t block_bytes = largest_block_f32_bytes(spec);
   const uint64_t staging = l.loads_checkpoint ? 2 * block_bytes : p.nvme_blocks.empty() ? 0 : block_bytes;
   const uint64_t on_device = l.device_memory_on_host ? p.device_peak_bytes + PlanLimits::kCpuRuntimeGrowthBytes : 0;
   p.host_peak_bytes = f.host_bytes + l.process_bytes + on_device + staging;
@@ -383,6 +426,15 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
                               "~{} ({})", format_bytes(f.host_bytes), format_bytes(p.host_bytes),
                               double(p.host_bytes) / params, state_format_name(l.optimizer_state),
                               format_bytes(p.host_peak_bytes), parts));
+  return p;
+}
+
+// make_placed, and again with an NVMe-tier save's staging counted against
+// the host RAM limit when the first placement put state on NVMe.
+Plan place(const ModelSpec& spec, const PlanLimits& l, const std::vector<int64_t>& wanted) {
+  Plan p = make_placed(spec, l, wanted);
+  if (p.feasible && !p.nvme_blocks.empty() && !l.loads_checkpoint && l.host_bytes > 0)
+    p = make_placed(spec, l, wanted, true);
   return p;
 }
 
@@ -438,12 +490,12 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   if (l.activations == ActivationMode::kSaved || (l.activations == ActivationMode::kAuto && cost.pays()))
     for (int64_t b = 1; b <= spec.layers; ++b) wanted.push_back(b);
 
-  Plan p = make_placed(spec, l, wanted);
+  Plan p = place(spec, l, wanted);
   std::string device_fallback;
   if (!p.feasible && !wanted.empty()) {
     // The kept activations' two device slots may be what does not fit: then
     // every layer recomputes, and the plan says so.
-    Plan without = make_placed(spec, l, {});
+    Plan without = place(spec, l, {});
     if (without.feasible) {
       device_fallback = fmt::format("the two device slots of kept activations do not fit (with them the plan {})",
                                     p.reason);
@@ -458,7 +510,7 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
       PlanLimits lo = l;
       lo.optimizer_state = other;
       if (other == StateFormat::kQ8 && lo.dtype != at::kBFloat16) continue;  // q8 needs the bf16 compute copy
-      const Plan q = make_placed(spec, lo, p.saved_blocks);
+      const Plan q = place(spec, lo, p.saved_blocks);
       p.other_formats.push_back({other, q.feasible, q.host_bytes, int64_t(q.nvme_blocks.size())});
       fits.push_back(!q.feasible ? fmt::format("{} does not fit ({})", state_format_name(other), q.reason)
                      : fmt::format("{} would take {} ({:.2f} bytes per parameter) with {}", state_format_name(other),

@@ -30,7 +30,10 @@ ActivationMode parse_activation_mode(const std::string& text);  // throws naming
 
 struct PlanLimits {
   uint64_t device_bytes = 0;     // the device budget
-  uint64_t host_bytes = 0;       // pinned host RAM strider may use; 0: unlimited
+  // Host RAM the whole process may hold at its peak (Plan::host_peak_bytes);
+  // 0: unlimited. The pinned arena gets what the rest of the process (the
+  // terms below, the device's whole budget where it is host memory) leaves.
+  uint64_t host_bytes = 0;
   std::string nvme_dir;          // empty: no NVMe tier
   int64_t seq = 1024;
   int64_t micro_batch = 1;

@@ -117,7 +117,7 @@ std::function<int()> add_plan(CLI::App& app) {
                 "qwen2.5-14b, qwen2.5-32b, qwen2.5-72b, mistral-large-123b)")
       ->capture_default_str();
   c->add_option("--gpu", o->gpu, "device memory (e.g. 24GiB)")->capture_default_str();
-  c->add_option("--ram", o->ram, "pinned host RAM limit (0: none)")->capture_default_str();
+  c->add_option("--ram", o->ram, "host RAM the whole process may hold at its peak (0: none)")->capture_default_str();
   c->add_option("--nvme", o->nvme, "NVMe directory for optimizer state");
   add_shape_options(*c, o->seq, o->micro_batch, o->accumulation, o->window);
   c->add_option("--dtype", o->dtype, "bf16 or fp32")->capture_default_str()->check(CLI::IsMember({"bf16", "fp32"}));

@@ -67,7 +67,9 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
                            "rounding), on the CPU device {} MiB (the demo's)",
                            kCudaBudgetMarginFraction * 100, kCudaBudgetMarginBytes >> 20, kCpuDefaultBudgetBytes >> 20))
       ->capture_default_str();
-  c.add_option("--host-ram", o.host_ram, "pinned host RAM limit (0: no limit); past it state goes to --nvme")
+  c.add_option("--host-ram", o.host_ram,
+               "host RAM the whole process may hold at its peak (0: no limit); the pinned arena gets what the rest "
+               "of the process leaves, and state that does not fit goes to --nvme")
       ->capture_default_str();
   c.add_option("--nvme", o.nvme, "directory on NVMe for optimizer state that does not fit in RAM");
   add_shape_options(c, o.seq, o.micro_batch, o.accumulation, o.window);

@@ -76,9 +76,45 @@ TEST_CASE("host RAM short: the plan moves the fewest blocks to NVMe that make it
       return spec.layout(a).total_elems() < spec.layout(b).total_elems();
     });
     fewer.nvme_blocks.erase(smallest);
-    CHECK(Engine::footprint(spec, fewer.engine_config(l)).host_bytes > l.host_bytes);
+    // The limit bounds the process's peak: the arena plus a save's staging of
+    // one NVMe-tier block (the largest, fp32).
+    uint64_t staging = 0;
+    for (int64_t b = 0; b < spec.num_blocks(); ++b) staging = std::max<uint64_t>(staging, 4 * spec.layout(b).total_elems());
+    CHECK(p.host_peak_bytes <= l.host_bytes);
+    CHECK(Engine::footprint(spec, fewer.engine_config(l)).host_bytes + staging > l.host_bytes);
   }
   CHECK(moved_some >= 3);
+}
+
+TEST_CASE("the host RAM limit bounds the whole process at its peak, the arena gets what the rest leaves",
+          "[engine][plan]") {
+  ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  PlanLimits l{.device_bytes = 64ull << 20, .nvme_dir = "/nvme/strider", .seq = 32};
+  l.process_bytes = 300ull << 20;
+  l.device_memory_on_host = true;
+  const Plan unlimited = Plan::make(spec, l);
+  REQUIRE(unlimited.feasible);
+  const uint64_t rest = l.process_bytes + l.device_bytes + PlanLimits::kCpuRuntimeGrowthBytes;
+  // Below what the process holds besides its arena: refused, naming the parts.
+  l.host_bytes = rest - (1u << 20);
+  const Plan refused = Plan::make(spec, l);
+  CHECK_FALSE(refused.feasible);
+  CHECK_THAT(refused.reason, Catch::Contains("is below what the process holds besides its pinned arena") &&
+                                 Catch::Contains("300.0 MiB the process before the run") &&
+                                 Catch::Contains("the CPU device's budget and ATen's runtime"));
+  // Room for the whole arena: all in RAM, the peak within the limit.
+  l.host_bytes = rest + unlimited.pinned_bytes;
+  const Plan all = Plan::make(spec, l);
+  REQUIRE(all.feasible);
+  CHECK(all.nvme_blocks.empty());
+  CHECK(all.host_peak_bytes <= l.host_bytes);
+  // Less: state goes to NVMe until the peak (arena, rest, a save's staging) fits.
+  l.host_bytes = rest + unlimited.pinned_bytes / 2;
+  const Plan some = Plan::make(spec, l);
+  REQUIRE(some.feasible);
+  CHECK_FALSE(some.nvme_blocks.empty());
+  CHECK(some.host_peak_bytes <= l.host_bytes);
+  CHECK(some.pinned_bytes <= l.host_bytes - rest);
 }
 
 TEST_CASE("sizes parse with binary and decimal units and name bad text", "[engine][plan]") {

@@ -3,6 +3,7 @@ is bit-identical to an uninterrupted one, Ctrl-C stops after the current step
 with a checkpoint, and a plan that cannot work is refused with the number.
 Faults and bad input: test_cli_faults.py."""
 import json
+import re
 import signal
 import subprocess
 import time
@@ -10,6 +11,12 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+
+
+def size_bytes(text):
+    """'85.4 MiB' (format_bytes' form) -> bytes."""
+    value, unit = text.split()
+    return int(float(value) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}[unit])
 
 
 @pytest.fixture
@@ -108,14 +115,25 @@ def test_host_ram_limit_moves_state_to_nvme_and_changes_nothing(strider, tmp_pat
     staging ring, spilled to NVMe while a clip waits for the norm); the trained weights are the same bits
     as with everything in RAM."""
     common = ("--steps", "3", "--clip", clip)
-    finetune(strider, tmp_path, *common, "--out", str(tmp_path / "ram"))
+    out = finetune(strider, tmp_path, *common, "--out", str(tmp_path / "ram"))
+    # The limit bounds the whole process at its peak: the all-in-RAM run's peak, less half its pinned arena.
+    pinned, peak = (size_bytes(m) for m in
+                    re.search(r"host: ([\d.]+ \w+) pinned.*at its peak the process holds ~([\d.]+ \w+)", out).groups())
+    limit = f"{(peak - pinned // 2) >> 20}MiB"
     refused = subprocess.run([str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
-                              "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--host-ram", "60MiB",
+                              "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--host-ram", limit,
                               *common, "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "host RAM" in refused.stderr and "--nvme" in refused.stderr
+    # Below what the process holds besides its arena: refused, naming the parts.
+    tiny = subprocess.run([str(strider), "finetune", "--device", "cpu", "--seq", "32", "--work-dir",
+                           str(tmp_path / "work"), "--host-ram", "60MiB", *common, "--out", str(tmp_path / "y")],
+                          capture_output=True, text=True, timeout=120)
+    assert tiny.returncode != 0 and "is below what the process holds besides its pinned arena" in tiny.stderr
     (tmp_path / "nvme").mkdir()
-    out = finetune(strider, tmp_path, *common, "--host-ram", "60MiB", "--nvme", str(tmp_path / "nvme"),
+    out = finetune(strider, tmp_path, *common, "--host-ram", limit, "--nvme", str(tmp_path / "nvme"),
                    "--trace", str(tmp_path / "t.json"), "--out", str(tmp_path / "tiered"))
+    peak_tiered = size_bytes(re.search(r"at its peak the process holds ~([\d.]+ \w+)", out).group(1))
+    assert peak_tiered <= size_bytes(limit.replace("MiB", " MiB"))
     assert "on NVMe" in out and "gradients through a ring" in out
     names = {e["name"].split(" b")[0] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
              if e["ph"] == "X"}
