@@ -330,8 +330,9 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
     p = reinterpret_cast<float*>(slot->master.data());
     m = reinterpret_cast<float*>(slot->m.data());
     v = reinterpret_cast<float*>(slot->v.data());
-    q = q8_view(s.compute.data() + pc.begin, slot->master.data(), slot->m.data(), scales_after(slot->m.data(), n),
-                slot->v.data(), scales_after(slot->v.data(), n));
+    if (format == StateFormat::kQ8)
+      q = q8_view(s.compute.data() + pc.begin, slot->master.data(), slot->m.data(), scales_after(slot->m.data(), n),
+                  slot->v.data(), scales_after(slot->v.data(), n));
   }
   const double t0 = Timeline::now_us();
   const std::byte* grads = spills_grads(b) ? slot->grad.data() : grad_host(b).data();
