@@ -420,7 +420,12 @@ constexpr int kReportFd = 100;   // the child's end of the pipe: 'S' as a save s
 constexpr int kMaxStep = 8;      // the child keeps re-saving this step once reached
 const char* const kChildName = "train checkpoint crash child";
 
-EngineConfig crash_config(const Placement& p = {}) { return config(at::kFloat, 0.5, p); }
+// fp32 state in fp32, or q8 state (bf16 compute: the q8 format needs it).
+EngineConfig crash_config(StateFormat format, const Placement& p = {}) {
+  EngineConfig c = config(format == StateFormat::kQ8 ? at::kBFloat16 : at::kFloat, 0.5, p);
+  c.optimizer_state = format;
+  return c;
+}
 
 }  // namespace
 
@@ -428,8 +433,9 @@ EngineConfig crash_config(const Placement& p = {}) { return config(at::kFloat, 0
 TEST_CASE("train checkpoint crash child", "[.crash_child]") {
   const char* dir = std::getenv("STRIDER_TCKPT_CHILD_DIR");
   if (!dir) return;
+  const char* format = std::getenv("STRIDER_TCKPT_CHILD_FORMAT");
   const nlohmann::json model = tiny_config(false);
-  auto e = engine(model, crash_config());
+  auto e = engine(model, crash_config(parse_state_format(format ? format : "fp32")));
   bool resumed = true;
   try {
     inspect_training_checkpoint(dir);
@@ -450,11 +456,15 @@ TEST_CASE("train checkpoint crash child", "[.crash_child]") {
 
 TEST_CASE("SIGKILL at random moments while saving always leaves a loadable, exact checkpoint", "[train_checkpoint]") {
   using Clock = std::chrono::steady_clock;
+  // The save is the same code in every format; q8's state also goes out as
+  // floats and must come back to the same codes.
+  const StateFormat format = GENERATE(StateFormat::kFp32, StateFormat::kQ8);
+  INFO("optimizer state " << state_format_name(format));
   const nlohmann::json model = tiny_config(false);
   // What each step's state must be.
   std::vector<State> ref;
   {
-    auto r = engine(model, crash_config());
+    auto r = engine(model, crash_config(format));
     r->init_params(7);
     ref.push_back(read_all(*r));
     for (int s = 0; s < kMaxStep; ++s) {
@@ -469,13 +479,14 @@ TEST_CASE("SIGKILL at random moments while saving always leaves a loadable, exac
   std::vector<std::string> env_strings;
   for (char** p = environ; *p; ++p) env_strings.emplace_back(*p);
   env_strings.push_back("STRIDER_TCKPT_CHILD_DIR=" + dir.string());
+  env_strings.push_back("STRIDER_TCKPT_CHILD_FORMAT=" + std::string(state_format_name(format)));
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
   std::string arg0 = exe, arg1 = kChildName;
   char* argv[] = {arg0.data(), arg1.data(), nullptr};
 
-  auto loader = engine(model, crash_config({3, true, {1, 3}, tmp.path.string()}));
+  auto loader = engine(model, crash_config(format, {3, true, {1, 3}, tmp.path.string()}));
   std::mt19937 rng(2024);
   int rounds = 0, from_old = 0, with_temp = 0, last_step = 0;
   // Measured as we go: how long a save and a whole step + save take in the child.
