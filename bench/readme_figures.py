@@ -100,9 +100,11 @@ PLAN_NVME = {  # (model tag, clip tag) -> command name
     ("70b", "clip1"): "plan-70b-nvme", ("70b", "clip0"): "plan-70b-nvme-clip0",
     ("123b", "clip1"): "plan-123b-nvme", ("123b", "clip0"): "plan-123b-nvme-clip0"}
 PLAN_REFUSED = {"70b": "plan-70b-ram-only", "123b": "plan-123b-ram-only"}
+PLAN_Q8 = {"8b": "plan-8b-q8", "70b": "plan-70b-nvme-q8"}  # the q8 optimizer-state format
 
 PARTS = {
-    "plan": list(PLAN_8B.values()) + ["plan-8b-b8-clip0"] + list(PLAN_NVME.values()) + list(PLAN_REFUSED.values()),
+    "plan": list(PLAN_8B.values()) + ["plan-8b-b8-clip0"] + list(PLAN_NVME.values()) + list(PLAN_REFUSED.values()) +
+            list(PLAN_Q8.values()),
     "profile": ["profile"],
     "demo": ["demo"],
     "step": ["bench_step"],
@@ -129,13 +131,13 @@ def plan_figures(logs, f):
         if "saved_layers" in j:
             f.put(f"{p}.saved_layers", j["saved_layers"], cmd)
             f.put(f"{p}.saved_host_gib", j["saved_host_bytes"] / GIB, cmd)
-            f.put(f"{p}.host_gib", j["host_bytes"] / GIB, cmd)
+            f.put(f"{p}.host_gib", j["host_pinned_bytes"] / GIB, cmd)
             m = next((re.search(r"(\d+) layers", w) for w in j.get("why", []) if "blocks:" in w), None)
             if m:
                 f.put("predict.8b.layers", int(m.group(1)), cmd)
         if batch == 8:
             f.put(f"{p}.optimizer_s", j["lane_busy_s"]["optimizer"], cmd)
-            f.put(f"{p}.host_gib", j["host_bytes"] / GIB, cmd)
+            f.put(f"{p}.host_gib", j["host_pinned_bytes"] / GIB, cmd)
             f.put("predict.8b.unit_gib", j["unit_bytes"] / GIB, cmd)
             f.put("predict.8b.vocab_shards", j["vocab_shards"], cmd)
             m = next((re.search(r"\((\d+) parameters", w) for w in j.get("why", []) if "cache units" in w), None)
@@ -146,7 +148,7 @@ def plan_figures(logs, f):
     if j and j.get("step_s") is not None:
         f.put("predict.8b.b8.clip0.tokens_per_s", j["tokens_per_s"], cmd)
         f.put("predict.8b.b8.clip0.overlap_efficiency", j["overlap_efficiency"], cmd)
-        f.put("predict.8b.b8.clip0.host_gib", j["host_bytes"] / GIB, cmd)
+        f.put("predict.8b.b8.clip0.host_gib", j["host_pinned_bytes"] / GIB, cmd)
     for (model, clip), cmd in PLAN_NVME.items():
         j = logs.last_json(cmd, "step_s")
         if not j or j.get("step_s") is None:
@@ -163,8 +165,29 @@ def plan_figures(logs, f):
             m = re.match(r"(\d+) blocks", (j.get("why") or [""])[0])
             if m:
                 f.put(f"{p}.blocks", int(m.group(1)), cmd)
-            f.put(f"{p}.host_gib", j["host_bytes"] / GIB, cmd)
+            f.put(f"{p}.host_gib", j["host_pinned_bytes"] / GIB, cmd)
             f.put(f"{p}.nvme_gib", j["nvme_bytes"] / GIB, cmd)
+    for model, cmd in PLAN_Q8.items():
+        j = logs.last_json(cmd, "step_s")
+        if not j or j.get("step_s") is None:
+            continue
+        m = re.search(r"([\d.]+)B parameters", j.get("model", ""))
+        params = float(m.group(1)) * 1e9 if m else None
+        p = f"predict.{model}.q8"
+        f.put(f"{p}.tokens_per_s", j["tokens_per_s"], cmd)
+        f.put(f"{p}.critical_lane", j["critical_lane"], cmd)
+        f.put(f"{p}.host_gib", j["host_bytes"] / GIB, cmd)
+        f.put(f"{p}.pinned_gib", j["host_pinned_bytes"] / GIB, cmd)
+        f.put(f"{p}.nvme_blocks", len(j["nvme_blocks"]), cmd)
+        f.put(f"{p}.nvme_gib", j["nvme_bytes"] / GIB, cmd)
+        f.put(f"{p}.nvme_write_s", j["lane_busy_s"]["nvme write"], cmd)
+        fp32 = next((o for o in j.get("other_formats", []) if o["optimizer_state"] == "fp32"), None)
+        if params:
+            f.put(f"{p}.host_bytes_per_param", j["host_bytes"] / params, cmd)
+            if fp32:
+                f.put(f"{p}.fp32_host_bytes_per_param", fp32["host_bytes"] / params, cmd)
+        if fp32:
+            f.put(f"{p}.fp32_nvme_blocks", fp32["nvme_blocks"], cmd)
     for model, cmd in PLAN_REFUSED.items():
         j = logs.last_json(cmd, "feasible")
         # A refusal is the figure: infeasible, with the RAM it needs in its reason.
@@ -264,6 +287,12 @@ def adam_figures(logs, f):
     f.put("adam.roofline_ratio_max", max(r["roofline_ratio"] for r in runs), c)
     f.put("adam.vs_torch_min", j["vs_torch"], c)
     f.put("adam.vs_torch_max", max(r["vs_torch"] for r in runs), c)
+    f.put("adam.q8_mparams_min", min(r["q8_params_per_s"] for r in runs) / 1e6, c)
+    f.put("adam.q8_mparams_max", max(r["q8_params_per_s"] for r in runs) / 1e6, c)
+    f.put("adam.fp32_mparams_min", min(r["ours_params_per_s"] for r in runs) / 1e6, c)
+    f.put("adam.fp32_mparams_max", max(r["ours_params_per_s"] for r in runs) / 1e6, c)
+    f.put("adam.q8_roofline_min", j["q8_roofline_ratio"], c)
+    f.put("adam.q8_roofline_max", max(r["q8_roofline_ratio"] for r in runs), c)
     f.put("adam.params_m", sorted({round(r["params"] / 1e6) for r in runs}), c)
     f.put("adam.threads", sorted({r["threads"] for r in runs}), c)
 
@@ -324,6 +353,11 @@ def expected_names():
             e["plan"] += [f"{p}.{k}" for k in ("lower_bound_s", "critical_lane", "nvme_write_s", "nvme_blocks",
                                                "blocks", "host_gib", "nvme_gib")]
     e["plan"] += [f"refused.{m}.ram_needed_gib" for m in PLAN_REFUSED]
+    for m in PLAN_Q8:
+        e["plan"] += [f"predict.{m}.q8.{k}" for k in ("tokens_per_s", "critical_lane", "host_gib", "pinned_gib",
+                                                       "nvme_blocks", "nvme_gib", "nvme_write_s",
+                                                       "host_bytes_per_param", "fp32_host_bytes_per_param",
+                                                       "fp32_nvme_blocks")]
     e["profile"] = [f"profile.{k}" for k in ("step_s", "tokens_per_s", "compute_pct", "h2d_pct", "d2h_pct",
                                              "optimizer_pct", "critical_lane", "overlap_efficiency",
                                              "model_gflops", "executed_gflops", "params")]
@@ -338,7 +372,9 @@ def expected_names():
                                          "torch_rss_gib", "strider_rss_gib")]
     e["calibrate"] = ["calibrate.ratio", "calibrate.ratio_min", "calibrate.ratio_max", "calibrate.accumulations"]
     e["adam"] = [f"adam.{k}" for k in ("isa", "roofline_ratio_min", "roofline_ratio_max", "vs_torch_min",
-                                       "vs_torch_max", "params_m", "threads")]
+                                       "vs_torch_max", "params_m", "threads", "q8_mparams_min", "q8_mparams_max",
+                                       "fp32_mparams_min", "fp32_mparams_max", "q8_roofline_min",
+                                       "q8_roofline_max")]
     e["nvme"] = [f"nvme.{k}" for k in ("write_vs_fio", "read_vs_fio", "write_median_max", "read_median_max",
                                        "fio_write_max_over_min", "fio_read_max_over_min", "size_gib", "pairs",
                                        "configs", "chunks_mib", "depths")]
@@ -392,9 +428,15 @@ def block_measured(f, logs):
          "threads",
          "bench_adam",
          f"{f['adam.roofline_ratio_min']:.3f}-{f['adam.roofline_ratio_max']:.3f} of the roofline"),
-        ("CPU AdamW (bf16 grad in, bf16 copy out) vs torch `_fused_adamw_` + bf16 cast, same threads",
+        ("CPU AdamW (fp32 grad in, bf16 copy out: torch's work) vs torch `_fused_adamw_` + bf16 cast, same threads",
          "bench_adam",
          f"{f['adam.vs_torch_min']:.2f}-{f['adam.vs_torch_max']:.2f}x torch's speed"),
+        ("CPU AdamW in the q8 optimizer-state format (bf16 grad in; 12.1 B per parameter moved), same sizes and "
+         "threads",
+         "bench_adam",
+         f"{f['adam.q8_mparams_min']:.0f}-{f['adam.q8_mparams_max']:.0f} M params/s (fp32 format: "
+         f"{f['adam.fp32_mparams_min']:.0f}-{f['adam.fp32_mparams_max']:.0f}), {f['adam.q8_roofline_min']:.2f}-"
+         f"{f['adam.q8_roofline_max']:.2f} of the roofline: compute-bound on this CPU"),
         ("NvmeStore vs fio (io_uring, O_DIRECT, fixed buffers, both on huge pages with fio-sized buffer memory, "
          "the store's caller resubmitting from completion callbacks as fio does), "
          f"{f['nvme.size_gib']:g} GiB, chunks {slash(f['nvme.chunks_mib'])} MiB x depths "
@@ -507,6 +549,23 @@ def block_predict_nvme(f, logs):
     return "\n".join(out)
 
 
+def block_formats(f, logs):
+    p8, p70 = "predict.8b.q8", "predict.70b.q8"
+    return "\n".join([
+        "| | optimizer state | pinned training state | bytes per parameter | NVMe blocks | tokens/s (rtx4090 preset) |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| Llama-3.1-8B, 256 GiB RAM, batch 8 x 1024 (`{cmd(logs, PLAN_Q8['8b'])}`) | q8 | "
+        f"{f[p8 + '.host_gib']:.1f} GiB | {f[p8 + '.host_bytes_per_param']:.2f} (fp32: "
+        f"{f[p8 + '.fp32_host_bytes_per_param']:.2f}) | {f[p8 + '.nvme_blocks']} | "
+        f"{f[p8 + '.tokens_per_s']:.0f} (fp32: {f['predict.8b.b8.tokens_per_s']:.0f}) |",
+        f"| Llama-3.1-70B, 256 GiB RAM + NVMe, batch 32 x 1024 (`{cmd(logs, PLAN_Q8['70b'])}`) | q8 | "
+        f"{f[p70 + '.host_gib']:.1f} GiB | {f[p70 + '.host_bytes_per_param']:.2f} | "
+        f"{f[p70 + '.nvme_blocks']} (fp32: {f[p70 + '.fp32_nvme_blocks']}) | "
+        f"{f[p70 + '.tokens_per_s']:.0f} (fp32: {f['predict.70b.nvme.clip1.tokens_per_s']:.0f}); critical lane "
+        f"{f[p70 + '.critical_lane']}, NVMe write {f[p70 + '.nvme_write_s']:.0f} s (fp32: "
+        f"{f['predict.70b.nvme.clip1.nvme_write_s']:.0f} s) |"])
+
+
 def block_ram_8b(f, logs):
     return (f"Llama-3.1-8B: {f['predict.8b.b8.clip0.host_gib']:.1f} instead of "
             f"{f['predict.8b.b8.host_gib']:.1f} GiB of host RAM")
@@ -514,9 +573,11 @@ def block_ram_8b(f, logs):
 
 BLOCKS = {"machine": block_machine, "demo-model": block_demo_model, "demo-plan": block_demo_plan,
           "profile": block_profile, "measured": block_measured, "predict-8b": block_predict_8b,
-          "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b}
+          "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b, "formats": block_formats}
 # Blocks the script knows and leaves alone: their figures come from elsewhere.
-FOREIGN_BLOCKS = {"gpu"}  # bench/gpu_check.sh's figures, quoted with that check's date
+# bench/gpu_check.sh's figures, quoted with that check's date; bench/quality_formats.py's (its runs take
+# half an hour: it writes its block itself, with --update-readme).
+FOREIGN_BLOCKS = {"gpu", "quality"}
 
 MARKER = re.compile(r"<!-- figures:begin ([\w-]+) -->(.*?)<!-- figures:end -->", re.S)
 

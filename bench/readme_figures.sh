@@ -178,6 +178,11 @@ if has_part plan; then
     # Without --nvme the plan refuses (status 1), naming the RAM it needs.
     run "plan-$tag-ram-only" 1 "$S" plan --model "$model" --gpu 24GiB --ram "$ram" --seq 1024 --json
   done
+  # The q8 optimizer-state format: 8B all in RAM (issue 13's figure), 70B with NVMe.
+  run plan-8b-q8 0 "$S" plan --model llama-3.1-8b --gpu 24GiB --ram 256GiB --seq 1024 --accumulation 8 --clip 1 \
+      --optimizer-state q8 --predict rtx4090 --json
+  run plan-70b-nvme-q8 0 "$S" plan --model llama-3.1-70b --gpu 24GiB --ram 256GiB --nvme "$work/nvme" --seq 1024 \
+      --accumulation 32 --optimizer-state q8 --predict rtx4090 --json
 fi
 if has_part profile; then
   # Its trace and PNG stay with the logs.

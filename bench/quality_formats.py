@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""The optimizer-state formats on quality: loss curves of each compressed format
+against fp32's noise band and against the peers a user would pick instead.
+
+Part 1, the built-in model: `strider finetune` on its generated data, fp32 with
+seeds 1..--seeds (the noise band: the seed sets the initial weights and the
+data order) and each compressed format with seed 1.
+
+Part 2, a small Hugging Face Llama built from a config and trained from scratch
+on real text: CPython's own documentation (the `pydoc_data.topics` module every
+Python ships), tokenized with a byte-level BPE tokenizer that the `tokenizers`
+library trains on it here (nothing comes from a hub). The same batches, in the
+same order, for every run of seed 1:
+  - strider.Engine, fp32 with seeds 1..--seeds, each compressed format with seed 1;
+  - torch.optim.AdamW: the model resident in fp32, bf16 autocast, fused AdamW;
+  - bitsandbytes' AdamW8bit (upstream's blockwise 8-bit Adam) in the same loop,
+    when `import bitsandbytes` works (say where with --bnb-path), else the
+    reason it did not is printed and recorded.
+All runs use bf16 compute, exact global-norm clipping at 1.0, AdamW.
+
+For each run: the final loss and the mean loss of the last 50 steps. The
+acceptance line of a format: inside the fp32 runs' band (min..max over seeds) or
+within 1% of fp32 seed 1, whichever is wider, for both figures. Prints a table,
+writes --out/quality.json and --out/quality.png (the curves, smoothed over 10
+steps). A benchmark, not a test: it never fails on a figure.
+
+    bench/quality_formats.py --out /tmp/quality              # both parts, 300 steps
+    bench/quality_formats.py --part hf --steps 300 --bnb-path /tmp/bnb/site
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+FORMATS = ["q8"]  # the compressed formats (host/state_format.h)
+
+# The Hugging Face model of part 2: a Llama of ~1.4M parameters.
+HF_MODEL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=2048, max_position_embeddings=256, rms_norm_eps=1e-5,
+                tie_word_embeddings=False, rope_theta=10000.0)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="quality-out", help="directory for quality.json, quality.png and the runs' logs")
+    p.add_argument("--part", choices=["both", "builtin", "hf"], default="both")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seeds", type=int, default=3, help="fp32 runs (seeds 1..N) that make the noise band")
+    p.add_argument("--build", default=str(REPO / "build"), help="the build directory (strider, libstrider_ops)")
+    p.add_argument("--bnb-path", default="", help="a directory to put on sys.path for bitsandbytes")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all)")
+    # Part 2's shape and optimizer.
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--render-from", metavar="DIR", default="",
+                   help="run nothing: rewrite --update-readme's block from DIR/quality.json (an earlier run's, "
+                        "which records its own command line) and DIR/quality.png")
+    p.add_argument("--update-readme", metavar="README", default="",
+                   help="rewrite README's <!-- figures:begin quality --> block from this run (both parts, 300+ "
+                        "steps) and copy the plot to bench/figures/quality_formats.png")
+    return p.parse_args(argv)
+
+
+def summary(losses):
+    tail = losses[-50:]
+    return {"final": losses[-1], "last50": sum(tail) / len(tail)}
+
+
+# ---- part 1: the built-in model through the command line --------------------
+
+def builtin_run(args, out, fmt, seed):
+    metrics = out / f"builtin-{fmt}-seed{seed}.jsonl"
+    metrics.unlink(missing_ok=True)  # --metrics appends
+    cmd = [str(Path(args.build) / "strider"), "finetune", "--model", "builtin", "--device", "cpu", "--steps",
+           str(args.steps), "--seed", str(seed), "--optimizer-state", fmt, "--eval-batches", "0", "--metrics",
+           str(metrics), "--work-dir", str(out / "work"), "--out", str(out / f"builtin-{fmt}-seed{seed}")]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr}")
+    losses = [json.loads(l)["loss"] for l in metrics.read_text().splitlines()]
+    print(f"  builtin {fmt} seed {seed}: {len(losses)} steps in {time.time() - t0:.0f} s, final {losses[-1]:.4f}",
+          flush=True)
+    return losses
+
+
+# ---- part 2: a Hugging Face model on real text -------------------------------
+
+def corpus_tokens(out, vocab):
+    """CPython's documentation topics, tokenized by a BPE tokenizer trained on them here."""
+    import pydoc_data.topics
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    text = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab, show_progress=False,
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(out / "tokenizer.json"))
+    ids = []
+    for t in text:
+        ids.extend(tok.encode(t).ids)
+    return ids, sum(len(t) for t in text)
+
+
+def batches(ids, args, seed):
+    """--steps batches of [micro_batch * accumulation, seq] windows of the token stream, in an order set by seed."""
+    import torch
+    n = args.micro_batch * args.accumulation
+    windows = (len(ids) - 1) // args.seq
+    stream = torch.tensor(ids[:windows * args.seq], dtype=torch.long).view(windows, args.seq)
+    g = torch.Generator().manual_seed(seed)
+    order = torch.cat([torch.randperm(windows, generator=g) for _ in range(math.ceil(args.steps * n / windows) + 1)])
+    return [stream[order[s * n:(s + 1) * n]] for s in range(args.steps)]
+
+
+def make_model(seed):
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_MODEL)).float()
+
+
+def lr_at(args, step):
+    """Linear warm-up, then cosine to 0 at --steps: strider's schedule (engine/lr_schedule.cpp), step from 0."""
+    if step < args.warmup:
+        return args.lr * step / max(1, args.warmup)
+    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * max(0.0, 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def strider_run(args, data, fmt, seed):
+    import strider
+    model = make_model(seed)
+    cfg = strider.EngineConfig(seq=args.seq, micro_batch=args.micro_batch, accumulation=args.accumulation,
+                               dtype="bf16", lr=args.lr, schedule="cosine", warmup_steps=args.warmup,
+                               total_steps=args.steps, weight_decay=args.weight_decay, clip_norm=1.0,
+                               device="cpu", optimizer_state=fmt, activations="recompute")
+    engine = strider.Engine(model, cfg)
+    losses = [engine.step(ids, ids.clone()).loss for ids in data]
+    engine.finish()
+    return losses
+
+
+def torch_run(args, data, seed, optimizer):
+    import torch
+    model = make_model(seed)
+    opt = optimizer(model.parameters())
+    losses = []
+    m = args.micro_batch
+    for step, ids in enumerate(data):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(args, step)
+        total = 0.0
+        for k in range(args.accumulation):
+            chunk = ids[k * m:(k + 1) * m]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=chunk, labels=chunk).loss
+            (loss / args.accumulation).backward()
+            total += loss.item() / args.accumulation
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses
+
+
+def hf_part(args, out):
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sys.path.insert(0, str(REPO / "python_shim"))
+    os.environ.setdefault("STRIDER_BUILD_DIR", args.build)
+    ids, chars = corpus_tokens(out, HF_MODEL["vocab_size"])
+    print(f"  corpus: pydoc_data.topics, {chars} characters, {len(ids)} tokens (BPE, {HF_MODEL['vocab_size']} "
+          f"vocabulary)", flush=True)
+    runs = {}
+
+    def timed(name, fn):
+        t0 = time.time()
+        runs[name] = fn()
+        print(f"  hf {name}: {len(runs[name])} steps in {time.time() - t0:.0f} s, final {runs[name][-1]:.4f}",
+              flush=True)
+
+    data1 = batches(ids, args, 1)
+    for seed in range(1, args.seeds + 1):
+        data = data1 if seed == 1 else batches(ids, args, seed)
+        timed(f"strider fp32 seed {seed}", lambda: strider_run(args, data, "fp32", seed))
+    for fmt in FORMATS:
+        timed(f"strider {fmt} seed 1", lambda: strider_run(args, data1, fmt, 1))
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=args.weight_decay, fused=True)
+    timed("torch AdamW seed 1", lambda: torch_run(args, data1, 1, adamw))
+    peer = {"bitsandbytes": None}
+    try:
+        if args.bnb_path:
+            sys.path.insert(0, args.bnb_path)
+        import bitsandbytes as bnb
+        peer["bitsandbytes"] = bnb.__version__
+        adam8 = lambda ps: bnb.optim.AdamW8bit(ps, lr=args.lr, weight_decay=args.weight_decay)
+        timed("bitsandbytes AdamW8bit seed 1", lambda: torch_run(args, data1, 1, adam8))
+    except Exception as e:  # noqa: BLE001  (any failure to import or run is the reason to report)
+        peer["bitsandbytes_error"] = f"{type(e).__name__}: {e}"
+        print(f"  bitsandbytes not run: {peer['bitsandbytes_error']}", flush=True)
+    return runs, peer
+
+
+# ---- the verdicts ----------------------------------------------------------------
+
+def verdicts(runs, fp32_names, candidates):
+    band = {k: (min(summary(runs[n])[k] for n in fp32_names), max(summary(runs[n])[k] for n in fp32_names))
+            for k in ("final", "last50")}
+    ref = summary(runs[fp32_names[0]])
+    out = {}
+    for name in candidates:
+        s = summary(runs[name])
+        ok = {}
+        for k in ("final", "last50"):
+            lo, hi = band[k]
+            lo, hi = min(lo, ref[k] * 0.99), max(hi, ref[k] * 1.01)  # the wider of the band and 1%
+            ok[k] = lo <= s[k] <= hi
+        out[name] = {**s, "vs_fp32_seed1": s["final"] / ref["final"] - 1, "passes": all(ok.values()),
+                     "inside": ok}
+    return band, out
+
+
+def table(title, runs, band, verdict):
+    print(f"\n{title}")
+    print(f"  {'run':<34} {'final':>8} {'last 50':>8} {'vs fp32':>8}  verdict")
+    for name, losses in runs.items():
+        s = summary(losses)
+        v = verdict.get(name)
+        tag = "" if v is None else ("inside the line" if v["passes"] else "OUTSIDE the line")
+        rel = "" if v is None else f"{v['vs_fp32_seed1'] * 100:+.2f}%"
+        print(f"  {name:<34} {s['final']:>8.4f} {s['last50']:>8.4f} {rel:>8}  {tag}")
+    print(f"  fp32 band: final {band['final'][0]:.4f}..{band['final'][1]:.4f}, "
+          f"last 50 {band['last50'][0]:.4f}..{band['last50'][1]:.4f}")
+
+
+def plot(parts, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4.5), squeeze=False)
+    for ax, (title, runs) in zip(axes[0], parts):
+        for name, losses in runs.items():
+            k = 10
+            smooth = [sum(losses[max(0, i - k + 1):i + 1]) / (i + 1 - max(0, i - k + 1)) for i in range(len(losses))]
+            style = "--" if "fp32 seed" in name and not name.endswith("seed 1") else "-"
+            ax.plot(range(1, len(losses) + 1), smooth, style, label=name, linewidth=1.2)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (mean of 10 steps)")
+        ax.legend(fontsize=8)
+        lows = [min(v[len(v) // 3:]) for v in runs.values()]
+        highs = [max(v[len(v) // 3:]) for v in runs.values()]
+        ax.set_ylim(min(lows) - 0.05, max(highs) + 0.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def line_text(v):
+    """'inside', or which of the two figures fell outside the line."""
+    if v["passes"]:
+        return "inside"
+    return ", ".join(f"{'final' if k == 'final' else 'last 50'} {'inside' if ok else '**outside**'}"
+                     for k, ok in v["inside"].items())
+
+
+def readme_block(result, argv):
+    """The README's quality block: the command, then per part the table of final and last-50 losses."""
+    lines = [f"`.venv/bin/python bench/quality_formats.py {' '.join(argv)}` ({result['steps']} steps each; fp32 "
+             f"seeds 1..{result['seeds']} give the band; the line: inside the band or within 1% of fp32 seed 1, "
+             "whichever is wider):", ""]
+    for part, title in (("builtin", "built-in model, generated data (`strider finetune`)"),
+                        ("hf", "Hugging Face Llama from a config ("
+                         f"{result.get('hf', {}).get('model', {}).get('num_hidden_layers', '?')} layers, hidden "
+                         f"{result.get('hf', {}).get('model', {}).get('hidden_size', '?')}) on CPython's "
+                         "documentation, BPE tokenizer trained here")):
+        if part not in result:
+            continue
+        r = result[part]
+        lines += [f"| {title} | final loss | mean of the last 50 | vs fp32 seed 1 | the line |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, losses in r["runs"].items():
+            sm = summary(losses)
+            v = r["verdicts"].get(name)
+            lines.append(f"| {name} | {sm['final']:.4f} | {sm['last50']:.4f} | "
+                         f"{'' if v is None else format(v['vs_fp32_seed1'] * 100, '+.2f') + '%'} | "
+                         f"{'' if v is None else line_text(v)} |")
+        lines.append("")
+    peers = result.get("hf", {}).get("peers", {})
+    if peers.get("bitsandbytes"):
+        lines.append(f"bitsandbytes {peers['bitsandbytes']} (its CPU build, `AdamW8bit`) ran in the same loop as "
+                     "torch's AdamW.")
+    elif "bitsandbytes_error" in peers:
+        lines.append(f"bitsandbytes did not run: {peers['bitsandbytes_error']}.")
+    lines += ["", "![loss curves of the formats](bench/figures/quality_formats.png)"]
+    return "\n".join(lines)
+
+
+def update_readme(readme, block):
+    import re
+    text = Path(readme).read_text()
+    marker = re.compile(r"<!-- figures:begin quality -->.*?<!-- figures:end -->", re.S)
+    if not marker.search(text):
+        raise SystemExit(f"{readme} has no <!-- figures:begin quality --> ... <!-- figures:end --> block")
+    Path(readme).write_text(marker.sub(lambda m: f"<!-- figures:begin quality -->\n{block}\n<!-- figures:end -->",
+                                       text))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.render_from:
+        if not args.update_readme:
+            raise SystemExit("--render-from needs --update-readme README")
+        src = Path(args.render_from)
+        result = json.loads((src / "quality.json").read_text())
+        (REPO / "bench" / "figures").mkdir(exist_ok=True)
+        (REPO / "bench" / "figures" / "quality_formats.png").write_bytes((src / "quality.png").read_bytes())
+        update_readme(args.update_readme, readme_block(result, result["argv"]))
+        print(f"updated {args.update_readme} from {src / 'quality.json'}")
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"bench": "quality_formats", "steps": args.steps, "seeds": args.seeds, "formats": FORMATS,
+              "argv": sys.argv[1:] if argv is None else list(argv)}
+    parts = []
+    if args.part in ("both", "builtin"):
+        print(f"part 1: the built-in model, {args.steps} steps (strider finetune)", flush=True)
+        runs = {}
+        for seed in range(1, args.seeds + 1):
+            runs[f"strider fp32 seed {seed}"] = builtin_run(args, out, "fp32", seed)
+        for fmt in FORMATS:
+            runs[f"strider {fmt} seed 1"] = builtin_run(args, out, fmt, 1)
+        fp32 = [f"strider fp32 seed {s}" for s in range(1, args.seeds + 1)]
+        band, verdict = verdicts(runs, fp32, [f"strider {f} seed 1" for f in FORMATS])
+        table("built-in model", runs, band, verdict)
+        result["builtin"] = {"runs": runs, "band": band, "verdicts": verdict}
+        parts.append(("built-in model (generated data)", runs))
+    if args.part in ("both", "hf"):
+        print(f"part 2: a {HF_MODEL['num_hidden_layers']}-layer Llama from a config on CPython's documentation, "
+              f"{args.steps} steps", flush=True)
+        runs, peer = hf_part(args, out)
+        fp32 = [f"strider fp32 seed {s}" for s in range(1, args.seeds + 1)]
+        others = [n for n in runs if n not in fp32]
+        band, verdict = verdicts(runs, fp32, others)
+        table("Hugging Face Llama on real text", runs, band, verdict)
+        result["hf"] = {"runs": runs, "band": band, "verdicts": verdict, "peers": peer, "model": HF_MODEL,
+                        "shape": {"seq": args.seq, "micro_batch": args.micro_batch,
+                                  "accumulation": args.accumulation, "lr": args.lr, "warmup": args.warmup}}
+        parts.append(("HF Llama on CPython docs", runs))
+    (out / "quality.json").write_text(json.dumps(result))
+    try:
+        plot(parts, out / "quality.png")
+        print(f"\nwrote {out / 'quality.json'} and {out / 'quality.png'}")
+    except ImportError as e:
+        print(f"\nwrote {out / 'quality.json'} (no plot: {e})")
+    if args.update_readme:
+        if args.part != "both" or args.steps < 300:
+            raise SystemExit("--update-readme: the README quotes both parts at 300 steps or more")
+        (REPO / "bench" / "figures").mkdir(exist_ok=True)
+        (REPO / "bench" / "figures" / "quality_formats.png").write_bytes((out / "quality.png").read_bytes())
+        update_readme(args.update_readme, readme_block(result, result["argv"]))
+        print(f"updated {args.update_readme} and bench/figures/quality_formats.png")
+    print(json.dumps({k: v for k, v in result.items() if k in ("bench", "steps")} |
+                     {p: {n: v["passes"] for n, v in result[p]["verdicts"].items()} for p in ("builtin", "hf")
+                      if p in result}))
+
+
+if __name__ == "__main__":
+    main()
