@@ -248,18 +248,15 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   StoreOptions so{.grad_dtype = gbytes == 4 ? DType::kF32 : DType::kBF16,
                   .compute_dtype = cbytes == 4 ? DType::kF32 : DType::kBF16,
                   .format = c.optimizer_state};
-  f.host_bytes = ParamStore::bytes_needed(specs, so) + 2 * round_up(tokens * 8, kAlign) +
-                 round_up(size_t(2 * M) * 8, kAlign) + 8 * kAlign;
-  if (spec.tie_embeddings) f.host_bytes += round_up(emb_elems * 4, kAlign);
-  // The training state: the store, tied-gradient, NVMe and ring staging.
+  // The training state: the store, the tied embedding's gradient, the NVMe
+  // staging (2 slots of master, m, v, and read-back gradients with clipping)
+  // and the gradient ring.
   f.state_host_bytes = ParamStore::bytes_needed(specs, so) + (spec.tie_embeddings ? round_up(emb_elems * 4, kAlign) : 0) +
                        2 * (clip ? 4 : 3) * max_nvme_state + uint64_t(c.grad_ring) * ring_slot_bytes;
+  // The arena: that, the batch, the loss figures (and alignment slack), host checkpoints.
+  f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kAlign) + round_up(size_t(2 * M) * 8, kAlign) + 8 * kAlign;
   if (c.checkpoints_on_host)
     f.host_bytes += uint64_t(head * M) * round_up(size_t(c.micro_batch * c.seq * spec.dims.hidden) * cbytes, kAlign);
-  // NVMe staging (2 slots of master, m, v, and read-back gradients with
-  // clipping), and the gradient ring.
-  f.host_bytes += 2 * (clip ? 4 : 3) * max_nvme_state;
-  f.host_bytes += uint64_t(c.grad_ring) * ring_slot_bytes;
   // Kept activations: a host copy per layer and micro-batch, two device slots.
   f.saved_layers = int64_t(c.saved_blocks.size());
   if (f.saved_layers > 0) {

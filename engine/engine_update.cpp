@@ -32,7 +32,7 @@ float* scales_after(std::byte* codes, size_t n) { return reinterpret_cast<float*
 
 // The simulator's price of a q8 update against an fp32 one on the same CPU:
 // the q8 kernel is compute-bound where the fp32 one is memory-bound.
-// Measured by build/bench/bench_adam --sizes 16 (16M parameters, bf16
+// Measured by build/bench/bench_adam --sizes 16 --reps 3 (16M parameters, bf16
 // gradients, AVX-512, 2 threads of the 2-core development machine): fp32
 // 1566 M parameters/s, q8 903 M/s, so 1.73 times the time. A CPU with more
 // cores per memory channel narrows the gap; no such machine has been measured.

@@ -52,6 +52,7 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
     } else {
       const int64_t l = std::lcm(chunk, a);
       rows = rows >= l ? rows / l * l : std::max(a, rows / a * a);
+      if (rows >= chunk && rows % chunk != 0) chunk = std::gcd(rows, chunk);  // chunks still tile each shard
     }
   }
   if (rows < chunk) chunk = rows;

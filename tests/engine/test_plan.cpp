@@ -284,6 +284,23 @@ TEST_CASE("vocabulary shards: no cache unit is larger than the largest layer's",
   CHECK_THROWS_WITH(make_sharding(llama, 8192, 10000), Catch::Contains("10000") && Catch::Contains("8192"));
 }
 
+TEST_CASE("aligned vocabulary shards start on the q8 groups and still fall on the chunks", "[engine][plan][shards]") {
+  // hidden 34: a shard start r x 34 is a multiple of 128 only when r is a multiple of 64.
+  for (int64_t hidden : {32, 34, 576}) {
+    nlohmann::json cfg = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", hidden},
+                          {"intermediate_size", 48}, {"num_hidden_layers", 2}, {"num_attention_heads", 1},
+                          {"num_key_value_heads", 1}, {"vocab_size", 1000}, {"max_position_embeddings", 64},
+                          {"rms_norm_eps", 1e-5}, {"tie_word_embeddings", false}};
+    const ModelSpec spec = ModelSpec::from_json(cfg, "aligned");
+    for (int64_t chunk : {24, 40, 96, 1000}) {
+      INFO("hidden " << hidden << " chunk " << chunk);
+      const Sharding sh = make_sharding(spec, chunk, 0, 128);
+      CHECK((sh.rows % sh.chunk == 0 || sh.shards == 1));  // one shard: the whole vocabulary, any chunk
+      for (const Piece& p : sh.pieces) CHECK(p.begin % 128 == 0);
+    }
+  }
+}
+
 TEST_CASE("a SmolLM2-sized model slides in a budget its layers fit, not its vocabulary", "[engine][plan][shards]") {
   nlohmann::json smol = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 576}, {"intermediate_size", 1536},
                          {"num_hidden_layers", 30}, {"num_attention_heads", 9}, {"num_key_value_heads", 3},
