@@ -124,6 +124,9 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
                 "at most one cache unit per block)", l.window, blocks);
   STRIDER_CHECK(l.vocab_chunk >= 0, "plan: vocab chunk {} must be >= 0", l.vocab_chunk);
   STRIDER_CHECK(l.grad_ring >= 1, "plan: grad_ring {} must be >= 1", l.grad_ring);
+  STRIDER_CHECK(!state_uses_compute_copy(l.optimizer_state) || l.dtype == at::kBFloat16,
+                "plan: --optimizer-state {} keeps the master's high half in the bf16 compute copy: it needs --dtype "
+                "bf16", state_format_name(l.optimizer_state));
   STRIDER_CHECK(l.token_tile >= -1 && l.vocab_shard_rows >= 0, "plan: token tile {} must be >= -1 (-1: choose) and "
                 "vocab shard rows {} >= 0", l.token_tile, l.vocab_shard_rows);
   // Block inputs kept for backward (every block, every micro-batch, fp32 at

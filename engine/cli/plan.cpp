@@ -11,7 +11,6 @@
 #include "engine/engine.h"
 #include "engine/model_presets.h"
 #include "engine/plan.h"
-#include "host/error.h"
 
 namespace strider::cli {
 namespace {
@@ -61,8 +60,6 @@ int run(const Options& o) {
   l.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   l.activations = parse_activation_mode(o.activations);
   l.optimizer_state = parse_state_format(o.optimizer_state);
-  STRIDER_CHECK(l.optimizer_state != StateFormat::kQ8 || l.dtype == at::kBFloat16,
-                "--optimizer-state q8 keeps the master's high half in the bf16 compute copy: it needs --dtype bf16");
   // host_peak_bytes counts this binary's own footprint (no run allocated yet)
   // and, for a checkpoint on disk, the load's staging; the GPU's memory is its own.
   l.process_bytes = process_rss_bytes();

@@ -219,8 +219,6 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   lim.clip_norm = o.clip;  // with clipping, NVMe-tier gradients need NVMe space too
   lim.activations = parse_activation_mode(o.activations);
   lim.optimizer_state = parse_state_format(o.optimizer_state);
-  STRIDER_CHECK(lim.optimizer_state != StateFormat::kQ8 || lim.dtype == at::kBFloat16,
-                "--optimizer-state q8 keeps the master's high half in the bf16 compute copy: it needs --dtype bf16");
   // A simulated device prices kept activations on its own machine, the CPU
   // device on its measured rates, a GPU on the rtx4090's (PlanLimits'
   // defaults: no GPU has been measured yet).
