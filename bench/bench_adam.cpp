@@ -15,9 +15,16 @@
 //   q8      CpuAdam::step_q8, the q8 optimizer-state format (host/adam_q8.h):
 //           12.1 B per parameter (bf16 compute copy, 8-bit extension, m and v
 //           codes read and written, their groups' scales, 2 B gradient read);
-//           its roofline fraction uses the same roof. Today's q8 kernel is the
-//           scalar one: compute-bound where the fp32 kernels are memory-bound.
-// DeepSpeed's CPUAdam is not built here (no deepspeed in the environment).
+//           its roofline fraction uses the same roof. The q8 kernel (one
+//           source vectorized per ISA) is compute-bound on a CPU where the
+//           fp32 kernels are memory-bound: each element is decoded, updated,
+//           re-encoded and gets a hash for its stochastic rounding.
+//   ds      DeepSpeed's CPUAdam (DeepSpeedCPUAdam) on torch's work exactly, run
+//           by bench/adam_deepspeed.py in its own process before our figures
+//           (it is a Python extension DeepSpeed builds on first use), with the
+//           interpreter the build's torch came from (--python) and deepspeed
+//           where --deepspeed-path says; when it cannot run, the reason is
+//           printed and its columns say so. vs_deepspeed is its time / ours-f32g.
 // Each figure is the best of --reps runs. The last line is one JSON object.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,8 +36,11 @@
 #include <algorithm>
 #include <cstring>
 #include <chrono>
+#include <cstdio>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <utility>
 
 #include "host/adam_q8.h"
 #include "host/bf16.h"
@@ -216,6 +226,57 @@ double torch_seconds(size_t n, int threads, int reps) {
   });
 }
 
+// DeepSpeed's CPUAdam seconds per (params, threads), from bench/adam_deepspeed.py;
+// empty with `why` set when it did not run.
+struct DeepSpeedFigures {
+  std::string version, why;
+  std::map<std::pair<size_t, int>, double> seconds;
+};
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+DeepSpeedFigures deepspeed_seconds(const std::string& python, const std::string& path,
+                                   const std::vector<double>& sizes_m, const std::vector<int>& threads, int reps) {
+  DeepSpeedFigures f;
+  std::string cmd = shell_quote(python) + " " + shell_quote(std::string(STRIDER_BENCH_DIR) + "/adam_deepspeed.py") +
+                    " --reps " + std::to_string(reps) + " --sizes";
+  for (double s : sizes_m) cmd += " " + fmt::format("{}", s);
+  cmd += " --threads";
+  for (int t : threads) cmd += " " + std::to_string(t);
+  if (!path.empty()) cmd += " --path " + shell_quote(path);
+  cmd += " 2>/dev/null";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (!pipe) {
+    f.why = "cannot start " + python;
+    return f;
+  }
+  std::string out, last;
+  char buf[4096];
+  while (fgets(buf, sizeof buf, pipe)) out += buf;
+  const int rc = pclose(pipe);
+  for (size_t b = 0, e; b < out.size(); b = e + 1) {
+    e = out.find('\n', b);
+    if (e == std::string::npos) e = out.size();
+    if (e > b && out[b] == '{') last = out.substr(b, e - b);
+  }
+  const nlohmann::json j = nlohmann::json::parse(last, nullptr, false);
+  if (rc != 0 || j.is_discarded() || !j.is_object()) {
+    f.why = fmt::format("{} exited with status {} and no figures", cmd, rc);
+    return f;
+  }
+  if (j.value("deepspeed", nlohmann::json()).is_null()) {
+    f.why = j.value("error", std::string("unknown"));
+    return f;
+  }
+  f.version = j["deepspeed"].get<std::string>();
+  for (const auto& r : j["runs"]) f.seconds[{r["params"].get<size_t>(), r["threads"].get<int>()}] = r["seconds"];
+  return f;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -223,20 +284,28 @@ int main(int argc, char** argv) {
   std::vector<double> sizes_m{16, 256};
   std::vector<int> threads;
   int reps = 5;
+  std::string python = STRIDER_BENCH_PYTHON, deepspeed_path;
   app.add_option("--sizes", sizes_m, "parameter counts in millions (default 16 256)");
   app.add_option("--threads", threads, "thread counts (default 1..all hardware threads)");
   app.add_option("--reps", reps, "timed repetitions per figure; the best is kept")->check(CLI::PositiveNumber);
+  app.add_option("--python", python, "the interpreter that runs bench/adam_deepspeed.py (default: the one whose torch "
+                 "this build uses)");
+  app.add_option("--deepspeed-path", deepspeed_path, "a directory holding the deepspeed package, put first on its "
+                 "sys.path (default: wherever that interpreter finds it)");
   CLI11_PARSE(app, argc, argv);
   if (threads.empty())
     for (int t = 1; t <= static_cast<int>(std::thread::hardware_concurrency()); ++t) threads.push_back(t);
 
+  const DeepSpeedFigures ds = deepspeed_seconds(python, deepspeed_path, sizes_m, threads, reps);
   const Isa isa = detect_isa();
   fmt::print("bench_adam: isa {}, {} hardware threads, torch {} threads max\n", isa_name(isa),
              std::thread::hardware_concurrency(), at::get_num_threads());
-  fmt::print("{:>8} {:>3} | {:>9} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>7} | {:>9} {:>7} | {:>9} {:>6}\n",
+  if (ds.why.empty()) fmt::print("DeepSpeed {} CPUAdam: ds columns (its process, the same fp32 work as torch)\n", ds.version);
+  else fmt::print("DeepSpeed CPUAdam not run: {}\n", ds.why);
+  fmt::print("{:>8} {:>3} | {:>9} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>7} | {:>9} {:>7} | {:>9} {:>6} | {:>9} {:>7}\n",
              "params", "thr", "roofline", "ours", "Mparam/s", "roof", "torch", "ours-f32g", "vs", "ours-bf16g", "vs",
-             "q8 Mp/s", "roof");
-  double min_roof = 1e9, min_vs = 1e9, min_vs_bf16 = 1e9, min_q8_roof = 1e9;
+             "q8 Mp/s", "roof", "ds", "vs");
+  double min_roof = 1e9, min_vs = 1e9, min_vs_bf16 = 1e9, min_q8_roof = 1e9, min_vs_ds = 1e9;
   nlohmann::json rows = nlohmann::json::array();
   for (double sm : sizes_m) {
     const size_t n = static_cast<size_t>(sm * 1e6);
@@ -254,20 +323,27 @@ int main(int argc, char** argv) {
       min_vs = std::min(min_vs, vs);
       min_vs_bf16 = std::min(min_vs_bf16, vs_b);
       min_q8_roof = std::min(min_q8_roof, q8_roof);
+      const auto dsi = ds.seconds.find({n, t});
+      const double ds_s = dsi == ds.seconds.end() ? 0 : dsi->second, vs_ds = ds_s / our_f_s;
+      if (ds_s > 0) min_vs_ds = std::min(min_vs_ds, vs_ds);
       fmt::print("{:>7.0f}M {:>3} | {:>6.2f}GB/s | {:>6.2f}GB/s {:>9.1f} {:>6.3f} | {:>7.2f}ms {:>7.2f}ms {:>6.2f}x | "
-                 "{:>7.2f}ms {:>6.2f}x | {:>9.1f} {:>6.3f}\n",
+                 "{:>7.2f}ms {:>6.2f}x | {:>9.1f} {:>6.3f} | {:>9} {:>7}\n",
                  sm, t, roof, o.gbps, o.params_per_s / 1e6, ratio, ts * 1e3, our_f_s * 1e3, vs, our_s * 1e3, vs_b,
-                 q8.params_per_s / 1e6, q8_roof);
+                 q8.params_per_s / 1e6, q8_roof, ds_s > 0 ? fmt::format("{:.2f}ms", ds_s * 1e3) : "-",
+                 ds_s > 0 ? fmt::format("{:.2f}x", vs_ds) : "-");
       rows.push_back({{"params", n}, {"threads", t}, {"triad_gbps", rl.triad_gbps}, {"inplace_gbps", rl.inplace_gbps}, {"pattern_gbps", o.pattern_gbps}, {"roofline_gbps", roof}, {"ours_gbps", o.gbps},
                       {"ours_params_per_s", o.params_per_s}, {"roofline_ratio", ratio},
                       {"torch_ms", ts * 1e3}, {"ours_bf16grad_ms", our_s * 1e3}, {"vs_torch_bf16grad", vs_b},
                       {"ours_f32grad_ms", our_f_s * 1e3}, {"vs_torch", vs},
                       {"q8_params_per_s", q8.params_per_s}, {"q8_gbps", q8.gbps}, {"q8_roofline_ratio", q8_roof}});
+      if (ds_s > 0) rows.back().update({{"deepspeed_ms", ds_s * 1e3}, {"vs_deepspeed", vs_ds}});
     }
   }
   nlohmann::json out = {{"bench", "adam"}, {"isa", isa_name(isa)}, {"roofline_ratio", min_roof},
                         {"vs_torch", min_vs}, {"vs_torch_bf16grad", min_vs_bf16},
                         {"q8_roofline_ratio", min_q8_roof}, {"runs", rows}};
+  if (ds.why.empty()) out.update({{"deepspeed", ds.version}, {"vs_deepspeed", min_vs_ds}});
+  else out["deepspeed_error"] = ds.why;
   fmt::print("{}\n", out.dump());
   return 0;
 }

@@ -90,6 +90,9 @@ class Figures:
     def __getitem__(self, name):
         return self.values[name]
 
+    def __contains__(self, name):
+        return name in self.values
+
 
 # ---- the commands and the figures each one prints -------------------------------------
 # PARTS: part -> command names, as bench/readme_figures.sh runs them.
@@ -295,6 +298,12 @@ def adam_figures(logs, f):
     f.put("adam.q8_roofline_max", max(r["q8_roofline_ratio"] for r in runs), c)
     f.put("adam.params_m", sorted({round(r["params"] / 1e6) for r in runs}), c)
     f.put("adam.threads", sorted({r["threads"] for r in runs}), c)
+    if "deepspeed" in j:
+        f.put("adam.deepspeed", j["deepspeed"], c)
+        f.put("adam.vs_deepspeed_min", j["vs_deepspeed"], c)
+        f.put("adam.vs_deepspeed_max", max(r["vs_deepspeed"] for r in runs if "vs_deepspeed" in r), c)
+    else:
+        f.put("adam.deepspeed_error", j.get("deepspeed_error", "this bench_adam predates DeepSpeed's columns"), c)
 
 
 def nvme_figures(logs, f):
@@ -431,6 +440,11 @@ def block_measured(f, logs):
         ("CPU AdamW (fp32 grad in, bf16 copy out: torch's work) vs torch `_fused_adamw_` + bf16 cast, same threads",
          "bench_adam",
          f"{f['adam.vs_torch_min']:.2f}-{f['adam.vs_torch_max']:.2f}x torch's speed"),
+        ("CPU AdamW (the same fp32 work) vs DeepSpeed's CPUAdam (`DeepSpeedCPUAdam`, its AVX kernel on OpenMP) + "
+         "bf16 cast, same threads",
+         "bench_adam",
+         f"{f['adam.vs_deepspeed_min']:.2f}-{f['adam.vs_deepspeed_max']:.2f}x DeepSpeed {f['adam.deepspeed']}'s speed"
+         if "adam.deepspeed" in f else f"not run: {f['adam.deepspeed_error']}"),
         ("CPU AdamW in the q8 optimizer-state format (bf16 grad in; 12.1 B per parameter moved), same sizes and "
          "threads",
          "bench_adam",
