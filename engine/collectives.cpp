@@ -1,0 +1,272 @@
+// Collectives over c10d: the solo world, torchrun's environment, and Gloo.
+#include "engine/collectives.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string_view>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "host/error.h"
+
+#ifdef STRIDER_HAVE_C10D_GLOO
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+
+namespace strider {
+namespace {
+
+[[maybe_unused]] std::string first_line(std::string_view s) { return std::string(s.substr(0, s.find('\n'))); }
+
+class Solo final : public Collectives {
+ public:
+  const RankInfo& ranks() const override { return info_; }
+  void all_reduce_sum(std::span<double>) override {}
+  void all_reduce_sum(std::span<int64_t>) override {}
+  void reduce_scatter_sum(std::span<const float> in, std::span<float> out) override {
+    STRIDER_CHECK(in.size() == out.size(), "reduce_scatter_sum: {} floats in for a slice of {} in a world of 1",
+                  in.size(), out.size());
+    std::copy(in.begin(), in.end(), out.begin());
+  }
+  void all_gather(std::span<const std::byte> in, std::span<std::byte> out) override {
+    STRIDER_CHECK(in.size() == out.size(), "all_gather: {} bytes out for a slice of {} in a world of 1", out.size(),
+                  in.size());
+    std::copy(in.begin(), in.end(), out.begin());
+  }
+  bool any(bool flag) override { return flag; }
+  void barrier() override {}
+
+ private:
+  RankInfo info_;
+};
+
+// An environment variable as an int, or `fallback` when unset.
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  if (!v) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long x = std::strtol(v, &end, 10);
+  STRIDER_CHECK(*v && end && *end == '\0' && errno == 0 && x >= 0 && x <= (1 << 20),
+                "environment variable {}='{}' is not a non-negative integer (torchrun sets it; so must a launcher "
+                "that imitates it)", name, v);
+  return static_cast<int>(x);
+}
+
+[[maybe_unused]] std::string env_str(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string(fallback);
+}
+
+#ifdef STRIDER_HAVE_C10D_GLOO
+
+// Gloo through c10d. Each collective first records, in the store, how many
+// collectives this rank has entered (its key "<rank>": the sequence number),
+// so that when one fails the survivors can say who never arrived.
+class Gloo final : public Collectives {
+ public:
+  Gloo(c10::intrusive_ptr<c10d::Store> store, const RankInfo& info, std::chrono::milliseconds timeout)
+      : info_(info), timeout_(timeout),
+        progress_(c10::make_intrusive<c10d::PrefixStore>("strider/progress", store)) {
+    auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
+    opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+    try {
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("strider/gloo", store),
+                                                        info.rank, info.world, opts);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("rank {} of {}: joining the process group failed within {} ms: {}", info.rank,
+                              info.world, timeout.count(), first_line(e.what())));
+    }
+  }
+
+  const RankInfo& ranks() const override { return info_; }
+
+  void all_reduce_sum(std::span<double> x) override { reduce_in_rank_order(x, "all_reduce_sum"); }
+  void all_reduce_sum(std::span<int64_t> x) override { reduce_in_rank_order(x, "all_reduce_sum"); }
+
+  void reduce_scatter_sum(std::span<const float> in, std::span<float> out) override {
+    STRIDER_CHECK(in.size() == out.size() * static_cast<size_t>(info_.world),
+                  "reduce_scatter_sum: {} floats in, {} expected ({} ranks x a slice of {})", in.size(),
+                  out.size() * info_.world, info_.world, out.size());
+    std::vector<at::Tensor> outs{blob(out.data(), out.size(), at::kFloat)};
+    std::vector<std::vector<at::Tensor>> ins(1);
+    for (int r = 0; r < info_.world; ++r)
+      ins[0].push_back(blob(const_cast<float*>(in.data()) + r * out.size(), out.size(), at::kFloat));
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = c10d::ReduceOp::SUM;
+    o.timeout = timeout_;
+    run("reduce_scatter_sum", [&] { return pg_->reduce_scatter(outs, ins, o); });
+  }
+
+  void all_gather(std::span<const std::byte> in, std::span<std::byte> out) override {
+    STRIDER_CHECK(out.size() == in.size() * static_cast<size_t>(info_.world),
+                  "all_gather: {} bytes out, {} expected ({} ranks x a slice of {})", out.size(),
+                  in.size() * info_.world, info_.world, in.size());
+    gather_bytes(in.data(), in.size(), out.data(), "all_gather");
+  }
+
+  bool any(bool flag) override {
+    int64_t x = flag ? 1 : 0;
+    all_reduce_sum(std::span<int64_t>(&x, 1));
+    return x != 0;
+  }
+
+  void barrier() override {
+    c10d::BarrierOptions o;
+    o.timeout = timeout_;
+    run("barrier", [&] { return pg_->barrier(o); });
+  }
+
+ private:
+  static at::Tensor blob(void* p, size_t n, at::ScalarType t) {
+    return at::from_blob(p, {static_cast<int64_t>(n)}, at::TensorOptions().dtype(t));  // the caller's memory
+  }
+
+  void gather_bytes(const std::byte* in, size_t n, std::byte* out, const char* op) {
+    std::vector<at::Tensor> ins{blob(const_cast<std::byte*>(in), n, at::kByte)};
+    std::vector<std::vector<at::Tensor>> outs(1);
+    for (int r = 0; r < info_.world; ++r) outs[0].push_back(blob(out + r * n, n, at::kByte));
+    c10d::AllgatherOptions o;
+    o.timeout = timeout_;
+    run(op, [&] { return pg_->allgather(outs, ins, o); });
+  }
+
+  // Every rank's values gathered, then added in rank order: the same bits on
+  // every rank and in every run, whatever algorithm Gloo's allreduce would pick.
+  template <class T>
+  void reduce_in_rank_order(std::span<T> x, const char* op) {
+    const size_t bytes = x.size_bytes();
+    std::vector<std::byte> all(bytes * info_.world);
+    gather_bytes(reinterpret_cast<const std::byte*>(x.data()), bytes, all.data(), op);
+    for (size_t i = 0; i < x.size(); ++i) {
+      T sum{};
+      for (int r = 0; r < info_.world; ++r) {
+        T v;
+        std::memcpy(&v, all.data() + r * bytes + i * sizeof(T), sizeof(T));
+        sum += v;
+      }
+      x[i] = sum;
+    }
+  }
+
+  template <class Start>
+  void run(const char* op, Start&& start) {
+    ++seq_;
+    try {
+      progress_->set(std::to_string(info_.rank), std::to_string(seq_));
+      start()->wait(timeout_);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("rank {} of {}: {} (collective #{}, timeout {} ms) failed ({}). {}", info_.rank,
+                              info_.world, op, seq_, timeout_.count(), first_line(e.what()), laggards()));
+    }
+  }
+
+  // Which ranks never reached this rank's collective, from their records in the store.
+  std::string laggards() {
+    std::vector<std::string> behind;
+    try {
+      for (int r = 0; r < info_.world; ++r) {
+        if (r == info_.rank) continue;
+        const std::string key = std::to_string(r);
+        int64_t seen = 0;
+        if (progress_->check({key})) {
+          const std::vector<uint8_t> v = progress_->get(key);
+          seen = std::stoll(std::string(v.begin(), v.end()));
+        }
+        if (seen < seq_) behind.push_back(fmt::format("rank {} (at #{})", r, seen));
+      }
+    } catch (const std::exception& e) {
+      return fmt::format("The run's store did not answer ({}): the rank that hosts it (rank 0 unless torchrun's "
+                         "agent does) may be the one that died", first_line(e.what()));
+    }
+    if (behind.empty()) return "Every rank reached it: the failure is in the transport, not a missing rank";
+    return fmt::format("Never reached it: {} (dead, hung, or stopped by an error of its own: see its output)",
+                       fmt::join(behind, ", "));
+  }
+
+  RankInfo info_;
+  std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10d::Store> progress_;
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
+  int64_t seq_ = 0;
+};
+
+#endif  // STRIDER_HAVE_C10D_GLOO
+
+}  // namespace
+
+std::unique_ptr<Collectives> solo_collectives() { return std::make_unique<Solo>(); }
+
+bool have_c10d_gloo() {
+#ifdef STRIDER_HAVE_C10D_GLOO
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Collectives> c10d_collectives(const c10::intrusive_ptr<c10d::Store>& store, const RankInfo& info,
+                                              std::chrono::milliseconds timeout) {
+  STRIDER_CHECK(info.world >= 1 && info.rank >= 0 && info.rank < info.world && info.local_world >= 1 &&
+                    info.local_rank >= 0 && info.local_rank < info.local_world && info.local_world <= info.world,
+                "ranks: rank {} of {} (local {} of {}) is not a rank of that world", info.rank, info.world,
+                info.local_rank, info.local_world);
+  if (info.world == 1) return solo_collectives();
+#ifdef STRIDER_HAVE_C10D_GLOO
+  return std::make_unique<Gloo>(store, info, timeout);
+#else
+  (void)store;
+  (void)timeout;
+  throw Error(fmt::format("a world of {} ranks needs c10d's Gloo backend, and this build has none: its gloo headers "
+                          "were not found (scripts/setup.sh installs libgloo-dev; then reconfigure)", info.world));
+#endif
+}
+
+std::unique_ptr<Collectives> collectives_from_env(std::chrono::milliseconds timeout) {
+  RankInfo info;
+  info.world = env_int("WORLD_SIZE", 1);
+  STRIDER_CHECK(info.world >= 1, "environment variable WORLD_SIZE=0: a run has at least one rank");
+  if (info.world == 1) return solo_collectives();
+  info.rank = env_int("RANK", -1);
+  STRIDER_CHECK(info.rank >= 0, "WORLD_SIZE={} but RANK is not set: launch the ranks with torchrun", info.world);
+  info.local_rank = env_int("LOCAL_RANK", info.rank);
+  info.local_world = env_int("LOCAL_WORLD_SIZE", info.world);
+  STRIDER_CHECK(info.rank < info.world && info.local_rank < info.local_world && info.local_world <= info.world,
+                "torchrun's environment is inconsistent: RANK={} WORLD_SIZE={} LOCAL_RANK={} LOCAL_WORLD_SIZE={}",
+                info.rank, info.world, info.local_rank, info.local_world);
+#ifdef STRIDER_HAVE_C10D_GLOO
+  const std::string addr = env_str("MASTER_ADDR", "");
+  STRIDER_CHECK(!addr.empty(), "WORLD_SIZE={} but MASTER_ADDR is not set: launch the ranks with torchrun",
+                info.world);
+  const int port = env_int("MASTER_PORT", -1);
+  STRIDER_CHECK(port > 0 && port < 65536, "MASTER_PORT is {}: launch the ranks with torchrun",
+                port < 0 ? std::string("not set") : std::to_string(port));
+  const std::string agent = env_str("TORCHELASTIC_USE_AGENT_STORE", "");
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(port);
+  o.isServer = !(agent == "True" || agent == "true" || agent == "1") && info.rank == 0;
+  o.numWorkers = info.world;
+  o.waitWorkers = false;  // the process group's own rendezvous waits for everyone
+  o.timeout = timeout;
+  c10::intrusive_ptr<c10d::Store> store;
+  try {
+    store = c10::make_intrusive<c10d::TCPStore>(addr, o);
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("rank {} of {}: the run's store at {}:{} ({}) did not answer within {} ms: {}", info.rank,
+                            info.world, addr, port, o.isServer ? "hosted here" : "torchrun's or rank 0's",
+                            timeout.count(), first_line(e.what())));
+  }
+  return c10d_collectives(store, info, timeout);
+#else
+  return c10d_collectives(c10::intrusive_ptr<c10d::Store>(), info, timeout);
+#endif
+}
+
+}  // namespace strider

@@ -1,0 +1,170 @@
+// engine/collectives: the solo world, and c10d's Gloo with one rank per thread
+// over a shared in-memory store (torchrun's environment is tested by
+// tests/python/test_collectives_torchrun.py, with processes).
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#undef CHECK  // c10's logging defines a glog-style CHECK; the tests mean Catch2's
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "engine/collectives.h"
+#include "host/error.h"
+
+using namespace strider;
+using namespace std::chrono_literals;
+
+namespace {
+
+// body(rank, collectives) on `world` threads, one rank each, over one store;
+// what a thread throws is kept per rank.
+std::vector<std::string> on_ranks(int world, std::chrono::milliseconds timeout,
+                                  const std::function<void(int, Collectives&)>& body) {
+  static std::atomic<int> run{0};  // each call its own keys in the store
+  auto store = c10::make_intrusive<c10d::PrefixStore>("run" + std::to_string(run++),
+                                                      c10::make_intrusive<c10d::HashStore>());
+  std::vector<std::string> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto c = c10d_collectives(store, {.rank = r, .world = world, .local_rank = r, .local_world = world}, timeout);
+        body(r, *c);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+}  // namespace
+
+TEST_CASE("solo collectives pass sums and decisions through and copy slices", "[dist]") {
+  auto c = solo_collectives();
+  CHECK(c->ranks().solo());
+  std::vector<double> x{1.5, -2};
+  c->all_reduce_sum(x);
+  CHECK(x == std::vector<double>({1.5, -2}));
+  std::vector<float> in{1, 2, 3}, out(3);
+  c->reduce_scatter_sum(in, out);
+  CHECK(out == in);
+  CHECK(c->any(true));
+  CHECK_FALSE(c->any(false));
+  std::vector<float> small(2);
+  CHECK_THROWS_WITH(c->reduce_scatter_sum(in, small), Catch::Contains("3 floats in for a slice of 2"));
+}
+
+TEST_CASE("c10d collectives give rank-ordered exact sums and slices where they belong and one decision", "[dist]") {
+  if (!have_c10d_gloo()) {
+    WARN("skipped: this build has no c10d Gloo (no gloo headers)");
+    return;
+  }
+  const int world = GENERATE(2, 3);
+  CAPTURE(world);
+  constexpr size_t kSlice = 5;
+  std::vector<std::vector<double>> sums(world);
+  std::vector<std::vector<float>> slices(world);
+  std::vector<std::vector<std::byte>> gathered(world);
+  std::vector<int> any_one(world), any_none(world);
+  std::vector<int64_t> tokens(world);
+  std::vector<int> rank_of(world, -1);
+  const auto errors = on_ranks(world, 30s, [&](int r, Collectives& c) {
+    rank_of[r] = c.ranks().rank;  // (Catch2's assertions are for the main thread only)
+    // Order matters for these: (1e16 + 1) - 1e16 is 0 in doubles, 1e16 + (1 - 1e16) is not.
+    const double vals[] = {1e16, 1.0, -1e16};
+    std::vector<double> x{vals[r], 0.1 * (r + 1)};
+    c.all_reduce_sum(x);
+    sums[r] = x;
+    int64_t t = 1000 + r;
+    c.all_reduce_sum(std::span<int64_t>(&t, 1));
+    tokens[r] = t;
+    std::vector<float> in(kSlice * world), out(kSlice);
+    for (size_t i = 0; i < in.size(); ++i) in[i] = float((r + 1) * 1000 + i);
+    c.reduce_scatter_sum(in, out);
+    slices[r] = out;
+    std::vector<std::byte> mine(3, std::byte(r + 1)), all(3 * world);
+    c.all_gather(mine, all);
+    gathered[r] = all;
+    any_one[r] = c.any(r == world - 1);
+    any_none[r] = c.any(false);
+    c.barrier();
+  });
+  for (int r = 0; r < world; ++r) REQUIRE(errors[r].empty());
+  double expect0 = 0, expect1 = 0;
+  const double vals[] = {1e16, 1.0, -1e16};
+  for (int r = 0; r < world; ++r) {
+    expect0 += vals[r];
+    expect1 += 0.1 * (r + 1);
+  }
+  int64_t expect_tokens = 0;
+  for (int r = 0; r < world; ++r) expect_tokens += 1000 + r;
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    CHECK(rank_of[r] == r);
+    // Bit-identical on every rank, and the rank-order sum.
+    CHECK(std::memcmp(sums[r].data(), sums[0].data(), 2 * sizeof(double)) == 0);
+    CHECK(sums[r][0] == expect0);
+    CHECK(sums[r][1] == expect1);
+    CHECK(tokens[r] == expect_tokens);
+    for (size_t i = 0; i < kSlice; ++i) {
+      float e = 0;
+      for (int s = 0; s < world; ++s) e += float((s + 1) * 1000 + r * kSlice + i);
+      CHECK(slices[r][i] == e);
+    }
+    for (int s = 0; s < world; ++s)
+      for (int k = 0; k < 3; ++k) CHECK(gathered[r][s * 3 + k] == std::byte(s + 1));
+    CHECK(any_one[r] == 1);
+    CHECK(any_none[r] == 0);
+  }
+}
+
+TEST_CASE("c10d collectives name a rank that never arrives", "[dist]") {
+  if (!have_c10d_gloo()) {
+    WARN("skipped: this build has no c10d Gloo (no gloo headers)");
+    return;
+  }
+  // "hangs": the last rank holds its connections open but never enters the
+  // second collective, so the others time out; "dies": it leaves (its
+  // connections close), so the others fail at once.
+  const bool hangs = GENERATE(true, false);
+  CAPTURE(hangs);
+  constexpr int kWorld = 3;
+  std::atomic<int> failed{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto errors = on_ranks(kWorld, 2s, [&](int r, Collectives& c) {
+    double x = 1;
+    c.all_reduce_sum(std::span<double>(&x, 1));
+    if (r == kWorld - 1) {
+      if (hangs)
+        while (failed.load() < kWorld - 1) std::this_thread::sleep_for(10ms);
+      return;
+    }
+    try {
+      c.all_reduce_sum(std::span<double>(&x, 1));
+    } catch (...) {
+      ++failed;
+      throw;
+    }
+  });
+  const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(errors[kWorld - 1].empty());
+  for (int r = 0; r < kWorld - 1; ++r) {
+    CAPTURE(r, errors[r]);
+    CHECK_THAT(errors[r], Catch::Contains(fmt::format("rank {} of 3: all_reduce_sum (collective #2, timeout 2000 ms) failed (", r)));
+    CHECK_THAT(errors[r], Catch::Contains("Never reached it: rank 2 (at #1)"));
+  }
+  CHECK(waited_s < 30);  // the 2 s timeout, not a hang
+}
+
+TEST_CASE("ranks that are not a world are refused", "[dist]") {
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  CHECK_THROWS_WITH(c10d_collectives(store, {.rank = 2, .world = 2}, 1s),
+                    Catch::Contains("rank 2 of 2 (local 0 of 1) is not a rank of that world"));
+  CHECK(c10d_collectives(store, {}, 1s)->ranks().solo());
+}
