@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include <fmt/format.h>
@@ -30,6 +31,7 @@ class Solo final : public Collectives {
   const RankInfo& ranks() const override { return info_; }
   void all_reduce_sum(std::span<double>) override {}
   void all_reduce_sum(std::span<int64_t>) override {}
+  void all_reduce_sum(std::span<float>) override {}
   void reduce_scatter_sum(std::span<const float> in, std::span<float> out) override {
     STRIDER_CHECK(in.size() == out.size(), "reduce_scatter_sum: {} floats in for a slice of {} in a world of 1",
                   in.size(), out.size());
@@ -42,6 +44,7 @@ class Solo final : public Collectives {
   }
   bool any(bool flag) override { return flag; }
   void barrier() override {}
+  std::unique_ptr<Collectives> split(const std::string&) override { return std::make_unique<Solo>(); }
 
  private:
   RankInfo info_;
@@ -72,14 +75,16 @@ int env_int(const char* name, int fallback) {
 // so that when one fails the survivors can say who never arrived.
 class Gloo final : public Collectives {
  public:
-  Gloo(c10::intrusive_ptr<c10d::Store> store, const RankInfo& info, std::chrono::milliseconds timeout)
-      : info_(info), timeout_(timeout),
-        progress_(c10::make_intrusive<c10d::PrefixStore>("strider/progress", store)) {
+  // `channel` names the process group and its progress records in the store.
+  Gloo(c10::intrusive_ptr<c10d::Store> store, const RankInfo& info, std::chrono::milliseconds timeout,
+       const std::string& channel = "main")
+      : info_(info), timeout_(timeout), channel_(channel), store_(store),
+        progress_(c10::make_intrusive<c10d::PrefixStore>("strider/progress/" + channel, store)) {
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     try {
-      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(c10::make_intrusive<c10d::PrefixStore>("strider/gloo", store),
-                                                        info.rank, info.world, opts);
+      pg_ = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          c10::make_intrusive<c10d::PrefixStore>("strider/gloo/" + channel, store), info.rank, info.world, opts);
     } catch (const std::exception& e) {
       throw Error(fmt::format("rank {} of {}: joining the process group failed within {} ms: {}", info.rank,
                               info.world, timeout.count(), first_line(e.what())));
@@ -91,18 +96,50 @@ class Gloo final : public Collectives {
   void all_reduce_sum(std::span<double> x) override { reduce_in_rank_order(x, "all_reduce_sum"); }
   void all_reduce_sum(std::span<int64_t> x) override { reduce_in_rank_order(x, "all_reduce_sum"); }
 
+  void all_reduce_sum(std::span<float> x) override {
+    // Padded to whole slices in the scratch: [world slices][the slice summed here].
+    const size_t world = size_t(info_.world), slice = (x.size() + world - 1) / world;
+    if (scratch_.size() < slice * (world + 1)) scratch_.resize(slice * (world + 1));
+    std::span<float> all(scratch_.data(), slice * world), mine(scratch_.data() + slice * world, slice);
+    std::copy(x.begin(), x.end(), all.begin());
+    std::fill(all.begin() + x.size(), all.end(), 0.0f);
+    reduce_scatter_sum(all, mine);
+    all_gather(std::as_bytes(mine), std::as_writable_bytes(all));
+    std::copy(all.begin(), all.begin() + x.size(), x.begin());
+  }
+
+  // Point to point, not Gloo's reduce_scatter: each rank receives every
+  // other rank's slice for it and adds them all in rank order, so the sum is
+  // (g0 + g1) + g2 ... exactly as one process accumulates its micro-batches,
+  // and the same whatever the transport's algorithm. Each rank still sends and
+  // receives (world - 1) / world of the buffer, as a ring would.
   void reduce_scatter_sum(std::span<const float> in, std::span<float> out) override {
     STRIDER_CHECK(in.size() == out.size() * static_cast<size_t>(info_.world),
                   "reduce_scatter_sum: {} floats in, {} expected ({} ranks x a slice of {})", in.size(),
                   out.size() * info_.world, info_.world, out.size());
-    std::vector<at::Tensor> outs{blob(out.data(), out.size(), at::kFloat)};
-    std::vector<std::vector<at::Tensor>> ins(1);
-    for (int r = 0; r < info_.world; ++r)
-      ins[0].push_back(blob(const_cast<float*>(in.data()) + r * out.size(), out.size(), at::kFloat));
-    c10d::ReduceScatterOptions o;
-    o.reduceOp = c10d::ReduceOp::SUM;
-    o.timeout = timeout_;
-    run("reduce_scatter_sum", [&] { return pg_->reduce_scatter(outs, ins, o); });
+    const size_t n = out.size(), world = size_t(info_.world), me = size_t(info_.rank);
+    if (received_.size() < n * world) received_.resize(n * world);
+    run("reduce_scatter_sum", [&] {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      const int tag = int(seq_ % (1 << 30));
+      for (size_t r = 0; r < world; ++r) {
+        if (r == me) continue;
+        std::vector<at::Tensor> from{blob(received_.data() + r * n, n, at::kFloat)};
+        works.push_back(pg_->recv(from, int(r), tag));
+      }
+      for (size_t r = 0; r < world; ++r) {
+        if (r == me) continue;
+        std::vector<at::Tensor> to{blob(const_cast<float*>(in.data()) + r * n, n, at::kFloat)};
+        works.push_back(pg_->send(to, int(r), tag));
+      }
+      return works;
+    });
+    const float* own = in.data() + me * n;
+    for (size_t i = 0; i < n; ++i) {
+      float sum = me == 0 ? own[i] : received_[i];
+      for (size_t r = 1; r < world; ++r) sum += r == me ? own[i] : received_[r * n + i];
+      out[i] = sum;
+    }
   }
 
   void all_gather(std::span<const std::byte> in, std::span<std::byte> out) override {
@@ -122,6 +159,10 @@ class Gloo final : public Collectives {
     c10d::BarrierOptions o;
     o.timeout = timeout_;
     run("barrier", [&] { return pg_->barrier(o); });
+  }
+
+  std::unique_ptr<Collectives> split(const std::string& name) override {
+    return std::make_unique<Gloo>(store_, info_, timeout_, channel_ + "/" + name);
   }
 
  private:
@@ -156,15 +197,20 @@ class Gloo final : public Collectives {
     }
   }
 
+  // start() issues the collective and returns its work (or, point to point, works).
   template <class Start>
   void run(const char* op, Start&& start) {
     ++seq_;
     try {
       progress_->set(std::to_string(info_.rank), std::to_string(seq_));
-      start()->wait(timeout_);
+      auto works = start();
+      if constexpr (std::is_same_v<decltype(works), c10::intrusive_ptr<c10d::Work>>) works->wait(timeout_);
+      else
+        for (auto& w : works) w->wait(timeout_);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("rank {} of {}: {} (collective #{}, timeout {} ms) failed ({}). {}", info_.rank,
-                              info_.world, op, seq_, timeout_.count(), first_line(e.what()), laggards()));
+      throw Error(fmt::format("rank {} of {}: {} (collective #{} on channel {}, timeout {} ms) failed ({}). {}",
+                              info_.rank, info_.world, op, seq_, channel_, timeout_.count(), first_line(e.what()),
+                              laggards()));
     }
   }
 
@@ -193,7 +239,10 @@ class Gloo final : public Collectives {
 
   RankInfo info_;
   std::chrono::milliseconds timeout_;
-  c10::intrusive_ptr<c10d::Store> progress_;
+  std::string channel_;
+  c10::intrusive_ptr<c10d::Store> store_, progress_;
+  std::vector<float> scratch_;   // all_reduce_sum(float)'s padded slices
+  std::vector<float> received_;  // reduce_scatter_sum's slices from the other ranks
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   int64_t seq_ = 0;
 };

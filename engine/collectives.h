@@ -39,15 +39,24 @@ class Collectives {
   // x summed over ranks, in place: every rank gets the same bits (added in rank order).
   virtual void all_reduce_sum(std::span<double> x) = 0;
   virtual void all_reduce_sum(std::span<int64_t> x) = 0;
+  // x summed over ranks, in place, for gradients: reduce_scatter_sum then an
+  // all-gather, so every rank gets the same bits, added in rank order. Its
+  // scratch grows to the largest x once.
+  virtual void all_reduce_sum(std::span<float> x) = 0;
   // in: world slices of out.size() floats, slice r meant for rank r. out: the
-  // sum over ranks of this rank's slice (a fixed order for a given world size:
-  // the same bits run after run).
+  // sum over ranks of this rank's slice, added in rank order ((x0 + x1) + x2
+  // ...: what one process accumulating the ranks' micro-batches in order gets).
   virtual void reduce_scatter_sum(std::span<const float> in, std::span<float> out) = 0;
   // in: this rank's slice. out: world slices of in.size() bytes, rank r's at r * in.size().
   virtual void all_gather(std::span<const std::byte> in, std::span<std::byte> out) = 0;
   // A collective decision: true on every rank when `flag` is true on any.
   virtual bool any(bool flag) = 0;
   virtual void barrier() = 0;
+  // Another channel over the same ranks, for collectives issued from another
+  // thread (two threads must never share one: the ranks would pair their
+  // collectives in different orders). Itself a collective: every rank splits
+  // the same names in the same order.
+  virtual std::unique_ptr<Collectives> split(const std::string& name) = 0;
 };
 
 // World size 1.

@@ -7,6 +7,7 @@
 #include <limits>
 #include <random>
 
+#include "engine/collectives.h"
 #include "gpu/unit_tensors.h"
 #include "host/bf16.h"
 #include "host/error.h"
@@ -34,6 +35,8 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
       sim_(device_->kind() == DeviceKind::kSim ? static_cast<SimDevice*>(device_.get()) : nullptr),
       aten_device_(engine_aten_device(*device_)) {
   check_config();
+  dist_ = solo_collectives();
+  dist_update_ = solo_collectives();
   num_blocks_ = spec_.num_blocks();
   head_ = num_blocks_ - 1;
   for (int64_t b = 0; b < num_blocks_; ++b) layouts_.push_back(spec_.layout(b));
@@ -404,14 +407,9 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
     rep.nonfinite_tensor = job->nonfinite_tensor;
   }
   if (!rep.skipped) ++steps_;
-  head_stats_ready_->synchronize();
-  double loss = 0;
-  const size_t M = size_t(config_.accumulation);
-  for (size_t m = 0; m < M; ++m) {
-    loss += head_stats_host_[m];
-    rep.valid_tokens += int64_t(head_stats_host_[M + m]);
-  }
-  rep.loss = loss / double(rep.valid_tokens);
+  const auto [loss, valid] = pass_loss();
+  rep.valid_tokens = valid;
+  rep.loss = loss / double(valid);
   const double t1 = Timeline::now_us();
   // Every copy of the step has finished: the gradients landed (the norm is
   // known), the loss figures too; nothing of the next step is issued yet.
@@ -431,18 +429,42 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
   upload_batch(ids, labels);
   run_pass(eval_visits_, /*train=*/false);
   device_->synchronize(StreamId::kCompute);
-  head_stats_ready_->synchronize();
+  const auto [loss, valid] = pass_loss();
   collect_device_spans();
-  double loss = 0;
-  int64_t valid = 0;
-  const size_t M = size_t(config_.accumulation);
-  for (size_t m = 0; m < M; ++m) {
-    loss += head_stats_host_[m];
-    valid += int64_t(head_stats_host_[M + m]);
-  }
   STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");
   return loss / double(valid);
 }
+
+std::pair<double, int64_t> Engine::pass_loss() {
+  head_stats_ready_->synchronize();
+  const size_t M = size_t(config_.accumulation);
+  double sums[2] = {0, 0};  // the loss summed over valid tokens, and their count
+  for (size_t m = 0; m < M; ++m) {
+    sums[0] += head_stats_host_[m];
+    sums[1] += head_stats_host_[M + m];
+  }
+  dist_->all_reduce_sum(sums);  // the global batch's (rank order: the same bits on every rank)
+  return {sums[0], int64_t(sums[1])};
+}
+
+void Engine::set_collectives(std::unique_ptr<Collectives> ranks) {
+  STRIDER_CHECK(ranks != nullptr, "set_collectives: no collectives");
+  STRIDER_CHECK(!simulated() || ranks->ranks().solo(),
+                "a simulated engine runs one rank: it predicts one device's schedule, not {} ranks'",
+                ranks->ranks().world);
+  finish_updates();
+  STRIDER_CHECK(passes_ == 0, "set_collectives: the engine has stepped already; give it its ranks before the "
+                "first step");
+  auto update = ranks->split("updater");
+  size_t largest = 0;
+  for (int64_t p = 0; p < num_pieces(); ++p) largest = std::max(largest, piece(p).elems());
+  std::lock_guard lk(mu_);  // the updater is idle (no pass yet), but it reads these under the lock's order
+  dist_ = std::move(ranks);
+  dist_update_ = std::move(update);
+  dist_scratch_.assign(dist_->ranks().solo() || grad_bytes_ == 4 ? 0 : largest, 0.0f);
+}
+
+const RankInfo& Engine::ranks() const { return dist_->ranks(); }
 
 void Engine::set_steps_done(int64_t steps) {
   STRIDER_CHECK(steps >= 0, "set_steps_done({}): a step count is >= 0", steps);

@@ -57,6 +57,9 @@
 
 namespace strider {
 
+class Collectives;  // engine/collectives.h
+struct RankInfo;
+
 // The host format's kind of an NVMe extent of state (not kGrad).
 inline StateKind state_kind(ExtentKind k) {
   return k == ExtentKind::kMaster ? StateKind::kMaster : k == ExtentKind::kAdamM ? StateKind::kAdamM : StateKind::kAdamV;
@@ -219,6 +222,15 @@ class Engine {
   // For resuming: the optimizer steps already taken (AdamW's bias corrections
   // and the learning-rate schedule continue from here). Between steps only.
   void set_steps_done(int64_t steps);
+  // Data parallel: this engine is one of `ranks`' ranks, each stepping on its
+  // own micro-batches of one global batch. The ranks agree on the batch's valid
+  // tokens before the pass (every rank's loss is scaled by the global count),
+  // sum each piece's gradients as they land (so every rank updates the same
+  // state to the same bits), and reduce the loss. Before the first step, on
+  // every rank (it opens the updater's channel: a collective). Without it the
+  // engine is its own world of one.
+  void set_collectives(std::unique_ptr<Collectives> ranks);
+  const RankInfo& ranks() const;
   size_t arena_bytes() const { return arena_->capacity_bytes(); }
   // The first parameter (block order, then layout order) whose fp32 master
   // holds a NaN or an infinity, or "" when all are finite. Reads every
@@ -403,6 +415,14 @@ class Engine {
   int64_t steps_ = 0;      // optimizer steps taken (skipped steps do not count)
   int64_t passes_ = 0;     // training passes run: the updater's and the waits' sequence number
   int64_t fault_block_ = -1, fault_pass_ = 0;  // inject_nonfinite_gradient
+
+  // Data parallel (set_collectives): the main thread's channel and the updater's.
+  std::unique_ptr<Collectives> dist_, dist_update_;
+  std::vector<float> dist_scratch_;  // bf16 gradients summed in fp32 (the largest piece)
+  void sum_grads_over_ranks(int64_t p);  // updater thread
+  // The pass's loss summed over its valid tokens, and their count, over every
+  // rank (waits for the loss figures' D2H).
+  std::pair<double, int64_t> pass_loss();
 
   // Updater thread.
   std::thread updater_;

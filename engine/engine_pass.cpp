@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "engine/engine.h"
+#include "engine/collectives.h"
 #include "engine/plan.h"  // attention_core_flops
 #include "host/error.h"
 
@@ -96,6 +97,9 @@ void Engine::upload_batch(const int64_t* ids, const int64_t* labels) {
   }
   batch_valid_ = 0;
   for (size_t i = 0; i < n; ++i) batch_valid_ += labels[i] != -100;
+  // Every rank scales its loss by the global batch's count, so the ranks'
+  // gradients sum to the global mean's.
+  dist_->all_reduce_sum(std::span<int64_t>(&batch_valid_, 1));
   std::memcpy(ids_host_.data(), ids, n * 8);
   std::memcpy(labels_host_.data(), labels, n * 8);
   device_->copy_h2d(StreamId::kH2D, ids_dev_.data_ptr(), ids_host_.data(), n * 8, {"h2d batch"});

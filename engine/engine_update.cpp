@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "engine/engine.h"
+#include "engine/collectives.h"
 #include "host/adam_q8.h"
 #include "host/bf16.h"
 #include "host/error.h"
@@ -117,6 +118,22 @@ Engine::NvmeStaging& Engine::idle_staging() {
   return nvme_staging_[0];
 }
 
+void Engine::sum_grads_over_ranks(int64_t p) {
+  if (dist_update_->ranks().solo()) return;
+  const size_t n = piece(p).elems();
+  std::byte* g = grad_host(p).data();
+  if (grad_bytes_ == 4) {
+    dist_update_->all_reduce_sum(std::span<float>(reinterpret_cast<float*>(g), n));
+    return;
+  }
+  // bf16 on the host: summed in fp32, rounded once (to nearest even).
+  std::span<uint16_t> g16(reinterpret_cast<uint16_t*>(g), n);
+  std::span<float> f = std::span<float>(dist_scratch_).first(n);
+  bf16_to_float(g16, f);
+  dist_update_->all_reduce_sum(f);
+  float_to_bf16(f, g16);
+}
+
 void Engine::updater_main() {
   for (;;) {
     std::shared_ptr<UpdateJob> job;
@@ -152,6 +169,7 @@ void Engine::updater_main() {
           STRIDER_CHECK(!stopping_, "the engine stopped before {}'s gradients were copied out", shards_.name(spec_, b));
         }
         grads_ready_[size_t(b)]->synchronize();
+        sum_grads_over_ranks(b);
         const size_t n = piece(b).elems();
         std::byte* g = grad_host(b).data();
         if (grad_bytes_ == 4) {
@@ -188,7 +206,10 @@ void Engine::updater_main() {
         head_stats_ready_->synchronize();
         double loss = 0;
         for (int64_t m = 0; m < config_.accumulation; ++m) loss += head_stats_host_[size_t(m)];
-        if (!std::isfinite(loss)) skip(*job, "loss is " + nonfinite_text(loss));
+        // One decision for every rank: any rank's non-finite loss skips the step everywhere.
+        if (dist_update_->any(!std::isfinite(loss)))
+          skip(*job, std::isfinite(loss) ? std::string("another rank's loss is not finite")
+                                         : "loss is " + nonfinite_text(loss));
       };
       // Which block to name: the first in forward order with a bad gradient.
       auto name_bad_block = [&] {

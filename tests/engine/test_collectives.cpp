@@ -3,8 +3,8 @@
 // tests/python/test_collectives_torchrun.py, with processes).
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#undef CHECK  // c10's logging defines a glog-style CHECK; the tests mean Catch2's
-#include <catch2/catch.hpp>
+
+#include "tests/catch_torch.h"
 
 #include <atomic>
 #include <cstring>
@@ -73,6 +73,7 @@ TEST_CASE("c10d collectives give rank-ordered exact sums and slices where they b
   std::vector<std::vector<std::byte>> gathered(world);
   std::vector<int> any_one(world), any_none(world);
   std::vector<int64_t> tokens(world);
+  std::vector<std::vector<float>> grads(world), side_sums(world);
   std::vector<int> rank_of(world, -1);
   const auto errors = on_ranks(world, 30s, [&](int r, Collectives& c) {
     rank_of[r] = c.ranks().rank;  // (Catch2's assertions are for the main thread only)
@@ -91,6 +92,16 @@ TEST_CASE("c10d collectives give rank-ordered exact sums and slices where they b
     std::vector<std::byte> mine(3, std::byte(r + 1)), all(3 * world);
     c.all_gather(mine, all);
     gathered[r] = all;
+    // Gradients: 7 floats (no whole slices) summed on the main channel while
+    // another thread sums on a split one.
+    auto side = c.split("side");
+    std::vector<float> g(7), h{float(r), 1.0f};
+    for (size_t i = 0; i < g.size(); ++i) g[i] = 0.5f * float(i) + float(r);
+    std::thread other([&] { side->all_reduce_sum(h); });
+    c.all_reduce_sum(g);
+    other.join();
+    grads[r] = g;
+    side_sums[r] = h;
     any_one[r] = c.any(r == world - 1);
     any_none[r] = c.any(false);
     c.barrier();
@@ -119,6 +130,13 @@ TEST_CASE("c10d collectives give rank-ordered exact sums and slices where they b
     }
     for (int s = 0; s < world; ++s)
       for (int k = 0; k < 3; ++k) CHECK(gathered[r][s * 3 + k] == std::byte(s + 1));
+    for (size_t i = 0; i < 7; ++i) {
+      float e = 0;
+      for (int s = 0; s < world; ++s) e += 0.5f * float(i) + float(s);
+      CHECK(grads[r][i] == e);  // small integers and halves: exact in any order
+    }
+    CHECK(std::memcmp(grads[r].data(), grads[0].data(), 7 * sizeof(float)) == 0);
+    CHECK(side_sums[r] == std::vector<float>({float(world * (world - 1) / 2), float(world)}));
     CHECK(any_one[r] == 1);
     CHECK(any_none[r] == 0);
   }
@@ -156,7 +174,7 @@ TEST_CASE("c10d collectives name a rank that never arrives", "[dist]") {
   CHECK(errors[kWorld - 1].empty());
   for (int r = 0; r < kWorld - 1; ++r) {
     CAPTURE(r, errors[r]);
-    CHECK_THAT(errors[r], Catch::Contains(fmt::format("rank {} of 3: all_reduce_sum (collective #2, timeout 2000 ms) failed (", r)));
+    CHECK_THAT(errors[r], Catch::Contains(fmt::format("rank {} of 3: all_reduce_sum (collective #2 on channel main, timeout 2000 ms) failed (", r)));
     CHECK_THAT(errors[r], Catch::Contains("Never reached it: rank 2 (at #1)"));
   }
   CHECK(waited_s < 30);  // the 2 s timeout, not a hang

@@ -52,7 +52,7 @@ def test_a_killed_rank_is_named_by_the_survivor(strider_binary):
     r = torchrun(strider_binary("collectives_probe"), 2, "--leave-at", "2", "--timeout-ms", "20000", monitor_s=5)
     assert r.returncode != 0
     out = r.stdout + r.stderr
-    assert "rank 0 of 2: reduce_scatter_sum (collective #2, timeout 20000 ms) failed" in out, out[-3000:]
+    assert "rank 0 of 2: reduce_scatter_sum (collective #2 on channel main, timeout 20000 ms) failed" in out, out[-3000:]
     assert "Never reached it: rank 1 (at #1)" in out
 
 
