@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
@@ -70,6 +73,75 @@ int env_int(const char* name, int fallback) {
 
 #ifdef STRIDER_HAVE_C10D_GLOO
 
+// Each rank's sign of life in the run's store: a counter bumped every kBeat by
+// a thread of its own, over a connection of its own. A rank whose collective
+// failed reads them twice, 4 beats apart, to tell a dead or frozen peer (its
+// counter stood still) from a live one. The thread is detached when its owner
+// goes: a store that died with its host may block it for the store's timeout,
+// and nobody should wait for that.
+class Heartbeat {
+ public:
+  static constexpr std::chrono::milliseconds kBeat{500};
+
+  Heartbeat(const c10::intrusive_ptr<c10d::Store>& store, int rank) : state_(std::make_shared<State>()) {
+    c10::intrusive_ptr<c10d::Store> own;
+    try {
+      own = store->clone();
+    } catch (const std::exception&) {
+      own = store;  // (a store that cannot clone is shared; c10d's stores lock their own calls)
+    }
+    state_->store = c10::make_intrusive<c10d::PrefixStore>("strider/alive", own);
+    std::thread([s = state_, key = std::to_string(rank)] {
+      int64_t n = 0;
+      std::unique_lock lk(s->mu);
+      while (!s->stop) {
+        lk.unlock();
+        try {
+          s->store->set(key, std::to_string(++n));
+        } catch (const std::exception&) {
+          // the store is gone: a collective will say so
+        }
+        lk.lock();
+        s->cv.wait_for(lk, kBeat, [&] { return s->stop; });
+      }
+    }).detach();
+  }
+  ~Heartbeat() {
+    std::lock_guard lk(state_->mu);
+    state_->stop = true;
+    state_->cv.notify_all();
+  }
+
+  // The ranks (not `self`) whose counter did not move over 4 beats.
+  std::vector<int> silent(int world, int self) {
+    auto read = [&] {
+      std::vector<std::string> v(static_cast<size_t>(world));
+      for (int r = 0; r < world; ++r)
+        if (r != self && state_->store->check({std::to_string(r)})) {
+          const std::vector<uint8_t> b = state_->store->get(std::to_string(r));
+          v[size_t(r)] = std::string(b.begin(), b.end());
+        }
+      return v;
+    };
+    const std::vector<std::string> a = read();
+    std::this_thread::sleep_for(4 * kBeat);
+    const std::vector<std::string> b = read();
+    std::vector<int> out;
+    for (int r = 0; r < world; ++r)
+      if (r != self && a[size_t(r)] == b[size_t(r)]) out.push_back(r);
+    return out;
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stop = false;
+    c10::intrusive_ptr<c10d::Store> store;
+  };
+  std::shared_ptr<State> state_;
+};
+
 // Gloo through c10d. Each collective first records, in the store, how many
 // collectives this rank has entered (its key "<rank>": the sequence number),
 // so that when one fails the survivors can say who never arrived.
@@ -77,9 +149,10 @@ class Gloo final : public Collectives {
  public:
   // `channel` names the process group and its progress records in the store.
   Gloo(c10::intrusive_ptr<c10d::Store> store, const RankInfo& info, std::chrono::milliseconds timeout,
-       const std::string& channel = "main")
+       const std::string& channel = "main", std::shared_ptr<Heartbeat> heartbeat = nullptr)
       : info_(info), timeout_(timeout), channel_(channel), store_(store),
-        progress_(c10::make_intrusive<c10d::PrefixStore>("strider/progress/" + channel, store)) {
+        progress_(c10::make_intrusive<c10d::PrefixStore>("strider/progress/" + channel, store)),
+        heartbeat_(heartbeat ? std::move(heartbeat) : std::make_shared<Heartbeat>(store, info.rank)) {
     auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
     opts->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     try {
@@ -162,7 +235,7 @@ class Gloo final : public Collectives {
   }
 
   std::unique_ptr<Collectives> split(const std::string& name) override {
-    return std::make_unique<Gloo>(store_, info_, timeout_, channel_ + "/" + name);
+    return std::make_unique<Gloo>(store_, info_, timeout_, channel_ + "/" + name, heartbeat_);
   }
 
  private:
@@ -214,10 +287,13 @@ class Gloo final : public Collectives {
     }
   }
 
-  // Which ranks never reached this rank's collective, from their records in the store.
+  // Which ranks never reached this rank's collective, from their records in
+  // the store, and which have stopped beating.
   std::string laggards() {
     std::vector<std::string> behind;
+    std::vector<int> silent;
     try {
+      silent = heartbeat_->silent(info_.world, info_.rank);
       for (int r = 0; r < info_.world; ++r) {
         if (r == info_.rank) continue;
         const std::string key = std::to_string(r);
@@ -232,15 +308,22 @@ class Gloo final : public Collectives {
       return fmt::format("The run's store did not answer ({}): the rank that hosts it (rank 0 unless torchrun's "
                          "agent does) may be the one that died", first_line(e.what()));
     }
-    if (behind.empty()) return "Every rank reached it: the failure is in the transport, not a missing rank";
-    return fmt::format("Never reached it: {} (dead, hung, or stopped by an error of its own: see its output)",
-                       fmt::join(behind, ", "));
+    const std::string quiet =
+        silent.empty() ? std::string()
+                       : fmt::format("No heartbeat for {} ms from: rank {} (dead or frozen)",
+                                     (4 * Heartbeat::kBeat).count(), fmt::join(silent, ", rank "));
+    if (behind.empty())
+      return quiet.empty() ? "Every rank reached it and is alive: the failure is in the transport"
+                           : "Every rank reached it. " + quiet;
+    return fmt::format("Never reached it: {} (dead, hung, or stopped by an error of its own: see its output){}",
+                       fmt::join(behind, ", "), quiet.empty() ? "" : ". " + quiet);
   }
 
   RankInfo info_;
   std::chrono::milliseconds timeout_;
   std::string channel_;
   c10::intrusive_ptr<c10d::Store> store_, progress_;
+  std::shared_ptr<Heartbeat> heartbeat_;  // one per process, shared by its channels
   std::vector<float> scratch_;   // all_reduce_sum(float)'s padded slices
   std::vector<float> received_;  // reduce_scatter_sum's slices from the other ranks
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;

@@ -33,6 +33,7 @@ struct Options {
           max_skipped_steps = 3;
   std::vector<std::string> allow_changed;
   bool resume = false;
+  int64_t dist_timeout_s = 300;
 };
 
 // What --allow-changed may name: the engine config's maths fields, and the data.
@@ -56,29 +57,42 @@ void append_line(std::ofstream& metrics, const std::string& path, const nlohmann
 
 int run(const Options& o) {
   namespace fs = std::filesystem;
-  check_single_process("finetune");
+  // Data parallel under torchrun (WORLD_SIZE > 1), else a world of one. Rank
+  // 0 alone writes (outputs, checkpoints, metrics, the trace) and prints; the
+  // others print only their errors (stderr), step on their rows of each
+  // global batch, and take every decision with rank 0 (a stop, a skipped
+  // step, the end), through the collectives.
+  const std::unique_ptr<Collectives> ranks = collectives_from_env(std::chrono::seconds(o.dist_timeout_s));
+  const RankInfo& me = ranks->ranks();
+  const bool writes = me.rank == 0;
+  if (!writes) STRIDER_CHECK(std::freopen("/dev/null", "w", stdout) != nullptr, "rank {}: cannot quiet its output: {}",
+                             me.rank, errno_text(errno));
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
-  check_output_dir(o.out, "--out");
-  if (!o.trace.empty()) check_output_file(o.trace, "--trace");
-  if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
   STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  if (writes) {
+    check_output_dir(o.out, "--out");
+    if (!o.trace.empty()) check_output_file(o.trace, "--trace");
+    if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
+  }
   // Saves go to --checkpoint-dir; a run stopped by a signal or by the numerics
   // guard without one saves under --out.
   const std::string ckpt_root =
       o.checkpoint_dir.empty() ? (fs::path(o.out) / "strider-checkpoints").string() : o.checkpoint_dir;
   std::optional<DirLock> ckpt_lock;
-  if (!o.checkpoint_dir.empty()) {
+  if (!o.checkpoint_dir.empty() && writes) {
     check_output_dir(o.checkpoint_dir, "--checkpoint-dir");
     ckpt_lock.emplace(o.checkpoint_dir, "--checkpoint-dir");
   }
   std::ofstream metrics;
-  if (!o.metrics.empty()) {
+  if (!o.metrics.empty() && writes) {
     metrics.open(o.metrics, std::ios::app);
     STRIDER_CHECK(metrics.is_open(), "--metrics {}: cannot open it for appending: {}", o.metrics, errno_text(errno));
   }
 
   // 2. The model, plan, engine and data (locks --nvme).
-  TrainingRun tr = make_training_run(o.train, "finetune", o.steps);
+  // Every rank has checked what it owns before any rank builds its run.
+  ranks->barrier();
+  TrainingRun tr = make_training_run(o.train, "finetune", o.steps, stdout, ranks.get());
   STRIDER_CHECK(!tr.engine->simulated(),
                 "--device {}: a simulated device trains nothing; use `strider profile --device {}` or "
                 "`strider plan --predict` for its figures",
@@ -92,20 +106,21 @@ int run(const Options& o) {
   std::string eval_data = o.eval_data;
   if (o.train.data == "builtin" && eval_data.empty()) {
     eval_data = (fs::path(o.train.work_dir) / "builtin-eval.tokens").string();
-    write_builtin_dataset(eval_data, 100'000, 7, o.train.seed + 1);
+    if (writes) write_builtin_dataset(eval_data, 100'000, 7, o.train.seed + 1);
   }
+  ranks->barrier();
   int64_t skipped_total = 0;
   auto extra_json = [&] {
     TokenLoaderState st = loader.state();
     nlohmann::json l = {{"epoch", st.epoch}, {"cursor", st.cursor}, {"seed", st.seed},
                         {"num_windows", st.num_windows}, {"seq", st.seq}};
     return nlohmann::json{{"loader", l}, {"data", tr.data}, {"data_file", data}, {"seed", o.train.seed},
-                          {"skipped_steps", skipped_total}};
+                          {"skipped_steps", skipped_total}, {"world", me.world}};
   };
   CheckpointSeries series(ckpt_root, int(o.keep_checkpoints));
   int64_t saved_step = -1;
   auto save_checkpoint = [&] {
-    if (saved_step == engine.steps_done()) return;
+    if (!writes || saved_step == engine.steps_done()) return;  // the state is whole on every rank: rank 0 saves it
     if (!ckpt_lock) {  // the default under --out: checked and locked when first used
       check_output_dir(ckpt_root, "the checkpoint directory");
       ckpt_lock.emplace(ckpt_root, "the checkpoint directory");
@@ -143,6 +158,14 @@ int run(const Options& o) {
                     data["xxh3"].get<std::string>());
       if (!same) fmt::print("  the data changed ({} -> {}): --allow-changed data\n", was.value("path", ""), tr.data);
     }
+    // The loader's place is in global batches of world x --micro-batch x
+    // --accumulation rows: another world size would step on other batches.
+    const int64_t world = extra.value("world", int64_t{1});
+    STRIDER_CHECK(world == me.world,
+                  "--resume: the checkpoint {} was saved by {} rank(s) and this run has {}: its global batch (ranks x "
+                  "--micro-batch x --accumulation) and its data order would change; resume with {} rank(s) (resharding "
+                  "to another world size is not there yet)",
+                  r.dir.string(), world, me.world, world);
     const auto& l = extra.at("loader");
     const TokenLoaderState st{l.at("epoch"), l.at("cursor"), l.at("seed"), l.at("num_windows"), l.at("seq")};
     if (st.num_windows == loader.state().num_windows) loader.restore(st);
@@ -158,13 +181,16 @@ int run(const Options& o) {
   std::unique_ptr<TokenFile> eval_file;
   if (!eval_data.empty() && o.eval_batches > 0)
     eval_file = std::make_unique<TokenFile>(eval_data, uint64_t(spec.dims.vocab));
-  std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq)), labels(ids.size());
+  // The global batch; this rank steps on its share of the rows.
+  std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq * me.world)), labels(ids.size());
+  const size_t mine = size_t(me.rank * cfg.batch() * cfg.seq);
   auto evaluate = [&] {
-    TokenLoader el(*eval_file, {.batch = uint64_t(cfg.batch()), .seq = uint64_t(cfg.seq), .seed = 0, .shuffle = false});
+    TokenLoader el(*eval_file, {.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq), .seed = 0,
+                                .shuffle = false});
     double sum = 0;
     for (int64_t i = 0; i < o.eval_batches; ++i) {
       el.next(ids, labels);
-      sum += engine.evaluate(ids.data(), labels.data());
+      sum += engine.evaluate(ids.data() + mine, labels.data() + mine);
     }
     return sum / double(o.eval_batches);
   };
@@ -176,9 +202,10 @@ int run(const Options& o) {
   const int64_t start_step = engine.steps_done();
   int64_t in_a_row = 0;
   std::string diverged;  // why the numerics guard stopped the run
-  while (engine.steps_done() < o.steps && !signals.requested()) {
+  bool stop = false;  // a signal reached a rank: every rank stops after the same step
+  while (engine.steps_done() < o.steps && !(stop = ranks->any(signals.requested()))) {
     loader.next(ids, labels);
-    StepReport r = engine.step(ids.data(), labels.data());
+    StepReport r = engine.step(ids.data() + mine, labels.data() + mine);
     if (r.skipped) {
       ++skipped_total;
       ++in_a_row;
@@ -247,18 +274,22 @@ int run(const Options& o) {
       }
     }
     write_trace();
+    ranks->barrier();  // no rank's exit may stop rank 0's save
     throw Error(fmt::format("the run diverged: {}{}. Lower --lr (or raise --warmup) and resume from {}", diverged,
                             not_saved, saved_step >= 0 ? ckpt_root : "a new start"));
   }
-  if (signals.requested()) {
-    fmt::print("interrupted by {} after step {}: saving\n", StopSignals::name(signals.signal_number()),
-               engine.steps_done());
+  if (stop) {
+    // The signal may have reached another rank only (torchrun forwards it to all).
+    const int sig = signals.requested() ? signals.signal_number() : SIGTERM;
+    fmt::print("interrupted by {} after step {}: saving\n", StopSignals::name(sig), engine.steps_done());
     std::fflush(stdout);  // a supervisor watching the output knows the save has begun
     save_checkpoint();
     write_trace();
+    ranks->barrier();  // a rank that exits first would have torchrun stop rank 0 mid-save
     fmt::print("resume with --checkpoint-dir {} --resume\n", ckpt_root);
-    return 128 + signals.signal_number();
+    return 128 + sig;
   }
+  if (!writes) return 0;  // rank 0 writes the checkpoint and the model
   if (!o.checkpoint_dir.empty()) save_checkpoint();
   write_trace();
 
@@ -308,6 +339,11 @@ std::function<int()> add_finetune(CLI::App& app) {
                 "steps in a row skipped for a non-finite loss or gradient before the run stops")
       ->capture_default_str()
       ->check(in_range<int64_t>(1, 1000000));
+  c->add_option("--dist-timeout", o->dist_timeout_s,
+                "data parallel (under torchrun): seconds any collective may wait for the other ranks; past it, "
+                "or at once when a rank dies, every rank stops naming the ranks that never arrived")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, 86400));
   c->add_flag("--resume", o->resume,
               "continue from the newest checkpoint in --checkpoint-dir that loads (weights, Adam state, step, data "
               "position)");

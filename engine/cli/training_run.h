@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 
+#include "engine/collectives.h"
 #include "engine/engine.h"
 #include "engine/plan.h"
 #include "io/run_lock.h"
@@ -78,6 +79,7 @@ struct TrainingRun {
 
 // Refuses, naming the variable, a run started as one of several processes
 // (WORLD_SIZE > 1, as torchrun sets it): call before anything touches disk.
+// (`strider profile`: a profile is one device's.)
 void check_single_process(std::string_view command);
 
 // Parses the model, makes the plan and prints it (headed "strider <command>:")
@@ -87,7 +89,14 @@ void check_single_process(std::string_view command);
 // simulated device: it holds none; a non-finite weight in a loaded model is
 // refused, naming the tensor), and opens the training data. `total_steps`
 // is the learning-rate schedule's length.
+//
+// With `ranks` of more than one (data parallel, launched by torchrun): each
+// rank plans with its share of the machine's --host-ram (the state is whole on
+// every rank), keeps NVMe-tier state under <--nvme>/rank<r>, and gets its
+// engine channel; rank 0 writes the generated data while the others wait; the
+// loader yields the global batch (every rank the same; rank r steps on its
+// r-th share of the rows). Only the CPU device so far.
 TrainingRun make_training_run(const TrainOptions& o, std::string_view command, int64_t total_steps,
-                              std::FILE* log = stdout);
+                              std::FILE* log = stdout, Collectives* ranks = nullptr);
 
 }  // namespace strider::cli
