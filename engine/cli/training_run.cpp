@@ -176,13 +176,12 @@ uint64_t device_budget_bytes(const std::string& device, const std::string& budge
 }
 
 void check_single_process(std::string_view command) {
-  // Until data parallel exists (issue 15), under a launcher that starts
-  // several processes (torchrun sets WORLD_SIZE) each rank would train alone
-  // and race the others on --out, the checkpoints and --nvme.
+  // Under a launcher that starts several processes (torchrun sets WORLD_SIZE)
+  // each would profile alone and race the others on its outputs.
   if (const char* ws = std::getenv("WORLD_SIZE"); ws != nullptr && *ws != '\0' && std::string_view(ws) != "1")
-    throw Error(fmt::format("WORLD_SIZE={} (set by torchrun or another launcher): strider {} runs as one process; "
-                            "several would each train alone and overwrite each other's output. Launch one process "
-                            "(data parallel across processes is not there yet)",
+    throw Error(fmt::format("WORLD_SIZE={} (set by torchrun or another launcher): strider {} measures one device in "
+                            "one process; several would each run alone and overwrite each other's output. Launch "
+                            "one process (`strider finetune` is the command that runs as several ranks)",
                             ws, command));
 }
 

@@ -133,14 +133,14 @@ def inspect_checkpoint(path) -> dict:
 
 
 def check_single_process():
-    """One engine per run until data parallel exists (issue 15): ranks of a torch.distributed group would each
-    train alone on their own batches and save over each other."""
+    """One engine per run until the Python path of data parallel exists (the command line has it): ranks of a
+    torch.distributed group would each train alone on their own batches and save over each other."""
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise RuntimeError(f"strider.Engine: torch.distributed is initialized with {dist.get_world_size()} "
                            f"processes (this is rank {dist.get_rank()}); strider trains in one process, and the "
-                           "ranks would each train alone and save over each other. Run one process (data "
-                           "parallel across processes is not there yet)")
+                           "ranks would each train alone and save over each other. Run one process (from Python, "
+                           "data parallel is not there yet; `torchrun ... strider finetune` runs it)")
 
 
 class Engine:

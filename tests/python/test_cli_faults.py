@@ -251,15 +251,21 @@ def test_a_model_with_a_nan_weight_is_refused_naming_the_tensor(strider, tmp_pat
     assert r.returncode != 0 and name in r.stderr and "non-finite" in r.stderr
 
 
-def test_several_ranks_from_a_launcher_are_refused_before_anything_is_written(strider, tmp_path):
-    """torchrun starts one process per rank and sets WORLD_SIZE: until data parallel exists each rank would
-    train alone and overwrite the others' output, so a world of more than one is refused up front."""
+def test_a_rank_without_torchruns_environment_is_refused_before_anything_is_written(strider, tmp_path):
+    """torchrun starts one process per rank and sets WORLD_SIZE, RANK, MASTER_ADDR, MASTER_PORT: a rank
+    missing one is refused up front, naming it (tests/python/test_data_parallel_cli.py runs the real thing);
+    `strider profile` measures one device and refuses any world of more than one."""
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}
+    env.pop("MASTER_ADDR", None)
     cmd = [str(strider), "finetune", *BASE, "--work-dir", str(tmp_path / "work"), "--steps", "1",
            "--out", str(tmp_path / "out")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode != 0 and "WORLD_SIZE=2" in r.stderr and "one process" in r.stderr, r.stderr
+    assert r.returncode != 0 and "WORLD_SIZE=2 but MASTER_ADDR is not set" in r.stderr, r.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+    r = subprocess.run([str(strider), "profile", "--device", "cpu", "--steps", "1", "--out", str(tmp_path / "p")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "WORLD_SIZE=2" in r.stderr and "one process" in r.stderr, r.stderr
+    assert not (tmp_path / "p").exists()
     # A world of one (torchrun --nproc-per-node 1) is one process: it trains.
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "WORLD_SIZE": "1", "RANK": "0"})
     assert r.returncode == 0, r.stderr[-2000:]
