@@ -25,7 +25,8 @@ For each run: the final loss and the mean loss of the last 50 steps, and its
 difference from the fp32 run of the same seed. The acceptance line of a format
 (or peer), for both figures: the mean over its seeds inside the fp32 runs' band
 (min..max over seeds) or within 1% of the fp32 mean over the same seeds,
-whichever is wider. The mean over seeds, because one run's figure moves by more
+whichever is wider (one run alone: inside the band or within 1% of the fp32
+run of its seed). The mean over seeds, because one run's figure moves by more
 than 1% with any change of rounding (runs that differ only in their last bits
 drift apart within 100 steps): each single run's place against the line is
 printed too. Prints the tables, writes --out/quality.json and --out/quality.png
@@ -259,9 +260,11 @@ def verdicts(runs, fp32="strider fp32"):
             raise SystemExit(f"{method}: seeds {seeds}, but fp32 ran only {sorted(fs)}")
         sums = {s: summary(runs[run_name(method, s)]) for s in seeds}
 
-        def line(k, value):
-            """(inside the line, relative to fp32's mean, below the line: a lower loss than the line allows)"""
-            ref = mean([fs[s][k] for s in seeds])
+        def line(k, value, ref_seeds=seeds):
+            """(inside the line, relative to fp32's mean over ref_seeds, below the line: a lower loss than the
+            line allows). A method's mean is held against fp32's mean over its seeds, one run against the fp32
+            run of its own seed."""
+            ref = mean([fs[s][k] for s in ref_seeds])
             lo, hi = out["band"][k]
             lo, hi = min(lo, ref * 0.99), max(hi, ref * 1.01)
             return lo <= value <= hi, value / ref - 1, value < lo
@@ -272,8 +275,8 @@ def verdicts(runs, fp32="strider fp32"):
             "seeds": seeds, **agg, "inside": inside, "passes": all(inside.values()),
             "below": {k: line(k, agg[k])[2] for k in agg}, "vs_fp32": {k: line(k, agg[k])[1] for k in agg},
             "runs": {s: {**sums[s], "vs_fp32_same_seed": {k: sums[s][k] / fs[s][k] - 1 for k in sums[s]},
-                         "inside": {k: line(k, sums[s][k])[0] for k in sums[s]},
-                         "below": {k: line(k, sums[s][k])[2] for k in sums[s]}} for s in seeds}}
+                         "inside": {k: line(k, sums[s][k], [s])[0] for k in sums[s]},
+                         "below": {k: line(k, sums[s][k], [s])[2] for k in sums[s]}} for s in seeds}}
     return out
 
 
@@ -398,6 +401,9 @@ def main(argv=None):
             raise SystemExit("--render-from needs --update-readme README")
         src = Path(args.render_from)
         result = json.loads((src / "quality.json").read_text())
+        for part in ("builtin", "hf"):  # the verdicts as this script draws the line (the runs are the record)
+            if part in result:
+                result[part]["verdicts"] = verdicts(result[part]["runs"])
         (REPO / "bench" / "figures").mkdir(exist_ok=True)
         (REPO / "bench" / "figures" / "quality_formats.png").write_bytes((src / "quality.png").read_bytes())
         update_readme(args.update_readme, readme_block(result, result["argv"]))
