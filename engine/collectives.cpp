@@ -170,15 +170,21 @@ class Gloo final : public Collectives {
   void all_reduce_sum(std::span<int64_t> x) override { reduce_in_rank_order(x, "all_reduce_sum"); }
 
   void all_reduce_sum(std::span<float> x) override {
-    // Padded to whole slices in the scratch: [world slices][the slice summed here].
+    // In place when x is whole slices; otherwise padded to them in the
+    // scratch. The scratch's tail holds the slice summed here.
     const size_t world = size_t(info_.world), slice = (x.size() + world - 1) / world;
-    if (scratch_.size() < slice * (world + 1)) scratch_.resize(slice * (world + 1));
-    std::span<float> all(scratch_.data(), slice * world), mine(scratch_.data() + slice * world, slice);
-    std::copy(x.begin(), x.end(), all.begin());
-    std::fill(all.begin() + x.size(), all.end(), 0.0f);
+    const bool whole = slice * world == x.size();
+    const size_t need = (whole ? 0 : slice * world) + slice;
+    if (scratch_.size() < need) scratch_.resize(need);
+    std::span<float> all = whole ? x : std::span<float>(scratch_.data(), slice * world);
+    std::span<float> mine(scratch_.data() + need - slice, slice);
+    if (!whole) {
+      std::copy(x.begin(), x.end(), all.begin());
+      std::fill(all.begin() + x.size(), all.end(), 0.0f);
+    }
     reduce_scatter_sum(all, mine);
     all_gather(std::as_bytes(mine), std::as_writable_bytes(all));
-    std::copy(all.begin(), all.begin() + x.size(), x.begin());
+    if (!whole) std::copy(all.begin(), all.begin() + x.size(), x.begin());
   }
 
   // Point to point, not Gloo's reduce_scatter: each rank receives every
@@ -257,13 +263,14 @@ class Gloo final : public Collectives {
   template <class T>
   void reduce_in_rank_order(std::span<T> x, const char* op) {
     const size_t bytes = x.size_bytes();
-    std::vector<std::byte> all(bytes * info_.world);
-    gather_bytes(reinterpret_cast<const std::byte*>(x.data()), bytes, all.data(), op);
+    if (gathered_.size() < bytes * info_.world) gathered_.resize(bytes * info_.world);  // once: no allocation per step
+    const std::byte* all = gathered_.data();
+    gather_bytes(reinterpret_cast<const std::byte*>(x.data()), bytes, gathered_.data(), op);
     for (size_t i = 0; i < x.size(); ++i) {
       T sum{};
       for (int r = 0; r < info_.world; ++r) {
         T v;
-        std::memcpy(&v, all.data() + r * bytes + i * sizeof(T), sizeof(T));
+        std::memcpy(&v, all + r * bytes + i * sizeof(T), sizeof(T));
         sum += v;
       }
       x[i] = sum;
@@ -326,6 +333,7 @@ class Gloo final : public Collectives {
   std::shared_ptr<Heartbeat> heartbeat_;  // one per process, shared by its channels
   std::vector<float> scratch_;   // all_reduce_sum(float)'s padded slices
   std::vector<float> received_;  // reduce_scatter_sum's slices from the other ranks
+  std::vector<std::byte> gathered_;  // reduce_in_rank_order's values of every rank
   c10::intrusive_ptr<c10d::ProcessGroupGloo> pg_;
   int64_t seq_ = 0;
 };
