@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <string_view>
@@ -29,6 +30,13 @@ namespace {
 
 [[maybe_unused]] std::string first_line(std::string_view s) { return std::string(s.substr(0, s.find('\n'))); }
 
+void check_bounds(std::span<const size_t> bounds, size_t size, int world, const char* op) {
+  STRIDER_CHECK(bounds.size() == size_t(world) + 1 && bounds.front() == 0 && bounds.back() == size &&
+                    std::is_sorted(bounds.begin(), bounds.end()),
+                "{}: slice bounds [{}] do not cut {} elements into {} slices", op, fmt::join(bounds, ", "), size,
+                world);
+}
+
 class Solo final : public Collectives {
  public:
   const RankInfo& ranks() const override { return info_; }
@@ -44,6 +52,12 @@ class Solo final : public Collectives {
     STRIDER_CHECK(in.size() == out.size(), "all_gather: {} bytes out for a slice of {} in a world of 1", out.size(),
                   in.size());
     std::copy(in.begin(), in.end(), out.begin());
+  }
+  void reduce_scatter_sum(std::span<float> x, std::span<const size_t> bounds) override {
+    check_bounds(bounds, x.size(), 1, "reduce_scatter_sum");
+  }
+  void all_gather(std::span<std::byte> x, std::span<const size_t> bounds) override {
+    check_bounds(bounds, x.size(), 1, "all_gather");
   }
   bool any(bool flag) override { return flag; }
   void barrier() override {}
@@ -221,6 +235,59 @@ class Gloo final : public Collectives {
     }
   }
 
+  // Point to point as above: each rank receives the others' parts of its
+  // slice straight from them.
+  void reduce_scatter_sum(std::span<float> x, std::span<const size_t> bounds) override {
+    check_bounds(bounds, x.size(), info_.world, "reduce_scatter_sum");
+    const size_t world = size_t(info_.world), me = size_t(info_.rank);
+    const size_t lo = bounds[me], n = bounds[me + 1] - lo;
+    if (received_.size() < n * world) received_.resize(n * world);
+    run("reduce_scatter_sum", [&] {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      const int tag = int(seq_ % (1 << 30));
+      for (size_t r = 0; r < world && n > 0; ++r) {
+        if (r == me) continue;
+        std::vector<at::Tensor> from{blob(received_.data() + r * n, n, at::kFloat)};
+        works.push_back(pg_->recv(from, int(r), tag));
+      }
+      for (size_t r = 0; r < world; ++r) {
+        const size_t len = bounds[r + 1] - bounds[r];
+        if (r == me || len == 0) continue;
+        std::vector<at::Tensor> to{blob(x.data() + bounds[r], len, at::kFloat)};
+        works.push_back(pg_->send(to, int(r), tag));
+      }
+      return works;
+    });
+    float* own = x.data() + lo;
+    for (size_t i = 0; i < n; ++i) {
+      float sum = me == 0 ? own[i] : received_[i];
+      for (size_t r = 1; r < world; ++r) sum += r == me ? own[i] : received_[r * n + i];
+      own[i] = sum;
+    }
+  }
+
+  void all_gather(std::span<std::byte> x, std::span<const size_t> bounds) override {
+    check_bounds(bounds, x.size(), info_.world, "all_gather");
+    const size_t world = size_t(info_.world), me = size_t(info_.rank);
+    const size_t mine = bounds[me + 1] - bounds[me];
+    run("all_gather", [&] {
+      std::vector<c10::intrusive_ptr<c10d::Work>> works;
+      const int tag = int(seq_ % (1 << 30));
+      for (size_t r = 0; r < world; ++r) {
+        const size_t len = bounds[r + 1] - bounds[r];
+        if (r == me || len == 0) continue;
+        std::vector<at::Tensor> from{blob(x.data() + bounds[r], len, at::kByte)};
+        works.push_back(pg_->recv(from, int(r), tag));
+      }
+      for (size_t r = 0; r < world && mine > 0; ++r) {
+        if (r == me) continue;
+        std::vector<at::Tensor> to{blob(x.data() + bounds[me], mine, at::kByte)};
+        works.push_back(pg_->send(to, int(r), tag));
+      }
+      return works;
+    });
+  }
+
   void all_gather(std::span<const std::byte> in, std::span<std::byte> out) override {
     STRIDER_CHECK(out.size() == in.size() * static_cast<size_t>(info_.world),
                   "all_gather: {} bytes out, {} expected ({} ranks x a slice of {})", out.size(),
@@ -360,6 +427,11 @@ std::unique_ptr<Collectives> c10d_collectives(const c10::intrusive_ptr<c10d::Sto
                 info.local_rank, info.local_world);
   if (info.world == 1) return solo_collectives();
 #ifdef STRIDER_HAVE_C10D_GLOO
+  // Gloo's TCP pairs write to sockets a dead peer has closed: with SIGPIPE's
+  // default action the process would die there, silently, instead of the
+  // collective failing and naming the rank. The write fails with EPIPE instead.
+  struct sigaction was {};
+  if (sigaction(SIGPIPE, nullptr, &was) == 0 && was.sa_handler == SIG_DFL) std::signal(SIGPIPE, SIG_IGN);
   return std::make_unique<Gloo>(store, info, timeout);
 #else
   (void)store;

@@ -49,6 +49,15 @@ class Collectives {
   virtual void reduce_scatter_sum(std::span<const float> in, std::span<float> out) = 0;
   // in: this rank's slice. out: world slices of in.size() bytes, rank r's at r * in.size().
   virtual void all_gather(std::span<const std::byte> in, std::span<std::byte> out) = 0;
+  // Sharded state: uneven slices, in place. `bounds` holds world + 1 offsets
+  // into x, from 0, non-decreasing, to x.size(); rank r's slice is
+  // [bounds[r], bounds[r + 1]), possibly empty. reduce_scatter_sum: this
+  // rank's slice of x becomes the sum over ranks of their x there, added in
+  // rank order (the rest of x is left as it was). all_gather: each rank's
+  // slice of x (bytes; bounds in bytes) reaches every rank, so x is whole on
+  // every rank. Scratch grows to the largest slice once.
+  virtual void reduce_scatter_sum(std::span<float> x, std::span<const size_t> bounds) = 0;
+  virtual void all_gather(std::span<std::byte> x, std::span<const size_t> bounds) = 0;
   // A collective decision: true on every rank when `flag` is true on any.
   virtual bool any(bool flag) = 0;
   virtual void barrier() = 0;

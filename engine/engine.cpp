@@ -28,6 +28,12 @@ at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::
 // gradients as they land. With clipping a RAM-tier block keeps its own buffer:
 // every gradient must outlive the global norm.
 bool grads_in_ring(bool on_nvme, const EngineConfig& c) { return on_nvme || c.clip_norm <= 0; }
+
+// Piece p's elements whose state rank `c.state_shard` keeps (block coordinates).
+std::pair<size_t, size_t> owned_of(const Piece& p, const std::vector<size_t>& block_slices, const EngineConfig& c) {
+  const size_t r = size_t(c.state_shard);
+  return {std::clamp(block_slices[r], p.begin, p.end), std::clamp(block_slices[r + 1], p.begin, p.end)};
+}
 }  // namespace
 
 Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
@@ -54,6 +60,14 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
 
   shards_ = make_sharding(spec_, config_.compute.vocab_chunk, config_.vocab_shard_rows, config_.shard_align());
   const int64_t P = num_pieces();
+  for (int64_t b = 0; b < num_blocks_; ++b)
+    block_slices_.push_back(rank_slices(layouts_[b].total_elems(), config_.state_shards, size_t(config_.slice_align())));
+  for (int64_t p = 0; p < P; ++p) {
+    std::vector<size_t> cut;
+    for (size_t x : block_slices_[size_t(piece(p).block)]) cut.push_back(std::clamp(x, piece(p).begin, piece(p).end) - piece(p).begin);
+    piece_slices_.push_back(std::move(cut));
+  }
+  slice_bytes_.resize(size_t(config_.state_shards) + 1);
 
   // Which blocks keep their fp32 state on NVMe: every piece of them, each in
   // extents of its own.
@@ -63,20 +77,23 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
     STRIDER_CHECK(!nvme_block[size_t(b)], "nvme block {} listed twice", b);
     nvme_block[size_t(b)] = true;
   }
+  nvme_block_ = nvme_block;
   nvme_piece_.assign(size_t(P), false);
   std::vector<ExtentSpec> extents;
   size_t max_nvme_state = 0;
   for (int64_t p = 0; p < P; ++p) {
-    if (!nvme_block[size_t(piece(p).block)]) continue;
+    // Extents of the piece's slice whose state this rank keeps (all of it unsharded).
+    const size_t n = owned(p).elems();
+    if (!nvme_block[size_t(piece(p).block)] || n == 0) continue;
     nvme_piece_[size_t(p)] = true;
     for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
-      const size_t bytes = state_kind_bytes(config_.optimizer_state, state_kind(k), piece(p).elems());
+      const size_t bytes = state_kind_bytes(config_.optimizer_state, state_kind(k), n);
       extents.push_back({p, k, bytes});
       max_nvme_state = std::max(max_nvme_state, round_up(bytes, kAlign));
     }
     if (config_.clip_norm > 0) {
-      extents.push_back({p, ExtentKind::kGrad, piece(p).elems() * grad_bytes_});
-      max_nvme_state = std::max(max_nvme_state, round_up(piece(p).elems() * grad_bytes_, kAlign));
+      extents.push_back({p, ExtentKind::kGrad, n * grad_bytes_});
+      max_nvme_state = std::max(max_nvme_state, round_up(n * grad_bytes_, kAlign));
     }
   }
   // Visits of one step: forward (embedding shards, layers), the head's shards
@@ -109,7 +126,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   size_t ring_slot_bytes = 0;
   int rank = 0;
   for (int64_t p : landing_)
-    if (grads_in_ring(on_nvme(p), config_)) {
+    if (grads_in_ring(nvme_block[size_t(piece(p).block)], config_)) {
       ring_slot_[size_t(p)] = int(rank++ % config_.grad_ring);
       ring_slot_bytes = std::max(ring_slot_bytes, round_up(piece(p).elems() * grad_bytes_, kAlign));
     }
@@ -119,7 +136,9 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   std::vector<BlockSpec> specs;
   for (int64_t b = 0; b < num_blocks_; ++b) {
     const bool ring = grads_in_ring(nvme_block[size_t(b)], config_);
-    specs.push_back({layouts_[b], !nvme_block[size_t(b)], !ring});
+    const int r = config_.state_shard;
+    specs.push_back({layouts_[b], !nvme_block[size_t(b)], !ring, block_slices_[size_t(b)][size_t(r)],
+                     block_slices_[size_t(b)][size_t(r) + 1]});
   }
   StoreOptions so{.grad_dtype = grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
                   .compute_dtype = compute_bytes_ == 4 ? DType::kF32 : DType::kBF16,
@@ -215,19 +234,27 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
     if (b >= 0 && b < blocks) nvme[size_t(b)] = true;
   const bool clip = c.clip_norm > 0;
   size_t max_nvme_state = 0, ring_slot_bytes = 0;
-  for (int64_t b = 0; b < blocks; ++b) specs.push_back({spec.layout(b), !nvme[size_t(b)], !grads_in_ring(nvme[size_t(b)], c)});
+  std::vector<std::vector<size_t>> slices;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const ParamLayout l = spec.layout(b);
+    slices.push_back(rank_slices(l.total_elems(), c.state_shards, size_t(c.slice_align())));
+    specs.push_back({l, !nvme[size_t(b)], !grads_in_ring(nvme[size_t(b)], c), slices.back()[size_t(c.state_shard)],
+                     slices.back()[size_t(c.state_shard) + 1]});
+  }
   for (const Piece& p : sh.pieces) {
     const size_t grad = round_up(p.elems() * gbytes, kAlign);
     if (grads_in_ring(nvme[size_t(p.block)], c)) ring_slot_bytes = std::max(ring_slot_bytes, grad);
-    if (nvme[size_t(p.block)]) {
+    const auto [lo, hi] = owned_of(p, slices[size_t(p.block)], c);
+    if (nvme[size_t(p.block)] && hi > lo) {
       for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV}) {
-        const size_t bytes = round_up(state_kind_bytes(c.optimizer_state, k, p.elems()), kAlign);
+        const size_t bytes = round_up(state_kind_bytes(c.optimizer_state, k, hi - lo), kAlign);
         max_nvme_state = std::max(max_nvme_state, bytes);
         f.nvme_bytes += bytes;  // master, m, v
       }
       if (clip) {  // spilled gradients
-        max_nvme_state = std::max(max_nvme_state, grad);
-        f.nvme_bytes += grad;
+        const size_t spilled = round_up((hi - lo) * gbytes, kAlign);
+        max_nvme_state = std::max(max_nvme_state, spilled);
+        f.nvme_bytes += spilled;
       }
     }
   }
@@ -311,6 +338,9 @@ void Engine::check_config() const {
                 "compute dtype, not fp32", state_format_name(c.optimizer_state));
   STRIDER_CHECK(c.grad_ring >= 1, "grad_ring {} must be >= 1 (gradient staging slots of the NVMe-tier blocks)",
                 c.grad_ring);
+  STRIDER_CHECK(c.state_shards >= 1 && c.state_shard >= 0 && c.state_shard < c.state_shards,
+                "state shard {} of {}: a rank's slice of the sharded state is 0..shards-1 of shards >= 1",
+                c.state_shard, c.state_shards);
 }
 
 void Engine::allocate_activations() {
@@ -350,6 +380,9 @@ void Engine::allocate_activations() {
 }
 
 StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
+  STRIDER_CHECK(dist_->ranks().world == config_.state_shards || !sharded(),
+                "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
+                config_.state_shard, config_.state_shards, dist_->ranks().world);
   const double t0 = Timeline::now_us();
   StepReport rep;
   rep.step = steps_ + 1;
@@ -455,6 +488,10 @@ void Engine::set_collectives(std::unique_ptr<Collectives> ranks) {
   finish_updates();
   STRIDER_CHECK(passes_ == 0, "set_collectives: the engine has stepped already; give it its ranks before the "
                 "first step");
+  STRIDER_CHECK(!sharded() || (ranks->ranks().world == config_.state_shards &&
+                               ranks->ranks().rank == config_.state_shard),
+                "set_collectives: the engine keeps state slice {} of {} but is given rank {} of {}",
+                config_.state_shard, config_.state_shards, ranks->ranks().rank, ranks->ranks().world);
   auto update = ranks->split("updater");
   size_t largest = 0;
   for (int64_t p = 0; p < num_pieces(); ++p) largest = std::max(largest, piece(p).elems());

@@ -33,6 +33,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -109,6 +110,19 @@ struct EngineConfig {
   }
   NvmeBackend nvme_backend = NvmeBackend::kAuto;
   LockPolicy lock = LockPolicy::kPrefer;
+  // Data parallel with sharded state (DESIGN.md, "Growing past one GPU"):
+  // this engine keeps the master, m and v of slice `state_shard` of
+  // `state_shards` of every block (engine/shards.h, rank_slices), sums only
+  // that slice of each gradient over the ranks (a reduce-scatter), updates it,
+  // and gathers the other slices' updated compute copies from their ranks.
+  // Placement, not maths: the same bits as every rank keeping all of it.
+  // set_collectives must then give `state_shards` ranks, this one rank
+  // `state_shard`. 1: the whole state here (one process, or replicated ranks).
+  int state_shards = 1;
+  int state_shard = 0;
+  // Elements per rank slice are whole multiples of this (the q8 groups, at
+  // least 64: slices start on 256-byte lines).
+  int64_t slice_align() const { return std::max<int64_t>(shard_align(), 64); }
 
   int64_t batch() const { return micro_batch * accumulation; }
 };
@@ -316,7 +330,10 @@ class Engine {
   // The name of the first tensor of piece p whose values (the piece's
   // elements, fp32 or `dtype`) are not finite.
   std::string first_non_finite(int64_t p, const float* values) const;
-  std::string first_non_finite_grad(int64_t p, const std::byte* grads) const;
+  // Among piece p's gradients `in` (its elements, block coordinates): the
+  // first non-finite's tensor, "(padding)", or "" when all are finite.
+  struct Range;
+  std::string first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const;
   // Simulation of the updater, in the order it works: sim_landed(p) right
   // after piece p's D2H is enqueued, sim_finish() after the pass (returns
   // the virtual time the step ends).
@@ -420,6 +437,27 @@ class Engine {
   std::unique_ptr<Collectives> dist_, dist_update_;
   std::vector<float> dist_scratch_;  // bf16 gradients summed in fp32 (the largest piece)
   void sum_grads_over_ranks(int64_t p);  // updater thread
+  // Sharded state (EngineConfig::state_shards > 1): per block, the ranks'
+  // slices (rank_slices); per piece, those cut to it, relative to the piece.
+  bool sharded() const { return config_.state_shards > 1; }
+  struct Range {
+    size_t begin = 0, end = 0;
+    size_t elems() const { return end - begin; }
+  };
+  std::vector<std::vector<size_t>> block_slices_, piece_slices_;
+  std::vector<size_t> slice_bytes_;  // piece_slices_ scaled to bytes (updater thread)
+  std::vector<bool> nvme_block_;     // per block: its state lives on NVMe
+  // Piece p's elements (block coordinates) whose state this engine keeps.
+  Range owned(int64_t p) const {
+    const size_t b = size_t(piece(p).block), r = size_t(config_.state_shard);
+    return {std::clamp(block_slices_[b][r], piece(p).begin, piece(p).end),
+            std::clamp(block_slices_[b][r + 1], piece(p).begin, piece(p).end)};
+  }
+  // Block b's whole state of one kind into `out`, which holds this rank's
+  // slice: the others' slices from their ranks (a collective).
+  void gather_state(int64_t b, std::span<float> out);
+  // The other ranks' updated compute copies of piece p's slices (updater thread).
+  void gather_compute(int64_t p);
   // The pass's loss summed over its valid tokens, and their count, over every
   // rank (waits for the loss figures' D2H).
   std::pair<double, int64_t> pass_loss();

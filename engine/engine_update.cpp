@@ -61,11 +61,18 @@ std::string Engine::first_non_finite(int64_t p, const float* values) const {
   return "(padding)";
 }
 
-std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads) const {
-  if (grad_bytes_ == 4) return first_non_finite(p, reinterpret_cast<const float*>(grads));
-  std::vector<float> values(piece(p).elems());
-  bf16_to_float({reinterpret_cast<const uint16_t*>(grads), values.size()}, values);
-  return first_non_finite(p, values.data());
+std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const {
+  std::vector<float> values(piece(p).elems(), 0.0f);
+  const size_t at = in.begin - piece(p).begin;
+  if (grad_bytes_ == 4)
+    std::memcpy(values.data() + at, grads + at * 4, in.elems() * 4);
+  else
+    bf16_to_float({reinterpret_cast<const uint16_t*>(grads) + at, in.elems()},
+                  std::span<float>(values).subspan(at, in.elems()));
+  const std::string name = first_non_finite(p, values.data());
+  return name == "(padding)" && std::all_of(values.begin(), values.end(), [](float x) { return std::isfinite(x); })
+             ? ""
+             : name;
 }
 
 std::string Engine::first_non_finite_param() {
@@ -118,20 +125,41 @@ Engine::NvmeStaging& Engine::idle_staging() {
   return nvme_staging_[0];
 }
 
+// Replicated state: the whole gradient summed on every rank. Sharded: only
+// this rank's slice of it (the rest stays this rank's own micro-batches').
 void Engine::sum_grads_over_ranks(int64_t p) {
   if (dist_update_->ranks().solo()) return;
   const size_t n = piece(p).elems();
   std::byte* g = grad_host(p).data();
+  const std::vector<size_t>& cut = piece_slices_[size_t(p)];
+  auto sum = [&](std::span<float> x) {
+    if (sharded()) dist_update_->reduce_scatter_sum(x, cut);
+    else dist_update_->all_reduce_sum(x);
+  };
   if (grad_bytes_ == 4) {
-    dist_update_->all_reduce_sum(std::span<float>(reinterpret_cast<float*>(g), n));
+    sum(std::span<float>(reinterpret_cast<float*>(g), n));
     return;
   }
   // bf16 on the host: summed in fp32, rounded once (to nearest even).
   std::span<uint16_t> g16(reinterpret_cast<uint16_t*>(g), n);
   std::span<float> f = std::span<float>(dist_scratch_).first(n);
   bf16_to_float(g16, f);
-  dist_update_->all_reduce_sum(f);
-  float_to_bf16(f, g16);
+  sum(f);
+  if (!sharded()) {
+    float_to_bf16(f, g16);
+    return;
+  }
+  const size_t lo = cut[size_t(config_.state_shard)], hi = cut[size_t(config_.state_shard) + 1];
+  float_to_bf16(f.subspan(lo, hi - lo), g16.subspan(lo, hi - lo));
+}
+
+void Engine::gather_compute(int64_t p) {
+  if (!sharded()) return;
+  const std::vector<size_t>& cut = piece_slices_[size_t(p)];
+  for (size_t r = 0; r < cut.size(); ++r) slice_bytes_[r] = cut[r] * compute_bytes_;
+  const std::span<std::byte> c = store_->block(size_t(piece(p).block)).compute_bytes();
+  dist_update_->all_gather(c.subspan(piece(p).begin * compute_bytes_, piece(p).elems() * compute_bytes_),
+                           slice_bytes_);
 }
 
 void Engine::updater_main() {
@@ -170,23 +198,34 @@ void Engine::updater_main() {
         }
         grads_ready_[size_t(b)]->synchronize();
         sum_grads_over_ranks(b);
-        const size_t n = piece(b).elems();
+        // The summed gradients: the whole piece's, or (sharded) this rank's slice of them.
+        const Range own = owned(b);
+        const size_t n = own.elems(), at = (own.begin - piece(b).begin) * grad_bytes_;
         std::byte* g = grad_host(b).data();
-        if (grad_bytes_ == 4) {
-          if (b == fault_piece) reinterpret_cast<float*>(g)[0] = std::numeric_limits<float>::quiet_NaN();
-          sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(g), n});
-        } else {
-          if (b == fault_piece) reinterpret_cast<uint16_t*>(g)[0] = 0x7FC0;  // a bf16 NaN
-          sumsq[size_t(b)] = sum_squares_bf16({reinterpret_cast<const uint16_t*>(g), n});
+        if (b == fault_piece && n > 0 && own.begin == piece(b).begin) {  // the rank holding its first element
+          if (grad_bytes_ == 4) reinterpret_cast<float*>(g)[0] = std::numeric_limits<float>::quiet_NaN();
+          else reinterpret_cast<uint16_t*>(g)[0] = 0x7FC0;  // a bf16 NaN
         }
+        if (grad_bytes_ == 4) sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(g + at), n});
+        else sumsq[size_t(b)] = sum_squares_bf16({reinterpret_cast<const uint16_t*>(g + at), n});
+        // Sharded: the piece's sum of squares over the ranks' slices (rank order: the same bits everywhere).
+        if (sharded()) dist_update_->all_reduce_sum(std::span<double>(&sumsq[size_t(b)], 1));
         // Named now: a ring slot may hold other gradients by the time it matters.
-        if (!std::isfinite(sumsq[size_t(b)])) bad_tensor[size_t(b)] = first_non_finite_grad(b, g);
-        if (spills_grads(b)) {
-          // The norm waits for every piece: park this one's gradients on NVMe
-          // and free the ring slot once they are written.
+        if (!std::isfinite(sumsq[size_t(b)])) {
+          bad_tensor[size_t(b)] = first_non_finite_grad(b, g, own);
+          if (bad_tensor[size_t(b)].empty())
+            bad_tensor[size_t(b)] = sharded() ? "(in another rank's slice)" : "(none: the sum of squares overflowed)";
+        }
+        if (spills_grads(b) && n == 0) {
+          release_ring_slot(b);  // nothing of it is this rank's to keep
+        } else if (spills_grads(b)) {
+          // The norm waits for every piece: park this one's gradients (this
+          // rank's slice) on NVMe and free the ring slot once they are written.
           const Extent& e = nvme_->extent(b, ExtentKind::kGrad);
           const double w0 = Timeline::now_us();
           const int32_t blk = int32_t(piece(b).block);
+          // O_DIRECT writes whole aligned pages: a slice goes to the slot's start first.
+          if (at > 0) std::memmove(g, g + at, n * grad_bytes_);
           grad_spill_[size_t(b)] = nvme_->write(
               e, grad_host(b).first(e.io_bytes), [this, b, blk, w0, step = job->step, bytes = n * grad_bytes_](std::exception_ptr err) {
                 if (err) {
@@ -314,19 +353,30 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
   const AdamStep st = AdamStep::make(h, job.step, grad_scale);
   const Piece& pc = piece(b);
   BlockState& s = store_->block(size_t(pc.block));
-  const size_t n = pc.elems();
+  // The elements this rank updates: the piece, or (sharded) its slice of it,
+  // at `at` in the block, `st_at` in the block's state slice.
+  const Range own = owned(b);
+  const size_t n = own.elems(), at = own.begin, st_at = own.begin - s.state_begin;
+  if (n == 0) {  // another rank's slice: its update arrives by the gather
+    if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b)) release_ring_slot(b);
+    gather_compute(b);
+    std::lock_guard lk(mu_);
+    updated_[size_t(b)] = job.pass;
+    cv_.notify_all();
+    return;
+  }
   const bool fp32 = !s.compute_f32.empty();
   const StateFormat format = config_.optimizer_state;
   float *p = nullptr, *m = nullptr, *v = nullptr;
   Q8View q;
   if (!on_nvme(b) && format == StateFormat::kFp32) {
-    p = s.master.data() + pc.begin;
-    m = s.m.data() + pc.begin;
-    v = s.v.data() + pc.begin;
+    p = s.master.data() + st_at;
+    m = s.m.data() + st_at;
+    v = s.v.data() + st_at;
   } else if (!on_nvme(b)) {
-    const size_t g = pc.begin / kQ8GroupElems;
-    q = {s.compute.data() + pc.begin, s.ext.data() + pc.begin, s.m_codes.data() + pc.begin, s.m_scale.data() + g,
-         s.v_codes.data() + pc.begin, s.v_scale.data() + g};
+    const size_t g = st_at / kQ8GroupElems;
+    q = {s.compute.data() + at, s.ext.data() + st_at, s.m_codes.data() + st_at, s.m_scale.data() + g,
+         s.v_codes.data() + st_at, s.v_scale.data() + g};
   }
   NvmeStaging* slot = nullptr;
   if (on_nvme(b)) {
@@ -352,18 +402,19 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
     m = reinterpret_cast<float*>(slot->m.data());
     v = reinterpret_cast<float*>(slot->v.data());
     if (format == StateFormat::kQ8)
-      q = q8_view(s.compute.data() + pc.begin, slot->master.data(), slot->m.data(), scales_after(slot->m.data(), n),
+      q = q8_view(s.compute.data() + at, slot->master.data(), slot->m.data(), scales_after(slot->m.data(), n),
                   slot->v.data(), scales_after(slot->v.data(), n));
   }
   const double t0 = Timeline::now_us();
-  const std::byte* grads = spills_grads(b) ? slot->grad.data() : grad_host(b).data();
+  const std::byte* grads =
+      spills_grads(b) ? slot->grad.data() : grad_host(b).data() + (at - pc.begin) * grad_bytes_;
   AdamArgs args{p, m, v, grads, grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
-                fp32 ? nullptr : s.compute.data() + pc.begin, n};
+                fp32 ? nullptr : s.compute.data() + at, n};
   if (format == StateFormat::kQ8) {
-    adam_->step_q8(st, Q8Args{q, grads, args.grad_dtype, n, uint32_t(pc.begin), q8_salt(job.step, pc.block)});
+    adam_->step_q8(st, Q8Args{q, grads, args.grad_dtype, n, uint32_t(at), q8_salt(job.step, pc.block)});
   } else if (fp32) {
     // fp32 compute: the compute copy is the master itself, chunk by chunk.
-    float* out = s.compute_f32.data() + pc.begin;
+    float* out = s.compute_f32.data() + at;
     adam_->step(st, args, [&](size_t begin, size_t end) {
       std::memcpy(out + begin, p + begin, (end - begin) * sizeof(float));
     });
@@ -384,6 +435,7 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
       }));
     }
   }
+  gather_compute(b);  // sharded: the other ranks' slices of the new compute copy
   {
     std::lock_guard lk(mu_);
     updated_[size_t(b)] = job.pass;
@@ -466,25 +518,36 @@ void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
                 "read_state: block {} and a buffer of {} elements do not match", b, out.size());
-  if (!on_nvme(shards_.first_of(b))) {
-    store_->read_kind(size_t(b), state_kind(kind), out);
-    return;
+  const BlockState& s = store_->block(size_t(b));
+  if (!nvme_block_[size_t(b)]) {
+    store_->read_kind(size_t(b), state_kind(kind), out.subspan(s.state_begin, s.state_elems()));
+  } else {
+    NvmeStaging& slot = idle_staging();
+    for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
+      if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
+      const Extent& e = nvme_->extent(p, kind);
+      nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
+      const size_t n = owned(p).elems(), at = owned(p).begin;
+      std::byte* bytes = slot.master.data();
+      if (config_.optimizer_state == StateFormat::kFp32)
+        std::memcpy(out.data() + at, bytes, n * sizeof(float));
+      else if (kind == ExtentKind::kMaster)
+        q8_decode_master(s.compute.data() + at, reinterpret_cast<const uint8_t*>(bytes), out.data() + at, n);
+      else
+        q8_decode_moment(state_kind(kind), reinterpret_cast<const uint8_t*>(bytes), scales_after(bytes, n),
+                         out.data() + at, n);
+    }
   }
-  NvmeStaging& slot = idle_staging();
-  BlockState& s = store_->block(size_t(b));
-  for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
-    const Extent& e = nvme_->extent(p, kind);
-    nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
-    const size_t n = piece(p).elems(), at = piece(p).begin;
-    std::byte* bytes = slot.master.data();
-    if (config_.optimizer_state == StateFormat::kFp32)
-      std::memcpy(out.data() + at, bytes, n * sizeof(float));
-    else if (kind == ExtentKind::kMaster)
-      q8_decode_master(s.compute.data() + at, reinterpret_cast<const uint8_t*>(bytes), out.data() + at, n);
-    else
-      q8_decode_moment(state_kind(kind), reinterpret_cast<const uint8_t*>(bytes), scales_after(bytes, n),
-                       out.data() + at, n);
-  }
+  if (sharded()) gather_state(b, out);
+}
+
+void Engine::gather_state(int64_t b, std::span<float> out) {
+  STRIDER_CHECK(dist_->ranks().world == config_.state_shards,
+                "block {}'s state is sharded over {} ranks; reading all of it needs them (set_collectives)", b,
+                config_.state_shards);
+  std::vector<size_t> bytes(block_slices_[size_t(b)]);
+  for (size_t& x : bytes) x *= sizeof(float);
+  dist_->all_gather(std::as_writable_bytes(out), bytes);
 }
 
 void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
@@ -492,20 +555,29 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < num_blocks_ && in.size() == layouts_[b].total_elems(),
                 "write_state: block {} and a buffer of {} elements do not match", b, in.size());
-  if (!on_nvme(shards_.first_of(b))) {
-    store_->write_kind(size_t(b), state_kind(kind), in);  // the compute copy follows the master
-    return;
-  }
   BlockState& s = store_->block(size_t(b));
   const bool q8 = config_.optimizer_state == StateFormat::kQ8;
-  if (kind == ExtentKind::kMaster && !q8) {  // the compute copy follows the master
-    if (!s.compute.empty()) float_to_bf16(in, s.compute);
-    else std::copy(in.begin(), in.end(), s.compute_f32.begin());
+  if (kind == ExtentKind::kMaster && (nvme_block_[size_t(b)] || sharded())) {
+    // The compute copy follows the master, all of it: the slices other ranks
+    // keep get the bits their ranks write (every rank is given the same `in`).
+    if (q8) {
+      std::vector<uint8_t> ext(in.size());  // the q8 master's low bytes, kept only for this rank's slice below
+      q8_encode_master(in.data(), s.compute.data(), ext.data(), in.size());
+    } else if (!s.compute.empty()) {
+      float_to_bf16(in, s.compute);
+    } else {
+      std::copy(in.begin(), in.end(), s.compute_f32.begin());
+    }
+  }
+  if (!nvme_block_[size_t(b)]) {
+    store_->write_kind(size_t(b), state_kind(kind), in.subspan(s.state_begin, s.state_elems()));
+    return;
   }
   NvmeStaging& slot = idle_staging();
   for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
+    if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
     const Extent& e = nvme_->extent(p, kind);
-    const size_t n = piece(p).elems(), at = piece(p).begin;
+    const size_t n = owned(p).elems(), at = owned(p).begin;
     std::byte* bytes = slot.master.data();
     std::memset(bytes, 0, e.io_bytes);
     if (!q8)

@@ -188,6 +188,9 @@ void HfCheckpointReader::load_into(ParamStore& store) const {
                   layouts_[b].block_name());
     STRIDER_CHECK(store.block(b).state_on_host, "{}: block '{}' keeps its state on NVMe; load it "
                   "with read_block() into a staging buffer instead", path_, layouts_[b].block_name());
+    STRIDER_CHECK(store.block(b).state_elems() == store.block(b).elems(), "{}: the store keeps a slice of block "
+                  "'{}' (sharded state); load it with read_block() and write the slice", path_,
+                  layouts_[b].block_name());
   }
   std::vector<float> w;
   for (size_t b = 0; b < layouts_.size(); ++b) {

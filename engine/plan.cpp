@@ -67,6 +67,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.optimizer_state = l.optimizer_state;
   c.saved_blocks = saved_blocks;
   c.keep_logits = keep_logits;
+  c.state_shards = l.state_shards;
   return c;
 }
 

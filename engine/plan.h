@@ -51,6 +51,10 @@ struct PlanLimits {
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
   StateFormat optimizer_state = StateFormat::kFp32;  // how master, m and v are stored (host/state_format.h)
   ActivationMode activations = ActivationMode::kAuto;
+  // Data parallel with sharded state: the ranks the master, m and v are cut
+  // over (EngineConfig::state_shards). The plan is rank 0's, whose slice is
+  // the largest.
+  int state_shards = 1;
   // The rest of the process's host memory, for Plan::host_peak_bytes: what
   // the process holds before the run allocates anything (its libraries and
   // runtimes: the caller measures it, process_rss_bytes()), whether the

@@ -91,4 +91,13 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
   return s;
 }
 
+std::vector<size_t> rank_slices(size_t elems, int world, size_t align_elems) {
+  STRIDER_CHECK(world >= 1 && align_elems >= 1, "rank_slices: {} ranks, groups of {}", world, align_elems);
+  const size_t groups = (elems + align_elems - 1) / align_elems;
+  const size_t per = (groups + size_t(world) - 1) / size_t(world) * align_elems;
+  std::vector<size_t> bounds(size_t(world) + 1);
+  for (size_t r = 0; r <= size_t(world); ++r) bounds[r] = std::min(elems, r * per);
+  return bounds;
+}
+
 }  // namespace strider

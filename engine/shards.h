@@ -71,4 +71,11 @@ struct Sharding {
 // updated apart): chosen rows are rounded down to fit, given ones are refused.
 Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows = 0, int64_t align_elems = 1);
 
+// Data parallel with sharded state: which elements of a block of `elems`
+// each of `world` ranks keeps the master and Adam state of. world + 1 bounds,
+// rank r's slice [bounds[r], bounds[r + 1]): equal slices of whole
+// `align_elems` groups (the q8 groups), the last ranks' shorter or empty.
+// A piece's slices are its range cut by these bounds.
+std::vector<size_t> rank_slices(size_t elems, int world, size_t align_elems = 1);
+
 }  // namespace strider

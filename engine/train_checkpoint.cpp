@@ -134,6 +134,32 @@ uint64_t block_checksum(const std::vector<TensorView>& views) {
   return cs.digest();
 }
 
+// The state as a save reads it, block by block and kind by kind (host
+// memory: one block's buffer whatever the model's size). A sharded engine's
+// read_state gathers the block from every rank, so every rank runs this in
+// step: rank 0 in save_impl, the others in serve_training_checkpoint. Every
+// rank holds the whole block then, so all refuse a non-finite state together.
+template <class Fn>
+void read_blocks(Engine& engine, Fn&& fn) {
+  const ModelSpec& spec = engine.spec();
+  std::vector<float> buf;
+  for (int64_t b = 0; b < spec.num_blocks(); ++b) {
+    const ParamLayout l = spec.layout(b);
+    buf.assign(l.total_elems(), 0.0f);
+    for (int k = 0; k < 3; ++k) {
+      engine.read_state(b, kKinds[k], buf);
+      // A checkpoint is a state to go back to: never one that went non-finite.
+      if (k == 0)
+        for (const TensorSlot& s : l.slots())
+          for (size_t i = 0; i < s.numel; ++i)
+            STRIDER_CHECK(std::isfinite(buf[s.offset_elems + i]),
+                          "parameter '{}' holds {} at element {} at step {}: refusing to save a non-finite state",
+                          s.name, buf[s.offset_elems + i], i, engine.steps_done());
+      fn(b, k, l, std::span<const float>(buf));
+    }
+  }
+}
+
 void save_impl(const fs::path& dir, Engine& engine, std::string_view model_config_json,
                const nlohmann::json& extra, const TrainCheckpointOptions& options) {
   const ModelSpec& spec = engine.spec();
@@ -186,40 +212,29 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
     model.emplace(tmp.path.string(), spec, model_config_json,
                   HfWriteOptions{options.model_dtype, options.model_shard_bytes});
 
-  // Block by block: host memory is one block's buffer whatever the model's size.
   nlohmann::json checksums = nlohmann::json::object();
   size_t index = 0;
-  std::vector<float> buf;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const ParamLayout l = spec.layout(b);
-    buf.assign(l.total_elems(), 0.0f);
-    for (int k = 0; k < 3; ++k) {
-      engine.read_state(b, kKinds[k], buf);
-      // A checkpoint is a state to go back to: never one that went non-finite.
-      if (k == 0)
-        for (const TensorSlot& s : l.slots())
-          for (size_t i = 0; i < s.numel; ++i)
-            STRIDER_CHECK(std::isfinite(buf[s.offset_elems + i]),
-                          "parameter '{}' holds {} at element {} at step {}: refusing to save a non-finite state",
-                          s.name, buf[s.offset_elems + i], i, step);
-      Checksum64Stream cs;
-      for (const TensorSlot& s : l.slots()) {
-        const auto bytes = std::as_bytes(std::span<const float>(buf).subspan(s.offset_elems, s.numel));
-        state.write(index++, bytes);
-        cs.update(bytes);
-      }
-      checksums[l.block_name()][kKindKey[k]] = hex64(cs.digest());
-      if (k == 0 && model) {
-        if (options.model_dtype == DType::kBF16) {  // the compute copy's values, exactly
-          std::vector<float> w(l.total_elems());
-          engine.model_weights(b, options.model_dtype, w);
-          model->write_block(b, w);
-        } else {
-          model->write_block(b, buf);
-        }
+  // The model file in bf16 from a bf16 compute copy: its values, exactly
+  // (every rank holds the whole compute copy); else the master.
+  const bool model_from_compute = options.model_dtype == DType::kBF16 && engine.config().compute.dtype == at::kBFloat16;
+  read_blocks(engine, [&](int64_t b, int k, const ParamLayout& l, std::span<const float> buf) {
+    Checksum64Stream cs;
+    for (const TensorSlot& s : l.slots()) {
+      const auto bytes = std::as_bytes(buf.subspan(s.offset_elems, s.numel));
+      state.write(index++, bytes);
+      cs.update(bytes);
+    }
+    checksums[l.block_name()][kKindKey[k]] = hex64(cs.digest());
+    if (k == 0 && model) {
+      if (model_from_compute) {
+        std::vector<float> w(l.total_elems());
+        engine.model_weights(b, options.model_dtype, w);
+        model->write_block(b, w);
+      } else {
+        model->write_block(b, buf);
       }
     }
-  }
+  });
   state.finish();
   if (model) model->finish();
 
@@ -274,6 +289,12 @@ void save_training_checkpoint(const fs::path& dir_in, Engine& engine, std::strin
     throw Error(fmt::format("saving the training checkpoint {} failed (any previous checkpoint there "
                             "is intact): {}", dir.string(), e.what()));
   }
+}
+
+void serve_training_checkpoint(Engine& engine) {
+  engine.finish_updates();
+  if (engine.config().state_shards <= 1) return;  // rank 0 holds the whole state: nothing to send
+  read_blocks(engine, [](int64_t, int, const ParamLayout&, std::span<const float>) {});
 }
 
 TrainCheckpointInfo inspect_training_checkpoint(const fs::path& dir_in) {

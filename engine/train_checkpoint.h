@@ -60,6 +60,15 @@ void save_training_checkpoint(const std::filesystem::path& dir, Engine& engine,
                               std::string_view model_config_json, const nlohmann::json& extra = {},
                               const TrainCheckpointOptions& options = {});
 
+// Data parallel with sharded state (EngineConfig::state_shards > 1), a save
+// is a collective: rank 0 calls save_training_checkpoint while every other
+// rank calls this, which sends it the rank's slices block by block (and
+// throws as rank 0 does on a non-finite state). The checkpoint is whole and
+// the same as one process's: it loads into any number of ranks, each taking
+// its slice. A rank that dies mid-save fails rank 0's save, which leaves the
+// previous checkpoint as it was. With replicated state, a no-op.
+void serve_training_checkpoint(Engine& engine);
+
 // What a checkpoint says about itself, without touching an engine: enough to
 // build the engine to resume into. Applies the recovery rule; validates
 // trainer_state.json only (not the tensors).

@@ -18,15 +18,17 @@ size_t aligned(size_t bytes) { return (bytes + kAlignBytes - 1) / kAlignBytes * 
 // together).
 struct KindBytes { size_t state, compute, grad; };
 
+size_t state_end(const BlockSpec& b) { return std::min(b.state_end, b.layout.total_elems()); }
+
 KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
-  const size_t n = b.layout.total_elems();
+  const size_t n = b.layout.total_elems(), ns = state_end(b) - std::min(b.state_begin, state_end(b));
   size_t state = 0;
   if (b.state_on_host) {
     if (o.format == StateFormat::kFp32) {
-      state = 3 * aligned(n * sizeof(float));
+      state = 3 * aligned(ns * sizeof(float));
     } else {
-      const size_t scales = aligned(n / kQ8GroupElems * sizeof(float));
-      state = 3 * aligned(n) + 2 * scales;
+      const size_t scales = aligned(ns / kQ8GroupElems * sizeof(float));
+      state = 3 * aligned(ns) + 2 * scales;
     }
   }
   return {state, aligned(n * dtype_size(o.compute_dtype)), b.grad_staging ? aligned(n * dtype_size(o.grad_dtype)) : 0};
@@ -73,17 +75,24 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
     s.format = options_.format;
     const size_t n = spec.layout.total_elems();
     const std::string& name = spec.layout.block_name();
+    s.state_end = state_end(spec);
+    STRIDER_CHECK(spec.state_begin <= s.state_end, "ParamStore: block '{}' has {} elements; its state slice "
+                  "[{}, {}) is not inside it", name, n, spec.state_begin, spec.state_end);
+    s.state_begin = spec.state_begin;
+    const size_t ns = s.state_elems();
     if (spec.state_on_host && options_.format == StateFormat::kFp32) {
-      s.master = arena.carve_as<float>(n, name + " master", kAlignBytes);
-      s.m = arena.carve_as<float>(n, name + " adam m", kAlignBytes);
-      s.v = arena.carve_as<float>(n, name + " adam v", kAlignBytes);
+      s.master = arena.carve_as<float>(ns, name + " master", kAlignBytes);
+      s.m = arena.carve_as<float>(ns, name + " adam m", kAlignBytes);
+      s.v = arena.carve_as<float>(ns, name + " adam v", kAlignBytes);
     } else if (spec.state_on_host) {
-      STRIDER_CHECK(n % kQ8GroupElems == 0, "ParamStore: block '{}' has {} elements, not whole q8 groups", name, n);
-      s.ext = arena.carve_as<uint8_t>(n, name + " master extension", kAlignBytes);
-      s.m_codes = arena.carve_as<uint8_t>(n, name + " adam m codes", kAlignBytes);
-      s.v_codes = arena.carve_as<uint8_t>(n, name + " adam v codes", kAlignBytes);
-      s.m_scale = arena.carve_as<float>(n / kQ8GroupElems, name + " adam m scales", kAlignBytes);
-      s.v_scale = arena.carve_as<float>(n / kQ8GroupElems, name + " adam v scales", kAlignBytes);
+      STRIDER_CHECK(n % kQ8GroupElems == 0 && s.state_begin % kQ8GroupElems == 0 && ns % kQ8GroupElems == 0,
+                    "ParamStore: block '{}' has {} elements and a state slice [{}, {}), not whole q8 groups", name, n,
+                    s.state_begin, s.state_end);
+      s.ext = arena.carve_as<uint8_t>(ns, name + " master extension", kAlignBytes);
+      s.m_codes = arena.carve_as<uint8_t>(ns, name + " adam m codes", kAlignBytes);
+      s.v_codes = arena.carve_as<uint8_t>(ns, name + " adam v codes", kAlignBytes);
+      s.m_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam m scales", kAlignBytes);
+      s.v_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam v scales", kAlignBytes);
     }
     if (options_.compute_dtype == DType::kBF16)
       s.compute = arena.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
@@ -135,7 +144,10 @@ std::span<float> ParamStore::master_of(size_t b, std::string_view tensor) {
                 "has no fp32 master to point at (read_kind decodes it)", s.layout->block_name(),
                 state_format_name(s.format), tensor);
   const TensorSlot& t = s.layout->at(tensor);
-  return s.master.subspan(t.offset_elems, t.numel);
+  STRIDER_CHECK(t.offset_elems >= s.state_begin && t.offset_elems + t.numel <= s.state_end,
+                "ParamStore: '{}' is not wholly in this store's state slice of block '{}'", tensor,
+                s.layout->block_name());
+  return s.master.subspan(t.offset_elems - s.state_begin, t.numel);
 }
 
 std::span<uint16_t> ParamStore::compute_of(size_t b, std::string_view tensor) {
@@ -150,9 +162,10 @@ void ParamStore::refresh_compute(size_t b, size_t begin, size_t end) {
   BlockState& s = block(b);
   STRIDER_CHECK(s.state_on_host, "ParamStore: block '{}' keeps its master on NVMe; refresh its "
                 "compute copy from the staging buffer it was read into", s.layout->block_name());
-  end = std::min(end, s.elems());
+  begin = std::max(begin, s.state_begin);
+  end = std::min(end, s.state_end);
   if (begin >= end) return;
-  auto src = std::span<const float>(s.master).subspan(begin, end - begin);
+  auto src = std::span<const float>(s.master).subspan(begin - s.state_begin, end - begin);
   if (!s.compute.empty()) float_to_bf16(src, s.compute.subspan(begin, end - begin));
   else std::copy(src.begin(), src.end(), s.compute_f32.begin() + begin);
 }
@@ -165,14 +178,14 @@ void ParamStore::refresh_compute_from_master() {
 
 void ParamStore::read_kind(size_t b, StateKind kind, std::span<float> out) const {
   const BlockState& s = block(b);
-  STRIDER_CHECK(s.state_on_host && out.size() == s.elems(),
-                "ParamStore::read_kind: block '{}' ({} elements, state {}) and a buffer of {}", s.layout->block_name(),
-                s.elems(), s.state_on_host ? "on the host" : "on NVMe", out.size());
+  STRIDER_CHECK(s.state_on_host && out.size() == s.state_elems(),
+                "ParamStore::read_kind: block '{}' ({} state elements, {}) and a buffer of {}", s.layout->block_name(),
+                s.state_elems(), s.state_on_host ? "on the host" : "on NVMe", out.size());
   if (s.format == StateFormat::kFp32) {
     std::span<const float> src = kind == StateKind::kMaster ? s.master : kind == StateKind::kAdamM ? s.m : s.v;
     std::copy(src.begin(), src.end(), out.begin());
   } else if (kind == StateKind::kMaster) {
-    q8_decode_master(s.compute.data(), s.ext.data(), out.data(), out.size());
+    q8_decode_master(s.compute.data() + s.state_begin, s.ext.data(), out.data(), out.size());
   } else {
     const bool m = kind == StateKind::kAdamM;
     q8_decode_moment(kind, (m ? s.m_codes : s.v_codes).data(), (m ? s.m_scale : s.v_scale).data(), out.data(),
@@ -182,15 +195,15 @@ void ParamStore::read_kind(size_t b, StateKind kind, std::span<float> out) const
 
 void ParamStore::write_kind(size_t b, StateKind kind, std::span<const float> in) {
   BlockState& s = block(b);
-  STRIDER_CHECK(s.state_on_host && in.size() == s.elems(),
-                "ParamStore::write_kind: block '{}' ({} elements, state {}) and a buffer of {}", s.layout->block_name(),
-                s.elems(), s.state_on_host ? "on the host" : "on NVMe", in.size());
+  STRIDER_CHECK(s.state_on_host && in.size() == s.state_elems(),
+                "ParamStore::write_kind: block '{}' ({} state elements, {}) and a buffer of {}", s.layout->block_name(),
+                s.state_elems(), s.state_on_host ? "on the host" : "on NVMe", in.size());
   if (s.format == StateFormat::kFp32) {
     std::span<float> dst = kind == StateKind::kMaster ? s.master : kind == StateKind::kAdamM ? s.m : s.v;
     std::copy(in.begin(), in.end(), dst.begin());
     if (kind == StateKind::kMaster) refresh_compute(b);
   } else if (kind == StateKind::kMaster) {
-    q8_encode_master(in.data(), s.compute.data(), s.ext.data(), in.size());
+    q8_encode_master(in.data(), s.compute.data() + s.state_begin, s.ext.data(), in.size());
   } else {
     const bool m = kind == StateKind::kAdamM;
     q8_encode_moment(kind, in.data(), (m ? s.m_codes : s.v_codes).data(), (m ? s.m_scale : s.v_scale).data(),

@@ -7,7 +7,8 @@
 //   compute        the copy the device computes with, the source of every
 //                  H2D: bf16 (compute), or fp32 (compute_f32) for exactness runs
 //   grad           staging for the block's gradients after D2H (bf16 or fp32)
-// All kinds of a block share its ParamLayout's element offsets.
+// All kinds of a block share its ParamLayout's element offsets, less the
+// state's slice start (BlockSpec::state_begin; 0 unless the state is sharded).
 #pragma once
 
 #include <cstddef>
@@ -27,6 +28,10 @@ struct BlockSpec {
   ParamLayout layout;
   bool state_on_host = true;  // false: master/m/v live on NVMe (io/), no host spans
   bool grad_staging = true;   // false: the block's gradients are staged elsewhere (empty grad span)
+  // The elements [state_begin, state_end) whose master, m and v this store
+  // keeps (data parallel with sharded state: this rank's slice; whole q8
+  // groups). The compute copy and the gradient staging are always whole.
+  size_t state_begin = 0, state_end = SIZE_MAX;
 };
 
 struct StoreOptions {
@@ -40,7 +45,7 @@ struct StoreOptions {
 // does not live on the host.
 struct BlockState {
   const ParamLayout* layout = nullptr;
-  std::span<float> master, m, v;      // fp32 format, else empty
+  std::span<float> master, m, v;      // fp32 format, else empty; elements [state_begin, state_end) of the block
   // q8 format (host/adam_q8.h), else empty: the master's extension, the
   // moments' codes and their groups' scales.
   std::span<uint8_t> ext, m_codes, v_codes;
@@ -51,8 +56,10 @@ struct BlockState {
   std::span<std::byte> grad;         // grad_dtype elements, layout->total_elems() of them (or empty)
   DType grad_dtype = DType::kBF16;
   bool state_on_host = true;
+  size_t state_begin = 0, state_end = 0;  // the state's slice of the block (BlockSpec)
 
   size_t elems() const { return layout->total_elems(); }
+  size_t state_elems() const { return state_end - state_begin; }
   // The compute copy's bytes, whatever its dtype (what an H2D sends).
   std::span<std::byte> compute_bytes() const {
     return compute.empty() ? std::as_writable_bytes(compute_f32) : std::as_writable_bytes(compute);
@@ -92,9 +99,9 @@ class ParamStore {
   // load). A no-op in q8, where the compute copy is part of the master.
   void refresh_compute_from_master();
 
-  // A host-resident block's state of one kind as floats (total_elems of
-  // them), whatever the format, and back (q8: rounded to nearest; writing the
-  // master rewrites the compute copy).
+  // A host-resident block's state of one kind as floats (state_elems() of
+  // them: its slice), whatever the format, and back (q8: rounded to nearest;
+  // writing the master rewrites the compute copy's slice).
   void read_kind(size_t b, StateKind kind, std::span<float> out) const;
   void write_kind(size_t b, StateKind kind, std::span<const float> in);
 

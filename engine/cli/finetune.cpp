@@ -120,7 +120,12 @@ int run(const Options& o) {
   CheckpointSeries series(ckpt_root, int(o.keep_checkpoints));
   int64_t saved_step = -1;
   auto save_checkpoint = [&] {
-    if (!writes || saved_step == engine.steps_done()) return;  // the state is whole on every rank: rank 0 saves it
+    if (saved_step == engine.steps_done()) return;
+    if (!writes) {  // rank 0 saves; with the state sharded, it gathers this rank's slices as it goes
+      serve_training_checkpoint(engine);
+      saved_step = engine.steps_done();
+      return;
+    }
     if (!ckpt_lock) {  // the default under --out: checked and locked when first used
       check_output_dir(ckpt_root, "the checkpoint directory");
       ckpt_lock.emplace(ckpt_root, "the checkpoint directory");
@@ -255,7 +260,7 @@ int run(const Options& o) {
   }
   engine.finish_updates();
   auto write_trace = [&] {
-    if (o.trace.empty()) return;
+    if (o.trace.empty() || !writes) return;
     engine.timeline().write_chrome_trace(o.trace);
     fmt::print("  trace: {}\n", o.trace);
   };
@@ -289,18 +294,21 @@ int run(const Options& o) {
     fmt::print("resume with --checkpoint-dir {} --resume\n", ckpt_root);
     return 128 + sig;
   }
-  if (!writes) return 0;  // rank 0 writes the checkpoint and the model
   if (!o.checkpoint_dir.empty()) save_checkpoint();
   write_trace();
 
-  // A checkpoint transformers loads.
-  HfCheckpointWriter writer(o.out, spec, config.dump(2), {.dtype = DType::kBF16});
+  // A checkpoint transformers loads, written by rank 0. Every rank reads the
+  // weights: from an fp32 compute copy they are the master, which a sharded
+  // state gathers from every rank.
+  std::optional<HfCheckpointWriter> writer;
+  if (writes) writer.emplace(o.out, spec, config.dump(2), HfWriteOptions{.dtype = DType::kBF16});
   for (int64_t b = 0; b < spec.num_blocks(); ++b) {
     std::vector<float> w(spec.layout(b).total_elems());
     engine.model_weights(b, DType::kBF16, w);  // what the model computes with
-    writer.write_block(b, w);
+    if (writer) writer->write_block(b, w);
   }
-  writer.finish();
+  if (!writes) return 0;
+  writer->finish();
   fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{})\n", o.out, start_step + 1, engine.steps_done(),
              first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "");
   return 0;

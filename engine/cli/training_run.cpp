@@ -207,9 +207,12 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   PlanLimits& lim = run.limits;
   std::string budget_why;
   lim.device_bytes = device_budget_bytes(o.device, o.device_budget, &budget_why);
-  // --host-ram is the machine's; its ranks hold the whole state each (data
-  // parallel without sharding), so each plans with its share.
+  // --host-ram is the machine's, so each of its ranks plans with its share.
+  // Data parallel, the ranks shard the state: each keeps its slice of master,
+  // m and v (and its own compute copy and gradient staging). Every rank plans
+  // for rank 0's slice, the largest, so that all take the same plan.
   lim.host_bytes = parse_bytes(o.host_ram) / uint64_t(me.local_world);
+  lim.state_shards = me.world;
   STRIDER_CHECK(me.solo() || (o.device != "sim" && o.device.rfind("sim:", 0) != 0 &&
                               choose_device(o.device).kind == DeviceKind::kCpu),
                 "--device {}: data parallel runs on the CPU device only so far (its CUDA path, one device per rank, "
@@ -249,6 +252,7 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   cfg.schedule = {LrSchedule::parse_shape(o.schedule), o.warmup, total_steps};
   cfg.clip_norm = o.clip;
   cfg.optimizer_threads = o.optimizer_threads;
+  cfg.state_shard = me.rank;
   if (!nvme_dir.empty()) {
     if (!me.solo()) fs::create_directories(nvme_dir);
     check_output_dir(nvme_dir, "--nvme");

@@ -142,6 +142,48 @@ TEST_CASE("c10d collectives give rank-ordered exact sums and slices where they b
   }
 }
 
+TEST_CASE("uneven slices: each rank sums its own slice in rank order and gathers the others", "[dist]") {
+  auto solo = solo_collectives();
+  std::vector<float> x{1, 2};
+  const std::vector<size_t> one{0, 2}, bad{0, 1};
+  solo->reduce_scatter_sum(x, one);
+  CHECK(x == std::vector<float>({1, 2}));
+  CHECK_THROWS_WITH(solo->reduce_scatter_sum(x, bad), Catch::Contains("do not cut 2 elements into 1 slices"));
+  if (!have_c10d_gloo()) {
+    WARN("skipped: this build has no c10d Gloo (no gloo headers)");
+    return;
+  }
+  // 3 ranks, 10 elements: slices of 4, 0 and 6 (an empty one, as a small
+  // piece's last ranks get). Values where the order of the additions shows:
+  // 1e8 + 1 - 1e8 is 0 in floats, added in rank order.
+  const int world = 3;
+  const std::vector<size_t> bounds{0, 4, 4, 10};
+  std::vector<std::vector<float>> sums(world);
+  std::vector<std::vector<std::byte>> gathered(world);
+  const float vals[] = {1e8f, 1.0f, -1e8f};
+  const auto errors = on_ranks(world, 30s, [&](int r, Collectives& c) {
+    std::vector<float> g(10);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = vals[r] + float(i % 2);
+    c.reduce_scatter_sum(g, bounds);
+    sums[r] = g;
+    std::vector<std::byte> bytes(10, std::byte(0xEE));
+    for (size_t i = bounds[size_t(r)]; i < bounds[size_t(r) + 1]; ++i) bytes[i] = std::byte(r + 1);
+    c.all_gather(bytes, bounds);
+    gathered[r] = bytes;
+  });
+  for (int r = 0; r < world; ++r) REQUIRE(errors[r].empty());
+  for (int r = 0; r < world; ++r) {
+    CAPTURE(r);
+    for (size_t i = 0; i < 10; ++i) {
+      const bool mine = i >= bounds[size_t(r)] && i < bounds[size_t(r) + 1];
+      float e = vals[0] + float(i % 2);
+      for (int s = 1; s < world; ++s) e += vals[s] + float(i % 2);
+      CHECK(sums[r][i] == (mine ? e : vals[r] + float(i % 2)));  // elsewhere: as it was
+      CHECK(gathered[r][i] == std::byte(i < 4 ? 1 : 3));
+    }
+  }
+}
+
 TEST_CASE("c10d collectives name a rank that never arrives", "[dist]") {
   if (!have_c10d_gloo()) {
     WARN("skipped: this build has no c10d Gloo (no gloo headers)");

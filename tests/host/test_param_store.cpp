@@ -109,3 +109,41 @@ TEST_CASE("an fp32 compute copy follows the master exactly", "[host][store]") {
   CHECK(b.compute_f32[5] == b.master[5]);
   CHECK_THROWS_WITH(store.compute_of(0, "model.layers.0.input_layernorm.weight"), Catch::Contains("F32"));
 }
+
+TEST_CASE("a store keeps the state of its slice of a block only, with the whole compute copy", "[host][store]") {
+  const ParamLayout l = layer_layout("model.layers.0", 16);
+  const size_t n = l.total_elems(), lo = 256, hi = 512;
+  REQUIRE(n > hi);
+  std::vector<BlockSpec> whole{{l, true}}, slice{{l, true, true, lo, hi}};
+  StoreOptions opts{.grad_dtype = DType::kF32};
+  CHECK(ParamStore::bytes_needed(slice, opts) < ParamStore::bytes_needed(whole, opts));
+  PinnedArena arena(ParamStore::bytes_needed(slice, opts), {.lock = LockPolicy::kNone, .huge_pages = false});
+  ParamStore store(slice, opts, arena);
+  BlockState& s = store.block(0);
+  CHECK(s.state_elems() == hi - lo);
+  CHECK(s.master.size() == hi - lo);
+  CHECK(s.compute.size() == n);
+  CHECK(s.grad.size() == n * 4);
+  // The master's slice sets the compute copy's slice, nothing else.
+  std::vector<float> w(hi - lo, 1.5f);
+  store.write_kind(0, StateKind::kMaster, w);
+  CHECK(s.compute[lo] == 0x3fc0);
+  CHECK(s.compute[hi - 1] == 0x3fc0);
+  CHECK(s.compute[lo - 1] == 0);
+  CHECK(s.compute[hi] == 0);
+  std::vector<float> back(hi - lo);
+  store.read_kind(0, StateKind::kMaster, back);
+  CHECK(back == w);
+  std::vector<float> wrong(n);
+  CHECK_THROWS_WITH(store.read_kind(0, StateKind::kAdamM, wrong), Catch::Contains("256 state elements"));
+  // refresh_compute's range is the block's, cut to the slice.
+  s.master[0] = 2.0f;
+  store.refresh_compute(0, 0, lo + 1);
+  CHECK(s.compute[lo] == 0x4000);  // bf16(2)
+  CHECK(s.compute[0] == 0);
+  // A slice off the q8 groups is refused, naming it.
+  std::vector<BlockSpec> ragged{{l, true, true, 100, 512}};
+  PinnedArena arena2(1 << 20, {.lock = LockPolicy::kNone, .huge_pages = false});
+  CHECK_THROWS_WITH(ParamStore(ragged, {.format = StateFormat::kQ8}, arena2),
+                    Catch::Contains("state slice [100, 512)"));
+}
