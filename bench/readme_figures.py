@@ -590,8 +590,8 @@ BLOCKS = {"machine": block_machine, "demo-model": block_demo_model, "demo-plan":
           "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b, "formats": block_formats}
 # Blocks the script knows and leaves alone: their figures come from elsewhere.
 # bench/gpu_check.sh's figures, quoted with that check's date; bench/quality_formats.py's (its runs take
-# half an hour: it writes its block itself, with --update-readme).
-FOREIGN_BLOCKS = {"gpu", "quality"}
+# half an hour: it writes its block itself, with --update-readme); bench/predict_dp.py's (data parallel).
+FOREIGN_BLOCKS = {"gpu", "quality", "predict-dp"}
 
 MARKER = re.compile(r"<!-- figures:begin ([\w-]+) -->(.*?)<!-- figures:end -->", re.S)
 

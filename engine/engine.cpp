@@ -148,10 +148,17 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   const size_t act_bytes = size_t(config_.micro_batch * config_.seq * spec_.dims.hidden) * compute_bytes_;
   const size_t emb_elems = layouts_[0].total_elems();
   const EngineFootprint fp = footprint(spec_, config_);
+  // (A simulated engine reserves the shared compute copy's addresses in its own arena.)
   arena_ = std::make_unique<PinnedArena>(
-      fp.host_bytes, ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = simulated()});
+      fp.host_bytes + (simulated() ? fp.shared_host_bytes : 0), ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = simulated()});
   if (auto reg = device_->host_registrar()) arena_->attach(reg);
-  store_ = std::make_unique<ParamStore>(specs, so, *arena_);
+  if (!config_.shared_compute_file.empty() && !simulated()) {
+    shared_arena_ = std::make_unique<PinnedArena>(
+        fp.shared_host_bytes, ArenaOptions{.lock = config_.lock, .name = "strider shared compute copy",
+                                           .shared_file = config_.shared_compute_file});
+    if (auto reg = device_->host_registrar()) shared_arena_->attach(reg);  // each process registers it
+  }
+  store_ = std::make_unique<ParamStore>(specs, so, *arena_, shared_arena_.get());
   ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kAlign);
   labels_host_ = arena_->carve_as<int64_t>(tokens, "batch labels", kAlign);
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kAlign);
@@ -281,7 +288,10 @@ EngineFootprint Engine::footprint(const ModelSpec& spec, const EngineConfig& c) 
   // The training state: the store, the tied embedding's gradient, the NVMe
   // staging (2 slots of master, m, v, and read-back gradients with clipping)
   // and the gradient ring.
-  f.state_host_bytes = ParamStore::bytes_needed(specs, so) + (spec.tie_embeddings ? round_up(emb_elems * 4, kAlign) : 0) +
+  f.shared_host_bytes = c.shared_compute_file.empty() ? 0 : ParamStore::compute_bytes_needed(specs, so);
+  f.optimizer_host_bytes = ParamStore::state_bytes_needed(specs, so);
+  f.state_host_bytes = ParamStore::bytes_needed(specs, so) - f.shared_host_bytes +
+                       (spec.tie_embeddings ? round_up(emb_elems * 4, kAlign) : 0) +
                        2 * (clip ? 4 : 3) * max_nvme_state + uint64_t(c.grad_ring) * ring_slot_bytes;
   // The arena: that, the batch, the loss figures (and alignment slack), host checkpoints.
   f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kAlign) + round_up(size_t(2 * M) * 8, kAlign) + 8 * kAlign;
@@ -341,6 +351,9 @@ void Engine::check_config() const {
   STRIDER_CHECK(c.state_shards >= 1 && c.state_shard >= 0 && c.state_shard < c.state_shards,
                 "state shard {} of {}: a rank's slice of the sharded state is 0..shards-1 of shards >= 1",
                 c.state_shard, c.state_shards);
+  STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
+                "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",
+                c.shared_compute_file);
 }
 
 void Engine::allocate_activations() {
@@ -379,8 +392,14 @@ void Engine::allocate_activations() {
   }
 }
 
+void Engine::settle_compute() {
+  if (!compute_pending_) return;
+  dist_->barrier();  // every rank wrote its slices
+  compute_pending_ = false;
+}
+
 StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
-  STRIDER_CHECK(dist_->ranks().world == config_.state_shards || !sharded(),
+  STRIDER_CHECK(dist_->ranks().world == config_.state_shards || !sharded() || simulated(),
                 "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
                 config_.state_shard, config_.state_shards, dist_->ranks().world);
   const double t0 = Timeline::now_us();
@@ -389,6 +408,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   rep.lr = config_.adam.lr * config_.schedule.factor(steps_);
   rep.tokens = config_.batch() * config_.seq;
   device_->reset_work_peak();  // no compute op is in flight between steps
+  settle_compute();
   upload_batch(ids, labels);
   STRIDER_CHECK(batch_valid_ > 0 || simulated(), "the batch has no label other than -100: nothing to train on");
 
@@ -459,6 +479,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
 
 double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
+  settle_compute();
   upload_batch(ids, labels);
   run_pass(eval_visits_, /*train=*/false);
   device_->synchronize(StreamId::kCompute);
@@ -558,6 +579,7 @@ void Engine::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
     return;
   }
   finish_updates();
+  settle_compute();
   const std::span<uint16_t> c = store_->block(size_t(b)).compute;
   bf16_to_float(c, out);
 }

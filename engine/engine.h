@@ -120,6 +120,12 @@ struct EngineConfig {
   // `state_shard`. 1: the whole state here (one process, or replicated ranks).
   int state_shards = 1;
   int state_shard = 0;
+  // Sharded state on one machine: the compute copy lives in this file's
+  // shared mapping (host/pinned_arena.h; tmpfs, /dev/shm/...), mapped by
+  // every rank of the machine, so it exists once. Each rank writes its own
+  // slices there, and a piece's update ends when every rank has written its
+  // slice (a barrier) instead of gathering them. Empty: a private copy each.
+  std::string shared_compute_file;
   // Elements per rank slice are whole multiples of this (the q8 groups, at
   // least 64: slices start on 256-byte lines).
   int64_t slice_align() const { return std::max<int64_t>(shard_align(), 64); }
@@ -172,6 +178,9 @@ struct EngineFootprint {
   uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes)
   uint64_t device_bytes = 0;        // pool + activations: every device allocation
   uint64_t host_bytes = 0;          // the pinned arena
+  uint64_t optimizer_host_bytes = 0;  // of state_host_bytes, the RAM tier's master, m and v (sharded: this rank's slices)
+  uint64_t shared_host_bytes = 0;   // the compute copy in shared memory (EngineConfig::shared_compute_file;
+                                    // not in host_bytes: the machine's ranks hold it once)
   uint64_t state_host_bytes = 0;    // of it, the training state: the store (format, compute copy, gradient
                                     // staging), the tied gradient's, the NVMe staging and the gradient ring
   uint64_t nvme_bytes = 0;          // NVMe-tier state files
@@ -360,6 +369,11 @@ class Engine {
   size_t compute_bytes_;            // 2 (bf16) or 4 (fp32)
   size_t grad_bytes_;               // gradients on the host: 2 (bf16) or 4 (fp32)
   std::unique_ptr<PinnedArena> arena_;
+  std::unique_ptr<PinnedArena> shared_arena_;  // the shared compute copy (EngineConfig::shared_compute_file)
+  // This rank wrote its slices of a shared compute copy (write_state): the
+  // others' must be there before any of it is read (a barrier first).
+  bool compute_pending_ = false;
+  void settle_compute();
   std::unique_ptr<ParamStore> store_;
   std::unique_ptr<NvmeStore> nvme_;
   std::vector<bool> nvme_piece_;    // per piece: its state lives on NVMe (its block's does)

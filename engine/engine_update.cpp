@@ -155,6 +155,10 @@ void Engine::sum_grads_over_ranks(int64_t p) {
 
 void Engine::gather_compute(int64_t p) {
   if (!sharded()) return;
+  if (shared_arena_) {  // one compute copy on the machine: the ranks' slices are in it once all have written
+    dist_update_->barrier();
+    return;
+  }
   const std::vector<size_t>& cut = piece_slices_[size_t(p)];
   for (size_t r = 0; r < cut.size(); ++r) slice_bytes_[r] = cut[r] * compute_bytes_;
   const std::span<std::byte> c = store_->block(size_t(piece(p).block)).compute_bytes();
@@ -456,6 +460,17 @@ void Engine::sim_landed(int64_t b) {
   st.all_landed = std::max(st.all_landed, landed);
   const uint64_t n = piece(b).elems();
   const int32_t blk = int32_t(piece(b).block);
+  if (sharded()) {
+    // The piece's collectives, on the updater before its norm: the
+    // reduce-scatter of the gradient, the sum of squares, and the compute
+    // copy's all-gather (a barrier when the machine's ranks share one copy);
+    // each rank moves (W - 1) / W of the piece's bytes each way.
+    const double w = config_.state_shards, share = (w - 1) / w;
+    uint64_t bytes = uint64_t(share * double(n * grad_bytes_));
+    if (config_.shared_compute_file.empty()) bytes += uint64_t(share * double(n * compute_bytes_));
+    SimInterval c = sim_optimizer_.run(landed, cm.collective_us(bytes) + 2 * cm.collective_latency_us);
+    timeline_.add({Lane::kOptimizer, "collectives", blk, -1, st.job.step, c.begin_us, c.end_us, 0, bytes});
+  }
   SimInterval t = sim_optimizer_.run(landed, cm.adam_us(n) * double(grad_bytes_) / 28.0);
   timeline_.add({Lane::kOptimizer, "grad norm", blk, -1, st.job.step, t.begin_us, t.end_us, 0, n * grad_bytes_});
   st.norm_known = std::max(st.norm_known, t.end_us);
@@ -483,7 +498,12 @@ void Engine::sim_update(int64_t b, double ready) {
     ready = std::max(ready, r.end_us);
   }
   const bool q8 = config_.optimizer_state == StateFormat::kQ8;
-  SimInterval t = sim_optimizer_.run(ready, cm.adam_us(n) * (q8 ? kQ8AdamTimeRatio : 1.0));
+  // Sharded, a rank updates its slice. Ranks on one machine (sharing a
+  // compute copy) share its memory bus too: their slices together take what
+  // the whole piece would, so each rank's lane is busy that long. Ranks on
+  // machines of their own each take their slice's time.
+  const uint64_t updated = sharded() && config_.shared_compute_file.empty() ? owned(b).elems() : n;
+  SimInterval t = sim_optimizer_.run(ready, cm.adam_us(updated) * (q8 ? kQ8AdamTimeRatio : 1.0));
   span(Lane::kOptimizer, "adamw", t, adam_bytes(config_.optimizer_state, n, grad_bytes_));
   st.read_ahead_from = t.begin_us;
   if (on_nvme(b))
@@ -557,7 +577,16 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
                 "write_state: block {} and a buffer of {} elements do not match", b, in.size());
   BlockState& s = store_->block(size_t(b));
   const bool q8 = config_.optimizer_state == StateFormat::kQ8;
-  if (kind == ExtentKind::kMaster && (nvme_block_[size_t(b)] || sharded())) {
+  if (kind == ExtentKind::kMaster && shared_arena_) {
+    // A compute copy shared with the other ranks: this rank writes its slice
+    // (below, or here for an NVMe-tier fp32 state), the others theirs.
+    compute_pending_ = true;
+    const Range own{s.state_begin, s.state_end};
+    if (nvme_block_[size_t(b)] && !q8 && !s.compute.empty())
+      float_to_bf16(in.subspan(own.begin, own.elems()), s.compute.subspan(own.begin, own.elems()));
+    else if (nvme_block_[size_t(b)] && !q8)
+      std::copy(in.begin() + own.begin, in.begin() + own.end, s.compute_f32.begin() + own.begin);
+  } else if (kind == ExtentKind::kMaster && (nvme_block_[size_t(b)] || sharded())) {
     // The compute copy follows the master, all of it: the slices other ranks
     // keep get the bits their ranks write (every rank is given the same `in`).
     if (q8) {

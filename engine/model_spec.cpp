@@ -380,12 +380,16 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
   switch (block(i).kind) {
     case BlockKind::kEmbedding: {
       // One vocabulary shard's visit (engine/shards.h): forward gathers the
-      // rows of its tokens, backward their gradient (cast to fp32) for the
-      // index_add (below fp32); ids, masks and positions are ~32 bytes a
-      // token. tests/engine/test_head_memory measures them.
+      // rows of its tokens, backward their gradient (cast to fp32) and sums
+      // them per distinct token (fp32, at most min(tokens, vocab) rows) before
+      // the index_add (gpu/blocks.h); ids, masks, positions and the distinct
+      // tokens' sort are ~64 bytes a token. tests/engine/test_head_memory
+      // measures them.
       const i128 e = dtype_bytes, to_f32 = dtype_bytes < 4 ? 4 : 0;
+      const i128 distinct = std::min<i128>(tok, d.vocab);
       c.forward_work_bytes = bytes(tok * (d.hidden * e + 32) + 4096, "forward working memory");
-      c.backward_work_bytes = bytes(tok * (d.hidden * (e + to_f32) + 32) + 4096, "backward working memory");
+      c.backward_work_bytes =
+          bytes(tok * (d.hidden * (e + to_f32) + 64) + distinct * d.hidden * 4 + 4096, "backward working memory");
       break;
     }
     case BlockKind::kLayer: {

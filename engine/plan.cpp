@@ -68,6 +68,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.saved_blocks = saved_blocks;
   c.keep_logits = keep_logits;
   c.state_shards = l.state_shards;
+  if (l.shared_compute) c.shared_compute_file = "(shared memory)";  // its size is what counts here; the run names it
   return c;
 }
 

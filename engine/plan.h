@@ -55,6 +55,10 @@ struct PlanLimits {
   // over (EngineConfig::state_shards). The plan is rank 0's, whose slice is
   // the largest.
   int state_shards = 1;
+  // The ranks of one machine share one compute copy in shared memory
+  // (EngineConfig::shared_compute_file): host_bytes is then each rank's share
+  // of what the machine has left after it.
+  bool shared_compute = false;
   // The rest of the process's host memory, for Plan::host_peak_bytes: what
   // the process holds before the run allocates anything (its libraries and
   // runtimes: the caller measures it, process_rss_bytes()), whether the

@@ -170,9 +170,24 @@ at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids) {
   return at::embedding(weight, ids);
 }
 
+namespace {
+// Adds rows `from` ([tokens, hidden]) into the rows `at` of `acc`, a token's
+// rows summed first (in token order) and added to its accumulator row once:
+// the micro-batch's gradient, then the sum over micro-batches. So one process
+// with M micro-batches adds ((g0 + g1) + g2) per row, exactly as M
+// data-parallel ranks with one micro-batch each sum theirs (rank order),
+// rather than folding each token's row into the running sum by itself.
+void add_rows_per_token(const at::Tensor& acc, const at::Tensor& at, const at::Tensor& from) {
+  auto [tokens, slot] = at::_unique(at, /*sorted=*/true, /*return_inverse=*/true);
+  at::Tensor sums = at::zeros({tokens.size(0), from.size(1)}, from.options().dtype(at::kFloat));
+  sums.index_add_(0, slot, from.to(at::kFloat));
+  acc.index_add_(0, tokens, sums);
+}
+}  // namespace
+
 void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight) {
   const int64_t hidden = grad_weight.size(1);
-  grad_weight.index_add_(0, ids.reshape({-1}), grad_out.reshape({-1, hidden}).to(at::kFloat));
+  add_rows_per_token(grad_weight, ids.reshape({-1}), grad_out.reshape({-1, hidden}));
 }
 
 void embedding_shard_forward(const at::Tensor& rows, int64_t v0, const at::Tensor& ids, const at::Tensor& out) {
@@ -188,8 +203,7 @@ void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tenso
   const int64_t n = grad_rows.size(0), hidden = grad_rows.size(1);
   at::Tensor flat_ids = ids.reshape({-1});
   at::Tensor sel = ((flat_ids >= v0) & (flat_ids < v0 + n)).nonzero().squeeze(1);
-  grad_rows.index_add_(0, flat_ids.index_select(0, sel) - v0,
-                       grad_out.reshape({-1, hidden}).index_select(0, sel).to(at::kFloat));
+  add_rows_per_token(grad_rows, flat_ids.index_select(0, sel) - v0, grad_out.reshape({-1, hidden}).index_select(0, sel));
 }
 
 int64_t layer_saved_elems(const BlockDims& d, int64_t tokens) {

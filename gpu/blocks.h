@@ -34,7 +34,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Embedding: ids [b, s] (int64) -> [b, s, hidden].
 at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids);
-// Adds d(loss)/d(weight) for this micro-batch into grad_weight (fp32).
+// Adds d(loss)/d(weight) for this micro-batch into grad_weight (fp32): each
+// token's rows summed first, then added to its row once (so micro-batches add
+// as data-parallel ranks do).
 void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight);
 // One vocabulary shard of the embedding, rows [v0, v0 + rows.size(0)): writes
 // the rows of `out` ([b, s, hidden]) whose ids fall in the shard and leaves the

@@ -131,6 +131,10 @@ constexpr Key kKeys[] = {
      [](CostModel& m, double v) { m.cpu_adam_params_per_s = v * 1e9 / CostModel::kAdamBytesPerParam; }},
     {"nvme_read_gbps", ValueKind::kRate, "NVMe read GB/s", [](CostModel& m, double v) { m.nvme_read_gbps = v; }},
     {"nvme_write_gbps", ValueKind::kRate, "NVMe write GB/s", [](CostModel& m, double v) { m.nvme_write_gbps = v; }},
+    {"collective_gbps", ValueKind::kRate, "GB/s of one data-parallel rank's part of a collective",
+     [](CostModel& m, double v) { m.collective_gbps = v; }},
+    {"collective_latency_us", ValueKind::kLatency, "fixed µs per collective between ranks",
+     [](CostModel& m, double v) { m.collective_latency_us = v; }},
 };
 
 std::string_view trim(std::string_view s) {
@@ -264,6 +268,8 @@ void CostModel::validate() const {
   positive("cpu_adam_params_per_s", cpu_adam_params_per_s);
   positive("nvme_read_gbps", nvme_read_gbps);
   positive("nvme_write_gbps", nvme_write_gbps);
+  positive("collective_gbps", collective_gbps);
+  latency("collective_latency_us", collective_latency_us);
 }
 
 std::string CostModel::describe() const {
@@ -272,10 +278,11 @@ std::string CostModel::describe() const {
       "  compute  {:.1f} TFLOP/s peak x {:.2f} = {:.1f} TFLOP/s sustained, +{} us per op\n"
       "  memory   {:.1f} GiB usable\n"
       "  PCIe     h2d {} GB/s, d2h {} GB/s, +{} us per copy, {}\n"
-      "  host     AdamW {:.3g} params/s, NVMe read {} GB/s, write {} GB/s",
+      "  host     AdamW {:.3g} params/s, NVMe read {} GB/s, write {} GB/s\n"
+      "  ranks    collectives {} GB/s per rank, +{} us each",
       name, peak_tflops, mfu, sustained_tflops(), compute_latency_us, device_memory_bytes / kGiB, h2d_gbps,
       d2h_gbps, copy_latency_us, shared_bus ? "one shared bus" : "full duplex", cpu_adam_params_per_s,
-      nvme_read_gbps, nvme_write_gbps);
+      nvme_read_gbps, nvme_write_gbps, collective_gbps, collective_latency_us);
 }
 
 // 1 TFLOP/s = 1e6 FLOP per µs; 1 GB/s = 1e3 bytes per µs.
@@ -285,6 +292,9 @@ double CostModel::d2h_us(uint64_t bytes) const { return copy_latency_us + static
 double CostModel::adam_us(uint64_t params) const { return static_cast<double>(params) / cpu_adam_params_per_s * 1e6; }
 double CostModel::nvme_read_us(uint64_t bytes) const { return static_cast<double>(bytes) / (nvme_read_gbps * 1e3); }
 double CostModel::nvme_write_us(uint64_t bytes) const { return static_cast<double>(bytes) / (nvme_write_gbps * 1e3); }
+double CostModel::collective_us(uint64_t bytes) const {
+  return collective_latency_us + static_cast<double>(bytes) / (collective_gbps * 1e3);
+}
 
 SimInterval SimHostLane::run(double ready_us, double cost_us) {
   const double begin = std::max(clock_us, ready_us);

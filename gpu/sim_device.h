@@ -53,6 +53,20 @@ struct CostModel {
   double nvme_read_gbps = 7;             // optimizer state read back from the NVMe tier
   double nvme_write_gbps = 5;            // optimizer state written to the NVMe tier
 
+  // ---- between data-parallel ranks (priced by the engine) ----
+  // What one rank's part of a collective moves per second (its share of a
+  // gradient's reduce-scatter; with a compute copy per rank, of the
+  // all-gather), and the fixed cost of each collective. On one machine the
+  // ranks' collectives go through host memory (Gloo over loopback); between
+  // machines, through the network (`strider plan --link` sets them).
+  // Assumption for one machine: Gloo over loopback TCP moves ~5-10 GB/s per
+  // stream on a current CPU; 6. Override it with a measurement.
+  double collective_gbps = 6;
+  double collective_latency_us = 50;
+  // The host's memory bandwidth, from the AdamW rate (memory-bound at
+  // kAdamBytesPerParam): what N GPUs' copies on one machine share.
+  double host_memory_gbps() const { return cpu_adam_params_per_s * kAdamBytesPerParam / 1e9; }
+
   // Bytes of memory traffic per parameter of one AdamW step (read w, m, v and
   // the bf16 gradient; write w, m, v and the bf16 compute copy: 12+2+12+2), to
   // turn a memory bandwidth into cpu_adam_params_per_s.
@@ -80,6 +94,7 @@ struct CostModel {
   double adam_us(uint64_t params) const;
   double nvme_read_us(uint64_t bytes) const;
   double nvme_write_us(uint64_t bytes) const;
+  double collective_us(uint64_t bytes) const;
 };
 
 // A stretch of virtual time.

@@ -58,10 +58,25 @@ size_t ParamStore::bytes_needed(const std::vector<BlockSpec>& blocks, const Stor
   return total;
 }
 
-ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, PinnedArena& arena)
+size_t ParamStore::compute_bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options) {
+  check_options(options);
+  size_t total = 0;
+  for (const auto& b : blocks) total += kind_bytes(b, options).compute;
+  return total;
+}
+
+size_t ParamStore::state_bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options) {
+  check_options(options);
+  size_t total = 0;
+  for (const auto& b : blocks) total += kind_bytes(b, options).state;
+  return total;
+}
+
+ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, PinnedArena& arena,
+                       PinnedArena* compute_arena)
     : specs_(std::move(blocks)), options_(options) {
   check_options(options_);
-  const size_t need = bytes_needed(specs_, options_);
+  const size_t need = bytes_needed(specs_, options_) - (compute_arena ? compute_bytes_needed(specs_, options_) : 0);
   STRIDER_CHECK(need <= arena.free_bytes(),
                 "ParamStore: {} blocks need {} bytes of pinned memory ({:.2f} GiB) but the arena "
                 "has {} free; size the arena with ParamStore::bytes_needed",
@@ -94,10 +109,11 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
       s.m_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam m scales", kAlignBytes);
       s.v_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam v scales", kAlignBytes);
     }
+    PinnedArena& carrier = compute_arena ? *compute_arena : arena;
     if (options_.compute_dtype == DType::kBF16)
-      s.compute = arena.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
+      s.compute = carrier.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
     else
-      s.compute_f32 = arena.carve_as<float>(n, name + " fp32 compute copy", kAlignBytes);
+      s.compute_f32 = carrier.carve_as<float>(n, name + " fp32 compute copy", kAlignBytes);
     if (spec.grad_staging) s.grad = arena.carve(n * dtype_size(options_.grad_dtype), kAlignBytes, name + " grad staging");
     // Adam's moments must start at zero and padding must stay zero; the arena
     // may have been used before, so do not rely on fresh mmap pages.
@@ -110,7 +126,7 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
     std::memset(s.v.data(), 0, s.v.size_bytes());
     for (auto q : {s.ext, s.m_codes, s.v_codes}) std::memset(q.data(), 0, q.size_bytes());
     for (auto q : {s.m_scale, s.v_scale}) std::memset(q.data(), 0, q.size_bytes());
-    std::memset(s.compute_bytes().data(), 0, s.compute_bytes().size());
+    if (!compute_arena) std::memset(s.compute_bytes().data(), 0, s.compute_bytes().size());
     std::memset(s.grad.data(), 0, s.grad.size_bytes());
     blocks_.push_back(s);
   }

@@ -71,10 +71,18 @@ class ParamStore {
   // Arena bytes the store will carve for these blocks (alignment included), so
   // the caller can size the arena (and the planner can refuse) before mapping.
   static size_t bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options);
+  // Of those, the compute copies' (what a separate compute arena takes instead).
+  static size_t compute_bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options);
+  // Of those, the host-resident master, m and v (their slices).
+  static size_t state_bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options);
 
   // Carves every block's buffers from `arena` and zeroes them (m and v start at
   // zero; padding stays zero forever). Throws when the arena is too small.
-  ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, PinnedArena& arena);
+  // `compute_arena`: where the compute copies are carved instead (shared
+  // memory that other processes map too: left as it is, never zeroed, since
+  // they may have written their slices already; a new file reads zero).
+  ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, PinnedArena& arena,
+             PinnedArena* compute_arena = nullptr);
   ParamStore(const ParamStore&) = delete;
   ParamStore& operator=(const ParamStore&) = delete;
 

@@ -1,6 +1,8 @@
 #include "host/pinned_arena.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -29,25 +31,17 @@ PinnedArena::PinnedArena(size_t capacity_bytes, ArenaOptions options)
     : name_(std::move(options.name)) {
   STRIDER_CHECK(capacity_bytes > 0, "{}: capacity must be > 0 bytes", name_);
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
-  capacity_ = round_up(capacity_bytes, options.huge_pages ? kHugePage : page);
-
-  // MAP_NORESERVE is deliberately absent: we want the OS to refuse now, with a
-  // message, rather than kill the process with SIGBUS/OOM halfway through a step.
-  const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (options.reserve_only ? MAP_NORESERVE : 0);
-  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, flags, -1, 0);
-  if (p == MAP_FAILED) {
-    int err = errno;
-    throw Error(fmt::format(
-        "{}: cannot map {} bytes ({:.2f} GiB) of host memory: {}. Lower the host RAM "
-        "limit or move optimizer state to NVMe.",
-        name_, capacity_, capacity_ / double(1ull << 30), errno_text(err)));
+  const bool shared = !options.shared_file.empty();
+  if (shared) {
+    options.huge_pages = false;
+    options.reserve_only = false;
   }
-  base_ = static_cast<std::byte*>(p);
-
-  // Huge pages cut TLB misses in the optimizer's streaming passes; the kernel
-  // may decline (THP "never"), which is fine.
-  if (options.huge_pages) huge_ = madvise(base_, capacity_, MADV_HUGEPAGE) == 0;
-
+  capacity_ = round_up(capacity_bytes, options.huge_pages ? kHugePage : page);
+  if (shared) {
+    map_shared(options.shared_file);
+  } else {
+    map_private(options);
+  }
   if (options.reserve_only) return;
   if (options.lock != LockPolicy::kNone) {
     // mlock also faults every page in, so a locked arena is prefaulted.
@@ -66,11 +60,63 @@ PinnedArena::PinnedArena(size_t capacity_bytes, ArenaOptions options)
     }
   }
   if (!locked_ && options.prefault) {
-    // Touch one byte per page so page faults happen here, not inside a step.
+    // Touch one byte per page so page faults happen here, not inside a step
+    // (a shared mapping by reading: other processes' bytes stay).
     const size_t stride = huge_ ? kHugePage : page;
-    for (size_t off = 0; off < capacity_; off += stride)
-      reinterpret_cast<volatile std::byte*>(base_)[off] = std::byte{0};
+    for (size_t off = 0; off < capacity_; off += stride) {
+      auto* at = reinterpret_cast<volatile std::byte*>(base_) + off;
+      if (shared) (void)*at;
+      else *at = std::byte{0};
+    }
   }
+}
+
+void PinnedArena::map_shared(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  STRIDER_CHECK(fd >= 0, "{}: cannot open the shared memory file {}: {}", name_, path, errno_text(errno));
+  struct stat st {};
+  const bool ok_stat = ::fstat(fd, &st) == 0;
+  const int stat_err = errno;
+  if (!ok_stat || (st.st_size != 0 && size_t(st.st_size) != capacity_)) {
+    ::close(fd);
+    throw Error(ok_stat ? fmt::format("{}: the shared memory file {} holds {} bytes, not the {} this run maps: "
+                                      "another run's; remove it, or give this run another",
+                                      name_, path, st.st_size, capacity_)
+                        : fmt::format("{}: cannot stat {}: {}", name_, path, errno_text(stat_err)));
+  }
+  // Backing store now: a tmpfs that is too small refuses here.
+  if (const int err = ::posix_fallocate(fd, 0, off_t(capacity_)); err != 0) {
+    ::close(fd);
+    throw Error(fmt::format("{}: cannot give the shared memory file {} {} bytes ({:.2f} GiB): {}; its file "
+                            "system (df {}) is too small: enlarge it (a tmpfs: mount -o remount,size=...)",
+                            name_, path, capacity_, capacity_ / double(1ull << 30), errno_text(err), path));
+  }
+  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);  // the mapping keeps the file
+  STRIDER_CHECK(p != MAP_FAILED, "{}: cannot map the shared memory file {} ({} bytes): {}", name_, path, capacity_,
+                errno_text(err));
+  base_ = static_cast<std::byte*>(p);
+}
+
+void PinnedArena::map_private(const ArenaOptions& options) {
+
+  // MAP_NORESERVE is deliberately absent: we want the OS to refuse now, with a
+  // message, rather than kill the process with SIGBUS/OOM halfway through a step.
+  const int flags = MAP_PRIVATE | MAP_ANONYMOUS | (options.reserve_only ? MAP_NORESERVE : 0);
+  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, flags, -1, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    throw Error(fmt::format(
+        "{}: cannot map {} bytes ({:.2f} GiB) of host memory: {}. Lower the host RAM "
+        "limit or move optimizer state to NVMe.",
+        name_, capacity_, capacity_ / double(1ull << 30), errno_text(err)));
+  }
+  base_ = static_cast<std::byte*>(p);
+
+  // Huge pages cut TLB misses in the optimizer's streaming passes; the kernel
+  // may decline (THP "never"), which is fine.
+  if (options.huge_pages) huge_ = madvise(base_, capacity_, MADV_HUGEPAGE) == 0;
 }
 
 PinnedArena::~PinnedArena() {

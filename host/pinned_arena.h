@@ -45,6 +45,14 @@ struct ArenaOptions {
   // Address space only (simulation of a machine larger than this one):
   // MAP_NORESERVE, not locked, not prefaulted; the memory must never be touched.
   bool reserve_only = false;
+  // Map this file shared (MAP_SHARED) instead of anonymous memory: processes
+  // that map the same file share the memory (a machine's data-parallel ranks
+  // share one compute copy this way; use a tmpfs path such as /dev/shm/...).
+  // Created if missing and given `capacity_bytes` of backing store now (a
+  // tmpfs too small fails here, naming the file, not with SIGBUS later); new
+  // pages read zero. Never huge pages; prefaulted by reading, not writing (the
+  // other processes' data stays).
+  std::string shared_file;
 };
 
 class PinnedArena {
@@ -85,6 +93,8 @@ class PinnedArena {
   bool huge_ = false;
   std::string name_;
   std::vector<std::shared_ptr<MemoryRegistrar>> registrars_;
+  void map_private(const ArenaOptions& options);
+  void map_shared(const std::string& path);
 };
 
 }  // namespace strider

@@ -36,10 +36,11 @@ struct Options {
   int64_t dist_timeout_s = 300;
 };
 
-// What --allow-changed may name: the engine config's maths fields, and the data.
+// What --allow-changed may name: the engine config's maths fields, the data, and the world size.
 std::vector<std::string> changeable_settings() {
   std::vector<std::string> s = maths_config_fields();
   s.push_back("data");
+  s.push_back("world");
   return s;
 }
 
@@ -138,9 +139,10 @@ int run(const Options& o) {
   // 3. Resume: the newest checkpoint that loads, on the same data unless allowed.
   if (o.resume) {
     TrainLoadOptions lo{.allow_changed = {"total_steps"}};  // a longer --steps extends the run
-    bool data_may_change = false;
+    bool data_may_change = false, world_may_change = false;
     for (const std::string& f : o.allow_changed) {
       if (f == "data") data_may_change = true;
+      else if (f == "world") world_may_change = true;
       else lo.allow_changed.push_back(f);
     }
     CheckpointSeries::Resumed r = [&] {
@@ -163,14 +165,18 @@ int run(const Options& o) {
                     data["xxh3"].get<std::string>());
       if (!same) fmt::print("  the data changed ({} -> {}): --allow-changed data\n", was.value("path", ""), tr.data);
     }
-    // The loader's place is in global batches of world x --micro-batch x
-    // --accumulation rows: another world size would step on other batches.
+    // The checkpoint is whole (rank 0 gathered the slices), so any number of
+    // ranks loads it, each taking its slice. But the global batch is ranks x
+    // --micro-batch x --accumulation: another world size changes the maths of
+    // a step, as another --accumulation would, so it must be asked for.
     const int64_t world = extra.value("world", int64_t{1});
-    STRIDER_CHECK(world == me.world,
+    STRIDER_CHECK(world == me.world || world_may_change,
                   "--resume: the checkpoint {} was saved by {} rank(s) and this run has {}: its global batch (ranks x "
-                  "--micro-batch x --accumulation) and its data order would change; resume with {} rank(s) (resharding "
-                  "to another world size is not there yet)",
-                  r.dir.string(), world, me.world, world);
+                  "--micro-batch x --accumulation) would change from {} to {} sequences; resume with {} rank(s), or "
+                  "pass --allow-changed world to go on with {} (the state reshards: each rank loads its slice, and "
+                  "the data continues where it stopped)",
+                  r.dir.string(), world, me.world, world * cfg.batch(), me.world * cfg.batch(), world, me.world);
+    if (world != me.world) fmt::print("  the world size changed ({} -> {} ranks): --allow-changed world\n", world, me.world);
     const auto& l = extra.at("loader");
     const TokenLoaderState st{l.at("epoch"), l.at("cursor"), l.at("seed"), l.at("num_windows"), l.at("seq")};
     if (st.num_windows == loader.state().num_windows) loader.restore(st);

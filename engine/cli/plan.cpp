@@ -11,12 +11,15 @@
 #include "engine/engine.h"
 #include "engine/model_presets.h"
 #include "engine/plan.h"
+#include "host/error.h"
 
 namespace strider::cli {
 namespace {
 
 struct Options {
   std::string model = "builtin", gpu = "24GiB", ram = "0", nvme, dtype = "bf16", predict = "rtx4090";
+  int64_t gpus = 1;
+  std::string link = "pcie4";
   std::string activations = "auto";
   std::string optimizer_state = "fp32";
   int64_t seq = 1024, micro_batch = 1, accumulation = 1, window = 0, steps = 3;
@@ -34,9 +37,46 @@ struct Prediction {
   double lower_bound_s = 0;  // the busiest lane's own work: no schedule beats it
 };
 
+// --gpus N --link L: N data-parallel ranks, one GPU each, joined by L.
+//   pcie3, pcie4, pcie5: one machine, each GPU on its own x16 link of that
+//     generation; the ranks share the host: its memory (one compute copy; each
+//     GPU's copies get at most its share of the memory bandwidth, both ways),
+//     and their collectives go through it (collective_gbps as the cost model
+//     says: an assumption until measured).
+//   eth10, eth25, eth100, eth200: one GPU per machine (PCIe as --predict
+//     says), the machines on Ethernet of that many Gbit/s, ~90% of it moving
+//     data.
+struct Link {
+  const char* name;
+  double pcie_gbps;      // per GPU and direction (0: the preset's)
+  double ethernet_gbit;  // 0: one machine
+};
+constexpr Link kLinks[] = {{"pcie3", 12, 0},  {"pcie4", 25, 0},  {"pcie5", 50, 0},   {"eth10", 0, 10},
+                           {"eth25", 0, 25},  {"eth100", 0, 100}, {"eth200", 0, 200}};
+
+const Link& find_link(const std::string& name) {
+  for (const Link& l : kLinks)
+    if (name == l.name) return l;
+  throw Error(fmt::format("--link {}: expected pcie3, pcie4, pcie5 (GPUs in one machine) or eth10, eth25, eth100, "
+                          "eth200 (one GPU per machine, Ethernet between them)", name));
+}
+
+// The cost model one rank runs on: the preset with the link's rates.
+std::string rank_machine(const Options& o) {
+  std::string dev = o.predict.rfind("sim:", 0) == 0 ? o.predict.substr(4) : o.predict;
+  if (o.gpus <= 1) return dev;
+  const Link& link = find_link(o.link);
+  const CostModel base = CostModel::parse(dev);
+  if (link.ethernet_gbit > 0)
+    return fmt::format("{},collective_gbps={}", dev, link.ethernet_gbit / 8 * 0.9);
+  const double share = base.host_memory_gbps() / (2.0 * double(o.gpus));  // every GPU's H2D and D2H through host memory
+  const double pcie = std::min(link.pcie_gbps, share);
+  return fmt::format("{},h2d_gbps={},d2h_gbps={}", dev, pcie, pcie);
+}
+
 Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l, const Options& o) {
   EngineConfig cfg = plan.engine_config(l);
-  const std::string dev = o.predict.rfind("sim:", 0) == 0 ? o.predict : "sim:" + o.predict;
+  const std::string dev = "sim:" + rank_machine(o);
   Engine e(spec, cfg, make_device({.spec = dev, .budget_bytes = l.device_bytes, .record_spans = true}));
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
   Prediction p;
@@ -65,13 +105,41 @@ int run(const Options& o) {
   l.process_bytes = process_rss_bytes();
   l.loads_checkpoint = std::filesystem::exists(o.model);
   const bool predicting = !o.predict.empty() && o.predict != "none";
+  // Data parallel: every rank plans its slice of the state; on one machine
+  // --ram is the machine's, less the compute copy its ranks share.
+  const bool one_machine = o.gpus > 1 && find_link(o.link).ethernet_gbit == 0;
+  uint64_t shared = 0;
+  if (o.gpus > 1) {
+    l.state_shards = int(o.gpus);
+    l.shared_compute = one_machine;
+    if (one_machine) {
+      EngineConfig probe;
+      probe.compute.dtype = l.dtype;
+      probe.state_shards = l.state_shards;
+      probe.shared_compute_file = "probe";
+      shared = Engine::footprint(spec, probe).shared_host_bytes;
+      STRIDER_CHECK(l.host_bytes == 0 || shared < l.host_bytes,
+                    "--ram {}: the model's compute copy alone, shared by the machine's {} ranks, is {}", o.ram, o.gpus,
+                    format_bytes(shared));
+      if (l.host_bytes > 0) l.host_bytes = (l.host_bytes - shared) / uint64_t(o.gpus);
+    }
+  }
   // --activations auto prices recompute against the link on the machine
   // predicted for (the rtx4090's rates without one).
-  if (predicting)
-    l.set_machine_rates(CostModel::parse(o.predict.rfind("sim:", 0) == 0 ? o.predict.substr(4) : o.predict));
+  if (predicting) l.set_machine_rates(CostModel::parse(rank_machine(o)));
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();
+  if (o.gpus > 1) {
+    const EngineFootprint f = Engine::footprint(spec, p.engine_config(l));
+    out["gpus"] = o.gpus;
+    out["link"] = o.link;
+    out["shared_host_bytes"] = shared;
+    // What the machine holds: one machine's N ranks and their shared compute
+    // copy, or (Ethernet) one rank's machine.
+    out["machine_host_bytes"] = one_machine ? uint64_t(o.gpus) * p.host_peak_bytes + shared : p.host_peak_bytes;
+    out["rank_optimizer_host_bytes"] = f.optimizer_host_bytes;
+  }
   if (predicting && p.feasible) {
     Prediction pr = predict(spec, p, l, o);
     const StepReport& r = pr.step;
@@ -83,6 +151,11 @@ int run(const Options& o) {
     for (int i = 0; i < kNumLanes; ++i)
       out["lane_busy_s"][std::string(lane_name(Lane(i)))] = r.stats.lanes[size_t(i)].busy_s;
     out["machine"] = o.predict;
+    if (o.gpus > 1) {
+      out["machine"] = rank_machine(o);
+      out["rank_tokens_per_s"] = r.tokens_per_s;
+      out["tokens_per_s"] = r.tokens_per_s * double(o.gpus);  // N ranks, each on its own batch
+    }
   } else if (predicting) {
     out["step_s"] = out["lower_bound_s"] = out["tokens_per_s"] = nullptr;
   }
@@ -90,12 +163,20 @@ int run(const Options& o) {
     fmt::print("{}\n", out.dump());
   } else {
     fmt::print("{}\n{}", spec.summary(), p.explain());
+    if (o.gpus > 1)
+      fmt::print("  data parallel: {} GPUs on {} ({}): each rank plans the above with 1/{} of master, m and v; {}\n",
+                 o.gpus, o.link, one_machine ? "one machine" : "a machine each", o.gpus,
+                 one_machine ? fmt::format("the machine holds ~{} ({} ranks ~{} each + their shared compute copy {})",
+                                           format_bytes(out["machine_host_bytes"].get<uint64_t>()), o.gpus,
+                                           format_bytes(p.host_peak_bytes), format_bytes(shared))
+                             : fmt::format("each machine holds ~{}", format_bytes(p.host_peak_bytes)));
     if (out.contains("step_s") && !out["step_s"].is_null()) {
-      fmt::print("  predicted on {}: {:.3f} s/step, {:.0f} tokens/s (batch {} x seq {}); lower bound {:.3f} s "
+      fmt::print("  predicted on {}: {:.3f} s/step, {:.0f} tokens/s (batch {} x seq {}{}); lower bound {:.3f} s "
                  "(the busiest lane alone); overlap efficiency {:.2f}, critical lane {}\n",
-                 o.predict, out["step_s"].get<double>(), out["tokens_per_s"].get<double>(),
-                 l.micro_batch * l.accumulation, l.seq, out["lower_bound_s"].get<double>(),
-                 out["overlap_efficiency"].get<double>(), out["critical_lane"].get<std::string>());
+                 out["machine"].get<std::string>(), out["step_s"].get<double>(), out["tokens_per_s"].get<double>(),
+                 l.micro_batch * l.accumulation, l.seq, o.gpus > 1 ? fmt::format(" on each of {} ranks", o.gpus) : "",
+                 out["lower_bound_s"].get<double>(), out["overlap_efficiency"].get<double>(),
+                 out["critical_lane"].get<std::string>());
       for (const auto& [lane, busy] : out["lane_busy_s"].items())
         fmt::print("    {:>10}: {:.3f} s ({:.0f}% of the step)\n", lane, busy.get<double>(),
                    100.0 * busy.get<double>() / out["step_s"].get<double>());
@@ -127,6 +208,14 @@ std::function<int()> add_plan(CLI::App& app) {
   add_clip_option(*c, o->clip,
                   "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm "
                   "is known");
+  c->add_option("--gpus", o->gpus,
+                "data-parallel ranks, one GPU each (each steps on its own batch of --micro-batch x --accumulation)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
+  c->add_option("--link", o->link,
+                "with --gpus: pcie3, pcie4, pcie5 (the GPUs in one machine, each on its own x16 link) or eth10, eth25, "
+                "eth100, eth200 (a GPU per machine, Ethernet between them)")
+      ->capture_default_str();
   c->add_flag("--json", o->json, "one JSON object");
   return [o] { return run(*o); };
 }

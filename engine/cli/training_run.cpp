@@ -211,8 +211,21 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // Data parallel, the ranks shard the state: each keeps its slice of master,
   // m and v (and its own compute copy and gradient staging). Every rank plans
   // for rank 0's slice, the largest, so that all take the same plan.
-  lim.host_bytes = parse_bytes(o.host_ram) / uint64_t(me.local_world);
   lim.state_shards = me.world;
+  lim.shared_compute = me.world > 1 && me.world == me.local_world && fs::is_directory("/dev/shm");
+  lim.host_bytes = parse_bytes(o.host_ram);
+  if (lim.shared_compute) {  // the machine holds the compute copy once, outside the ranks' arenas
+    EngineConfig probe;
+    probe.compute.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
+    probe.state_shards = me.world;
+    probe.shared_compute_file = "probe";
+    const uint64_t shared = Engine::footprint(run.spec, probe).shared_host_bytes;
+    STRIDER_CHECK(lim.host_bytes == 0 || shared < lim.host_bytes,
+                  "--host-ram {}: the model's compute copy alone, shared by the machine's ranks, is {}", o.host_ram,
+                  format_bytes(shared));
+    if (lim.host_bytes > 0) lim.host_bytes -= shared;
+  }
+  lim.host_bytes /= uint64_t(me.local_world);
   STRIDER_CHECK(me.solo() || (o.device != "sim" && o.device.rfind("sim:", 0) != 0 &&
                               choose_device(o.device).kind == DeviceKind::kCpu),
                 "--device {}: data parallel runs on the CPU device only so far (its CUDA path, one device per rank, "
@@ -253,6 +266,17 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   cfg.clip_norm = o.clip;
   cfg.optimizer_threads = o.optimizer_threads;
   cfg.state_shard = me.rank;
+  // One machine: its ranks share one compute copy in shared memory, named
+  // for the run (torchrun's rendezvous port and run id). Local rank 0 clears
+  // a dead run's file first; each engine maps (creating) it; once all have,
+  // rank 0 unlinks the name, and the memory lives while a rank maps it.
+  if (lim.shared_compute) {
+    const char* port = std::getenv("MASTER_PORT");
+    const char* run_id = std::getenv("TORCHELASTIC_RUN_ID");
+    cfg.shared_compute_file = fmt::format("/dev/shm/strider-{}-{}-compute", port ? port : "0", run_id ? run_id : "run");
+    if (me.local_rank == 0) fs::remove(cfg.shared_compute_file);
+    ranks->barrier();
+  }
   if (!nvme_dir.empty()) {
     if (!me.solo()) fs::create_directories(nvme_dir);
     check_output_dir(nvme_dir, "--nvme");
@@ -270,6 +294,30 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   run.engine = std::make_unique<Engine>(run.spec, cfg, std::move(device));
   Engine& engine = *run.engine;
   if (!me.solo()) engine.set_collectives(ranks->split("engine"));
+  if (!cfg.shared_compute_file.empty()) {
+    ranks->barrier();  // every rank has mapped it
+    if (me.local_rank == 0) fs::remove(cfg.shared_compute_file);
+  }
+  if (!me.solo()) {
+    // The machine's host memory: each rank its slice of the state and its own
+    // staging and runtime; the compute copy once when shared.
+    const EngineFootprint f = Engine::footprint(run.spec, cfg);
+    EngineConfig whole_cfg = cfg;
+    whole_cfg.state_shards = 1;
+    whole_cfg.state_shard = 0;
+    whole_cfg.shared_compute_file.clear();
+    const EngineFootprint whole = Engine::footprint(run.spec, whole_cfg);
+    const uint64_t peak = run.plan.host_peak_bytes, staging = peak - std::min(peak, f.optimizer_host_bytes);
+    fmt::print(log,
+               "  data parallel: {} ranks, each keeping 1/{} of master, m and v ({} here, of {} in all){}; a rank's "
+               "own staging and runtime ~{}; the machine's {} ranks ~{}\n",
+               me.world, me.world, format_bytes(f.optimizer_host_bytes), format_bytes(whole.optimizer_host_bytes),
+               f.shared_host_bytes ? fmt::format("; the compute copy ({}) shared in memory", format_bytes(f.shared_host_bytes))
+                                   : std::string("; a compute copy each"),
+               format_bytes(staging), me.local_world,
+               format_bytes(uint64_t(me.local_world) * staging + whole.optimizer_host_bytes * uint64_t(me.local_world) / uint64_t(me.world) +
+                            f.shared_host_bytes));
+  }
 
   // The parameters. A simulated engine holds none: its losses are NaN anyway.
   if (engine.simulated()) {

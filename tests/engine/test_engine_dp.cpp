@@ -37,6 +37,7 @@ struct Setup {
   bool nvme = false;  // blocks 1 and 3's state on NVMe
   bool tied = false;
   bool sharded = false;  // each rank keeps its slice of the state (EngineConfig::state_shards)
+  std::string shared;    // sharded: the ranks' one compute copy in this shared memory file
   StateFormat format = StateFormat::kFp32;
 };
 
@@ -46,6 +47,7 @@ EngineConfig config(const Setup& s, int64_t accumulation, const std::string& nvm
   if (s.sharded) {
     cfg.state_shards = world;
     cfg.state_shard = rank;
+    cfg.shared_compute_file = s.shared;
   }
   cfg.seq = 9;
   cfg.micro_batch = 2;
@@ -168,16 +170,17 @@ TEST_CASE("data parallel ranks end bit-identical and match one rank with their a
     WARN("skipped: this build has no c10d Gloo (no gloo headers)");
     return;
   }
-  // Two ranks of one micro-batch each, untied: the ranks' sum, g0 + g1, is
-  // the one rank's (its first micro-batch lands on zeros), so the bits are
-  // the same. With three, the one rank's GEMMs add its third micro-batch into
-  // the accumulator inside the kernel, where the ranks add finished products:
-  // the last bits differ, and AdamW's normalisation lets them grow a little
-  // over the steps; the issue's bound, 1e-6 of each block's largest weight,
-  // holds them. With several micro-batches per rank, or a tied embedding (its
-  // head and lookup gradients), the additions associate differently
-  // ((g0 + g1) + (g2 + g3) against ((g0 + g1) + g2) + g3): measured up to
-  // 2.7e-6 here, so those are held to 1e-5.
+  // Ranks of one micro-batch each, untied: the ranks' sum in rank order,
+  // (g0 + g1) + g2, is what one process accumulating its micro-batches in
+  // order gets (its weight gradients are whole products added to the
+  // accumulator, its embedding rows summed per token before they are added:
+  // gpu/blocks.h), so the bits are the same, with clipping and NVMe tiers too.
+  // Sharded state adds the global norm from the slices' sums of squares: its
+  // last bit may differ, and the clip coefficient's with it (held to 1e-6).
+  // With several micro-batches per rank, or a tied embedding (its head and
+  // lookup gradients), the additions associate differently ((g0 + g1) + (g2 +
+  // g3) against ((g0 + g1) + g2) + g3): measured up to 2.7e-6 here, so those
+  // are held to 1e-5.
   struct Variant {
     std::string name;
     int world;
@@ -189,7 +192,9 @@ TEST_CASE("data parallel ranks end bit-identical and match one rank with their a
   for (const Variant& v :
        {Variant{"2 ranks", 2, 1, {}, true},
         Variant{"2 ranks, chaos, clipping, NVMe tiers", 2, 1, {.clip = 0.5, .chaos = true, .nvme = true}, true},
-        Variant{"3 ranks, chaos, clipping, NVMe tiers", 3, 1, {.clip = 0.5, .chaos = true, .nvme = true}, false},
+        Variant{"3 ranks, chaos, clipping, NVMe tiers", 3, 1, {.clip = 0.5, .chaos = true, .nvme = true}, true},
+        Variant{"3 ranks sharded, chaos, clipping, NVMe tiers", 3, 1,
+                {.clip = 0.5, .chaos = true, .nvme = true, .sharded = true}, false},
         Variant{"3 ranks, 2 micro-batches each, chaos, clipping", 3, 2, {.clip = 0.5, .chaos = true}, false, 1e-5},
         Variant{"2 ranks, NVMe tiers, clipping, tied, chaos", 2, 1,
                 {.clip = 0.5, .chaos = true, .nvme = true, .tied = true}, false, 1e-5}}) {
@@ -263,17 +268,23 @@ TEST_CASE("sharded state gives the bits of replicated state", "[engine][dist]") 
         Variant{"3 ranks, clipping, chaos, NVMe tiers, tied", 3,
                 {.clip = 0.5, .chaos = true, .nvme = true, .tied = true}, false}}) {
     INFO(v.name);
-    Setup sharded = v.setup;
-    sharded.sharded = true;
-    const std::vector<Run> got = data_parallel(sharded, v.world, 1, 3);
     const std::vector<Run> replicated = data_parallel(v.setup, v.world, 1, 3);
-    for (int r = 1; r < v.world; ++r) CHECK(same_bits(got[r], got[0]));
-    if (v.same_bits) {
-      // The weights' bits; the reported norm adds the slices' sums of squares.
-      CHECK(same_weights(got[0], replicated[0]));
-      for (int s = 0; s < 3; ++s) CHECK(got[0].norms[s] == Approx(replicated[0].norms[s]).epsilon(1e-12));
-    } else {
-      CHECK(relative_gap(got[0], replicated[0]) <= 1e-6);
+    // Each rank its own compute copy (gathered), or one in shared memory.
+    for (const bool shared : {false, true}) {
+      INFO((shared ? "one shared compute copy" : "a compute copy per rank"));
+      Setup sharded = v.setup;
+      sharded.sharded = true;
+      const std::string file = temp_dir("shared-compute");
+      if (shared) sharded.shared = file;
+      const std::vector<Run> got = data_parallel(sharded, v.world, 1, 3);
+      std::filesystem::remove_all(std::filesystem::path(file).parent_path());
+      for (int r = 1; r < v.world; ++r) CHECK(same_bits(got[r], got[0]));
+      if (v.same_bits) {
+        // The weights' bits; the reported norm adds the slices' sums of squares.
+        CHECK(same_weights(got[0], replicated[0]));
+      } else {
+        CHECK(relative_gap(got[0], replicated[0]) <= 1e-6);
+      }
       for (int s = 0; s < 3; ++s) CHECK(got[0].norms[s] == Approx(replicated[0].norms[s]).epsilon(1e-12));
     }
   }
@@ -292,6 +303,12 @@ TEST_CASE("a sharded engine keeps only its slice of the state", "[engine][dist]"
   // Three ranks hold the state once, plus each its own compute copy and
   // gradient staging (and alignment): less than three whole copies by far.
   CHECK(slices < 2 * whole.state_host_bytes);
+  // With the compute copy shared, it leaves the ranks' arenas and counts once.
+  Setup shared{.sharded = true, .shared = "/dev/shm/unused"};
+  const EngineFootprint with = Engine::footprint(spec, config(shared, 1, "", 3, 0));
+  const EngineFootprint without = Engine::footprint(spec, config(s, 1, "", 3, 0));
+  CHECK(with.shared_host_bytes > 0);
+  CHECK(with.host_bytes + with.shared_host_bytes == without.host_bytes);
   // Without its ranks a sharded engine cannot step, and says why.
   Engine e(spec, config(s, 1, "", 2, 1), make_device({.spec = "cpu"}));
   e.init_params(7);
