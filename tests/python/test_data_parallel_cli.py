@@ -160,3 +160,33 @@ def test_a_rank_killed_mid_run_is_named_by_the_other(strider_binary, tmp_path):
     named = "Never reached it: rank 1" in stderr or "from: rank 1 (dead or frozen)" in stderr
     assert "rank 0 of 2:" in stderr and named, stderr[-3000:]
     assert time.time() - t0 < 60  # at once (its sockets closed), well inside --dist-timeout
+
+
+def test_plan_predicts_data_parallel_ranks(strider_binary):
+    """`strider plan --gpus N --link L`: each rank plans its slice of the state; the prediction is one rank's
+    schedule with its collectives, times the ranks; on one machine the compute copy is counted once."""
+    binary = str(strider_binary("strider"))
+    base = [binary, "plan", "--model", "llama-3.1-8b", "--gpu", "24GiB", "--seq", "1024", "--accumulation", "8",
+            "--json"]
+
+    def plan(*args):
+        r = subprocess.run(base + list(args), capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+
+    one, box, eth = plan(), plan("--gpus", "8", "--link", "pcie4"), plan("--gpus", "8", "--link", "eth100")
+    for dp in (box, eth):
+        assert dp["gpus"] == 8
+        assert dp["tokens_per_s"] == pytest.approx(8 * dp["rank_tokens_per_s"])
+        assert dp["lane_busy_s"]["optimizer"] > 0
+    # A rank keeps 1/8 of master, m and v (12 bytes per parameter in fp32).
+    params = 8.03e9
+    assert box["rank_optimizer_host_bytes"] == pytest.approx(12 * params / 8, rel=0.02)
+    # One machine: 8 ranks' own memory plus one shared compute copy (2 bytes per parameter), far less than 8
+    # single-GPU processes.
+    assert box["shared_host_bytes"] == pytest.approx(2 * params, rel=0.02)
+    assert box["machine_host_bytes"] < 2 * one["host_peak_bytes"]
+    # The ranks' collectives (and their shared memory bus) cost each rank time: no rank is faster than one GPU.
+    assert box["step_s"] >= one["step_s"]
+    r = subprocess.run(base + ["--gpus", "8", "--link", "nvlink9"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--link nvlink9: expected pcie3" in r.stderr
