@@ -192,6 +192,29 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   if (ranks == nullptr) ranks = (solo = solo_collectives()).get();
   const RankInfo& me = ranks->ranks();
   TrainingRun run;
+  // Data parallel on GPUs: one device per rank, the machine's local rank's.
+  // Everything the ranks exchange lives in host memory (gradients after their
+  // D2H, the state's slices, the shared compute copy), so the transport is the
+  // same Gloo as on the CPU device.
+  std::string device_spec = o.device;
+  if (!me.solo() && o.device != "cpu" && o.device.rfind("sim", 0) != 0) {
+    STRIDER_CHECK(o.device == "auto" || o.device == "cuda",
+                  "--device {}: each data-parallel rank takes the GPU of its local rank (cuda:LOCAL_RANK); pass "
+                  "--device cuda (or auto), and CUDA_VISIBLE_DEVICES to choose the machine's GPUs",
+                  o.device);
+    if (choose_device(o.device).kind == DeviceKind::kCuda) {
+      const CudaProbe probe = probe_cuda();
+      STRIDER_CHECK(me.local_rank < probe.device_count,
+                    "rank {} (local rank {} of {}) takes cuda:{}, but this machine shows {} CUDA device(s){}; launch "
+                    "at most that many ranks per machine (--nproc-per-node)",
+                    me.rank, me.local_rank, me.local_world, me.local_rank, probe.device_count,
+                    probe.reason.empty() ? "" : " (" + probe.reason + ")");
+      device_spec = fmt::format("cuda:{}", me.local_rank);
+    }
+  }
+  TrainOptions dev_o = o;
+  dev_o.device = device_spec;
+  const TrainOptions& oo = dev_o;
   // The model.
   if (o.model == "builtin") {
     run.config = builtin_model_config();
@@ -206,7 +229,7 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // The plan, before anything is allocated.
   PlanLimits& lim = run.limits;
   std::string budget_why;
-  lim.device_bytes = device_budget_bytes(o.device, o.device_budget, &budget_why);
+  lim.device_bytes = device_budget_bytes(oo.device, o.device_budget, &budget_why);
   // --host-ram is the machine's, so each of its ranks plans with its share.
   // Data parallel, the ranks shard the state: each keeps its slice of master,
   // m and v (and its own compute copy and gradient staging). Every rank plans
@@ -226,10 +249,8 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
     if (lim.host_bytes > 0) lim.host_bytes -= shared;
   }
   lim.host_bytes /= uint64_t(me.local_world);
-  STRIDER_CHECK(me.solo() || (o.device != "sim" && o.device.rfind("sim:", 0) != 0 &&
-                              choose_device(o.device).kind == DeviceKind::kCpu),
-                "--device {}: data parallel runs on the CPU device only so far (its CUDA path, one device per rank, "
-                "is not written yet); launch one process, or pass --device cpu",
+  STRIDER_CHECK(me.solo() || (o.device != "sim" && o.device.rfind("sim:", 0) != 0),
+                "--device {}: a simulated device predicts one rank; `strider plan --gpus N` predicts data parallel",
                 o.device);
   const std::string nvme_dir = o.nvme.empty() || me.solo() ? o.nvme : (fs::path(o.nvme) / fmt::format("rank{}", me.rank)).string();
   lim.nvme_dir = nvme_dir;
@@ -248,12 +269,12 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // A simulated device prices kept activations on its own machine, the CPU
   // device on its measured rates, a GPU on the rtx4090's (PlanLimits'
   // defaults: no GPU has been measured yet).
-  if (o.device.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(o.device.substr(4)));
-  else if (choose_device(o.device).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
+  if (oo.device.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(oo.device.substr(4)));
+  else if (choose_device(oo.device).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
   // The process's peak host memory (the plan's host_peak_bytes): what it holds
   // now, before anything is allocated, and what the run will add to the arena.
   lim.process_bytes = process_rss_bytes();
-  lim.device_memory_on_host = o.device.rfind("sim:", 0) != 0 && choose_device(o.device).kind == DeviceKind::kCpu;
+  lim.device_memory_on_host = oo.device.rfind("sim:", 0) != 0 && choose_device(oo.device).kind == DeviceKind::kCpu;
   lim.loads_checkpoint = !run.model_dir.empty();
   run.plan = Plan::make(run.spec, lim);
   fmt::print(log, "strider {}: {}\n{}", command, run.spec.summary(), run.plan.explain());
@@ -287,7 +308,7 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // buffers, enforced per op (a visit that would pass it fails naming itself,
   // rather than the budget being exceeded); the plan's estimate of it fits in there.
   const uint64_t work_limit = lim.device_bytes - std::min(lim.device_bytes, run.plan.device_buffer_bytes);
-  auto device = make_device({.spec = o.device, .budget_bytes = lim.device_bytes, .record_spans = true,
+  auto device = make_device({.spec = oo.device, .budget_bytes = lim.device_bytes, .record_spans = true,
                              .work_limit_bytes = work_limit},
                             &why);
   fmt::print(log, "  device: {}{}\n", device->name(), why.empty() ? "" : " (" + why + ")");

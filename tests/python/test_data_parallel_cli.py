@@ -11,6 +11,7 @@ through torchrun and ends all of them after the same step, with rank 0's checkpo
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -190,3 +191,22 @@ def test_plan_predicts_data_parallel_ranks(strider_binary):
     assert box["step_s"] >= one["step_s"]
     r = subprocess.run(base + ["--gpus", "8", "--link", "nvlink9"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--link nvlink9: expected pcie3" in r.stderr
+
+
+def test_cuda_ranks_take_their_local_rank_s_gpu_or_are_refused(strider_binary, tmp_path):
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has GPUs for two ranks: bench/gpu_check.sh runs them")
+    binary = str(strider_binary("strider"))
+    def launch(device):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+               binary, "finetune", "--device", device, "--steps", "1", "--work-dir", str(tmp_path / "w"), "--out",
+               str(tmp_path / "o")]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert r.returncode != 0
+        return r.stderr
+
+    # Whichever rank fails first (torchrun then stops the other) names its GPU and the devices there are.
+    err = launch("cuda")
+    assert re.search(r"rank (\d) \(local rank \1 of 2\) takes cuda:\1, but this machine shows", err), err[-2000:]
+    err = launch("cuda:0")
+    assert "each data-parallel rank takes the GPU of its local rank" in err, err[-2000:]
