@@ -441,6 +441,52 @@ std::unique_ptr<Collectives> c10d_collectives(const c10::intrusive_ptr<c10d::Sto
 #endif
 }
 
+RanksStore host_ranks_store(int world, std::chrono::milliseconds timeout) {
+#ifdef STRIDER_HAVE_C10D_GLOO
+  c10d::TCPStoreOptions o;
+  o.port = 0;  // any free port: the caller passes the one chosen to the other ranks
+  o.isServer = true;
+  o.numWorkers = world;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  try {
+    auto store = c10::make_intrusive<c10d::TCPStore>("0.0.0.0", o);
+    const int port = int(store->getPort());
+    return {store, port};
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("rank 0 of {}: cannot host the ranks' store on a free port: {}", world,
+                            first_line(e.what())));
+  }
+#else
+  (void)timeout;
+  throw Error(fmt::format("a world of {} ranks needs c10d's Gloo backend, and this build has none (no gloo "
+                          "headers: scripts/setup.sh installs libgloo-dev)", world));
+#endif
+}
+
+c10::intrusive_ptr<c10d::Store> join_ranks_store(const std::string& host, int port, int world,
+                                                 std::chrono::milliseconds timeout) {
+  STRIDER_CHECK(port > 0 && port < 65536, "the ranks' store port {} is not a port", port);
+#ifdef STRIDER_HAVE_C10D_GLOO
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(port);
+  o.isServer = false;
+  o.numWorkers = world;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, o);
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("the ranks' store at {}:{} (hosted by rank 0) did not answer within {} ms: {}", host, port,
+                            timeout.count(), first_line(e.what())));
+  }
+#else
+  (void)host, (void)timeout;
+  throw Error(fmt::format("a world of {} ranks needs c10d's Gloo backend, and this build has none (no gloo "
+                          "headers: scripts/setup.sh installs libgloo-dev)", world));
+#endif
+}
+
 std::unique_ptr<Collectives> collectives_from_env(std::chrono::milliseconds timeout) {
   RankInfo info;
   info.world = env_int("WORLD_SIZE", 1);

@@ -82,6 +82,20 @@ bool have_c10d_gloo();
 // naming it.
 std::unique_ptr<Collectives> collectives_from_env(std::chrono::milliseconds timeout);
 
+// Ranks started without torchrun's store (strider.Engine inside a
+// torch.distributed group, whose own store strider cannot reach from C++):
+// rank 0 hosts a store of its own on a free port of this machine
+// (`host_ranks_store`, returning it and the port); the caller hands the port to
+// the other ranks (torch.distributed's broadcast), which join it at rank 0's
+// address (`join_ranks_store`). Errors name the address and the timeout.
+struct RanksStore {
+  c10::intrusive_ptr<c10d::Store> store;
+  int port = 0;
+};
+RanksStore host_ranks_store(int world, std::chrono::milliseconds timeout);
+c10::intrusive_ptr<c10d::Store> join_ranks_store(const std::string& host, int port, int world,
+                                                 std::chrono::milliseconds timeout);
+
 // `info.world` ranks over a store the caller made (tests: one c10d::HashStore
 // shared by threads, one rank per thread).
 std::unique_ptr<Collectives> c10d_collectives(const c10::intrusive_ptr<c10d::Store>& store, const RankInfo& info,

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/collectives.h"
 #include "engine/engine.h"
 #include "engine/engine_config_json.h"
 #include "engine/model_spec.h"
@@ -133,8 +134,20 @@ class EngineHolder : public torch::CustomClassHolder {
       activations = engine_json["activations"].get<std::string>();
       engine_json.erase("activations");
     }
+    // strider.Engine in a torch.distributed group (the package's fields too):
+    // this rank's slice of the sharded state.
+    int64_t shards = 1, shard = 0;
+    for (auto [key, dst] : {std::pair{"state_shards", &shards}, std::pair{"state_shard", &shard}}) {
+      if (!engine_json.is_object() || !engine_json.contains(key)) continue;
+      TORCH_CHECK_VALUE(engine_json[key].is_number_integer(), "engine_config_json: ", key,
+                        " must be an integer, got ", engine_json[key].dump());
+      *dst = engine_json[key].get<int64_t>();
+      engine_json.erase(key);
+    }
     ModelSpec spec = translated("model_config_json", true, [&] { return ModelSpec::from_json(model_json, "model_config_json"); });
     EngineConfig config = translated("engine_config_json", true, [&] { return engine_config_from_json(engine_json); });
+    config.state_shards = int(shards);
+    config.state_shard = int(shard);
     for (int64_t b : config.saved_blocks)
       TORCH_CHECK_VALUE(b >= 1 && b <= spec.layers, "engine_config_json: saved_blocks holds ", b,
                         ", which is not a decoder-layer block (1..", spec.layers, ")");
@@ -236,8 +249,35 @@ class EngineHolder : public torch::CustomClassHolder {
         .write_model = write_model,
         .model_dtype = engine_->config().compute.dtype == at::kFloat ? DType::kF32 : DType::kBF16};
     // A failed save (a full disk, a path that is not ours) leaves the engine as it was.
-    translated("save_checkpoint", false,
-               [&] { save_training_checkpoint(dir, *engine_, model_config_json, extra, options); });
+    // Data parallel: rank 0 writes; the others send it their slices as it goes.
+    translated("save_checkpoint", false, [&] {
+      if (engine_->ranks().rank == 0) save_training_checkpoint(dir, *engine_, model_config_json, extra, options);
+      else serve_training_checkpoint(*engine_);
+    });
+  }
+
+  // Data parallel from Python (strider.Engine in a torch.distributed group):
+  // rank 0 hosts the ranks' store on a free port and returns the port, which
+  // the caller broadcasts; then every rank joins, rank 0 too (a collective:
+  // every rank, before the first step).
+  int64_t host_ranks(int64_t world, int64_t timeout_s) {
+    std::lock_guard lk(mu_);
+    return translated("host_ranks", false, [&] {
+      hosted_ = host_ranks_store(int(world), std::chrono::seconds(timeout_s));
+      return int64_t(hosted_.port);
+    });
+  }
+  void join_ranks(const std::string& host, int64_t port, int64_t rank, int64_t world, int64_t local_rank,
+                  int64_t local_world, int64_t timeout_s) {
+    std::lock_guard lk(mu_);
+    translated("join_ranks", false, [&] {
+      const std::chrono::seconds t(timeout_s);
+      auto store = rank == 0 ? hosted_.store : join_ranks_store(host, int(port), int(world), t);
+      STRIDER_CHECK(store, "join_ranks: rank 0 hosts the ranks' store first (host_ranks)");
+      engine_->set_collectives(c10d_collectives(
+          store, {.rank = int(rank), .world = int(world), .local_rank = int(local_rank), .local_world = int(local_world)},
+          t));
+    });
   }
 
   // engine/train_checkpoint.h's load: validates everything first (model,
@@ -363,6 +403,7 @@ class EngineHolder : public torch::CustomClassHolder {
 
   std::mutex mu_;  // Python threads may share one engine; the engine is not reentrant
   std::unique_ptr<Engine> engine_;
+  RanksStore hosted_;  // rank 0 of a Python data-parallel run: the ranks' store it hosts
   std::vector<std::string> names_;  // block order
   std::map<std::string, std::pair<int64_t, TensorSlot>> slots_;  // name -> (block, slot)
   std::string failed_;
@@ -402,7 +443,9 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("steps_done", &EngineHolder::steps_done)
       .def("engine_config_json", &EngineHolder::engine_config_json)
       .def("save_checkpoint", &EngineHolder::save_checkpoint)
-      .def("load_checkpoint", &EngineHolder::load_checkpoint);
+      .def("load_checkpoint", &EngineHolder::load_checkpoint)
+      .def("host_ranks", &EngineHolder::host_ranks)
+      .def("join_ranks", &EngineHolder::join_ranks);
 }
 
 TORCH_LIBRARY_IMPL(strider, CompositeImplicitAutograd, m) {

@@ -132,15 +132,15 @@ def inspect_checkpoint(path) -> dict:
     return json.loads(torch.ops.strider.inspect_training_checkpoint(path))
 
 
-def check_single_process():
-    """One engine per run until the Python path of data parallel exists (the command line has it): ranks of a
-    torch.distributed group would each train alone on their own batches and save over each other."""
+def distributed_ranks():
+    """(rank, world, local_rank, local_world) of an initialized torch.distributed group of more than one
+    process, else None. The local figures come from torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE (every rank on
+    one machine without them)."""
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise RuntimeError(f"strider.Engine: torch.distributed is initialized with {dist.get_world_size()} "
-                           f"processes (this is rank {dist.get_rank()}); strider trains in one process, and the "
-                           "ranks would each train alone and save over each other. Run one process (from Python, "
-                           "data parallel is not there yet; `torchrun ... strider finetune` runs it)")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 class Engine:
@@ -183,7 +183,7 @@ class Engine:
         if not isinstance(config, EngineConfig):
             raise TypeError(f"strider.Engine: config must be a strider.EngineConfig, got {type(config).__name__}")
         config.validate()
-        check_single_process()
+        ranks = distributed_ranks()
         arch = architecture_of(model)
         check_on_cpu(model)
         max_pos = getattr(model.config, "max_position_embeddings", None)
@@ -197,9 +197,15 @@ class Engine:
         self._model_config_json = json.dumps(model_config, default=str)
         # Everything the engine builds is checked before anything is allocated, and nothing of the
         # model is written: a refusal here leaves `model` as it was.
-        self._engine = torch.classes.strider.Engine(self._model_config_json, config.engine_json(),
+        engine_json = config.engine_json()
+        if ranks is not None:
+            # Data parallel: this rank keeps its slice of master, m and v (engine/engine.h, state_shards).
+            engine_json = json.dumps(dict(json.loads(engine_json), state_shards=ranks[1], state_shard=ranks[0]))
+        self._engine = torch.classes.strider.Engine(self._model_config_json, engine_json,
                                                     config.device, config.device_budget_bytes, config.chaos,
                                                     config.chaos_seed)
+        if ranks is not None:
+            self._join(*ranks)
         self.model = model
         self.config = config
         self._names = list(self._engine.param_names())
@@ -211,6 +217,22 @@ class Engine:
                              f"{arch}: the model lacks {missing[:5]}, the engine has no place for {extra[:5]}")
         self.last_result: Optional[StepResult] = None
         self.resumed_extra = None
+
+    def _join(self, rank, world, local_rank, local_world):
+        """Joins the other ranks of the torch.distributed group: rank 0 hosts strider's own store (its C++
+        collectives cannot use torch.distributed's from Python) on a free port, the group's broadcast tells the
+        others where, and every rank's engine joins it. Each rank then steps on its own micro-batches; the
+        gradients are summed over the ranks, the optimizer state is sharded, and every rank's model ends with
+        the same weights."""
+        import socket
+        timeout = int(os.environ.get("STRIDER_DIST_TIMEOUT", "300"))
+        where = [None]
+        if rank == 0:
+            host = os.environ.get("MASTER_ADDR") or socket.gethostname()
+            where = [(host, int(self._engine.host_ranks(world, timeout)))]
+        torch.distributed.broadcast_object_list(where, src=0)
+        host, port = where[0]
+        self._engine.join_ranks(host, port, rank, world, local_rank, local_world, timeout)
 
     @torch.no_grad()
     def _alias(self):
