@@ -12,6 +12,7 @@ step of 16-token micro-batches, so that it stays cheap on two cores.
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -23,14 +24,20 @@ UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    # Made in a process of its own: a 290M-parameter model built here would leave pytest's own memory
+    # at gigabytes, and a process it starts inherits that as its peak resident size (ru_maxrss survives
+    # fork and exec), which tests/python/test_host_peak.py measures.
     d = tmp_path_factory.mktemp("dp-memory-model")
-    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
-                      num_key_value_heads=4, vocab_size=32000, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
+    code = textwrap.dedent(f"""
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+        cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
+                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=256,
+                          tie_word_embeddings=False)
+        torch.manual_seed(0)
+        LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained({str(d)!r})
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
     return d
 
 
