@@ -1,5 +1,6 @@
 // The engine's host lanes: the updater thread (CPU AdamW per block, global
-// norm, clipping) and the block state it reads and writes in RAM or on NVMe.
+// norm, clipping, the ranks' collectives) over the block state in RAM or on
+// NVMe (engine_state.cpp reads and writes it between steps).
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -110,19 +111,6 @@ void Engine::skip_piece(const UpdateJob& job, int64_t b) {
     updated_[size_t(b)] = job.pass;
   }
   cv_.notify_all();
-}
-
-Engine::NvmeStaging& Engine::idle_staging() {
-  // Outside steps (finish_updates() first), slot 0 is free once its last
-  // write-back has left.
-  for (NvmeStaging& slot : nvme_staging_) {
-    for (auto& t : slot.writes) nvme_->wait(t);
-    for (auto& t : slot.reads) nvme_->wait(t);
-    slot.writes.clear();
-    slot.reads.clear();
-    slot.reading = -1;
-  }
-  return nvme_staging_[0];
 }
 
 // Replicated state: the whole gradient summed on every rank. Sharded: only
@@ -531,92 +519,6 @@ uint64_t Engine::state_bytes(size_t n) const {
   for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV})
     total += state_kind_bytes(config_.optimizer_state, k, n);
   return total;
-}
-
-void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
-  STRIDER_CHECK(!simulated(), "read_state: a simulated engine holds no state");
-  finish_updates();
-  STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
-                "read_state: block {} and a buffer of {} elements do not match", b, out.size());
-  const BlockState& s = store_->block(size_t(b));
-  if (!nvme_block_[size_t(b)]) {
-    store_->read_kind(size_t(b), state_kind(kind), out.subspan(s.state_begin, s.state_elems()));
-  } else {
-    NvmeStaging& slot = idle_staging();
-    for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
-      if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
-      const Extent& e = nvme_->extent(p, kind);
-      nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
-      const size_t n = owned(p).elems(), at = owned(p).begin;
-      std::byte* bytes = slot.master.data();
-      if (config_.optimizer_state == StateFormat::kFp32)
-        std::memcpy(out.data() + at, bytes, n * sizeof(float));
-      else if (kind == ExtentKind::kMaster)
-        q8_decode_master(s.compute.data() + at, reinterpret_cast<const uint8_t*>(bytes), out.data() + at, n);
-      else
-        q8_decode_moment(state_kind(kind), reinterpret_cast<const uint8_t*>(bytes), scales_after(bytes, n),
-                         out.data() + at, n);
-    }
-  }
-  if (sharded()) gather_state(b, out);
-}
-
-void Engine::gather_state(int64_t b, std::span<float> out) {
-  STRIDER_CHECK(dist_->ranks().world == config_.state_shards,
-                "block {}'s state is sharded over {} ranks; reading all of it needs them (set_collectives)", b,
-                config_.state_shards);
-  std::vector<size_t> bytes(block_slices_[size_t(b)]);
-  for (size_t& x : bytes) x *= sizeof(float);
-  dist_->all_gather(std::as_writable_bytes(out), bytes);
-}
-
-void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
-  STRIDER_CHECK(!simulated(), "write_state: a simulated engine holds no state");
-  finish_updates();
-  STRIDER_CHECK(b >= 0 && b < num_blocks_ && in.size() == layouts_[b].total_elems(),
-                "write_state: block {} and a buffer of {} elements do not match", b, in.size());
-  BlockState& s = store_->block(size_t(b));
-  const bool q8 = config_.optimizer_state == StateFormat::kQ8;
-  if (kind == ExtentKind::kMaster && shared_arena_) {
-    // A compute copy shared with the other ranks: this rank writes its slice
-    // (below, or here for an NVMe-tier fp32 state), the others theirs.
-    compute_pending_ = true;
-    const Range own{s.state_begin, s.state_end};
-    if (nvme_block_[size_t(b)] && !q8 && !s.compute.empty())
-      float_to_bf16(in.subspan(own.begin, own.elems()), s.compute.subspan(own.begin, own.elems()));
-    else if (nvme_block_[size_t(b)] && !q8)
-      std::copy(in.begin() + own.begin, in.begin() + own.end, s.compute_f32.begin() + own.begin);
-  } else if (kind == ExtentKind::kMaster && (nvme_block_[size_t(b)] || sharded())) {
-    // The compute copy follows the master, all of it: the slices other ranks
-    // keep get the bits their ranks write (every rank is given the same `in`).
-    if (q8) {
-      std::vector<uint8_t> ext(in.size());  // the q8 master's low bytes, kept only for this rank's slice below
-      q8_encode_master(in.data(), s.compute.data(), ext.data(), in.size());
-    } else if (!s.compute.empty()) {
-      float_to_bf16(in, s.compute);
-    } else {
-      std::copy(in.begin(), in.end(), s.compute_f32.begin());
-    }
-  }
-  if (!nvme_block_[size_t(b)]) {
-    store_->write_kind(size_t(b), state_kind(kind), in.subspan(s.state_begin, s.state_elems()));
-    return;
-  }
-  NvmeStaging& slot = idle_staging();
-  for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
-    if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
-    const Extent& e = nvme_->extent(p, kind);
-    const size_t n = owned(p).elems(), at = owned(p).begin;
-    std::byte* bytes = slot.master.data();
-    std::memset(bytes, 0, e.io_bytes);
-    if (!q8)
-      std::memcpy(bytes, in.data() + at, n * sizeof(float));
-    else if (kind == ExtentKind::kMaster)
-      q8_encode_master(in.data() + at, s.compute.data() + at, reinterpret_cast<uint8_t*>(bytes), n);
-    else
-      q8_encode_moment(state_kind(kind), in.data() + at, reinterpret_cast<uint8_t*>(bytes), scales_after(bytes, n), n);
-    nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
-  }
 }
 
 }  // namespace strider
