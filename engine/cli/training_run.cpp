@@ -237,12 +237,27 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   lim.state_shards = me.world;
   lim.shared_compute = me.world > 1 && me.world == me.local_world && fs::is_directory("/dev/shm");
   lim.host_bytes = parse_bytes(o.host_ram);
-  if (lim.shared_compute) {  // the machine holds the compute copy once, outside the ranks' arenas
+  uint64_t shared = 0;
+  if (lim.shared_compute) {
     EngineConfig probe;
     probe.compute.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
     probe.state_shards = me.world;
     probe.shared_compute_file = "probe";
-    const uint64_t shared = Engine::footprint(run.spec, probe).shared_host_bytes;
+    shared = Engine::footprint(run.spec, probe).shared_host_bytes;
+    // A /dev/shm too small for it (a container's 64 MiB default) means a
+    // compute copy per rank instead, decided together: every rank must
+    // finish a piece's update the same way (a barrier, or a gather).
+    std::error_code ec;
+    const fs::space_info room = fs::space("/dev/shm", ec);
+    const bool fits = !ec && room.available >= shared;
+    if (ranks->any(!fits)) {
+      lim.shared_compute = false;
+      fmt::print(log, "  /dev/shm has {} free (on some rank), less than the shared compute copy's {}: a compute copy "
+                 "per rank (a larger /dev/shm, e.g. docker --shm-size, shares it)\n",
+                 ec ? std::string("?") : format_bytes(room.available), format_bytes(shared));
+    }
+  }
+  if (lim.shared_compute) {  // the machine holds the compute copy once, outside the ranks' arenas
     STRIDER_CHECK(lim.host_bytes == 0 || shared < lim.host_bytes,
                   "--host-ram {}: the model's compute copy alone, shared by the machine's ranks, is {}", o.host_ram,
                   format_bytes(shared));
