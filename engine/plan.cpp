@@ -35,6 +35,14 @@ uint64_t parse_bytes(const std::string& text) {
   throw Error(fmt::format("'{}': unknown unit '{}' (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)", text, unit));
 }
 
+uint64_t shared_compute_bytes(const ModelSpec& spec, at::ScalarType dtype) {
+  EngineConfig c;
+  c.compute.dtype = dtype;
+  c.state_shards = 2;  // any sharded world: the compute copy is whole whatever it is
+  c.shared_compute_file = "(shared memory)";
+  return Engine::footprint(spec, c).shared_host_bytes;
+}
+
 std::string format_bytes(uint64_t b) {
   if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", double(b) / double(1ull << 30));
   if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", double(b) / double(1ull << 20));

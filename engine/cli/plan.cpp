@@ -113,11 +113,7 @@ int run(const Options& o) {
     l.state_shards = int(o.gpus);
     l.shared_compute = one_machine;
     if (one_machine) {
-      EngineConfig probe;
-      probe.compute.dtype = l.dtype;
-      probe.state_shards = l.state_shards;
-      probe.shared_compute_file = "probe";
-      shared = Engine::footprint(spec, probe).shared_host_bytes;
+      shared = shared_compute_bytes(spec, l.dtype);
       STRIDER_CHECK(l.host_bytes == 0 || shared < l.host_bytes,
                     "--ram {}: the model's compute copy alone, shared by the machine's {} ranks, is {}", o.ram, o.gpus,
                     format_bytes(shared));

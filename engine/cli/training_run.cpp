@@ -239,11 +239,7 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   lim.host_bytes = parse_bytes(o.host_ram);
   uint64_t shared = 0;
   if (lim.shared_compute) {
-    EngineConfig probe;
-    probe.compute.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
-    probe.state_shards = me.world;
-    probe.shared_compute_file = "probe";
-    shared = Engine::footprint(run.spec, probe).shared_host_bytes;
+    shared = shared_compute_bytes(run.spec, o.dtype == "fp32" ? at::kFloat : at::kBFloat16);
     // A /dev/shm too small for it (a container's 64 MiB default) means a
     // compute copy per rank instead, decided together: every rank must
     // finish a piece's update the same way (a barrier, or a gather).
