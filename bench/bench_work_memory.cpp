@@ -80,7 +80,7 @@ int main(int argc, char** argv) {
       cfg.compute.vocab_chunk = vocab_chunk;
       cfg.window = 2;
       cfg.optimizer_threads = 1;
-      const EngineFootprint fp = Engine::footprint(spec, cfg);
+      const EngineFootprint fp = footprint(spec, cfg);
       Engine e(spec, cfg,
                make_device({.spec = "cpu", .budget_bytes = size_t(fp.device_bytes + (64 << 20)), .record_spans = true}));
       e.init_params(1);

@@ -43,8 +43,9 @@
 #include <vector>
 
 #include "engine/block_runner.h"
-#include "engine/lr_schedule.h"
+#include "engine/engine_config.h"
 #include "engine/model_spec.h"
+#include "engine/placement.h"
 #include "engine/shards.h"
 #include "engine/timeline.h"
 #include "gpu/cache_unit_pool.h"
@@ -60,78 +61,6 @@ namespace strider {
 
 class Collectives;  // engine/collectives.h
 struct RankInfo;
-
-// The host format's kind of an NVMe extent of state (not kGrad).
-inline StateKind state_kind(ExtentKind k) {
-  return k == ExtentKind::kMaster ? StateKind::kMaster : k == ExtentKind::kAdamM ? StateKind::kAdamM : StateKind::kAdamV;
-}
-
-struct EngineConfig {
-  int64_t seq = 128;
-  int64_t micro_batch = 1;     // sequences per micro-batch
-  int64_t accumulation = 1;    // micro-batches per optimizer step (M)
-  ComputeOptions compute;      // dtype and LM-head vocabulary chunk
-  int64_t window = 2;          // K cache units on the device
-  bool checkpoints_on_host = false;  // block inputs copied out to pinned host memory
-  AdamHyper adam;
-  LrSchedule schedule;
-  double clip_norm = 0;        // > 0: exact global-norm clipping
-  int optimizer_threads = 0;   // 0: all hardware threads
-  // How master, m and v are stored (host/state_format.h): fp32 (exact), or
-  // q8 (3.06 bytes per parameter; needs the bf16 compute dtype).
-  StateFormat optimizer_state = StateFormat::kFp32;
-  // Where pieces must start for that format (make_sharding's align_elems).
-  int64_t shard_align() const { return optimizer_state == StateFormat::kQ8 ? int64_t(kQ8GroupElems) : 1; }
-  std::string nvme_dir;        // where NVMe-tier state lives (needed if nvme_blocks is not empty)
-  std::vector<int64_t> nvme_blocks;  // blocks whose fp32 master/m/v live on NVMe
-  int64_t grad_ring = 3;       // gradient staging slots shared by ring blocks (>= 1; see above)
-  // Vocabulary rows per embedding / LM-head shard (engine/shards.h); 0: the
-  // most whole LM-head chunks whose visit fits in the largest layer's unit.
-  int64_t vocab_shard_rows = 0;
-  // Gradients are summed in fp32 on the device over the micro-batches, then
-  // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
-  // keeps them exact (the exactness tests; an fp32 compute dtype always does).
-  bool fp32_grad_transfer = false;
-  // Decoder-layer blocks (1..layers) whose backward does not recompute their
-  // forward's matmuls: forward keeps their outputs (gpu/blocks.h's
-  // LayerSaved: q, k, v, x1, gate, up) and copies them out to pinned host
-  // memory on the d2h stream; they come back on the h2d stream, prefetched,
-  // before the layer's backward. Every other layer recomputes its forward
-  // from its checkpoint. The two are bit-identical (the same ops in the same
-  // order); the plan chooses (engine/plan.h, PlanLimits::activations).
-  std::vector<int64_t> saved_blocks;
-  // The head's pass 1 keeps every micro-batch's logits on the device
-  // ([micro_batch * seq, vocab] each, the compute dtype) for pass 2, which
-  // then computes two of the three logits GEMMs instead of three: the same
-  // bits, at batch x seq x vocab x 2 bytes of device memory.
-  bool keep_logits = false;
-  at::ScalarType grad_dtype() const {
-    return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
-  }
-  NvmeBackend nvme_backend = NvmeBackend::kAuto;
-  LockPolicy lock = LockPolicy::kPrefer;
-  // Data parallel with sharded state (DESIGN.md, "Growing past one GPU"):
-  // this engine keeps the master, m and v of slice `state_shard` of
-  // `state_shards` of every block (engine/shards.h, rank_slices), sums only
-  // that slice of each gradient over the ranks (a reduce-scatter), updates it,
-  // and gathers the other slices' updated compute copies from their ranks.
-  // Placement, not maths: the same bits as every rank keeping all of it.
-  // set_collectives must then give `state_shards` ranks, this one rank
-  // `state_shard`. 1: the whole state here (one process, or replicated ranks).
-  int state_shards = 1;
-  int state_shard = 0;
-  // Sharded state on one machine: the compute copy lives in this file's
-  // shared mapping (host/pinned_arena.h; tmpfs, /dev/shm/...), mapped by
-  // every rank of the machine, so it exists once. Each rank writes its own
-  // slices there, and a piece's update ends when every rank has written its
-  // slice (a barrier) instead of gathering them. Empty: a private copy each.
-  std::string shared_compute_file;
-  // Elements per rank slice are whole multiples of this (the q8 groups, at
-  // least 64: slices start on 256-byte lines).
-  int64_t slice_align() const { return std::max<int64_t>(shard_align(), 64); }
-
-  int64_t batch() const { return micro_batch * accumulation; }
-};
 
 struct StepReport {
   int64_t step = 0;            // 1 for the first update
@@ -163,33 +92,8 @@ struct StepReport {
   std::string nonfinite_tensor;  // that block's first non-finite gradient tensor
 };
 
-// What an Engine allocates, computed by the same code the Engine sizes its
-// buffers with (so the Plan's numbers are the Engine's numbers).
-struct EngineFootprint {
-  uint64_t unit_elems = 0;          // parameters one cache unit holds (the largest visit's)
-  int64_t vocab_shards = 1;         // embedding / LM-head shards (engine/shards.h)
-  int64_t shard_rows = 0;           // vocabulary rows per shard
-  uint64_t unit_bytes = 0;          // one unit: parameters + fp32 gradients
-  uint64_t pool_bytes = 0;          // K units
-  uint64_t activation_bytes = 0;    // checkpoints (or the ring), output gradients, the batch, saved-activation slots
-  int64_t saved_layers = 0;         // layers whose activations are kept (EngineConfig::saved_blocks)
-  uint64_t saved_bytes_per_layer = 0;  // host bytes one such layer keeps, all micro-batches of a step
-  uint64_t saved_host_bytes = 0;    // host bytes of all kept activations (part of host_bytes)
-  uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes)
-  uint64_t device_bytes = 0;        // pool + activations: every device allocation
-  uint64_t host_bytes = 0;          // the pinned arena
-  uint64_t optimizer_host_bytes = 0;  // of state_host_bytes, the RAM tier's master, m and v (sharded: this rank's slices)
-  uint64_t shared_host_bytes = 0;   // the compute copy in shared memory (EngineConfig::shared_compute_file;
-                                    // not in host_bytes: the machine's ranks hold it once)
-  uint64_t state_host_bytes = 0;    // of it, the training state: the store (format, compute copy, gradient
-                                    // staging), the tied gradient's, the NVMe staging and the gradient ring
-  uint64_t nvme_bytes = 0;          // NVMe-tier state files
-};
-
 class Engine {
  public:
-  static EngineFootprint footprint(const ModelSpec& spec, const EngineConfig& config);
-
   Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device);
   ~Engine();
   Engine(const Engine&) = delete;
@@ -238,7 +142,7 @@ class Engine {
 
   const ModelSpec& spec() const { return spec_; }
   const EngineConfig& config() const { return config_; }
-  const Sharding& sharding() const { return shards_; }
+  const Sharding& sharding() const { return place_.shards; }
   Device& device() { return *device_; }
   Timeline& timeline() { return timeline_; }
   int64_t steps_done() const { return steps_; }
@@ -266,6 +170,7 @@ class Engine {
   void inject_nonfinite_gradient(int64_t b);
 
  private:
+  using Range = ElemRange;  // elements of a block
   // One visit of the sliding window. Forward and backward visit a piece (a
   // layer or an embedding shard); a head visit loads the final norm and one
   // vocabulary shard's LM-head rows and runs pass 1 (log-sum-exp), pass 2
@@ -278,7 +183,6 @@ class Engine {
   };
   struct Loaded { const CacheUnit* unit; std::unique_ptr<Event> ready; };
 
-  void check_config() const;
   void run_pass(const std::vector<Visit>& visits, bool train);
   void allocate_activations();
   void upload_batch(const int64_t* ids, const int64_t* labels);
@@ -294,7 +198,7 @@ class Engine {
   // Kept activations (EngineConfig::saved_blocks). Block b keeps them, its
   // host copy for micro-batch m, and the H2D of that copy into the next
   // device slot (slots alternate; each use waits for the slot's last reader).
-  bool keeps(int64_t b) const { return b > 0 && b < head_ && saved_index_[size_t(b)] >= 0; }
+  bool keeps(int64_t b) const { return b > 0 && b < place_.head && place_.saved_index[size_t(b)] >= 0; }
   std::span<std::byte> saved_host(int64_t b, int64_t m) const;
   // Micro-batch m's kept logits of one LM-head shard's rows: [tokens, rows].
   at::Tensor kept_logits(int64_t m, const Piece& rows) const;
@@ -341,7 +245,6 @@ class Engine {
   std::string first_non_finite(int64_t p, const float* values) const;
   // Among piece p's gradients `in` (its elements, block coordinates): the
   // first non-finite's tensor, "(padding)", or "" when all are finite.
-  struct Range;
   std::string first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const;
   // Simulation of the updater, in the order it works: sim_landed(p) right
   // after piece p's D2H is enqueued, sim_finish() after the pass (returns
@@ -350,24 +253,19 @@ class Engine {
   void sim_update(int64_t p, double ready_us);
   double sim_finish();
   void start_state_read(int64_t p, int slot);
-  bool on_nvme(int64_t p) const { return nvme_piece_.at(size_t(p)); }
+  bool on_nvme(int64_t p) const { return place_.at(p).on_nvme; }
   // Bytes of master, m and v for n elements in the run's format.
   uint64_t state_bytes(size_t n) const;
-  bool spills_grads(int64_t p) const { return ring_slot_.at(size_t(p)) >= 0 && config_.clip_norm > 0; }
-  const Piece& piece(int64_t p) const { return shards_.pieces[size_t(p)]; }
-  int64_t num_pieces() const { return int64_t(shards_.pieces.size()); }
+  bool spills_grads(int64_t p) const { return place_.at(p).spills_grads; }
+  const Piece& piece(int64_t p) const { return place_.piece(p); }
+  int64_t num_pieces() const { return place_.num_pieces(); }
 
   ModelSpec spec_;
   EngineConfig config_;
+  const Placement place_;  // what lives where (engine/placement.h), after check_config
   std::unique_ptr<Device> device_;
   SimDevice* sim_ = nullptr;       // device_, when it is a SimDevice
   at::Device aten_device_;
-  int64_t num_blocks_, head_;
-  std::vector<ParamLayout> layouts_;
-  Sharding shards_;
-  std::vector<int64_t> landing_;    // pieces in the order their gradients are copied out
-  size_t compute_bytes_;            // 2 (bf16) or 4 (fp32)
-  size_t grad_bytes_;               // gradients on the host: 2 (bf16) or 4 (fp32)
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<PinnedArena> shared_arena_;  // the shared compute copy (EngineConfig::shared_compute_file)
   // This rank wrote its slices of a shared compute copy (write_state): the
@@ -376,8 +274,6 @@ class Engine {
   void settle_compute();
   std::unique_ptr<ParamStore> store_;
   std::unique_ptr<NvmeStore> nvme_;
-  std::vector<bool> nvme_piece_;    // per piece: its state lives on NVMe (its block's does)
-  std::vector<int> ring_slot_;      // per piece: its gradient ring slot, or -1 (its block's own staging)
   std::unique_ptr<CacheUnitPool> pool_;
   std::unique_ptr<BlockRunner> runner_;
   std::unique_ptr<CpuAdam> adam_;
@@ -419,9 +315,7 @@ class Engine {
   // forward fills and copies out of and backward copies into; per slot, its
   // last reader (a D2H out, a backward) is done; per kept block, its copies
   // out are on the host. H2Ds issued ahead wait in saved_in_, in order.
-  std::vector<int64_t> saved_index_;
   std::vector<std::span<std::byte>> saved_host_;
-  size_t saved_bytes_ = 0;                  // one micro-batch's kept activations
   std::vector<at::Tensor> saved_dev_;
   std::vector<std::unique_ptr<Event>> saved_free_, saved_out_;
   int64_t saved_uses_ = 0;                  // device slot uses so far: the next is uses % 2
@@ -451,22 +345,12 @@ class Engine {
   std::unique_ptr<Collectives> dist_, dist_update_;
   std::vector<float> dist_scratch_;  // bf16 gradients summed in fp32 (the largest piece)
   void sum_grads_over_ranks(int64_t p);  // updater thread
-  // Sharded state (EngineConfig::state_shards > 1): per block, the ranks'
-  // slices (rank_slices); per piece, those cut to it, relative to the piece.
+  // Sharded state (EngineConfig::state_shards > 1): each piece's slices are
+  // in its PiecePlace (engine/placement.h).
   bool sharded() const { return config_.state_shards > 1; }
-  struct Range {
-    size_t begin = 0, end = 0;
-    size_t elems() const { return end - begin; }
-  };
-  std::vector<std::vector<size_t>> block_slices_, piece_slices_;
-  std::vector<size_t> slice_bytes_;  // piece_slices_ scaled to bytes (updater thread)
-  std::vector<bool> nvme_block_;     // per block: its state lives on NVMe
+  std::vector<size_t> slice_bytes_;  // a piece's slices scaled to bytes (updater thread)
   // Piece p's elements (block coordinates) whose state this engine keeps.
-  Range owned(int64_t p) const {
-    const size_t b = size_t(piece(p).block), r = size_t(config_.state_shard);
-    return {std::clamp(block_slices_[b][r], piece(p).begin, piece(p).end),
-            std::clamp(block_slices_[b][r + 1], piece(p).begin, piece(p).end)};
-  }
+  Range owned(int64_t p) const { return place_.at(p).owned; }
   // Block b's whole state of one kind into `out`, which holds this rank's
   // slice: the others' slices from their ranks (a collective).
   void gather_state(int64_t b, std::span<float> out);

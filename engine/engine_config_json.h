@@ -5,7 +5,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "engine/engine.h"
+#include "engine/engine_config.h"
 
 namespace strider {
 

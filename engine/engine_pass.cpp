@@ -18,7 +18,7 @@ at::Tensor Engine::act(int64_t b, int64_t m) const {
 }
 
 at::Tensor Engine::params_view(const CacheUnit& u, size_t offset, size_t elems) const {
-  return at::from_blob(static_cast<std::byte*>(u.params_bf16) + offset * compute_bytes_, {int64_t(elems)},
+  return at::from_blob(static_cast<std::byte*>(u.params_bf16) + offset * place_.compute_bytes, {int64_t(elems)},
                        at::TensorOptions().dtype(config_.compute.dtype).device(aten_device_));
 }
 
@@ -35,13 +35,13 @@ at::Tensor Engine::rows_view(const at::Tensor& flat, size_t offset, const Piece&
 
 std::vector<int64_t> Engine::visit_segments(const Visit& v) const {
   if (v.kind != Visit::kHead) return {v.piece};
-  return {shards_.norm_piece, shards_.lm_piece[size_t(v.shard)]};
+  return {place_.shards.norm_piece, place_.shards.lm_piece[size_t(v.shard)]};
 }
 
 double Engine::visit_flops(const Visit& v, bool train) const {
   const double tokens = double(config_.micro_batch * config_.seq), H = double(spec_.dims.hidden);
   if (v.kind == Visit::kHead) {
-    const Piece& rows = piece(shards_.lm_piece[size_t(v.shard)]);
+    const Piece& rows = piece(place_.shards.lm_piece[size_t(v.shard)]);
     const double logits = 2.0 * tokens * H * double(rows.row_end - rows.row_begin);
     // Pass 1: the logits; pass 2: the logits again and both gradients.
     // With kept logits, pass 2 computes only the two gradients.
@@ -49,7 +49,7 @@ double Engine::visit_flops(const Visit& v, bool train) const {
   }
   const int64_t b = piece(v.piece).block;
   if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
-  const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(compute_bytes_));
+  const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(place_.compute_bytes));
   if (v.kind == Visit::kForward) return c.forward_flops;
   if (!keeps(b)) return c.backward_flops * 1.5;  // recompute + backward
   // Kept activations: backward, and the attention core recomputed.
@@ -61,14 +61,14 @@ at::Tensor Engine::kept_logits(int64_t m, const Piece& rows) const {
 }
 
 std::span<std::byte> Engine::saved_host(int64_t b, int64_t m) const {
-  return saved_host_[size_t(saved_index_[size_t(b)] * config_.accumulation + m)];
+  return saved_host_[size_t(place_.saved_index[size_t(b)] * config_.accumulation + m)];
 }
 
 void Engine::fetch_saved(int64_t b, int64_t m) {
   const int slot = int(saved_uses_++ % 2);
   device_->wait(StreamId::kH2D, *saved_free_[size_t(slot)]);              // its last reader is done
-  device_->wait(StreamId::kH2D, *saved_out_[size_t(saved_index_[size_t(b)])]);  // the forward's copy has landed
-  device_->copy_h2d(StreamId::kH2D, saved_dev_[size_t(slot)].data_ptr(), saved_host(b, m).data(), saved_bytes_,
+  device_->wait(StreamId::kH2D, *saved_out_[size_t(place_.saved_index[size_t(b)])]);  // the forward's copy has landed
+  device_->copy_h2d(StreamId::kH2D, saved_dev_[size_t(slot)].data_ptr(), saved_host(b, m).data(), place_.saved_bytes,
                     {"h2d activations", int32_t(b)});
   auto ready = device_->make_event();
   device_->record(*ready, StreamId::kH2D);
@@ -117,9 +117,9 @@ void Engine::load_visit(const Visit& v, size_t i) {
   size_t offset = 0;
   for (int64_t p : segs) {
     const Piece& pc = piece(p);
-    auto bytes = store_->block(size_t(pc.block)).compute_bytes().subspan(pc.begin * compute_bytes_,
-                                                                          pc.elems() * compute_bytes_);
-    device_->copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + offset * compute_bytes_, bytes.data(),
+    auto bytes = store_->block(size_t(pc.block)).compute_bytes().subspan(pc.begin * place_.compute_bytes,
+                                                                          pc.elems() * place_.compute_bytes);
+    device_->copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + offset * place_.compute_bytes, bytes.data(),
                       bytes.size(), {"h2d params", int32_t(pc.block)});
     offset += pc.elems();
   }
@@ -132,7 +132,7 @@ void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
   const int64_t M = config_.accumulation;
   const Piece& pc = piece(p);
   const int64_t b = pc.block;
-  const bool first = p == shards_.first_of(b), last = p + 1 == shards_.end_of(b);
+  const bool first = p == place_.shards.first_of(b), last = p + 1 == place_.shards.end_of(b);
   at::Tensor params = params_view(u, 0, pc.elems());
   if (config_.checkpoints_on_host && first) {
     // Block b writes ring set (b+1)%2, whose checkpoint copy-out (two blocks ago) must be done.
@@ -162,7 +162,7 @@ void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
       auto done = device_->make_event();
       device_->record(*done, StreamId::kCompute);
       device_->wait(StreamId::kD2H, *done);
-      device_->copy_d2h(StreamId::kD2H, saved_host(b, m).data(), save.data_ptr(), saved_bytes_,
+      device_->copy_d2h(StreamId::kD2H, saved_host(b, m).data(), save.data_ptr(), place_.saved_bytes,
                         {"d2h activations", int32_t(b)});
       device_->record(*saved_free_[size_t(slot)], StreamId::kD2H);
       continue;
@@ -172,8 +172,8 @@ void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
                       out.copy_(runner_->forward(b, params, in));
                     });
   }
-  if (train && keeps(b)) device_->record(*saved_out_[size_t(saved_index_[size_t(b)])], StreamId::kD2H);
-  if (config_.checkpoints_on_host && last && b + 1 < head_) {
+  if (train && keeps(b)) device_->record(*saved_out_[size_t(place_.saved_index[size_t(b)])], StreamId::kD2H);
+  if (config_.checkpoints_on_host && last && b + 1 < place_.head) {
     // Copy block b+1's inputs out; the ring set is free again once they left.
     auto done = device_->make_event();
     device_->record(*done, StreamId::kCompute);
@@ -189,7 +189,7 @@ void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
 
 void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
   const int64_t M = config_.accumulation;
-  const Sharding& sh = shards_;
+  const Sharding& sh = place_.shards;
   const Piece& norm_pc = piece(sh.norm_piece);
   const Piece& rows_pc = piece(sh.lm_piece[size_t(v.shard)]);
   const bool first = v.shard == 0, last = v.shard + 1 == sh.shards, grad = train && v.grad;
@@ -205,13 +205,13 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
   const int64_t valid = batch_valid_;
   if (v.lse) {
     for (int64_t m = 0; m < M; ++m) {
-      at::Tensor in = act(head_, m);
+      at::Tensor in = act(place_.head, m);
       at::Tensor labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
       HeadState st = head_state_[size_t(m)];
       at::Tensor lse = head_lse_[size_t(m)];
       at::Tensor loss_sum = head_stats_dev_[0][m], valid_tokens = head_stats_dev_[1][m];
       const at::Tensor keep = train && config_.keep_logits ? kept_logits(m, rows_pc) : at::Tensor();
-      device_->launch(StreamId::kCompute, {"head log-sum-exp", int32_t(head_), visit_flops({Visit::kHead, 0, v.shard, true, false}, false)},
+      device_->launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), visit_flops({Visit::kHead, 0, v.shard, true, false}, false)},
                       [dims, norm, rows, v0, in, labels, chunk, tile, st, lse, loss_sum, valid_tokens, first,
                        last, keep](const LaunchContext&) mutable {
                         if (first) head_state_reset(st);
@@ -229,19 +229,19 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
       device_->record(*done, StreamId::kCompute);
       device_->wait(StreamId::kD2H, *done);
       device_->copy_d2h(StreamId::kD2H, head_stats_host_.data(), head_stats_dev_.data_ptr(),
-                        head_stats_host_.size_bytes(), {"d2h loss", int32_t(head_)});
+                        head_stats_host_.size_bytes(), {"d2h loss", int32_t(place_.head)});
       device_->record(*head_stats_ready_, StreamId::kD2H);
     }
   }
   if (!grad) return;
-  device_->launch(StreamId::kCompute, {"zero grads", int32_t(head_)}, [grads](const LaunchContext&) { grads.zero_(); });
+  device_->launch(StreamId::kCompute, {"zero grads", int32_t(place_.head)}, [grads](const LaunchContext&) { grads.zero_(); });
   const double flops = visit_flops({Visit::kHead, 0, v.shard, false, true}, true);
   for (int64_t m = 0; m < M; ++m) {
-    at::Tensor in = act(head_, m);
+    at::Tensor in = act(place_.head, m);
     at::Tensor labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
     at::Tensor lse = head_lse_[size_t(m)], grad_h = grad_h_[size_t(m)];
     const at::Tensor kept = config_.keep_logits ? kept_logits(m, rows_pc) : at::Tensor();
-    device_->launch(StreamId::kCompute, {"head backward", int32_t(head_), flops},
+    device_->launch(StreamId::kCompute, {"head backward", int32_t(place_.head), flops},
                     [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first, kept](
                         const LaunchContext&) {
                       if (first) grad_h.zero_();
@@ -251,23 +251,23 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
   }
   if (last)
     for (int64_t m = 0; m < M; ++m) {
-      at::Tensor in = act(head_, m), grad_h = grad_h_[size_t(m)], gout = grad_out_[size_t(m)];
-      device_->launch(StreamId::kCompute, {"head norm backward", int32_t(head_), 0.0},
+      at::Tensor in = act(place_.head, m), grad_h = grad_h_[size_t(m)], gout = grad_out_[size_t(m)];
+      device_->launch(StreamId::kCompute, {"head norm backward", int32_t(place_.head), 0.0},
                       [dims, norm, in, grad_h, grad_norm, gout, tile](const LaunchContext&) {
                         head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile,
                                            gout.view({-1, dims.hidden}));
                       });
     }
-  const std::byte* send = grads_to_send(u, used, head_);
-  if (last) copy_grads_out(sh.norm_piece, send);  // the order of landing_
+  const std::byte* send = grads_to_send(u, used, place_.head);
+  if (last) copy_grads_out(sh.norm_piece, send);  // the order of place_.landing
   if (spec_.tie_embeddings) {
     // The embedding's gradient starts from the head's share (run_backward),
     // kept in fp32 so that the sum is the resident reference's.
     device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows_pc.begin, u.grads_fp32 + norm_pc.elems(),
-                      rows_pc.elems() * 4, {"d2h tied grads", int32_t(head_)});
+                      rows_pc.elems() * 4, {"d2h tied grads", int32_t(place_.head)});
     device_->record(*tied_grad_ready_, StreamId::kD2H);
   } else {
-    copy_grads_out(sh.lm_piece[size_t(v.shard)], send + norm_pc.elems() * grad_bytes_);
+    copy_grads_out(sh.lm_piece[size_t(v.shard)], send + norm_pc.elems() * place_.grad_bytes);
   }
 }
 
@@ -290,7 +290,7 @@ void Engine::run_backward(int64_t p, const CacheUnit& u) {
   } else {
     device_->launch(StreamId::kCompute, {"zero grads", int32_t(b)}, [grads](const LaunchContext&) { grads.zero_(); });
   }
-  if (config_.checkpoints_on_host && b >= 1 && b < head_) {
+  if (config_.checkpoints_on_host && b >= 1 && b < place_.head) {
     // Bring block b's inputs back into ring set b%2 once its last reader is done.
     auto reader_done = device_->make_event();
     device_->record(*reader_done, StreamId::kCompute);
@@ -350,7 +350,7 @@ void Engine::run_backward(int64_t p, const CacheUnit& u) {
 
 const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems, int64_t block) {
   const std::byte* out = reinterpret_cast<const std::byte*>(u.grads_fp32);
-  if (grad_bytes_ == 2) {
+  if (place_.grad_bytes == 2) {
     at::Tensor acc = grads_view(u).slice(0, 0, int64_t(elems));
     at::Tensor dst = at::from_blob(u.params_bf16, {int64_t(elems)},
                                    at::TensorOptions().dtype(at::kBFloat16).device(aten_device_));
@@ -365,14 +365,14 @@ const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems, int64_t
 }
 
 std::span<std::byte> Engine::grad_host(int64_t p) {
-  const int r = ring_slot_[size_t(p)];
+  const int r = place_.at(p).ring_slot;
   if (r >= 0) return grad_ring_[size_t(r)];
   const Piece& pc = piece(p);
-  return store_->block(size_t(pc.block)).grad.subspan(pc.begin * grad_bytes_, pc.elems() * grad_bytes_);
+  return store_->block(size_t(pc.block)).grad.subspan(pc.begin * place_.grad_bytes, pc.elems() * place_.grad_bytes);
 }
 
 void Engine::copy_grads_out(int64_t p, const void* src) {
-  const int r = ring_slot_[size_t(p)];
+  const int r = place_.at(p).ring_slot;
   if (r >= 0) {
     // The slot's n-th use waits for n consumptions: the previous gradients in
     // it were updated with (or spilled to NVMe). The updater gets there on its
@@ -386,7 +386,7 @@ void Engine::copy_grads_out(int64_t p, const void* src) {
       if (updater_error_) std::rethrow_exception(updater_error_);
     }
   }
-  const size_t bytes = piece(p).elems() * grad_bytes_;
+  const size_t bytes = piece(p).elems() * place_.grad_bytes;
   device_->copy_d2h(StreamId::kD2H, grad_host(p).data(), src, bytes, {"d2h grads", int32_t(piece(p).block)});
   device_->record(*grads_ready_[size_t(p)], StreamId::kD2H);
   if (simulated()) {

@@ -33,14 +33,14 @@ Engine::NvmeStaging& Engine::idle_staging() {
 void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
   STRIDER_CHECK(!simulated(), "read_state: a simulated engine holds no state");
   finish_updates();
-  STRIDER_CHECK(b >= 0 && b < num_blocks_ && out.size() == layouts_[b].total_elems(),
+  STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
                 "read_state: block {} and a buffer of {} elements do not match", b, out.size());
   const BlockState& s = store_->block(size_t(b));
-  if (!nvme_block_[size_t(b)]) {
+  if (!place_.nvme_block[size_t(b)]) {
     store_->read_kind(size_t(b), state_kind(kind), out.subspan(s.state_begin, s.state_elems()));
   } else {
     NvmeStaging& slot = idle_staging();
-    for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
+    for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
       if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
       const Extent& e = nvme_->extent(p, kind);
       nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
@@ -62,7 +62,7 @@ void Engine::gather_state(int64_t b, std::span<float> out) {
   STRIDER_CHECK(dist_->ranks().world == config_.state_shards,
                 "block {}'s state is sharded over {} ranks; reading all of it needs them (set_collectives)", b,
                 config_.state_shards);
-  std::vector<size_t> bytes(block_slices_[size_t(b)]);
+  std::vector<size_t> bytes(place_.block_slices[size_t(b)]);
   for (size_t& x : bytes) x *= sizeof(float);
   dist_->all_gather(std::as_writable_bytes(out), bytes);
 }
@@ -70,7 +70,7 @@ void Engine::gather_state(int64_t b, std::span<float> out) {
 void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
   STRIDER_CHECK(!simulated(), "write_state: a simulated engine holds no state");
   finish_updates();
-  STRIDER_CHECK(b >= 0 && b < num_blocks_ && in.size() == layouts_[b].total_elems(),
+  STRIDER_CHECK(b >= 0 && b < place_.blocks && in.size() == place_.layouts[b].total_elems(),
                 "write_state: block {} and a buffer of {} elements do not match", b, in.size());
   BlockState& s = store_->block(size_t(b));
   const bool q8 = config_.optimizer_state == StateFormat::kQ8;
@@ -79,11 +79,11 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
     // (below, or here for an NVMe-tier fp32 state), the others theirs.
     compute_pending_ = true;
     const Range own{s.state_begin, s.state_end};
-    if (nvme_block_[size_t(b)] && !q8 && !s.compute.empty())
+    if (place_.nvme_block[size_t(b)] && !q8 && !s.compute.empty())
       float_to_bf16(in.subspan(own.begin, own.elems()), s.compute.subspan(own.begin, own.elems()));
-    else if (nvme_block_[size_t(b)] && !q8)
+    else if (place_.nvme_block[size_t(b)] && !q8)
       std::copy(in.begin() + own.begin, in.begin() + own.end, s.compute_f32.begin() + own.begin);
-  } else if (kind == ExtentKind::kMaster && (nvme_block_[size_t(b)] || sharded())) {
+  } else if (kind == ExtentKind::kMaster && (place_.nvme_block[size_t(b)] || sharded())) {
     // The compute copy follows the master, all of it: the slices other ranks
     // keep get the bits their ranks write (every rank is given the same `in`).
     if (q8) {
@@ -95,12 +95,12 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
       std::copy(in.begin(), in.end(), s.compute_f32.begin());
     }
   }
-  if (!nvme_block_[size_t(b)]) {
+  if (!place_.nvme_block[size_t(b)]) {
     store_->write_kind(size_t(b), state_kind(kind), in.subspan(s.state_begin, s.state_elems()));
     return;
   }
   NvmeStaging& slot = idle_staging();
-  for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
+  for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
     if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
     const Extent& e = nvme_->extent(p, kind);
     const size_t n = owned(p).elems(), at = owned(p).begin;

@@ -54,7 +54,7 @@ void skip(auto& job, std::string reason) {
 
 std::string Engine::first_non_finite(int64_t p, const float* values) const {
   const Piece& pc = piece(p);
-  for (const TensorSlot& t : layouts_[size_t(pc.block)].slots()) {
+  for (const TensorSlot& t : place_.layouts[size_t(pc.block)].slots()) {
     const size_t lo = std::max(pc.begin, t.offset_elems), hi = std::min(pc.end, t.offset_elems + t.numel);
     for (size_t i = lo; i < hi; ++i)
       if (!std::isfinite(values[i - pc.begin])) return t.name;
@@ -65,7 +65,7 @@ std::string Engine::first_non_finite(int64_t p, const float* values) const {
 std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const {
   std::vector<float> values(piece(p).elems(), 0.0f);
   const size_t at = in.begin - piece(p).begin;
-  if (grad_bytes_ == 4)
+  if (place_.grad_bytes == 4)
     std::memcpy(values.data() + at, grads + at * 4, in.elems() * 4);
   else
     bf16_to_float({reinterpret_cast<const uint16_t*>(grads) + at, in.elems()},
@@ -77,11 +77,11 @@ std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads, Ran
 }
 
 std::string Engine::first_non_finite_param() {
-  for (int64_t b = 0; b < num_blocks_; ++b) {
-    std::vector<float> w(layouts_[size_t(b)].total_elems());
+  for (int64_t b = 0; b < place_.blocks; ++b) {
+    std::vector<float> w(place_.layouts[size_t(b)].total_elems());
     read_state(b, ExtentKind::kMaster, w);
     if (std::isfinite(sum_squares(w))) continue;
-    for (int64_t p = shards_.first_of(b); p < shards_.end_of(b); ++p) {
+    for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
       std::string name = first_non_finite(p, w.data() + piece(p).begin);
       if (name != "(padding)") return name;
     }
@@ -90,7 +90,7 @@ std::string Engine::first_non_finite_param() {
 }
 
 void Engine::inject_nonfinite_gradient(int64_t b) {
-  STRIDER_CHECK(b >= 0 && b < num_blocks_, "inject_nonfinite_gradient: block {} out of range", b);
+  STRIDER_CHECK(b >= 0 && b < place_.blocks, "inject_nonfinite_gradient: block {} out of range", b);
   std::lock_guard lk(mu_);
   fault_block_ = b;
   fault_pass_ = passes_ + 1;
@@ -103,7 +103,7 @@ void Engine::skip_piece(const UpdateJob& job, int64_t b) {
     NvmeTicket& spill = grad_spill_[size_t(b)];
     if (spill.valid()) nvme_->wait(spill);
     spill = {};
-  } else if (ring_slot_[size_t(b)] >= 0) {
+  } else if (place_.at(b).ring_slot >= 0) {
     release_ring_slot(b);
   }
   {
@@ -119,12 +119,12 @@ void Engine::sum_grads_over_ranks(int64_t p) {
   if (dist_update_->ranks().solo()) return;
   const size_t n = piece(p).elems();
   std::byte* g = grad_host(p).data();
-  const std::vector<size_t>& cut = piece_slices_[size_t(p)];
+  const std::vector<size_t>& cut = place_.at(p).slices;
   auto sum = [&](std::span<float> x) {
     if (sharded()) dist_update_->reduce_scatter_sum(x, cut);
     else dist_update_->all_reduce_sum(x);
   };
-  if (grad_bytes_ == 4) {
+  if (place_.grad_bytes == 4) {
     sum(std::span<float>(reinterpret_cast<float*>(g), n));
     return;
   }
@@ -147,10 +147,10 @@ void Engine::gather_compute(int64_t p) {
     dist_update_->barrier();
     return;
   }
-  const std::vector<size_t>& cut = piece_slices_[size_t(p)];
-  for (size_t r = 0; r < cut.size(); ++r) slice_bytes_[r] = cut[r] * compute_bytes_;
+  const std::vector<size_t>& cut = place_.at(p).slices;
+  for (size_t r = 0; r < cut.size(); ++r) slice_bytes_[r] = cut[r] * place_.compute_bytes;
   const std::span<std::byte> c = store_->block(size_t(piece(p).block)).compute_bytes();
-  dist_update_->all_gather(c.subspan(piece(p).begin * compute_bytes_, piece(p).elems() * compute_bytes_),
+  dist_update_->all_gather(c.subspan(piece(p).begin * place_.compute_bytes, piece(p).elems() * place_.compute_bytes),
                            slice_bytes_);
 }
 
@@ -165,7 +165,7 @@ void Engine::updater_main() {
       jobs_.pop_front();
     }
     try {
-      // Gradients land piece by piece in landing_ order (the head's, then
+      // Gradients land piece by piece in place_.landing order (the head's, then
       // backward's); every per-piece figure is indexed by piece.
       const int64_t P = num_pieces();
       std::vector<double> sumsq(size_t(P), 0.0);
@@ -176,7 +176,7 @@ void Engine::updater_main() {
         std::lock_guard lk(mu_);
         // The first of the block's pieces to land (for the head: what lands first of the whole step).
         if (fault_pass_ == job->pass && fault_block_ >= 0)
-          for (int64_t p : landing_)
+          for (int64_t p : place_.landing)
             if (piece(p).block == fault_block_) {
               fault_piece = p;
               break;
@@ -186,19 +186,19 @@ void Engine::updater_main() {
         {
           std::unique_lock lk(mu_);
           cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job->pass || stopping_; });
-          STRIDER_CHECK(!stopping_, "the engine stopped before {}'s gradients were copied out", shards_.name(spec_, b));
+          STRIDER_CHECK(!stopping_, "the engine stopped before {}'s gradients were copied out", place_.shards.name(spec_, b));
         }
         grads_ready_[size_t(b)]->synchronize();
         sum_grads_over_ranks(b);
         // The summed gradients: the whole piece's, or (sharded) this rank's slice of them.
         const Range own = owned(b);
-        const size_t n = own.elems(), at = (own.begin - piece(b).begin) * grad_bytes_;
+        const size_t n = own.elems(), at = (own.begin - piece(b).begin) * place_.grad_bytes;
         std::byte* g = grad_host(b).data();
         if (b == fault_piece && n > 0 && own.begin == piece(b).begin) {  // the rank holding its first element
-          if (grad_bytes_ == 4) reinterpret_cast<float*>(g)[0] = std::numeric_limits<float>::quiet_NaN();
+          if (place_.grad_bytes == 4) reinterpret_cast<float*>(g)[0] = std::numeric_limits<float>::quiet_NaN();
           else reinterpret_cast<uint16_t*>(g)[0] = 0x7FC0;  // a bf16 NaN
         }
-        if (grad_bytes_ == 4) sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(g + at), n});
+        if (place_.grad_bytes == 4) sumsq[size_t(b)] = sum_squares({reinterpret_cast<const float*>(g + at), n});
         else sumsq[size_t(b)] = sum_squares_bf16({reinterpret_cast<const uint16_t*>(g + at), n});
         // Sharded: the piece's sum of squares over the ranks' slices (rank order: the same bits everywhere).
         if (sharded()) dist_update_->all_reduce_sum(std::span<double>(&sumsq[size_t(b)], 1));
@@ -217,9 +217,9 @@ void Engine::updater_main() {
           const double w0 = Timeline::now_us();
           const int32_t blk = int32_t(piece(b).block);
           // O_DIRECT writes whole aligned pages: a slice goes to the slot's start first.
-          if (at > 0) std::memmove(g, g + at, n * grad_bytes_);
+          if (at > 0) std::memmove(g, g + at, n * place_.grad_bytes);
           grad_spill_[size_t(b)] = nvme_->write(
-              e, grad_host(b).first(e.io_bytes), [this, b, blk, w0, step = job->step, bytes = n * grad_bytes_](std::exception_ptr err) {
+              e, grad_host(b).first(e.io_bytes), [this, b, blk, w0, step = job->step, bytes = n * place_.grad_bytes](std::exception_ptr err) {
                 if (err) {
                   std::lock_guard lk(mu_);
                   if (!updater_error_) updater_error_ = err;
@@ -262,8 +262,8 @@ void Engine::updater_main() {
         // Updates overlap backward: the loss and each piece's gradient are
         // checked just before its update. Only the first piece to land can
         // still skip the step; a later one finds pieces already updated.
-        for (size_t i = 0; i < landing_.size(); ++i) {
-          const int64_t b = landing_[i];
+        for (size_t i = 0; i < place_.landing.size(); ++i) {
+          const int64_t b = place_.landing[i];
           land(b);
           if (i == 0) check_loss();
           if (!job->skipped && !std::isfinite(sumsq[size_t(b)])) {
@@ -272,17 +272,17 @@ void Engine::updater_main() {
                           "{} earlier pieces of the step were updated; without clipping updates overlap backward, "
                           "so the step is partly applied: the run stops here, and nothing of this step may be saved "
                           "(the last checkpoint stays). Clipping (--clip) checks every gradient before any update.",
-                          job->step, piece(b).block, shards_.name(spec_, b), bad_tensor[size_t(b)], i);
+                          job->step, piece(b).block, place_.shards.name(spec_, b), bad_tensor[size_t(b)], i);
             skip(*job, fmt::format("the gradient of block {} is not finite", piece(b).block));
           }
           if (job->skipped) skip_piece(*job, b);
-          else update_piece(*job, landing_, i, 1.0);
+          else update_piece(*job, place_.landing, i, 1.0);
         }
         if (job->skipped) name_bad_block();
         publish_norm();
         cv_.notify_all();
       } else {
-        for (int64_t b : landing_) land(b);
+        for (int64_t b : place_.landing) land(b);
         check_loss();
         double total = 0;
         for (double x : sumsq) total += x;
@@ -312,7 +312,7 @@ void Engine::updater_main() {
 void Engine::release_ring_slot(int64_t b) {
   {
     std::lock_guard lk(mu_);
-    ++ring_released_[size_t(ring_slot_[size_t(b)])];
+    ++ring_released_[size_t(place_.at(b).ring_slot)];
   }
   cv_.notify_all();
 }
@@ -350,7 +350,7 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
   const Range own = owned(b);
   const size_t n = own.elems(), at = own.begin, st_at = own.begin - s.state_begin;
   if (n == 0) {  // another rank's slice: its update arrives by the gather
-    if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b)) release_ring_slot(b);
+    if (place_.at(b).ring_slot >= 0 && !spills_grads(b)) release_ring_slot(b);
     gather_compute(b);
     std::lock_guard lk(mu_);
     updated_[size_t(b)] = job.pass;
@@ -389,7 +389,7 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
     slot->reads.clear();
     slot->reading = -1;
     timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(pc.block), -1, job.step, slot->read_begin_us,
-                   Timeline::now_us(), 0, uint64_t(state_bytes(n) + (spills_grads(b) ? n * grad_bytes_ : 0))});
+                   Timeline::now_us(), 0, uint64_t(state_bytes(n) + (spills_grads(b) ? n * place_.grad_bytes : 0))});
     p = reinterpret_cast<float*>(slot->master.data());
     m = reinterpret_cast<float*>(slot->m.data());
     v = reinterpret_cast<float*>(slot->v.data());
@@ -399,8 +399,8 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
   }
   const double t0 = Timeline::now_us();
   const std::byte* grads =
-      spills_grads(b) ? slot->grad.data() : grad_host(b).data() + (at - pc.begin) * grad_bytes_;
-  AdamArgs args{p, m, v, grads, grad_bytes_ == 4 ? DType::kF32 : DType::kBF16,
+      spills_grads(b) ? slot->grad.data() : grad_host(b).data() + (at - pc.begin) * place_.grad_bytes;
+  AdamArgs args{p, m, v, grads, place_.grad_bytes == 4 ? DType::kF32 : DType::kBF16,
                 fp32 ? nullptr : s.compute.data() + at, n};
   if (format == StateFormat::kQ8) {
     adam_->step_q8(st, Q8Args{q, grads, args.grad_dtype, n, uint32_t(at), q8_salt(job.step, pc.block)});
@@ -414,8 +414,8 @@ void Engine::update_piece(const UpdateJob& job, const std::vector<int64_t>& orde
     adam_->step(st, args);
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,
-                 adam_bytes(format, n, grad_bytes_)});
-  if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b)) release_ring_slot(b);
+                 adam_bytes(format, n, place_.grad_bytes)});
+  if (place_.at(b).ring_slot >= 0 && !spills_grads(b)) release_ring_slot(b);
   if (slot) {
     const double w0 = Timeline::now_us();
     const int32_t blk = int32_t(pc.block);
@@ -454,20 +454,20 @@ void Engine::sim_landed(int64_t b) {
     // copy's all-gather (a barrier when the machine's ranks share one copy);
     // each rank moves (W - 1) / W of the piece's bytes each way.
     const double w = config_.state_shards, share = (w - 1) / w;
-    uint64_t bytes = uint64_t(share * double(n * grad_bytes_));
-    if (config_.shared_compute_file.empty()) bytes += uint64_t(share * double(n * compute_bytes_));
+    uint64_t bytes = uint64_t(share * double(n * place_.grad_bytes));
+    if (config_.shared_compute_file.empty()) bytes += uint64_t(share * double(n * place_.compute_bytes));
     SimInterval c = sim_optimizer_.run(landed, cm.collective_us(bytes) + 2 * cm.collective_latency_us);
     timeline_.add({Lane::kOptimizer, "collectives", blk, -1, st.job.step, c.begin_us, c.end_us, 0, bytes});
   }
-  SimInterval t = sim_optimizer_.run(landed, cm.adam_us(n) * double(grad_bytes_) / 28.0);
-  timeline_.add({Lane::kOptimizer, "grad norm", blk, -1, st.job.step, t.begin_us, t.end_us, 0, n * grad_bytes_});
+  SimInterval t = sim_optimizer_.run(landed, cm.adam_us(n) * double(place_.grad_bytes) / 28.0);
+  timeline_.add({Lane::kOptimizer, "grad norm", blk, -1, st.job.step, t.begin_us, t.end_us, 0, n * place_.grad_bytes});
   st.norm_known = std::max(st.norm_known, t.end_us);
   if (config_.clip_norm <= 0) {
     sim_update(b, t.end_us);
   } else if (spills_grads(b)) {
-    SimInterval w = sim_nvme_write_.run(t.end_us, cm.nvme_write_us(n * grad_bytes_));
-    timeline_.add({Lane::kNvmeWrite, "nvme write grads", blk, -1, st.job.step, w.begin_us, w.end_us, 0, n * grad_bytes_});
-    sim_->record_at(*sim_ring_free_[size_t(ring_slot_[size_t(b)])], w.end_us);
+    SimInterval w = sim_nvme_write_.run(t.end_us, cm.nvme_write_us(n * place_.grad_bytes));
+    timeline_.add({Lane::kNvmeWrite, "nvme write grads", blk, -1, st.job.step, w.begin_us, w.end_us, 0, n * place_.grad_bytes});
+    sim_->record_at(*sim_ring_free_[size_t(place_.at(b).ring_slot)], w.end_us);
     st.spilled_us[size_t(b)] = w.end_us;
   }
 }
@@ -480,7 +480,7 @@ void Engine::sim_update(int64_t b, double ready) {
     timeline_.add({lane, name, int32_t(piece(b).block), -1, st.job.step, t.begin_us, t.end_us, 0, bytes});
   };
   if (on_nvme(b)) {
-    const uint64_t bytes = state_bytes(n) + (spills_grads(b) ? n * grad_bytes_ : 0);
+    const uint64_t bytes = state_bytes(n) + (spills_grads(b) ? n * place_.grad_bytes : 0);
     SimInterval r = sim_nvme_read_.run(std::max(st.read_ahead_from, st.spilled_us[size_t(b)]), cm.nvme_read_us(bytes));
     span(Lane::kNvmeRead, "nvme read state", r, bytes);
     ready = std::max(ready, r.end_us);
@@ -492,13 +492,13 @@ void Engine::sim_update(int64_t b, double ready) {
   // machines of their own each take their slice's time.
   const uint64_t updated = sharded() && config_.shared_compute_file.empty() ? owned(b).elems() : n;
   SimInterval t = sim_optimizer_.run(ready, cm.adam_us(updated) * (q8 ? kQ8AdamTimeRatio : 1.0));
-  span(Lane::kOptimizer, "adamw", t, adam_bytes(config_.optimizer_state, n, grad_bytes_));
+  span(Lane::kOptimizer, "adamw", t, adam_bytes(config_.optimizer_state, n, place_.grad_bytes));
   st.read_ahead_from = t.begin_us;
   if (on_nvme(b))
     span(Lane::kNvmeWrite, "nvme write state", sim_nvme_write_.run(t.end_us, cm.nvme_write_us(state_bytes(n))),
          state_bytes(n));
-  if (ring_slot_[size_t(b)] >= 0 && !spills_grads(b))
-    sim_->record_at(*sim_ring_free_[size_t(ring_slot_[size_t(b)])], t.end_us);
+  if (place_.at(b).ring_slot >= 0 && !spills_grads(b))
+    sim_->record_at(*sim_ring_free_[size_t(place_.at(b).ring_slot)], t.end_us);
   sim_->record_at(*sim_update_done_[size_t(b)], t.end_us);
   st.last_update = std::max(st.last_update, t.end_us);
 }

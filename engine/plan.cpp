@@ -40,7 +40,7 @@ uint64_t shared_compute_bytes(const ModelSpec& spec, at::ScalarType dtype) {
   c.compute.dtype = dtype;
   c.state_shards = 2;  // any sharded world: the compute copy is whole whatever it is
   c.shared_compute_file = "(shared memory)";
-  return Engine::footprint(spec, c).shared_host_bytes;
+  return footprint(spec, c).shared_host_bytes;
 }
 
 std::string format_bytes(uint64_t b) {
@@ -237,7 +237,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     trial.window = k;
     trial.checkpoints_on_host = host_ckpt;
     trial.saved_blocks = wanted;
-    EngineFootprint f = Engine::footprint(spec, trial.engine_config(lim));
+    EngineFootprint f = footprint(spec, trial.engine_config(lim));
     if (out) *out = f;
     return f.device_bytes + work <= l.device_bytes;
   };
@@ -307,7 +307,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // push a block's state to NVMe (an NVMe-tier block costs a read and a
   // write of 12 bytes per parameter every step; a layer that cannot keep its
   // activations only recomputes its forward).
-  f = Engine::footprint(spec, p.engine_config(lim));
+  f = footprint(spec, p.engine_config(lim));
   // Move blocks' fp32 state to NVMe, largest first, until it fits.
   if (arena_limit > 0 && f.host_bytes > arena_limit) {
     if (l.nvme_dir.empty()) {
@@ -337,7 +337,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     auto footprint_with = [&](size_t n) {
       Plan trial = p;
       trial.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(n));
-      return Engine::footprint(spec, trial.engine_config(lim));
+      return footprint(spec, trial.engine_config(lim));
     };
     size_t lo = 1, hi = order.size();  // footprint_with(hi) is checked first: does anything fit?
     f = footprint_with(hi);
@@ -373,17 +373,17 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // (their backward comes first, so their copies back are the first needed).
   p.saved_blocks = wanted;
   if (!wanted.empty()) {
-    const EngineFootprint all = Engine::footprint(spec, p.engine_config(lim));
+    const EngineFootprint all = footprint(spec, p.engine_config(lim));
     size_t n = wanted.size();
     if (arena_limit > 0 && all.host_bytes > arena_limit) {
       const uint64_t left = arena_limit - std::min(arena_limit, f.host_bytes);
       if (all.saved_bytes_per_layer > 0) n = std::min<size_t>(n, size_t(left / all.saved_bytes_per_layer));
       for (;; --n) {
         p.saved_blocks.assign(wanted.end() - ptrdiff_t(n), wanted.end());
-        if (n == 0 || Engine::footprint(spec, p.engine_config(lim)).host_bytes <= arena_limit) break;
+        if (n == 0 || footprint(spec, p.engine_config(lim)).host_bytes <= arena_limit) break;
       }
     }
-    f = Engine::footprint(spec, p.engine_config(lim));
+    f = footprint(spec, p.engine_config(lim));
   }
   p.saved_layers = int64_t(p.saved_blocks.size());
   p.saved_host_bytes = f.saved_host_bytes;
@@ -392,7 +392,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // after everything else. No link traffic: nothing to weigh but the room.
   if (l.activations != ActivationMode::kRecompute) {
     p.keep_logits = true;
-    const EngineFootprint k = Engine::footprint(spec, p.engine_config(lim));
+    const EngineFootprint k = footprint(spec, p.engine_config(lim));
     p.logits_bytes = k.logits_bytes;
     p.keep_logits = k.device_bytes + work <= l.device_bytes;
     if (p.keep_logits) f = k;
@@ -497,7 +497,7 @@ Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
   one.accumulation = l.accumulation;
   one.compute = {l.dtype, l.vocab_chunk, 0};
   one.saved_blocks = {1};
-  const uint64_t per_layer = Engine::footprint(spec, one).saved_bytes_per_layer;
+  const uint64_t per_layer = footprint(spec, one).saved_bytes_per_layer;
   const ActivationCost cost = activation_cost(spec, l, per_layer);
   std::vector<int64_t> wanted;
   if (l.activations == ActivationMode::kSaved || (l.activations == ActivationMode::kAuto && cost.pays()))

@@ -12,7 +12,8 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "engine/engine.h"
+#include "engine/placement.h"
+#include "gpu/sim_device.h"  // CostModel
 #include "engine/model_spec.h"
 
 namespace strider {

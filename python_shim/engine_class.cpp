@@ -85,11 +85,11 @@ std::vector<int64_t> choose_saved_blocks(const std::string& mode, const ModelSpe
   if (mode == "recompute") return all;
   for (int64_t b = 1; b <= spec.layers; ++b) all.push_back(b);
   config.saved_blocks = all;
-  const EngineFootprint with = Engine::footprint(spec, config);
+  const EngineFootprint with = footprint(spec, config);
   if (device_budget > 0 && with.device_bytes > device_budget) return {};
   if (mode == "saved") return all;
   config.saved_blocks.clear();
-  const uint64_t others = Engine::footprint(spec, config).host_bytes;
+  const uint64_t others = footprint(spec, config).host_bytes;
   const uint64_t half = mem_available_bytes() / 2;
   const uint64_t left = half > others ? half - others : 0;
   const size_t n = with.saved_bytes_per_layer == 0
@@ -105,7 +105,7 @@ std::vector<int64_t> choose_saved_blocks(const std::string& mode, const ModelSpe
 bool choose_keep_logits(const std::string& mode, const ModelSpec& spec, EngineConfig config, uint64_t device_budget) {
   if (mode == "recompute" || device_budget == 0) return false;
   config.keep_logits = true;
-  const EngineFootprint with = Engine::footprint(spec, config);
+  const EngineFootprint with = footprint(spec, config);
   const uint64_t others = with.device_bytes - with.logits_bytes;
   return others < device_budget && with.logits_bytes <= (device_budget - others) / 8;
 }

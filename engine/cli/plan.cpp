@@ -127,7 +127,7 @@ int run(const Options& o) {
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();
   if (o.gpus > 1) {
-    const EngineFootprint f = Engine::footprint(spec, p.engine_config(l));
+    const EngineFootprint f = footprint(spec, p.engine_config(l));
     out["gpus"] = o.gpus;
     out["link"] = o.link;
     out["shared_host_bytes"] = shared;

@@ -333,12 +333,12 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   if (!me.solo()) {
     // The machine's host memory: each rank its slice of the state and its own
     // staging and runtime; the compute copy once when shared.
-    const EngineFootprint f = Engine::footprint(run.spec, cfg);
+    const EngineFootprint f = footprint(run.spec, cfg);
     EngineConfig whole_cfg = cfg;
     whole_cfg.state_shards = 1;
     whole_cfg.state_shard = 0;
     whole_cfg.shared_compute_file.clear();
-    const EngineFootprint whole = Engine::footprint(run.spec, whole_cfg);
+    const EngineFootprint whole = footprint(run.spec, whole_cfg);
     const uint64_t peak = run.plan.host_peak_bytes, staging = peak - std::min(peak, f.optimizer_host_bytes);
     fmt::print(log,
                "  data parallel: {} ranks, each keeping 1/{} of master, m and v ({} here, of {} in all){}; a rank's "

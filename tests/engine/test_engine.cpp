@@ -351,13 +351,13 @@ TEST_CASE("kept activations cross once each way per layer and micro-batch, and s
   CHECK(blocks["d2h activations"] == std::set<int32_t>{1, 3});
   CHECK(blocks["backward"] == std::set<int32_t>{1, 3});
   CHECK(blocks["recompute+backward"] == std::set<int32_t>{2});
-  const EngineFootprint fp = Engine::footprint(spec, cfg);
+  const EngineFootprint fp = footprint(spec, cfg);
   CHECK(fp.saved_layers == 2);
   CHECK(fp.saved_bytes_per_layer >= 2 * per_mb);
   CHECK(fp.saved_host_bytes == 2 * fp.saved_bytes_per_layer);
   EngineConfig none = cfg;
   none.saved_blocks.clear();
-  const EngineFootprint fp0 = Engine::footprint(spec, none);
+  const EngineFootprint fp0 = footprint(spec, none);
   CHECK(fp.host_bytes == fp0.host_bytes + fp.saved_host_bytes);
   CHECK(fp.device_bytes >= fp0.device_bytes + 2 * per_mb);
   CHECK(e.arena_bytes() >= fp.host_bytes);  // the arena rounds up to its pages
@@ -397,7 +397,7 @@ TEST_CASE("kept logits spare one logits GEMM of the head and cost their bytes on
   CHECK(head_flops(true) == Approx(3 * logits));
   EngineConfig keep = cfg;
   keep.keep_logits = true;
-  const EngineFootprint with = Engine::footprint(spec, keep), without = Engine::footprint(spec, cfg);
+  const EngineFootprint with = footprint(spec, keep), without = footprint(spec, cfg);
   CHECK(with.logits_bytes >= uint64_t(cfg.batch() * cfg.seq * spec.dims.vocab * 2));
   CHECK(with.device_bytes == without.device_bytes + with.logits_bytes);
 }

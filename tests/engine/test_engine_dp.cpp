@@ -293,10 +293,10 @@ TEST_CASE("sharded state gives the bits of replicated state", "[engine][dist]") 
 TEST_CASE("a sharded engine keeps only its slice of the state", "[engine][dist]") {
   const ModelSpec spec = ModelSpec::from_json(test::tiny_config(false), "tiny");
   Setup s{.sharded = true};
-  const EngineFootprint whole = Engine::footprint(spec, config({}, 1, ""));
+  const EngineFootprint whole = footprint(spec, config({}, 1, ""));
   uint64_t slices = 0;
   for (int r = 0; r < 3; ++r) {
-    const EngineFootprint part = Engine::footprint(spec, config(s, 1, "", 3, r));
+    const EngineFootprint part = footprint(spec, config(s, 1, "", 3, r));
     CHECK(part.state_host_bytes < whole.state_host_bytes);
     slices += part.state_host_bytes;
   }
@@ -305,8 +305,8 @@ TEST_CASE("a sharded engine keeps only its slice of the state", "[engine][dist]"
   CHECK(slices < 2 * whole.state_host_bytes);
   // With the compute copy shared, it leaves the ranks' arenas and counts once.
   Setup shared{.sharded = true, .shared = "/dev/shm/unused"};
-  const EngineFootprint with = Engine::footprint(spec, config(shared, 1, "", 3, 0));
-  const EngineFootprint without = Engine::footprint(spec, config(s, 1, "", 3, 0));
+  const EngineFootprint with = footprint(spec, config(shared, 1, "", 3, 0));
+  const EngineFootprint without = footprint(spec, config(s, 1, "", 3, 0));
   CHECK(with.shared_host_bytes > 0);
   CHECK(with.host_bytes + with.shared_host_bytes == without.host_bytes);
   // Without its ranks a sharded engine cannot step, and says why.

@@ -67,7 +67,7 @@ TEST_CASE("host RAM short: the plan moves the fewest blocks to NVMe that make it
     if (!p.feasible || p.nvme_blocks.empty()) continue;
     ++moved_some;
     CHECK(p.pinned_bytes <= l.host_bytes);
-    CHECK(Engine::footprint(spec, p.engine_config(l)).host_bytes == p.pinned_bytes);
+    CHECK(footprint(spec, p.engine_config(l)).host_bytes == p.pinned_bytes);
     if (p.nvme_blocks.size() < 2) continue;
     // Without its smallest NVMe block (the last one a largest-first order
     // adds) the state would not fit.
@@ -81,7 +81,7 @@ TEST_CASE("host RAM short: the plan moves the fewest blocks to NVMe that make it
     uint64_t staging = 0;
     for (int64_t b = 0; b < spec.num_blocks(); ++b) staging = std::max<uint64_t>(staging, 4 * spec.layout(b).total_elems());
     CHECK(p.host_peak_bytes <= l.host_bytes);
-    CHECK(Engine::footprint(spec, fewer.engine_config(l)).host_bytes + staging > l.host_bytes);
+    CHECK(footprint(spec, fewer.engine_config(l)).host_bytes + staging > l.host_bytes);
   }
   CHECK(moved_some >= 3);
 }
@@ -170,9 +170,9 @@ TEST_CASE("without clipping every block's gradients share the ring: grad_ring sl
   EngineConfig c;
   c.seq = 32;
   c.clip_norm = 1.0;
-  const EngineFootprint own = Engine::footprint(spec, c);
+  const EngineFootprint own = footprint(spec, c);
   c.clip_norm = 0;
-  const EngineFootprint ring = Engine::footprint(spec, c);
+  const EngineFootprint ring = footprint(spec, c);
   // bf16 gradients (the compute dtype); ring slots hold the largest piece
   // (a layer or a vocabulary shard).
   uint64_t buffers = 0, largest = 0;
@@ -346,7 +346,7 @@ TEST_CASE("activations saved with unlimited RAM: every decoder layer keeps them"
   CHECK(p.saved_blocks == layers);
   CHECK(p.saved_layers == spec.layers);
   CHECK(p.engine_config(l).saved_blocks == layers);
-  const EngineFootprint f = Engine::footprint(spec, p.engine_config(l));
+  const EngineFootprint f = footprint(spec, p.engine_config(l));
   CHECK(p.saved_host_bytes == f.saved_host_bytes);
   CHECK(p.saved_bytes_per_layer == f.saved_bytes_per_layer);
   CHECK(p.pinned_bytes == f.host_bytes);

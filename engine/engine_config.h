@@ -1,0 +1,87 @@
+// EngineConfig: how one Engine runs a step (shapes, dtypes, window, tiers,
+// the optimizer, data parallel's share). Placement (engine/placement.h) says
+// what follows from it for a model: what lives where and what is allocated.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine/block_runner.h"   // ComputeOptions
+#include "engine/lr_schedule.h"
+#include "host/cpu_adam.h"         // AdamHyper
+#include "host/pinned_arena.h"     // LockPolicy
+#include "host/state_format.h"
+#include "io/nvme_store.h"         // NvmeBackend, ExtentKind
+
+namespace strider {
+
+struct EngineConfig {
+  int64_t seq = 128;
+  int64_t micro_batch = 1;     // sequences per micro-batch
+  int64_t accumulation = 1;    // micro-batches per optimizer step (M)
+  ComputeOptions compute;      // dtype and LM-head vocabulary chunk
+  int64_t window = 2;          // K cache units on the device
+  bool checkpoints_on_host = false;  // block inputs copied out to pinned host memory
+  AdamHyper adam;
+  LrSchedule schedule;
+  double clip_norm = 0;        // > 0: exact global-norm clipping
+  int optimizer_threads = 0;   // 0: all hardware threads
+  // How master, m and v are stored (host/state_format.h): fp32 (exact), or
+  // q8 (3.06 bytes per parameter; needs the bf16 compute dtype).
+  StateFormat optimizer_state = StateFormat::kFp32;
+  // Where pieces must start for that format (make_sharding's align_elems).
+  int64_t shard_align() const { return optimizer_state == StateFormat::kQ8 ? int64_t(kQ8GroupElems) : 1; }
+  std::string nvme_dir;        // where NVMe-tier state lives (needed if nvme_blocks is not empty)
+  std::vector<int64_t> nvme_blocks;  // blocks whose fp32 master/m/v live on NVMe
+  int64_t grad_ring = 3;       // gradient staging slots shared by ring blocks (>= 1; see above)
+  // Vocabulary rows per embedding / LM-head shard (engine/shards.h); 0: the
+  // most whole LM-head chunks whose visit fits in the largest layer's unit.
+  int64_t vocab_shard_rows = 0;
+  // Gradients are summed in fp32 on the device over the micro-batches, then
+  // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
+  // keeps them exact (the exactness tests; an fp32 compute dtype always does).
+  bool fp32_grad_transfer = false;
+  // Decoder-layer blocks (1..layers) whose backward does not recompute their
+  // forward's matmuls: forward keeps their outputs (gpu/blocks.h's
+  // LayerSaved: q, k, v, x1, gate, up) and copies them out to pinned host
+  // memory on the d2h stream; they come back on the h2d stream, prefetched,
+  // before the layer's backward. Every other layer recomputes its forward
+  // from its checkpoint. The two are bit-identical (the same ops in the same
+  // order); the plan chooses (engine/plan.h, PlanLimits::activations).
+  std::vector<int64_t> saved_blocks;
+  // The head's pass 1 keeps every micro-batch's logits on the device
+  // ([micro_batch * seq, vocab] each, the compute dtype) for pass 2, which
+  // then computes two of the three logits GEMMs instead of three: the same
+  // bits, at batch x seq x vocab x 2 bytes of device memory.
+  bool keep_logits = false;
+  at::ScalarType grad_dtype() const {
+    return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
+  }
+  NvmeBackend nvme_backend = NvmeBackend::kAuto;
+  LockPolicy lock = LockPolicy::kPrefer;
+  // Data parallel with sharded state (DESIGN.md, "Growing past one GPU"):
+  // this engine keeps the master, m and v of slice `state_shard` of
+  // `state_shards` of every block (engine/shards.h, rank_slices), sums only
+  // that slice of each gradient over the ranks (a reduce-scatter), updates it,
+  // and gathers the other slices' updated compute copies from their ranks.
+  // Placement, not maths: the same bits as every rank keeping all of it.
+  // set_collectives must then give `state_shards` ranks, this one rank
+  // `state_shard`. 1: the whole state here (one process, or replicated ranks).
+  int state_shards = 1;
+  int state_shard = 0;
+  // Sharded state on one machine: the compute copy lives in this file's
+  // shared mapping (host/pinned_arena.h; tmpfs, /dev/shm/...), mapped by
+  // every rank of the machine, so it exists once. Each rank writes its own
+  // slices there, and a piece's update ends when every rank has written its
+  // slice (a barrier) instead of gathering them. Empty: a private copy each.
+  std::string shared_compute_file;
+  // Elements per rank slice are whole multiples of this (the q8 groups, at
+  // least 64: slices start on 256-byte lines).
+  int64_t slice_align() const { return std::max<int64_t>(shard_align(), 64); }
+
+  int64_t batch() const { return micro_batch * accumulation; }
+};
+
+}  // namespace strider

@@ -1,0 +1,199 @@
+#include "engine/placement.h"
+
+#include <algorithm>
+
+#include "gpu/blocks.h"            // layer_saved_elems
+#include "gpu/cache_unit_pool.h"   // CacheUnitPool::unit_bytes_for
+#include "host/error.h"
+
+namespace strider {
+namespace {
+
+size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
+
+// Whose gradients land in the shared ring rather than a buffer of their own:
+// an NVMe-tier block's always (it keeps nothing but its compute copy in RAM),
+// and without clipping every block's, since each block's update consumes its
+// gradients as they land. With clipping a RAM-tier block keeps its own buffer:
+// every gradient must outlive the global norm.
+bool grads_in_ring(bool on_nvme, const EngineConfig& c) { return on_nvme || c.clip_norm <= 0; }
+
+std::vector<int64_t> landing_order(const ModelSpec& spec, const Sharding& sh, int64_t head) {
+  std::vector<int64_t> order;
+  for (int64_t k = 0; k < sh.shards; ++k) {
+    if (k + 1 == sh.shards) order.push_back(sh.norm_piece);
+    if (!spec.tie_embeddings) order.push_back(sh.lm_piece[size_t(k)]);
+  }
+  for (int64_t p = sh.first_of(head) - 1; p >= 0; --p) order.push_back(p);
+  return order;
+}
+
+// The device buffers beyond the pool (Engine::allocate_activations allocates
+// exactly these): the batch, the loss figures, checkpoints (or the 2-set ring
+// when they live on the host), output gradients, the streamed head's
+// per-token state and hidden gradient, kept-activation slots, kept logits.
+void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
+  EngineFootprint& f = pl.footprint;
+  const size_t cbytes = pl.compute_bytes, M = size_t(c.accumulation);
+  const size_t tokens = size_t(c.batch() * c.seq), mb_tokens = size_t(c.micro_batch * c.seq);
+  const size_t hidden = size_t(spec.dims.hidden);
+  const size_t act = round_up(mb_tokens * hidden * cbytes, 256);
+  const size_t sets = c.checkpoints_on_host ? 2 : size_t(pl.head);
+  f.activation_bytes = 2 * round_up(tokens * 8, 256) + round_up(2 * M * 8, 256) + sets * M * act + M * act +
+                       M * (4 * round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256));
+  if (f.saved_layers > 0) f.activation_bytes += 2 * round_up(pl.saved_bytes, 256);
+  if (c.keep_logits) {
+    f.logits_bytes = M * round_up(mb_tokens * size_t(spec.dims.vocab) * cbytes, 256);
+    f.activation_bytes += f.logits_bytes;
+  }
+  f.device_bytes = f.pool_bytes + f.activation_bytes;
+}
+
+// The pinned arena, in the order the Engine carves it: the store, batch
+// staging, the tied gradient, the loss figures, host checkpoints, kept
+// activations, the gradient ring, NVMe staging (2 slots of master, m, v, and
+// read-back gradients with clipping).
+void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
+  EngineFootprint& f = pl.footprint;
+  const size_t M = size_t(c.accumulation), tokens = size_t(c.batch() * c.seq);
+  const size_t emb_elems = pl.layouts[0].total_elems();
+  f.shared_host_bytes = c.shared_compute_file.empty() ? 0 : ParamStore::compute_bytes_needed(pl.store_blocks, pl.store);
+  f.optimizer_host_bytes = ParamStore::state_bytes_needed(pl.store_blocks, pl.store);
+  f.state_host_bytes = ParamStore::bytes_needed(pl.store_blocks, pl.store) - f.shared_host_bytes +
+                       (spec.tie_embeddings ? round_up(emb_elems * 4, kHostAlign) : 0) +
+                       2 * (c.clip_norm > 0 ? 4 : 3) * pl.nvme_slot_bytes + uint64_t(c.grad_ring) * pl.ring_slot_bytes;
+  // The arena: that, the batch, the loss figures (and alignment slack), host checkpoints.
+  f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kHostAlign) + round_up(2 * M * 8, kHostAlign) +
+                 8 * kHostAlign;
+  if (c.checkpoints_on_host) f.host_bytes += uint64_t(pl.head) * M * round_up(pl.act_bytes, kHostAlign);
+  if (f.saved_layers > 0) {
+    f.saved_bytes_per_layer = M * round_up(pl.saved_bytes, kHostAlign);
+    f.saved_host_bytes = uint64_t(f.saved_layers) * f.saved_bytes_per_layer;
+    f.host_bytes += f.saved_host_bytes;
+  }
+}
+
+}  // namespace
+
+void check_config(const ModelSpec& spec, const EngineConfig& c) {
+  STRIDER_CHECK(c.seq > 0 && c.micro_batch > 0 && c.accumulation > 0,
+                "seq {}, micro_batch {} and accumulation {} must all be > 0", c.seq, c.micro_batch, c.accumulation);
+  STRIDER_CHECK(c.window >= 2, "the window must hold at least 2 cache units (K = {})", c.window);
+  STRIDER_CHECK(c.seq <= spec.max_position, "seq {} exceeds the model's max_position_embeddings {}", c.seq,
+                spec.max_position);
+  STRIDER_CHECK(c.compute.dtype == at::kFloat || c.compute.dtype == at::kBFloat16,
+                "compute dtype must be bf16 or fp32");
+  STRIDER_CHECK(c.clip_norm >= 0, "clip_norm {} must be >= 0 (0 turns clipping off)", c.clip_norm);
+  STRIDER_CHECK(!state_uses_compute_copy(c.optimizer_state) || c.compute.dtype == at::kBFloat16,
+                "the {} optimizer state keeps the master's high half in the bf16 compute copy: it needs the bf16 "
+                "compute dtype, not fp32", state_format_name(c.optimizer_state));
+  STRIDER_CHECK(c.grad_ring >= 1, "grad_ring {} must be >= 1 (gradient staging slots of the NVMe-tier blocks)",
+                c.grad_ring);
+  STRIDER_CHECK(c.state_shards >= 1 && c.state_shard >= 0 && c.state_shard < c.state_shards,
+                "state shard {} of {}: a rank's slice of the sharded state is 0..shards-1 of shards >= 1",
+                c.state_shard, c.state_shards);
+  STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
+                "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",
+                c.shared_compute_file);
+}
+
+Placement place(const ModelSpec& spec, const EngineConfig& c) {
+  // What placement itself needs of the config; the rest is check_config's
+  // (the Engine's): a plan sizes trial configs that no engine will run.
+  STRIDER_CHECK(c.grad_ring >= 1, "grad_ring {} must be >= 1 (gradient staging slots of the NVMe-tier blocks)",
+                c.grad_ring);
+  STRIDER_CHECK(c.state_shards >= 1 && c.state_shard >= 0 && c.state_shard < c.state_shards,
+                "state shard {} of {}: a rank's slice of the sharded state is 0..shards-1 of shards >= 1",
+                c.state_shard, c.state_shards);
+  Placement pl;
+  pl.blocks = spec.num_blocks();
+  pl.head = pl.blocks - 1;
+  for (int64_t b = 0; b < pl.blocks; ++b) pl.layouts.push_back(spec.layout(b));
+  pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
+  pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;
+  pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align());
+  const Sharding& sh = pl.shards;
+  const int64_t P = int64_t(sh.pieces.size());
+  const bool clip = c.clip_norm > 0;
+
+  pl.saved_index.assign(size_t(pl.blocks), -1);
+  int64_t kept = 0;
+  for (int64_t b : c.saved_blocks) {
+    STRIDER_CHECK(b >= 1 && b < pl.head, "saved_blocks: block {} is not a decoder layer (blocks 1..{} are)", b,
+                  pl.head - 1);
+    STRIDER_CHECK(pl.saved_index[size_t(b)] < 0, "saved_blocks: block {} listed twice", b);
+    pl.saved_index[size_t(b)] = kept++;
+  }
+  pl.nvme_block.assign(size_t(pl.blocks), false);
+  for (int64_t b : c.nvme_blocks) {
+    STRIDER_CHECK(b >= 0 && b < pl.blocks, "nvme block {} out of range (the model has {} blocks)", b, pl.blocks);
+    STRIDER_CHECK(!pl.nvme_block[size_t(b)], "nvme block {} listed twice", b);
+    pl.nvme_block[size_t(b)] = true;
+  }
+
+  // The ranks' slices of every block, and this rank's store blocks.
+  const size_t rank = size_t(c.state_shard);
+  for (int64_t b = 0; b < pl.blocks; ++b) {
+    pl.block_slices.push_back(rank_slices(pl.layouts[size_t(b)].total_elems(), c.state_shards, size_t(c.slice_align())));
+    const bool nvme = pl.nvme_block[size_t(b)];
+    pl.store_blocks.push_back({pl.layouts[size_t(b)], !nvme, !grads_in_ring(nvme, c), pl.block_slices.back()[rank],
+                               pl.block_slices.back()[rank + 1]});
+  }
+  pl.store = {.grad_dtype = pl.grad_bytes == 4 ? DType::kF32 : DType::kBF16,
+              .compute_dtype = pl.compute_bytes == 4 ? DType::kF32 : DType::kBF16,
+              .format = c.optimizer_state};
+
+  // Per piece: its slice, its NVMe extents (of its slice, in the format's bytes).
+  for (int64_t p = 0; p < P; ++p) {
+    const Piece& pc = sh.pieces[size_t(p)];
+    const std::vector<size_t>& bs = pl.block_slices[size_t(pc.block)];
+    PiecePlace at;
+    at.owned = {std::clamp(bs[rank], pc.begin, pc.end), std::clamp(bs[rank + 1], pc.begin, pc.end)};
+    for (size_t x : bs) at.slices.push_back(std::clamp(x, pc.begin, pc.end) - pc.begin);
+    const size_t n = at.owned.elems();
+    if (pl.nvme_block[size_t(pc.block)] && n > 0) {
+      at.on_nvme = true;
+      for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
+        const size_t bytes = state_kind_bytes(c.optimizer_state, state_kind(k), n);
+        pl.extents.push_back({p, k, bytes});
+        pl.nvme_slot_bytes = std::max(pl.nvme_slot_bytes, round_up(bytes, kHostAlign));
+        pl.footprint.nvme_bytes += round_up(bytes, kHostAlign);
+      }
+      if (clip) {  // spilled gradients
+        pl.extents.push_back({p, ExtentKind::kGrad, n * pl.grad_bytes});
+        pl.nvme_slot_bytes = std::max(pl.nvme_slot_bytes, round_up(n * pl.grad_bytes, kHostAlign));
+        pl.footprint.nvme_bytes += round_up(n * pl.grad_bytes, kHostAlign);
+      }
+    }
+    pl.pieces.push_back(std::move(at));
+  }
+
+  // Gradient ring slots go round in the order gradients land.
+  pl.landing = landing_order(spec, sh, pl.head);
+  STRIDER_CHECK(int64_t(pl.landing.size()) == P, "internal: {} pieces land gradients, {} exist", pl.landing.size(), P);
+  int next = 0;
+  for (int64_t p : pl.landing) {
+    const Piece& pc = sh.pieces[size_t(p)];
+    if (!grads_in_ring(pl.nvme_block[size_t(pc.block)], c)) continue;
+    PiecePlace& at = pl.pieces[size_t(p)];
+    at.ring_slot = int(next++ % c.grad_ring);
+    at.spills_grads = clip;
+    pl.ring_slot_bytes = std::max(pl.ring_slot_bytes, round_up(pc.elems() * pl.grad_bytes, kHostAlign));
+  }
+
+  pl.act_bytes = size_t(c.micro_batch * c.seq * spec.dims.hidden) * pl.compute_bytes;
+  pl.saved_bytes = size_t(layer_saved_elems(spec.dims, c.micro_batch * c.seq)) * pl.compute_bytes;
+
+  EngineFootprint& f = pl.footprint;
+  f.unit_elems = sh.unit_elems;
+  f.vocab_shards = sh.shards;
+  f.shard_rows = sh.rows;
+  f.unit_bytes = CacheUnitPool::unit_bytes_for(f.unit_elems, pl.compute_bytes);
+  f.pool_bytes = f.unit_bytes * uint64_t(c.window);
+  f.saved_layers = kept;
+  count_device(spec, c, pl);
+  count_host(spec, c, pl);
+  return pl;
+}
+
+}  // namespace strider

@@ -1,0 +1,108 @@
+// Placement: what lives where, for one model and one engine configuration.
+//
+// One function of (ModelSpec, EngineConfig), computed before anything is
+// allocated: the pieces (engine/shards.h), which of them keep their state on
+// NVMe and in which extents, the slice of each block this rank keeps (data
+// parallel with sharded state), the gradient ring's slots, the host store's
+// blocks, every staging and device buffer's size, and the footprint those add
+// up to. The Engine allocates from it and the Plan searches with it, so the
+// plan's numbers are the engine's numbers by construction.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "engine/engine_config.h"
+#include "engine/model_spec.h"
+#include "engine/shards.h"
+#include "host/param_store.h"  // BlockSpec, StoreOptions
+#include "io/nvme_store.h"     // ExtentSpec
+
+namespace strider {
+
+// The host format's kind of an NVMe extent of state (not kGrad).
+inline StateKind state_kind(ExtentKind k) {
+  return k == ExtentKind::kMaster ? StateKind::kMaster : k == ExtentKind::kAdamM ? StateKind::kAdamM : StateKind::kAdamV;
+}
+
+// What an Engine allocates: the same figures it sizes its buffers by.
+struct EngineFootprint {
+  uint64_t unit_elems = 0;          // parameters one cache unit holds (the largest visit's)
+  int64_t vocab_shards = 1;         // embedding / LM-head shards (engine/shards.h)
+  int64_t shard_rows = 0;           // vocabulary rows per shard
+  uint64_t unit_bytes = 0;          // one unit: parameters + fp32 gradients
+  uint64_t pool_bytes = 0;          // K units
+  uint64_t activation_bytes = 0;    // checkpoints (or the ring), output gradients, the batch, saved-activation slots
+  int64_t saved_layers = 0;         // layers whose activations are kept (EngineConfig::saved_blocks)
+  uint64_t saved_bytes_per_layer = 0;  // host bytes one such layer keeps, all micro-batches of a step
+  uint64_t saved_host_bytes = 0;    // host bytes of all kept activations (part of host_bytes)
+  uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes)
+  uint64_t device_bytes = 0;        // pool + activations: every device allocation
+  uint64_t host_bytes = 0;          // the pinned arena
+  uint64_t optimizer_host_bytes = 0;  // of state_host_bytes, the RAM tier's master, m and v (sharded: this rank's slices)
+  uint64_t shared_host_bytes = 0;   // the compute copy in shared memory (EngineConfig::shared_compute_file;
+                                    // not in host_bytes: the machine's ranks hold it once)
+  uint64_t state_host_bytes = 0;    // of it, the training state: the store (format, compute copy, gradient
+                                    // staging), the tied gradient's, the NVMe staging and the gradient ring
+  uint64_t nvme_bytes = 0;          // NVMe-tier state files
+};
+
+// Elements [begin, end) of a block's flat layout.
+struct ElemRange {
+  size_t begin = 0, end = 0;
+  size_t elems() const { return end - begin; }
+};
+
+// Where one piece's state and gradients live.
+struct PiecePlace {
+  bool on_nvme = false;        // its master, m and v live on NVMe (its block's do, and this rank keeps some)
+  int ring_slot = -1;          // the gradient ring slot it lands in, or -1: its block's own staging
+  bool spills_grads = false;   // in the ring with clipping: its gradients wait for the norm on NVMe
+  ElemRange owned;             // the elements whose state this rank keeps (block coordinates)
+  std::vector<size_t> slices;  // the ranks' slice bounds cut to the piece, relative to its start
+};
+
+struct Placement {
+  int64_t blocks = 0, head = 0;         // the model's blocks; the head's index (the last)
+  std::vector<ParamLayout> layouts;     // per block
+  Sharding shards;
+  std::vector<PiecePlace> pieces;       // per piece
+  // Pieces in the order their gradients leave the device: the LM-head
+  // shards (untied; the head's norm just before the last, which computes
+  // it), then backward's pieces (layers, then embedding shards, in reverse).
+  std::vector<int64_t> landing;
+  std::vector<bool> nvme_block;         // per block: its state lives on NVMe
+  std::vector<std::vector<size_t>> block_slices;  // per block: the ranks' slice bounds (rank_slices)
+  std::vector<int64_t> saved_index;     // per block: its index among the layers that keep activations, or -1
+  // The host store: its blocks and their format.
+  std::vector<BlockSpec> store_blocks;
+  StoreOptions store;
+  std::vector<ExtentSpec> extents;      // NVMe: master, m, v (and spilled gradients) per NVMe-tier piece
+  size_t compute_bytes = 2;             // per element of the compute copy: 2 (bf16) or 4 (fp32)
+  size_t grad_bytes = 2;                // per element of gradients on the host: 2 (bf16) or 4 (fp32)
+  size_t ring_slot_bytes = 0;           // one gradient ring slot (0: no piece lands in the ring)
+  size_t nvme_slot_bytes = 0;           // one NVMe staging buffer (of master, m, v, spilled gradients)
+  size_t act_bytes = 0;                 // one micro-batch's hidden states [micro_batch, seq, hidden]
+  size_t saved_bytes = 0;               // one micro-batch's kept activations of one layer
+  EngineFootprint footprint;
+
+  int64_t num_pieces() const { return int64_t(pieces.size()); }
+  const Piece& piece(int64_t p) const { return shards.pieces[size_t(p)]; }
+  const PiecePlace& at(int64_t p) const { return pieces[size_t(p)]; }
+};
+
+// Alignment of every host carve and NVMe staging buffer: O_DIRECT needs 4 KiB.
+inline constexpr size_t kHostAlign = 4096;
+
+// Throws, naming the field, where an engine could not run the configuration
+// on the model (seq past its positions, a window under 2, q8 without bf16, ...).
+void check_config(const ModelSpec& spec, const EngineConfig& config);
+// Throws, naming the field, where the configuration cannot be placed (an
+// NVMe or kept-activation block out of range or listed twice, no ring slot).
+Placement place(const ModelSpec& spec, const EngineConfig& config);
+inline EngineFootprint footprint(const ModelSpec& spec, const EngineConfig& config) {
+  return place(spec, config).footprint;
+}
+
+}  // namespace strider
