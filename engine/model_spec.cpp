@@ -1,6 +1,7 @@
 #include "engine/model_spec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <tuple>
@@ -165,16 +166,22 @@ RopeDims parse_rope(const Reader& r) {
 struct LayerWork {
   __int128 forward = 0, backward = 0;
 };
-LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t token_tile, int dtype_bytes) {
+LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t token_tile, int dtype_bytes,
+                     const WorkCoefficients& k) {
   using i128 = __int128;
   const i128 n = i128{batch} * seq;
   const i128 t = token_tile == 0 || token_tile > n ? n : token_tile;
   const i128 e = dtype_bytes, h = d.hidden, inter = d.intermediate, heads = d.heads;
   const i128 q = heads * d.head_dim, kv = i128{d.kv_heads} * d.head_dim;
   // Below fp32, RMSNorm normalises an fp32 copy of its input (and autograd
-  // keeps it), and a GEMM may write its output in fp32 first (oneDNN on CPUs
-  // without bf16 units).
-  const i128 f32_copy = dtype_bytes < 4 ? 4 : 0, gemm_f32 = dtype_bytes < 4 ? 4 : 0;
+  // keeps it: our own code, on every device). A GEMM may write its output in
+  // fp32 first (oneDNN on CPUs without bf16 units), and silu's backward stage
+  // in fp32: those two are the device's kernels' (gpu/work_calibration.h,
+  // in half bytes per element here).
+  const i128 f32_copy = dtype_bytes < 4 ? 4 : 0;
+  auto half_bytes = [&](double coef) { return dtype_bytes < 4 ? i128(std::llround(coef * 2)) : i128{0}; };
+  const i128 gemm_f32_x2 = half_bytes(k.gemm_staging_bytes), silu_f32_x2 = half_bytes(k.silu_back_staging_bytes);
+  auto gemm_f32 = [&](i128 elems) { return gemm_f32_x2 * elems / 2; };
   // RMSNorm of w features without grad: the fp32 copy, x * rsqrt in fp32, its
   // cast and the scaled output; mean, +eps and rsqrt per row (`rows` of them).
   auto norm = [&](i128 w, i128 rows) { return w * (8 + f32_copy) + 12 * rows; };
@@ -191,12 +198,12 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // Forward, no autograd: the largest of the attention half's steps, and
   // the MLP with x1 alive (the output, which each tile adds into).
   i128 attn = std::max({norm(h, 1),                                   // input norm
-                        (h + q + 2 * kv) * e + gemm_f32 * q,          // h, q, k, v
+                        (h + q + 2 * kv) * e + gemm_f32(q),          // h, q, k, v
                         (5 * q / 2 + 2 * kv) * e,                     // RoPE: q, q * cos, a half, k, v
-                        q * e + h * e + std::max(gemm_f32, e) * h});  // o_proj, then x + o
+                        q * e + h * e + std::max(gemm_f32(h), e * h)});  // o_proj, then x + o
   if (d.qk_norm) attn = std::max(attn, (q + 2 * kv) * e + norm(q, heads));
   attn = std::max(n * attn, n * ((2 * q + 2 * kv) * e + 4 * heads) + scores);  // SDPA, logsumexp
-  const i128 mlp = n * h * e + t * std::max(norm(h, 1), h * e + 2 * inter * e + gemm_f32 * inter);  // gate, up
+  const i128 mlp = n * h * e + t * std::max(norm(h, 1), h * e + 2 * inter * e + gemm_f32(inter));  // gate, up
   LayerWork w;
   w.forward = headroom(std::max(attn, mlp) + small);
 
@@ -211,7 +218,7 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // One MLP tile: gate, up, d(act), d(up), d(gate) and silu_backward's
   // scratch (fp32 below fp32), and d(h2) with a GEMM's output; one weight
   // gradient [intermediate, hidden] at a time.
-  const i128 tile = n * held + t * (inter * (4 * e + f32_copy) + 2 * h * e) + h * inter * e;
+  const i128 tile = n * held + t * (inter * 4 * e + silu_f32_x2 * inter / 2 + 2 * h * e) + h * inter * e;
   // Attention's backward, x1 gone: d(a), its transposed copy, d(q), d(k),
   // d(v) (below fp32 the CPU kernel accumulates d(q) in fp32) and the
   // block scores' gradients.
@@ -354,7 +361,7 @@ ParamLayout ModelSpec::layout(int64_t i) const {
 }
 
 BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
-                          int64_t token_tile) const {
+                          int64_t token_tile, const WorkCoefficients& work) const {
   // Byte counts in 128 bits, then checked: batch and seq come from the
   // caller, and their products with the model's dimensions must not wrap.
   using i128 = __int128;
@@ -398,7 +405,7 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       const double mlp = 2.0 * 3.0 * t * d.hidden * d.intermediate;
       c.forward_flops = proj + attn + mlp;
       c.backward_flops = 2.0 * c.forward_flops;
-      const LayerWork w = layer_work(d, batch, seq, token_tile, dtype_bytes);
+      const LayerWork w = layer_work(d, batch, seq, token_tile, dtype_bytes, work);
       c.forward_work_bytes = bytes(w.forward, "forward working memory");
       c.backward_work_bytes = bytes(w.backward, "backward working memory");
       break;

@@ -14,6 +14,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "gpu/block_dims.h"
+#include "gpu/work_calibration.h"  // WorkCoefficients
 #include "host/param_layout.h"
 
 namespace strider {
@@ -61,8 +62,10 @@ struct ModelSpec {
 
   // Throws if batch x seq is past kMaxTokens or a byte count past kMaxBytes.
   // token_tile: the decoder layers' MLP tile in tokens (ComputeOptions), 0 untiled.
+  // `work`: the kernel-dependent terms of a layer's working memory, measured
+  // on the device that runs it (gpu/work_calibration.h), or the analytic ones.
   BlockCost cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
-                 int64_t token_tile = 0) const;
+                 int64_t token_tile = 0, const WorkCoefficients& work = WorkCoefficients::analytic()) const;
   static constexpr int64_t kMaxTokens = int64_t{1} << 40;  // per micro-batch: 8 TiB of ids alone
   static constexpr int64_t kMaxBytes = int64_t{1} << 62;   // any one size: past every machine
 

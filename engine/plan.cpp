@@ -225,7 +225,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   auto work_for = [&](int64_t tile) {
     uint64_t w = 0;
     for (int64_t b : {int64_t{0}, int64_t{1}, blocks - 1}) {
-      const BlockCost c = spec.cost(b, l.micro_batch, l.seq, sh.chunk, cbytes, tile);
+      const BlockCost c = spec.cost(b, l.micro_batch, l.seq, sh.chunk, cbytes, tile, l.work);
       w = std::max<uint64_t>(w, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
     }
     return w;
@@ -301,6 +301,12 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     p.why.push_back(fmt::format("head and MLP in tiles of {} tokens{}: ~{} of ATen working memory per visit{}",
                                 p.token_tile, l.token_tile >= 0 ? " (as asked)" : "", format_bytes(work),
                                 l.token_tile >= 0 ? "" : fmt::format(" (untiled: {})", format_bytes(untiled_work))));
+  if (l.work_measured && cbytes < 4)
+    p.why.push_back(fmt::format("working memory as measured on this device: a bf16 GEMM stages {:.1f} bytes per "
+                                "output element, silu's backward {:.1f} (the analytic model: {:.0f} and {:.0f})",
+                                l.work.gemm_staging_bytes, l.work.silu_back_staging_bytes,
+                                WorkCoefficients::analytic().gemm_staging_bytes,
+                                WorkCoefficients::analytic().silu_back_staging_bytes));
 
   // Host RAM. The optimizer state is placed first, as if no activation were
   // kept: kept activations only take the RAM left after it, so they never

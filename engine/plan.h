@@ -81,6 +81,11 @@ struct PlanLimits {
   // activations' traffic on: sustained compute (FLOP/s) and PCIe per
   // direction (bytes/s). Defaults: the rtx4090 cost model (gpu/sim_device.h);
   // set_machine_rates takes another machine's (`strider plan --predict h200`).
+  // The kernel-dependent terms of ATen's working memory (gpu/work_calibration.h):
+  // measured on the run's device where it can be (`strider finetune` on the
+  // CPU device), the analytic upper bound otherwise.
+  WorkCoefficients work = WorkCoefficients::analytic();
+  bool work_measured = false;
   double compute_flops_per_s = CostModel::preset("rtx4090").sustained_tflops() * 1e12;
   double link_bytes_per_s = link_rate(CostModel::preset("rtx4090"));
 

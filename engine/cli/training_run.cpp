@@ -17,6 +17,7 @@
 #include "engine/cli/run_outputs.h"
 #include "engine/hf_checkpoint.h"
 #include "gpu/cuda_device.h"
+#include "gpu/work_calibration.h"
 #include "host/error.h"
 
 namespace strider::cli {
@@ -282,6 +283,14 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // defaults: no GPU has been measured yet).
   if (oo.device.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(oo.device.substr(4)));
   else if (choose_device(oo.device).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
+  // The working-memory model's kernel-dependent terms, measured on a CPU
+  // device like the run's (GPUs keep the analytic upper bound until one has
+  // been measured there: bench/gpu_check.sh).
+  if (oo.device.rfind("sim", 0) != 0 && choose_device(oo.device).kind == DeviceKind::kCpu) {
+    auto probe = make_device({.spec = "cpu"});
+    lim.work = measure_work_coefficients(*probe);
+    lim.work_measured = true;
+  }
   // The process's peak host memory (the plan's host_peak_bytes): what it holds
   // now, before anything is allocated, and what the run will add to the arena.
   lim.process_bytes = process_rss_bytes();
