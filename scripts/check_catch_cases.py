@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Fails unless ctest ran (or skipped) every Catch2 test case of the build.
+"""Fails unless ctest ran (or skipped, for a reason the build allows) every
+Catch2 test case of the build.
 
 catch_discover_tests turns each test case a Catch2 binary lists into one ctest
 entry that runs the binary on that name. A name it cannot carry through (a ';'
@@ -9,12 +10,20 @@ lists with what ctest ran:
 
   check_catch_cases.py BUILD_DIR JUNIT_XML
 
+A skip must say why in its output, and the reason must be one this build
+has: "skipped: no GPU" (a [cuda] case on a machine without one), or
+"skipped: this build has no c10d Gloo" only in a build without gloo headers
+(BUILD_DIR/strider_features.json, written by CMake, says which). Any other
+skip fails the run, so a case cannot pass by skipping in silence.
+
 BUILD_DIR: the build ctest ran in; JUNIT_XML: that run's --output-junit file.
 The Catch2 entries are the tests labelled "catch2" in `ctest --show-only=json-v1`
 (tests/CMakeLists.txt's strider_test labels them); each one's command names
 its binary and the test case it selects.
 """
 import json
+import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -46,7 +55,22 @@ def selected_name(spec):
     return spec
 
 
+def skip_problem(output, features):
+    """Why a skip the build should not have is one, or None when it is allowed."""
+    text = " ".join(output.split())  # Catch2 wraps its messages
+    if "skipped: no GPU" in text:
+        return None
+    if "skipped: this build has no c10d Gloo" in text:
+        if features.get("gloo") is False:
+            return None
+        return "skipped for want of Gloo, but this build has c10d Gloo"
+    m = re.search(r"skipped: [^.]*", text)
+    return f"skipped for a reason not on the allowed list ({m.group(0) if m else 'no reason printed'})"
+
+
 def main(build_dir, junit_path):
+    features_path = os.path.join(build_dir, "strider_features.json")
+    features = json.load(open(features_path)) if os.path.exists(features_path) else {}
     listing = json.loads(subprocess.run(["ctest", "--test-dir", build_dir, "--show-only=json-v1"],
                                         capture_output=True, text=True, check=True).stdout)
     entries = {}  # ctest name -> (binary, selected test case)
@@ -59,11 +83,16 @@ def main(build_dir, junit_path):
 
     # What ctest reported as run (passed or failed) or skipped; "disabled" and
     # "notrun" without a skip message did not run.
-    ran = set()
+    ran, bad_skips = set(), []
     for case in ET.parse(junit_path).getroot().iter("testcase"):
         status = case.get("status", "")
         if status in ("run", "fail") or case.find("skipped") is not None:
             ran.add(case.get("name"))
+        if case.find("skipped") is not None:
+            out = case.find("system-out")
+            problem = skip_problem(out.text if out is not None and out.text else "", features)
+            if problem:
+                bad_skips.append(f"{case.get('name')}: {problem}")
 
     binaries = sorted({b for b, _ in entries.values() if b})
     if not binaries:
@@ -78,6 +107,11 @@ def main(build_dir, junit_path):
         missing += [f"{binary}: {n}" for n in names if n not in covered]
         stray += [f"{ctest_name} (selects '{name}')" for ctest_name, (b, name) in entries.items()
                   if b == binary and name not in names]
+    if bad_skips:
+        print("\n".join([f"check_catch_cases: {len(bad_skips)} Catch2 test cases skipped where this build "
+                         f"should run them ({features_path}: {features}):"] + [f"  {b}" for b in bad_skips]),
+              file=sys.stderr)
+        return 1
     if missing or stray:
         msg = [f"check_catch_cases: {len(missing)} of {total} Catch2 test cases did not run under ctest:"]
         msg += [f"  {m}" for m in missing]

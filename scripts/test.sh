@@ -34,5 +34,6 @@ else
 fi
 
 if compgen -G "$here/tests/python/test_*.py" >/dev/null; then
-  STRIDER_BUILD_DIR="$build" "$here/.venv/bin/python" -m pytest -q "$here/tests/python"
+  # A skip for a reason not on conftest.py's ALLOWED_SKIPS fails the run.
+  STRIDER_STRICT_SKIPS=1 STRIDER_BUILD_DIR="$build" "$here/.venv/bin/python" -m pytest -q "$here/tests/python"
 fi

@@ -39,13 +39,25 @@ double busiest(const StepReport& r) {
 
 }  // namespace
 
-TEST_CASE("a predicted step is never shorter than its busiest lane", "[engine][sim]") {
+TEST_CASE("a predicted step takes at least the cost model's time for its copies and its FLOPs", "[engine][sim]") {
+  // Each lane runs its operations one at a time, so a step lasts at least
+  // its H2D bytes at the link's rate, its D2H bytes likewise, and its FLOPs
+  // at the sustained rate, whatever overlaps. (Not the busiest lane's busy
+  // time: Timeline::stats clips spans to the step, so that bound holds by
+  // construction.) A simulator that ran two copies of a lane at once, or
+  // priced an op below its bytes or FLOPs, fails here.
   ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
-  for (const char* machine : {"sim:rtx4090", "sim:h200"})
+  for (const char* machine : {"rtx4090", "h200"})
     for (double clip : {0.0, 1.0}) {
       INFO(machine << " clip " << clip);
-      StepReport r = predict(spec, machine, clip);
-      CHECK(r.step_s > 0);
+      const CostModel cm = CostModel::preset(machine);
+      StepReport r = predict(spec, std::string("sim:") + machine, clip);
+      REQUIRE(r.h2d_bytes > 0);
+      REQUIRE(r.d2h_bytes > 0);
+      REQUIRE(r.stats.flops > 0);
+      CHECK(r.step_s >= double(r.h2d_bytes) / (cm.h2d_gbps * 1e9));
+      CHECK(r.step_s >= double(r.d2h_bytes) / (cm.d2h_gbps * 1e9));
+      CHECK(r.step_s >= r.stats.flops / (cm.sustained_tflops() * 1e12));
       CHECK(busiest(r) <= r.step_s * (1 + 1e-9));
       CHECK(r.tokens_per_s == Approx(double(r.tokens) / r.step_s));
     }

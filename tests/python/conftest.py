@@ -3,9 +3,15 @@
 Tests that drive a C++ binary ask for `strider_binary("name")`; the test is
 skipped, with the reason, when the build directory or the binary is absent.
 The build directory is $STRIDER_BUILD_DIR, else <repo>/build.
+
+Under scripts/test.sh (STRIDER_STRICT_SKIPS=1) a skip fails the run unless
+its reason is on ALLOWED_SKIPS below: a build that lost its op library, a
+binary or a dependency must not pass by skipping the tests that need it.
 """
+import json
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -60,3 +66,58 @@ def strider_binary(build_dir):
                         f"--target {name}, or set STRIDER_BUILD_DIR)")
         return path
     return get
+
+
+# The reasons a test may skip under scripts/test.sh, each with why it is not
+# a hole: the machine lacks something no build can supply. A Gloo skip is
+# allowed only in a build without gloo headers (BUILD/strider_features.json).
+ALLOWED_SKIPS = [
+    # A GPU machine runs these through bench/gpu_check.sh instead.
+    (re.compile(r"GPU"), None),
+    # Mounting a tmpfs (a full-disk test) needs privileges a container may lack.
+    (re.compile(r"cannot mount a tmpfs"), None),
+    # Without /dev/shm the ranks keep a compute copy each; the shared one cannot be measured.
+    (re.compile(r"no /dev/shm"), None),
+    (re.compile(r"this build has no c10d Gloo"), "gloo"),
+]
+
+_skips = []
+
+
+def _skip_reason(report):
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _allowed(reason):
+    features_path = build_dir_path() / "strider_features.json"
+    features = json.loads(features_path.read_text()) if features_path.exists() else {}
+    for pattern, feature in ALLOWED_SKIPS:
+        if pattern.search(reason):
+            return feature is None or features.get(feature) is False
+    return False
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skips.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _skips.append((report.nodeid, _skip_reason(report)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("STRIDER_STRICT_SKIPS") != "1":
+        return
+    bad = [(node, reason) for node, reason in _skips if not _allowed(reason)]
+    if not bad:
+        return
+    lines = [f"conftest: {len(bad)} tests skipped for a reason not on ALLOWED_SKIPS "
+             f"(tests/python/conftest.py), so the run fails:"]
+    lines += [f"  {node}: {reason}" for node, reason in bad]
+    print("\n" + "\n".join(lines), file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -80,20 +80,23 @@ def test_a_diverging_run_stops_nonzero_with_the_last_finite_checkpoint(strider, 
 
 
 def test_sigterm_saves_and_the_resume_is_bit_identical(strider, tmp_path):
-    ok(strider, tmp_path, "--steps", "6", "--out", str(tmp_path / "straight"))
-    p = start(strider, tmp_path, "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"),
+    # A constant learning rate, so the signalled run can be one that never
+    # ends by itself (it cannot finish before the signal is handled, however
+    # fast the machine) and a resume with --steps 6 still follows the
+    # straight run's schedule (a resume may change --steps).
+    constant = ("--schedule", "constant", "--warmup", "0")
+    ok(strider, tmp_path, *constant, "--steps", "6", "--out", str(tmp_path / "straight"))
+    p = start(strider, tmp_path, *constant, "--steps", "1000000", "--checkpoint-dir", str(tmp_path / "ck"),
               "--out", str(tmp_path / "never"))
     wait_for_step(p, 2)
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=120)
-    if p.returncode == 0:
-        pytest.skip("the run finished before the signal was handled")  # 6 tiny steps: rare
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "interrupted by SIGTERM" in out
     saved = json.loads((tmp_path / "ck" / checkpoints(tmp_path / "ck")[-1] / "trainer_state.json").read_text())
     assert 2 <= saved["step"] < 6
     assert not (tmp_path / "never" / "model.safetensors").exists()
-    out = ok(strider, tmp_path, "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+    out = ok(strider, tmp_path, *constant, "--steps", "6", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
              "--out", str(tmp_path / "resumed"))
     assert f"at step {saved['step']}" in out
     assert same_model(tmp_path / "straight", tmp_path / "resumed")
@@ -269,3 +272,4 @@ def test_a_rank_without_torchruns_environment_is_refused_before_anything_is_writ
     # A world of one (torchrun --nproc-per-node 1) is one process: it trains.
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "WORLD_SIZE": "1", "RANK": "0"})
     assert r.returncode == 0, r.stderr[-2000:]
+

@@ -1,11 +1,11 @@
 """The process's peak host memory, measured, against the plan's host_peak_bytes:
 `strider finetune` on the CPU device loads a real checkpoint, trains and
-saves; the kernel's count of its peak resident memory (wait4's ru_maxrss) must
+saves; the kernel's count of its peak resident memory (ru_maxrss) must
 be within the figure the plan printed before the run started, and the figure
 not padded past 1.25x of it."""
-import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -25,14 +25,24 @@ def model_dir(tmp_path_factory):
     return d
 
 
+# A child's ru_maxrss starts from its parent's memory at fork (the forked copy's high-water mark survives
+# exec), so a strider started by pytest would count pytest's own gigabyte (torch, transformers, this
+# module's model). A small Python in between forks it instead and reports its children's peak.
+LAUNCHER = ("import resource, subprocess, sys\n"
+            "rc = subprocess.call(sys.argv[1:])\n"
+            "print(f'LAUNCHER child maxrss kB {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}', flush=True)\n"
+            "sys.exit(rc)\n")
+
+
 def run_measured(cmd):
     """Runs cmd; returns (stdout, peak resident bytes of that process alone)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    out = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    proc = subprocess.run([sys.executable, "-c", LAUNCHER, *map(str, cmd)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=600)
+    out = proc.stdout
     assert proc.returncode == 0, out
-    return out, usage.ru_maxrss * 1024  # Linux reports kB
+    m = re.search(r"^LAUNCHER child maxrss kB (\d+)$", out, re.M)
+    assert m, out
+    return out, int(m.group(1)) * 1024  # Linux reports kB
 
 
 def planned_peak(out):
