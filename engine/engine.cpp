@@ -211,7 +211,15 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   device_->reset_work_peak();  // no compute op is in flight between steps
   settle_compute();
   upload_batch(ids, labels);
-  STRIDER_CHECK(batch_valid_ > 0 || simulated(), "the batch has no label other than -100: nothing to train on");
+  if (batch_valid_ == 0 && !simulated()) {
+    // Nothing to learn from: no pass, no update, no step count (the same on
+    // every rank: the count is the global batch's).
+    rep.skipped = rep.no_targets = true;
+    rep.skip_reason = "the batch has no target token (every label is -100)";
+    rep.loss = rep.grad_norm = std::numeric_limits<double>::quiet_NaN();
+    rep.step_s = (Timeline::now_us() - t0) * 1e-6;
+    return rep;
+  }
 
   // The updater takes the step's job now: it consumes gradients as they land,
   // which frees gradient ring slots the pass may be waiting for.

@@ -88,6 +88,10 @@ struct StepReport {
   // the schedule), and the report says why. The batch is consumed.
   bool skipped = false;
   std::string skip_reason;     // "loss is nan", "gradient norm is inf", ...
+  // The batch had no target token (every label -100; over every rank's rows
+  // in data parallel): nothing was computed, nothing changed, and the step is
+  // skipped without being a fault (a sparse chat data set has such batches).
+  bool no_targets = false;
   int64_t nonfinite_block = -1;  // the first block (in forward order) with a non-finite gradient, or -1
   std::string nonfinite_tensor;  // that block's first non-finite gradient tensor
 };

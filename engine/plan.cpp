@@ -30,6 +30,9 @@ uint64_t parse_bytes(const std::string& text) {
   for (auto [name, mult] : kUnits)
     if (unit == name) {
       STRIDER_CHECK(value >= 0, "size '{}' is negative", text);
+      // Past every machine (and past what a uint64 holds a little later): a typo.
+      STRIDER_CHECK(std::isfinite(value) && value * mult <= double(kMaxSizeBytes),
+                    "size '{}' is past the largest strider accepts ({}, 1 EiB)", text, kMaxSizeBytes);
       return uint64_t(std::llround(value * mult));
     }
   throw Error(fmt::format("'{}': unknown unit '{}' (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)", text, unit));

@@ -181,7 +181,9 @@ struct Plan {
 // This process's resident memory now (VmRSS of /proc/self/status); 0 where unreadable.
 uint64_t process_rss_bytes();
 
-// "24GiB", "512MiB", "1.5GB", "123456" -> bytes; throws naming the text.
+// "24GiB", "512MiB", "1.5GB", "123456" -> bytes; throws naming the text, and
+// the limit for a size past kMaxSizeBytes.
+inline constexpr uint64_t kMaxSizeBytes = uint64_t{1} << 60;
 uint64_t parse_bytes(const std::string& text);
 std::string format_bytes(uint64_t bytes);
 // Data parallel on one machine (PlanLimits::shared_compute): the bytes of the

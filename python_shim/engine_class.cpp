@@ -318,6 +318,7 @@ class EngineHolder : public torch::CustomClassHolder {
                           {"work_peak_bytes", r.work_peak_bytes},
                           {"skipped", r.skipped},
                           {"skip_reason", r.skip_reason},
+                          {"no_targets", r.no_targets},
                           {"nonfinite_block", r.nonfinite_block},
                           {"nonfinite_tensor", r.nonfinite_tensor}}
         .dump();
@@ -378,7 +379,10 @@ class EngineHolder : public torch::CustomClassHolder {
     at::Tensor counted = l != -100;
     TORCH_CHECK_VALUE(((l.lt(0) | l.ge(vocab)) & counted).sum().item<int64_t>() == 0, what,
                       ": labels must be -100 (no loss) or token ids in [0, ", vocab, ")");
-    TORCH_CHECK_VALUE(counted.any().item<bool>(), what, ": every label is -100, so there is no loss to compute");
+    // A training batch without a target is skipped by the engine (StepReport::no_targets); an
+    // evaluation of one has no loss to return.
+    TORCH_CHECK_VALUE(std::string_view(what) == "step" || counted.any().item<bool>(), what,
+                      ": every label is -100, so there is no loss to compute");
     return {i, l};
   }
 

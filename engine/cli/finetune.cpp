@@ -217,6 +217,20 @@ int run(const Options& o) {
   while (engine.steps_done() < o.steps && !(stop = ranks->any(signals.requested()))) {
     loader.next(ids, labels);
     StepReport r = engine.step(ids.data() + mine, labels.data() + mine);
+    if (r.no_targets) {
+      // Sparse targets (chat data masked to the assistant's turns): this batch
+      // has none. Nothing changed; the data moves on; not a fault, so it does
+      // not count toward --max-skipped-steps.
+      ++skipped_total;
+      const TokenLoaderState at = loader.state();
+      fmt::print("step {:>4}/{} skipped: {}; nothing changed, the data moves on (epoch {}, window {} of {})\n",
+                 r.step, o.steps, r.skip_reason, at.epoch, at.cursor, at.num_windows);
+      std::fflush(stdout);
+      if (metrics.is_open())
+        append_line(metrics, o.metrics, {{"step", r.step}, {"skipped", true}, {"reason", r.skip_reason},
+                                         {"no_targets", true}, {"epoch", at.epoch}, {"window", at.cursor}});
+      continue;
+    }
     if (r.skipped) {
       ++skipped_total;
       ++in_a_row;

@@ -142,7 +142,22 @@ void add_optimizer_options(CLI::App& c, TrainOptions& o) {
       ->capture_default_str()
       ->check(in_range(0.0, 1e3));
   add_clip_option(c, o.clip, "global gradient-norm clip (0: off)");
-  c.add_option("--seed", o.seed, "seed for initialisation and data order")->capture_default_str();
+  // Checked as text: CLI11 reads "-1" into a uint64 as 2^64 - 1 and clamps
+  // 2^64 to it, both without a word.
+  c.add_option("--seed", o.seed, "seed for initialisation and data order (0 .. 2^64-1)")
+      ->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            const std::string max = "18446744073709551615";
+            const bool digits = !text.empty() && std::all_of(text.begin(), text.end(), [](char ch) {
+              return ch >= '0' && ch <= '9';
+            });
+            const std::string t = text.substr(std::min(text.find_first_not_of('0'), text.size() - 1));
+            if (!digits || t.size() > max.size() || (t.size() == max.size() && t > max))
+              return "'" + text + "' is not a seed: a whole number from 0 to " + max;
+            return "";
+          },
+          "SEED"));
   c.add_option("--optimizer-threads", o.optimizer_threads, "CPU AdamW threads (0: all)")
       ->capture_default_str()
       ->check(in_range(0, 4096));

@@ -32,6 +32,9 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1e3, "kib": 1024, "m": 1 << 20, "mb": 
           "g": 1 << 30, "gb": 1e9, "gib": 1 << 30, "t": 1 << 40, "tb": 1e12, "tib": 1 << 40}
 
 
+MAX_SIZE_BYTES = 1 << 60  # engine/plan.h's kMaxSizeBytes: past every machine
+
+
 def parse_bytes(value: Union[int, str], name: str = "size") -> int:
     """24GiB, 512MiB, 2e9, 1000 -> bytes; the units of the command line's parse_bytes (engine/plan.cpp)."""
     if isinstance(value, bool):
@@ -39,6 +42,8 @@ def parse_bytes(value: Union[int, str], name: str = "size") -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name}: size {value} is negative")
+        if value > MAX_SIZE_BYTES:
+            raise ValueError(f"{name}: size {value} is past the largest strider accepts ({MAX_SIZE_BYTES}, 1 EiB)")
         return value
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([A-Za-z]*)\s*", str(value))
     try:
@@ -53,6 +58,8 @@ def parse_bytes(value: Union[int, str], name: str = "size") -> int:
                          "(B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)")
     if number < 0:
         raise ValueError(f"{name}: size {value!r} is negative")
+    if number * _UNITS[unit] > MAX_SIZE_BYTES:
+        raise ValueError(f"{name}: size {value!r} is past the largest strider accepts ({MAX_SIZE_BYTES}, 1 EiB)")
     return int(round(number * _UNITS[unit]))
 
 

@@ -82,6 +82,8 @@ class StepResult:
     # any update (no weight, moment or step count changes; the batch is spent).
     skipped: bool = False
     skip_reason: str = ""        # "loss is nan", "gradient norm is inf", ...
+    # The batch had no target token (every label -100): nothing computed or changed, not a fault.
+    no_targets: bool = False
     nonfinite_block: int = -1    # first block (forward order) with a non-finite gradient
     nonfinite_tensor: str = ""
 
@@ -95,6 +97,7 @@ class StepResult:
                    h2d_bytes=report["h2d_bytes"], d2h_bytes=report["d2h_bytes"],
                    work_peak_bytes=report["work_peak_bytes"],
                    skipped=report["skipped"], skip_reason=report["skip_reason"],
+                   no_targets=report["no_targets"],
                    nonfinite_block=report["nonfinite_block"], nonfinite_tensor=report["nonfinite_tensor"])
 
 
@@ -110,6 +113,17 @@ def architecture_of(model) -> str:
         raise ValueError(f"strider.Engine: config.architectures lists {unsupported}, which strider does not "
                          f"support (it trains {', '.join(SUPPORTED_ARCHITECTURES)})")
     return name
+
+
+def check_trainable(model):
+    """Refuses frozen parameters: strider trains every parameter of the model (adapters over a frozen base are
+    not supported yet), so a requires_grad=False tensor would be updated against the caller's intent."""
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        shown = ", ".join(frozen[:8]) + (f", ... ({len(frozen)} in all)" if len(frozen) > 8 else "")
+        raise ValueError(f"strider.Engine: {len(frozen)} parameters have requires_grad=False ({shown}); strider "
+                         "trains every parameter and would update them too. Set requires_grad=True on them, or "
+                         "train the whole model (frozen parameters and LoRA adapters are not supported yet)")
 
 
 def check_on_cpu(model):
@@ -186,6 +200,7 @@ class Engine:
         ranks = distributed_ranks()
         arch = architecture_of(model)
         check_on_cpu(model)
+        check_trainable(model)
         max_pos = getattr(model.config, "max_position_embeddings", None)
         if max_pos is not None and config.seq > max_pos:
             raise ValueError(f"EngineConfig.seq = {config.seq} is past the model's max_position_embeddings "

@@ -161,3 +161,32 @@ TEST_CASE("without clipping, a non-finite gradient after other blocks were updat
   std::vector<float> w(spec.layout(0).total_elems());
   CHECK_THROWS_AS(e->read_state(0, ExtentKind::kMaster, w), Error);
 }
+
+TEST_CASE("a batch without a target token changes nothing and is not a fault", "[engine][guard]") {
+  // Sparse chat data (only the assistant's turns are targets) has such batches:
+  // the step is skipped before any work, the step count and the schedule stay,
+  // and the next step is the one an engine that never saw the batch takes.
+  const ModelSpec spec = ModelSpec::from_json(test::tiny_config(false), "tiny");
+  for (const Setup& s : {Setup{"clip, NVMe tiers, chaos", 1.0, {1, 3}, 1, true}, Setup{"no clip", 0.0}}) {
+    INFO(s.name);
+    TempDir dir_a, dir_b;
+    auto a = make(spec, s, dir_a.path.string()), b = make(spec, s, dir_b.path.string());
+    step(*a, 1);
+    step(*b, 1);
+    const EngineConfig& c = a->config();
+    test::Batch empty = test::batch(c.batch(), c.seq, spec.dims.vocab, 2);
+    std::fill(empty.labels.begin(), empty.labels.end(), int64_t{-100});
+    const test::State before = state(*a);
+    const StepReport r = a->step(empty.ids.data(), empty.labels.data());
+    CHECK(r.skipped);
+    CHECK(r.no_targets);
+    CHECK(r.step == 2);
+    CHECK_THAT(r.skip_reason, Catch::Contains("no target token"));
+    CHECK(a->steps_done() == 1);
+    CHECK(same_bits(state(*a), before));
+    const StepReport ra = step(*a, 3), rb = step(*b, 3);
+    CHECK(ra.step == 2);
+    CHECK(ra.loss == rb.loss);
+    CHECK(same_bits(state(*a), state(*b)));
+  }
+}

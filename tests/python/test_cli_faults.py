@@ -273,3 +273,38 @@ def test_a_rank_without_torchruns_environment_is_refused_before_anything_is_writ
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**env, "WORLD_SIZE": "1", "RANK": "0"})
     assert r.returncode == 0, r.stderr[-2000:]
 
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--seed", "-1", "'-1' is not a seed: a whole number from 0 to 18446744073709551615"),
+    ("--seed", "18446744073709551616", "is not a seed"),
+    ("--seed", "12x", "is not a seed"),
+    ("--device-budget", "1e30GiB", "size '1e30GiB' is past the largest strider accepts"),
+    ("--host-ram", "inf", "past the largest strider accepts"),
+])
+def test_out_of_range_values_are_refused_naming_the_option(strider, tmp_path, option, value, says):
+    # A value that would wrap, clamp or overflow is a typo: refused before anything runs.
+    r = run(strider, tmp_path, "--steps", "1", option, value, "--out", str(tmp_path / "out"))
+    assert r.returncode != 0
+    assert says in r.stderr + r.stdout, r.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_sparse_targets_skip_empty_batches_and_the_run_finishes(strider, tmp_path):
+    # Chat data masked to the assistant's turns can give a batch with no target token. Such a step changes
+    # nothing and is said, with the data position, but it is not a fault: the run reaches --steps and saves.
+    import numpy as np
+    from strider.data import write_token_file
+    n = 200_000
+    ids = np.random.default_rng(0).integers(0, 2048, n)
+    mask = np.zeros(n, np.uint8)
+    mask[: n // 50] = 1  # 2% of the tokens, in one stretch: most windows hold none
+    data = tmp_path / "sparse.tokens"
+    write_token_file(str(data), ids, mask=mask, vocab_size=2048)
+    r = run(strider, tmp_path, "--data", str(data), "--steps", "3", "--max-skipped-steps", "1",
+            "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    empty = [l for l in r.stdout.splitlines() if "no target token" in l]
+    assert empty, r.stdout  # with --max-skipped-steps 1, one counted skip would have stopped the run
+    assert "nothing changed, the data moves on (epoch 0, window" in empty[0]
+    assert "step    3/3 | loss" in r.stdout
+    assert (tmp_path / "out" / "model.safetensors").exists()

@@ -254,7 +254,10 @@ def test_refused_calls_leave_the_model_untouched():
     with pytest.raises(ValueError, match="-100"):
         engine.step(ids, torch.full_like(labels, 1000))
     with pytest.raises(ValueError, match="every label is -100"):
-        engine.step(ids, torch.full_like(labels, -100))
+        engine.evaluate(ids, torch.full_like(labels, -100))
+    # A training batch without a target is no error (sparse chat data has them): skipped, nothing changes.
+    empty = json.loads(engine.step(ids, torch.full_like(labels, -100)))
+    assert empty["skipped"] and empty["no_targets"] and engine.steps_done() == 0
     with pytest.raises(ValueError, match=r"expected shape \[64\]"):
         engine.set_param("model.norm.weight", torch.ones(63))
     with pytest.raises(ValueError, match="no parameter 'lm_head.bias'"):

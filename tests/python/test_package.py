@@ -227,6 +227,31 @@ def test_parameters_off_the_cpu_are_refused():
         assert torch.equal(model.lm_head.weight.cpu(), before["lm_head.weight"])
 
 
+def test_a_batch_without_targets_changes_nothing():
+    # Sparse chat data: a batch whose labels are all -100 is skipped, not an error; no weight, moment or
+    # step count changes, and the run goes on.
+    model = make_model()
+    engine = strider.Engine(model, config())
+    ids, labels, mask = hf_batches(SMALL["vocab_size"], 1)[0]
+    before = snapshot(model)
+    r = engine.step(ids, torch.full_like(labels, -100), mask)
+    assert r.skipped and r.no_targets and "no target token" in r.skip_reason
+    assert r.step == 1 and engine.steps_done == 0
+    assert_same_weights(model, before)
+    r = engine.step(ids, labels, mask)
+    assert not r.skipped and r.step == 1 and engine.steps_done == 1
+    engine.finish()
+
+
+def test_frozen_parameters_are_refused_naming_them():
+    # strider trains every parameter: a frozen one would be updated without a word.
+    model = make_model()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    model.model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
+    refused(model, config(), r"2 parameters have requires_grad=False \(model.embed_tokens.weight, "
+                             r"model.layers.0.self_attn.q_proj.weight\)")
+
+
 def test_engine_config_names_fields_and_maps_to_the_engine():
     for bad, field in [(dict(window=1), "window"), (dict(dtype="fp16"), "dtype"), (dict(seq=0), "seq"),
                        (dict(betas=(0.9, 1.0)), "betas"), (dict(schedule="step"), "schedule"),
@@ -241,6 +266,8 @@ def test_engine_config_names_fields_and_maps_to_the_engine():
     with pytest.raises(ValueError, match=r"EngineConfig\.accumulation = 0"):
         c.validate()
     assert strider.parse_bytes("20GiB") == 20 << 30 and strider.parse_bytes("2e9") == 2_000_000_000
+    with pytest.raises(ValueError, match="past the largest strider accepts"):
+        strider.parse_bytes("1e30GiB")
     d = config(betas=[0.8, 0.9]).engine_dict()
     assert (d["beta1"], d["beta2"], d["clip_norm"], d["warmup_steps"]) == (0.8, 0.9, CLIP, WARMUP)
     assert config().batch == BATCH
