@@ -71,11 +71,16 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   labels_host_ = arena_->carve_as<int64_t>(tokens, "batch labels", kHostAlign);
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kHostAlign);
   head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kHostAlign);
+  // Per micro-batch: its host checkpoints (of blocks 1..head) and kept
+  // activations (per kept layer), carved block-major.
+  mb_.resize(size_t(M));
   if (config_.checkpoints_on_host)
-    for (int64_t i = 0; i < head * M; ++i)
-      host_ckpt_.push_back(arena_->carve(place_.act_bytes, kHostAlign, "host checkpoint"));
-  for (int64_t i = 0; i < fp.saved_layers * M; ++i)
-    saved_host_.push_back(arena_->carve(place_.saved_bytes, kHostAlign, "kept activations"));
+    for (int64_t b = 0; b < head; ++b)
+      for (int64_t m = 0; m < M; ++m)
+        mb_[size_t(m)].host_ckpt.push_back(arena_->carve(place_.act_bytes, kHostAlign, "host checkpoint"));
+  for (int64_t k = 0; k < fp.saved_layers; ++k)
+    for (int64_t m = 0; m < M; ++m)
+      mb_[size_t(m)].saved_host.push_back(arena_->carve(place_.saved_bytes, kHostAlign, "kept activations"));
   if (place_.ring_slot_bytes > 0)
     for (int64_t r = 0; r < config_.grad_ring; ++r)
       grad_ring_.push_back(arena_->carve(place_.ring_slot_bytes, kHostAlign, "gradient ring slot"));
@@ -169,20 +174,27 @@ void Engine::allocate_activations() {
   ids_dev_ = make({config_.batch(), S}, at::kLong, "batch ids");
   head_stats_dev_ = make({2, M}, at::kDouble, "head loss figures");
   labels_dev_ = make({config_.batch(), S}, at::kLong, "batch labels");
+  for (int64_t m = 0; m < M; ++m) {
+    MicroBatch& x = mb_[size_t(m)];
+    x.ids = ids_dev_.chunk(M, 0)[m];
+    x.labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
+    x.loss_sum = head_stats_dev_[0][m];
+    x.valid_tokens = head_stats_dev_[1][m];
+  }
   // Checkpoints on the device: every block's input for every micro-batch.
   // On the host: a ring of two sets on the device, the checkpoints copied out.
   const int64_t sets = config_.checkpoints_on_host ? 2 : place_.head;
-  for (int64_t i = 0; i < sets * M; ++i) act_.push_back(make({mb, S, H}, cdt, "activations"));
-  for (int64_t m = 0; m < M; ++m) grad_out_.push_back(make({mb, S, H}, cdt, "output gradients"));
+  for (int64_t i = 0; i < sets * M; ++i) mb_[size_t(i % M)].act.push_back(make({mb, S, H}, cdt, "activations"));
+  for (int64_t m = 0; m < M; ++m) mb_[size_t(m)].grad_out = make({mb, S, H}, cdt, "output gradients");
   for (int64_t m = 0; m < M; ++m) {
-    head_state_.push_back({make({mb * S}, at::kFloat, "head running max"), make({mb * S}, at::kFloat, "head running sum"),
-                           make({mb * S}, at::kFloat, "head target logits")});
-    head_lse_.push_back(make({mb * S}, at::kFloat, "head log-sum-exp"));
-    grad_h_.push_back(make({mb * S, H}, at::kFloat, "head hidden gradient"));
+    mb_[size_t(m)].head = {make({mb * S}, at::kFloat, "head running max"), make({mb * S}, at::kFloat, "head running sum"),
+                           make({mb * S}, at::kFloat, "head target logits")};
+    mb_[size_t(m)].head_lse = make({mb * S}, at::kFloat, "head log-sum-exp");
+    mb_[size_t(m)].grad_h = make({mb * S, H}, at::kFloat, "head hidden gradient");
   }
   for (int s = 0; s < 2; ++s) ring_free_.push_back(device_->make_event());
   if (config_.keep_logits)
-    for (int64_t m = 0; m < M; ++m) logits_.push_back(make({mb * S, spec_.dims.vocab}, cdt, "kept logits"));
+    for (int64_t m = 0; m < M; ++m) mb_[size_t(m)].logits = make({mb * S, spec_.dims.vocab}, cdt, "kept logits");
   if (!config_.saved_blocks.empty()) {
     const int64_t elems = layer_saved_elems(spec_.dims, mb * S);
     for (int s = 0; s < 2; ++s) {

@@ -287,7 +287,6 @@ class Engine {
   // Pinned host staging.
   std::span<int64_t> ids_host_, labels_host_;
   std::span<float> tied_grad_host_;         // the head's gradient of a tied embedding
-  std::vector<std::span<std::byte>> host_ckpt_;  // [b * M + m], checkpoints on host
   std::vector<std::span<std::byte>> grad_ring_;  // fp32 gradient slots shared by the ring blocks
   std::vector<int64_t> ring_uses_;          // per slot: D2Hs issued into it (main thread)
   struct NvmeStaging {
@@ -305,21 +304,30 @@ class Engine {
   // Device memory beyond the pool, allocated once.
   std::vector<DeviceBuffer> device_buffers_;
   at::Tensor ids_dev_, labels_dev_;         // [batch, seq]
-  std::vector<at::Tensor> act_;             // checkpoints (device) or the 2-set ring
-  std::vector<at::Tensor> grad_out_;        // [M] gradient flowing backward
-  // The streamed head, per micro-batch: pass 1's running max, sum, target
-  // logit and then log-sum-exp (fp32 [tokens] each), and d(loss)/d(normed
-  // hidden) summed over the shards of pass 2 (fp32 [tokens, hidden]).
-  std::vector<HeadState> head_state_;
-  std::vector<at::Tensor> head_lse_, grad_h_;
-  std::vector<at::Tensor> logits_;          // kept logits, per micro-batch (EngineConfig::keep_logits)
+  // One micro-batch's buffers, allocated once (device tensors, and host
+  // spans in the pinned arena).
+  struct MicroBatch {
+    at::Tensor ids, labels;                 // its rows of the batch ([micro_batch, seq]; labels flat)
+    std::vector<at::Tensor> act;            // per set: its block inputs on the device (set b - 1 is
+                                            // block b's), or the 2-set ring with host checkpoints
+    at::Tensor grad_out;                    // the gradient flowing backward
+    // The streamed head: pass 1's running max, sum, target logit and then
+    // log-sum-exp (fp32 [tokens] each), and d(loss)/d(normed hidden) summed
+    // over the shards of pass 2 (fp32 [tokens, hidden]).
+    HeadState head;
+    at::Tensor head_lse, grad_h;
+    at::Tensor logits;                      // kept logits (EngineConfig::keep_logits), else undefined
+    at::Tensor loss_sum, valid_tokens;      // its entries of head_stats_dev_
+    std::vector<std::span<std::byte>> host_ckpt;   // per block: its input copied out (host checkpoints)
+    std::vector<std::span<std::byte>> saved_host;  // per kept layer: its kept activations on the host
+  };
+  std::vector<MicroBatch> mb_;
   std::vector<std::unique_ptr<Event>> ring_free_;  // per ring set: its last reader is done
-  // Kept activations: per block its index among the kept ones (or -1); their
-  // host copies [index * M + m]; two device slots (flat, compute dtype) that
-  // forward fills and copies out of and backward copies into; per slot, its
-  // last reader (a D2H out, a backward) is done; per kept block, its copies
-  // out are on the host. H2Ds issued ahead wait in saved_in_, in order.
-  std::vector<std::span<std::byte>> saved_host_;
+  // Kept activations (their host copies are MicroBatch::saved_host): two
+  // device slots (flat, compute dtype) that forward fills and copies out of
+  // and backward copies into; per slot, its last reader (a D2H out, a
+  // backward) is done; per kept block, its copies out are on the host. H2Ds
+  // issued ahead wait in saved_in_, in order.
   std::vector<at::Tensor> saved_dev_;
   std::vector<std::unique_ptr<Event>> saved_free_, saved_out_;
   int64_t saved_uses_ = 0;                  // device slot uses so far: the next is uses % 2

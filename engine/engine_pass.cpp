@@ -14,7 +14,7 @@ namespace strider {
 at::Tensor Engine::act(int64_t b, int64_t m) const {
   // b in 1..head: the input of block b (block 0's input is the ids).
   const int64_t set = config_.checkpoints_on_host ? (b % 2) : (b - 1);
-  return act_[size_t(set * config_.accumulation + m)];
+  return mb_[size_t(m)].act[size_t(set)];
 }
 
 at::Tensor Engine::params_view(const CacheUnit& u, size_t offset, size_t elems) const {
@@ -57,11 +57,11 @@ double Engine::visit_flops(const Visit& v, bool train) const {
 }
 
 at::Tensor Engine::kept_logits(int64_t m, const Piece& rows) const {
-  return logits_[size_t(m)].slice(1, rows.row_begin, rows.row_end);
+  return mb_[size_t(m)].logits.slice(1, rows.row_begin, rows.row_end);
 }
 
 std::span<std::byte> Engine::saved_host(int64_t b, int64_t m) const {
-  return saved_host_[size_t(place_.saved_index[size_t(b)] * config_.accumulation + m)];
+  return mb_[size_t(m)].saved_host[size_t(place_.saved_index[size_t(b)])];
 }
 
 void Engine::fetch_saved(int64_t b, int64_t m) {
@@ -140,7 +140,7 @@ void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
   }
   const double flops = visit_flops({Visit::kForward, p}, true);
   for (int64_t m = 0; m < M; ++m) {
-    at::Tensor in = b == 0 ? ids_dev_.chunk(M, 0)[m] : act(b, m);
+    at::Tensor in = b == 0 ? mb_[size_t(m)].ids : act(b, m);
     at::Tensor out = act(b + 1, m);
     if (b == 0) {
       at::Tensor rows = rows_view(params, 0, pc);
@@ -180,7 +180,7 @@ void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
     device_->wait(StreamId::kD2H, *done);
     for (int64_t m = 0; m < M; ++m) {
       at::Tensor a = act(b + 1, m);
-      device_->copy_d2h(StreamId::kD2H, host_ckpt_[size_t((b + 1) * M + m)].data(), a.data_ptr(),
+      device_->copy_d2h(StreamId::kD2H, mb_[size_t(m)].host_ckpt[size_t(b + 1)].data(), a.data_ptr(),
                         a.nbytes(), {"d2h checkpoint", int32_t(b + 1)});
     }
     device_->record(*ring_free_[(b + 1) % 2], StreamId::kD2H);
@@ -206,10 +206,9 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
   if (v.lse) {
     for (int64_t m = 0; m < M; ++m) {
       at::Tensor in = act(place_.head, m);
-      at::Tensor labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
-      HeadState st = head_state_[size_t(m)];
-      at::Tensor lse = head_lse_[size_t(m)];
-      at::Tensor loss_sum = head_stats_dev_[0][m], valid_tokens = head_stats_dev_[1][m];
+      const MicroBatch& x = mb_[size_t(m)];
+      at::Tensor labels = x.labels, lse = x.head_lse, loss_sum = x.loss_sum, valid_tokens = x.valid_tokens;
+      HeadState st = x.head;
       const at::Tensor keep = train && config_.keep_logits ? kept_logits(m, rows_pc) : at::Tensor();
       device_->launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), visit_flops({Visit::kHead, 0, v.shard, true, false}, false)},
                       [dims, norm, rows, v0, in, labels, chunk, tile, st, lse, loss_sum, valid_tokens, first,
@@ -238,8 +237,7 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
   const double flops = visit_flops({Visit::kHead, 0, v.shard, false, true}, true);
   for (int64_t m = 0; m < M; ++m) {
     at::Tensor in = act(place_.head, m);
-    at::Tensor labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
-    at::Tensor lse = head_lse_[size_t(m)], grad_h = grad_h_[size_t(m)];
+    at::Tensor labels = mb_[size_t(m)].labels, lse = mb_[size_t(m)].head_lse, grad_h = mb_[size_t(m)].grad_h;
     const at::Tensor kept = config_.keep_logits ? kept_logits(m, rows_pc) : at::Tensor();
     device_->launch(StreamId::kCompute, {"head backward", int32_t(place_.head), flops},
                     [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first, kept](
@@ -251,7 +249,7 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
   }
   if (last)
     for (int64_t m = 0; m < M; ++m) {
-      at::Tensor in = act(place_.head, m), grad_h = grad_h_[size_t(m)], gout = grad_out_[size_t(m)];
+      at::Tensor in = act(place_.head, m), grad_h = mb_[size_t(m)].grad_h, gout = mb_[size_t(m)].grad_out;
       device_->launch(StreamId::kCompute, {"head norm backward", int32_t(place_.head), 0.0},
                       [dims, norm, in, grad_h, grad_norm, gout, tile](const LaunchContext&) {
                         head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile,
@@ -300,7 +298,7 @@ void Engine::run_backward(int64_t p, const CacheUnit& u) {
     device_->wait(StreamId::kH2D, *ring_free_[b % 2]);
     for (int64_t m = 0; m < M; ++m) {
       at::Tensor a = act(b, m);
-      device_->copy_h2d(StreamId::kH2D, a.data_ptr(), host_ckpt_[size_t(b * M + m)].data(), a.nbytes(),
+      device_->copy_h2d(StreamId::kH2D, a.data_ptr(), mb_[size_t(m)].host_ckpt[size_t(b)].data(), a.nbytes(),
                         {"h2d checkpoint", int32_t(b)});
     }
     auto back = device_->make_event();
@@ -309,8 +307,8 @@ void Engine::run_backward(int64_t p, const CacheUnit& u) {
   }
   const double flops = visit_flops({Visit::kBackward, p}, true);
   for (int64_t m = 0; m < M; ++m) {
-    at::Tensor in = b == 0 ? ids_dev_.chunk(M, 0)[m] : act(b, m);
-    at::Tensor gout = grad_out_[size_t(m)];
+    at::Tensor in = b == 0 ? mb_[size_t(m)].ids : act(b, m);
+    at::Tensor gout = mb_[size_t(m)].grad_out;
     if (b == 0) {
       at::Tensor grad_rows = rows_view(grads, 0, pc);
       const int64_t v0 = pc.row_begin;
