@@ -4,10 +4,10 @@
     python bench/gpu_check.py make-model DIR --size 1b|cpu     # a random Llama checkpoint (the speed check's)
 
 gpu_check.sh calls it once the build is done (or failed: then every check is reported as not run). Each
-check's stdout/stderr goes to BUILD/gpu-check/logs/<check>.log; a check that holds leaves a stamp in
+check's stdout/stderr goes to OUT_DIR/gpu_check_logs/<check>.log as it runs; a check that holds leaves a stamp in
 BUILD/gpu-check/stamps/ keyed by the tree, bundle, torch and mode, and a later run with the same key
-reports the stamped result ("cached") instead of running it again. OUT_DIR gets gpu_check.json and
-gpu_check_logs.tar.gz, nothing else. Exit status 0 when the build and every check hold.
+reports the stamped result ("cached") instead of running it again. OUT_DIR gets gpu_check.json,
+gpu_check_logs/ and gpu_check_logs.tar.gz (the same logs, packed), nothing else. Exit status 0 when the build and every check hold.
 """
 import argparse
 import json
@@ -228,7 +228,7 @@ class Context:
         self.repo, self.build, self.out = pathlib.Path(a.repo), pathlib.Path(a.build), pathlib.Path(a.out)
         self.device = "cuda" if self.mode == "gpu" else "cpu"
         self.state = self.build / "gpu-check"
-        self.logs = self.state / "logs"
+        self.logs = self.out / "gpu_check_logs"  # written there as they go (gpu_check.sh's $logs)
         self.stamps = self.state / "stamps"
         self.python = sys.executable
         self.t0 = float(os.environ.get("STRIDER_GPU_CHECK_T0") or time.time())
@@ -317,8 +317,7 @@ def main_checks(a):
              if ctx.mode == "cpu" else "A GPU run: these are this machine's figures."]
     if ctx.mode == "cpu":
         notes.append("--cpu: the memory and speed checks use smaller models than on the GPU (bench/gpu_memory_check.py "
-                     "CPU_MODEL; gpu_check.py SPEED_MODELS['cpu']), calibration runs 4 rounds, ATen's CPU working "
-                     "memory is not measured.")
+                     "CPU_MODEL; gpu_check.py SPEED_MODELS['cpu']), calibration runs 4 rounds.")
 
     def write_summary(results, complete):
         built = build["status"] in ("built", "cached")

@@ -17,8 +17,10 @@
 #      memory against the plan (bench/gpu_memory_check.py); speed (`strider
 #      profile` on a 1.1B model made on the spot, bench_transfer's PCIe GB/s);
 #      the simulator calibrated on the GPU (bench_calibrate --device cuda).
-# OUT_DIR receives two files: gpu_check.json (the summary: every check's status
-# and figures) and gpu_check_logs.tar.gz (every step's stdout/stderr).
+# OUT_DIR receives gpu_check.json (the summary: every check's status and
+# figures, the build's too, also when it fails), gpu_check_logs/ (every step's
+# stdout/stderr, written there as it goes, so a run stopped from outside keeps
+# them) and gpu_check_logs.tar.gz (the same, packed at the end).
 #
 # A second run with the same BUILD_DIR skips the build and every check that
 # passed, while the tree, the bundle and the torch are the same (stamps in
@@ -34,6 +36,8 @@
 # STRIDER_GPU_CHECK_DEADLINE_S=N: the checks end within N seconds of the start
 # (a check that would start later is reported as not run); the summary is
 # rewritten after every check, so a run stopped from outside leaves one too.
+# Default 540: one 600 s call of the device tool, build included, with a
+# minute left to write the summary and bring OUT_DIR back.
 #
 # Exit status 0 when every check holds; 1 otherwise (gpu_check.json says which).
 set -uo pipefail
@@ -45,10 +49,11 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${2:-$repo/build-gpu-check}
 bundle=${STRIDER_GPU_BUNDLE:-$repo/.gpu-bundle}
 export STRIDER_GPU_CHECK_T0=${STRIDER_GPU_CHECK_T0:-$(date +%s.%N)}
+export STRIDER_GPU_CHECK_DEADLINE_S=${STRIDER_GPU_CHECK_DEADLINE_S:-540}
 mkdir -p "$out" "$build" && out=$(cd "$out" && pwd) && build=$(cd "$build" && pwd)
 prefix=$build/prefix
-state=$build/gpu-check          # stamps, and the logs the archive packs
-logs=$state/logs
+state=$build/gpu-check          # stamps and the build's key
+logs=$out/gpu_check_logs        # under OUT_DIR as they are written (bench/gpu_check.py packs them too)
 mkdir -p "$logs"
 jobs=${STRIDER_JOBS:-$(nproc 2>/dev/null || echo 4)}
 log() { echo "gpu_check: $*" | tee -a "$logs/gpu_check.log"; }
@@ -78,6 +83,9 @@ if [ -x /opt/torch/.venv/bin/python3 ] && ! "${python:-false}" -c 'import torch'
 fi
 if [ -z "$python" ] || ! torch_line=$("$python" -c 'import sys, torch; print(torch.__version__, torch.version.cuda, sys.version.split()[0])' 2>>"$logs/gpu_check.log"); then
   log "no Python with torch (set STRIDER_PYTHON): nothing can be built or checked"
+  # No Python to write the summary with: the build's status by hand.
+  printf '{"mode": "%s", "ok": false, "build": {"status": "failed", "message": "no Python with torch (set STRIDER_PYTHON)"}, "checks": {}}\n' \
+    "$mode" > "$out/gpu_check.json"
   exit 1
 fi
 python=$(command -v "$python")

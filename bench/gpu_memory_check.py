@@ -12,9 +12,11 @@ check's minutes.
 
   measured   strider's own device buffers (the engine report's peak_device_bytes: the cache units,
              checkpoints, gradients, the batch; cudaMalloc'd by CudaDevice) plus ATen's working memory
-             inside the visits (torch.cuda.max_memory_allocated: the caching allocator ATen allocates
-             from, in this process). On the CPU device only the first is measurable: ATen's CPU
-             working memory comes from malloc, which nothing here counts (reported as null).
+             inside the visits: the step report's work_peak_bytes, the most any one compute op held,
+             as the device measured it (CUDA: the caching allocator's peak within each op; the CPU
+             device: its count of ATen's CPU allocations). Not torch.cuda.max_memory_allocated():
+             CudaDevice resets the peak statistics at every op, so after a step it holds only the last
+             op's peak.
   plan       the plan's device_buffer_bytes (what the engine allocates), device_work_bytes (its estimate
              of ATen's working memory) and device_peak_bytes (the two together).
 
@@ -79,8 +81,6 @@ def measure(model_json, case, p, device, budget_bytes):
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
     t0 = time.time()
     engine = torch.classes.strider.Engine(model_json, engine_json, device, budget_bytes, False, 1)
     build_s = time.time() - t0
@@ -90,18 +90,18 @@ def measure(model_json, case, p, device, budget_bytes):
     for _ in range(2):  # the first step also makes ATen's lazily created handles and workspaces
         ids = torch.randint(0, json.loads(model_json)["vocab_size"], (batch, case["seq"]), generator=g)
         r = json.loads(engine.step(ids, ids.clone()))
-        steps.append({"step_s": r["step_s"], "loss": r["loss"], "peak_device_bytes": r["peak_device_bytes"]})
+        steps.append({"step_s": r["step_s"], "loss": r["loss"], "peak_device_bytes": r["peak_device_bytes"],
+                      "work_peak_bytes": r["work_peak_bytes"]})
     engine.finish()
     strider_peak = max(s["peak_device_bytes"] for s in steps)
+    work_peak = max(s["work_peak_bytes"] for s in steps)
     out = {"engine_build_s": build_s, "steps": steps, "strider_buffer_peak_bytes": strider_peak}
     if cuda:
         torch.cuda.synchronize()
-        out["aten_peak_bytes"] = torch.cuda.max_memory_allocated() - before
-        out["aten_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
-        out["measured_peak_bytes"] = strider_peak + out["aten_peak_bytes"]
-    else:
-        out["aten_peak_bytes"] = None  # malloc'd on the CPU: not measured
-        out["measured_peak_bytes"] = None
+        out["aten_reserved_peak_bytes"] = torch.cuda.max_memory_reserved()  # the allocator's pool, for reference
+    # 0: the device did not measure its ops (no meter), which the check reports as not measured.
+    out["aten_peak_bytes"] = work_peak if work_peak > 0 else None
+    out["measured_peak_bytes"] = strider_peak + work_peak if work_peak > 0 else None
     del engine
     return out
 
@@ -131,7 +131,7 @@ def run_case(strider, dims, case, device, budget, work):
                             f"{p['device_peak_bytes'] / MIB:.1f} MiB (ATen used {m['aten_peak_bytes'] / MIB:.1f} MiB, "
                             f"the plan estimated {p['device_work_bytes'] / MIB:.1f} MiB)")
     res["findings"] = findings
-    aten = "not measured (CPU)" if m["aten_peak_bytes"] is None else f"{m['aten_peak_bytes'] / MIB:.1f} MiB"
+    aten = "not measured" if m["aten_peak_bytes"] is None else f"{m['aten_peak_bytes'] / MIB:.1f} MiB"
     print(f"{case['name']}: K {p['window']}, checkpoints on {'host' if p['checkpoints_on_host'] else 'device'}, "
           f"unit {p['unit_bytes'] / MIB:.1f} MiB; strider buffers {m['strider_buffer_peak_bytes'] / MIB:.1f} MiB "
           f"(plan {p['device_buffer_bytes'] / MIB:.1f}), ATen {aten} (plan {p['device_work_bytes'] / MIB:.1f}), "
