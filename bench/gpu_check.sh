@@ -54,7 +54,7 @@ mkdir -p "$out" "$build" && out=$(cd "$out" && pwd) && build=$(cd "$build" && pw
 prefix=$build/prefix
 state=$build/gpu-check          # stamps and the build's key
 logs=$out/gpu_check_logs        # under OUT_DIR as they are written (bench/gpu_check.py packs them too)
-mkdir -p "$logs"
+mkdir -p "$logs" "$state"
 jobs=${STRIDER_JOBS:-$(nproc 2>/dev/null || echo 4)}
 log() { echo "gpu_check: $*" | tee -a "$logs/gpu_check.log"; }
 : > "$logs/gpu_check.log"

@@ -63,7 +63,9 @@ def skip_problem(output, features):
     if "skipped: this build has no c10d Gloo" in text:
         if features.get("gloo") is False:
             return None
-        return "skipped for want of Gloo, but this build has c10d Gloo"
+        if features.get("gloo") is True:
+            return "skipped for want of Gloo, but this build has c10d Gloo"
+        return "skipped for want of Gloo, and strider_features.json does not say this build lacks it"
     m = re.search(r"skipped: [^.]*", text)
     return f"skipped for a reason not on the allowed list ({m.group(0) if m else 'no reason printed'})"
 
