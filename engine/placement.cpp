@@ -87,11 +87,7 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(!state_uses_compute_copy(c.optimizer_state) || c.compute.dtype == at::kBFloat16,
                 "the {} optimizer state keeps the master's high half in the bf16 compute copy: it needs the bf16 "
                 "compute dtype, not fp32", state_format_name(c.optimizer_state));
-  STRIDER_CHECK(c.grad_ring >= 1, "grad_ring {} must be >= 1 (gradient staging slots of the NVMe-tier blocks)",
-                c.grad_ring);
-  STRIDER_CHECK(c.state_shards >= 1 && c.state_shard >= 0 && c.state_shard < c.state_shards,
-                "state shard {} of {}: a rank's slice of the sharded state is 0..shards-1 of shards >= 1",
-                c.state_shard, c.state_shards);
+  // grad_ring and the state shard: place() checks them (it indexes by them).
   STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
                 "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",
                 c.shared_compute_file);

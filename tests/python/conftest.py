@@ -8,6 +8,7 @@ Under scripts/test.sh (STRIDER_STRICT_SKIPS=1) a skip fails the run unless
 its reason is on ALLOWED_SKIPS below: a build that lost its op library, a
 binary or a dependency must not pass by skipping the tests that need it.
 """
+import functools
 import json
 import os
 import pathlib
@@ -91,9 +92,14 @@ def _skip_reason(report):
     return str(longrepr)
 
 
+@functools.lru_cache(maxsize=1)
+def _build_features():
+    path = build_dir_path() / "strider_features.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _allowed(reason):
-    features_path = build_dir_path() / "strider_features.json"
-    features = json.loads(features_path.read_text()) if features_path.exists() else {}
+    features = _build_features()
     for pattern, feature in ALLOWED_SKIPS:
         if pattern.search(reason):
             return feature is None or features.get(feature) is False
