@@ -8,6 +8,7 @@
 #include <random>
 
 #include "engine/collectives.h"
+#include "engine/sim_updater.h"
 #include "gpu/unit_tensors.h"
 #include "host/bf16.h"
 #include "host/error.h"
@@ -26,28 +27,16 @@ at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::
 Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
     : spec_(std::move(spec)), config_(std::move(config)),
       place_((check_config(spec_, config_), place(spec_, config_))), device_(std::move(device)),
-      sim_(device_->kind() == DeviceKind::kSim ? static_cast<SimDevice*>(device_.get()) : nullptr),
       aten_device_(engine_aten_device(*device_)) {
+  if (device_->kind() == DeviceKind::kSim)
+    sim_updater_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(*device_), place_, config_.optimizer_state,
+                                                place_.ring_slot_bytes > 0 ? config_.grad_ring : 0, timeline_);
   dist_ = solo_collectives();
   dist_update_ = solo_collectives();
   const int64_t M = config_.accumulation, P = num_pieces(), head = place_.head;
   slice_bytes_.resize(size_t(config_.state_shards) + 1);
 
-  // Visits of one step: forward (embedding shards, layers), the head's shards
-  // (pass 1 over all, then pass 2 over all; both in one visit when there is
-  // one), backward (layers, then embedding shards, each in reverse order).
-  const Sharding& sh = place_.shards;
-  for (int64_t p = 0; p < sh.first_of(head); ++p) visits_.push_back({Visit::kForward, p});
-  std::vector<Visit> head_lse, head_grad;
-  for (int64_t k = 0; k < sh.shards; ++k) {
-    head_lse.push_back({Visit::kHead, 0, k, true, false});
-    head_grad.push_back({Visit::kHead, 0, k, sh.shards == 1, true});
-  }
-  eval_visits_ = visits_;
-  eval_visits_.insert(eval_visits_.end(), head_lse.begin(), head_lse.end());
-  if (sh.shards > 1) visits_.insert(visits_.end(), head_lse.begin(), head_lse.end());
-  visits_.insert(visits_.end(), head_grad.begin(), head_grad.end());
-  for (int64_t p = sh.first_of(head) - 1; p >= 0; --p) visits_.push_back({Visit::kBackward, p});
+  compile_programs(1);
 
   // Pinned host memory: the store, batch staging, tied-gradient staging,
   // host checkpoints and NVMe staging, all in one arena mapped now.
@@ -128,12 +117,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   head_stats_ready_ = device_->make_event();
   updated_.assign(size_t(P), 0);
 
-  if (simulated()) {
-    // No updater thread: step() prices the updates on the host lanes.
-    for (int64_t p = 0; p < P; ++p) sim_update_done_.push_back(device_->make_event());
-    for (size_t r = 0; r < grad_ring_.size(); ++r) sim_ring_free_.push_back(device_->make_event());
-    return;
-  }
+  if (simulated()) return;  // no updater thread: the SimUpdater prices the host operations
   // Align the device's span clock with ours: one empty op, timed from both sides.
   device_->launch(StreamId::kCompute, {"clock sync"}, [](const LaunchContext&) {});
   device_->synchronize();
@@ -205,6 +189,12 @@ void Engine::allocate_activations() {
   }
 }
 
+void Engine::compile_programs(int world) {
+  program_ = compile_step(place_, {.window = config_.window, .clip_norm = config_.clip_norm, .world = world,
+                                   .shared_compute = !config_.shared_compute_file.empty()});
+  eval_program_ = compile_eval(place_, config_.window);
+}
+
 void Engine::settle_compute() {
   if (!compute_pending_) return;
   dist_->barrier();  // every rank wrote its slices
@@ -239,10 +229,10 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   job->step = rep.step;
   job->lr = rep.lr;
   if (simulated()) {
-    const double begin = sim_step_end_us_;
-    sim_step_ = {.job = *job, .spilled_us = std::vector<double>(size_t(num_pieces()), 0.0)};
-    run_pass(visits_, /*train=*/true);
-    const double end = sim_finish();
+    sim_updater_->begin(program_, job->step);
+    const double begin = sim_updater_->pass_begin_us();
+    run_pass(program_, /*train=*/true);
+    const double end = sim_updater_->finish();
     ++steps_;
     const Moved moved = collect_device_spans();
     rep.h2d_bytes = moved.h2d_bytes;
@@ -260,7 +250,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
     jobs_.push_back(job);
   }
   cv_.notify_all();
-  run_pass(visits_, /*train=*/true);  // its waits for updates still mean the previous pass's
+  run_pass(program_, /*train=*/true);  // its waits for updates still mean the previous pass's
   {
     std::lock_guard lk(mu_);
     ++passes_;
@@ -302,7 +292,7 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
   settle_compute();
   upload_batch(ids, labels);
-  run_pass(eval_visits_, /*train=*/false);
+  run_pass(eval_program_, /*train=*/false);
   device_->synchronize(StreamId::kCompute);
   const auto [loss, valid] = pass_loss();
   collect_device_spans();
@@ -340,6 +330,7 @@ void Engine::set_collectives(std::unique_ptr<Collectives> ranks) {
   std::lock_guard lk(mu_);  // the updater is idle (no pass yet), but it reads these under the lock's order
   dist_ = std::move(ranks);
   dist_update_ = std::move(update);
+  compile_programs(dist_->ranks().world);  // the ranks' pass inserts their collectives
   dist_scratch_.assign(dist_->ranks().solo() || place_.grad_bytes == 4 ? 0 : largest, 0.0f);
 }
 

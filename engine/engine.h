@@ -5,18 +5,20 @@
 // fp32 master/m/v. A piece (engine/shards.h) is a layer, a vocabulary shard
 // of the embedding or the LM head, or the head's final norm: the embedding and
 // the LM head are cut so that no unit is larger than a layer. A step of M
-// micro-batches is one sequence of visits:
+// micro-batches runs a program (engine/step_program.h, compiled from the
+// placement): its device operations are a sequence of visits
 //   forward: embedding shards, layers; head: pass 1 (log-sum-exp) over every
 //   LM-head shard, then pass 2 (gradients) over every shard (one visit when
 //   there is one shard); backward: layers, embedding shards, in reverse
-// Each visit needs its pieces' parameters in a unit; the H2D for visit i is
-// issued K-1 visits ahead. Backward visits accumulate fp32 gradients in the
-// unit over all micro-batches and copy them out once, in the compute dtype
-// (bf16 by default; fp32 on request). An updater thread runs CPU AdamW per
-// piece as its gradients land (reading/writing NVMe-tier state through the
-// NvmeStore), or, with global-norm clipping, after all have landed and in
-// forward order, overlapped with the next step's forward. The next H2D of a
-// piece waits for exactly that piece's update.
+// each loaded into a unit K-1 visits ahead (run_pass issues them in order).
+// Backward visits accumulate fp32 gradients in the unit over all
+// micro-batches and copy them out once, in the compute dtype (bf16 by
+// default; fp32 on request). Its host operations run on the updater thread
+// (run_host_op): per piece as its gradients land, their checks, CPU AdamW
+// (reading/writing NVMe-tier state through the NvmeStore), or, with
+// global-norm clipping, every update after the norm and in forward order,
+// overlapped with the next step's forward. The next H2D of a piece waits for
+// exactly that piece's update.
 //
 // Gradients land in host staging: a ring of `grad_ring` slots, reused once
 // its previous gradients are consumed by their piece's update. With exact
@@ -47,10 +49,10 @@
 #include "engine/model_spec.h"
 #include "engine/placement.h"
 #include "engine/shards.h"
+#include "engine/step_program.h"
 #include "engine/timeline.h"
 #include "gpu/cache_unit_pool.h"
 #include "gpu/device.h"
-#include "gpu/sim_device.h"
 #include "host/cpu_adam.h"
 #include "host/state_format.h"
 #include "host/param_store.h"
@@ -61,6 +63,7 @@ namespace strider {
 
 class Collectives;  // engine/collectives.h
 struct RankInfo;
+class SimUpdater;   // engine/sim_updater.h
 
 struct StepReport {
   int64_t step = 0;            // 1 for the first update
@@ -142,11 +145,13 @@ class Engine {
   // On a SimDevice the engine runs its unchanged schedule on virtual clocks:
   // no memory is touched, losses are NaN, the optimizer and NVMe lanes are
   // priced from the device's CostModel, and step_s is virtual time.
-  bool simulated() const { return sim_ != nullptr; }
+  bool simulated() const { return sim_updater_ != nullptr; }
 
   const ModelSpec& spec() const { return spec_; }
   const EngineConfig& config() const { return config_; }
   const Sharding& sharding() const { return place_.shards; }
+  // The training pass's program (engine/step_program.h): what step() runs.
+  const StepProgram& program() const { return program_; }
   Device& device() { return *device_; }
   Timeline& timeline() { return timeline_; }
   int64_t steps_done() const { return steps_; }
@@ -175,25 +180,17 @@ class Engine {
 
  private:
   using Range = ElemRange;  // elements of a block
-  // One visit of the sliding window. Forward and backward visit a piece (a
-  // layer or an embedding shard); a head visit loads the final norm and one
-  // vocabulary shard's LM-head rows and runs pass 1 (log-sum-exp), pass 2
-  // (gradients) or both (one shard) of the streamed loss (gpu/chunked_loss.h).
-  struct Visit {
-    enum Kind { kForward, kHead, kBackward } kind;
-    int64_t piece = 0;    // kForward / kBackward
-    int64_t shard = 0;    // kHead
-    bool lse = false, grad = false;
-  };
   struct Loaded { const CacheUnit* unit; std::unique_ptr<Event> ready; };
 
-  void run_pass(const std::vector<Visit>& visits, bool train);
+  // The device executor: a program's device operations, in order.
+  void run_pass(const StepProgram& program, bool train);
+  void run_visit(const StepOp& v, bool train);
   void allocate_activations();
   void upload_batch(const int64_t* ids, const int64_t* labels);
-  std::vector<int64_t> visit_segments(const Visit& v) const;
-  void load_visit(const Visit& v, size_t i);    // acquire + H2D of its pieces into loaded_[i]
+  std::vector<int64_t> visit_segments(const StepOp& v) const;
+  void load_visit(const StepOp& load);          // acquire + H2D of its visit's pieces into loaded_[visit]
   void run_forward(int64_t p, const CacheUnit& u, bool train);
-  void run_head(const Visit& v, const CacheUnit& u, bool train);
+  void run_head(const StepOp& v, const CacheUnit& u, bool train);
   void run_backward(int64_t p, const CacheUnit& u);
   at::Tensor params_view(const CacheUnit& u, size_t offset, size_t elems) const;
   at::Tensor grads_view(const CacheUnit& u) const;
@@ -207,14 +204,15 @@ class Engine {
   // Micro-batch m's kept logits of one LM-head shard's rows: [tokens, rows].
   at::Tensor kept_logits(int64_t m, const Piece& rows) const;
   void fetch_saved(int64_t b, int64_t m);
-  double visit_flops(const Visit& v, bool train) const;
+  double visit_flops(const StepOp& v, bool train) const;
   void wait_updated(int64_t p);                 // piece p's update of the previous pass is done
   // Moves the device's finished spans into the timeline; returns the bytes
   // they copied each way.
   struct Moved { uint64_t h2d_bytes = 0, d2h_bytes = 0; };
   Moved collect_device_spans();
 
-  // The updater (optimizer and NVMe lanes), engine_update.cpp.
+  // The updater (optimizer and NVMe lanes), engine_update.cpp: the host
+  // executor of the program.
   struct UpdateJob {
     int64_t step = 0;  // 1-based: the AdamW step count
     int64_t pass = 0;  // 1-based: the training pass whose gradients it consumes
@@ -225,6 +223,15 @@ class Engine {
     int64_t nonfinite_block = -1;
     std::string nonfinite_tensor;
   };
+  // What a pass's host operations compute for the ones after them.
+  struct PassFigures {
+    std::vector<double> sumsq;              // per piece: its gradients' sum of squares
+    std::vector<std::string> bad_tensor;    // per piece: its first non-finite gradient tensor, or ""
+    int64_t fault_piece = -1;               // inject_nonfinite_gradient's piece in this pass
+    double grad_scale = 1.0;                // the clipping coefficient, once the norm is known
+  };
+  void updater_main();
+  void run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig);
   // Everything below is per piece (engine/shards.h): gradients land, are
   // staged, checked and updated piece by piece.
   // Host staging of piece p's fp32 gradients: its block's own buffer, or its ring slot.
@@ -237,29 +244,21 @@ class Engine {
   // unit's parameter area, which the visit no longer reads.
   const std::byte* grads_to_send(const CacheUnit& u, size_t elems, int64_t block);
   void release_ring_slot(int64_t p);  // the slot's gradients are consumed
-  void updater_main();
-  // Updates piece order[pos]; the next NVMe-tier piece after it in `order`
-  // has its state read ahead into the other staging slot.
-  void update_piece(const UpdateJob& job, const std::vector<int64_t>& order, size_t pos, double grad_scale);
-  // A skipped step: piece p's gradients are consumed without an update (its
-  // staging is freed; its next H2D may go).
-  void skip_piece(const UpdateJob& job, int64_t p);
+  // AdamW on piece p (this rank's elements of it), its state in RAM or read
+  // into a staging slot by kReadState.
+  void update_piece(const UpdateJob& job, int64_t p, double grad_scale);
+  // Issues the write-back of piece p's updated NVMe-tier state.
+  void write_state_back(int64_t p, int64_t step);
+  // A skipped step: piece p's gradients are consumed without an update (its staging is freed).
+  void skip_piece(int64_t p);
   // The name of the first tensor of piece p whose values (the piece's
   // elements, fp32 or `dtype`) are not finite.
   std::string first_non_finite(int64_t p, const float* values) const;
   // Among piece p's gradients `in` (its elements, block coordinates): the
   // first non-finite's tensor, "(padding)", or "" when all are finite.
   std::string first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const;
-  // Simulation of the updater, in the order it works: sim_landed(p) right
-  // after piece p's D2H is enqueued, sim_finish() after the pass (returns
-  // the virtual time the step ends).
-  void sim_landed(int64_t p);
-  void sim_update(int64_t p, double ready_us);
-  double sim_finish();
   void start_state_read(int64_t p, int slot);
   bool on_nvme(int64_t p) const { return place_.at(p).on_nvme; }
-  // Bytes of master, m and v for n elements in the run's format.
-  uint64_t state_bytes(size_t n) const;
   bool spills_grads(int64_t p) const { return place_.at(p).spills_grads; }
   const Piece& piece(int64_t p) const { return place_.piece(p); }
   int64_t num_pieces() const { return place_.num_pieces(); }
@@ -268,7 +267,9 @@ class Engine {
   EngineConfig config_;
   const Placement place_;  // what lives where (engine/placement.h), after check_config
   std::unique_ptr<Device> device_;
-  SimDevice* sim_ = nullptr;       // device_, when it is a SimDevice
+  StepProgram program_, eval_program_;  // a training pass, an evaluation pass
+  void compile_programs(int world);
+  std::unique_ptr<SimUpdater> sim_updater_;  // on a SimDevice: the host operations on virtual clocks
   at::Device aten_device_;
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<PinnedArena> shared_arena_;  // the shared compute copy (EngineConfig::shared_compute_file)
@@ -295,10 +296,12 @@ class Engine {
     std::vector<NvmeTicket> writes;  // the last write-back from this slot
     std::vector<NvmeTicket> reads;   // the state being read into it
     int64_t reading = -1;            // whose state `reads` bring
+    int64_t holding = -1;            // whose state it holds (updated, not yet written back)
+    int64_t written = -1;            // whose state `writes` carry
     double read_begin_us = 0;
   };
   std::vector<NvmeStaging> nvme_staging_;   // 2 slots: one being updated, one read ahead
-  int last_staging_ = 1;                    // the slot the latest NVMe update used
+  int next_read_slot_ = 0;                  // the slot the next kReadState reads into
   NvmeStaging& idle_staging();
 
   // Device memory beyond the pool, allocated once.
@@ -346,7 +349,6 @@ class Engine {
   at::Tensor head_stats_dev_;
   std::span<double> head_stats_host_;
   std::unique_ptr<Event> head_stats_ready_;
-  std::vector<Visit> visits_, eval_visits_;
   std::vector<Loaded> loaded_;
   std::vector<std::unique_ptr<Event>> grads_ready_;  // per piece: its D2H is done
   int64_t steps_ = 0;      // optimizer steps taken (skipped steps do not count)
@@ -356,7 +358,8 @@ class Engine {
   // Data parallel (set_collectives): the main thread's channel and the updater's.
   std::unique_ptr<Collectives> dist_, dist_update_;
   std::vector<float> dist_scratch_;  // bf16 gradients summed in fp32 (the largest piece)
-  void sum_grads_over_ranks(int64_t p);  // updater thread
+  // Piece p's gradients summed over the ranks: whole, or (slice) this rank's slice of them (updater thread).
+  void sum_grads_over_ranks(int64_t p, bool slice);
   // Sharded state (EngineConfig::state_shards > 1): each piece's slices are
   // in its PiecePlace (engine/placement.h).
   bool sharded() const { return config_.state_shards > 1; }
@@ -366,8 +369,9 @@ class Engine {
   // Block b's whole state of one kind into `out`, which holds this rank's
   // slice: the others' slices from their ranks (a collective).
   void gather_state(int64_t b, std::span<float> out);
-  // The other ranks' updated compute copies of piece p's slices (updater thread).
-  void gather_compute(int64_t p);
+  // The other ranks' updated compute copies of piece p's slices, or (shared)
+  // a barrier: every rank has written its slice of the shared copy (updater thread).
+  void gather_compute(int64_t p, bool shared);
   // The pass's loss summed over its valid tokens, and their count, over every
   // rank (waits for the loss figures' D2H).
   std::pair<double, int64_t> pass_loss();
@@ -386,17 +390,6 @@ class Engine {
   double last_norm_ = -1;                   // set by the updater per pass
   int64_t norm_pass_ = 0;
 
-  // Simulation: host lanes on virtual clocks, and per block the virtual time
-  // its update is done (the next H2D of the block waits for it).
-  SimHostLane sim_optimizer_, sim_nvme_read_, sim_nvme_write_;
-  std::vector<std::unique_ptr<Event>> sim_update_done_;  // per piece
-  std::vector<std::unique_ptr<Event>> sim_ring_free_;  // per ring slot: when its gradients were consumed
-  struct SimStep {
-    UpdateJob job;
-    double all_landed = 0, norm_known = 0, last_update = 0, read_ahead_from = 0;
-    std::vector<double> spilled_us;  // per piece: its spilled gradients are on NVMe
-  } sim_step_;
-  double sim_step_end_us_ = 0;
 };
 
 }  // namespace strider

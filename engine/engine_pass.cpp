@@ -7,6 +7,7 @@
 #include "engine/engine.h"
 #include "engine/collectives.h"
 #include "engine/plan.h"  // attention_core_flops
+#include "engine/sim_updater.h"
 #include "host/error.h"
 
 namespace strider {
@@ -33,14 +34,14 @@ at::Tensor Engine::rows_view(const at::Tensor& flat, size_t offset, const Piece&
       .view({rows.row_end - rows.row_begin, H});
 }
 
-std::vector<int64_t> Engine::visit_segments(const Visit& v) const {
-  if (v.kind != Visit::kHead) return {v.piece};
+std::vector<int64_t> Engine::visit_segments(const StepOp& v) const {
+  if (v.shard < 0) return {v.piece};
   return {place_.shards.norm_piece, place_.shards.lm_piece[size_t(v.shard)]};
 }
 
-double Engine::visit_flops(const Visit& v, bool train) const {
+double Engine::visit_flops(const StepOp& v, bool train) const {
   const double tokens = double(config_.micro_batch * config_.seq), H = double(spec_.dims.hidden);
-  if (v.kind == Visit::kHead) {
+  if (v.kind == StepOpKind::kHead) {
     const Piece& rows = piece(place_.shards.lm_piece[size_t(v.shard)]);
     const double logits = 2.0 * tokens * H * double(rows.row_end - rows.row_begin);
     // Pass 1: the logits; pass 2: the logits again and both gradients.
@@ -50,7 +51,7 @@ double Engine::visit_flops(const Visit& v, bool train) const {
   const int64_t b = piece(v.piece).block;
   if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
   const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(place_.compute_bytes));
-  if (v.kind == Visit::kForward) return c.forward_flops;
+  if (v.kind == StepOpKind::kForward) return c.forward_flops;
   if (!keeps(b)) return c.backward_flops * 1.5;  // recompute + backward
   // Kept activations: backward, and the attention core recomputed.
   return c.backward_flops + attention_core_flops(spec_, config_.micro_batch, config_.seq);
@@ -76,7 +77,7 @@ void Engine::fetch_saved(int64_t b, int64_t m) {
 }
 
 void Engine::wait_updated(int64_t p) {
-  if (simulated()) return;  // ordered by sim_update_done_ events instead
+  if (simulated()) return;  // ordered by the SimUpdater's events instead
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return updated_[size_t(p)] >= passes_ || updater_error_ || stopping_; });
   if (updater_error_) std::rethrow_exception(updater_error_);
@@ -108,12 +109,12 @@ void Engine::upload_batch(const int64_t* ids, const int64_t* labels) {
   device_->wait(StreamId::kCompute, *data_ready_);
 }
 
-void Engine::load_visit(const Visit& v, size_t i) {
+void Engine::load_visit(const StepOp& v) {
   const std::vector<int64_t> segs = visit_segments(v);
   for (int64_t p : segs) wait_updated(p);
   const CacheUnit& u = pool_->acquire(StreamId::kH2D);
   if (simulated())
-    for (int64_t p : segs) device_->wait(StreamId::kH2D, *sim_update_done_[size_t(p)]);
+    for (int64_t p : segs) device_->wait(StreamId::kH2D, sim_updater_->update_done(p));
   size_t offset = 0;
   for (int64_t p : segs) {
     const Piece& pc = piece(p);
@@ -125,7 +126,7 @@ void Engine::load_visit(const Visit& v, size_t i) {
   }
   auto ready = device_->make_event();
   device_->record(*ready, StreamId::kH2D);
-  loaded_[i] = {&u, std::move(ready)};
+  loaded_[size_t(v.visit)] = {&u, std::move(ready)};
 }
 
 void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
@@ -138,7 +139,7 @@ void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
     // Block b writes ring set (b+1)%2, whose checkpoint copy-out (two blocks ago) must be done.
     device_->wait(StreamId::kCompute, *ring_free_[(b + 1) % 2]);
   }
-  const double flops = visit_flops({Visit::kForward, p}, true);
+  const double flops = visit_flops({.kind = StepOpKind::kForward, .piece = p}, true);
   for (int64_t m = 0; m < M; ++m) {
     at::Tensor in = b == 0 ? mb_[size_t(m)].ids : act(b, m);
     at::Tensor out = act(b + 1, m);
@@ -187,7 +188,7 @@ void Engine::run_forward(int64_t p, const CacheUnit& u, bool train) {
   }
 }
 
-void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
+void Engine::run_head(const StepOp& v, const CacheUnit& u, bool train) {
   const int64_t M = config_.accumulation;
   const Sharding& sh = place_.shards;
   const Piece& norm_pc = piece(sh.norm_piece);
@@ -210,7 +211,7 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
       at::Tensor labels = x.labels, lse = x.head_lse, loss_sum = x.loss_sum, valid_tokens = x.valid_tokens;
       HeadState st = x.head;
       const at::Tensor keep = train && config_.keep_logits ? kept_logits(m, rows_pc) : at::Tensor();
-      device_->launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), visit_flops({Visit::kHead, 0, v.shard, true, false}, false)},
+      device_->launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), visit_flops({.kind = StepOpKind::kHead, .shard = v.shard, .lse = true}, false)},
                       [dims, norm, rows, v0, in, labels, chunk, tile, st, lse, loss_sum, valid_tokens, first,
                        last, keep](const LaunchContext&) mutable {
                         if (first) head_state_reset(st);
@@ -234,7 +235,7 @@ void Engine::run_head(const Visit& v, const CacheUnit& u, bool train) {
   }
   if (!grad) return;
   device_->launch(StreamId::kCompute, {"zero grads", int32_t(place_.head)}, [grads](const LaunchContext&) { grads.zero_(); });
-  const double flops = visit_flops({Visit::kHead, 0, v.shard, false, true}, true);
+  const double flops = visit_flops({.kind = StepOpKind::kHead, .shard = v.shard, .grad = true}, true);
   for (int64_t m = 0; m < M; ++m) {
     at::Tensor in = act(place_.head, m);
     at::Tensor labels = mb_[size_t(m)].labels, lse = mb_[size_t(m)].head_lse, grad_h = mb_[size_t(m)].grad_h;
@@ -305,7 +306,7 @@ void Engine::run_backward(int64_t p, const CacheUnit& u) {
     device_->record(*back, StreamId::kH2D);
     device_->wait(StreamId::kCompute, *back);
   }
-  const double flops = visit_flops({Visit::kBackward, p}, true);
+  const double flops = visit_flops({.kind = StepOpKind::kBackward, .piece = p}, true);
   for (int64_t m = 0; m < M; ++m) {
     at::Tensor in = b == 0 ? mb_[size_t(m)].ids : act(b, m);
     at::Tensor gout = mb_[size_t(m)].grad_out;
@@ -377,7 +378,7 @@ void Engine::copy_grads_out(int64_t p, const void* src) {
     // own, from gradients already enqueued, so waiting here cannot deadlock.
     const int64_t use = ring_uses_[size_t(r)]++;
     if (simulated()) {
-      device_->wait(StreamId::kD2H, *sim_ring_free_[size_t(r)]);
+      device_->wait(StreamId::kD2H, sim_updater_->ring_free(r));
     } else {
       std::unique_lock lk(mu_);
       cv_.wait(lk, [&] { return ring_released_[size_t(r)] >= use || updater_error_; });
@@ -388,7 +389,7 @@ void Engine::copy_grads_out(int64_t p, const void* src) {
   device_->copy_d2h(StreamId::kD2H, grad_host(p).data(), src, bytes, {"d2h grads", int32_t(piece(p).block)});
   device_->record(*grads_ready_[size_t(p)], StreamId::kD2H);
   if (simulated()) {
-    sim_landed(p);
+    sim_updater_->landed(p, *grads_ready_[size_t(p)]);
     return;
   }
   {
@@ -412,33 +413,34 @@ Engine::Moved Engine::collect_device_spans() {
   return moved;
 }
 
-void Engine::run_pass(const std::vector<Visit>& visits, bool train) {
+void Engine::run_pass(const StepProgram& program, bool train) {
   device_->prepare_driver_thread();
-  const size_t n = visits.size(), ahead = size_t(config_.window) - 1;
   loaded_.clear();
-  loaded_.resize(n);
+  loaded_.resize(size_t(program.visits));
   saved_in_.clear();  // a pass that threw left nothing to wait for in order
-  size_t next = 0;
-  for (size_t i = 0; i < n; ++i) {
-    // Visits i .. i+K-1 hold the K units; i-1 was released last iteration.
-    for (; next < n && next <= i + ahead; ++next) load_visit(visits[next], next);
-    const Visit& v = visits[i];
-    const CacheUnit& u = *loaded_[i].unit;
-    device_->wait(StreamId::kCompute, *loaded_[i].ready);
-    switch (v.kind) {
-      case Visit::kForward: run_forward(v.piece, u, train); break;
-      case Visit::kHead: run_head(v, u, train); break;
-      case Visit::kBackward: run_backward(v.piece, u); break;
-    }
-    if (v.kind == Visit::kForward || !train || (v.kind == Visit::kHead && !v.grad)) pool_->release(u, {StreamId::kCompute});
-    else pool_->release(u, {StreamId::kCompute, StreamId::kD2H});
-    // A layer that kept its activations gets its first micro-batch's in
-    // while this visit computes.
-    if (train && i + 1 < n && visits[i + 1].kind == Visit::kBackward) {
-      const int64_t b = piece(visits[i + 1].piece).block;
-      if (keeps(b)) fetch_saved(b, 0);
+  for (const StepOp& op : program.ops) {
+    if (!op.on_device()) continue;
+    switch (op.kind) {
+      case StepOpKind::kLoad: load_visit(op); break;
+      // A layer that kept its activations gets its first micro-batch's in
+      // while the visit before its backward computes.
+      case StepOpKind::kFetchSaved: fetch_saved(op.block, 0); break;
+      default: run_visit(op, train); break;
     }
   }
+}
+
+void Engine::run_visit(const StepOp& v, bool train) {
+  const CacheUnit& u = *loaded_[size_t(v.visit)].unit;
+  device_->wait(StreamId::kCompute, *loaded_[size_t(v.visit)].ready);
+  switch (v.kind) {
+    case StepOpKind::kForward: run_forward(v.piece, u, train); break;
+    case StepOpKind::kHead: run_head(v, u, train); break;
+    case StepOpKind::kBackward: run_backward(v.piece, u); break;
+    default: throw Error(fmt::format("run_visit: '{}' is not a visit", op_name(v.kind)));
+  }
+  if (v.kind == StepOpKind::kForward || !train || (v.kind == StepOpKind::kHead && !v.grad)) pool_->release(u, {StreamId::kCompute});
+  else pool_->release(u, {StreamId::kCompute, StreamId::kD2H});
 }
 
 }  // namespace strider

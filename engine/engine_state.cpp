@@ -25,7 +25,7 @@ Engine::NvmeStaging& Engine::idle_staging() {
     for (auto& t : slot.reads) nvme_->wait(t);
     slot.writes.clear();
     slot.reads.clear();
-    slot.reading = -1;
+    slot.reading = slot.holding = slot.written = -1;
   }
   return nvme_staging_[0];
 }

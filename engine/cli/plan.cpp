@@ -11,6 +11,7 @@
 #include "engine/engine.h"
 #include "engine/model_presets.h"
 #include "engine/plan.h"
+#include "engine/step_program.h"
 #include "host/error.h"
 
 namespace strider::cli {
@@ -25,6 +26,7 @@ struct Options {
   int64_t seq = 1024, micro_batch = 1, accumulation = 1, window = 0, steps = 3;
   double clip = 1.0;
   bool json = false;
+  bool schedule = false;
 };
 
 ModelSpec load_spec(const std::string& model) {
@@ -155,6 +157,16 @@ int run(const Options& o) {
   } else if (predicting) {
     out["step_s"] = out["lower_bound_s"] = out["tokens_per_s"] = nullptr;
   }
+  // The program a training step runs (one rank's, with data parallel).
+  std::string schedule;
+  if (o.schedule && p.feasible) {
+    const EngineConfig cfg = p.engine_config(l);
+    const Placement pl = place(spec, cfg);
+    const StepProgram prog = compile_step(pl, {.window = cfg.window, .clip_norm = cfg.clip_norm, .world = int(o.gpus),
+                                               .shared_compute = !cfg.shared_compute_file.empty()});
+    out["schedule"] = to_json(prog, spec, pl);
+    schedule = describe(prog, spec, pl);
+  }
   if (o.json) {
     fmt::print("{}\n", out.dump());
   } else {
@@ -177,6 +189,10 @@ int run(const Options& o) {
         fmt::print("    {:>10}: {:.3f} s ({:.0f}% of the step)\n", lane, busy.get<double>(),
                    100.0 * busy.get<double>() / out["step_s"].get<double>());
     }
+    if (!schedule.empty())
+      fmt::print("\nOne training step's program ({} operations: index, lane, operation, what, what it waits "
+                 "for){}:\n{}",
+                 out["schedule"].size(), o.gpus > 1 ? " of rank 0" : "", schedule);
   }
   return p.feasible ? 0 : 1;
 }
@@ -213,6 +229,8 @@ std::function<int()> add_plan(CLI::App& app) {
                 "eth100, eth200 (a GPU per machine, Ethernet between them)")
       ->capture_default_str();
   c->add_flag("--json", o->json, "one JSON object");
+  c->add_flag("--schedule", o->schedule,
+              "print the step's program: every operation, its lane and what it waits for (with --json: \"schedule\")");
   return [o] { return run(*o); };
 }
 

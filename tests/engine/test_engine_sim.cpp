@@ -8,6 +8,7 @@
 #include "engine/builtin.h"
 #include "engine/engine.h"
 #include "engine/model_presets.h"
+#include "gpu/sim_device.h"  // CostModel
 
 using namespace strider;
 

@@ -1,0 +1,292 @@
+// The step program (engine/step_program.h): the shape each pass gives it,
+// and the engine running it (the updates in the program's order).
+#include "tests/catch_torch.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+
+#include "engine/engine.h"
+#include "engine/step_program.h"
+#include "tests/engine/tiny_model.h"
+
+using namespace strider;
+using K = StepOpKind;
+
+namespace {
+
+ModelSpec tiny(bool tied = false) { return ModelSpec::from_json(test::tiny_config(tied), "tiny"); }
+
+EngineConfig config(double clip) {
+  EngineConfig cfg;
+  cfg.seq = 16;
+  cfg.micro_batch = 1;
+  cfg.accumulation = 2;
+  cfg.clip_norm = clip;
+  cfg.compute.dtype = at::kFloat;
+  cfg.vocab_shard_rows = 40;  // 3 vocabulary shards
+  return cfg;
+}
+
+// Index of the operation of kind k on piece p (-1: none); it must be unique.
+int index_of(const StepProgram& prog, K k, int64_t p) {
+  int found = -1;
+  for (size_t i = 0; i < prog.ops.size(); ++i)
+    if (prog.ops[i].kind == k && prog.ops[i].piece == p) {
+      REQUIRE(found < 0);
+      found = int(i);
+    }
+  return found;
+}
+
+int count(const StepProgram& prog, K k) {
+  return int(std::count_if(prog.ops.begin(), prog.ops.end(), [&](const StepOp& o) { return o.kind == k; }));
+}
+
+// Every dependency points backwards: a program runs in order.
+void check_order(const StepProgram& prog) {
+  for (size_t i = 0; i < prog.ops.size(); ++i)
+    for (int32_t a : prog.ops[i].after)
+      if (a >= 0) CHECK(size_t(a) < i);
+}
+
+}  // namespace
+
+TEST_CASE("every piece lands, is updated and released once, in order", "[engine][program]") {
+  const ModelSpec spec = tiny();
+  for (double clip : {0.0, 1.0}) {
+    const Placement pl = place(spec, config(clip));
+    const StepProgram prog = compile_step(pl, {.window = 2, .clip_norm = clip});
+    check_order(prog);
+    REQUIRE(pl.num_pieces() > 5);  // 3 embedding shards, 3 layers, the norm, 3 LM-head shards
+    for (int64_t p = 0; p < pl.num_pieces(); ++p) {
+      const int land = index_of(prog, K::kLand, p), sq = index_of(prog, K::kSumSquares, p);
+      const int adam = index_of(prog, K::kAdamW, p), up = index_of(prog, K::kUpdated, p);
+      REQUIRE(land >= 0);
+      CHECK((land < sq && sq < adam && adam < up));
+      CHECK(prog.landed[size_t(p)] == land);
+      CHECK(prog.updated[size_t(p)] == up);
+      CHECK(index_of(prog, K::kSumRanks, p) < 0);  // one process: no collectives
+      CHECK(index_of(prog, K::kGather, p) < 0);
+    }
+    CHECK(count(prog, K::kCheckLoss) == 1);
+    CHECK(count(prog, K::kNorm) == 1);
+    CHECK(count(prog, K::kReadState) == 0);
+    // Every visit's load before its compute; the device's operations first.
+    for (const StepOp& o : prog.ops)
+      if (o.kind == K::kForward || o.kind == K::kHead || o.kind == K::kBackward) CHECK(o.after.size() >= 1);
+  }
+}
+
+TEST_CASE("with clipping every AdamW comes after the norm in forward order, and without it each right after its checks",
+          "[engine][program]") {
+  const ModelSpec spec = tiny();
+  SECTION("clipping") {
+    const Placement pl = place(spec, config(1.0));
+    const StepProgram prog = compile_step(pl, {.window = 2, .clip_norm = 1.0});
+    const StepOp& norm = prog.ops[size_t(prog.norm)];
+    CHECK(norm.gate);
+    CHECK(norm.clip == 1.0);
+    int64_t expect = 0;
+    for (size_t i = 0; i < prog.ops.size(); ++i) {
+      if (prog.ops[i].kind == K::kLand) CHECK(int(i) < prog.norm);
+      if (prog.ops[i].kind != K::kAdamW) continue;
+      CHECK(int(i) > prog.norm);
+      CHECK(prog.ops[i].piece == expect++);  // forward order
+    }
+    CHECK(expect == pl.num_pieces());
+    CHECK(count(prog, K::kCheckGrad) == 0);
+  }
+  SECTION("no clipping") {
+    const Placement pl = place(spec, config(0.0));
+    const StepProgram prog = compile_step(pl, {.window = 2});
+    CHECK_FALSE(prog.ops[size_t(prog.norm)].gate);
+    CHECK(prog.norm == int(prog.ops.size()) - 1);  // published once every piece is updated
+    std::vector<int64_t> order;
+    for (const StepOp& o : prog.ops)
+      if (o.kind == K::kAdamW) order.push_back(o.piece);
+    CHECK(order == pl.landing);
+    // Each piece's update follows its own check, before the next piece lands.
+    for (size_t i = 0; i + 1 < pl.landing.size(); ++i) {
+      const int64_t p = pl.landing[i], next = pl.landing[i + 1];
+      CHECK(index_of(prog, K::kCheckGrad, p) < index_of(prog, K::kAdamW, p));
+      CHECK(index_of(prog, K::kAdamW, p) < index_of(prog, K::kLand, next));
+      CHECK(prog.ops[size_t(index_of(prog, K::kCheckGrad, p))].updated_before == int64_t(i));
+    }
+    // The loss is checked once, after the first piece lands and before any update.
+    int loss = -1;
+    for (size_t i = 0; i < prog.ops.size(); ++i)
+      if (prog.ops[i].kind == K::kCheckLoss) loss = int(i);
+    CHECK(loss > index_of(prog, K::kLand, pl.landing[0]));
+    CHECK(loss < index_of(prog, K::kAdamW, pl.landing[0]));
+  }
+}
+
+TEST_CASE("a visit's load is issued K-1 visits ahead, into the unit visit - K released", "[engine][program]") {
+  const ModelSpec spec = tiny();
+  for (int64_t window : {2, 3, 5}) {
+    EngineConfig cfg = config(1.0);
+    cfg.window = window;
+    const StepProgram prog = compile_step(place(spec, cfg), {.window = window, .clip_norm = 1.0});
+    std::map<int64_t, int> load, visit;
+    for (size_t i = 0; i < prog.ops.size(); ++i) {
+      const StepOp& o = prog.ops[i];
+      if (o.kind == K::kLoad) load[o.visit] = int(i);
+      else if (o.on_device() && o.kind != K::kFetchSaved) visit[o.visit] = int(i);
+    }
+    REQUIRE(int64_t(visit.size()) == prog.visits);
+    REQUIRE(load.size() == visit.size());
+    for (int64_t v = 0; v < prog.visits; ++v) {
+      CHECK(load[v] < visit[v]);
+      if (v >= window - 1) CHECK(load[v] < visit[v - (window - 1)]);
+      if (v >= window) CHECK(load[v] > visit[v - window]);
+    }
+    // Each load waits, in the previous pass, for its pieces' release.
+    for (const StepOp& o : prog.ops)
+      if (o.kind == K::kLoad) CHECK_FALSE(o.after_previous.empty());
+  }
+}
+
+TEST_CASE("NVMe tiers: state read ahead before each update and written back after it, spills before the norm",
+          "[engine][program]") {
+  const ModelSpec spec = tiny();
+  for (double clip : {0.0, 1.0}) {
+    EngineConfig cfg = config(clip);
+    cfg.nvme_dir = "/nonexistent";  // placement only: nothing is opened
+    cfg.nvme_blocks = {0, 2, 3, 4};  // the embedding's shards, two layers and the head
+    cfg.grad_ring = 2;
+    const Placement pl = place(spec, cfg);
+    const StepProgram prog = compile_step(pl, {.window = 2, .clip_norm = clip});
+    check_order(prog);
+    int nvme = 0, spills = 0;
+    for (int64_t p = 0; p < pl.num_pieces(); ++p) {
+      const int read = index_of(prog, K::kReadState, p), write = index_of(prog, K::kWriteState, p);
+      const int adam = index_of(prog, K::kAdamW, p), spill = index_of(prog, K::kSpill, p);
+      CHECK((read >= 0) == pl.at(p).on_nvme);
+      CHECK((write >= 0) == pl.at(p).on_nvme);
+      CHECK((spill >= 0) == (clip > 0 && pl.at(p).spills_grads));
+      if (spill >= 0) {
+        ++spills;
+        CHECK(spill < prog.norm);
+        const StepOp& r = prog.ops[size_t(read)];
+        CHECK(std::find(r.after.begin(), r.after.end(), spill) != r.after.end());
+      }
+      if (read < 0) continue;
+      ++nvme;
+      CHECK((read < adam && adam < write));
+      CHECK(write < index_of(prog, K::kUpdated, p));
+      // ...and after the previous pass's write-back of the same state.
+      CHECK(prog.ops[size_t(read)].after_previous == std::vector<int32_t>{write});
+    }
+    CHECK(nvme > 2);
+    CHECK(spills == (clip > 0 ? nvme : 0));  // with clipping, every NVMe piece lands in the ring
+    // Two staging slots: at any point at most two reads are ahead of their updates.
+    int ahead = 0, most = 0;
+    for (const StepOp& o : prog.ops) {
+      if (o.kind == K::kReadState) most = std::max(most, ++ahead);
+      if (o.kind == K::kAdamW && pl.at(o.piece).on_nvme) --ahead;
+    }
+    CHECK(most == 2);
+  }
+}
+
+TEST_CASE("data parallel: the ranks' pass sums every gradient, and sharded state gathers every update",
+          "[engine][program]") {
+  const ModelSpec spec = tiny();
+  SECTION("replicated state") {
+    const Placement pl = place(spec, config(1.0));
+    const StepProgram prog = compile_step(pl, {.window = 2, .clip_norm = 1.0, .world = 2});
+    for (int64_t p = 0; p < pl.num_pieces(); ++p) {
+      const int s = index_of(prog, K::kSumRanks, p);
+      CHECK((index_of(prog, K::kLand, p) < s && s < index_of(prog, K::kSumSquares, p)));
+      CHECK_FALSE(prog.ops[size_t(s)].over_slices);
+      CHECK(index_of(prog, K::kGather, p) < 0);
+    }
+  }
+  SECTION("sharded state, on one machine and on several") {
+    for (bool shared : {false, true}) {
+      EngineConfig cfg = config(1.0);
+      cfg.state_shards = 2;
+      cfg.state_shard = 1;
+      const Placement pl = place(spec, cfg);
+      const StepProgram prog = compile_step(pl, {.window = 2, .clip_norm = 1.0, .world = 2, .shared_compute = shared});
+      check_order(prog);
+      for (int64_t p = 0; p < pl.num_pieces(); ++p) {
+        CHECK(prog.ops[size_t(index_of(prog, K::kSumRanks, p))].over_slices);
+        CHECK(prog.ops[size_t(index_of(prog, K::kSumSquares, p))].over_slices);
+        const int g = index_of(prog, K::kGather, p);
+        CHECK((index_of(prog, K::kAdamW, p) < g && g < index_of(prog, K::kUpdated, p)));
+        CHECK(prog.ops[size_t(g)].shared_copy == shared);
+      }
+    }
+  }
+}
+
+TEST_CASE("kept activations are fetched during the visit before their layer's backward", "[engine][program]") {
+  const ModelSpec spec = tiny();
+  EngineConfig cfg = config(0.0);
+  cfg.saved_blocks = {1, 3};
+  const Placement pl = place(spec, cfg);
+  const StepProgram prog = compile_step(pl, {.window = 2});
+  std::vector<int64_t> fetched;
+  for (size_t i = 0; i < prog.ops.size(); ++i) {
+    if (prog.ops[i].kind != K::kFetchSaved) continue;
+    fetched.push_back(prog.ops[i].block);
+    // The next visit is that layer's backward, and it waits for the fetch.
+    size_t j = i + 1;
+    while (prog.ops[j].kind == K::kLoad) ++j;
+    CHECK(prog.ops[j].kind == K::kBackward);
+    CHECK(prog.ops[j].block == prog.ops[i].block);
+    CHECK(std::find(prog.ops[j].after.begin(), prog.ops[j].after.end(), int32_t(i)) != prog.ops[j].after.end());
+  }
+  CHECK(fetched == std::vector<int64_t>{3, 1});
+  CHECK(count(compile_eval(pl, 2), K::kFetchSaved) == 0);
+}
+
+TEST_CASE("the engine runs its program: the updates land on the timeline in the program's order", "[engine][program]") {
+  const ModelSpec spec = tiny();
+  for (double clip : {0.0, 1.0}) {
+    EngineConfig cfg = config(clip);
+    Engine e(spec, cfg, make_device({.spec = "cpu", .record_spans = true, .chaos = {.enabled = true, .seed = 5}}));
+    e.init_params(3);
+    const test::Batch b = test::batch(cfg.batch(), cfg.seq, spec.dims.vocab, 11);
+    e.step(b.ids.data(), b.labels.data());
+    e.finish_updates();
+    std::vector<int32_t> ran, planned;
+    for (const Span& s : e.timeline().spans())
+      if (s.name == "adamw") ran.push_back(s.block);
+    for (const StepOp& o : e.program().ops)
+      if (o.kind == K::kAdamW) planned.push_back(int32_t(o.block));
+    CHECK(ran == planned);
+    // The same program as the plan's.
+    CHECK(e.program().ops.size() == compile_step(place(spec, cfg), {.window = 2, .clip_norm = clip}).ops.size());
+  }
+}
+
+TEST_CASE("one NVMe-tier layer without clipping: each read waits for its own last write-back", "[engine][program]") {
+  // With one NVMe piece its state is read back in the next pass from the
+  // other staging slot, right after the gradients land: the read must wait
+  // for that write, or it finds the extent mid-write.
+  const ModelSpec spec = tiny();
+  char tmpl[] = "/tmp/strider-program-test-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  std::vector<std::vector<float>> trained;
+  for (bool nvme : {false, true}) {
+    EngineConfig cfg = config(0.0);
+    if (nvme) {
+      cfg.nvme_dir = tmpl;
+      cfg.nvme_blocks = {2};
+    }
+    Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 21}}));
+    e.init_params(3);
+    for (uint32_t s = 0; s < 4; ++s) {
+      const test::Batch b = test::batch(cfg.batch(), cfg.seq, spec.dims.vocab, 40 + s);
+      e.step(b.ids.data(), b.labels.data());
+    }
+    std::vector<float> w(spec.layout(2).total_elems());
+    e.read_state(2, ExtentKind::kMaster, w);
+    trained.push_back(w);
+  }
+  CHECK(trained[0] == trained[1]);
+  std::filesystem::remove_all(tmpl);
+}
