@@ -190,9 +190,8 @@ void Engine::allocate_activations() {
 }
 
 void Engine::compile_programs(int world) {
-  program_ = compile_step(place_, {.window = config_.window, .clip_norm = config_.clip_norm, .world = world,
-                                   .shared_compute = !config_.shared_compute_file.empty()});
-  eval_program_ = compile_eval(place_, config_.window);
+  program_ = compile_step(place_, program_inputs(config_, world));
+  eval_program_ = compile_eval(place_, program_inputs(config_, world));
 }
 
 void Engine::settle_compute() {

@@ -182,16 +182,25 @@ class Engine {
   using Range = ElemRange;  // elements of a block
   struct Loaded { const CacheUnit* unit; std::unique_ptr<Event> ready; };
 
-  // The device executor: a program's device operations, in order.
+  // The device executor: a program's device operations, in order, each
+  // through one table (run_device_op, engine_visit.cpp).
+  struct PassCursor {
+    int saved_slot = -1;                   // the latest kept forward's device slot...
+    std::unique_ptr<Event> saved_done;     // ...and its forward done, for its kSaveOut
+    const std::byte* send = nullptr;       // the visit's gradients in the transfer dtype (kGradsToSend)
+  };
   void run_pass(const StepProgram& program, bool train);
-  void run_visit(const StepOp& v, bool train);
+  void run_device_op(const StepOp& op, PassCursor& at);
+  void forward_op(const StepOp& op, PassCursor& at);
+  void head_op(const StepOp& op);          // kHeadLse, kHeadGrad, kHeadNormBackward
+  void backward_op(const StepOp& op);
+  double op_flops(const StepOp& op) const;
+  const CacheUnit& unit(const StepOp& op) const;  // its visit's unit
+  size_t visit_elems(const StepOp& op) const;     // the parameters its visit loaded
   void allocate_activations();
   void upload_batch(const int64_t* ids, const int64_t* labels);
   std::vector<int64_t> visit_segments(const StepOp& v) const;
   void load_visit(const StepOp& load);          // acquire + H2D of its visit's pieces into loaded_[visit]
-  void run_forward(int64_t p, const CacheUnit& u, bool train);
-  void run_head(const StepOp& v, const CacheUnit& u, bool train);
-  void run_backward(int64_t p, const CacheUnit& u);
   at::Tensor params_view(const CacheUnit& u, size_t offset, size_t elems) const;
   at::Tensor grads_view(const CacheUnit& u) const;
   at::Tensor rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const;  // [rows, hidden]
@@ -204,7 +213,6 @@ class Engine {
   // Micro-batch m's kept logits of one LM-head shard's rows: [tokens, rows].
   at::Tensor kept_logits(int64_t m, const Piece& rows) const;
   void fetch_saved(int64_t b, int64_t m);
-  double visit_flops(const StepOp& v, bool train) const;
   void wait_updated(int64_t p);                 // piece p's update of the previous pass is done
   // Moves the device's finished spans into the timeline; returns the bytes
   // they copied each way.

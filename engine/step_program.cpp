@@ -12,10 +12,22 @@ namespace strider {
 const char* op_name(StepOpKind k) {
   switch (k) {
     case StepOpKind::kLoad: return "load";
+    case StepOpKind::kZeroGrads: return "zero grads";
+    case StepOpKind::kTiedGradIn: return "tied grads in";
+    case StepOpKind::kCheckpointIn: return "checkpoint in";
     case StepOpKind::kForward: return "forward";
-    case StepOpKind::kHead: return "head";
+    case StepOpKind::kSaveOut: return "kept activations out";
+    case StepOpKind::kCheckpointOut: return "checkpoint out";
+    case StepOpKind::kHeadLse: return "head log-sum-exp";
+    case StepOpKind::kLossOut: return "loss out";
+    case StepOpKind::kHeadGrad: return "head backward";
+    case StepOpKind::kHeadNormBackward: return "head norm backward";
+    case StepOpKind::kFetchSaved: return "kept activations in";
     case StepOpKind::kBackward: return "backward";
-    case StepOpKind::kFetchSaved: return "fetch kept activations";
+    case StepOpKind::kGradsToSend: return "grads to send";
+    case StepOpKind::kGradsOut: return "grads out";
+    case StepOpKind::kTiedGradOut: return "tied grads out";
+    case StepOpKind::kRelease: return "release";
     case StepOpKind::kLand: return "land";
     case StepOpKind::kSumRanks: return "sum over ranks";
     case StepOpKind::kSumSquares: return "sum of squares";
@@ -49,96 +61,245 @@ bool keeps(const Placement& place, int64_t b) {
   return b > 0 && b < place.head && place.saved_index[size_t(b)] >= 0;
 }
 
+// One visit of the sliding window: a piece's forward or backward, or the
+// head's visit of one vocabulary shard (pass 1, pass 2, or both).
+struct Visit {
+  enum Kind { kForward, kHead, kBackward } kind;
+  int64_t piece = -1, shard = -1;
+  bool lse = false, grad = false;
+};
+
 // The pieces a visit loads: its piece, or (the head) the norm and one shard's LM-head rows.
-std::vector<int64_t> visit_pieces(const Placement& place, const StepOp& v) {
-  if (v.kind != StepOpKind::kHead) return {v.piece};
+std::vector<int64_t> visit_pieces(const Placement& place, const Visit& v) {
+  if (v.kind != Visit::kHead) return {v.piece};
   return {place.shards.norm_piece, place.shards.lm_piece[size_t(v.shard)]};
 }
 
 // Pass "visits": forward (embedding shards, layers), the head's shards (pass 1
 // over all, then pass 2 over all; one visit each when there is one shard),
 // backward (layers, then embedding shards, each in reverse).
-std::vector<StepOp> visits(const Placement& place, bool train) {
+std::vector<Visit> visits(const Placement& place, bool train) {
   const Sharding& sh = place.shards;
-  std::vector<StepOp> out;
-  for (int64_t p = 0; p < sh.first_of(place.head); ++p)
-    out.push_back({.kind = StepOpKind::kForward, .piece = p, .block = place.piece(p).block});
-  auto head = [&](int64_t s, bool lse, bool grad) {
-    out.push_back({.kind = StepOpKind::kHead, .block = place.head, .shard = s, .lse = lse, .grad = grad});
-  };
+  std::vector<Visit> out;
+  for (int64_t p = 0; p < sh.first_of(place.head); ++p) out.push_back({Visit::kForward, p});
   if (!train || sh.shards > 1)
-    for (int64_t s = 0; s < sh.shards; ++s) head(s, true, false);
+    for (int64_t s = 0; s < sh.shards; ++s) out.push_back({Visit::kHead, -1, s, true, false});
   if (!train) return out;
-  for (int64_t s = 0; s < sh.shards; ++s) head(s, sh.shards == 1, true);
-  for (int64_t p = sh.first_of(place.head) - 1; p >= 0; --p)
-    out.push_back({.kind = StepOpKind::kBackward, .piece = p, .block = place.piece(p).block});
+  for (int64_t s = 0; s < sh.shards; ++s) out.push_back({Visit::kHead, -1, s, sh.shards == 1, true});
+  for (int64_t p = sh.first_of(place.head) - 1; p >= 0; --p) out.push_back({Visit::kBackward, p});
   return out;
 }
+
+// Builds the device operations, remembering where the cross-lane ones are.
+class DeviceBuilder {
+ public:
+  DeviceBuilder(const Placement& place, const ProgramInputs& in, bool train, std::vector<StepOp>& ops)
+      : tied_out_(size_t(place.shards.shards), -1), pl_(place), in_(in), train_(train), ops_(ops),
+        ckpt_out_(size_t(place.head + 1), -1), saved_out_(size_t(place.head + 1), -1) {}
+
+  int32_t add(StepOpKind k, Lane lane, int64_t v, int64_t block, std::vector<int32_t> after = {}) {
+    StepOp o{.kind = k, .lane = lane, .block = block, .visit = v, .after = std::move(after)};
+    if (v >= 0 && v != visit_) {
+      visit_ = v;
+      o.first_of_visit = k != StepOpKind::kLoad;
+    }
+    ops_.push_back(std::move(o));
+    return int32_t(ops_.size()) - 1;
+  }
+  StepOp& op(int32_t i) { return ops_[size_t(i)]; }
+
+  // Pass "micro-batches", with "host checkpoints", "kept activations",
+  // "kept logits" and "tied" inside each visit: visit v's operations after its load.
+  void expand(const Visit& vis, int64_t v, int32_t load) {
+    const int64_t M = in_.micro_batches;
+    const Sharding& sh = pl_.shards;
+    visit_ = -1;
+    int32_t last = -1;  // the latest compute operation of the visit
+    std::vector<int32_t> out;  // what the release waits for on the d2h stream
+    bool grads = false;
+    if (vis.kind == Visit::kForward) {
+      const int64_t p = vis.piece, b = pl_.piece(p).block;
+      const bool first_piece = p == sh.first_of(b), last_piece = p + 1 == sh.end_of(b), keep = train_ && keeps(pl_, b);
+      for (int64_t m = 0; m < M; ++m) {
+        std::vector<int32_t> after{load};
+        const bool wait_ring = in_.checkpoints_on_host && first_piece && m == 0;
+        if (wait_ring && b >= 1 && ckpt_out_[size_t(b)] >= 0) after.push_back(ckpt_out_[size_t(b)]);
+        last = add(StepOpKind::kForward, Lane::kCompute, v, b, std::move(after));
+        op(last).piece = p;
+        op(last).micro_batch = m;
+        op(last).keep = keep;
+        op(last).wait_ring = wait_ring;
+        if (!keep) continue;
+        const int32_t save = add(StepOpKind::kSaveOut, Lane::kD2H, v, b, {last});
+        op(save).micro_batch = m;
+        op(save).last = m + 1 == M;
+        saved_out_[size_t(b)] = save;
+      }
+      if (in_.checkpoints_on_host && last_piece && b + 1 < pl_.head)
+        for (int64_t m = 0; m < M; ++m) {
+          const int32_t c = add(StepOpKind::kCheckpointOut, Lane::kD2H, v, b + 1, {last});
+          op(c).micro_batch = m;
+          op(c).first = m == 0;
+          op(c).last = m + 1 == M;
+          ckpt_out_[size_t(b + 1)] = c;
+        }
+    } else if (vis.kind == Visit::kHead) {
+      const int64_t s = vis.shard;
+      const bool last_shard = s + 1 == sh.shards, grad = train_ && vis.grad;
+      if (vis.lse) {
+        for (int64_t m = 0; m < M; ++m) {
+          last = add(StepOpKind::kHeadLse, Lane::kCompute, v, pl_.head, {load});
+          op(last).shard = s;
+          op(last).micro_batch = m;
+          op(last).keep = train_ && in_.keep_logits;
+        }
+        if (last_shard) loss_ = add(StepOpKind::kLossOut, Lane::kD2H, v, pl_.head, {last});
+      }
+      if (grad) {
+        grads = true;
+        last = add(StepOpKind::kZeroGrads, Lane::kCompute, v, pl_.head, {load});
+        op(last).shard = s;
+        for (int64_t m = 0; m < M; ++m) {
+          last = add(StepOpKind::kHeadGrad, Lane::kCompute, v, pl_.head, {load, loss_});
+          op(last).shard = s;
+          op(last).micro_batch = m;
+          op(last).keep = in_.keep_logits;
+        }
+        if (last_shard)
+          for (int64_t m = 0; m < M; ++m) {
+            last = add(StepOpKind::kHeadNormBackward, Lane::kCompute, v, pl_.head);
+            op(last).micro_batch = m;
+            op(last).shard = s;
+          }
+        const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, pl_.head);
+        op(send).shard = s;
+        if (last_shard) out.push_back(grads_out(v, sh.norm_piece, send));
+        const int64_t lm = sh.lm_piece[size_t(s)];
+        if (pl_.piece(lm).block == pl_.head) {
+          out.push_back(grads_out(v, lm, send));
+        } else {  // tied: the head's share of the embedding's gradient, in fp32
+          out.push_back(tied_out_[size_t(s)] = add(StepOpKind::kTiedGradOut, Lane::kD2H, v, pl_.head, {send}));
+          op(out.back()).shard = s;
+          op(out.back()).piece = lm;
+        }
+      }
+    } else {
+      const int64_t p = vis.piece, b = pl_.piece(p).block;
+      grads = true;
+      if (b == 0 && pl_.piece(sh.lm_piece[0]).block == 0) {  // tied: starts from the head's share
+        std::vector<int32_t> after;
+        for (int32_t t : tied_out_)
+          if (t >= 0) after.push_back(t);
+        last = add(StepOpKind::kTiedGradIn, Lane::kH2D, v, b, std::move(after));
+        op(last).piece = p;
+      } else {
+        last = add(StepOpKind::kZeroGrads, Lane::kCompute, v, b, {load});
+        op(last).piece = p;
+      }
+      int32_t back = -1;
+      if (in_.checkpoints_on_host && b >= 1 && b < pl_.head)
+        for (int64_t m = 0; m < M; ++m) {
+          back = add(StepOpKind::kCheckpointIn, Lane::kH2D, v, b, {ckpt_out_[size_t(b)]});
+          op(back).micro_batch = m;
+          op(back).first = m == 0;
+          op(back).last = m + 1 == M;
+        }
+      const bool keep = keeps(pl_, b);
+      for (int64_t m = 0; m < M; ++m) {
+        if (keep && m + 1 < M) fetch(b, m + 1, v);
+        std::vector<int32_t> after{load};
+        if (back >= 0) after.push_back(back);
+        if (keep) after.push_back(fetched_[size_t(m)]);
+        last = add(StepOpKind::kBackward, Lane::kCompute, v, b, std::move(after));
+        op(last).piece = p;
+        op(last).micro_batch = m;
+        op(last).keep = keep;
+      }
+      const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, b, {last});
+      op(send).piece = p;
+      out.push_back(grads_out(v, p, send));
+    }
+    const int32_t r = add(StepOpKind::kRelease, Lane::kCompute, v, vis.kind == Visit::kHead ? pl_.head : pl_.piece(vis.piece).block, out);
+    op(r).d2h = grads;
+    if (vis.kind != Visit::kHead) op(r).piece = vis.piece;
+    op(r).shard = vis.shard;
+  }
+
+  // Pass "kept activations": micro-batch m of layer b's kept activations, in
+  // during visit v (for m = 0: the visit before its backward).
+  void fetch(int64_t b, int64_t m, int64_t v) {
+    fetched_.resize(size_t(in_.micro_batches), -1);
+    fetched_[size_t(m)] = add(StepOpKind::kFetchSaved, Lane::kH2D, v, b, {saved_out_[size_t(b)]});
+    op(fetched_[size_t(m)]).micro_batch = m;
+  }
+
+  int32_t grads_out(int64_t v, int64_t p, int32_t send) {
+    const int32_t g = add(StepOpKind::kGradsOut, Lane::kD2H, v, pl_.piece(p).block, {send});
+    op(g).piece = p;
+    grads_out_.resize(size_t(pl_.num_pieces()), -1);
+    grads_out_[size_t(p)] = g;
+    return g;
+  }
+
+  int32_t loss_ = -1;                // the kLossOut
+  std::vector<int32_t> grads_out_;   // per piece: its kGradsOut
+  std::vector<int32_t> tied_out_;    // per vocabulary shard: its kTiedGradOut
+
+ private:
+  const Placement& pl_;
+  const ProgramInputs& in_;
+  bool train_;
+  std::vector<StepOp>& ops_;
+  int64_t visit_ = -1;
+  std::vector<int32_t> fetched_;  // per micro-batch: the latest layer's kFetchSaved
+  std::vector<int32_t> ckpt_out_, saved_out_;  // per block: its latest kCheckpointOut (its input), kSaveOut
+};
 
 // Pass "prefetch": visit i's load is issued before visit i - (K - 1) computes
-// (the first K loads before the first visit); a layer that kept its
-// activations gets its first micro-batch's in during the visit before its
-// backward. Returns the device program; visit v's compute op at visit_op[v].
-std::vector<StepOp> prefetch(const Placement& place, std::vector<StepOp> vs, int64_t window, bool train,
-                             std::vector<int32_t>& visit_op) {
-  const size_t n = vs.size(), ahead = size_t(window) - 1;
-  std::vector<StepOp> ops;
-  std::vector<int32_t> load_op(n, -1);
-  visit_op.assign(n, -1);
+// (the first K loads before the first visit), into the unit visit i - K
+// released; a kept layer's first micro-batch comes in during the visit
+// before its backward. Returns the visits; fills `ops`.
+std::vector<Visit> device_program(const Placement& place, const ProgramInputs& in, bool train,
+                                  std::vector<StepOp>& ops, DeviceBuilder& d) {
+  std::vector<Visit> vs = visits(place, train);
+  const size_t n = vs.size(), ahead = size_t(in.window) - 1;
+  std::vector<int32_t> load(n, -1), release(n, -1);
   size_t next = 0;
-  int32_t fetch = -1;  // the kept activations' fetch for visit i, issued during visit i - 1
   for (size_t i = 0; i < n; ++i) {
     for (; next < n && next <= i + ahead; ++next) {
-      StepOp l{.kind = StepOpKind::kLoad, .lane = Lane::kH2D, .block = vs[next].block, .visit = int64_t(next)};
+      std::vector<int32_t> after;
+      if (next >= size_t(in.window)) after.push_back(release[next - size_t(in.window)]);
+      load[next] = d.add(StepOpKind::kLoad, Lane::kH2D, int64_t(next), -1, std::move(after));
+      StepOp& l = d.op(load[next]);
       l.piece = vs[next].piece;
       l.shard = vs[next].shard;
-      // Its unit is the one visit next - K released.
-      if (next >= size_t(window)) l.after.push_back(visit_op[next - size_t(window)]);
-      load_op[next] = int32_t(ops.size());
-      ops.push_back(l);
+      l.block = vs[next].kind == Visit::kHead ? place.head : place.piece(vs[next].piece).block;
     }
-    StepOp v = vs[i];
-    v.visit = int64_t(i);
-    v.after.push_back(load_op[i]);
-    if (fetch >= 0) v.after.push_back(fetch);
-    fetch = -1;
-    visit_op[i] = int32_t(ops.size());
-    ops.push_back(v);
-    if (train && i + 1 < n && vs[i + 1].kind == StepOpKind::kBackward && keeps(place, vs[i + 1].block)) {
-      StepOp f{.kind = StepOpKind::kFetchSaved, .lane = Lane::kH2D, .block = vs[i + 1].block, .visit = int64_t(i + 1)};
-      for (size_t j = 0; j < i; ++j)  // the forward that kept them
-        if (vs[j].kind == StepOpKind::kForward && vs[j].block == f.block) f.after.push_back(visit_op[j]);
-      fetch = int32_t(ops.size());
-      ops.push_back(f);
+    d.expand(vs[i], int64_t(i), load[i]);
+    release[i] = int32_t(ops.size()) - 1;
+    if (train && i + 1 < n && vs[i + 1].kind == Visit::kBackward) {
+      const int64_t b = place.piece(vs[i + 1].piece).block;
+      if (keeps(place, b)) d.fetch(b, 0, int64_t(i));
     }
   }
-  return ops;
-}
-
-// Which compute op sends each piece's gradients out.
-std::vector<int32_t> grads_out_op(const Placement& place, const std::vector<StepOp>& ops) {
-  std::vector<int32_t> out(size_t(place.num_pieces()), -1);
-  const Sharding& sh = place.shards;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const StepOp& o = ops[i];
-    if (o.kind == StepOpKind::kBackward) out[size_t(o.piece)] = int32_t(i);
-    if (o.kind != StepOpKind::kHead || !o.grad) continue;
-    if (o.shard + 1 == sh.shards) out[size_t(sh.norm_piece)] = int32_t(i);
-    const int64_t lm = sh.lm_piece[size_t(o.shard)];
-    if (place.piece(lm).block == place.head) out[size_t(lm)] = int32_t(i);  // untied
-  }
-  return out;
+  return vs;
 }
 
 }  // namespace
 
+ProgramInputs program_inputs(const EngineConfig& c, int world) {
+  return {.window = c.window, .micro_batches = c.accumulation, .checkpoints_on_host = c.checkpoints_on_host,
+          .keep_logits = c.keep_logits, .clip_norm = c.clip_norm, .world = world,
+          .shared_compute = !c.shared_compute_file.empty()};
+}
+
 StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   STRIDER_CHECK(in.window >= 2, "the window is {} cache units; it needs at least 2", in.window);
   StepProgram prog;
-  std::vector<int32_t> visit_op;
-  prog.ops = prefetch(place, visits(place, true), in.window, true, visit_op);
-  prog.visits = int64_t(visit_op.size());
-  const std::vector<int32_t> sent = grads_out_op(place, prog.ops);
+  DeviceBuilder dev(place, in, true, prog.ops);
+  const std::vector<Visit> vs = device_program(place, in, true, prog.ops, dev);
+  prog.visits = int64_t(vs.size());
+  const std::vector<int32_t>& sent = dev.grads_out_;
   const int64_t P = place.num_pieces();
   const bool clip = in.clip_norm > 0;
   const bool sharded = !place.block_slices.empty() && place.block_slices[0].size() > 2;
@@ -148,10 +309,7 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
                         .after = std::move(after)});
     return int32_t(prog.ops.size()) - 1;
   };
-  int32_t loss_op = -1;  // the head visit that computes the loss
-  for (size_t i = 0; i < prog.ops.size(); ++i)
-    if (prog.ops[i].kind == StepOpKind::kHead && prog.ops[i].lse && prog.ops[i].shard + 1 == place.shards.shards)
-      loss_op = int32_t(i);
+  const int32_t loss_op = dev.loss_;  // the loss figures' D2H
 
   // Pass "clipping" decides the update order: with clipping, forward order
   // after the norm; without, each piece as it lands.
@@ -232,29 +390,33 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   // The loads wait for the previous pass's release of their pieces.
   for (StepOp& o : prog.ops)
     if (o.kind == StepOpKind::kLoad)
-      for (int64_t p : visit_pieces(place, prog.ops[size_t(visit_op[size_t(o.visit)])]))
-        o.after_previous.push_back(prog.updated[size_t(p)]);
+      for (int64_t p : visit_pieces(place, vs[size_t(o.visit)])) o.after_previous.push_back(prog.updated[size_t(p)]);
   return prog;
 }
 
-StepProgram compile_eval(const Placement& place, int64_t window) {
+StepProgram compile_eval(const Placement& place, const ProgramInputs& in) {
   StepProgram prog;
-  std::vector<int32_t> visit_op;
-  prog.ops = prefetch(place, visits(place, false), window, false, visit_op);
-  prog.visits = int64_t(visit_op.size());
+  DeviceBuilder dev(place, in, false, prog.ops);
+  prog.visits = int64_t(device_program(place, in, false, prog.ops, dev).size());
   return prog;
 }
 
 namespace {
 
 std::string what(const StepOp& o, const ModelSpec& spec, const Placement& place) {
-  if (o.kind == StepOpKind::kHead)
-    return fmt::format("head shard {}{}{}", o.shard, o.lse ? " pass 1" : "", o.grad ? " pass 2" : "");
-  if (o.kind == StepOpKind::kFetchSaved) return fmt::format("layer.{} micro-batch 0", o.block - 1);
-  if (o.kind == StepOpKind::kLoad && o.shard >= 0) return fmt::format("visit {}: head shard {}", o.visit, o.shard);
-  if (o.piece < 0) return "";
-  const std::string name = place.shards.name(spec, o.piece);
-  return o.kind == StepOpKind::kLoad ? fmt::format("visit {}: {}", o.visit, name) : name;
+  std::string w;
+  if (o.piece >= 0 && o.kind != StepOpKind::kCheckpointOut && o.kind != StepOpKind::kCheckpointIn &&
+      o.kind != StepOpKind::kSaveOut && o.kind != StepOpKind::kFetchSaved)
+    w = place.shards.name(spec, o.piece);
+  else if (o.shard >= 0)
+    w = fmt::format("head shard {}", o.shard);
+  else if (o.block == place.head)
+    w = "head";
+  else if (o.block >= 1)
+    w = fmt::format("layer.{}", o.block - 1);
+  if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kRelease) w = fmt::format("visit {}: {}", o.visit, w);
+  if (o.micro_batch >= 0) w += fmt::format(" m{}", o.micro_batch);
+  return w;
 }
 
 }  // namespace
@@ -269,6 +431,8 @@ std::string describe(const StepProgram& program, const ModelSpec& spec, const Pl
       waits += fmt::format("{}after {} of the previous step", waits.empty() ? "" : "; ",
                            fmt::join(o.after_previous, ","));
     std::string attrs;
+    if (o.keep) attrs += o.kind == StepOpKind::kHeadLse || o.kind == StepOpKind::kHeadGrad ? " [kept logits]" : " [kept activations]";
+    if (o.wait_ring) attrs += " [after its checkpoint set left]";
     if (o.over_slices) attrs += " [this rank's slice]";
     if (o.kind == StepOpKind::kGather && o.shared_copy) attrs += " [barrier: shared copy]";
     if (o.gate) attrs += fmt::format(" [gates the updates; clip {}]", o.clip);
@@ -285,6 +449,9 @@ nlohmann::json to_json(const StepProgram& program, const ModelSpec& spec, const 
                      {"what", what(o, spec, place)}, {"after", o.after}};
     if (o.piece >= 0) j["piece"] = o.piece;
     if (o.block >= 0) j["block"] = o.block;
+    if (o.visit >= 0) j["visit"] = o.visit;
+    if (o.micro_batch >= 0) j["micro_batch"] = o.micro_batch;
+    if (o.keep) j["keep"] = true;
     if (!o.after_previous.empty()) j["after_previous_step"] = o.after_previous;
     if (o.over_slices) j["slice"] = true;
     if (o.gate) j["clip"] = o.clip;

@@ -1,26 +1,33 @@
 // The step as a program (engine/README.md, "The step program").
 //
 // One training pass is a list of operations, compiled from the Placement and
-// the configuration before the first step: the device's (each visit's H2D,
-// issued K-1 visits ahead, and its compute; kept activations fetched ahead)
-// and the host's (per piece: its gradients landing, summed over the ranks,
-// their sum of squares, parked on NVMe, the state read, AdamW, the state
-// written back, the compute copy gathered, the next H2D released; the loss and
-// norm checks). Features are passes that add or order operations:
-//   visits       forward, head, backward: the base program
-//   prefetch     each visit's load K-1 visits ahead; kept activations fetched
-//                one visit ahead of their layer's backward
-//   landing      each piece's gradients in landing order, and their sums of squares
-//   ranks        sums over the ranks (a reduce-scatter when the state is
-//                sharded) and the compute copy's gather
-//   clipping     with clipping: the norm gates every update, which run in
-//                forward order after it; without: each update follows its
-//                gradients, the first piece checked before any update
-//   nvme         spills under clipping, state read ahead and written back
+// the configuration before the first step: the device's (per visit of the
+// sliding window: its H2D issued K-1 visits ahead, its compute per
+// micro-batch, the copies of checkpoints, kept activations and gradients, its
+// release) and the host's (per piece: its gradients landing, summed over the
+// ranks, their sum of squares, parked on NVMe, the state read, AdamW, the
+// state written back, the compute copy gathered, the next H2D released; the
+// loss and norm checks). Features are passes that add or order operations:
+//   visits            forward, head, backward: the base program
+//   micro-batches     each visit's compute per micro-batch, its gradients out
+//   prefetch          each visit's load K-1 visits ahead
+//   host checkpoints  a layer's input out after the forward, in before the backward
+//   kept activations  what a kept layer's forward keeps out, and back one
+//                     micro-batch ahead of its backward
+//   tied              the head's share of a tied embedding's gradient out and in
+//   landing           each piece's gradients in landing order, and their sums of squares
+//   ranks             sums over the ranks (a reduce-scatter when the state is
+//                     sharded) and the compute copy's gather
+//   clipping          with clipping: the norm gates every update, which run in
+//                     forward order after it; without: each update follows its
+//                     gradients, the first piece checked before any update
+//   nvme              spills under clipping, state read ahead and written back
 // Two executors walk the same program: the engine's (the issuing thread for
 // device operations, the updater thread for host ones) and the simulator
-// (engine/sim_updater.h) on virtual clocks. Neither reads a feature flag of
-// the configuration: a pass has put what they need into the operations.
+// (engine/sim_updater.h, with the SimDevice pricing the device's). Neither
+// reads a feature flag of the configuration: a pass has put what they need
+// into the operations. engine/README.md, "The step program", says where a new
+// kind of operation goes.
 #pragma once
 
 #include <cstdint>
@@ -36,12 +43,26 @@
 namespace strider {
 
 enum class StepOpKind : uint8_t {
-  // Device operations, in the order the issuing thread enqueues them.
-  kLoad,        // h2d: a visit's pieces into a cache unit (after their previous pass's kUpdated)
-  kForward,     // compute: a piece's forward over every micro-batch
-  kHead,        // compute: the head's visit of one vocabulary shard (pass 1, pass 2, or both)
-  kBackward,    // compute: a piece's recompute + backward over every micro-batch; its gradients out
-  kFetchSaved,  // h2d: a layer's kept activations for its first micro-batch, one visit ahead
+  // Device operations, in the order the issuing thread enqueues them. A
+  // visit's operations hold its unit from its kLoad to its kRelease; the
+  // first of them on the compute stream waits for the load.
+  kLoad,               // h2d: a visit's pieces into a cache unit (after their previous pass's kUpdated)
+  kZeroGrads,          // compute: the unit's gradient accumulators zeroed
+  kTiedGradIn,         // h2d: a tied embedding shard's gradient starts from the head's share
+  kCheckpointIn,       // h2d: a layer's input for one micro-batch back from the host
+  kForward,            // compute: a piece's forward for one micro-batch
+  kSaveOut,            // d2h: what a kept layer's forward kept, for one micro-batch
+  kCheckpointOut,      // d2h: the next block's input for one micro-batch out to the host
+  kHeadLse,            // compute: the head's pass 1 (log-sum-exp) over one shard, one micro-batch
+  kLossOut,            // d2h: the pass's loss figures
+  kHeadGrad,           // compute: the head's pass 2 (gradients) over one shard, one micro-batch
+  kHeadNormBackward,   // compute: the final norm's backward for one micro-batch
+  kFetchSaved,         // h2d: a kept layer's activations for one micro-batch, one ahead of its backward
+  kBackward,           // compute: a piece's recompute + backward for one micro-batch
+  kGradsToSend,        // compute: the visit's gradients in the transfer dtype
+  kGradsOut,           // d2h: a piece's gradients to host staging
+  kTiedGradOut,        // d2h: the head's share of a tied embedding's gradient (fp32)
+  kRelease,            // the visit's unit free once its streams pass this point
   // Host operations, in the order the updater thread runs them.
   kLand,        // a piece's gradients are in host staging (their D2H is done)
   kSumRanks,    // summed over the ranks (a reduce-scatter of this rank's slice when sharded)
@@ -61,12 +82,17 @@ const char* op_name(StepOpKind k);
 struct StepOp {
   StepOpKind kind = StepOpKind::kForward;
   Lane lane = Lane::kCompute;
-  int64_t piece = -1;          // the piece (kHead: -1; kFetchSaved: -1)
-  int64_t block = -1;          // kFetchSaved: the layer; else the piece's block (kHead: the head)
-  int64_t visit = -1;          // device operations: the visit they load or compute
-  int64_t shard = -1;          // kHead: the vocabulary shard
-  bool lse = false, grad = false;  // kHead: pass 1, pass 2
+  int64_t piece = -1;          // the piece it works on (-1: none, or the head's visit)
+  int64_t block = -1;          // the piece's block; kCheckpointIn/Out, kSaveOut, kFetchSaved: the layer
+  int64_t visit = -1;          // device operations: their visit
+  int64_t micro_batch = -1;    // device operations per micro-batch
+  int64_t shard = -1;          // the head's operations: the vocabulary shard
   // Set by passes, read by the executors.
+  bool first_of_visit = false; // a device operation: the visit's first (it waits for the load)
+  bool keep = false;           // kForward: keeps what backward needs (kept activations); kBackward: uses it
+  bool first = false, last = false;  // a group's first and last (kCheckpointIn/Out; kSaveOut's last)
+  bool wait_ring = false;      // kForward: its output's checkpoint ring set must have left (host checkpoints)
+  bool d2h = false;            // kRelease: the visit's gradients left on the d2h stream
   bool over_slices = false;    // kSumRanks, kSumSquares, kAdamW: this rank holds a slice (sharded state)
   bool collective = false;     // kSumRanks, kGather: the ranks take part (kGather: a barrier when shared)
   bool shared_copy = false;    // kGather, kAdamW: the machine's ranks share one compute copy
@@ -76,12 +102,12 @@ struct StepOp {
   std::vector<int32_t> after;  // operations of the same pass it waits for (indices into StepProgram::ops)
   std::vector<int32_t> after_previous;  // operations of the previous pass it waits for
   // The issuing thread's (else the updater's).
-  bool on_device() const { return kind <= StepOpKind::kFetchSaved; }
+  bool on_device() const { return kind <= StepOpKind::kRelease; }
 };
 
 struct StepProgram {
   std::vector<StepOp> ops;      // device and host operations; each executor walks its own in order
-  int64_t visits = 0;           // the visits (kForward / kHead / kBackward operations)
+  int64_t visits = 0;           // the visits (a kLoad ... kRelease each)
   std::vector<int32_t> landed;  // per piece: its kLand operation
   std::vector<int32_t> updated; // per piece: its kUpdated operation
   int32_t norm = -1;            // the kNorm operation: the step's end for step()
@@ -90,14 +116,20 @@ struct StepProgram {
 // What the passes need beyond the placement.
 struct ProgramInputs {
   int64_t window = 2;           // K: loads run K-1 visits ahead
+  int64_t micro_batches = 1;    // M
+  bool checkpoints_on_host = false;  // block inputs copied out after forward and back before backward
+  bool keep_logits = false;     // the head's pass 1 keeps the logits for pass 2
   double clip_norm = 0;
   int world = 1;                // ranks stepping together (1: none)
   bool shared_compute = false;  // the machine's ranks share one compute copy
 };
 
+// The inputs an engine configuration gives, for `world` ranks.
+ProgramInputs program_inputs(const EngineConfig& config, int world);
+
 // The training pass and the evaluation pass (forward and pass 1 only; no host operations).
 StepProgram compile_step(const Placement& place, const ProgramInputs& in);
-StepProgram compile_eval(const Placement& place, int64_t window);
+StepProgram compile_eval(const Placement& place, const ProgramInputs& in);
 
 // The bytes operations move, for both executors' spans: master, m and v of
 // n elements in `format`; what AdamW reads and writes for them (fp32: master,

@@ -162,8 +162,7 @@ int run(const Options& o) {
   if (o.schedule && p.feasible) {
     const EngineConfig cfg = p.engine_config(l);
     const Placement pl = place(spec, cfg);
-    const StepProgram prog = compile_step(pl, {.window = cfg.window, .clip_norm = cfg.clip_norm, .world = int(o.gpus),
-                                               .shared_compute = !cfg.shared_compute_file.empty()});
+    const StepProgram prog = compile_step(pl, program_inputs(cfg, int(o.gpus)));
     out["schedule"] = to_json(prog, spec, pl);
     schedule = describe(prog, spec, pl);
   }

@@ -72,9 +72,18 @@ TEST_CASE("every piece lands, is updated and released once, in order", "[engine]
     CHECK(count(prog, K::kCheckLoss) == 1);
     CHECK(count(prog, K::kNorm) == 1);
     CHECK(count(prog, K::kReadState) == 0);
-    // Every visit's load before its compute; the device's operations first.
-    for (const StepOp& o : prog.ops)
-      if (o.kind == K::kForward || o.kind == K::kHead || o.kind == K::kBackward) CHECK(o.after.size() >= 1);
+    // Every visit: one load, then its operations, the first waiting for the load, the last its release.
+    std::map<int64_t, int> load, first, release;
+    for (size_t i = 0; i < prog.ops.size(); ++i) {
+      const StepOp& o = prog.ops[i];
+      if (o.kind == K::kLoad) CHECK(load.emplace(o.visit, int(i)).second);
+      if (o.first_of_visit) CHECK(first.emplace(o.visit, int(i)).second);
+      if (o.kind == K::kRelease) CHECK(release.emplace(o.visit, int(i)).second);
+    }
+    REQUIRE(int64_t(load.size()) == prog.visits);
+    REQUIRE(first.size() == load.size());
+    REQUIRE(release.size() == load.size());
+    for (int64_t v = 0; v < prog.visits; ++v) CHECK((load[v] < first[v] && first[v] < release[v]));
   }
 }
 
@@ -127,23 +136,87 @@ TEST_CASE("a visit's load is issued K-1 visits ahead, into the unit visit - K re
   for (int64_t window : {2, 3, 5}) {
     EngineConfig cfg = config(1.0);
     cfg.window = window;
-    const StepProgram prog = compile_step(place(spec, cfg), {.window = window, .clip_norm = 1.0});
-    std::map<int64_t, int> load, visit;
+    const StepProgram prog = compile_step(place(spec, cfg), program_inputs(cfg, 1));
+    std::map<int64_t, int> load, first, release;
     for (size_t i = 0; i < prog.ops.size(); ++i) {
       const StepOp& o = prog.ops[i];
       if (o.kind == K::kLoad) load[o.visit] = int(i);
-      else if (o.on_device() && o.kind != K::kFetchSaved) visit[o.visit] = int(i);
+      if (o.first_of_visit) first[o.visit] = int(i);
+      if (o.kind == K::kRelease) release[o.visit] = int(i);
     }
-    REQUIRE(int64_t(visit.size()) == prog.visits);
-    REQUIRE(load.size() == visit.size());
+    REQUIRE(int64_t(first.size()) == prog.visits);
     for (int64_t v = 0; v < prog.visits; ++v) {
-      CHECK(load[v] < visit[v]);
-      if (v >= window - 1) CHECK(load[v] < visit[v - (window - 1)]);
-      if (v >= window) CHECK(load[v] > visit[v - window]);
+      if (v >= window - 1) CHECK(load[v] < first[v - (window - 1)]);
+      if (v >= window) {
+        CHECK(load[v] > release[v - window]);
+        const StepOp& l = prog.ops[size_t(load[v])];
+        CHECK(l.after == std::vector<int32_t>{release[v - window]});
+      }
     }
     // Each load waits, in the previous pass, for its pieces' release.
     for (const StepOp& o : prog.ops)
       if (o.kind == K::kLoad) CHECK_FALSE(o.after_previous.empty());
+  }
+}
+
+TEST_CASE("every visit runs each micro-batch once: forward, head passes, backward", "[engine][program]") {
+  const ModelSpec spec = tiny();
+  EngineConfig cfg = config(1.0);
+  cfg.accumulation = 3;
+  const Placement pl = place(spec, cfg);
+  const StepProgram prog = compile_step(pl, program_inputs(cfg, 1));
+  const int64_t M = 3, shards = pl.shards.shards, body = pl.shards.first_of(pl.head);
+  CHECK(count(prog, K::kForward) == body * M);
+  CHECK(count(prog, K::kBackward) == body * M);
+  CHECK(count(prog, K::kHeadLse) == shards * M);
+  CHECK(count(prog, K::kHeadGrad) == shards * M);
+  CHECK(count(prog, K::kHeadNormBackward) == M);
+  CHECK(count(prog, K::kLossOut) == 1);
+  CHECK(count(prog, K::kGradsOut) == pl.num_pieces());  // untied: every piece's gradients leave once
+  CHECK(count(prog, K::kCheckpointOut) == 0);
+  CHECK(count(prog, K::kSaveOut) == 0);
+  // The evaluation pass: forward and pass 1 only, nothing leaves but the loss.
+  const StepProgram eval = compile_eval(pl, program_inputs(cfg, 1));
+  CHECK(count(eval, K::kForward) == body * M);
+  CHECK(count(eval, K::kHeadLse) == shards * M);
+  CHECK(count(eval, K::kBackward) + count(eval, K::kHeadGrad) + count(eval, K::kGradsOut) == 0);
+  CHECK(count(eval, K::kLand) == 0);
+  // Tied: the head's share of each embedding shard leaves in fp32 and comes back into its backward.
+  const ModelSpec tied = tiny(true);
+  const Placement tp = place(tied, cfg);
+  const StepProgram tprog = compile_step(tp, program_inputs(cfg, 1));
+  CHECK(count(tprog, K::kTiedGradOut) == tp.shards.shards);
+  CHECK(count(tprog, K::kTiedGradIn) == tp.shards.shards);
+  CHECK(count(tprog, K::kGradsOut) == tp.num_pieces());
+}
+
+TEST_CASE("host checkpoints add exactly two copies per layer and micro-batch", "[engine][program]") {
+  const ModelSpec spec = tiny();
+  for (int64_t M : {1, 2, 3}) {
+    EngineConfig cfg = config(1.0);
+    cfg.accumulation = M;
+    const Placement pl = place(spec, cfg);
+    const StepProgram off = compile_step(pl, program_inputs(cfg, 1));
+    cfg.checkpoints_on_host = true;
+    const StepProgram on = compile_step(place(spec, cfg), program_inputs(cfg, 1));
+    const int64_t layers = pl.head - 1;
+    CHECK(count(on, K::kCheckpointOut) == layers * M);
+    CHECK(count(on, K::kCheckpointIn) == layers * M);
+    CHECK(on.ops.size() == off.ops.size() + size_t(2 * layers * M));
+    // Each layer's input leaves after the block before it and comes back before its backward.
+    for (int64_t b = 1; b <= layers; ++b)
+      for (int64_t m = 0; m < M; ++m) {
+        int out = -1, in = -1, fwd = -1, bwd = -1;
+        for (size_t i = 0; i < on.ops.size(); ++i) {
+          const StepOp& o = on.ops[i];
+          if (o.micro_batch != m) continue;
+          if (o.kind == K::kCheckpointOut && o.block == b) out = int(i);
+          if (o.kind == K::kCheckpointIn && o.block == b) in = int(i);
+          if (o.kind == K::kForward && o.block == b) fwd = int(i);
+          if (o.kind == K::kBackward && o.block == b) bwd = int(i);
+        }
+        CHECK((out < fwd && fwd < in && in < bwd));
+      }
   }
 }
 
@@ -222,25 +295,38 @@ TEST_CASE("data parallel: the ranks' pass sums every gradient, and sharded state
   }
 }
 
-TEST_CASE("kept activations are fetched during the visit before their layer's backward", "[engine][program]") {
+TEST_CASE("kept activations add one copy out and one in per kept layer and micro-batch, each in ahead of its backward",
+          "[engine][program]") {
   const ModelSpec spec = tiny();
   EngineConfig cfg = config(0.0);
   cfg.saved_blocks = {1, 3};
+  cfg.accumulation = 3;
   const Placement pl = place(spec, cfg);
-  const StepProgram prog = compile_step(pl, {.window = 2});
-  std::vector<int64_t> fetched;
+  const StepProgram prog = compile_step(pl, program_inputs(cfg, 1));
+  CHECK(count(prog, K::kSaveOut) == 2 * 3);
+  CHECK(count(prog, K::kFetchSaved) == 2 * 3);
+  std::vector<std::pair<int64_t, int64_t>> fetched;
   for (size_t i = 0; i < prog.ops.size(); ++i) {
-    if (prog.ops[i].kind != K::kFetchSaved) continue;
-    fetched.push_back(prog.ops[i].block);
-    // The next visit is that layer's backward, and it waits for the fetch.
-    size_t j = i + 1;
-    while (prog.ops[j].kind == K::kLoad) ++j;
-    CHECK(prog.ops[j].kind == K::kBackward);
-    CHECK(prog.ops[j].block == prog.ops[i].block);
-    CHECK(std::find(prog.ops[j].after.begin(), prog.ops[j].after.end(), int32_t(i)) != prog.ops[j].after.end());
+    const StepOp& o = prog.ops[i];
+    if (o.kind == K::kForward) CHECK(o.keep == (o.block == 1 || o.block == 3));
+    if (o.kind != K::kFetchSaved) continue;
+    fetched.push_back({o.block, o.micro_batch});
+    // Its backward comes later and waits for it; the forward's copy out came before.
+    int bwd = -1;
+    for (size_t j = i + 1; j < prog.ops.size() && bwd < 0; ++j)
+      if (prog.ops[j].kind == K::kBackward && prog.ops[j].block == o.block && prog.ops[j].micro_batch == o.micro_batch)
+        bwd = int(j);
+    REQUIRE(bwd > 0);
+    CHECK(prog.ops[size_t(bwd)].keep);
+    const std::vector<int32_t>& a = prog.ops[size_t(bwd)].after;
+    CHECK(std::find(a.begin(), a.end(), int32_t(i)) != a.end());
+    // Micro-batch 0 during the visit before the backward's; m + 1 during m's.
+    if (o.micro_batch == 0) CHECK(o.visit + 1 == prog.ops[size_t(bwd)].visit);
+    else CHECK(o.visit == prog.ops[size_t(bwd)].visit);
   }
-  CHECK(fetched == std::vector<int64_t>{3, 1});
-  CHECK(count(compile_eval(pl, 2), K::kFetchSaved) == 0);
+  CHECK(fetched == std::vector<std::pair<int64_t, int64_t>>{{3, 0}, {3, 1}, {3, 2}, {1, 0}, {1, 1}, {1, 2}});
+  CHECK(count(compile_eval(pl, program_inputs(cfg, 1)), K::kFetchSaved) == 0);
+  CHECK(count(compile_eval(pl, program_inputs(cfg, 1)), K::kSaveOut) == 0);
 }
 
 TEST_CASE("the engine runs its program: the updates land on the timeline in the program's order", "[engine][program]") {
@@ -259,7 +345,7 @@ TEST_CASE("the engine runs its program: the updates land on the timeline in the 
       if (o.kind == K::kAdamW) planned.push_back(int32_t(o.block));
     CHECK(ran == planned);
     // The same program as the plan's.
-    CHECK(e.program().ops.size() == compile_step(place(spec, cfg), {.window = 2, .clip_norm = clip}).ops.size());
+    CHECK(e.program().ops.size() == compile_step(place(spec, cfg), program_inputs(cfg, 1)).ops.size());
   }
 }
 

@@ -42,8 +42,10 @@ def test_builtin_model_schedule_has_every_pass(strider):
         assert all(a < i for a in o["after"] if a >= 0)
         if o["op"] == "load":
             assert o["after_previous_step"]
-    loads, visits = ops(prog, "load"), [i for i, o in enumerate(prog) if o["op"] in ("forward", "head", "backward")]
-    assert len(loads) == len(visits)
+    # Each visit: a load, its operations, a release; forward and backward once per micro-batch.
+    assert len(ops(prog, "load")) == len(ops(prog, "release"))
+    assert {o["micro_batch"] for o in prog if o["op"] in ("forward", "backward")} == {0, 1}
+    assert len(ops(prog, "grads out")) == len(pieces)
 
 
 def test_no_clipping_updates_each_piece_as_it_lands(strider):
