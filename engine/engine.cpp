@@ -230,7 +230,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   if (simulated()) {
     sim_updater_->begin(program_, job->step);
     const double begin = sim_updater_->pass_begin_us();
-    run_pass(program_, /*train=*/true);
+    run_pass(program_);
     const double end = sim_updater_->finish();
     ++steps_;
     const Moved moved = collect_device_spans();
@@ -249,7 +249,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
     jobs_.push_back(job);
   }
   cv_.notify_all();
-  run_pass(program_, /*train=*/true);  // its waits for updates still mean the previous pass's
+  run_pass(program_);  // its waits for updates still mean the previous pass's
   {
     std::lock_guard lk(mu_);
     ++passes_;
@@ -291,7 +291,7 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
   settle_compute();
   upload_batch(ids, labels);
-  run_pass(eval_program_, /*train=*/false);
+  run_pass(eval_program_);
   device_->synchronize(StreamId::kCompute);
   const auto [loss, valid] = pass_loss();
   collect_device_spans();

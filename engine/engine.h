@@ -189,7 +189,7 @@ class Engine {
     std::unique_ptr<Event> saved_done;     // ...and its forward done, for its kSaveOut
     const std::byte* send = nullptr;       // the visit's gradients in the transfer dtype (kGradsToSend)
   };
-  void run_pass(const StepProgram& program, bool train);
+  void run_pass(const StepProgram& program);
   void run_device_op(const StepOp& op, PassCursor& at);
   void forward_op(const StepOp& op, PassCursor& at);
   void head_op(const StepOp& op);          // kHeadLse, kHeadGrad, kHeadNormBackward

@@ -1,7 +1,9 @@
 // The engine's device pass (DESIGN.md, "One training step", steps 1-3): the
-// batch upload, each block visit's H2D (K-1 visits ahead), forward, head and
-// backward on the compute stream, checkpoints and gradients out on the d2h
-// stream into host staging (their own buffer or the gradient ring).
+// batch upload, the device executor (run_pass walks the program's device
+// operations; engine_visit.cpp handles each kind), and what its operations
+// share: each visit's H2D into a unit, the views over units and
+// micro-batches, and the gradients' D2H into host staging (their own buffer
+// or the gradient ring).
 #include <cstring>
 
 #include "engine/engine.h"
@@ -177,7 +179,7 @@ Engine::Moved Engine::collect_device_spans() {
   return moved;
 }
 
-void Engine::run_pass(const StepProgram& program, bool train) {
+void Engine::run_pass(const StepProgram& program) {
   device_->prepare_driver_thread();
   loaded_.clear();
   loaded_.resize(size_t(program.visits));
