@@ -48,10 +48,17 @@ std::vector<fs::path> CheckpointSeries::list() const {
   if (fs::is_directory(root_, ec))
     for (const auto& entry : fs::directory_iterator(root_, ec)) {
       const std::string name = entry.path().filename().string();
-      const int64_t step = step_of(name);
+      int64_t step = step_of(name);
       if (step < 0 || !entry.is_directory()) continue;
       // A ".old" twin counts only where the save died between its renames.
       if (name.ends_with(".old") && fs::exists(dir_for(step))) continue;
+      // Newest by the step it records, not by its name (a renamed or copied
+      // directory); one that cannot say is listed by its name, so that
+      // resume says why it fails.
+      if (fs::exists(entry.path() / "trainer_state.json", ec)) try {
+          step = inspect_training_checkpoint(entry.path()).step;
+        } catch (const Error&) {
+        }
       found.emplace_back(step, entry.path());
     }
   std::stable_sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -92,6 +99,18 @@ fs::path CheckpointSeries::save(Engine& engine, std::string_view model_config_js
   // Temp directories of saves that died mid-way (one saver per root: the
   // caller holds its lock), whatever step they were for.
   std::error_code ec;
+  // A directory of this step's name that is not a checkpoint (empty, or
+  // someone else's) is moved aside, not deleted and not left to refuse this
+  // save and every later one.
+  if (fs::is_directory(dir, ec) && !fs::exists(dir / "trainer_state.json", ec)) {
+    fs::path aside;
+    for (int n = 1; aside.empty() || fs::exists(aside, ec); ++n) aside = fs::path(dir.string() + fmt::format(".unreadable-{}", n));
+    fs::rename(dir, aside, ec);
+    STRIDER_CHECK(!ec, "{} is in the way of this step's checkpoint and is not one (no trainer_state.json); moving it "
+                  "to {} failed: {}; move or remove it", dir.string(), aside.string(), ec.message());
+    fmt::print(stderr, "warning: {} was not a training checkpoint (no trainer_state.json); moved to {} to save this "
+               "step's\n", dir.string(), aside.string());
+  }
   if (fs::is_directory(root_, ec))
     for (const auto& entry : fs::directory_iterator(root_, ec)) {
       const std::string name = entry.path().filename().string();
@@ -103,6 +122,7 @@ fs::path CheckpointSeries::save(Engine& engine, std::string_view model_config_js
   int kept = 0;
   for (const fs::path& p : all) {
     if (p == root_) continue;  // a single checkpoint at the root is the user's: never removed
+    if (!fs::exists(p / "trainer_state.json", ec)) continue;  // not a checkpoint: not ours to remove
     if (++kept <= keep_) continue;
     fs::remove_all(p, ec);  // best effort: the next save tries again
   }

@@ -10,7 +10,9 @@
 // atomic protocol; only after it is published are the oldest beyond `keep`
 // removed. A save first checks the file system's free space against what the
 // checkpoint will take and refuses, naming both figures, before writing
-// anything: the older checkpoints stay. Resuming takes the newest checkpoint
+// anything: the older checkpoints stay. A directory in the way of a save that
+// is not a checkpoint (empty, or foreign) is moved aside, with a warning; the
+// removal of old ones touches only checkpoints. Resuming takes the newest checkpoint
 // that loads, and says which; a damaged one (a missing or corrupt file) is
 // skipped with a warning, while one that does not fit the engine (another
 // model, other maths settings: CheckpointMismatch) stops the search, since
@@ -39,9 +41,10 @@ class CheckpointSeries {
   const std::filesystem::path& root() const { return root_; }
   std::filesystem::path dir_for(int64_t step) const;  // <root>/step-<8 digits>
 
-  // The checkpoints present, newest (highest step) first: step directories
-  // (or their ".old" twin left by a save that died between its renames), and
-  // the root itself when it is one checkpoint.
+  // The checkpoints present, newest (highest step they record; their name's
+  // where they cannot say) first: step directories (or their ".old" twin left
+  // by a save that died between its renames), and the root itself when it is
+  // one checkpoint.
   std::vector<std::filesystem::path> list() const;
 
   // Bytes a checkpoint of `engine` takes on disk (state, and the model when

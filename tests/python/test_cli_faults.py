@@ -129,6 +129,42 @@ def test_a_second_signal_ends_the_run_at_once_and_the_last_checkpoint_loads(stri
     assert "resumed from" in out
 
 
+def test_a_step_directory_that_is_not_a_checkpoint_is_moved_aside_not_in_the_way(strider, tmp_path):
+    ck = tmp_path / "ck"
+    ok(strider, tmp_path, "--steps", "2", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+       "--keep-checkpoints", "5", "--out", str(tmp_path / "out"))
+    assert checkpoints(ck) == ["step-00000001", "step-00000002"]
+    # An empty directory where step 3's checkpoint goes, and a foreign one older than every checkpoint.
+    (ck / "step-00000003").mkdir()
+    foreign = ck / "step-00000000"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("someone else's")
+    r = run(strider, tmp_path, "--steps", "5", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+            "--keep-checkpoints", "2", "--resume", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "at step 2" in r.stdout  # the empty step-3 was skipped on load, with a warning
+    assert "skipping the damaged checkpoint" in r.stderr and "step-00000003" in r.stderr
+    assert "moved to" in r.stderr and "step-00000003.unreadable-1" in r.stderr
+    # Nothing that was there is lost: the empty directory moved aside, the foreign one kept
+    # (the two newest checkpoints kept, the older ones of the run removed).
+    assert (ck / "step-00000003.unreadable-1").is_dir()
+    assert (foreign / "notes.txt").read_text() == "someone else's"
+    assert [c for c in checkpoints(ck) if "." not in c] == ["step-00000000", "step-00000004", "step-00000005"]
+    state = json.loads((ck / "step-00000005" / "trainer_state.json").read_text())
+    assert state["step"] == 5
+
+
+def test_the_newest_checkpoint_is_the_highest_step_it_records_not_its_name(strider, tmp_path):
+    ck = tmp_path / "ck"
+    ok(strider, tmp_path, "--steps", "3", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+       "--keep-checkpoints", "5", "--out", str(tmp_path / "out"))
+    # step-2's checkpoint renamed past step 3's name (a copy, a manual rename).
+    (ck / "step-00000002").rename(ck / "step-00000009")
+    out = ok(strider, tmp_path, "--steps", "4", "--checkpoint-dir", str(ck), "--resume",
+             "--out", str(tmp_path / "out2"))
+    assert f"resumed from {ck / 'step-00000003'} at step 3" in out
+
+
 def test_outputs_are_checked_before_the_first_step(strider, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     r = run(strider, tmp_path, "--steps", "3", "--out", str(tmp_path / "file" / "out"))
