@@ -289,15 +289,9 @@ void HfCheckpointWriter::finish() {
   // file vs. shards): the loader prefers an index, so a stale one must go.
   // Ours are in place already, so a reader sees the old or the new set.
   const auto ours = writer_->file_names();
-  static const std::regex kShard(R"(model-\d{5}-of-\d{5}\.safetensors)");
   std::vector<fs::path> stale;
-  for (const auto& entry : fs::directory_iterator(out_dir_)) {
-    const std::string name = entry.path().filename().string();
-    const bool ckpt_file = name == "model.safetensors" || name == "model.safetensors.index.json" ||
-                           std::regex_match(name, kShard);
-    if (ckpt_file && std::find(ours.begin(), ours.end(), name) == ours.end())
-      stale.push_back(entry.path());
-  }
+  for (const std::string& name : model_files_in(out_dir_))
+    if (std::find(ours.begin(), ours.end(), name) == ours.end()) stale.push_back(fs::path(out_dir_) / name);
   // The index first: while it exists it names only complete files.
   std::sort(stale.begin(), stale.end(), [](const fs::path& a, const fs::path& b) {
     return (a.extension() == ".json") > (b.extension() == ".json");
@@ -307,6 +301,7 @@ void HfCheckpointWriter::finish() {
     fs::remove(p, ec);
     STRIDER_CHECK(!ec, "{}: cannot remove the stale checkpoint file {}: {}", out_dir_, p.string(),
                   ec.message());
+    removed_.push_back(p.filename().string());
   }
   write_file_atomic((fs::path(out_dir_) / "config.json").string(),
                     std::as_bytes(std::span(config_text_)));
@@ -317,6 +312,20 @@ std::vector<std::string> HfCheckpointWriter::file_names() const {
   auto names = writer_->file_names();
   names.push_back("config.json");
   return names;
+}
+
+std::vector<std::string> model_files_in(const std::string& dir) {
+  static const std::regex kShard(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  std::vector<std::string> out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name == "model.safetensors" || name == "model.safetensors.index.json" || std::regex_match(name, kShard))
+      out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 }  // namespace strider

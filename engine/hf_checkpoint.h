@@ -98,6 +98,8 @@ class HfCheckpointWriter {
 
   // Final file names (relative to the output directory), config.json last.
   std::vector<std::string> file_names() const;
+  // The files of an earlier save that finish() removed (their names).
+  const std::vector<std::string>& removed() const { return removed_; }
 
  private:
   std::string out_dir_;
@@ -107,7 +109,13 @@ class HfCheckpointWriter {
   std::vector<std::string> block_names_;
   std::vector<bool> written_;
   std::optional<SafetensorsWriter> writer_;
+  std::vector<std::string> removed_;
   bool finished_ = false;
 };
+
+// The model files of a transformers checkpoint in `dir` (model.safetensors,
+// its shards model-NNNNN-of-NNNNN.safetensors and their index), sorted; none
+// when `dir` does not exist.
+std::vector<std::string> model_files_in(const std::string& dir);
 
 }  // namespace strider

@@ -71,6 +71,11 @@ int run(const Options& o) {
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
   STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   if (writes) {
+    // A model already there is replaced by the final save, as transformers'
+    // save_pretrained replaces one: said now, not found out at the end.
+    if (const auto there = model_files_in(o.out); !there.empty())
+      fmt::print(stderr, "warning: --out {} holds a model ({}); the final save replaces it\n", o.out,
+                 fmt::join(there, ", "));
     check_output_dir(o.out, "--out");
     if (!o.trace.empty()) check_output_file(o.trace, "--trace");
     if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
@@ -331,6 +336,8 @@ int run(const Options& o) {
   writer->finish();
   fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{})\n", o.out, start_step + 1, engine.steps_done(),
              first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "");
+  if (!writer->removed().empty())
+    fmt::print("  removed the earlier model's files this save does not have: {}\n", fmt::join(writer->removed(), ", "));
   return 0;
 }
 
