@@ -196,6 +196,8 @@ class Engine {
   void backward_op(const StepOp& op);
   double op_flops(const StepOp& op) const;
   const CacheUnit& unit(const StepOp& op) const;  // its visit's unit
+  // Stream `waiter`'s next work waits for what stream `done` has enqueued so far.
+  void stream_after(StreamId waiter, StreamId done);
   size_t visit_elems(const StepOp& op) const;     // the parameters its visit loaded
   void allocate_activations();
   void upload_batch(const int64_t* ids, const int64_t* labels);

@@ -123,10 +123,14 @@ const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems, int64_t
                     [acc, dst](const LaunchContext&) { dst.copy_(acc); });
     out = static_cast<const std::byte*>(u.params_bf16);
   }
-  auto done = device_->make_event();
-  device_->record(*done, StreamId::kCompute);
-  device_->wait(StreamId::kD2H, *done);
+  stream_after(StreamId::kD2H, StreamId::kCompute);
   return out;
+}
+
+void Engine::stream_after(StreamId waiter, StreamId done) {
+  auto e = device_->make_event();
+  device_->record(*e, done);
+  device_->wait(waiter, *e);
 }
 
 std::span<std::byte> Engine::grad_host(int64_t p) {

@@ -411,7 +411,7 @@ void Engine::write_state_back(int64_t b, int64_t step) {
   NvmeStaging* slot = nullptr;
   for (NvmeStaging& x : nvme_staging_)
     if (x.holding == b) slot = &x;
-  if (!slot) return;  // nothing of the piece is this rank's
+  STRIDER_CHECK(slot != nullptr, "the write-back of {} found no updated state", place_.shards.name(spec_, b));
   slot->holding = -1;
   slot->written = b;
   const double w0 = Timeline::now_us();

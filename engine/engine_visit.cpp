@@ -53,11 +53,7 @@ void Engine::run_device_op(const StepOp& op, PassCursor& at) {
     }
     case StepOpKind::kCheckpointOut: {
       // Block op.block's inputs out; their ring set is free again once they left.
-      if (op.first) {
-        auto done = device_->make_event();
-        device_->record(*done, StreamId::kCompute);
-        device_->wait(StreamId::kD2H, *done);
-      }
+      if (op.first) stream_after(StreamId::kD2H, StreamId::kCompute);
       at::Tensor a = act(op.block, m);
       device_->copy_d2h(StreamId::kD2H, mb_[size_t(m)].host_ckpt[size_t(op.block)].data(), a.data_ptr(), a.nbytes(),
                         {"d2h checkpoint", int32_t(op.block)});
@@ -69,19 +65,13 @@ void Engine::run_device_op(const StepOp& op, PassCursor& at) {
       // reader is done and the forward's copy-out of this checkpoint has
       // landed (the set's latest copy-out is at or after it on the d2h stream).
       if (op.first) {
-        auto reader_done = device_->make_event();
-        device_->record(*reader_done, StreamId::kCompute);
-        device_->wait(StreamId::kH2D, *reader_done);
+        stream_after(StreamId::kH2D, StreamId::kCompute);
         device_->wait(StreamId::kH2D, *ring_free_[size_t(op.block % 2)]);
       }
       at::Tensor a = act(op.block, m);
       device_->copy_h2d(StreamId::kH2D, a.data_ptr(), mb_[size_t(m)].host_ckpt[size_t(op.block)].data(), a.nbytes(),
                         {"h2d checkpoint", int32_t(op.block)});
-      if (op.last) {
-        auto back = device_->make_event();
-        device_->record(*back, StreamId::kH2D);
-        device_->wait(StreamId::kCompute, *back);
-      }
+      if (op.last) stream_after(StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kHeadLse:
@@ -92,9 +82,7 @@ void Engine::run_device_op(const StepOp& op, PassCursor& at) {
     case StepOpKind::kLossOut: {
       // The loss's D2H precedes every head gradient's on the d2h stream: the
       // updater checks it when the first gradients land.
-      auto done = device_->make_event();
-      device_->record(*done, StreamId::kCompute);
-      device_->wait(StreamId::kD2H, *done);
+      stream_after(StreamId::kD2H, StreamId::kCompute);
       device_->copy_d2h(StreamId::kD2H, head_stats_host_.data(), head_stats_dev_.data_ptr(), head_stats_host_.size_bytes(),
                         {"d2h loss", int32_t(place_.head)});
       device_->record(*head_stats_ready_, StreamId::kD2H);
@@ -112,9 +100,7 @@ void Engine::run_device_op(const StepOp& op, PassCursor& at) {
       device_->wait(StreamId::kH2D, *tied_grad_ready_);
       device_->copy_h2d(StreamId::kH2D, unit(op).grads_fp32, tied_grad_host_.data() + pc.begin, pc.elems() * 4,
                         {"h2d tied gradient", 0});
-      auto in = device_->make_event();
-      device_->record(*in, StreamId::kH2D);
-      device_->wait(StreamId::kCompute, *in);
+      stream_after(StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kBackward: backward_op(op); return;

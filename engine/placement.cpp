@@ -192,4 +192,12 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   return pl;
 }
 
+uint64_t shared_compute_bytes(const ModelSpec& spec, at::ScalarType dtype) {
+  EngineConfig c;
+  c.compute.dtype = dtype;
+  c.state_shards = 2;  // any sharded world: the compute copy is whole whatever it is
+  c.shared_compute_file = "(shared memory)";
+  return footprint(spec, c).shared_host_bytes;
+}
+
 }  // namespace strider

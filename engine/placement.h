@@ -104,5 +104,8 @@ Placement place(const ModelSpec& spec, const EngineConfig& config);
 inline EngineFootprint footprint(const ModelSpec& spec, const EngineConfig& config) {
   return place(spec, config).footprint;
 }
+// Data parallel on one machine (PlanLimits::shared_compute): the bytes of the
+// compute copy its ranks share, held once outside their arenas.
+uint64_t shared_compute_bytes(const ModelSpec& spec, at::ScalarType dtype);
 
 }  // namespace strider

@@ -186,8 +186,5 @@ uint64_t process_rss_bytes();
 inline constexpr uint64_t kMaxSizeBytes = uint64_t{1} << 60;
 uint64_t parse_bytes(const std::string& text);
 std::string format_bytes(uint64_t bytes);
-// Data parallel on one machine (PlanLimits::shared_compute): the bytes of the
-// compute copy its ranks share, held once outside their arenas.
-uint64_t shared_compute_bytes(const ModelSpec& spec, at::ScalarType dtype);
 
 }  // namespace strider

@@ -348,7 +348,6 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
     if (place.at(p).on_nvme) write[size_t(p)] = add(StepOpKind::kWriteState, Lane::kNvmeWrite, p, {last});
     if (sharded) {
       last = add(StepOpKind::kGather, Lane::kOptimizer, p, {last});
-      prog.ops[size_t(last)].collective = true;
       prog.ops[size_t(last)].shared_copy = in.shared_compute;
     }
     prog.updated[size_t(p)] = add(StepOpKind::kUpdated, Lane::kOptimizer, p, {last});
@@ -361,7 +360,6 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
     if (ranks) {
       last = add(StepOpKind::kSumRanks, Lane::kOptimizer, p, {last});
       prog.ops[size_t(last)].over_slices = sharded;
-      prog.ops[size_t(last)].collective = true;
     }
     last = sumsq[size_t(p)] = add(StepOpKind::kSumSquares, Lane::kOptimizer, p, {last});
     prog.ops[size_t(last)].over_slices = sharded;

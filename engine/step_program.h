@@ -94,7 +94,6 @@ struct StepOp {
   bool wait_ring = false;      // kForward: its output's checkpoint ring set must have left (host checkpoints)
   bool d2h = false;            // kRelease: the visit's gradients left on the d2h stream
   bool over_slices = false;    // kSumRanks, kSumSquares, kAdamW: this rank holds a slice (sharded state)
-  bool collective = false;     // kSumRanks, kGather: the ranks take part (kGather: a barrier when shared)
   bool shared_copy = false;    // kGather, kAdamW: the machine's ranks share one compute copy
   bool gate = false;           // kNorm: a non-finite norm skips the step, and `clip` scales the updates
   double clip = 0;             // kNorm: the clipping norm

@@ -1,0 +1,103 @@
+// The plan's words: sizes and activation modes parsed from the command line,
+// byte counts and the process's own size, the plan printed as text and JSON.
+// (The plan's search, engine/plan.cpp, computes; this file reads and writes.)
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "engine/plan.h"
+#include "host/error.h"
+
+namespace strider {
+
+uint64_t parse_bytes(const std::string& text) {
+  size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (...) {
+    throw Error(fmt::format("'{}' is not a size (use e.g. 24GiB, 512MiB, 2e9)", text));
+  }
+  std::string unit = text.substr(pos);
+  std::erase_if(unit, [](char c) { return std::isspace(static_cast<unsigned char>(c)); });
+  for (auto& c : unit) c = char(std::tolower(static_cast<unsigned char>(c)));
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1}, {"b", 1}, {"k", 1024.0}, {"kb", 1e3}, {"kib", 1024.0}, {"m", 1048576.0}, {"mb", 1e6},
+      {"mib", 1048576.0}, {"g", 1073741824.0}, {"gb", 1e9}, {"gib", 1073741824.0},
+      {"t", 1099511627776.0}, {"tb", 1e12}, {"tib", 1099511627776.0}};
+  for (auto [name, mult] : kUnits)
+    if (unit == name) {
+      STRIDER_CHECK(value >= 0, "size '{}' is negative", text);
+      // Past every machine (and past what a uint64 holds a little later): a typo.
+      STRIDER_CHECK(std::isfinite(value) && value * mult <= double(kMaxSizeBytes),
+                    "size '{}' is past the largest strider accepts ({}, 1 EiB)", text, kMaxSizeBytes);
+      return uint64_t(std::llround(value * mult));
+    }
+  throw Error(fmt::format("'{}': unknown unit '{}' (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)", text, unit));
+}
+
+std::string format_bytes(uint64_t b) {
+  if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", double(b) / double(1ull << 30));
+  if (b >= (1ull << 20)) return fmt::format("{:.1f} MiB", double(b) / double(1ull << 20));
+  if (b >= (1ull << 10)) return fmt::format("{:.1f} KiB", double(b) / 1024.0);
+  return fmt::format("{} B", b);
+}
+
+uint64_t process_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmRSS:", 0) == 0) return uint64_t(std::strtoull(line.c_str() + 6, nullptr, 10)) * 1024;  // kB
+  return 0;
+}
+
+const char* activation_mode_name(ActivationMode m) {
+  return m == ActivationMode::kRecompute ? "recompute" : m == ActivationMode::kSaved ? "saved" : "auto";
+}
+
+ActivationMode parse_activation_mode(const std::string& text) {
+  for (ActivationMode m : {ActivationMode::kAuto, ActivationMode::kRecompute, ActivationMode::kSaved})
+    if (text == activation_mode_name(m)) return m;
+  throw Error(fmt::format("activations '{}': expected auto, recompute or saved", text));
+}
+
+std::string Plan::explain() const {
+  if (!feasible) return "not feasible: " + reason + "\n";
+  std::string out;
+  for (const auto& line : why) out += "  " + line + "\n";
+  return out;
+}
+
+namespace {
+nlohmann::json other_formats_json(const std::vector<Plan::FormatFit>& fits) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Plan::FormatFit& f : fits)
+    out.push_back({{"optimizer_state", state_format_name(f.format)}, {"feasible", f.feasible},
+                   {"host_bytes", f.host_bytes}, {"nvme_blocks", f.nvme_blocks}});
+  return out;
+}
+}  // namespace
+
+nlohmann::json Plan::to_json() const {
+  return {{"feasible", feasible}, {"reason", reason}, {"window", window},
+          {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
+          {"unit_bytes", unit_bytes}, {"vocab_shards", vocab_shards}, {"shard_rows", shard_rows},
+          {"token_tile", token_tile},
+          {"device_buffer_bytes", device_buffer_bytes},
+          {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
+          {"host_bytes", host_bytes}, {"host_pinned_bytes", pinned_bytes}, {"host_peak_bytes", host_peak_bytes},
+          {"nvme_bytes", nvme_bytes}, {"optimizer_state", state_format_name(optimizer_state)},
+          {"other_formats", other_formats_json(other_formats)},
+          {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
+          {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
+          {"saved_host_bytes", saved_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},
+          {"activation_cost", {{"recompute_s", layer_cost.recompute_s}, {"saved_s", layer_cost.saved_s},
+                               {"pays", layer_cost.pays()}}},
+          {"why", why}};
+}
+
+}  // namespace strider
