@@ -56,6 +56,7 @@ TEST_CASE("the CPU device releases the driving thread's idle OpenMP team, not th
   constexpr int kTeam = 3;  // two workers besides the thread that starts the region
   // The compute stream's own team, made before the driver's.
   REQUIRE(compute_stream_team(dev, kTeam) == kTeam);
+  const int base = process_threads();  // this thread, the stream's and its team
 
   // Catch2 asserts on the test's thread only: the driver records, this checks.
   int first = 0, with_team = 0, released = 0, again = 0;
@@ -81,8 +82,11 @@ TEST_CASE("the CPU device releases the driving thread's idle OpenMP team, not th
   CHECK(released == with_team - (kTeam - 1));  // its two workers are gone
   CHECK(again == kTeam);
 
+  // The driver's last team exits with it, a moment after the join: wait for
+  // that, so the count below is not taken while its workers are leaving.
+  const int before = wait_for_threads_at_most(base);
+  CHECK(before == base);
   // The compute stream's team was left alone: its workers still run its regions.
-  const int before = process_threads();
   CHECK(compute_stream_team(dev, kTeam) == kTeam);
   CHECK(process_threads() == before);  // no team had to be built again
 }
