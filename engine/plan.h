@@ -12,6 +12,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "engine/config_fields.h"  // parse_bytes
 #include "engine/placement.h"
 #include "gpu/sim_device.h"  // CostModel
 #include "engine/model_spec.h"
@@ -181,10 +182,6 @@ struct Plan {
 // This process's resident memory now (VmRSS of /proc/self/status); 0 where unreadable.
 uint64_t process_rss_bytes();
 
-// "24GiB", "512MiB", "1.5GB", "123456" -> bytes; throws naming the text, and
-// the limit for a size past kMaxSizeBytes.
-inline constexpr uint64_t kMaxSizeBytes = uint64_t{1} << 60;
-uint64_t parse_bytes(const std::string& text);
 std::string format_bytes(uint64_t bytes);
 
 }  // namespace strider

@@ -1,5 +1,5 @@
-// The plan's words: sizes and activation modes parsed from the command line,
-// byte counts and the process's own size, the plan printed as text and JSON.
+// The plan's words: activation modes parsed from the command line, byte
+// counts and the process's own size, the plan printed as text and JSON.
 // (The plan's search, engine/plan.cpp, computes; this file reads and writes.)
 #include <algorithm>
 #include <cctype>
@@ -13,32 +13,6 @@
 #include "host/error.h"
 
 namespace strider {
-
-uint64_t parse_bytes(const std::string& text) {
-  size_t pos = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &pos);
-  } catch (...) {
-    throw Error(fmt::format("'{}' is not a size (use e.g. 24GiB, 512MiB, 2e9)", text));
-  }
-  std::string unit = text.substr(pos);
-  std::erase_if(unit, [](char c) { return std::isspace(static_cast<unsigned char>(c)); });
-  for (auto& c : unit) c = char(std::tolower(static_cast<unsigned char>(c)));
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1}, {"b", 1}, {"k", 1024.0}, {"kb", 1e3}, {"kib", 1024.0}, {"m", 1048576.0}, {"mb", 1e6},
-      {"mib", 1048576.0}, {"g", 1073741824.0}, {"gb", 1e9}, {"gib", 1073741824.0},
-      {"t", 1099511627776.0}, {"tb", 1e12}, {"tib", 1099511627776.0}};
-  for (auto [name, mult] : kUnits)
-    if (unit == name) {
-      STRIDER_CHECK(value >= 0, "size '{}' is negative", text);
-      // Past every machine (and past what a uint64 holds a little later): a typo.
-      STRIDER_CHECK(std::isfinite(value) && value * mult <= double(kMaxSizeBytes),
-                    "size '{}' is past the largest strider accepts ({}, 1 EiB)", text, kMaxSizeBytes);
-      return uint64_t(std::llround(value * mult));
-    }
-  throw Error(fmt::format("'{}': unknown unit '{}' (B, KiB, MiB, GiB, TiB, or KB, MB, GB, TB)", text, unit));
-}
 
 std::string format_bytes(uint64_t b) {
   if (b >= (1ull << 30)) return fmt::format("{:.2f} GiB", double(b) / double(1ull << 30));

@@ -92,7 +92,11 @@ class CudaDevice final : public Device {
     STRIDER_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     name_ = fmt::format("cuda:{} {} (sm_{}{}, {:.1f} GiB)", ordinal_, prop.name, prop.major, prop.minor,
                         total_bytes / double(1ull << 30));
-    budget_bytes_ = options.budget_bytes != 0 ? options.budget_bytes : free_bytes;
+    budget_bytes_ = options.budget_bytes != 0 ? options.budget_bytes : auto_cuda_budget_bytes(free_bytes);
+    STRIDER_CHECK(budget_bytes_ > 0,
+                  "{}: {} bytes free, no more than the margin of {:.0f}% and {} MiB kept for the CUDA context and "
+                  "ATen's allocator; free GPU memory, or give the device budget a size",
+                  name_, free_bytes, kCudaBudgetMarginFraction * 100, kCudaBudgetMarginBytes >> 20);
     STRIDER_CHECK(budget_bytes_ <= free_bytes,
                   "{}: device budget of {} bytes exceeds the {} bytes free on the GPU; lower the budget",
                   name_, budget_bytes_, free_bytes);

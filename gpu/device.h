@@ -169,9 +169,21 @@ struct ChaosOptions {
   uint32_t max_delay_us = 200;  // each op sleeps 0 (half the time) or up to this
 };
 
+// A CUDA device's budget when none is given (strider's --device-budget auto,
+// strider.EngineConfig's device_budget "auto"): its free memory at start less
+// a margin for what strider does not allocate itself (the CUDA context's
+// growth, cuBLAS workspaces, the caching allocator's rounding), 5% of the
+// free memory and 512 MiB; 0 when the margin takes it all.
+inline constexpr double kCudaBudgetMarginFraction = 0.05;
+inline constexpr uint64_t kCudaBudgetMarginBytes = uint64_t{512} << 20;
+inline uint64_t auto_cuda_budget_bytes(uint64_t free_bytes) {
+  const double margin = kCudaBudgetMarginFraction * double(free_bytes) + double(kCudaBudgetMarginBytes);
+  return double(free_bytes) > margin ? uint64_t(double(free_bytes) - margin) : 0;
+}
+
 struct DeviceOptions {
   std::string spec = "auto";  // "auto" (CUDA if a GPU is usable, else CPU), "cpu", "cuda", "cuda:N"
-  size_t budget_bytes = 0;    // 0: CPU 1 GiB; CUDA the free memory at start-up
+  size_t budget_bytes = 0;    // 0: CPU 1 GiB; CUDA auto_cuda_budget_bytes of its free memory at start-up
   bool record_spans = false;  // keep an OpSpan per copy and launch for drain_spans
   ChaosOptions chaos;         // CPU device only
   // ATen working memory one compute op may use (OpSpan::work_peak_bytes); 0:

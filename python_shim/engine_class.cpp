@@ -32,6 +32,7 @@
 #include "engine/engine.h"
 #include "engine/engine_config_json.h"
 #include "engine/model_spec.h"
+#include "engine/plan.h"
 #include "engine/train_checkpoint.h"
 #include "gpu/device.h"
 #include "host/error.h"
@@ -110,6 +111,38 @@ bool choose_keep_logits(const std::string& mode, const ModelSpec& spec, EngineCo
   return others < device_budget && with.logits_bytes <= (device_budget - others) / 8;
 }
 
+// The configuration's "the plan chooses" values (engine/config_fields.json:
+// window 0, token_tile -1), chosen as `strider finetune` chooses them: by
+// Plan::make, for this device's budget and the config's own placement (its
+// checkpoints, NVMe blocks and kept activations are the config's, not the
+// plan's). A config no plan fits is refused with the plan's reason.
+void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device_budget) {
+  if (config.window != 0 && config.compute.token_tile >= 0) return;
+  PlanLimits l;
+  l.device_bytes = device_budget;
+  l.seq = config.seq;
+  l.micro_batch = config.micro_batch;
+  l.accumulation = config.accumulation;
+  l.dtype = config.compute.dtype;
+  l.vocab_chunk = config.compute.vocab_chunk;
+  l.window = config.window;
+  l.checkpoints = config.checkpoints_on_host ? CheckpointPlace::kHost : CheckpointPlace::kDevice;
+  l.clip_norm = config.clip_norm;
+  l.grad_ring = config.grad_ring;
+  l.token_tile = config.compute.token_tile;
+  l.vocab_shard_rows = config.vocab_shard_rows;
+  l.fp32_grad_transfer = config.fp32_grad_transfer;
+  l.optimizer_state = config.optimizer_state;
+  l.activations = ActivationMode::kRecompute;  // the binding chooses kept activations itself, after
+  l.state_shards = config.state_shards;
+  const Plan p = Plan::make(spec, l);
+  TORCH_CHECK_VALUE(p.feasible, "engine_config_json: window ", config.window, " and token_tile ",
+                    config.compute.token_tile, " ask the plan to choose (0 and -1), and no plan fits this device's ",
+                    device_budget, "-byte budget: ", p.reason);
+  if (config.window == 0) config.window = p.window;
+  if (config.compute.token_tile < 0) config.compute.token_tile = p.token_tile;
+}
+
 nlohmann::json parse_json(const std::string& text, const char* what) {
   try {
     return nlohmann::json::parse(text);
@@ -166,6 +199,7 @@ class EngineHolder : public torch::CustomClassHolder {
     // and the budget before any work: those are the caller's to fix.
     engine_ = translated("engine", true, [&] {
       std::unique_ptr<Device> device = make_device(dev);
+      choose_planned(spec, config, device->budget_bytes());
       if (!activations.empty()) {
         config.saved_blocks = choose_saved_blocks(activations, spec, config, device->budget_bytes());
         config.keep_logits = choose_keep_logits(activations, spec, config, device->budget_bytes());

@@ -56,7 +56,7 @@ void append_line(std::ofstream& metrics, const std::string& path, const nlohmann
   STRIDER_CHECK(metrics.good(), "--metrics {}: writing failed ({}); the run stops here", path, errno_text(errno));
 }
 
-int run(const Options& o) {
+int run(Options& o) {
   namespace fs = std::filesystem;
   // Data parallel under torchrun (WORLD_SIZE > 1), else a world of one. Rank
   // 0 alone writes (outputs, checkpoints, metrics, the trace) and prints; the

@@ -18,15 +18,17 @@ namespace strider::cli {
 namespace {
 
 struct Options {
-  std::string model = "builtin", gpu = "24GiB", ram = "0", nvme, dtype = "bf16", predict = "rtx4090";
+  std::string model = "builtin", gpu = "24GiB", ram = "0", predict = "rtx4090";
   int64_t gpus = 1;
   std::string link = "pcie4";
-  std::string activations = "auto";
-  std::string optimizer_state = "fp32";
-  int64_t seq = 1024, micro_batch = 1, accumulation = 1, window = 0, steps = 3;
-  double clip = 1.0;
+  int64_t steps = 3;
   bool json = false;
   bool schedule = false;
+  // From the configuration's declaration (engine/config_fields.json).
+  std::string nvme, dtype, activations, optimizer_state;
+  int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0;
+  double clip = 0;
+  ConfigOptions config;
 };
 
 ModelSpec load_spec(const std::string& model) {
@@ -88,8 +90,10 @@ Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l,
   return p;
 }
 
-int run(const Options& o) {
+int run(Options& o) {
   ModelSpec spec = load_spec(o.model);
+  // The built-in model trains from scratch: the demo's shapes (a plan is for a GPU).
+  const std::string demo = o.model == "builtin" ? o.config.apply_demo(true) : std::string();
   PlanLimits l;
   l.device_bytes = parse_bytes(o.gpu);
   l.host_bytes = parse_bytes(o.ram);
@@ -128,6 +132,10 @@ int run(const Options& o) {
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();
+  out["seq"] = l.seq;
+  out["micro_batch"] = l.micro_batch;
+  out["accumulation"] = l.accumulation;
+  if (!demo.empty()) out["demo_settings"] = demo;
   if (o.gpus > 1) {
     const EngineFootprint f = footprint(spec, p.engine_config(l));
     out["gpus"] = o.gpus;
@@ -169,7 +177,7 @@ int run(const Options& o) {
   if (o.json) {
     fmt::print("{}\n", out.dump());
   } else {
-    fmt::print("{}\n{}", spec.summary(), p.explain());
+    fmt::print("{}\n{}{}", spec.summary(), demo.empty() ? "" : "  " + demo + "\n", p.explain());
     if (o.gpus > 1)
       fmt::print("  data parallel: {} GPUs on {} ({}): each rank plans the above with 1/{} of master, m and v; {}\n",
                  o.gpus, o.link, one_machine ? "one machine" : "a machine each", o.gpus,
@@ -207,18 +215,21 @@ std::function<int()> add_plan(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--gpu", o->gpu, "device memory (e.g. 24GiB)")->capture_default_str();
   c->add_option("--ram", o->ram, "host RAM the whole process may hold at its peak (0: none)")->capture_default_str();
-  c->add_option("--nvme", o->nvme, "NVMe directory for optimizer state");
-  add_shape_options(*c, o->seq, o->micro_batch, o->accumulation, o->window);
-  c->add_option("--dtype", o->dtype, "bf16 or fp32")->capture_default_str()->check(CLI::IsMember({"bf16", "fp32"}));
-  add_activations_option(*c, o->activations);
-  add_optimizer_state_option(*c, o->optimizer_state);
+  ConfigOptions& f = o->config;
+  f.add(*c, "nvme_dir", o->nvme);
+  f.add(*c, "seq", o->seq);
+  f.add(*c, "micro_batch", o->micro_batch);
+  f.add(*c, "accumulation", o->accumulation);
+  f.add(*c, "window", o->window);
+  f.add(*c, "dtype", o->dtype);
+  f.add(*c, "activations", o->activations);
+  f.add(*c, "optimizer_state", o->optimizer_state);
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")
       ->capture_default_str();
-  add_clip_option(*c, o->clip,
-                  "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm "
-                  "is known");
+  f.add(*c, "clip_norm", o->clip,
+        "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm is known");
   c->add_option("--gpus", o->gpus,
                 "data-parallel ranks, one GPU each (each steps on its own batch of --micro-batch x --accumulation)")
       ->capture_default_str()

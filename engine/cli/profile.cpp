@@ -149,7 +149,7 @@ PlotResult draw_png(const Options& o, const std::string& trace, const std::strin
   return {false, fmt::format("{} (exit status {}):\n{}", why, status, tail)};
 }
 
-int run(const Options& o) {
+int run(Options& o) {
   namespace fs = std::filesystem;
   STRIDER_CHECK(o.steps >= 1, "--steps {}: profile at least 1 measured step", o.steps);
   check_single_process("profile");

@@ -16,6 +16,7 @@
 #include "engine/cli/cli.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/hf_checkpoint.h"
+#include "gpu/cpu_device.h"
 #include "gpu/cuda_device.h"
 #include "gpu/work_calibration.h"
 #include "host/error.h"
@@ -61,87 +62,47 @@ void add_model_options(CLI::App& c, TrainOptions& o) {
 }
 
 void add_placement_options(CLI::App& c, TrainOptions& o) {
-  c.add_option("--device", o.device, "auto, cpu, cuda, cuda:N")->capture_default_str();
-  c.add_option("--device-budget", o.device_budget,
-               fmt::format("device memory strider may use (e.g. 20GiB); auto: on a CUDA device its free memory at "
-                           "start less {:.0f}% of it and {} MiB (CUDA context, cuBLAS workspaces, allocator "
-                           "rounding), on the CPU device {} MiB (the demo's)",
-                           kCudaBudgetMarginFraction * 100, kCudaBudgetMarginBytes >> 20, kCpuDefaultBudgetBytes >> 20))
-      ->capture_default_str();
+  ConfigOptions& f = o.config;
+  f.add(c, "device", o.device);
+  f.add(c, "device_budget", o.device_budget);
   c.add_option("--host-ram", o.host_ram,
                "host RAM the whole process may hold at its peak (0: no limit); the pinned arena gets what the rest "
                "of the process leaves, and state that does not fit goes to --nvme")
-      ->capture_default_str();
-  c.add_option("--nvme", o.nvme, "directory on NVMe for optimizer state that does not fit in RAM");
-  add_shape_options(c, o.seq, o.micro_batch, o.accumulation, o.window);
-  c.add_option("--dtype", o.dtype, "bf16 or fp32 compute")->capture_default_str()->check(CLI::IsMember({"bf16", "fp32"}));
-  c.add_option("--vocab-chunk", o.vocab_chunk, "LM-head vocabulary rows per chunk")
       ->capture_default_str()
-      ->check(in_range<int64_t>(1, kMaxVocabChunk));
-  c.add_option("--token-tile", o.token_tile,
-               "tokens per tile in the LM head and the MLP (long context; -1: the plan chooses, 0: untiled)")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(-1, kMaxSeq));
-  c.add_option("--grad-transfer", o.grad_transfer,
-               "gradients to the host in bf16 (summed in fp32 on the device first) or fp32 (exact; "
-               "--dtype fp32 always sends fp32)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"bf16", "fp32"}));
-  add_activations_option(c, o.activations);
-  add_optimizer_state_option(c, o.optimizer_state);
-}
-
-namespace {
-// An option whose value is one of `choices`, with its default shown.
-void add_choice_option(CLI::App& c, const std::string& name, std::string& value, const std::string& help,
-                       std::vector<std::string> choices) {
-  c.add_option(name, value, help)->capture_default_str()->check(CLI::IsMember(std::move(choices)));
-}
-}  // namespace
-
-void add_optimizer_state_option(CLI::App& c, std::string& format) {
-  add_choice_option(c, "--optimizer-state", format,
-                    "how master weights and Adam moments are stored: fp32 (12 bytes per parameter, exact) or q8 "
-                    "(3.06: the bf16 compute copy plus an 8-bit extension as the master, 8-bit m and sqrt(v) per "
-                    "group of 128, stochastic rounding; bf16 compute only)",
-                    {"fp32", "q8"});
-}
-
-void add_activations_option(CLI::App& c, std::string& activations) {
-  add_choice_option(c, "--activations", activations,
-                    "what a decoder layer's backward starts from: recompute (its forward again, from its "
-                    "checkpoint), saved (its projections' outputs, kept in pinned host RAM as far as "
-                    "--host-ram/--ram allows), or auto (saved where that beats recomputing on this machine's "
-                    "link, by the plan's cost model)",
-                    {"auto", "recompute", "saved"});
-}
-
-void add_shape_options(CLI::App& c, int64_t& seq, int64_t& micro_batch, int64_t& accumulation, int64_t& window) {
-  c.add_option("--seq", seq, "sequence length")->capture_default_str()->check(in_range<int64_t>(1, kMaxSeq));
-  c.add_option("--micro-batch", micro_batch, "sequences per micro-batch")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(1, kMaxBatch));
-  c.add_option("--accumulation", accumulation, "micro-batches per optimizer step")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(1, kMaxBatch));
-  c.add_option("--window", window, "cache units K (0: the plan chooses)")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(0, kMaxWindow));
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            try {
+              parse_bytes(text);
+            } catch (const Error& e) {
+              return e.what();
+            }
+            return "";
+          },
+          "SIZE"));
+  f.add(c, "nvme_dir", o.nvme);
+  f.add(c, "seq", o.seq);
+  f.add(c, "micro_batch", o.micro_batch);
+  f.add(c, "accumulation", o.accumulation);
+  f.add(c, "window", o.window);
+  f.add(c, "dtype", o.dtype);
+  f.add(c, "vocab_chunk", o.vocab_chunk);
+  f.add(c, "token_tile", o.token_tile);
+  f.add(c, "grad_transfer", o.grad_transfer);
+  f.add(c, "activations", o.activations);
+  f.add(c, "optimizer_state", o.optimizer_state);
 }
 
 void add_optimizer_options(CLI::App& c, TrainOptions& o) {
-  // Wide ranges: a value past them is a typo, not a setting (--lr 1e20 is
-  // allowed on purpose: the numerics guard, not the parser, handles a run
-  // that diverges).
-  c.add_option("--lr", o.lr, "peak learning rate")->capture_default_str()->check(in_range(0.0, 1e30, true));
-  c.add_option("--schedule", o.schedule, "constant, linear or cosine (with warm-up)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"constant", "linear", "cosine"}));
-  c.add_option("--warmup", o.warmup, "warm-up steps")->capture_default_str()->check(in_range<int64_t>(0, kMaxSteps));
-  c.add_option("--weight-decay", o.weight_decay, "AdamW weight decay")
-      ->capture_default_str()
-      ->check(in_range(0.0, 1e3));
-  add_clip_option(c, o.clip, "global gradient-norm clip (0: off)");
+  ConfigOptions& f = o.config;
+  f.add(c, "lr", o.lr);
+  f.add(c, "schedule", o.schedule);
+  f.add(c, "warmup_steps", o.warmup);
+  f.add(c, "weight_decay", o.weight_decay);
+  f.add(c, "clip_norm", o.clip);
+  f.add(c, "beta1", o.beta1);
+  f.add(c, "beta2", o.beta2);
+  f.add(c, "eps", o.eps);
+  f.add(c, "optimizer", o.optimizer);
   // Checked as text: CLI11 reads "-1" into a uint64 as 2^64 - 1 and clamps
   // 2^64 to it, both without a word.
   c.add_option("--seed", o.seed, "seed for initialisation and data order (0 .. 2^64-1)")
@@ -158,13 +119,7 @@ void add_optimizer_options(CLI::App& c, TrainOptions& o) {
             return "";
           },
           "SEED"));
-  c.add_option("--optimizer-threads", o.optimizer_threads, "CPU AdamW threads (0: all)")
-      ->capture_default_str()
-      ->check(in_range(0, 4096));
-}
-
-void add_clip_option(CLI::App& c, double& clip, const std::string& help) {
-  c.add_option("--clip", clip, help)->capture_default_str()->check(in_range(0.0, 1e30));
+  f.add(c, "optimizer_threads", o.optimizer_threads);
 }
 
 void add_work_dir_option(CLI::App& c, TrainOptions& o) {
@@ -175,15 +130,14 @@ uint64_t device_budget_bytes(const std::string& device, const std::string& budge
   if (why != nullptr) why->clear();
   if (budget != "auto") return parse_bytes(budget);
   const DeviceChoice choice = choose_device(device);
-  if (choice.kind != DeviceKind::kCuda) return kCpuDefaultBudgetBytes;
+  if (choice.kind != DeviceKind::kCuda) return CpuDevice::kDefaultBudgetBytes;
   const CudaMemory m = cuda_memory(choice.ordinal);
-  const double margin = kCudaBudgetMarginFraction * double(m.free_bytes) + double(kCudaBudgetMarginBytes);
-  STRIDER_CHECK(double(m.free_bytes) > margin,
+  const uint64_t bytes = auto_cuda_budget_bytes(m.free_bytes);
+  STRIDER_CHECK(bytes > 0,
                 "--device-budget auto: cuda:{} has {} free, no more than the margin of {:.0f}% and {} MiB kept for "
                 "the CUDA context and ATen's allocator; free GPU memory, or give --device-budget a size",
                 choice.ordinal, format_bytes(m.free_bytes), kCudaBudgetMarginFraction * 100,
                 kCudaBudgetMarginBytes >> 20);
-  const uint64_t bytes = uint64_t(double(m.free_bytes) - margin);
   if (why != nullptr)
     *why = fmt::format("{} (auto: cuda:{}'s {} free of {}, less {:.0f}% and {} MiB)", format_bytes(bytes),
                        choice.ordinal, format_bytes(m.free_bytes), format_bytes(m.total_bytes),
@@ -201,7 +155,7 @@ void check_single_process(std::string_view command) {
                             ws, command));
 }
 
-TrainingRun make_training_run(const TrainOptions& o, std::string_view command, int64_t total_steps,
+TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t total_steps,
                               std::FILE* log, Collectives* ranks) {
   namespace fs = std::filesystem;
   std::unique_ptr<Collectives> solo;
@@ -228,9 +182,11 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
       device_spec = fmt::format("cuda:{}", me.local_rank);
     }
   }
-  TrainOptions dev_o = o;
-  dev_o.device = device_spec;
-  const TrainOptions& oo = dev_o;
+  // The built-in model trains from scratch: the demo's settings, for what the
+  // command line left unset.
+  const std::string demo = o.model == "builtin"
+                               ? o.config.apply_demo(choose_device(device_spec).kind == DeviceKind::kCuda)
+                               : std::string();
   // The model.
   if (o.model == "builtin") {
     run.config = builtin_model_config();
@@ -245,7 +201,7 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // The plan, before anything is allocated.
   PlanLimits& lim = run.limits;
   std::string budget_why;
-  lim.device_bytes = device_budget_bytes(oo.device, o.device_budget, &budget_why);
+  lim.device_bytes = device_budget_bytes(device_spec, o.device_budget, &budget_why);
   // --host-ram is the machine's, so each of its ranks plans with its share.
   // Data parallel, the ranks shard the state: each keeps its slice of master,
   // m and v (and its own compute copy and gradient staging). Every rank plans
@@ -296,12 +252,12 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // A simulated device prices kept activations on its own machine, the CPU
   // device on its measured rates, a GPU on the rtx4090's (PlanLimits'
   // defaults: no GPU has been measured yet).
-  if (oo.device.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(oo.device.substr(4)));
-  else if (choose_device(oo.device).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
+  if (device_spec.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(device_spec.substr(4)));
+  else if (choose_device(device_spec).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
   // The working-memory model's kernel-dependent terms, measured on a CPU
   // device like the run's (GPUs keep the analytic upper bound until one has
   // been measured there: bench/gpu_check.sh).
-  if (oo.device.rfind("sim", 0) != 0 && choose_device(oo.device).kind == DeviceKind::kCpu) {
+  if (device_spec.rfind("sim", 0) != 0 && choose_device(device_spec).kind == DeviceKind::kCpu) {
     auto probe = make_device({.spec = "cpu"});
     lim.work = measure_work_coefficients(*probe);
     lim.work_measured = true;
@@ -309,15 +265,17 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // The process's peak host memory (the plan's host_peak_bytes): what it holds
   // now, before anything is allocated, and what the run will add to the arena.
   lim.process_bytes = process_rss_bytes();
-  lim.device_memory_on_host = oo.device.rfind("sim:", 0) != 0 && choose_device(oo.device).kind == DeviceKind::kCpu;
+  lim.device_memory_on_host = device_spec.rfind("sim:", 0) != 0 && choose_device(device_spec).kind == DeviceKind::kCpu;
   lim.loads_checkpoint = !run.model_dir.empty();
   run.plan = Plan::make(run.spec, lim);
-  fmt::print(log, "strider {}: {}\n{}", command, run.spec.summary(), run.plan.explain());
+  fmt::print(log, "strider {}: {}\n{}{}", command, run.spec.summary(), demo.empty() ? "" : "  " + demo + "\n",
+             run.plan.explain());
   if (!budget_why.empty()) fmt::print(log, "  device budget: {}\n", budget_why);
   STRIDER_CHECK(run.plan.feasible, "{}", run.plan.reason);
 
   EngineConfig cfg = run.plan.engine_config(lim);
-  cfg.adam = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = 1e-8, .weight_decay = o.weight_decay};
+  cfg.adam = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps, .weight_decay = o.weight_decay,
+              .mode = o.optimizer == "adam" ? AdamMode::kAdam : AdamMode::kAdamW};
   cfg.schedule = {LrSchedule::parse_shape(o.schedule), o.warmup, total_steps};
   cfg.clip_norm = o.clip;
   cfg.optimizer_threads = o.optimizer_threads;
@@ -343,7 +301,7 @@ TrainingRun make_training_run(const TrainOptions& o, std::string_view command, i
   // buffers, enforced per op (a visit that would pass it fails naming itself,
   // rather than the budget being exceeded); the plan's estimate of it fits in there.
   const uint64_t work_limit = lim.device_bytes - std::min(lim.device_bytes, run.plan.device_buffer_bytes);
-  auto device = make_device({.spec = oo.device, .budget_bytes = lim.device_bytes, .record_spans = true,
+  auto device = make_device({.spec = device_spec, .budget_bytes = lim.device_bytes, .record_spans = true,
                              .work_limit_bytes = work_limit},
                             &why);
   fmt::print(log, "  device: {}{}\n", device->name(), why.empty() ? "" : " (" + why + ")");

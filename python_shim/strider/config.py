@@ -1,42 +1,53 @@
-"""strider.EngineConfig: how a run is shaped, with the command line's names.
+"""strider.EngineConfig: how a run is shaped, made from the configuration's one declaration.
 
-The fields are `strider finetune`'s options (seq, micro_batch, accumulation,
-window, dtype, lr, schedule, ...). `engine_json()` maps them onto the engine
-config JSON of engine/engine_config_json.cpp (betas -> beta1/beta2); device,
-device_budget and chaos go to the device, not the engine config; activations
-goes to the binding, which chooses the engine config's saved_blocks and
-keep_logits from it.
+The fields, their types, ranges, choices, help and defaults come from engine/config_fields.json, the file
+the command line's options and the engine config JSON (saved in every checkpoint) are made from too: a
+field here is `strider finetune`'s option of the same meaning (seq is --seq, warmup_steps is --warmup,
+clip_norm is --clip, nvme_dir is --nvme; `strider finetune --help` shows them all). The defaults are for
+fine-tuning a pretrained model. Two kinds of value ask the engine to choose: window 0 and token_tile -1
+(the plan's choice, as `strider finetune` makes it), and device_budget "auto".
 
-Names that differ from the command line, and why: `warmup_steps` (--warmup),
-`total_steps` (--steps) and `clip_norm` (--clip) use the engine config's names
-so that a config reads the same in Python and in saved training state.
+Python's own shape on top of the declaration: beta1 and beta2 are one field, `betas`, as in
+torch.optim.AdamW. device, device_budget, activations and chaos are chosen for each run (the declaration's
+scope "run"): they go to the device and the binding, not into the engine config or a checkpoint.
 
-Every field is checked in __post_init__ (and again by validate(), for a config
-edited after it was made): a bad value is a ValueError naming the field, the
-value and what is allowed, before any engine exists.
+Every field is checked in __post_init__ (and again by validate(), for a config edited after it was made):
+a bad value is a ValueError naming the field, the value and what is allowed, before any engine exists.
 """
 import dataclasses
 import json
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Optional, Sequence, Tuple, Union
+from pathlib import Path
+from typing import List, Sequence, Tuple, Union
 
-SCHEDULES = ("constant", "linear", "cosine")
-DTYPES = ("bf16", "fp32")
-OPTIMIZERS = ("adamw", "adam")
-ACTIVATIONS = ("auto", "recompute", "saved")
-OPTIMIZER_STATES = ("fp32", "q8")
-
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1e3, "kib": 1024, "m": 1 << 20, "mb": 1e6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 1e9, "gib": 1 << 30, "t": 1 << 40, "tb": 1e12, "tib": 1 << 40}
+DECLARATION_NAME = "config_fields.json"
 
 
-MAX_SIZE_BYTES = 1 << 60  # engine/plan.h's kMaxSizeBytes: past every machine
+def declaration_path() -> Path:
+    """Where the declaration is: next to this package (an installed wheel), or engine/ of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for p in (here / DECLARATION_NAME, here.parents[1] / "engine" / DECLARATION_NAME):
+        if p.is_file():
+            return p
+    raise ImportError(f"strider: {DECLARATION_NAME} not found next to {here} or in engine/ of its checkout; "
+                      "reinstall the package")
+
+
+DECLARATION = json.loads(declaration_path().read_text())
+FIELDS = {f["name"]: f for f in DECLARATION["fields"]}
+_UNITS = DECLARATION["size_units"]
+MAX_SIZE_BYTES = DECLARATION["max_size_bytes"]  # engine/config_fields.h's kMaxSizeBytes: past every machine
+
+SCHEDULES = tuple(FIELDS["schedule"]["choices"])
+DTYPES = tuple(FIELDS["dtype"]["choices"])
+OPTIMIZERS = tuple(FIELDS["optimizer"]["choices"])
+ACTIVATIONS = tuple(FIELDS["activations"]["choices"])
+OPTIMIZER_STATES = tuple(FIELDS["optimizer_state"]["choices"])
 
 
 def parse_bytes(value: Union[int, str], name: str = "size") -> int:
-    """24GiB, 512MiB, 2e9, 1000 -> bytes; the units of the command line's parse_bytes (engine/plan.cpp)."""
+    """24GiB, 512MiB, 2e9, 1000 -> bytes, with the declaration's units (the command line's parse_bytes)."""
     if isinstance(value, bool):
         raise ValueError(f"{name}: expected a size such as 20GiB or a number of bytes, got {value!r}")
     if isinstance(value, int):
@@ -63,58 +74,99 @@ def parse_bytes(value: Union[int, str], name: str = "size") -> int:
     return int(round(number * _UNITS[unit]))
 
 
-@dataclass
-class EngineConfig:
-    # The batch: input_ids of one step are [micro_batch * accumulation, seq].
-    seq: int = 512                  # tokens per sequence (shorter batches are padded to it)
-    micro_batch: int = 1            # sequences per micro-batch
-    accumulation: int = 1           # micro-batches per optimizer step
-    # The sliding window.
-    window: int = 2                 # cache units K on the device (>= 2)
-    dtype: str = "bf16"             # compute dtype: bf16 or fp32 (fp32 tracks torch to 1e-5)
-    vocab_chunk: int = 8192         # LM-head vocabulary rows per chunk
-    token_tile: int = 0             # tokens per tile in the LM head and the MLP (long context); 0: all at once
-    vocab_shard_rows: int = 0       # vocabulary rows per embedding / LM-head shard; 0: no larger than a layer
-    grad_transfer: str = "bf16"     # gradients to the host in bf16 (summed in fp32 first) or fp32 (exact);
-                                    # an fp32 dtype always sends fp32
-    checkpoints_on_host: bool = False  # block inputs kept in pinned host memory, not on the device
-    # What a decoder layer's backward starts from: "recompute" (its forward again, from its checkpoint),
-    # "saved" (its projections' outputs, kept in pinned host RAM: every layer), or "auto" (the last layers
-    # whose kept bytes fit in half of MemAvailable after the engine's other host bytes). Under saved and
-    # auto the head's logits also stay on the device between its two passes when they take at most an
-    # eighth of the device budget the engine's buffers leave. The engine chooses (python_shim/engine_class.cpp);
-    # the result is bit-identical either way. Placement: a resumed run may choose differently.
-    activations: str = "auto"
-    # The optimizer (AdamW on fp32 masters, on the CPU).
-    lr: float = 1e-5                # peak learning rate
-    schedule: str = "constant"      # constant, linear or cosine, after warmup_steps of linear warm-up
-    warmup_steps: int = 0
-    total_steps: int = 0            # linear/cosine decay to 0 at total_steps (needed by those two)
-    weight_decay: float = 0.0
-    clip_norm: float = 1.0          # exact global gradient-norm clip; 0: off
-    betas: Tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    optimizer: str = "adamw"        # adamw (decoupled weight decay) or adam
-    optimizer_threads: int = 0      # CPU AdamW threads; 0: all
-    # How master weights and Adam moments are stored (host/state_format.h): "fp32" (12 bytes per
-    # parameter, exact) or "q8" (3.06: the bf16 compute copy plus an 8-bit extension as the master,
-    # 8-bit m and sqrt(v) per group of 128, stochastic rounding; needs dtype bf16). Recorded in
-    # checkpoints; a checkpoint in another format is refused unless the change is asked for.
-    optimizer_state: str = "fp32"
-    # Where optimizer state goes when RAM is short.
-    nvme_dir: str = ""
-    nvme_blocks: Sequence[int] = field(default_factory=tuple)  # blocks whose fp32 state lives in nvme_dir
-    grad_ring: int = 3              # host gradient staging slots shared by blocks (>= 1; engine.h)
-    # The device.
-    device: str = "auto"            # auto (CUDA if usable, else CPU), cpu, cuda, cuda:N
-    device_budget: Union[int, str] = 0  # device memory strider may use, e.g. "20GiB"; 0: the device's default
-    chaos: bool = False             # CPU device only: random delays that expose missing waits (tests)
-    chaos_seed: int = 1
+def _range_text(f) -> str:
+    lo, hi = f.get("min", -math.inf), f.get("max", math.inf)
+    return f"{'(' if f.get('min_open') else '['}{lo}, {hi}{')' if f.get('max_open') else ']'}"
 
+
+def _problem(f, v) -> str:
+    """What is wrong with value v of declared field f; empty when nothing is (engine/config_fields.cpp's twin)."""
+    def in_range(x):
+        if "min" in f and (x <= f["min"] if f.get("min_open") else x < f["min"]):
+            return False
+        return not ("max" in f and (x >= f["max"] if f.get("max_open") else x > f["max"]))
+
+    def integer(x):
+        if isinstance(x, bool) or not isinstance(x, int):
+            return f"is not an integer (expected one in {_range_text(f)})"
+        return "" if in_range(x) else f"is outside {_range_text(f)}"
+
+    t = f["type"]
+    if t == "int":
+        return integer(v)
+    if t == "number":
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            return f"is not a number (expected one in {_range_text(f)})"
+        return "" if math.isfinite(v) and in_range(v) else f"is outside {_range_text(f)}"
+    if t == "bool":
+        return "" if isinstance(v, bool) else "is not True or False"
+    if t == "choice":
+        return "" if v in f["choices"] else f"must be one of {tuple(f['choices'])}"
+    if t == "text":
+        return "" if isinstance(v, str) else "is not a str"
+    if t == "size":
+        if v in f.get("choices", ()):
+            return ""
+        try:
+            parse_bytes(v, "size")
+        except ValueError as e:
+            return f"is not a size or {' or '.join(f.get('choices', ()))} ({e})"
+        return ""
+    if t == "ints":
+        if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+            return "is not a sequence of integers"
+        for x in v:
+            p = integer(x)
+            if p:
+                return f"holds {x!r}, which {p}"
+        return ""
+    raise ValueError(f"{declaration_path()}: field {f['name']!r} has unknown type {t!r}")
+
+
+_PY_TYPES = {"int": int, "number": float, "bool": bool, "choice": str, "text": str, "size": Union[int, str],
+             "ints": Sequence[int]}
+
+
+def _python_fields():
+    """The dataclass fields, in the declaration's order: one per field, except those marked python: false,
+    and fields sharing a python group name (beta1, beta2 -> betas) become one tuple where the first was."""
+    out, grouped = [], {}
+    for f in DECLARATION["fields"]:
+        group = f.get("python", True)
+        if group is False:
+            continue
+        if isinstance(group, str):
+            if group not in grouped:
+                grouped[group] = []
+                out.append((group, None))
+            grouped[group].append(f)
+            continue
+        default = f["default"]
+        spec = (dataclasses.field(default_factory=lambda d=tuple(default): d) if isinstance(default, list)
+                else dataclasses.field(default=default))
+        out.append((f["name"], _PY_TYPES[f["type"]], spec))
+    fields = []
+    for entry in out:
+        if entry[1] is None:
+            members = grouped[entry[0]]
+            default = tuple(m["default"] for m in members)
+            fields.append((entry[0], Tuple[tuple(_PY_TYPES[m["type"]] for m in members)],
+                           dataclasses.field(default=default)))
+        else:
+            fields.append(entry)
+    return fields, grouped
+
+
+_FIELDS, _GROUPS = _python_fields()
+
+
+class _Methods:
     def __post_init__(self):
-        if isinstance(self.betas, list):
-            self.betas = tuple(self.betas)
-        self.nvme_blocks = tuple(self.nvme_blocks)
+        for name, members in _GROUPS.items():
+            if isinstance(getattr(self, name), list):
+                setattr(self, name, tuple(getattr(self, name)))
+        if not isinstance(self.nvme_blocks, (str, bytes)) and isinstance(self.nvme_blocks, Sequence):
+            self.nvme_blocks = tuple(self.nvme_blocks)
         self.validate()
 
     @property
@@ -126,102 +178,72 @@ class EngineConfig:
         def bad(name, allowed):
             raise ValueError(f"EngineConfig.{name} = {getattr(self, name)!r}: {allowed}")
 
-        def integer(name, lo):
+        for name, members in _GROUPS.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                bad(name, f"expected an int >= {lo}")
-            if v < lo:
-                bad(name, f"must be >= {lo}")
-
-        def number(name, lo, hi=math.inf, lo_open=False):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                bad(name, "expected a finite number")
-            if v < lo or (lo_open and v == lo) or v > hi:
-                bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
-
-        integer("seq", 1)
-        integer("micro_batch", 1)
-        integer("accumulation", 1)
-        integer("window", 2)  # one unit computes while the next is copied in
-        if self.dtype not in DTYPES:
-            bad("dtype", f"must be one of {DTYPES}")
-        integer("vocab_chunk", 1)
-        integer("token_tile", 0)
-        integer("vocab_shard_rows", 0)
-        if self.grad_transfer not in ("bf16", "fp32"):
-            bad("grad_transfer", "must be bf16 or fp32")
-        if not isinstance(self.checkpoints_on_host, bool):
-            bad("checkpoints_on_host", "expected a bool")
-        if self.activations not in ACTIVATIONS:
-            bad("activations", f"must be one of {ACTIVATIONS}")
-        number("lr", 0)
-        if self.schedule not in SCHEDULES:
-            bad("schedule", f"must be one of {SCHEDULES}")
-        integer("warmup_steps", 0)
-        integer("total_steps", 0)
+            if not isinstance(v, tuple) or len(v) != len(members):
+                bad(name, f"expected ({', '.join(m['name'] for m in members)})")
+            for m, x in zip(members, v):
+                p = _problem(m, x)
+                if p:
+                    bad(name, f"{m['name']} {x!r} {p}")
+        for f in DECLARATION["fields"]:
+            if f.get("python", True) is True:
+                p = _problem(f, getattr(self, f["name"]))
+                if p:
+                    bad(f["name"], p)
+        # What one field cannot say alone.
+        if self.window == 1:
+            bad("window", "must be 0 (the plan chooses) or >= 2: one unit computes while the next is copied in")
         if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
             bad("total_steps", f"schedule {self.schedule!r} decays to 0 at total_steps, so it must be > "
                                f"warmup_steps ({self.warmup_steps})")
-        number("weight_decay", 0)
-        number("clip_norm", 0)
-        if (not isinstance(self.betas, tuple) or len(self.betas) != 2 or
-                not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
-                        for b in self.betas)):
-            bad("betas", "expected (beta1, beta2), each in [0, 1)")
-        number("eps", 0, lo_open=True)
-        if self.optimizer not in OPTIMIZERS:
-            bad("optimizer", f"must be one of {OPTIMIZERS}")
-        integer("optimizer_threads", 0)
-        if self.optimizer_state not in OPTIMIZER_STATES:
-            bad("optimizer_state", f"must be one of {OPTIMIZER_STATES}")
         if self.optimizer_state == "q8" and self.dtype != "bf16":
             bad("optimizer_state", "q8 keeps the master's high half in the bf16 compute copy: it needs dtype bf16")
-        if not isinstance(self.nvme_dir, str):
-            bad("nvme_dir", "expected a directory path (str)")
-        if not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in self.nvme_blocks):
-            bad("nvme_blocks", "expected block indices >= 0")
         if self.nvme_blocks and not self.nvme_dir:
             bad("nvme_blocks", "needs nvme_dir, the directory their optimizer state lives in")
-        integer("grad_ring", 1)
-        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             bad("device", "must be auto, cpu, cuda or cuda:N")
-        parse_bytes(self.device_budget, "EngineConfig.device_budget")
-        if not isinstance(self.chaos, bool):
-            bad("chaos", "expected a bool")
-        integer("chaos_seed", 0)
         return self
 
     @property
     def device_budget_bytes(self) -> int:
+        """The budget in bytes for the binding; 0 for "auto" (the device's own: a CUDA device's free memory
+        less a margin, the CPU device's 1 GiB)."""
+        if self.device_budget in FIELDS["device_budget"].get("choices", ()):
+            return 0
         return parse_bytes(self.device_budget, "EngineConfig.device_budget")
 
     def engine_dict(self) -> dict:
-        """The engine config JSON's fields (engine/engine_config_json.cpp)."""
+        """The engine config JSON's fields (engine/engine_config_json.cpp), plus activations, which the
+        binding turns into saved_blocks and keep_logits."""
         self.validate()
-        return dict(seq=self.seq, micro_batch=self.micro_batch, accumulation=self.accumulation, dtype=self.dtype,
-                    vocab_chunk=self.vocab_chunk, token_tile=self.token_tile, vocab_shard_rows=self.vocab_shard_rows,
-                    grad_transfer=self.grad_transfer, window=self.window, checkpoints_on_host=self.checkpoints_on_host,
-                    lr=float(self.lr), beta1=float(self.betas[0]), beta2=float(self.betas[1]), eps=float(self.eps),
-                    weight_decay=float(self.weight_decay), optimizer=self.optimizer, schedule=self.schedule,
-                    warmup_steps=self.warmup_steps, total_steps=self.total_steps, clip_norm=float(self.clip_norm),
-                    optimizer_threads=self.optimizer_threads, optimizer_state=self.optimizer_state,
-                    nvme_dir=self.nvme_dir,
-                    nvme_blocks=list(self.nvme_blocks), grad_ring=self.grad_ring,
-                    # Not an engine config field: the binding turns it into saved_blocks and keep_logits.
-                    activations=self.activations)
+        d = {}
+        for f in DECLARATION["fields"]:
+            group = f.get("python", True)
+            if f["scope"] != "engine" or group is False:
+                continue
+            if isinstance(group, str):
+                members = _GROUPS[group]
+                v = getattr(self, group)[members.index(f)]
+            else:
+                v = getattr(self, f["name"])
+            d[f["name"]] = (float(v) if f["type"] == "number" else list(v) if f["type"] == "ints" else v)
+        d["activations"] = self.activations
+        return d
 
     @classmethod
     def from_engine_dict(cls, d: dict, **placement) -> "EngineConfig":
-        """The inverse of engine_dict (beta1/beta2 -> betas), e.g. the engine config a training checkpoint
-        saved; `placement` sets the fields the engine config does not hold (device, device_budget, chaos)."""
+        """The inverse of engine_dict, e.g. the engine config a training checkpoint saved; `placement` sets
+        the fields the engine config does not hold (device, device_budget, chaos)."""
         d = dict(d)
         # The layers that kept their activations are placement, chosen again on this machine (by
         # `activations`, default "auto"), like the device; the maths is bit-identical either way.
-        d.pop("saved_blocks", None)
-        d.pop("keep_logits", None)
-        if "beta1" in d or "beta2" in d:
-            d["betas"] = (d.pop("beta1", 0.9), d.pop("beta2", 0.999))
+        for f in DECLARATION["fields"]:
+            if f.get("python", True) is False:
+                d.pop(f["name"], None)
+        for name, members in _GROUPS.items():
+            if any(m["name"] in d for m in members):
+                d[name] = tuple(d.pop(m["name"], m["default"]) for m in members)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -237,3 +259,17 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _doc() -> str:
+    lines = ["How a run is shaped (engine/config_fields.json). Fields:"]
+    for f in DECLARATION["fields"]:
+        if f.get("python", True) is False:
+            continue
+        name = f"{f['python']} ({f['name']})" if isinstance(f.get("python"), str) else f["name"]
+        lines.append(f"    {name} = {f['default']!r}: {f['help']}")
+    return "\n".join(lines)
+
+
+EngineConfig = dataclasses.make_dataclass("EngineConfig", _FIELDS, bases=(_Methods,),
+                                          namespace={"__doc__": _doc(), "__module__": __name__})

@@ -74,7 +74,7 @@ def test_a_saved_block_outside_the_layers_is_refused():
         pytest.skip(str(e))
     d = config().engine_dict()
     del d["activations"]
-    for blocks, says in [([0], "saved_blocks holds 0"), ([4], "saved_blocks holds 4, which is not a decoder-layer "
+    for blocks, says in [([0], "'saved_blocks' = \\[0\\] holds 0"), ([4], "saved_blocks holds 4, which is not a decoder-layer "
                                                                 "block \\(1..3\\)"), ([1, 1], "twice")]:
         with pytest.raises(ValueError, match=says):
             torch.classes.strider.Engine(json.dumps(TINY), json.dumps({**d, "saved_blocks": blocks}), "cpu", 0,

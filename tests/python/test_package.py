@@ -52,7 +52,7 @@ def make_model(kind="llama", seed=0, dtype=torch.float32):
 
 def config(**over):
     base = dict(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, dtype="fp32", vocab_chunk=200,
-                window=2, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, schedule="linear",
+                window=2, token_tile=0, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, schedule="linear",
                 warmup_steps=WARMUP, total_steps=TOTAL, clip_norm=CLIP, device="cpu")
     base.update(over)
     return strider.EngineConfig(**base)
@@ -278,6 +278,9 @@ def test_missing_library_is_an_import_error_naming_the_paths(tmp_path):
     import shutil
     shutil.copytree(os.path.dirname(strider.__file__), tmp_path / "pkg" / "strider",
                     ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    # What the wheel installs next to the package besides the library.
+    from strider.config import declaration_path
+    shutil.copy(declaration_path(), tmp_path / "pkg" / "strider")
     env = dict(os.environ, STRIDER_BUILD_DIR=str(tmp_path / "nobuild"), PYTHONPATH=str(tmp_path / "pkg"))
     code = "import strider\ntry:\n    strider.load_library()\nexcept ImportError as e:\n    print(e)\n"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
