@@ -143,7 +143,11 @@ int run(Options& o) {
 
   // 3. Resume: the newest checkpoint that loads, on the same data unless allowed.
   if (o.resume) {
-    TrainLoadOptions lo{.allow_changed = {"total_steps"}};  // a longer --steps extends the run
+    // --steps is the schedule's total_steps: linear and cosine decay reach 0
+    // there, so another --steps changes every later step's learning rate and
+    // must be asked for (issue 32); a constant schedule does not use it.
+    TrainLoadOptions lo;
+    if (cfg.schedule.shape == LrShape::kConstant) lo.allow_changed.push_back("total_steps");
     bool data_may_change = false, world_may_change = false;
     for (const std::string& f : o.allow_changed) {
       if (f == "data") data_may_change = true;
@@ -154,7 +158,15 @@ int run(Options& o) {
       try {
         return series.resume(engine, lo, stderr);
       } catch (const CheckpointMismatch& e) {
-        throw Error(fmt::format("{} (on the command line: --allow-changed FIELD[,FIELD...])", e.what()));
+        const bool steps = std::string_view(e.what()).find("total_steps:") != std::string_view::npos;
+        throw Error(fmt::format(
+            "{} (on the command line: --allow-changed FIELD[,FIELD...]){}", e.what(),
+            steps ? fmt::format(". --steps {} is total_steps: the {} schedule decays the learning rate to 0 there, "
+                                "so another --steps changes the learning rate of every step from here on; resume "
+                                "with the saved run's --steps, or pass --allow-changed total_steps to stretch or "
+                                "shorten its decay",
+                                o.steps, o.train.schedule)
+                  : std::string()));
       }
     }();
     const nlohmann::json& extra = r.extra;

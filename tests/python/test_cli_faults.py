@@ -125,7 +125,8 @@ def test_a_second_signal_ends_the_run_at_once_and_the_last_checkpoint_loads(stri
     p.send_signal(signal.SIGTERM)  # mid-save (it writes and fsyncs tens of MB)
     p.communicate(timeout=120)
     assert p.returncode == -signal.SIGTERM  # ended by the signal, not after the save
-    out = ok(strider, tmp_path, "--checkpoint-dir", str(ck), "--resume", "--steps", "6", "--out", str(tmp_path / "out"))
+    out = ok(strider, tmp_path, "--checkpoint-dir", str(ck), "--resume", "--steps", "6", "--allow-changed", "total_steps", "--out",
+             str(tmp_path / "out"))
     assert "resumed from" in out
 
 
@@ -140,7 +141,7 @@ def test_a_step_directory_that_is_not_a_checkpoint_is_moved_aside_not_in_the_way
     foreign.mkdir()
     (foreign / "notes.txt").write_text("someone else's")
     r = run(strider, tmp_path, "--steps", "5", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
-            "--keep-checkpoints", "2", "--resume", "--out", str(tmp_path / "out"))
+            "--keep-checkpoints", "2", "--resume", "--allow-changed", "total_steps", "--out", str(tmp_path / "out"))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "at step 2" in r.stdout  # the empty step-3 was skipped on load, with a warning
     assert "skipping the damaged checkpoint" in r.stderr and "step-00000003" in r.stderr
@@ -160,7 +161,7 @@ def test_the_newest_checkpoint_is_the_highest_step_it_records_not_its_name(strid
        "--keep-checkpoints", "5", "--out", str(tmp_path / "out"))
     # step-2's checkpoint renamed past step 3's name (a copy, a manual rename).
     (ck / "step-00000002").rename(ck / "step-00000009")
-    out = ok(strider, tmp_path, "--steps", "4", "--checkpoint-dir", str(ck), "--resume",
+    out = ok(strider, tmp_path, "--steps", "4", "--checkpoint-dir", str(ck), "--resume", "--allow-changed", "total_steps", 
              "--out", str(tmp_path / "out2"))
     assert f"resumed from {ck / 'step-00000003'} at step 3" in out
 
@@ -263,6 +264,27 @@ def write_data(path, seed):
     write_tokens(path, rng.integers(0, 2048, 20000), vocab=2048)
 
 
+def test_another_steps_on_resume_is_asked_for_where_the_schedule_decays_to_it(strider, tmp_path):
+    """--steps is total_steps, where linear and cosine decay end: another one changes every later step's
+    learning rate, so it needs --allow-changed total_steps; a constant schedule does not use it (issue 32)."""
+    ck = str(tmp_path / "ck")
+    ok(strider, tmp_path, "--steps", "2", "--checkpoint-dir", ck, "--out", str(tmp_path / "o"))  # the demo: cosine
+    before = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    r = run(strider, tmp_path, "--steps", "4", "--checkpoint-dir", ck, "--resume", "--out", str(tmp_path / "o"))
+    assert r.returncode != 0
+    assert "total_steps: checkpoint 2, engine 4" in r.stderr, r.stderr
+    assert "--steps 4 is total_steps: the cosine schedule" in r.stderr and "--allow-changed total_steps" in r.stderr
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before
+    out = ok(strider, tmp_path, "--steps", "4", "--checkpoint-dir", ck, "--resume", "--allow-changed", "total_steps",
+             "--out", str(tmp_path / "o"))
+    assert "at step 2" in out and "step    4/4" in out
+    # Constant: the same change needs nothing.
+    constant = ("--schedule", "constant", "--warmup", "0", "--checkpoint-dir", str(tmp_path / "ck2"))
+    ok(strider, tmp_path, *constant, "--steps", "2", "--out", str(tmp_path / "o2"))
+    out = ok(strider, tmp_path, *constant, "--steps", "3", "--resume", "--out", str(tmp_path / "o2"))
+    assert "at step 2" in out and "step    3/3" in out
+
+
 def test_resume_refuses_other_data_and_changed_settings_unless_allowed(strider, tmp_path):
     a, b = tmp_path / "a.tokens", tmp_path / "b.tokens"
     write_data(a, 1)
@@ -270,16 +292,16 @@ def test_resume_refuses_other_data_and_changed_settings_unless_allowed(strider, 
     ck = str(tmp_path / "ck")
     ok(strider, tmp_path, "--data", str(a), "--steps", "2", "--checkpoint-dir", ck, "--out", str(tmp_path / "o"))
     r = run(strider, tmp_path, "--data", str(b), "--steps", "4", "--checkpoint-dir", ck, "--resume",
-            "--out", str(tmp_path / "o"))
+            "--allow-changed", "total_steps", "--out", str(tmp_path / "o"))
     assert r.returncode != 0 and str(a) in r.stderr and "--allow-changed data" in r.stderr
     r = run(strider, tmp_path, "--data", str(a), "--lr", "1e-3", "--steps", "4", "--checkpoint-dir", ck, "--resume",
-            "--out", str(tmp_path / "o"))
+            "--allow-changed", "total_steps", "--out", str(tmp_path / "o"))
     assert r.returncode != 0 and "lr" in r.stderr and "--allow-changed" in r.stderr
     r = run(strider, tmp_path, "--data", str(a), "--steps", "2", "--checkpoint-dir", ck, "--resume",
             "--out", str(tmp_path / "o"))
     assert r.returncode != 0 and "at step 2 already" in r.stderr
     out = ok(strider, tmp_path, "--data", str(b), "--lr", "1e-3", "--steps", "3", "--checkpoint-dir", ck, "--resume",
-             "--allow-changed", "data,lr", "--out", str(tmp_path / "o"))
+             "--allow-changed", "data,lr,total_steps", "--out", str(tmp_path / "o"))
     assert "resumed from" in out and "step    3/3" in out
 
 

@@ -70,7 +70,7 @@ def test_a_resumed_two_rank_run_is_bit_identical_to_an_uninterrupted_one(strider
     binary = strider_binary("strider")
     finetune(binary, tmp_path, "straight", "--steps", "4", ranks=2)
     finetune(binary, tmp_path, "halves", "--steps", "2", ranks=2)
-    finetune(binary, tmp_path, "halves", "--steps", "4", "--resume", ranks=2)
+    finetune(binary, tmp_path, "halves", "--steps", "4", "--resume", "--allow-changed", "total_steps", ranks=2)
     a, b = final_state(tmp_path, "straight"), final_state(tmp_path, "halves")
     for k in a:
         assert torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)), k
@@ -103,7 +103,8 @@ def test_another_world_size_resumes_only_when_asked_and_reshards(strider_binary,
     binary = strider_binary("strider")
     finetune(binary, tmp_path, "run", "--steps", "2", ranks=2)
     before = sorted(p.name for p in (tmp_path / "run" / "ck").glob("step-*"))
-    r = finetune(binary, tmp_path, "run", "--steps", "4", "--resume", ranks=1, accumulation=1, check=False)
+    r = finetune(binary, tmp_path, "run", "--steps", "4", "--resume", "--allow-changed", "total_steps", ranks=1,
+                 accumulation=1, check=False)
     assert r.returncode != 0
     assert "was saved by 2 rank(s) and this run has 1" in r.stderr and "--allow-changed world" in r.stderr, \
         r.stderr[-2000:]
@@ -113,7 +114,7 @@ def test_another_world_size_resumes_only_when_asked_and_reshards(strider_binary,
     # decay factor 1 - lr x weight_decay rounds to 1), so the 3 ranks' next checkpoint holds the loaded
     # weights, gathered back from their slices: bit for bit.
     lr0 = [x if x != "1e-2" else "1e-30" for x in COMMON]
-    r = finetune(binary, tmp_path, "run", "--steps", "3", "--resume", "--allow-changed", "world,lr", ranks=3,
+    r = finetune(binary, tmp_path, "run", "--steps", "3", "--resume", "--allow-changed", "world,lr,total_steps", ranks=3,
                  common=lr0)
     assert "the world size changed (2 -> 3 ranks)" in r.stdout, r.stdout[-2000:]
     ck = sorted((tmp_path / "run" / "ck").glob("step-*"))
