@@ -70,6 +70,7 @@ int run(Options& o) {
                              me.rank, errno_text(errno));
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
   STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  std::optional<DirLock> out_lock;
   if (writes) {
     // A model already there is replaced by the final save, as transformers'
     // save_pretrained replaces one: said now, not found out at the end.
@@ -77,6 +78,9 @@ int run(Options& o) {
       fmt::print(stderr, "warning: --out {} holds a model ({}); the final save replaces it\n", o.out,
                  fmt::join(there, ", "));
     check_output_dir(o.out, "--out");
+    // One run per --out: two would both save there, and after a signal both
+    // into OUT/strider-checkpoints, where a later --resume takes either's.
+    out_lock.emplace(o.out, "--out", "", DirLock::Mark::kDirectory);
     if (!o.trace.empty()) check_output_file(o.trace, "--trace");
     if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
   }

@@ -5,6 +5,7 @@
 #include "tests/catch_torch.h"
 
 #include <sys/mount.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -135,17 +136,72 @@ TEST_CASE("checkpoint series: a save that cannot fit is refused before writing, 
   CHECK(series.resume(*fresh, {}, stderr).dir == series.dir_for(1));
 }
 
+namespace {
+// Runs DirLock(dir, what, "run-b", mark) in a child process, which holds it
+// until told to go; returns the child's pid once it holds it.
+struct LockingChild {
+  pid_t pid = -1;
+  int go[2] = {-1, -1};
+  LockingChild(const std::string& dir, DirLock::Mark mark) {
+    int ready[2];
+    REQUIRE(::pipe(ready) == 0);
+    REQUIRE(::pipe(go) == 0);
+    pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {  // the child: only syscalls, then _exit
+      char c = 0;
+      try {
+        DirLock held(dir, "--out", "run-b", mark);
+        c = 1;
+        (void)!::write(ready[1], &c, 1);
+        (void)!::read(go[0], &c, 1);
+      } catch (...) {
+        (void)!::write(ready[1], &c, 1);
+      }
+      ::_exit(0);
+    }
+    char c = 0;
+    REQUIRE(::read(ready[0], &c, 1) == 1);
+    REQUIRE(c == 1);
+    ::close(ready[0]);
+    ::close(ready[1]);
+  }
+  ~LockingChild() {
+    (void)!::write(go[1], "x", 1);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    ::close(go[0]);
+    ::close(go[1]);
+  }
+};
+}  // namespace
+
 TEST_CASE("DirLock: one run per directory, the holder named, released when dropped", "[checkpoint_series]") {
   test::TempDir tmp;
   const std::string dir = (tmp.path / "ckpt").string();
   {
     DirLock first(dir, "--checkpoint-dir", "run-a");
-    CHECK_THROWS_WITH(DirLock(dir, "--checkpoint-dir"),
-                      Catch::Contains("in use by another strider run") &&
-                          Catch::Contains("pid " + std::to_string(::getpid())) && Catch::Contains(dir));
+    // The same directory for two of this run's roles: named as such, not as another run.
+    CHECK_THROWS_WITH(DirLock(dir, "--nvme"), Catch::Contains("--nvme " + dir + " is also this run's --checkpoint-dir"));
     DirLock::check_held_by(dir, "--checkpoint-dir", "run-a");  // a process of the same run may go on
     CHECK_THROWS_WITH(DirLock::check_held_by(dir, "--checkpoint-dir", "run-b"), Catch::Contains("not run run-b"));
   }
   DirLock again(dir, "--checkpoint-dir");  // the first was released
   CHECK(fs::exists(again.path()));
+}
+
+TEST_CASE("DirLock: another process's lock is refused naming its pid, with a lock file or none", "[checkpoint_series]") {
+  test::TempDir tmp;
+  for (DirLock::Mark mark : {DirLock::Mark::kLockFile, DirLock::Mark::kDirectory}) {
+    const std::string dir = (tmp.path / (mark == DirLock::Mark::kLockFile ? "file" : "dir")).string();
+    {
+      LockingChild child(dir, mark);
+      CHECK_THROWS_WITH(DirLock(dir, "--out", "", mark),
+                        Catch::Contains("in use by another strider run") &&
+                            Catch::Contains("pid " + std::to_string(child.pid)) && Catch::Contains(dir));
+    }
+    DirLock mine(dir, "--out", "", mark);  // the child ended: released
+    // An output folder locked as a directory holds nothing of the lock.
+    if (mark == DirLock::Mark::kDirectory) CHECK(fs::is_empty(dir));
+  }
 }

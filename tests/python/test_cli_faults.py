@@ -223,17 +223,19 @@ def test_a_metrics_write_error_stops_the_run(strider, tmp_path):
         subprocess.run(["umount", "-l", str(disk)])
 
 
-@pytest.mark.parametrize("what", ["--checkpoint-dir", "--nvme"])
+@pytest.mark.parametrize("what", ["--checkpoint-dir", "--nvme", "--out"])
 def test_a_second_run_on_the_same_directory_is_refused_naming_the_holder(strider, tmp_path, what):
     shared = tmp_path / "shared"
-    extra = ()  # the run takes the lock on --nvme whether or not the plan puts state there
-    a = start(strider, tmp_path, "--steps", "1000", what, str(shared), *extra, "--out", str(tmp_path / "a"))
+    # The run takes the lock on --nvme whether or not the plan puts state there.
+    own = lambda name: () if what == "--out" else ("--out", str(tmp_path / name))  # noqa: E731
+    a = start(strider, tmp_path, "--steps", "1000", what, str(shared), *own("a"))
     try:
         wait_for_step(a, 1)
-        b = run(strider, tmp_path, "--steps", "2", what, str(shared), *extra, "--out", str(tmp_path / "b"),
-                work="work-b")
+        b = run(strider, tmp_path, "--steps", "2", what, str(shared), *own("b"), work="work-b")
         assert b.returncode != 0
-        assert "in use by another strider run" in b.stderr and f"pid {a.pid}" in b.stderr
+        assert "in use by another strider run" in b.stderr and f"pid {a.pid}" in b.stderr, b.stderr
+        if what == "--out":  # the output folder holds nothing of the lock
+            assert not list(shared.glob(".strider*"))
     finally:
         a.kill()
         a.communicate()
@@ -262,6 +264,14 @@ def test_out_of_range_options_are_refused_while_parsing(strider, tmp_path):
 def write_data(path, seed):
     rng = np.random.default_rng(seed)
     write_tokens(path, rng.integers(0, 2048, 20000), vocab=2048)
+
+
+def test_one_directory_for_two_roles_of_a_run_is_named_as_such(strider, tmp_path):
+    same = str(tmp_path / "same")
+    r = run(strider, tmp_path, "--steps", "2", "--nvme", same, "--checkpoint-dir", same, "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and f"--nvme {same} is also this run's --checkpoint-dir" in r.stderr, r.stderr
+    r = run(strider, tmp_path, "--steps", "2", "--checkpoint-dir", same, "--out", same)
+    assert r.returncode != 0 and f"--checkpoint-dir {same} is also this run's --out" in r.stderr, r.stderr
 
 
 def test_another_steps_on_resume_is_asked_for_where_the_schedule_decays_to_it(strider, tmp_path):
