@@ -118,6 +118,14 @@ int run(Options& o) {
     eval_data = (fs::path(o.train.work_dir) / "builtin-eval.tokens").string();
     if (writes) write_builtin_dataset(eval_data, 100'000, 7, o.train.seed + 1);
   }
+  if (writes) {
+    // The final model (bf16) must fit under --out: said now, not after the run.
+    uint64_t params = 0;
+    for (int64_t b = 0; b < spec.num_blocks(); ++b) params += spec.layout(b).total_elems();
+    const uint64_t need = params * 2 + params * 2 / 100 + (1ull << 20), avail = CheckpointSeries::free_bytes(o.out);
+    STRIDER_CHECK(need <= avail, "--out {}: the final model needs about {} (bf16) but its file system has {} free; "
+                  "free space there, or give --out on a larger disk", o.out, format_bytes(need), format_bytes(avail));
+  }
   ranks->barrier();
   int64_t skipped_total = 0;
   auto extra_json = [&] {
@@ -235,8 +243,14 @@ int run(Options& o) {
   int64_t in_a_row = 0;
   std::string diverged;  // why the numerics guard stopped the run
   bool stop = false;  // a signal reached a rank: every rank stops after the same step
-  while (engine.steps_done() < o.steps && !(stop = ranks->any(signals.requested()))) {
-    loader.next(ids, labels);
+  std::string data_error;  // the training data failed (changed or cut under the run): stop, keeping the state
+  while (engine.steps_done() < o.steps && !(stop = ranks->any(signals.requested() || !data_error.empty()))) {
+    try {
+      loader.next(ids, labels);
+    } catch (const Error& e) {
+      data_error = e.what();
+      continue;  // every rank stops after the same step, through the check above
+    }
     StepReport r = engine.step(ids.data() + mine, labels.data() + mine);
     if (r.no_targets) {
       // Sparse targets (chat data masked to the assistant's turns): this batch
@@ -324,6 +338,22 @@ int run(Options& o) {
     throw Error(fmt::format("the run diverged: {}{}. Lower --lr (or raise --warmup) and resume from {}", diverged,
                             not_saved, saved_step >= 0 ? ckpt_root : "a new start"));
   }
+  if (stop && ranks->any(!data_error.empty())) {
+    // The state is the last good step's: kept, then the reason.
+    std::string saved;
+    try {
+      save_checkpoint();
+      saved = fmt::format("the state of step {} is saved in {}; resume with --checkpoint-dir {} --resume once the data "
+                          "is whole (or --allow-changed data on other data)",
+                          engine.steps_done(), ckpt_root, ckpt_root);
+    } catch (const Error& e) {
+      saved = fmt::format("saving the state of step {} failed too: {}", engine.steps_done(), e.what());
+    }
+    write_trace();
+    ranks->barrier();
+    throw Error(fmt::format("the training data failed after step {}: {}; {}", engine.steps_done(),
+                            data_error.empty() ? "on another rank" : data_error, saved));
+  }
   if (stop) {
     // The signal may have reached another rank only (torchrun forwards it to all).
     const int sig = signals.requested() ? signals.signal_number() : SIGTERM;
@@ -341,15 +371,50 @@ int run(Options& o) {
   // A checkpoint transformers loads, written by rank 0. Every rank reads the
   // weights: from an fp32 compute copy they are the master, which a sharded
   // state gathers from every rank.
+  // A write that fails (a full disk) stops writing, but every rank still
+  // takes part in gathering the weights; then the trained state is kept.
   std::optional<HfCheckpointWriter> writer;
-  if (writes) writer.emplace(o.out, spec, config.dump(2), HfWriteOptions{.dtype = DType::kBF16});
+  std::string write_error;
+  auto writing = [&](auto&& fn) {
+    if (!writer || !write_error.empty()) return;
+    try {
+      fn();
+    } catch (const Error& e) {
+      write_error = e.what();
+    }
+  };
+  if (writes) {
+    try {
+      writer.emplace(o.out, spec, config.dump(2), HfWriteOptions{.dtype = DType::kBF16});
+    } catch (const Error& e) {
+      write_error = e.what();
+    }
+  }
   for (int64_t b = 0; b < spec.num_blocks(); ++b) {
     std::vector<float> w(spec.layout(b).total_elems());
     engine.model_weights(b, DType::kBF16, w);  // what the model computes with
-    if (writer) writer->write_block(b, w);
+    writing([&] { writer->write_block(b, w); });
+  }
+  writing([&] { writer->finish(); });
+  if (ranks->any(!write_error.empty())) {
+    std::string kept;
+    if (saved_step == engine.steps_done()) {
+      kept = fmt::format("the trained state (step {}) is in {}", saved_step, ckpt_root);
+    } else {
+      try {
+        save_checkpoint();
+        kept = fmt::format("the trained state (step {}) is saved in {}", saved_step, ckpt_root);
+      } catch (const Error& e) {
+        kept = fmt::format("saving the trained state failed too: {}", e.what());
+      }
+    }
+    ranks->barrier();
+    throw Error(fmt::format("the final save to --out {} failed: {}; {}. Free space and resume with --checkpoint-dir {} "
+                            "--resume and a larger --steps, or load that checkpoint from Python "
+                            "(strider.Engine.resume)",
+                            o.out, write_error.empty() ? "on rank 0" : write_error, kept, ckpt_root));
   }
   if (!writes) return 0;
-  writer->finish();
   fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{})\n", o.out, start_step + 1, engine.steps_done(),
              first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "");
   if (!writer->removed().empty())

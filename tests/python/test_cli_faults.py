@@ -315,7 +315,7 @@ def test_resume_refuses_other_data_and_changed_settings_unless_allowed(strider, 
     assert "resumed from" in out and "step    3/3" in out
 
 
-def test_a_token_file_truncated_during_the_run_is_an_error_naming_it(strider, tmp_path):
+def test_a_token_file_truncated_during_the_run_is_an_error_naming_it_and_the_last_step_is_kept(strider, tmp_path):
     data = tmp_path / "d.tokens"
     write_data(data, 3)
     p = start(strider, tmp_path, "--data", str(data), "--steps", "1000", "--out", str(tmp_path / "o"))
@@ -324,6 +324,71 @@ def test_a_token_file_truncated_during_the_run_is_an_error_naming_it(strider, tm
     _, err = p.communicate(timeout=120)
     assert p.returncode > 0, "killed by signal %d" % -p.returncode  # an error, not SIGBUS
     assert str(data) in err
+    # The last good step's state is saved (under --out without --checkpoint-dir), and said where.
+    root = tmp_path / "o" / "strider-checkpoints"
+    assert "the training data failed after step" in err and f"is saved in {root}" in err, err[-2000:]
+    (ck,) = checkpoints(root)
+    step = json.loads((root / ck / "trainer_state.json").read_text())["step"]
+    assert f"after step {step}:" in err
+
+
+def mount_tmpfs(path, size):
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+
+
+def fill(disk, leave):
+    """Fills the file system of `disk`, then frees `leave` bytes."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 65536)
+        except OSError:
+            pass
+    os.truncate(disk / "filler", max(0, os.path.getsize(disk / "filler") - leave))
+
+
+def test_an_out_too_small_for_the_model_is_refused_before_the_first_step(strider, tmp_path):
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "1m")
+    try:
+        r = run(strider, tmp_path, "--steps", "2", "--out", str(disk / "out"))
+        assert r.returncode != 0 and "step    1" not in r.stdout
+        assert f"--out {disk / 'out'}: the final model needs about" in r.stderr and "free" in r.stderr, r.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
+
+
+def test_a_final_save_that_fails_keeps_the_trained_state(strider, tmp_path):
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "16m")  # the built-in model in bf16 (~12 MiB with its margin) fits at the start
+    constant = ("--schedule", "constant", "--warmup", "0", "--steps", "40")
+
+    def fails_at_the_end(*args):
+        p = start(strider, tmp_path, *constant, *args)
+        wait_for_step(p, 1)
+        fill(disk, 1 << 20)  # then the disk fills up under the run
+        out, err = p.communicate(timeout=300)
+        os.remove(disk / "filler")
+        assert p.returncode != 0 and "step   40/40" in out, out[-2000:] + err[-2000:]
+        return err
+
+    try:
+        # Without --checkpoint-dir the state would go under --out, on the same full disk: said, not hidden.
+        err = fails_at_the_end("--out", str(disk / "a"))
+        assert f"the final save to --out {disk / 'a'} failed" in err, err[-2000:]
+        assert "saving the trained state failed too" in err and "needs about" in err, err[-2000:]
+        # With --checkpoint-dir elsewhere, the last step's state is there, and it resumes.
+        ck = tmp_path / "ck"
+        err = fails_at_the_end("--checkpoint-dir", str(ck), "--out", str(disk / "b"))
+        assert f"the trained state (step 40) is in {ck}" in err, err[-2000:]
+        out = ok(strider, tmp_path, "--schedule", "constant", "--warmup", "0", "--steps", "41", "--checkpoint-dir",
+                 str(ck), "--resume", "--out", str(tmp_path / "c"))
+        assert "at step 40" in out and (tmp_path / "c" / "model.safetensors").exists()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)])
 
 
 def test_a_model_with_a_nan_weight_is_refused_naming_the_tensor(strider, tmp_path):
