@@ -139,6 +139,10 @@ CheckpointSeries::Resumed CheckpointSeries::resume(Engine& engine, const TrainLo
         load = dir.parent_path() / dir.filename().string().substr(0, dir.filename().string().size() - 4);
       r.extra = load_training_checkpoint(load, engine, options);
       r.dir = dir;
+      if (options.verify_checksums)
+        for (const std::string& p : check_model_files(inspect_training_checkpoint(load)))
+          fmt::print(log, "warning: the exportable model in {} is damaged: {}; the training state is intact and "
+                     "loaded, and the next save writes a new copy (do not export this one)\n", dir.string(), p);
       return r;
     } catch (const CheckpointMismatch&) {
       throw;

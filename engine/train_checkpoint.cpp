@@ -127,6 +127,20 @@ std::string state_path(const fs::path& dir) {
   return {};
 }
 
+// XXH3-64 of a whole file's bytes, read in 4 MiB pieces.
+uint64_t file_checksum(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  STRIDER_CHECK(in, "{}: cannot open: {}", path.string(), errno_text(errno));
+  Checksum64Stream cs;
+  std::vector<char> buf(size_t{4} << 20);
+  while (in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    cs.update(std::as_bytes(std::span(buf.data(), size_t(in.gcount()))));
+  }
+  STRIDER_CHECK(!in.bad(), "{}: read failed", path.string());
+  return cs.digest();
+}
+
 // The checksum of one (block, kind): its tensors' bytes in layout order.
 uint64_t block_checksum(const std::vector<TensorView>& views) {
   Checksum64Stream cs;
@@ -236,7 +250,14 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
     }
   });
   state.finish();
-  if (model) model->finish();
+  // The exportable model's files, as written: a copy damaged later is then
+  // found (check_model_files), not exported silently.
+  nlohmann::json model_checksums = nlohmann::json::object();
+  if (model) {
+    model->finish();
+    for (const std::string& name : model->file_names())
+      model_checksums[name] = hex64(file_checksum(tmp.path / name));
+  }
 
   nlohmann::json ts = {{"format", kFormat},
                        {"version", kTrainCheckpointVersion},
@@ -248,6 +269,7 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
                        {"model_files", model ? model->file_names() : std::vector<std::string>{}},
                        {"checksums", checksums},
                        {"checksum", "xxh3-64 of each block's tensors in layout order, per kind"},
+                       {"model_checksums", model_checksums},  // xxh3-64 of each model file's bytes
                        {"extra", extra}};
   const std::string text = ts.dump(2) + "\n";
   // Last: its presence marks the directory complete.
@@ -453,6 +475,28 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
   }
   engine.set_steps_done(info.step);
   return info.extra;
+}
+
+std::vector<std::string> check_model_files(const TrainCheckpointInfo& info) {
+  std::vector<std::string> problems;
+  const nlohmann::json sums = info.trainer_state.value("model_checksums", nlohmann::json::object());
+  for (const auto& [name, want] : sums.items()) {
+    const fs::path file = info.path / name;
+    std::error_code ec;
+    if (!fs::is_regular_file(file, ec)) {
+      problems.push_back(fmt::format("{} is missing", file.string()));
+      continue;
+    }
+    try {
+      const std::string got = hex64(file_checksum(file));
+      if (got != want.get<std::string>())
+        problems.push_back(fmt::format("{} has checksum {}, but its save recorded {}", file.string(), got,
+                                       want.get<std::string>()));
+    } catch (const Error& e) {
+      problems.push_back(e.what());
+    }
+  }
+  return problems;
 }
 
 }  // namespace strider

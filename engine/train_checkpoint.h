@@ -82,6 +82,14 @@ struct TrainCheckpointInfo {
 };
 TrainCheckpointInfo inspect_training_checkpoint(const std::filesystem::path& dir);
 
+// The exportable model files (config.json's weights, written when
+// TrainCheckpointOptions::write_model) against the checksums their save
+// recorded: one line per file that is missing or differs; empty when all
+// match, or for a checkpoint from before they were recorded. The training
+// state is checked apart (load_training_checkpoint): a damaged model copy
+// does not make the state unusable, so this reports rather than refuses.
+std::vector<std::string> check_model_files(const TrainCheckpointInfo& info);
+
 // The engine config fields that change the maths of a step. They must match
 // between checkpoint and engine unless named in LoadOptions::allow_changed.
 // Every other field (window, checkpoints_on_host, optimizer_threads, the NVMe

@@ -457,7 +457,9 @@ std::string inspect_checkpoint(const std::string& dir) {
                           {"step", info.step},
                           {"model_config", nlohmann::json::parse(info.model_config_json)},
                           {"engine_config", info.engine_config},
-                          {"extra", info.extra}}
+                          {"extra", info.extra},
+                          // The exportable model files' checksums against the files (train_checkpoint.h).
+                          {"model_problems", check_model_files(info)}}
         .dump();
   });
 }

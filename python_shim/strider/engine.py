@@ -45,6 +45,7 @@ right (after every real token), where no real token attends to it.
 """
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
@@ -139,8 +140,9 @@ def check_on_cpu(model):
 
 def inspect_checkpoint(path) -> dict:
     """What a training checkpoint (engine.save) says about itself: path (the directory used: <dir>, or
-    <dir>.old after a crash mid-save), step, model_config, engine_config, extra. ValueError naming the path
-    or the field when there is none or it is incomplete."""
+    <dir>.old after a crash mid-save), step, model_config, engine_config, extra, and model_problems: the
+    exportable model files that are missing or differ from the checksums their save recorded (empty when
+    the copy is sound). ValueError naming the path or the field when there is none or it is incomplete."""
     load_library()
     path = os.fspath(path)
     return json.loads(torch.ops.strider.inspect_training_checkpoint(path))
@@ -378,6 +380,11 @@ class Engine:
         naming the file and field, and changes nothing."""
         extra = self._load(path, allow_changed, verify_checksums)
         self.last_result = None
+        if verify_checksums:
+            # The state loaded is checked; the model copy beside it is only exported, so it is reported.
+            for problem in inspect_checkpoint(path)["model_problems"]:
+                warnings.warn(f"the exportable model in {os.fspath(path)} is damaged: {problem}; the training "
+                              "state is intact and loaded, and the next save writes a new copy")
         return extra
 
     def _load(self, path, allow_changed, verify_checksums):

@@ -274,6 +274,20 @@ def test_one_directory_for_two_roles_of_a_run_is_named_as_such(strider, tmp_path
     assert r.returncode != 0 and f"--checkpoint-dir {same} is also this run's --out" in r.stderr, r.stderr
 
 
+def test_a_damaged_model_copy_in_a_checkpoint_is_named_on_resume(strider, tmp_path):
+    ck = tmp_path / "ck"
+    constant = ("--schedule", "constant", "--warmup", "0", "--checkpoint-dir", str(ck))
+    ok(strider, tmp_path, *constant, "--steps", "2", "--out", str(tmp_path / "o"))
+    model = ck / "step-00000002" / "model.safetensors"
+    with open(model, "r+b") as f:  # one byte of a weight, which the format cannot see
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\x5a")
+    r = run(strider, tmp_path, *constant, "--steps", "3", "--resume", "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "at step 2" in r.stdout
+    assert f"the exportable model in {ck / 'step-00000002'} is damaged: {model} has checksum" in r.stderr, r.stderr
+
+
 def test_another_steps_on_resume_is_asked_for_where_the_schedule_decays_to_it(strider, tmp_path):
     """--steps is total_steps, where linear and cosine decay end: another one changes every later step's
     learning rate, so it needs --allow-changed total_steps; a constant schedule does not use it (issue 32)."""

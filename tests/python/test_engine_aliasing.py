@@ -165,6 +165,7 @@ def test_save_resume_continues_bit_identically(tmp_path, dtype, state):
     info = strider.inspect_checkpoint(tmp_path / "ckpt")
     assert (info["step"], info["extra"], info["engine_config"]["dtype"]) == (2, {"position": 2}, dtype)
     assert info["engine_config"]["optimizer_state"] == state
+    assert info["model_problems"] == []  # the exportable copy matches what its save wrote
     # The checkpoint's model files load with transformers.
     saved = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
     for name, p in saved.named_parameters():
