@@ -368,9 +368,13 @@ class Gloo final : public Collectives {
         silent.empty() ? std::string()
                        : fmt::format("No heartbeat for {} ms from: rank {} (dead or frozen)",
                                      (4 * Heartbeat::kBeat).count(), fmt::join(silent, ", rank "));
+    // Reached it, then went silent: it died or froze inside the collective.
     if (behind.empty())
-      return quiet.empty() ? "Every rank reached it and is alive: the failure is in the transport"
-                           : "Every rank reached it. " + quiet;
+      return silent.empty()
+                 ? "Every rank reached it and is alive: the failure is in the transport"
+                 : fmt::format("Every rank reached it, and then rank {} went silent (no heartbeat for {} ms): it died "
+                               "or froze during the collective; see its output",
+                               fmt::join(silent, ", rank "), (4 * Heartbeat::kBeat).count());
     return fmt::format("Never reached it: {} (dead, hung, or stopped by an error of its own: see its output){}",
                        fmt::join(behind, ", "), quiet.empty() ? "" : ". " + quiet);
   }

@@ -7,11 +7,13 @@
 // the last good state saved; SIGINT/SIGTERM finish the step, save and exit
 // 128 + the signal; resuming takes the newest checkpoint that loads and
 // refuses other data or other maths settings unless --allow-changed names them.
+#include <cmath>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <limits>
 #include <optional>
 
 #include "engine/builtin.h"
@@ -63,6 +65,9 @@ int run(Options& o) {
   // others print only their errors (stderr), step on their rows of each
   // global batch, and take every decision with rank 0 (a stop, a skipped
   // step, the end), through the collectives.
+  // From the start: a signal before the first step (a long model load) ends
+  // the run with a line, not silently by the default action.
+  StopSignals signals;
   const std::unique_ptr<Collectives> ranks = collectives_from_env(std::chrono::seconds(o.dist_timeout_s));
   const RankInfo& me = ranks->ranks();
   const bool writes = me.rank == 0;
@@ -229,6 +234,12 @@ int run(Options& o) {
                                 .shuffle = false});
     double sum = 0;
     for (int64_t i = 0; i < o.eval_batches; ++i) {
+      // A signal does not wait for the whole evaluation: it is dropped (NaN),
+      // and the run stops after it as after a step.
+      if (ranks->any(signals.requested())) {
+        fmt::print("  evaluation interrupted after {} of {} batches\n", i, o.eval_batches);
+        return std::numeric_limits<double>::quiet_NaN();
+      }
       el.next(ids, labels);
       sum += engine.evaluate(ids.data() + mine, labels.data() + mine);
     }
@@ -236,8 +247,16 @@ int run(Options& o) {
   };
 
   // 4. Train.
-  StopSignals signals;
-  if (eval_file) fmt::print("  eval loss before training: {:.4f}\n", evaluate());
+  if (eval_file && !ranks->any(signals.requested())) {
+    const double loss = evaluate();
+    if (!std::isnan(loss)) fmt::print("  eval loss before training: {:.4f}\n", loss);
+  }
+  if (ranks->any(signals.requested())) {  // during the load, the plan, the data or that evaluation
+    const int sig = signals.requested() ? signals.signal_number() : SIGTERM;
+    fmt::print("interrupted by {} before the first step{}: nothing new to save\n", StopSignals::name(sig),
+               engine.steps_done() > 0 ? fmt::format(" (the run resumed at step {})", engine.steps_done()) : "");
+    return 128 + sig;
+  }
   double first_loss = 0, last_loss = 0;
   const int64_t start_step = engine.steps_done();
   int64_t in_a_row = 0;
@@ -307,8 +326,10 @@ int run(Options& o) {
                            {"peak_device_bytes", r.peak_device_bytes}, {"h2d_bytes", r.h2d_bytes},
                            {"d2h_bytes", r.d2h_bytes}, {"work_peak_bytes", r.work_peak_bytes}};
     if (eval_file && r.step % o.eval_every == 0) {
-      line["eval_loss"] = evaluate();
-      fmt::print("           eval loss {:.4f}\n", line["eval_loss"].get<double>());
+      if (const double loss = evaluate(); !std::isnan(loss)) {
+        line["eval_loss"] = loss;
+        fmt::print("           eval loss {:.4f}\n", loss);
+      }
     }
     if (metrics.is_open()) append_line(metrics, o.metrics, line);
     if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) save_checkpoint();

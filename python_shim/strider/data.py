@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -164,13 +165,21 @@ def encode_chat(tokenizer, messages):
 
 def _documents(path, fmt):
     """(item, bytes consumed) for each document of the input: text for lines/text, messages for chat."""
+    def utf8(raw, where):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: not UTF-8 (byte {e.start} of {'the file' if where == str(path) else 'the line'}"
+                             f" is 0x{raw[e.start]:02x}); convert the file to UTF-8 first") from None
+
     if fmt == "text":
-        text = Path(path).read_text(encoding="utf-8")
-        yield text, len(text.encode("utf-8"))
+        raw = Path(path).read_bytes()
+        text = utf8(raw, str(path))
+        yield text, len(raw)
         return
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            line = raw.decode("utf-8").strip()
+            line = utf8(raw, f"{path}:{lineno}").strip()
             if not line:
                 yield None, len(raw)
                 continue
@@ -222,6 +231,12 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
                    token_bytes=2 if vocab <= 1 << 16 else 4)
     if all_mask is not None:
         summary["target_fraction"] = float(all_mask.mean())
+        if not all_mask.any():
+            # Every batch would be skipped for want of a target: said now, not after a run that learns nothing.
+            warnings.warn(f"{input_path}: no assistant turn in any conversation, so {output_path} has no target "
+                          "token: a run on it trains nothing (every batch is skipped). Chat data needs assistant "
+                          "messages; for plain text use --format lines or text")
+            summary["warning"] = "no target tokens"
     return summary
 
 

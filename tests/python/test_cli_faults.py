@@ -113,6 +113,26 @@ def test_sigint_without_a_checkpoint_dir_saves_under_out(strider, tmp_path):
     assert len(checkpoints(root)) == 1
 
 
+def test_a_signal_before_the_first_step_or_during_an_evaluation_ends_the_run_with_a_line(strider, tmp_path):
+    # A long evaluation before training (the built-in held-out data, many batches): the signal lands in
+    # it, or in the set-up before it, and the run ends without waiting for the whole evaluation.
+    cmd = [str(strider), "finetune", "--device", "cpu", "--work-dir", str(tmp_path / "work"), "--eval-batches",
+           "100000", "--steps", "3", "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "o")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    held_out = tmp_path / "work" / "builtin-eval.tokens"  # written just before the evaluation starts
+    deadline = time.monotonic() + 120
+    while not held_out.exists() and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    out, err = p.communicate(timeout=120)
+    assert time.monotonic() - start < 30  # 100000 batches would take hours
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "interrupted by SIGTERM before the first step: nothing new to save" in out, out[-2000:]
+    assert "step    1" not in out and checkpoints(tmp_path / "ck") == []
+
+
 def test_a_second_signal_ends_the_run_at_once_and_the_last_checkpoint_loads(strider, tmp_path):
     ck = tmp_path / "ck"
     p = start(strider, tmp_path, "--steps", "1000", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",

@@ -155,3 +155,21 @@ def test_bad_input_is_named(tmp_path, tokenizer):
     (tmp_path / "f.tokens").write_bytes(b"x" * 2000)
     with pytest.raises(ValueError, match="not a strider token file"):
         sd.read_token_file(tmp_path / "f.tokens")
+
+
+def test_invalid_utf8_is_named_by_file_and_line(tmp_path, tokenizer):
+    (tmp_path / "bad.txt").write_bytes(b"hello there\nthe answer \xff is four\n")
+    with pytest.raises(ValueError, match=r"bad.txt:2: not UTF-8 \(byte 11 of the line is 0xff\)"):
+        sd.prepare(tokenizer, tmp_path / "bad.txt", tmp_path / "bad.tokens", progress=False)
+    with pytest.raises(ValueError, match=r"bad.txt: not UTF-8 \(byte 23 of the file is 0xff\)"):
+        sd.prepare(tokenizer, tmp_path / "bad.txt", tmp_path / "bad.tokens", fmt="text", progress=False)
+    assert not (tmp_path / "bad.tokens").exists()
+
+
+def test_chats_without_an_assistant_turn_warn_that_nothing_trains(tmp_path, tokenizer):
+    chats = [{"messages": [{"role": "user", "content": "hello how are you"}]},
+             {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the answer"}]}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    with pytest.warns(UserWarning, match="no assistant turn in any conversation"):
+        summary = sd.prepare(tokenizer, tmp_path / "chat.jsonl", tmp_path / "chat.tokens", progress=False)
+    assert summary["target_fraction"] == 0 and summary["warning"] == "no target tokens"
