@@ -32,8 +32,14 @@ replaced:
   train(resume_from_checkpoint=path or True) loads it into the engine
   (engine.load) and the Trainer skips the batches already seen, so the run
   continues bit-identically. Resuming may change max_steps (the schedule's
-  total_steps), as `strider finetune --resume` may; any other change to the
-  maths of the run is refused. save_only_model=True checkpoints hold no
+  total_steps), with a warning under a linear or cosine schedule, whose
+  decay it moves (`strider finetune --resume` asks for --allow-changed
+  total_steps); any other change to the maths of the run is refused.
+- Skipped steps: a step the numerics guard skips (non-finite loss or
+  gradient) logs NaN, which the Trainer leaves out of its logged loss;
+  max_skipped_steps of them in a row (default 3, as `strider finetune
+  --max-skipped-steps`) stop the run with the reason. A batch without
+  targets is skipped without counting. save_only_model=True checkpoints hold no
   strider state and cannot be resumed.
 
 The engine's config: pass `strider_config` (an EngineConfig), or let the
@@ -50,6 +56,7 @@ biases included (the Trainer's own AdamW exempts them).
 import dataclasses
 import math
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -87,7 +94,7 @@ class StriderTrainer(transformers.Trainer):
     """transformers.Trainer with strider doing every forward, backward and optimizer step."""
 
     def __init__(self, model=None, args=None, *, strider_config: Optional[EngineConfig] = None,
-                 seq: Optional[int] = None, **kwargs):
+                 seq: Optional[int] = None, max_skipped_steps: int = 3, **kwargs):
         if model is None:
             raise ValueError("StriderTrainer needs model= (model_init is not supported: the engine is built "
                              "from the model once)")
@@ -100,6 +107,12 @@ class StriderTrainer(transformers.Trainer):
             raise TypeError(f"StriderTrainer: strider_config must be a strider.EngineConfig, got "
                             f"{type(strider_config).__name__}")
         self._check_args(args)
+        if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or max_skipped_steps < 1:
+            raise ValueError(f"StriderTrainer: max_skipped_steps = {max_skipped_steps!r}: expected an int >= 1")
+        # As `strider finetune --max-skipped-steps`: that many steps in a row skipped by the numerics guard
+        # stop the run; a batch without targets is not a fault and does not count.
+        self.max_skipped_steps = max_skipped_steps
+        self._skipped_in_a_row = 0
         self.engine = None
         super().__init__(model=model, args=args, **kwargs)
         self.place_model_on_device = False
@@ -234,7 +247,22 @@ class StriderTrainer(transformers.Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         result = self.engine.step(*self._batch(inputs, "train"))
-        return torch.tensor(result.loss, device=self.args.device)
+        if result.skipped and not result.no_targets:
+            self._skipped_in_a_row += 1
+            if self._skipped_in_a_row >= self.max_skipped_steps:
+                where = (f"; first non-finite gradient: block {result.nonfinite_block} ({result.nonfinite_tensor})"
+                         if result.nonfinite_block >= 0 else "")
+                raise RuntimeError(
+                    f"StriderTrainer: the run diverged: {self._skipped_in_a_row} steps in a row were skipped "
+                    f"(max_skipped_steps {self.max_skipped_steps}), the last because the {result.skip_reason}"
+                    f"{where}; the model stays at strider step {result.step}. Lower learning_rate (or raise "
+                    "warmup_steps) and resume from the last checkpoint")
+        elif not result.skipped:
+            self._skipped_in_a_row = 0
+        # A skipped step's loss is NaN (a batch without targets has none at all): the Trainer leaves it out
+        # of the logged mean (logging_nan_inf_filter).
+        loss = float("nan") if result.loss is None else result.loss
+        return torch.tensor(loss, device=self.args.device)
 
     def _clip_grad_norm(self, model):
         return self.engine.last_result.grad_norm  # strider clipped at clip_norm inside the step
@@ -295,14 +323,23 @@ class StriderTrainer(transformers.Trainer):
                              "save_only_model=True; resume from a checkpoint a StriderTrainer saved, or start "
                              "a new run from its weights (from_pretrained)")
         # Checked before loading, so a refusal changes nothing.
-        saved_step = inspect_checkpoint(state)["step"]
+        info = inspect_checkpoint(state)
+        # The Trainer's global_step counts skipped steps too (a batch without targets, a non-finite loss),
+        # strider's step count does not: the state records the global_step it was saved at.
+        saved_step = info["extra"].get("global_step", info["step"])
         hf_state = os.path.join(resume_from_checkpoint, transformers.trainer.TRAINER_STATE_NAME)
         if os.path.isfile(hf_state):
             step = transformers.TrainerState.load_from_json(hf_state).global_step
             if step != saved_step:
-                raise ValueError(f"StriderTrainer: {hf_state} says global_step {step} but {state} holds the "
-                                 f"state after {saved_step} strider steps; the checkpoint folder mixes two runs")
+                raise ValueError(f"StriderTrainer: {hf_state} says global_step {step} but {state} was saved at "
+                                 f"global_step {saved_step}; the checkpoint folder mixes two runs")
         self.engine.load(state, allow_changed=_RESUME_MAY_CHANGE)
+        was, now = info["engine_config"].get("total_steps"), self.engine.config.total_steps
+        if was != now and self.engine.config.schedule != "constant":
+            # As `strider finetune --resume` says it (which asks for --allow-changed total_steps).
+            warnings.warn(f"StriderTrainer: the run saved in {state} decayed its {self.engine.config.schedule} "
+                          f"learning rate to 0 at step {was}; max_steps now makes that {now}, which changes the "
+                          "learning rate of every step from here on")
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         return None  # _load_from_checkpoint loaded strider's optimizer state; the placeholders hold none

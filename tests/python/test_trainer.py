@@ -199,3 +199,33 @@ def test_resume_from_a_folder_without_strider_state_is_refused(tmp_path):
     assert trainer.engine.last_result is None and trainer.engine.steps_done == 0
     for n, p in trainer.model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
+
+
+def test_skipped_steps_agree_with_the_command_line(tmp_path):
+    """A batch without targets is skipped without counting and its checkpoint still resumes (the Trainer's
+    global_step counts it, strider's step does not); max_skipped_steps non-finite steps in a row stop the
+    run with the reason, as `strider finetune --max-skipped-steps` does."""
+    data = rows(BATCH * 4, seed=1)
+    for r in data[BATCH:2 * BATCH]:  # the second batch: every label ignored
+        r["labels"][:] = -100
+    first = strider.StriderTrainer(model=make_model(), args=training_args(tmp_path / "a", max_steps=4,
+                                   save_strategy="steps", save_steps=2), train_dataset=data,
+                                   strider_config=config())
+    first.train()
+    assert first.state.global_step == 4 and first.engine.steps_done == 3
+    second = strider.StriderTrainer(model=make_model(seed=5), args=training_args(tmp_path / "b", max_steps=4),
+                                    train_dataset=data, strider_config=config())
+    second.train(resume_from_checkpoint=str(tmp_path / "a" / "run" / "checkpoint-2"))
+    for name in first.engine.param_names():
+        assert torch.equal(second.engine.param(name), first.engine.param(name)), name
+
+    # A learning rate of 1e30 makes every weight huge after the first update: the next losses are not finite.
+    diverging = strider.StriderTrainer(model=make_model(), args=training_args(tmp_path / "c", max_steps=3),
+                                       train_dataset=rows(BATCH * 3, seed=2), max_skipped_steps=2,
+                                       strider_config=config(lr=1e30, schedule="constant", warmup_steps=0))
+    with pytest.raises(RuntimeError, match=r"2 steps in a row were skipped \(max_skipped_steps 2\)"):
+        diverging.train()
+    assert diverging.engine.steps_done == 1
+    with pytest.raises(ValueError, match="max_skipped_steps"):
+        strider.StriderTrainer(model=make_model(), args=training_args(tmp_path / "d"), train_dataset=data,
+                               strider_config=config(), max_skipped_steps=0)
