@@ -265,7 +265,7 @@ void CpuDevice::launch(StreamId s, OpTag tag, LaunchFn fn) {
   // Only the compute stream is metered: the meter counts the whole process,
   // so two streams computing at once would each be charged the other's bytes.
   enqueue(s, Op{true, s == StreamId::kCompute && meter_ != nullptr, OpKind::kCompute, tag,
-                [ctx, fn = std::move(fn)] { fn(ctx); }});
+                [ctx, fn = std::move(fn)] { run_launched(fn, ctx); }});
 }
 
 // ---- events -----------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <deque>
 #include <mutex>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "host/pinned_arena.h"
 
 #if STRIDER_HAVE_TORCH_CUDA
+#include <ATen/ATen.h>                      // the GEMMs that reserve cuBLAS workspaces
 #include <ATen/Context.h>                   // lazyInitDevice: the caching allocator exists after it
 #include <c10/cuda/CUDACachingAllocator.h>  // its statistics (working memory) and memory fraction (the limit)
 #include <c10/cuda/CUDAGuard.h>             // CUDAStreamGuard: ATen's current stream for a scope
@@ -100,12 +102,16 @@ class CudaDevice final : public Device {
     STRIDER_CHECK(budget_bytes_ <= free_bytes,
                   "{}: device budget of {} bytes exceeds the {} bytes free on the GPU; lower the budget",
                   name_, budget_bytes_, free_bytes);
-    init_work_meter(total_bytes);
     for (auto& s : streams_) STRIDER_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    init_work_meter(total_bytes);
     if (options_.record_spans) {
-      STRIDER_CUDA_CHECK(cudaEventCreate(&epoch_));
-      STRIDER_CUDA_CHECK(cudaEventRecord(epoch_, streams_[0]));
-      STRIDER_CUDA_CHECK(cudaEventSynchronize(epoch_));
+      STRIDER_CUDA_CHECK(cudaStreamCreateWithFlags(&anchor_stream_, cudaStreamNonBlocking));
+      cudaEvent_t epoch = nullptr;
+      STRIDER_CUDA_CHECK(cudaEventCreate(&epoch));
+      anchors_.push_back(Anchor{epoch, 0.0});
+      STRIDER_CUDA_CHECK(cudaEventRecord(epoch, anchor_stream_));
+      STRIDER_CUDA_CHECK(cudaEventSynchronize(epoch));
+      anchor_host_ = std::chrono::steady_clock::now();
     }
   }
 
@@ -124,7 +130,8 @@ class CudaDevice final : public Device {
       (void)cudaEventDestroy(p.end);
     }
     for (auto e : spare_) (void)cudaEventDestroy(e);
-    if (epoch_ != nullptr) (void)cudaEventDestroy(epoch_);
+    for (const Anchor& a : anchors_) (void)cudaEventDestroy(a.event);
+    if (anchor_stream_ != nullptr) (void)cudaStreamDestroy(anchor_stream_);
     for (auto s : streams_) (void)cudaStreamDestroy(s);
   }
   CudaDevice(const CudaDevice&) = delete;
@@ -192,11 +199,11 @@ class CudaDevice final : public Device {
           c10::cuda::CUDAStreamGuard guard(
               c10::cuda::getStreamFromExternal(stream(s), static_cast<c10::DeviceIndex>(ordinal_)));
           if (s == StreamId::kCompute && metering_) {
-            work = metered(tag, [&] { fn(ctx); });
+            work = metered(tag, [&] { run_launched(fn, ctx); });
             return;
           }
 #endif
-          fn(ctx);
+          run_launched(fn, ctx);
         },
         &work);
   }
@@ -221,6 +228,19 @@ class CudaDevice final : public Device {
 
   void drain_spans(std::vector<OpSpan>& out) override {
     std::lock_guard lk(spans_mutex_);
+    // The anchors' times, in order: each from the one before (seconds apart).
+    for (size_t i = 1; i < anchors_.size(); ++i) {
+      if (anchors_[i].us >= 0) continue;
+      const cudaError_t rc = cudaEventQuery(anchors_[i].event);
+      if (rc == cudaErrorNotReady) {
+        (void)cudaGetLastError();
+        break;
+      }
+      STRIDER_CUDA_CHECK(rc);
+      float ms = 0;
+      STRIDER_CUDA_CHECK(cudaEventElapsedTime(&ms, anchors_[i - 1].event, anchors_[i].event));
+      anchors_[i].us = anchors_[i - 1].us + double(ms) * 1e3;
+    }
     for (auto it = pending_.begin(); it != pending_.end();) {
       cudaError_t rc = cudaEventQuery(it->end);
       if (rc == cudaErrorNotReady) {
@@ -229,10 +249,20 @@ class CudaDevice final : public Device {
         continue;
       }
       STRIDER_CUDA_CHECK(rc);
-      float begin_ms = 0, end_ms = 0;
-      STRIDER_CUDA_CHECK(cudaEventElapsedTime(&begin_ms, epoch_, it->begin));
-      STRIDER_CUDA_CHECK(cudaEventElapsedTime(&end_ms, epoch_, it->end));
-      out.push_back(OpSpan{it->stream, it->kind, it->tag, begin_ms * 1e3, end_ms * 1e3, it->work_peak_bytes});
+      const Anchor& a = anchors_[it->anchor];
+      if (a.us < 0) {  // its anchor's own time is not known yet (it always is by now: see traced)
+        ++it;
+        continue;
+      }
+      // Each span from its own events: its start a few seconds at most from
+      // its anchor, its length from begin to end, both in float ms at about
+      // 0.5 us; the anchors' times add up in double.
+      float since_anchor_ms = 0, length_ms = 0;
+      STRIDER_CUDA_CHECK(cudaEventElapsedTime(&since_anchor_ms, a.event, it->begin));
+      STRIDER_CUDA_CHECK(cudaEventElapsedTime(&length_ms, it->begin, it->end));
+      const double begin_us = a.us + double(since_anchor_ms) * 1e3;
+      out.push_back(OpSpan{it->stream, it->kind, it->tag, begin_us, begin_us + double(length_ms) * 1e3,
+                           it->work_peak_bytes});
       spare_.push_back(it->begin);
       spare_.push_back(it->end);
       it = pending_.erase(it);
@@ -263,6 +293,7 @@ class CudaDevice final : public Device {
     cudaEvent_t begin;
     cudaEvent_t end;
     uint64_t work_peak_bytes;
+    size_t anchor;  // the anchor its begin is timed from (anchors_)
   };
 
   // ATen's working memory (DESIGN.md: the plan counts it; this measures it).
@@ -274,6 +305,30 @@ class CudaDevice final : public Device {
   // enqueues on this GPU meanwhile is counted too, and the peak statistics
   // are reset at each op (torch.cuda.max_memory_allocated() in the same
   // process reads the last op's peak).
+#if STRIDER_HAVE_TORCH_CUDA
+  // cuBLAS (and cuBLASLt) keep a workspace per handle and stream, allocated
+  // by ATen's caching allocator at the first GEMM on that stream: left to
+  // then, it would be charged to that op's working memory against the limit.
+  // One small GEMM per stream and dtype allocates them now, before any op is
+  // metered; their bytes are held for the device's life and counted apart
+  // (blas_workspace_bytes: inside the cap, outside every op's figure).
+  void reserve_blas_workspaces() {
+    namespace cca = c10::cuda::CUDACachingAllocator;
+    const auto dev = static_cast<c10::DeviceIndex>(ordinal_);
+    const int64_t before = cca::getDeviceStats(dev).allocated_bytes[0].current;
+    for (cudaStream_t st : streams_) {
+      c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromExternal(st, dev));
+      for (at::ScalarType t : {at::kFloat, at::kBFloat16}) {
+        const at::Tensor a = at::ones({64, 64}, at::TensorOptions().dtype(t).device(at::kCUDA, dev));
+        (void)at::mm(a, a);
+      }
+      STRIDER_CUDA_CHECK(cudaStreamSynchronize(st));
+    }
+    const int64_t after = cca::getDeviceStats(dev).allocated_bytes[0].current;
+    blas_workspace_bytes_ = after > before ? uint64_t(after - before) : 0;
+  }
+#endif
+
   void init_work_meter(size_t total_bytes) {
 #if STRIDER_HAVE_TORCH_CUDA
     namespace cca = c10::cuda::CUDACachingAllocator;
@@ -281,6 +336,7 @@ class CudaDevice final : public Device {
     try {
       (void)cca::getDeviceStats(static_cast<c10::DeviceIndex>(ordinal_));
       metering_ = true;
+      reserve_blas_workspaces();
     } catch (const std::exception& e) {
       // A pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator) may keep no statistics.
       STRIDER_CHECK(options_.work_limit_bytes == 0,
@@ -295,7 +351,7 @@ class CudaDevice final : public Device {
       // reserves in segments (up to 20 MiB for a 1-10 MiB request, 2 MiB
       // multiples above), so the cap leaves kSegmentSlackBytes for rounding;
       // the exact limit is checked on each op's peak after it is enqueued.
-      const double cap = double(options_.work_limit_bytes + kSegmentSlackBytes);
+      const double cap = double(options_.work_limit_bytes + kSegmentSlackBytes + blas_workspace_bytes_);
       cca::setMemoryFraction(std::min(1.0, cap / double(total_bytes)), static_cast<c10::DeviceIndex>(ordinal_));
     }
 #else
@@ -359,7 +415,9 @@ class CudaDevice final : public Device {
     }
     cudaEvent_t begin = take_timing_event();
     cudaEvent_t end = take_timing_event();
+    size_t anchor = 0;
     try {
+      anchor = current_anchor();
       STRIDER_CUDA_CHECK(cudaEventRecord(begin, stream(s)));
       enqueue();
       STRIDER_CUDA_CHECK(cudaEventRecord(end, stream(s)));
@@ -370,7 +428,24 @@ class CudaDevice final : public Device {
       throw;
     }
     std::lock_guard lk(spans_mutex_);
-    pending_.push_back(PendingSpan{s, kind, tag, begin, end, work != nullptr ? *work : 0});
+    pending_.push_back(PendingSpan{s, kind, tag, begin, end, work != nullptr ? *work : 0, anchor});
+  }
+  // The anchor a span recorded now is timed from: a new one every
+  // kAnchorEvery, recorded on a stream with no work, so that it completes
+  // when recorded and every event recorded after it is later on the GPU.
+  // A float of milliseconds since one fixed epoch would lose resolution as
+  // the run goes on (about 4 us after a minute, 0.25 ms after an hour).
+  size_t current_anchor() {
+    std::lock_guard lk(spans_mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    if (now - anchor_host_ >= kAnchorEvery) {
+      cudaEvent_t e = nullptr;
+      STRIDER_CUDA_CHECK(cudaEventCreate(&e));
+      anchors_.push_back(Anchor{e, -1.0});
+      STRIDER_CUDA_CHECK(cudaEventRecord(e, anchor_stream_));
+      anchor_host_ = now;
+    }
+    return anchors_.size() - 1;
   }
   cudaEvent_t take_timing_event() {
     {
@@ -393,6 +468,7 @@ class CudaDevice final : public Device {
   std::string name_;
   bool metering_ = false;               // ATen's allocator keeps statistics (torch CUDA builds)
   std::atomic<uint64_t> work_peak_{0};
+  uint64_t blas_workspace_bytes_ = 0;  // cuBLAS workspaces reserved at start (reserve_blas_workspaces)
   size_t budget_bytes_ = 0;
   cudaStream_t streams_[kNumStreams] = {};
 
@@ -402,7 +478,16 @@ class CudaDevice final : public Device {
   size_t allocation_count_ = 0;
 
   std::mutex spans_mutex_;
-  cudaEvent_t epoch_ = nullptr;
+  // Span times: anchors_[0] is the epoch (recorded when the device was made);
+  // us is each anchor's time since it, once known (-1 before).
+  struct Anchor {
+    cudaEvent_t event;
+    double us;
+  };
+  static constexpr std::chrono::seconds kAnchorEvery{5};
+  std::vector<Anchor> anchors_;
+  std::chrono::steady_clock::time_point anchor_host_;
+  cudaStream_t anchor_stream_ = nullptr;
   std::deque<PendingSpan> pending_;
   std::vector<cudaEvent_t> spare_;
 };

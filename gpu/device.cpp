@@ -1,5 +1,6 @@
 #include "gpu/device.h"
 
+#include <atomic>
 #include <utility>
 
 namespace strider {
@@ -45,5 +46,12 @@ void DeviceBuffer::reset() noexcept {
   data_ = nullptr;
   bytes_ = 0;
 }
+
+namespace {
+std::atomic<LaunchScope> g_launch_scope{nullptr};
+}  // namespace
+
+void set_launch_scope(LaunchScope scope) { g_launch_scope.store(scope); }
+LaunchScope launch_scope() { return g_launch_scope.load(); }
 
 }  // namespace strider

@@ -63,6 +63,21 @@ struct LaunchContext {
 };
 using LaunchFn = std::function<void(const LaunchContext&)>;
 
+// What every launched closure runs inside, on every device that runs them
+// (CpuDevice on its stream threads, CudaDevice on the caller's): the same
+// stated ATen thread-local modes, whatever thread runs it and whatever modes
+// its caller was in (torch.autocast, torch.inference_mode, grad mode). The
+// seam knows no ATen: make_device registers the scope (gpu/compute_modes.h)
+// in builds with torch. nullptr: none (the closure runs as is).
+using LaunchScope = void (*)(const std::function<void()>& body);
+void set_launch_scope(LaunchScope scope);
+LaunchScope launch_scope();
+// Runs `fn(ctx)` inside the registered scope.
+inline void run_launched(const LaunchFn& fn, const LaunchContext& ctx) {
+  if (LaunchScope scope = launch_scope()) scope([&] { fn(ctx); });
+  else fn(ctx);
+}
+
 // A point in a stream. Made by Device::make_event; usable only with its device.
 class Event {
  public:

@@ -10,7 +10,8 @@
 #include "host/error.h"
 
 #if STRIDER_HAVE_TORCH
-#include "gpu/aten_memory.h"  // install_aten_cpu_counter: the CPU device's working-memory meter
+#include "gpu/aten_memory.h"    // install_aten_cpu_counter: the CPU device's working-memory meter
+#include "gpu/compute_modes.h"  // install_compute_modes: every device's launches in the same ATen modes
 #endif
 
 namespace strider {
@@ -54,6 +55,9 @@ DeviceChoice choose_device(const std::string& spec) {
 }
 
 std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why) {
+#if STRIDER_HAVE_TORCH
+  install_compute_modes();
+#endif
   DeviceChoice c = choose_device(options.spec);
   if (why != nullptr) *why = std::move(c.why);
   switch (c.kind) {
