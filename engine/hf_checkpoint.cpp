@@ -162,6 +162,14 @@ const ParamLayout& HfCheckpointReader::layout(int64_t block) const {
   return layouts_[static_cast<size_t>(block)];
 }
 
+DType HfCheckpointReader::dtype() const {
+  uint64_t f32 = 0, bf16 = 0, f16 = 0;
+  for (const auto& block : views_)
+    for (const TensorView& v : block)
+      (v.dtype == DType::kF32 ? f32 : v.dtype == DType::kBF16 ? bf16 : f16) += v.numel();
+  return f32 >= bf16 && f32 >= f16 ? DType::kF32 : bf16 >= f16 ? DType::kBF16 : DType::kF16;
+}
+
 void HfCheckpointReader::read_block(int64_t block, std::span<float> master) const {
   const ParamLayout& l = layout(block);
   STRIDER_CHECK(master.size() == l.total_elems(), "{}: block '{}' needs a buffer of {} floats, got {}",

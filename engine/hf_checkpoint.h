@@ -60,6 +60,9 @@ class HfCheckpointReader {
   void load_into(ParamStore& store) const;
 
   const std::string& path() const { return path_; }
+  // The dtype most of the model's tensors are stored in (F32, BF16 or F16):
+  // what a saved copy keeps unless asked otherwise.
+  DType dtype() const;
   // Tensors in the checkpoint that were accepted and not loaded (a tied
   // lm_head.weight, rotary inv_freq buffers).
   const std::vector<std::string>& ignored() const { return ignored_; }

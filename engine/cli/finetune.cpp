@@ -30,7 +30,7 @@ namespace {
 
 struct Options {
   TrainOptions train;
-  std::string eval_data, out = "strider-out", trace, metrics, checkpoint_dir;
+  std::string eval_data, out = "strider-out", trace, metrics, checkpoint_dir, save_dtype = "auto";
   int64_t checkpoint_every = 0, steps = 120, eval_every = 30, eval_batches = 2, keep_checkpoints = 2,
           max_skipped_steps = 3;
   std::vector<std::string> allow_changed;
@@ -57,6 +57,13 @@ void append_line(std::ofstream& metrics, const std::string& path, const nlohmann
   metrics << line.dump() << "\n" << std::flush;
   STRIDER_CHECK(metrics.good(), "--metrics {}: writing failed ({}); the run stops here", path, errno_text(errno));
 }
+
+// The files of a Hugging Face model folder besides config.json and the
+// weights: the tokenizer, its chat template, the generation defaults.
+constexpr const char* kModelCompanionFiles[] = {
+    "tokenizer.json",       "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json",    "vocab.json",            "merges.txt",      "chat_template.jinja",
+    "chat_template.json",   "generation_config.json"};
 
 int run(Options& o) {
   namespace fs = std::filesystem;
@@ -124,6 +131,17 @@ int run(Options& o) {
     if (writes) write_builtin_dataset(eval_data, 100'000, 7, o.train.seed + 1);
   }
   if (writes) {
+    // Settings that are legal but almost surely not meant: said before step 1.
+    if (o.train.warmup > 0 && o.train.warmup >= o.steps)
+      fmt::print(stderr, "warning: --warmup {} is not below --steps {}: the learning rate never leaves its warm-up "
+                 "(step 1 runs at lr 0, the last at {:.3g}); lower --warmup\n", o.train.warmup, o.steps,
+                 o.train.lr * double(o.steps - 1) / double(o.train.warmup));
+    // A pretrained model forgets what it knew at a learning rate far above fine-tuning's (1e-6 .. 1e-4).
+    constexpr double kFineTuneLrCeiling = 1e-3;
+    if (!tr.model_dir.empty() && o.train.lr > kFineTuneLrCeiling)
+      fmt::print(stderr, "warning: --lr {:.3g} is far above what fine-tuning a pretrained model takes (1e-6 .. "
+                 "1e-4; the default is {:.3g}): the first steps may undo its training; lower --lr unless this is "
+                 "meant\n", o.train.lr, config_field("lr").default_value.get<double>());
     // The final model (bf16) must fit under --out: said now, not after the run.
     uint64_t params = 0;
     for (int64_t b = 0; b < spec.num_blocks(); ++b) params += spec.layout(b).total_elems();
@@ -404,16 +422,24 @@ int run(Options& o) {
       write_error = e.what();
     }
   };
+  // The source checkpoint's dtype unless --save-dtype says otherwise (fp16,
+  // which the writer does not produce, is kept exactly in fp32); the
+  // built-in model's is bf16. bf16 is what the model computes with (the
+  // compute copy); fp32 is the trained master.
+  const DType save_dtype = o.save_dtype == "fp32"   ? DType::kF32
+                           : o.save_dtype == "bf16" ? DType::kBF16
+                           : tr.source_dtype == DType::kBF16 ? DType::kBF16
+                                                              : DType::kF32;
   if (writes) {
     try {
-      writer.emplace(o.out, spec, config.dump(2), HfWriteOptions{.dtype = DType::kBF16});
+      writer.emplace(o.out, spec, config.dump(2), HfWriteOptions{.dtype = save_dtype});
     } catch (const Error& e) {
       write_error = e.what();
     }
   }
   for (int64_t b = 0; b < spec.num_blocks(); ++b) {
     std::vector<float> w(spec.layout(b).total_elems());
-    engine.model_weights(b, DType::kBF16, w);  // what the model computes with
+    engine.model_weights(b, save_dtype, w);
     writing([&] { writer->write_block(b, w); });
   }
   writing([&] { writer->finish(); });
@@ -436,8 +462,22 @@ int run(Options& o) {
                             o.out, write_error.empty() ? "on rank 0" : write_error, kept, ckpt_root));
   }
   if (!writes) return 0;
-  fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{})\n", o.out, start_step + 1, engine.steps_done(),
-             first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "");
+  // What from_pretrained, AutoTokenizer and generate() read besides the
+  // weights, as the source checkpoint had it: copied, so the folder loads as is.
+  std::vector<std::string> copied;
+  if (!tr.model_dir.empty())
+    for (const char* name : kModelCompanionFiles) {
+      const fs::path from = fs::path(tr.model_dir) / name, to = fs::path(o.out) / name;
+      std::error_code ec;
+      if (!fs::is_regular_file(from, ec)) continue;
+      fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+      if (ec) fmt::print(stderr, "warning: copying {} to {} failed: {}\n", from.string(), to.string(), ec.message());
+      else copied.push_back(name);
+    }
+  fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{}; {}{})\n", o.out, start_step + 1, engine.steps_done(),
+             first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "",
+             dtype_name(save_dtype),
+             copied.empty() ? "" : fmt::format("; with {} from --model", fmt::join(copied, ", ")));
   if (!writer->removed().empty())
     fmt::print("  removed the earlier model's files this save does not have: {}\n", fmt::join(writer->removed(), ", "));
   return 0;
@@ -457,6 +497,11 @@ std::function<int()> add_finetune(CLI::App& app) {
       ->capture_default_str()
       ->check(in_range<int64_t>(0, 1000000));
   c->add_option("--out", o->out, "where the final transformers checkpoint goes")->capture_default_str();
+  c->add_option("--save-dtype", o->save_dtype,
+                "the final checkpoint's dtype: auto (the --model checkpoint's own; fp16 is kept exactly in fp32; "
+                "the built-in model's bf16), bf16 (what the model computes with) or fp32 (the trained masters)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "bf16", "fp32"}));
   add_placement_options(*c, o->train);
   c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str()->check(in_range<int64_t>(1, kMaxSteps));
   add_optimizer_options(*c, o->train);

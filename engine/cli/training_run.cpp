@@ -340,6 +340,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
     engine.init_params(o.seed);
   } else {
     HfCheckpointReader reader(run.model_dir, run.spec);
+    run.source_dtype = reader.dtype();
     for (int64_t b = 0; b < run.spec.num_blocks(); ++b) {
       std::vector<float> w(reader.layout(b).total_elems());
       reader.read_block(b, w);

@@ -62,6 +62,7 @@ uint64_t device_budget_bytes(const std::string& device, const std::string& budge
 struct TrainingRun {
   nlohmann::json config;   // the model's config.json
   std::string model_dir;   // the checkpoint loaded; empty for the built-in model
+  DType source_dtype = DType::kBF16;  // what most of its tensors are stored in (the built-in model: bf16)
   ModelSpec spec;
   PlanLimits limits;
   Plan plan;

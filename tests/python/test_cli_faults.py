@@ -494,3 +494,41 @@ def test_sparse_targets_skip_empty_batches_and_the_run_finishes(strider, tmp_pat
     assert "nothing changed, the data moves on (epoch 0, window" in empty[0]
     assert "step    3/3 | loss" in r.stdout
     assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_the_output_folder_loads_as_is_in_the_sources_dtype(strider, tmp_path):
+    """--out gets the tokenizer, its chat template and the generation config from --model, and the
+    weights in the source checkpoint's dtype (fp32 here) unless --save-dtype says otherwise; transformers
+    loads the folder as it is and generates with it. A pretrained model's settings are checked before
+    step 1: a learning rate far above fine-tuning's, a warm-up as long as the run."""
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+                              LlamaForCausalLM, pipeline)
+    from test_data_prep import make_tiny_tokenizer
+    model_dir = make_tiny_tokenizer(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=64,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=tok.eos_token_id).save_pretrained(model_dir)
+    data = tmp_path / "d.tokens"
+    from strider.data import write_token_file
+    write_token_file(data, np.random.default_rng(0).integers(0, len(tok), 4000), vocab_size=len(tok))
+    r = run(strider, tmp_path, "--model", str(model_dir), "--data", str(data), "--steps", "2", "--lr", "1e-2",
+            "--warmup", "2", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "--lr 0.01 is far above what fine-tuning a pretrained model takes" in r.stderr
+    assert "--warmup 2 is not below --steps 2" in r.stderr
+    assert "F32; with tokenizer.json, tokenizer_config.json" in r.stdout and "generation_config.json" in r.stdout
+    out = tmp_path / "out"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.float32
+    loaded = AutoTokenizer.from_pretrained(out)
+    assert loaded.chat_template == tok.chat_template and len(loaded) == len(tok)
+    generated = pipeline("text-generation", model=model, tokenizer=loaded)("the answer", max_new_tokens=3)
+    assert generated[0]["generated_text"].startswith("the answer")
+    # Asked for, bf16.
+    r = run(strider, tmp_path, "--model", str(model_dir), "--data", str(data), "--steps", "1", "--save-dtype",
+            "bf16", "--out", str(tmp_path / "out16"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out16").dtype == torch.bfloat16
