@@ -90,6 +90,31 @@ Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l,
   return p;
 }
 
+// The plan's answer in one line, first: fits or not; predicted speed; GPU,
+// RAM and NVMe use against their limits (and, for NVMe, the free space of
+// --nvme where that directory is on this machine).
+std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json& out, const Options& o) {
+  if (!p.feasible) return "does not fit: " + p.reason;
+  std::string speed = "no prediction (--predict none)";
+  if (out.contains("step_s") && !out["step_s"].is_null())
+    speed = fmt::format("{:.0f} tokens/s, {:.3f} s/step predicted on {}{}", out["tokens_per_s"].get<double>(),
+                        out["step_s"].get<double>(), o.predict, o.gpus > 1 ? fmt::format(" x {} GPUs", o.gpus) : "");
+  std::string nvme = "NVMe: none";
+  if (p.nvme_bytes > 0) {
+    nvme = fmt::format("NVMe {}", format_bytes(p.nvme_bytes));
+    std::error_code ec;
+    if (!o.nvme.empty() && std::filesystem::exists(o.nvme, ec)) {
+      const auto room = std::filesystem::space(o.nvme, ec);
+      if (!ec)
+        nvme += fmt::format(" of {} free under {}{}", format_bytes(room.available), o.nvme,
+                            room.available < p.nvme_bytes ? " (NOT ENOUGH: strider finetune would refuse)" : "");
+    }
+  }
+  return fmt::format("fits: {}; GPU {} of {}; RAM {} of {}; {}", speed, format_bytes(p.device_peak_bytes),
+                     format_bytes(l.device_bytes), format_bytes(p.host_peak_bytes),
+                     l.host_bytes == 0 ? std::string("no limit") : format_bytes(l.host_bytes), nvme);
+}
+
 int run(Options& o) {
   ModelSpec spec = load_spec(o.model);
   // The built-in model trains from scratch: the demo's shapes (a plan is for a GPU).
@@ -174,10 +199,12 @@ int run(Options& o) {
     out["schedule"] = to_json(prog, spec, pl);
     schedule = describe(prog, spec, pl);
   }
+  out["answer"] = answer_line(p, l, out, o);
   if (o.json) {
     fmt::print("{}\n", out.dump());
   } else {
-    fmt::print("{}\n{}{}", spec.summary(), demo.empty() ? "" : "  " + demo + "\n", p.explain());
+    fmt::print("{}\n{}\n{}{}", answer_line(p, l, out, o), spec.summary(), demo.empty() ? "" : "  " + demo + "\n",
+               p.explain());
     if (o.gpus > 1)
       fmt::print("  data parallel: {} GPUs on {} ({}): each rank plans the above with 1/{} of master, m and v; {}\n",
                  o.gpus, o.link, one_machine ? "one machine" : "a machine each", o.gpus,

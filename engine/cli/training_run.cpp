@@ -272,6 +272,18 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
              run.plan.explain());
   if (!budget_why.empty()) fmt::print(log, "  device budget: {}\n", budget_why);
   STRIDER_CHECK(run.plan.feasible, "{}", run.plan.reason);
+  if (run.plan.nvme_bytes > 0) {
+    // The plan counts the NVMe tier's bytes; the disk must have them (of the
+    // directory, or of the nearest parent that exists: it is created later).
+    fs::path at = nvme_dir;
+    std::error_code ec;
+    while (!at.empty() && !fs::exists(at, ec)) at = at.parent_path();
+    const fs::space_info room = fs::space(at.empty() ? fs::path(".") : at, ec);
+    STRIDER_CHECK(ec || room.available >= run.plan.nvme_bytes,
+                  "--nvme {}: the plan puts {} of optimizer state there, but its file system has {} free; free space, "
+                  "give --nvme on a larger disk, give more --host-ram, or choose --optimizer-state q8",
+                  nvme_dir, format_bytes(run.plan.nvme_bytes), format_bytes(room.available));
+  }
 
   EngineConfig cfg = run.plan.engine_config(lim);
   cfg.adam = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps, .weight_decay = o.weight_decay,

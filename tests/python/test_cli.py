@@ -136,6 +136,20 @@ def test_host_ram_limit_moves_state_to_nvme_and_changes_nothing(strider, tmp_pat
     peak_tiered = size_bytes(re.search(r"at its peak the process holds ~([\d.]+ \w+)", out).group(1))
     assert peak_tiered <= size_bytes(limit.replace("MiB", " MiB"))
     assert "on NVMe" in out and "gradients through a ring" in out
+    # An --nvme whose disk cannot hold that state is refused before anything runs.
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                      capture_output=True).returncode == 0:
+        try:
+            r = subprocess.run([str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
+                                "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--host-ram", limit,
+                                *common, "--nvme", str(small / "state"), "--out", str(tmp_path / "z")],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode != 0 and f"--nvme {small / 'state'}: the plan puts" in r.stderr, r.stderr[-2000:]
+            assert "free" in r.stderr and "step    1" not in r.stdout
+        finally:
+            subprocess.run(["umount", "-l", str(small)])
     names = {e["name"].split(" b")[0] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
              if e["ph"] == "X"}
     assert "nvme read state" in names and "nvme write state" in names
