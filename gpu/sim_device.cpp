@@ -90,11 +90,57 @@ CostModel h200() {
   return m;
 }
 
+// The other GPUs people fine-tune on: each its vendor's published dense BF16
+// tensor rate (FP32 accumulate), its memory, its PCIe generation; the host
+// around it as rtx4090's workstation (consumer boards) or h200's server
+// (data-centre boards), with the same assumptions named there.
+CostModel like(CostModel (*host)(), const char* name, double peak_tflops, double board_gib, int pcie_gen) {
+  CostModel m = host();
+  m.name = name;
+  m.peak_tflops = peak_tflops;
+  // The board's memory less ~0.5 GiB for the CUDA context and cuBLAS workspace (assumption, as for the 4090).
+  m.device_memory_bytes = size_t((board_gib - 0.5) * kGiB);
+  // Pinned copies over x16: ~25 GB/s per direction on PCIe 4.0, ~50 on 5.0 (as measured for the 4090 and H200).
+  m.h2d_gbps = m.d2h_gbps = pcie_gen >= 5 ? 50 : 25;
+  return m;
+}
+// NVIDIA Ampere GA102 whitepaper: RTX 3090, 71 TFLOP/s FP16/BF16 tensor with
+// FP32 accumulate, dense (142 sparse); 24 GB GDDR6X; PCIe 4.0.
+CostModel rtx3090() { return like(rtx4090, "rtx3090", 71, 24, 4); }
+// NVIDIA RTX Blackwell whitepaper: RTX 5090, 209.5 TFLOP/s FP16/BF16 tensor
+// with FP32 accumulate, dense (419 sparse); 32 GB GDDR7; PCIe 5.0.
+CostModel rtx5090() { return like(rtx4090, "rtx5090", 209.5, 32, 5); }
+// NVIDIA A100 datasheet: 312 TFLOP/s BF16 tensor dense (624 sparse); 40 or
+// 80 GB HBM2(e); PCIe 4.0 to the host (SXM4 boards too).
+CostModel a100_40gb() {
+  CostModel m = like(h200, "a100-40gb", 312, 40, 4);
+  m.mfu = 0.45;  // assumption: between the 4090's 0.5 and the H200's 0.4 (a smaller GPU to fill)
+  return m;
+}
+CostModel a100_80gb() {
+  CostModel m = a100_40gb();
+  m.name = "a100-80gb";
+  m.device_memory_bytes = size_t((80 - 0.5) * kGiB);
+  return m;
+}
+// NVIDIA L40S datasheet: 362.05 TFLOP/s BF16 tensor dense (733 sparse); 48 GB
+// GDDR6; PCIe 4.0.
+CostModel l40s() {
+  CostModel m = like(h200, "l40s", 362.05, 48, 4);
+  m.mfu = 0.45;  // assumption, as for the A100
+  return m;
+}
+// NVIDIA H100 datasheet (SXM): 1,979 TFLOP/s BF16 tensor with sparsity, 989
+// dense; 80 GB HBM3; PCIe 5.0 to the host.
+CostModel h100() { return like(h200, "h100", 989, 80, 5); }
+
 struct Preset {
   const char* name;
   CostModel (*make)();
 };
-constexpr Preset kPresets[] = {{"rtx4090", rtx4090}, {"h200", h200}};
+constexpr Preset kPresets[] = {{"rtx3090", rtx3090},     {"rtx4090", rtx4090},     {"rtx5090", rtx5090},
+                               {"a100-40gb", a100_40gb}, {"a100-80gb", a100_80gb}, {"l40s", l40s},
+                               {"h100", h100},           {"h200", h200}};
 
 std::string preset_list() {
   std::string s;

@@ -29,6 +29,7 @@ struct Options {
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0;
   double clip = 0;
   ConfigOptions config;
+  CLI::Option* gpu_option = nullptr;  // --gpu: given, or the preset's memory
 };
 
 ModelSpec load_spec(const std::string& model) {
@@ -110,9 +111,9 @@ std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json
                             room.available < p.nvme_bytes ? " (NOT ENOUGH: strider finetune would refuse)" : "");
     }
   }
-  return fmt::format("fits: {}; GPU {} of {}; RAM {} of {}; {}", speed, format_bytes(p.device_peak_bytes),
+  return fmt::format("fits: {}; GPU {} of {}; RAM {}{}; {}", speed, format_bytes(p.device_peak_bytes),
                      format_bytes(l.device_bytes), format_bytes(p.host_peak_bytes),
-                     l.host_bytes == 0 ? std::string("no limit") : format_bytes(l.host_bytes), nvme);
+                     l.host_bytes == 0 ? std::string(" (no --ram limit)") : " of " + format_bytes(l.host_bytes), nvme);
 }
 
 int run(Options& o) {
@@ -120,7 +121,10 @@ int run(Options& o) {
   // The built-in model trains from scratch: the demo's shapes (a plan is for a GPU).
   const std::string demo = o.model == "builtin" ? o.config.apply_demo(true) : std::string();
   PlanLimits l;
-  l.device_bytes = parse_bytes(o.gpu);
+  // --gpu left unset with a preset to predict on: that GPU's memory.
+  l.device_bytes = o.gpu_option->count() == 0 && !o.predict.empty() && o.predict != "none"
+                       ? CostModel::parse(rank_machine(o)).device_memory_bytes
+                       : parse_bytes(o.gpu);
   l.host_bytes = parse_bytes(o.ram);
   l.nvme_dir = o.nvme;
   l.seq = o.seq;
@@ -240,7 +244,10 @@ std::function<int()> add_plan(CLI::App& app) {
                 "config.json, a checkpoint directory, or a preset (builtin, llama-3.1-8b, llama-3.1-70b, "
                 "qwen2.5-14b, qwen2.5-32b, qwen2.5-72b, mistral-large-123b)")
       ->capture_default_str();
-  c->add_option("--gpu", o->gpu, "device memory (e.g. 24GiB)")->capture_default_str();
+  o->gpu_option = c->add_option("--gpu", o->gpu,
+                                "device memory (e.g. 24GiB); unset: the --predict preset's (its board less 0.5 GiB), "
+                                "else 24GiB")
+                      ->capture_default_str();
   c->add_option("--ram", o->ram, "host RAM the whole process may hold at its peak (0: none)")->capture_default_str();
   ConfigOptions& f = o->config;
   f.add(*c, "nvme_dir", o->nvme);

@@ -2,6 +2,7 @@
 // round numbers give step times that are computed by hand in the comments; the
 // device must reproduce them exactly (up to floating-point rounding).
 #include <catch2/catch.hpp>
+#include <tuple>
 
 #include <algorithm>
 #include <cstring>
@@ -390,7 +391,19 @@ TEST_CASE("sim: spans carry the model's times and PCIe is full duplex unless sha
 }
 
 TEST_CASE("cost model: presets, overrides and their errors", "[gpu][sim_device]") {
-  CHECK(CostModel::preset_names() == std::vector<std::string>{"rtx4090", "h200"});
+  CHECK(CostModel::preset_names() == std::vector<std::string>{"rtx3090", "rtx4090", "rtx5090", "a100-40gb",
+                                                                "a100-80gb", "l40s", "h100", "h200"});
+  // The vendors' dense BF16 tensor rates (gpu/sim_device.cpp cites each), memory and PCIe generation.
+  for (auto [name, tflops, gib, gbps] : {std::tuple{"rtx3090", 71.0, 24, 25.0}, std::tuple{"rtx5090", 209.5, 32, 50.0},
+                                         std::tuple{"a100-40gb", 312.0, 40, 25.0}, std::tuple{"a100-80gb", 312.0, 80, 25.0},
+                                         std::tuple{"l40s", 362.05, 48, 25.0}, std::tuple{"h100", 989.0, 80, 50.0}}) {
+    INFO(name);
+    const CostModel m = CostModel::preset(name);
+    CHECK(m.name == name);
+    CHECK(m.peak_tflops == Approx(tflops));
+    CHECK(m.device_memory_bytes == size_t((gib - 0.5) * double(size_t{1} << 30)));
+    CHECK(m.h2d_gbps == gbps);
+  }
   const CostModel r = CostModel::preset("rtx4090");
   CHECK(r.h2d_gbps == 25);
   CHECK(r.peak_tflops == Approx(165.2));
@@ -407,7 +420,7 @@ TEST_CASE("cost model: presets, overrides and their errors", "[gpu][sim_device]"
   for (const std::string& name : CostModel::preset_names()) CHECK_NOTHROW(CostModel::preset(name).validate());
 
   CHECK_THROWS_WITH(CostModel::preset("a100"),
-                    Catch::Contains("no preset \"a100\"") && Catch::Contains("\"rtx4090\", \"h200\""));
+                    Catch::Contains("no preset \"a100\"") && Catch::Contains("\"rtx4090\", \"rtx5090\""));
 
   const CostModel o = CostModel::parse("h200, h2d_gbps=12 ,mfu=0.35,shared_bus=true,cpu_mem_gbps=56");
   CHECK(o.h2d_gbps == 12);
