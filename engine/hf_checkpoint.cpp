@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <regex>
 #include <unordered_set>
 
@@ -334,6 +336,45 @@ std::vector<std::string> model_files_in(const std::string& dir) {
   }
   std::sort(out.begin(), out.end());
   return out;
+}
+
+std::string resolve_model_path(const std::string& model, std::string_view what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(model, ec)) return model;
+  // A Hub id: one '/', no path-like start, no empty half.
+  const size_t slash = model.find('/');
+  const bool hub_id = slash != std::string::npos && slash > 0 && slash + 1 < model.size() &&
+                      model.find('/', slash + 1) == std::string::npos && model[0] != '.' && model[0] != '~';
+  STRIDER_CHECK(hub_id, "{} {}: no such file or directory", what, model);
+  fs::path cache;
+  if (const char* c = std::getenv("HF_HUB_CACHE"); c != nullptr && *c != '\0') cache = c;
+  else if (const char* h = std::getenv("HF_HOME"); h != nullptr && *h != '\0') cache = fs::path(h) / "hub";
+  else if (const char* home = std::getenv("HOME"); home != nullptr) cache = fs::path(home) / ".cache" / "huggingface" / "hub";
+  const fs::path repo = cache / ("models--" + model.substr(0, slash) + "--" + model.substr(slash + 1));
+  const std::string download = fmt::format(
+      "download it first (`huggingface-cli download {}`, or from Python huggingface_hub.snapshot_download(\"{}\")), "
+      "or give the checkpoint's directory",
+      model, model);
+  STRIDER_CHECK(fs::is_directory(repo / "snapshots", ec), "{} {}: not a directory here, and not in the Hugging Face "
+                "cache ({} has no snapshot of it); {}", what, model, repo.string(), download);
+  fs::path snapshot;
+  if (std::ifstream ref(repo / "refs" / "main"); ref) {
+    std::string commit;
+    ref >> commit;
+    if (!commit.empty() && fs::is_directory(repo / "snapshots" / commit, ec)) snapshot = repo / "snapshots" / commit;
+  }
+  if (snapshot.empty()) {
+    std::vector<fs::path> all;
+    for (const auto& e : fs::directory_iterator(repo / "snapshots", ec))
+      if (e.is_directory()) all.push_back(e.path());
+    STRIDER_CHECK(all.size() == 1, "{} {}: the Hugging Face cache {} holds {} snapshots and no refs/main to choose "
+                  "one; give the snapshot's directory, or {}", what, model, repo.string(), all.size(), download);
+    snapshot = all.front();
+  }
+  STRIDER_CHECK(fs::is_regular_file(snapshot / "config.json", ec), "{} {}: the cached snapshot {} has no config.json "
+                "(an incomplete download?); {}", what, model, snapshot.string(), download);
+  return snapshot.string();
 }
 
 }  // namespace strider

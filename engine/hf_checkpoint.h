@@ -121,4 +121,11 @@ class HfCheckpointWriter {
 // when `dir` does not exist.
 std::vector<std::string> model_files_in(const std::string& dir);
 
+// `model` as a local path: itself when it exists; a Hugging Face Hub id
+// ("org/name") as the snapshot the local cache holds ($HF_HUB_CACHE, else
+// $HF_HOME/hub, else ~/.cache/huggingface/hub: models--org--name/, the
+// snapshot refs/main names, else the only one). Throws, naming where it
+// looked and how to download it, when neither. `what` names the option.
+std::string resolve_model_path(const std::string& model, std::string_view what = "--model");
+
 }  // namespace strider

@@ -211,7 +211,8 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   if (!fits(k_min, host_ckpt, &f)) {
     p.reason = fmt::format(
         "needs {} of device memory for K={} at micro-batch {} (seq {}): {} cache units of {}, {} of "
-        "activations{}, ~{} of working memory; the budget is {}",
+        "activations{}, ~{} of working memory; the budget is {}: give the device more (`strider finetune "
+        "--device-budget`, `strider plan --gpu`), or a smaller --micro-batch or --seq",
         format_bytes(f.device_bytes + work), k_min, l.micro_batch, l.seq, k_min, format_bytes(f.unit_bytes),
         format_bytes(f.activation_bytes), host_ckpt ? " (checkpoints on the host)" : "", format_bytes(work),
         format_bytes(l.device_bytes));

@@ -34,7 +34,9 @@ TokenFileLayout parse_header(std::span<const std::byte> header, uint64_t file_by
   l.file_bytes = file_bytes;
   uint64_t magic = header_word(header, 0);
   STRIDER_CHECK(magic == kTokenFileMagic, "{}: field 'magic' is 0x{:016x}, expected 0x{:016x} "
-                "(\"STRDTOKN\"); not a strider token file", label, magic, kTokenFileMagic);
+                "(\"STRDTOKN\"); not a strider token file: tokenize text or chat JSON lines into one with "
+                "`python -m strider.data --tokenizer MODEL --input {} --output OUT.tokens`",
+                label, magic, kTokenFileMagic, label);
   uint64_t version = header_word(header, 1);
   STRIDER_CHECK(version == kTokenFileVersion, "{}: field 'version' is {}; this build reads "
                 "version {} only", label, version, kTokenFileVersion);

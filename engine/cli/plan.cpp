@@ -1,6 +1,7 @@
 // strider plan: what fits, where, and why, before anything runs; with
 // --predict, the predicted step time on a machine described by a cost model,
 // from the unchanged engine schedule running on a SimDevice.
+#include <algorithm>
 #include <filesystem>
 #include <fmt/format.h>
 #include <limits>
@@ -9,6 +10,7 @@
 #include "engine/cli/cli.h"
 #include "engine/cli/training_run.h"
 #include "engine/engine.h"
+#include "engine/hf_checkpoint.h"
 #include "engine/model_presets.h"
 #include "engine/plan.h"
 #include "engine/step_program.h"
@@ -32,9 +34,13 @@ struct Options {
   CLI::Option* gpu_option = nullptr;  // --gpu: given, or the preset's memory
 };
 
+// A file or directory, a preset, or a Hub id in the local Hugging Face cache.
 ModelSpec load_spec(const std::string& model) {
   if (std::filesystem::exists(model)) return ModelSpec::from_file(model);
-  return ModelSpec::from_json(model_preset(model), model);
+  const std::vector<std::string> presets = model_preset_names();
+  if (model.find('/') == std::string::npos || std::find(presets.begin(), presets.end(), model) != presets.end())
+    return ModelSpec::from_json(model_preset(model), model);
+  return ModelSpec::from_file(resolve_model_path(model));
 }
 
 struct Prediction {

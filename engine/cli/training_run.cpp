@@ -191,8 +191,10 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   if (o.model == "builtin") {
     run.config = builtin_model_config();
   } else {
-    fs::path p = fs::is_directory(o.model) ? fs::path(o.model) / "config.json" : fs::path(o.model);
-    run.model_dir = fs::is_directory(o.model) ? o.model : fs::path(o.model).parent_path().string();
+    const std::string model = resolve_model_path(o.model);  // a path, or a Hub id in the local cache
+    if (model != o.model) fmt::print(log, "  --model {}: the Hugging Face cache's {}\n", o.model, model);
+    fs::path p = fs::is_directory(model) ? fs::path(model) / "config.json" : fs::path(model);
+    run.model_dir = fs::is_directory(model) ? model : fs::path(model).parent_path().string();
     run.config = nlohmann::json::parse(read_text(p), nullptr, false);
     STRIDER_CHECK(!run.config.is_discarded(), "{}: not valid JSON", p.string());
   }

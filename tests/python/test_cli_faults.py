@@ -532,3 +532,33 @@ def test_the_output_folder_loads_as_is_in_the_sources_dtype(strider, tmp_path):
             "bf16", "--out", str(tmp_path / "out16"))
     assert r.returncode == 0, r.stderr[-2000:]
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out16").dtype == torch.bfloat16
+
+
+def test_a_hub_id_is_found_in_the_local_cache_and_bad_data_points_to_strider_data(strider, tmp_path):
+    """--model org/name reads the Hugging Face cache's snapshot (as huggingface_hub lays it out); one not
+    there says how to download it. A .jsonl given as --data points to python -m strider.data."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hub = tmp_path / "hub"
+    repo = hub / "models--someone--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=2048, max_position_embeddings=64)
+    LlamaForCausalLM(cfg).save_pretrained(repo / "snapshots" / "0123abcd")
+    env = {**os.environ, "HF_HUB_CACHE": str(hub)}
+    cmd = [str(strider), "finetune", *BASE, "--work-dir", str(tmp_path / "work"), "--steps", "1"]
+    r = subprocess.run(cmd + ["--model", "someone/tiny-llama", "--out", str(tmp_path / "o")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"the Hugging Face cache's {repo / 'snapshots' / '0123abcd'}" in r.stdout
+    plan = subprocess.run([str(strider), "plan", "--model", "someone/tiny-llama", "--predict", "none"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 0 and "2 layers" in plan.stdout, plan.stderr
+    r = subprocess.run(cmd + ["--model", "someone/absent", "--out", str(tmp_path / "o2")], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "not in the Hugging Face cache" in r.stderr
+    assert "huggingface-cli download someone/absent" in r.stderr
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "hello"}]}\n' * 100)
+    r = run(strider, tmp_path, "--data", str(chats), "--steps", "1", "--out", str(tmp_path / "o3"))
+    assert r.returncode != 0 and "not a strider token file" in r.stderr and "python -m strider.data" in r.stderr
