@@ -121,6 +121,14 @@ int run(Options& o) {
                 o.train.device, o.train.device);
   Engine& engine = *tr.engine;
   const ModelSpec& spec = tr.spec;
+  // The final checkpoint's dtype: the source checkpoint's unless --save-dtype
+  // says otherwise (fp16, which the writer does not produce, is kept exactly
+  // in fp32); the built-in model's is bf16. bf16 is what the model computes
+  // with (the compute copy); fp32 is the trained master.
+  const DType save_dtype = o.save_dtype == "fp32"   ? DType::kF32
+                           : o.save_dtype == "bf16" ? DType::kBF16
+                           : tr.source_dtype == DType::kBF16 ? DType::kBF16
+                                                              : DType::kF32;
   const EngineConfig& cfg = engine.config();
   const nlohmann::json& config = tr.config;
   TokenLoader& loader = *tr.loader;
@@ -142,12 +150,14 @@ int run(Options& o) {
       fmt::print(stderr, "warning: --lr {:.3g} is far above what fine-tuning a pretrained model takes (1e-6 .. "
                  "1e-4; the default is {:.3g}): the first steps may undo its training; lower --lr unless this is "
                  "meant\n", o.train.lr, config_field("lr").default_value.get<double>());
-    // The final model (bf16) must fit under --out: said now, not after the run.
+    // The final model must fit under --out: said now, not after the run.
     uint64_t params = 0;
     for (int64_t b = 0; b < spec.num_blocks(); ++b) params += spec.layout(b).total_elems();
-    const uint64_t need = params * 2 + params * 2 / 100 + (1ull << 20), avail = CheckpointSeries::free_bytes(o.out);
-    STRIDER_CHECK(need <= avail, "--out {}: the final model needs about {} (bf16) but its file system has {} free; "
-                  "free space there, or give --out on a larger disk", o.out, format_bytes(need), format_bytes(avail));
+    const uint64_t bytes = params * dtype_size(save_dtype);
+    const uint64_t need = bytes + bytes / 100 + (1ull << 20), avail = CheckpointSeries::free_bytes(o.out);
+    STRIDER_CHECK(need <= avail, "--out {}: the final model needs about {} ({}) but its file system has {} free; "
+                  "free space there, or give --out on a larger disk", o.out, format_bytes(need),
+                  dtype_name(save_dtype), format_bytes(avail));
   }
   ranks->barrier();
   int64_t skipped_total = 0;
@@ -422,14 +432,6 @@ int run(Options& o) {
       write_error = e.what();
     }
   };
-  // The source checkpoint's dtype unless --save-dtype says otherwise (fp16,
-  // which the writer does not produce, is kept exactly in fp32); the
-  // built-in model's is bf16. bf16 is what the model computes with (the
-  // compute copy); fp32 is the trained master.
-  const DType save_dtype = o.save_dtype == "fp32"   ? DType::kF32
-                           : o.save_dtype == "bf16" ? DType::kBF16
-                           : tr.source_dtype == DType::kBF16 ? DType::kBF16
-                                                              : DType::kF32;
   if (writes) {
     try {
       writer.emplace(o.out, spec, config.dump(2), HfWriteOptions{.dtype = save_dtype});
