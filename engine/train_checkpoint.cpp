@@ -127,20 +127,6 @@ std::string state_path(const fs::path& dir) {
   return {};
 }
 
-// XXH3-64 of a whole file's bytes, read in 4 MiB pieces.
-uint64_t file_checksum(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  STRIDER_CHECK(in, "{}: cannot open: {}", path.string(), errno_text(errno));
-  Checksum64Stream cs;
-  std::vector<char> buf(size_t{4} << 20);
-  while (in) {
-    in.read(buf.data(), std::streamsize(buf.size()));
-    cs.update(std::as_bytes(std::span(buf.data(), size_t(in.gcount()))));
-  }
-  STRIDER_CHECK(!in.bad(), "{}: read failed", path.string());
-  return cs.digest();
-}
-
 // The checksum of one (block, kind): its tensors' bytes in layout order.
 uint64_t block_checksum(const std::vector<TensorView>& views) {
   Checksum64Stream cs;
@@ -256,7 +242,7 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
   if (model) {
     model->finish();
     for (const std::string& name : model->file_names())
-      model_checksums[name] = hex64(file_checksum(tmp.path / name));
+      model_checksums[name] = hex64(file_checksum64((tmp.path / name).string()));
   }
 
   nlohmann::json ts = {{"format", kFormat},
@@ -488,7 +474,7 @@ std::vector<std::string> check_model_files(const TrainCheckpointInfo& info) {
       continue;
     }
     try {
-      const std::string got = hex64(file_checksum(file));
+      const std::string got = hex64(file_checksum64(file.string()));
       if (got != want.get<std::string>())
         problems.push_back(fmt::format("{} has checksum {}, but its save recorded {}", file.string(), got,
                                        want.get<std::string>()));

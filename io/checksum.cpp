@@ -11,9 +11,13 @@
 #endif
 
 #include <algorithm>
+#include <cerrno>
+#include <fstream>
 #include <bit>
 #include <new>
 #include <vector>
+
+#include "host/error.h"
 
 namespace strider {
 
@@ -23,6 +27,19 @@ uint64_t checksum64(std::span<const std::byte> data) {
 
 size_t checksum_piece_count(size_t bytes) {
   return (bytes + kChecksumPieceBytes - 1) / kChecksumPieceBytes;
+}
+
+uint64_t file_checksum64(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  STRIDER_CHECK(in, "{}: cannot open: {}", path, errno_text(errno));
+  Checksum64Stream cs;
+  std::vector<char> buf(size_t{4} << 20);
+  while (in) {
+    in.read(buf.data(), std::streamsize(buf.size()));
+    cs.update(std::as_bytes(std::span(buf.data(), size_t(in.gcount()))));
+  }
+  STRIDER_CHECK(!in.bad(), "{}: read failed", path);
+  return cs.digest();
 }
 
 uint64_t combine_piece_checksums(std::span<const uint64_t> piece_hashes) {

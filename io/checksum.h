@@ -6,11 +6,14 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 
 namespace strider {
 
 // XXH3-64 of `data`, seed 0. Stable across runs and machines (it is persisted).
 uint64_t checksum64(std::span<const std::byte> data);
+// checksum64 of a whole file's bytes, read in 4 MiB pieces; throws naming the file.
+uint64_t file_checksum64(const std::string& path);
 
 // The checksum NvmeStore persists per extent: XXH3-64 over the little-endian
 // XXH3-64s of each kChecksumPieceBytes piece of `data` (the last one may be

@@ -19,6 +19,7 @@
 #include "engine/builtin.h"
 #include "engine/checkpoint_series.h"
 #include "engine/cli/cli.h"
+#include "engine/cli/final_model.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/cli/training_run.h"
 #include "engine/hf_checkpoint.h"
@@ -51,19 +52,6 @@ nlohmann::json data_identity(const std::string& path, TokenFile& file) {
   const TokenFileFingerprint f = file.fingerprint();
   return {{"path", path}, {"bytes", f.bytes}, {"xxh3", fmt::format("{:016x}", f.xxh3)}};
 }
-
-// A --metrics line goes out whole or the run stops: a full disk is an error, not a silence.
-void append_line(std::ofstream& metrics, const std::string& path, const nlohmann::json& line) {
-  metrics << line.dump() << "\n" << std::flush;
-  STRIDER_CHECK(metrics.good(), "--metrics {}: writing failed ({}); the run stops here", path, errno_text(errno));
-}
-
-// The files of a Hugging Face model folder besides config.json and the
-// weights: the tokenizer, its chat template, the generation defaults.
-constexpr const char* kModelCompanionFiles[] = {
-    "tokenizer.json",       "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "added_tokens.json",    "vocab.json",            "merges.txt",      "chat_template.jinja",
-    "chat_template.json",   "generation_config.json"};
 
 int run(Options& o) {
   namespace fs = std::filesystem;
@@ -121,14 +109,7 @@ int run(Options& o) {
                 o.train.device, o.train.device);
   Engine& engine = *tr.engine;
   const ModelSpec& spec = tr.spec;
-  // The final checkpoint's dtype: the source checkpoint's unless --save-dtype
-  // says otherwise (fp16, which the writer does not produce, is kept exactly
-  // in fp32); the built-in model's is bf16. bf16 is what the model computes
-  // with (the compute copy); fp32 is the trained master.
-  const DType save_dtype = o.save_dtype == "fp32"   ? DType::kF32
-                           : o.save_dtype == "bf16" ? DType::kBF16
-                           : tr.source_dtype == DType::kBF16 ? DType::kBF16
-                                                              : DType::kF32;
+  const DType save_dtype = final_model_dtype(o.save_dtype, tr.source_dtype);
   const EngineConfig& cfg = engine.config();
   const nlohmann::json& config = tr.config;
   TokenLoader& loader = *tr.loader;
@@ -139,25 +120,8 @@ int run(Options& o) {
     if (writes) write_builtin_dataset(eval_data, 100'000, 7, o.train.seed + 1);
   }
   if (writes) {
-    // Settings that are legal but almost surely not meant: said before step 1.
-    if (o.train.warmup > 0 && o.train.warmup >= o.steps)
-      fmt::print(stderr, "warning: --warmup {} is not below --steps {}: the learning rate never leaves its warm-up "
-                 "(step 1 runs at lr 0, the last at {:.3g}); lower --warmup\n", o.train.warmup, o.steps,
-                 o.train.lr * double(o.steps - 1) / double(o.train.warmup));
-    // A pretrained model forgets what it knew at a learning rate far above fine-tuning's (1e-6 .. 1e-4).
-    constexpr double kFineTuneLrCeiling = 1e-3;
-    if (!tr.model_dir.empty() && o.train.lr > kFineTuneLrCeiling)
-      fmt::print(stderr, "warning: --lr {:.3g} is far above what fine-tuning a pretrained model takes (1e-6 .. "
-                 "1e-4; the default is {:.3g}): the first steps may undo its training; lower --lr unless this is "
-                 "meant\n", o.train.lr, config_field("lr").default_value.get<double>());
-    // The final model must fit under --out: said now, not after the run.
-    uint64_t params = 0;
-    for (int64_t b = 0; b < spec.num_blocks(); ++b) params += spec.layout(b).total_elems();
-    const uint64_t bytes = params * dtype_size(save_dtype);
-    const uint64_t need = bytes + bytes / 100 + (1ull << 20), avail = CheckpointSeries::free_bytes(o.out);
-    STRIDER_CHECK(need <= avail, "--out {}: the final model needs about {} ({}) but its file system has {} free; "
-                  "free space there, or give --out on a larger disk", o.out, format_bytes(need),
-                  dtype_name(save_dtype), format_bytes(avail));
+    warn_unlikely_settings(o.train.warmup, o.steps, o.train.lr, !tr.model_dir.empty());
+    check_room_for_final_model(o.out, spec, save_dtype);  // said now, not after the run
   }
   ranks->barrier();
   int64_t skipped_total = 0;
@@ -447,15 +411,11 @@ int run(Options& o) {
   writing([&] { writer->finish(); });
   if (ranks->any(!write_error.empty())) {
     std::string kept;
-    if (saved_step == engine.steps_done()) {
+    try {
+      save_checkpoint();  // nothing to do when --checkpoint-dir holds this step already
       kept = fmt::format("the trained state (step {}) is in {}", saved_step, ckpt_root);
-    } else {
-      try {
-        save_checkpoint();
-        kept = fmt::format("the trained state (step {}) is saved in {}", saved_step, ckpt_root);
-      } catch (const Error& e) {
-        kept = fmt::format("saving the trained state failed too: {}", e.what());
-      }
+    } catch (const Error& e) {
+      kept = fmt::format("saving the trained state failed too: {}", e.what());
     }
     ranks->barrier();
     throw Error(fmt::format("the final save to --out {} failed: {}; {}. Free space and resume with --checkpoint-dir {} "
@@ -466,16 +426,8 @@ int run(Options& o) {
   if (!writes) return 0;
   // What from_pretrained, AutoTokenizer and generate() read besides the
   // weights, as the source checkpoint had it: copied, so the folder loads as is.
-  std::vector<std::string> copied;
-  if (!tr.model_dir.empty())
-    for (const char* name : kModelCompanionFiles) {
-      const fs::path from = fs::path(tr.model_dir) / name, to = fs::path(o.out) / name;
-      std::error_code ec;
-      if (!fs::is_regular_file(from, ec)) continue;
-      fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
-      if (ec) fmt::print(stderr, "warning: copying {} to {} failed: {}\n", from.string(), to.string(), ec.message());
-      else copied.push_back(name);
-    }
+  const std::vector<std::string> copied =
+      tr.model_dir.empty() ? std::vector<std::string>{} : copy_model_companions(tr.model_dir, o.out);
   fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{}; {}{})\n", o.out, start_step + 1, engine.steps_done(),
              first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "",
              dtype_name(save_dtype),

@@ -1,5 +1,7 @@
 #include "engine/cli/run_outputs.h"
 
+#include <nlohmann/json.hpp>
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -77,6 +79,11 @@ int StopSignals::signal_number() const { return int(g_signal); }
 
 const char* StopSignals::name(int signo) {
   return signo == SIGINT ? "SIGINT" : signo == SIGTERM ? "SIGTERM" : "a signal";
+}
+
+void append_line(std::ofstream& metrics, const std::string& path, const nlohmann::json& line) {
+  metrics << line.dump() << "\n" << std::flush;
+  STRIDER_CHECK(metrics.good(), "--metrics {}: writing failed ({}); the run stops here", path, errno_text(errno));
 }
 
 }  // namespace strider::cli

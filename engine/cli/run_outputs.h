@@ -4,6 +4,8 @@
 #pragma once
 
 #include <csignal>
+#include <fstream>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
 
@@ -18,6 +20,10 @@ void check_output_dir(const std::string& path, std::string_view option);
 // file (never a device, a FIFO or a directory), in a directory it can write
 // into (created if absent). Throws Error naming the option and the path.
 void check_output_file(const std::string& path, std::string_view option);
+
+// Appends `line` to the --metrics file `path`: whole, or the run stops (a
+// full disk is an error, not a silence).
+void append_line(std::ofstream& metrics, const std::string& path, const nlohmann::json& line);
 
 // SIGINT and SIGTERM ask the run to stop: the first sets a flag that the
 // training loop reads between steps (it finishes the step, saves and exits

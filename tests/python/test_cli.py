@@ -110,12 +110,9 @@ def test_device_budget_defaults_to_24_mib_on_the_cpu_and_a_given_one_wins(stride
     assert "auto: on a CUDA device its free memory at start less 5% of it and 512 MiB" in " ".join(help_text.split())
 
 
-@pytest.mark.parametrize("clip", ["1.0", "0"])
-def test_host_ram_limit_moves_state_to_nvme_and_changes_nothing(strider, tmp_path, clip):
-    """Under a host RAM limit the plan puts blocks' optimizer state on NVMe (their gradients through the
-    staging ring, spilled to NVMe while a clip waits for the norm); the trained weights are the same bits
-    as with everything in RAM."""
-    common = ("--steps", "3", "--clip", clip)
+def nvme_forcing_limit(strider, tmp_path, common):
+    """A --host-ram limit that leaves the arena 70% of the all-in-RAM one, so the plan puts some blocks'
+    optimizer state on NVMe."""
     out = finetune(strider, tmp_path, *common, "--out", str(tmp_path / "ram"))
     pinned = size_bytes(re.search(r"host: ([\d.]+ \w+) pinned", out).group(1))
     # The limit bounds the whole process at its peak. Below what the process holds besides its arena the
@@ -125,7 +122,33 @@ def test_host_ram_limit_moves_state_to_nvme_and_changes_nothing(strider, tmp_pat
                            *common, "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=120)
     m = re.search(r"is below what the process holds besides its pinned arena: ([\d.]+ \w+)", tiny.stderr)
     assert tiny.returncode != 0 and m, tiny.stderr
-    limit = f"{(size_bytes(m.group(1)) + pinned * 7 // 10) >> 20}MiB"
+    return f"{(size_bytes(m.group(1)) + pinned * 7 // 10) >> 20}MiB"
+
+
+def test_an_nvme_disk_without_room_for_the_state_is_refused_before_anything_runs(strider, tmp_path):
+    common = ("--steps", "3")
+    limit = nvme_forcing_limit(strider, tmp_path, common)
+    from test_cli_faults import mount_tmpfs
+    small = tmp_path / "small"
+    mount_tmpfs(small, "1m")
+    try:
+        r = subprocess.run([str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
+                            "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--host-ram", limit,
+                            *common, "--nvme", str(small / "state"), "--out", str(tmp_path / "z")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and f"--nvme {small / 'state'}: the plan puts" in r.stderr, r.stderr[-2000:]
+        assert "free" in r.stderr and "step    1" not in r.stdout
+    finally:
+        subprocess.run(["umount", "-l", str(small)])
+
+
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_host_ram_limit_moves_state_to_nvme_and_changes_nothing(strider, tmp_path, clip):
+    """Under a host RAM limit the plan puts blocks' optimizer state on NVMe (their gradients through the
+    staging ring, spilled to NVMe while a clip waits for the norm); the trained weights are the same bits
+    as with everything in RAM."""
+    common = ("--steps", "3", "--clip", clip)
+    limit = nvme_forcing_limit(strider, tmp_path, common)
     refused = subprocess.run([str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
                               "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--host-ram", limit,
                               *common, "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=120)
@@ -136,20 +159,6 @@ def test_host_ram_limit_moves_state_to_nvme_and_changes_nothing(strider, tmp_pat
     peak_tiered = size_bytes(re.search(r"at its peak the process holds ~([\d.]+ \w+)", out).group(1))
     assert peak_tiered <= size_bytes(limit.replace("MiB", " MiB"))
     assert "on NVMe" in out and "gradients through a ring" in out
-    # An --nvme whose disk cannot hold that state is refused before anything runs.
-    small = tmp_path / "small"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
-                      capture_output=True).returncode == 0:
-        try:
-            r = subprocess.run([str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
-                                "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--host-ram", limit,
-                                *common, "--nvme", str(small / "state"), "--out", str(tmp_path / "z")],
-                               capture_output=True, text=True, timeout=120)
-            assert r.returncode != 0 and f"--nvme {small / 'state'}: the plan puts" in r.stderr, r.stderr[-2000:]
-            assert "free" in r.stderr and "step    1" not in r.stdout
-        finally:
-            subprocess.run(["umount", "-l", str(small)])
     names = {e["name"].split(" b")[0] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
              if e["ph"] == "X"}
     assert "nvme read state" in names and "nvme write state" in names
