@@ -24,6 +24,10 @@ at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::
 
 }  // namespace
 
+size_t Engine::registered_host_bytes() const {
+  return arena_->copied_bytes() + (shared_arena_ ? shared_arena_->copied_bytes() : 0);
+}
+
 Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
     : spec_(std::move(spec)), config_(std::move(config)),
       place_((check_config(spec_, config_), place(spec_, config_))), device_(std::move(device)),
@@ -48,12 +52,10 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   // (A simulated engine reserves the shared compute copy's addresses in its own arena.)
   arena_ = std::make_unique<PinnedArena>(
       fp.host_bytes + (simulated() ? fp.shared_host_bytes : 0), ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = simulated()});
-  if (auto reg = device_->host_registrar()) arena_->attach(reg);
   if (!config_.shared_compute_file.empty() && !simulated()) {
     shared_arena_ = std::make_unique<PinnedArena>(
         fp.shared_host_bytes, ArenaOptions{.lock = config_.lock, .name = "strider shared compute copy",
                                            .shared_file = config_.shared_compute_file});
-    if (auto reg = device_->host_registrar()) shared_arena_->attach(reg);  // each process registers it
   }
   store_ = std::make_unique<ParamStore>(place_.store_blocks, so, *arena_, shared_arena_.get());
   ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kHostAlign);
@@ -73,6 +75,12 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   if (place_.ring_slot_bytes > 0)
     for (int64_t r = 0; r < config_.grad_ring; ++r)
       grad_ring_.push_back(arena_->carve(place_.ring_slot_bytes, kHostAlign, "gradient ring slot"));
+  // The device pins what it copies (everything above), not the optimizer state;
+  // each process registers the shared compute copy for itself.
+  if (auto reg = device_->host_registrar()) {
+    arena_->attach(reg, ArenaPart::kCopied);
+    if (shared_arena_) shared_arena_->attach(reg, ArenaPart::kCopied);
+  }
   ring_uses_.assign(grad_ring_.size(), 0);
   ring_released_.assign(grad_ring_.size(), 0);
 
@@ -85,10 +93,10 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
                                         place_.extents, nopt);
     arena_->attach(nvme_->registrar());
     for (int s = 0; s < 2; ++s)
-      nvme_staging_.push_back({arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging master"),
-                               arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam m"),
-                               arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam v"),
-                               config_.clip_norm > 0 ? arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging grads")
+      nvme_staging_.push_back({arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging master", ArenaUse::kHostOnly),
+                               arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam m", ArenaUse::kHostOnly),
+                               arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam v", ArenaUse::kHostOnly),
+                               config_.clip_norm > 0 ? arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging grads", ArenaUse::kHostOnly)
                                                      : std::span<std::byte>()});
     // Fresh state: zero master, m and v on the drive, so every extent is valid.
     std::memset(nvme_staging_[0].master.data(), 0, place_.nvme_slot_bytes);

@@ -168,6 +168,8 @@ class Engine {
   void set_collectives(std::unique_ptr<Collectives> ranks);
   const RankInfo& ranks() const;
   size_t arena_bytes() const { return arena_->capacity_bytes(); }
+  // Of the pinned memory, what the device registered (the parts it copies).
+  size_t registered_host_bytes() const;
   // The first parameter (block order, then layout order) whose fp32 master
   // holds a NaN or an infinity, or "" when all are finite. Reads every
   // block's master (from NVMe too): a diagnosis, not for inside a loop.

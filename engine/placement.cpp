@@ -49,10 +49,11 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   f.device_bytes = f.pool_bytes + f.activation_bytes;
 }
 
-// The pinned arena, in the order the Engine carves it: the store, batch
-// staging, the tied gradient, the loss figures, host checkpoints, kept
-// activations, the gradient ring, NVMe staging (2 slots of master, m, v, and
-// read-back gradients with clipping).
+// The pinned arena: from the front what the device copies (the store's
+// compute copy and gradient staging, batch staging, the tied gradient, the
+// loss figures, host checkpoints, kept activations, the gradient ring), from
+// the back what only the host touches (the store's optimizer state, NVMe
+// staging: 2 slots of master, m, v, and read-back gradients with clipping).
 void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   EngineFootprint& f = pl.footprint;
   const size_t M = size_t(c.accumulation), tokens = size_t(c.batch() * c.seq);
@@ -71,6 +72,8 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     f.saved_host_bytes = uint64_t(f.saved_layers) * f.saved_bytes_per_layer;
     f.host_bytes += f.saved_host_bytes;
   }
+  f.registered_host_bytes =
+      f.host_bytes - f.optimizer_host_bytes - 2 * (c.clip_norm > 0 ? 4 : 3) * pl.nvme_slot_bytes + f.shared_host_bytes;
 }
 
 }  // namespace

@@ -46,6 +46,10 @@ struct EngineFootprint {
   uint64_t state_host_bytes = 0;    // of it, the training state: the store (format, compute copy, gradient
                                     // staging), the tied gradient's, the NVMe staging and the gradient ring
   uint64_t nvme_bytes = 0;          // NVMe-tier state files
+  // What the GPU page-locks (cudaHostRegister): what it copies to or from, the
+  // arena less the optimizer state and the NVMe staging, plus the shared
+  // compute copy. At most this; alignment slack aside, this.
+  uint64_t registered_host_bytes = 0;
 };
 
 // Elements [begin, end) of a block's flat layout.

@@ -361,6 +361,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.device_peak_bytes = f.device_bytes + work;
   p.host_bytes = f.state_host_bytes;
   p.pinned_bytes = f.host_bytes;
+  p.registered_bytes = f.registered_host_bytes;
   p.optimizer_state = l.optimizer_state;
   p.nvme_bytes = f.nvme_bytes;
   p.why.push_back(fmt::format("device: {} allocated at start + ~{} ATen working memory = {} of {}",

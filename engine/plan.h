@@ -141,6 +141,7 @@ struct Plan {
   // whole arena (that, plus kept activations, host checkpoints, the batch).
   uint64_t host_bytes = 0;
   uint64_t pinned_bytes = 0;
+  uint64_t registered_bytes = 0;  // of the pinned bytes, what the GPU page-locks (EngineFootprint)
   StateFormat optimizer_state = StateFormat::kFp32;
   // The same limits with each other format: what its state takes in RAM and
   // how many blocks it puts on NVMe (a line of `why` says it too).

@@ -80,7 +80,8 @@ CpuDevice::CpuDevice(const DeviceOptions& options)
     : options_(options),
       start_(std::chrono::steady_clock::now()),
       meter_(registered_work_meter()),
-      ledger_("CpuDevice", options.budget_bytes != 0 ? options.budget_bytes : kDefaultBudgetBytes) {
+      ledger_("CpuDevice", options.budget_bytes != 0 ? options.budget_bytes : kDefaultBudgetBytes),
+      registered_(std::make_shared<HostRegistry>("CpuDevice")) {
   // A limit nothing measures would only be hoped for.
   STRIDER_CHECK(options.work_limit_bytes == 0 || meter_ != nullptr,
                 "CpuDevice: a working-memory limit of {} bytes was asked for, but no WorkMeter counts ATen's "
@@ -181,8 +182,11 @@ void CpuDevice::check_device_range(const void* p, size_t bytes, const char* op, 
 }
 
 void CpuDevice::check_host_range(const void* p, size_t bytes, const char* op, const char* role) const {
-  std::lock_guard lk(mem_mutex_);
-  ledger_.check_host_range(p, bytes, op, role);
+  {
+    std::lock_guard lk(mem_mutex_);
+    ledger_.check_host_range(p, bytes, op, role);
+  }
+  registered_->check(p, bytes, op, role);
 }
 
 // ---- streams ----------------------------------------------------------------

@@ -69,7 +69,9 @@ class CpuDevice final : public Device {
   void drain_spans(std::vector<OpSpan>& out) override;
   uint64_t work_peak_bytes() const override { return work_peak_.load(); }
   void reset_work_peak() override { work_peak_.store(0); }
-  std::shared_ptr<MemoryRegistrar> host_registrar() override { return nullptr; }
+  // Records what an arena registers, and from then on every copy's host side
+  // must lie in it, as on a GPU that pins it.
+  std::shared_ptr<MemoryRegistrar> host_registrar() override { return registered_; }
   // Releases the calling thread's idle OpenMP team (libgomp only; see the .cpp).
   void prepare_driver_thread() override;
 
@@ -94,6 +96,7 @@ class CpuDevice final : public Device {
 
   mutable std::mutex mem_mutex_;
   DeviceLedger ledger_;  // guarded by mem_mutex_
+  const std::shared_ptr<HostRegistry> registered_;  // its own lock; shared with the arenas it registers
 
   std::mutex spans_mutex_;
   std::vector<OpSpan> spans_;

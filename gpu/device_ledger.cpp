@@ -1,6 +1,7 @@
 #include "gpu/device_ledger.h"
 
 #include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include "host/error.h"
@@ -60,6 +61,35 @@ void DeviceLedger::check_host_range(const void* p, size_t bytes, const char* op,
   }
   STRIDER_CHECK(!overlaps, "{}::{}: {} [{}, +{} bytes) is device memory, expected host memory", device_, op, role,
                 p, bytes);
+}
+
+void HostRegistry::register_memory(void* base, size_t bytes) {
+  std::lock_guard lk(mutex_);
+  auto* b = static_cast<const std::byte*>(base);
+  auto it = ranges_.upper_bound(b);
+  const bool after_previous = it == ranges_.begin() || std::prev(it)->first + std::prev(it)->second <= b;
+  const bool before_next = it == ranges_.end() || b + bytes <= it->first;
+  // cudaHostRegister refuses memory that is already registered; so do we.
+  STRIDER_CHECK(after_previous && before_next, "{}: [{}, +{} bytes) overlaps memory already registered", device_,
+                base, bytes);
+  ranges_.emplace(b, bytes);
+}
+
+void HostRegistry::unregister_memory(void* base, size_t) noexcept {
+  std::lock_guard lk(mutex_);
+  ranges_.erase(static_cast<const std::byte*>(base));
+}
+
+void HostRegistry::check(const void* p, size_t bytes, const char* op, const char* role) const {
+  std::lock_guard lk(mutex_);
+  if (ranges_.empty()) return;
+  auto* b = static_cast<const std::byte*>(p);
+  auto it = ranges_.upper_bound(b);
+  const bool inside = it != ranges_.begin() && b + bytes <= std::prev(it)->first + std::prev(it)->second;
+  STRIDER_CHECK(inside,
+                "{}::{}: {} [{}, +{} bytes) is host memory the device did not register (a GPU would copy it "
+                "unpinned and synchronously); carve it as ArenaUse::kCopied before the device's registrar is "
+                "attached", device_, op, role, p, bytes);
 }
 
 }  // namespace strider

@@ -8,8 +8,11 @@
 
 #include <cstddef>
 #include <map>
+#include <mutex>
 #include <string>
 #include <string_view>
+
+#include "host/pinned_arena.h"
 
 namespace strider {
 
@@ -40,6 +43,26 @@ class DeviceLedger {
   size_t budget_bytes_;
   std::map<const std::byte*, size_t> live_;
   size_t allocated_bytes_ = 0, peak_bytes_ = 0, allocation_count_ = 0;
+};
+
+// The host memory registered with a device, as cudaHostRegister would pin it,
+// so a device without pinning (CpuDevice) can prove that every copy's host side
+// lies in registered memory. Thread-safe: arenas register from the caller's
+// thread while the copy streams check.
+class HostRegistry final : public MemoryRegistrar {
+ public:
+  explicit HostRegistry(std::string device) : device_(std::move(device)) {}
+  void register_memory(void* base, size_t bytes) override;
+  void unregister_memory(void* base, size_t bytes) noexcept override;
+  std::string_view name() const override { return "host registration"; }
+  // Throws when something is registered and [p, p + bytes) is not inside one
+  // registered range (nothing registered: a test's plain buffers, no check).
+  void check(const void* p, size_t bytes, const char* op, const char* role) const;
+
+ private:
+  std::string device_;
+  mutable std::mutex mutex_;
+  std::map<const std::byte*, size_t> ranges_;  // base -> bytes
 };
 
 }  // namespace strider

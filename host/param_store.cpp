@@ -96,18 +96,18 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
     s.state_begin = spec.state_begin;
     const size_t ns = s.state_elems();
     if (spec.state_on_host && options_.format == StateFormat::kFp32) {
-      s.master = arena.carve_as<float>(ns, name + " master", kAlignBytes);
-      s.m = arena.carve_as<float>(ns, name + " adam m", kAlignBytes);
-      s.v = arena.carve_as<float>(ns, name + " adam v", kAlignBytes);
+      s.master = arena.carve_as<float>(ns, name + " master", kAlignBytes, ArenaUse::kHostOnly);
+      s.m = arena.carve_as<float>(ns, name + " adam m", kAlignBytes, ArenaUse::kHostOnly);
+      s.v = arena.carve_as<float>(ns, name + " adam v", kAlignBytes, ArenaUse::kHostOnly);
     } else if (spec.state_on_host) {
       STRIDER_CHECK(n % kQ8GroupElems == 0 && s.state_begin % kQ8GroupElems == 0 && ns % kQ8GroupElems == 0,
                     "ParamStore: block '{}' has {} elements and a state slice [{}, {}), not whole q8 groups", name, n,
                     s.state_begin, s.state_end);
-      s.ext = arena.carve_as<uint8_t>(ns, name + " master extension", kAlignBytes);
-      s.m_codes = arena.carve_as<uint8_t>(ns, name + " adam m codes", kAlignBytes);
-      s.v_codes = arena.carve_as<uint8_t>(ns, name + " adam v codes", kAlignBytes);
-      s.m_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam m scales", kAlignBytes);
-      s.v_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam v scales", kAlignBytes);
+      s.ext = arena.carve_as<uint8_t>(ns, name + " master extension", kAlignBytes, ArenaUse::kHostOnly);
+      s.m_codes = arena.carve_as<uint8_t>(ns, name + " adam m codes", kAlignBytes, ArenaUse::kHostOnly);
+      s.v_codes = arena.carve_as<uint8_t>(ns, name + " adam v codes", kAlignBytes, ArenaUse::kHostOnly);
+      s.m_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam m scales", kAlignBytes, ArenaUse::kHostOnly);
+      s.v_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam v scales", kAlignBytes, ArenaUse::kHostOnly);
     }
     PinnedArena& carrier = compute_arena ? *compute_arena : arena;
     if (options_.compute_dtype == DType::kBF16)

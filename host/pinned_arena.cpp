@@ -36,7 +36,9 @@ PinnedArena::PinnedArena(size_t capacity_bytes, ArenaOptions options)
     options.huge_pages = false;
     options.reserve_only = false;
   }
+  page_ = page;
   capacity_ = round_up(capacity_bytes, options.huge_pages ? kHugePage : page);
+  back_ = capacity_;
   if (shared) {
     map_shared(options.shared_file);
   } else {
@@ -121,31 +123,54 @@ void PinnedArena::map_private(const ArenaOptions& options) {
 
 PinnedArena::~PinnedArena() {
   for (auto it = registrars_.rbegin(); it != registrars_.rend(); ++it)
-    (*it)->unregister_memory(base_, capacity_);
+    it->registrar->unregister_memory(base_, it->bytes);
   if (base_ != nullptr) {
     if (locked_) munlock(base_, capacity_);
     munmap(base_, capacity_);
   }
 }
 
-std::span<std::byte> PinnedArena::carve(size_t bytes, size_t align, std::string_view what) {
+std::span<std::byte> PinnedArena::carve(size_t bytes, size_t align, std::string_view what, ArenaUse use) {
   STRIDER_CHECK(align != 0 && (align & (align - 1)) == 0,
                 "{}: alignment {} for '{}' is not a power of two", name_, align, what);
-  const size_t start = round_up(used_, align);
-  if (start > capacity_ || bytes > capacity_ - start) {
-    throw Error(fmt::format(
+  const auto refuse = [&] {
+    return Error(fmt::format(
         "{}: cannot carve {} bytes for '{}': {} of {} bytes are used, {} free. "
         "The arena is sized at start-up; size it with ParamStore::bytes_needed.",
-        name_, bytes, what, used_, capacity_, capacity_ - used_));
+        name_, bytes, what, used_bytes(), capacity_, free_bytes()));
+  };
+  if (use == ArenaUse::kHostOnly) {
+    if (bytes > back_ - front_) throw refuse();
+    const size_t start = (back_ - bytes) / align * align;
+    if (start < front_) throw refuse();
+    back_ = start;
+    return {base_ + start, bytes};
   }
-  used_ = start + bytes;
+  STRIDER_CHECK(!copied_registered_,
+                "{}: '{}' is carved for copies after the copied part was registered; carve every copied buffer "
+                "before attaching a registrar to it", name_, what);
+  const size_t start = round_up(front_, align);
+  if (start > back_ || bytes > back_ - start) throw refuse();
+  front_ = start + bytes;
   return {base_ + start, bytes};
 }
 
-void PinnedArena::attach(std::shared_ptr<MemoryRegistrar> r) {
+void PinnedArena::attach(std::shared_ptr<MemoryRegistrar> r, ArenaPart part) {
   STRIDER_CHECK(r != nullptr, "{}: attach(nullptr)", name_);
-  r->register_memory(base_, capacity_);  // throws before we keep it
-  registrars_.push_back(std::move(r));
+  const size_t bytes = part == ArenaPart::kWhole ? capacity_ : std::min(round_up(front_, page_), capacity_);
+  if (part == ArenaPart::kCopied) copied_registered_ = true;
+  if (bytes == 0) return;  // nothing is copied: nothing to register
+  try {
+    r->register_memory(base_, bytes);  // throws before we keep it
+  } catch (const Error& e) {
+    throw Error(fmt::format(
+        "{}: {} refused {} bytes ({:.2f} GiB) of host memory: {}. The memlock limit (ulimit -l) is {}; raise it "
+        "('ulimit -l unlimited', or memlock in /etc/security/limits.conf; in a container, its memlock ulimit), "
+        "or lower the host memory the run pins (a smaller batch or sequence, no host checkpoints, fewer kept "
+        "activations)",
+        name_, r->name(), bytes, bytes / double(1ull << 30), e.what(), memlock_limit_text()));
+  }
+  registrars_.push_back({std::move(r), bytes});
 }
 
 bool PinnedArena::contains(const void* p, size_t bytes) const {

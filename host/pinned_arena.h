@@ -3,10 +3,15 @@
 // pages where the kernel gives them), then carved into aligned sub-buffers;
 // nothing is allocated during a training step.
 //
+// Two kinds of buffer: those a device copies to or from (the compute copy,
+// gradients, batches, activations) are carved from the front, and those only
+// the host touches (optimizer state, NVMe staging) from the back. So the copied
+// buffers are one range, and the GPU pins only that.
+//
 // Registration hooks keep this folder free of CUDA and io_uring: gpu/ attaches a
-// registrar that calls cudaHostRegister on the whole mapping, io/ one that
-// registers it as io_uring fixed buffers. The arena unregisters them (in reverse
-// order) before it unmaps.
+// registrar that calls cudaHostRegister on the copied part, io/ one that
+// registers the whole mapping as io_uring fixed buffers. The arena unregisters
+// them (in reverse order) before it unmaps.
 #pragma once
 
 #include <cstddef>
@@ -55,6 +60,18 @@ struct ArenaOptions {
   std::string shared_file;
 };
 
+// Who touches a carved buffer.
+enum class ArenaUse {
+  kCopied,    // a device copies to or from it (carved from the front)
+  kHostOnly,  // only the host (carved from the back)
+};
+
+// What a registrar registers.
+enum class ArenaPart {
+  kWhole,   // the whole mapping
+  kCopied,  // the kCopied buffers, page-rounded; none may be carved afterwards
+};
+
 class PinnedArena {
  public:
   // Maps `capacity_bytes` (rounded up to the page or huge-page size). Throws
@@ -64,22 +81,26 @@ class PinnedArena {
   PinnedArena(const PinnedArena&) = delete;
   PinnedArena& operator=(const PinnedArena&) = delete;
 
-  // The next `bytes` aligned to `align` (a power of two, at most 4096 unless a
-  // multiple of it). Throws naming `what`, the request and what is left.
-  std::span<std::byte> carve(size_t bytes, size_t align, std::string_view what);
+  // `bytes` aligned to `align` (a power of two, at most 4096 unless a multiple
+  // of it): the next ones at the front for kCopied, at the back for kHostOnly.
+  // Throws naming `what`, the request and what is left.
+  std::span<std::byte> carve(size_t bytes, size_t align, std::string_view what, ArenaUse use = ArenaUse::kCopied);
   template <class T>
-  std::span<T> carve_as(size_t elems, std::string_view what, size_t align = 256) {
-    auto raw = carve(elems * sizeof(T), align, what);
+  std::span<T> carve_as(size_t elems, std::string_view what, size_t align = 256, ArenaUse use = ArenaUse::kCopied) {
+    auto raw = carve(elems * sizeof(T), align, what, use);
     return {reinterpret_cast<T*>(raw.data()), elems};
   }
 
-  // Registers the whole mapping with `r` now and unregisters it at destruction.
-  void attach(std::shared_ptr<MemoryRegistrar> r);
+  // Registers `part` with `r` now and unregisters it at destruction. A refusal
+  // throws naming the arena, the bytes, the memlock limit and what to do.
+  void attach(std::shared_ptr<MemoryRegistrar> r, ArenaPart part = ArenaPart::kWhole);
 
   std::byte* data() const { return base_; }
   size_t capacity_bytes() const { return capacity_; }
-  size_t used_bytes() const { return used_; }
-  size_t free_bytes() const { return capacity_ - used_; }
+  size_t used_bytes() const { return front_ + (capacity_ - back_); }
+  size_t free_bytes() const { return back_ - front_; }
+  // The kCopied buffers: [data(), data() + copied_bytes()).
+  size_t copied_bytes() const { return front_; }
   bool locked() const { return locked_; }
   bool huge_pages() const { return huge_; }
   // Does [p, p + bytes) lie inside this arena?
@@ -88,11 +109,18 @@ class PinnedArena {
  private:
   std::byte* base_ = nullptr;
   size_t capacity_ = 0;
-  size_t used_ = 0;
+  size_t page_ = 0;
+  size_t front_ = 0;     // kCopied buffers end here
+  size_t back_ = 0;      // kHostOnly buffers start here
+  bool copied_registered_ = false;  // an ArenaPart::kCopied registrar holds [0, front_)
   bool locked_ = false;
   bool huge_ = false;
   std::string name_;
-  std::vector<std::shared_ptr<MemoryRegistrar>> registrars_;
+  struct Registration {
+    std::shared_ptr<MemoryRegistrar> registrar;
+    size_t bytes;  // of the mapping's start
+  };
+  std::vector<Registration> registrars_;
   void map_private(const ArenaOptions& options);
   void map_shared(const std::string& path);
 };

@@ -317,6 +317,41 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
   }
 }
 
+TEST_CASE("the device registers what the engine copies, and every copy of a step lies in it", "[engine]") {
+  // On the CPU device a copy whose host side is outside the registered memory
+  // throws, as a GPU would copy it unpinned: a step with host checkpoints,
+  // kept activations, the gradient ring, the tied embedding and NVMe state
+  // passing proves every copy's memory is registered.
+  ModelSpec spec = ModelSpec::from_json(test::tiny_config(true), "tiny");
+  EngineConfig cfg;
+  cfg.seq = 9;
+  cfg.micro_batch = 2;
+  cfg.accumulation = 2;
+  cfg.window = 2;
+  cfg.checkpoints_on_host = true;
+  cfg.saved_blocks = {2};
+  cfg.nvme_blocks = {1};
+  cfg.nvme_dir = nvme_dir();
+  cfg.clip_norm = 1.0;
+  Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 4}}));
+  e.init_params(3);
+  // What the plan says the GPU pins is what the engine registered, to the alignment slack.
+  const EngineFootprint f = place(spec, cfg).footprint;
+  CHECK(e.registered_host_bytes() <= f.registered_host_bytes);
+  CHECK(e.registered_host_bytes() + 8 * kHostAlign >= f.registered_host_bytes);
+  CHECK(f.registered_host_bytes < f.host_bytes - f.optimizer_host_bytes);
+  Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 5);
+  CHECK(std::isfinite(e.step(b.ids.data(), b.labels.data()).loss));
+  e.finish_updates();
+  // The check is on: the compute copy is registered, a plain buffer is not.
+  DeviceBuffer buf = e.device().allocate(256, "probe");
+  e.device().copy_h2d(StreamId::kH2D, buf.data(), e.compute_copy(1).data(), 256);
+  std::vector<std::byte> plain(256);
+  CHECK_THROWS_WITH(e.device().copy_h2d(StreamId::kH2D, buf.data(), plain.data(), 256),
+                    Catch::Contains("did not register"));
+  e.device().synchronize();
+}
+
 TEST_CASE("a budget too small for the window fails before any work, with the numbers", "[engine]") {
   ModelSpec spec = tiny(false);
   EngineConfig cfg;

@@ -242,3 +242,30 @@ TEST_CASE("without a meter nothing is measured, and a working-memory limit is re
   o.work_limit_bytes = 1 << 20;
   CHECK_THROWS_WITH(CpuDevice(o), Catch::Contains("limit of 1048576 bytes") && Catch::Contains("no WorkMeter"));
 }
+
+TEST_CASE("once host memory is registered, a copy's host side must lie in it, as a GPU pins it", "[gpu][cpu_device]") {
+  CpuDevice dev(chaos_options(5));
+  DeviceBuffer buf = dev.allocate(1 << 12, "buf");
+  std::vector<uint8_t> plain(1 << 12, 1);
+  dev.copy_h2d(StreamId::kH2D, buf.data(), plain.data(), 64);  // nothing registered: plain memory copies
+  dev.synchronize();
+  {
+    PinnedArena arena(1 << 16, {.lock = LockPolicy::kNone, .huge_pages = false});
+    auto copied = arena.carve(1 << 12, 256, "copied");
+    auto state = arena.carve(1 << 12, 256, "state", ArenaUse::kHostOnly);
+    arena.attach(dev.host_registrar(), ArenaPart::kCopied);
+    dev.copy_h2d(StreamId::kH2D, buf.data(), copied.data(), copied.size());
+    dev.copy_d2h(StreamId::kD2H, copied.data(), buf.data(), copied.size());
+    dev.synchronize();
+    CHECK_THROWS_WITH(dev.copy_h2d(StreamId::kH2D, buf.data(), state.data(), 64),
+                      Catch::Contains("copy_h2d") && Catch::Contains("did not register") &&
+                          Catch::Contains("ArenaUse::kCopied"));
+    CHECK_THROWS_WITH(dev.copy_d2h(StreamId::kD2H, plain.data(), buf.data(), 64),
+                      Catch::Contains("copy_d2h") && Catch::Contains("did not register"));
+    // Registering the same memory twice is refused, as cudaHostRegister does.
+    CHECK_THROWS_WITH(dev.host_registrar()->register_memory(copied.data(), 64), Catch::Contains("already registered"));
+  }
+  // The arena unregistered itself: plain memory copies again.
+  dev.copy_h2d(StreamId::kH2D, buf.data(), plain.data(), 64);
+  dev.synchronize();
+}

@@ -1,3 +1,5 @@
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 
 #include "host/error.h"
@@ -146,4 +148,40 @@ TEST_CASE("a store keeps the state of its slice of a block only, with the whole 
   PinnedArena arena2(1 << 20, {.lock = LockPolicy::kNone, .huge_pages = false});
   CHECK_THROWS_WITH(ParamStore(ragged, {.format = StateFormat::kQ8}, arena2),
                     Catch::Contains("state slice [100, 512)"));
+}
+
+TEST_CASE("a device registers the compute copies and gradients, not the optimizer state", "[host][store]") {
+  struct Recorder : MemoryRegistrar {
+    std::byte* base = nullptr;
+    size_t bytes = 0;
+    void register_memory(void* b, size_t n) override { base = static_cast<std::byte*>(b), bytes = n; }
+    void unregister_memory(void*, size_t) noexcept override {}
+    std::string_view name() const override { return "recorder"; }
+  };
+  for (StateFormat format : {StateFormat::kFp32, StateFormat::kQ8}) {
+    std::vector<BlockSpec> blocks;
+    ParamLayout l("model.layers.0");
+    l.add("model.layers.0.mlp.up_proj.weight", {64, 32});
+    blocks.push_back({l, true});
+    blocks.push_back({l, true});
+    const StoreOptions opts{.format = format};
+    PinnedArena arena(ParamStore::bytes_needed(blocks, opts), {.lock = LockPolicy::kNone, .huge_pages = false});
+    ParamStore store(blocks, opts, arena);
+    auto rec = std::make_shared<Recorder>();
+    arena.attach(rec, ArenaPart::kCopied);
+    const auto registered = [&](std::span<const std::byte> x) {
+      return x.data() >= rec->base && x.data() + x.size() <= rec->base + rec->bytes;
+    };
+    for (size_t b = 0; b < 2; ++b) {
+      const BlockState& s = store.block(b);
+      CHECK(registered(s.compute_bytes()));
+      CHECK(registered(s.grad));
+      for (auto state : {std::as_bytes(s.master), std::as_bytes(s.m), std::as_bytes(s.v), std::as_bytes(s.ext),
+                         std::as_bytes(s.m_codes), std::as_bytes(s.v_codes), std::as_bytes(s.m_scale)})
+        if (!state.empty()) CHECK(state.data() >= rec->base + rec->bytes);
+    }
+    const size_t page = size_t(sysconf(_SC_PAGESIZE));
+    CHECK(rec->bytes == (arena.copied_bytes() + page - 1) / page * page);
+    CHECK(arena.copied_bytes() == 2 * 2 * 64 * 32 * 2);  // two blocks' bf16 copies and gradients, nothing else
+  }
 }

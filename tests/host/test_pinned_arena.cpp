@@ -102,11 +102,54 @@ TEST_CASE("registrars see the whole mapping and are undone in reverse order", "[
     arena.attach(second);
     CHECK(first->base == arena.data());
     CHECK(first->bytes == arena.capacity_bytes());
-    CHECK_THROWS_WITH(arena.attach(std::make_shared<RefusingRegistrar>()), "refused");
+    CHECK_THROWS_WITH(arena.attach(std::make_shared<RefusingRegistrar>()), Catch::Contains(": refused."));
     CHECK(first->unregistered == 0);
   }
   CHECK(first->registered == 1);
   CHECK(first->unregistered == 1);
   CHECK(second->unregistered == 1);
   CHECK(order == std::vector<std::string>{"second", "first"});
+}
+
+TEST_CASE("copied buffers are one range at the front and host-only ones fill from the back", "[host][arena]") {
+  std::vector<std::string> order;
+  auto whole = std::make_shared<CountingRegistrar>(&order, "whole");
+  auto copies = std::make_shared<CountingRegistrar>(&order, "copies");
+  PinnedArena arena(1 << 20, {.lock = LockPolicy::kNone, .huge_pages = false});
+  auto a = arena.carve(10000, 256, "copied a");
+  auto s = arena.carve(3000, 256, "state", ArenaUse::kHostOnly);
+  auto b = arena.carve(100, 4096, "copied b");
+  auto t = arena.carve_as<float>(500, "more state", 256, ArenaUse::kHostOnly);
+  CHECK(reinterpret_cast<uintptr_t>(s.data()) % 256 == 0);
+  CHECK(reinterpret_cast<uintptr_t>(b.data()) % 4096 == 0);
+  CHECK(reinterpret_cast<uintptr_t>(t.data()) % 256 == 0);
+  // The copied part ends with the last copied buffer; the state lies beyond it, apart.
+  CHECK(arena.copied_bytes() == size_t(b.data() + b.size() - arena.data()));
+  CHECK(s.data() + s.size() <= arena.data() + arena.capacity_bytes());
+  CHECK(reinterpret_cast<std::byte*>(t.data() + t.size()) <= s.data());
+  CHECK(reinterpret_cast<std::byte*>(t.data()) >= arena.data() + 2 * 4096 + 8192);
+  CHECK(arena.used_bytes() == arena.copied_bytes() + size_t(arena.data() + arena.capacity_bytes() -
+                                                            reinterpret_cast<std::byte*>(t.data())));
+  CHECK(arena.free_bytes() == arena.capacity_bytes() - arena.used_bytes());
+
+  arena.attach(whole);
+  arena.attach(copies, ArenaPart::kCopied);
+  CHECK(whole->bytes == arena.capacity_bytes());
+  CHECK(copies->base == arena.data());
+  CHECK(copies->bytes == 16384);  // 10000 + pad + 100 bytes, rounded to the page
+  CHECK_THROWS_WITH(arena.carve(64, 64, "late batch"),
+                    Catch::Contains("late batch") && Catch::Contains("after the copied part was registered"));
+  arena.carve(64, 64, "late state", ArenaUse::kHostOnly);  // host-only buffers may still come
+
+  // The two ends meet: the request that would cross is refused, naming it.
+  CHECK_THROWS_WITH(arena.carve(arena.free_bytes() + 1, 1, "too much", ArenaUse::kHostOnly),
+                    Catch::Contains("too much"));
+}
+
+TEST_CASE("a refused registration names the arena, the bytes, the memlock limit and what to do", "[host][arena]") {
+  PinnedArena arena(1 << 20, {.lock = LockPolicy::kNone, .huge_pages = false, .name = "test arena"});
+  arena.carve(5000, 256, "copied");
+  CHECK_THROWS_WITH(arena.attach(std::make_shared<RefusingRegistrar>(), ArenaPart::kCopied),
+                    Catch::Contains("test arena") && Catch::Contains("refusing refused 8192 bytes") &&
+                        Catch::Contains("refused") && Catch::Contains("ulimit -l") && Catch::Contains("lower"));
 }
