@@ -106,8 +106,8 @@ class TorchSide:
     def __init__(self, a, model):
         import torch
         self.torch, self.a, self.model = torch, a, model
-        self.opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                     fused=True)
+        from strider.torch_reference import adamw_param_groups  # the Trainer's groups, as strider decays
+        self.opt = torch.optim.AdamW(adamw_param_groups(model, 0.1), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
         self.dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
 
     def step(self, ids, labels):

@@ -90,10 +90,10 @@ def engine_run(model, data, dtype, device, chaos=False):
 def reference_run(model, data, dtype, device):
     """transformers + torch.optim.AdamW on `device`; bf16: fp32 masters, a bf16 compute copy, fp32 gradients."""
     import transformers
+    from strider.torch_reference import adamw_param_groups
     master = model.to(device)
     compute = master if dtype == "fp32" else copy.deepcopy(master).to(torch.bfloat16)
-    opt = torch.optim.AdamW(master.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                            foreach=False)
+    opt = torch.optim.AdamW(adamw_param_groups(master, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS, foreach=False)
     sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
     pairs = list(zip(master.parameters(), compute.parameters()))
     losses, norms = [], []

@@ -168,8 +168,9 @@ def strider_run(args, data, fmt, seed):
 
 def torch_run(args, data, seed, optimizer):
     import torch
+    from strider.torch_reference import adamw_param_groups
     model = make_model(seed)
-    opt = optimizer(model.parameters())
+    opt = optimizer(adamw_param_groups(model, args.weight_decay))  # the groups' decay wins over the optimizer's
     losses = []
     m = args.micro_batch
     for step, ids in enumerate(data):

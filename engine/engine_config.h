@@ -26,6 +26,9 @@ struct EngineConfig {
   bool checkpoints_on_host = false;  // block inputs copied out to pinned host memory
   AdamHyper adam;
   LrSchedule schedule;
+  // false: weight decay spares norms and biases (transformers' Trainer's rule,
+  // engine/model_spec.h weight_decays); true: it decays every tensor.
+  bool decay_norms_and_biases = false;
   double clip_norm = 0;        // > 0: exact global-norm clipping
   int optimizer_threads = 0;   // 0: all hardware threads
   // How master, m and v are stored (host/state_format.h): fp32 (exact), or

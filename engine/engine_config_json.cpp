@@ -30,6 +30,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"beta2", c.adam.beta2},
           {"eps", c.adam.eps},
           {"weight_decay", c.adam.weight_decay},
+          {"decay_norms_and_biases", c.decay_norms_and_biases},
           {"optimizer", c.adam.mode == AdamMode::kAdamW ? "adamw" : "adam"},
           {"schedule", shape_name(c.schedule.shape)},
           {"warmup_steps", c.schedule.warmup_steps},
@@ -73,6 +74,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   get("beta2", c.adam.beta2);
   get("eps", c.adam.eps);
   get("weight_decay", c.adam.weight_decay);
+  get("decay_norms_and_biases", c.decay_norms_and_biases);
   c.adam.mode = j["optimizer"] == "adamw" ? AdamMode::kAdamW : AdamMode::kAdam;
   c.schedule.shape = LrSchedule::parse_shape(j["schedule"]);
   get("warmup_steps", c.schedule.warmup_steps);

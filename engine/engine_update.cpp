@@ -344,7 +344,9 @@ void Engine::start_state_read(int64_t b, int slot_index) {
 void Engine::update_piece(const UpdateJob& job, int64_t b, double grad_scale) {
   AdamHyper h = config_.adam;
   h.lr = job.lr;
-  const AdamStep st = AdamStep::make(h, job.step, grad_scale);
+  const AdamStep decayed = AdamStep::make(h, job.step, grad_scale);
+  h.weight_decay = 0;
+  const AdamStep spared = AdamStep::make(h, job.step, grad_scale);  // norms and biases (PiecePlace::decay_runs)
   const Piece& pc = piece(b);
   BlockState& s = store_->block(size_t(pc.block));
   // The elements this rank updates: the piece, or (sharded) its slice of it,
@@ -389,18 +391,26 @@ void Engine::update_piece(const UpdateJob& job, int64_t b, double grad_scale) {
   const double t0 = Timeline::now_us();
   const std::byte* grads =
       spills_grads(b) ? slot->grad.data() : grad_host(b).data() + (at - pc.begin) * place_.grad_bytes;
-  AdamArgs args{p, m, v, grads, place_.grad_bytes == 4 ? DType::kF32 : DType::kBF16,
-                fp32 ? nullptr : s.compute.data() + at, n};
-  if (format == StateFormat::kQ8) {
-    adam_->step_q8(st, Q8Args{q, grads, args.grad_dtype, n, uint32_t(at), q8_salt(job.step, pc.block)});
-  } else if (fp32) {
-    // fp32 compute: the compute copy is the master itself, chunk by chunk.
-    float* out = s.compute_f32.data() + at;
-    adam_->step(st, args, [&](size_t begin, size_t end) {
-      std::memcpy(out + begin, p + begin, (end - begin) * sizeof(float));
-    });
-  } else {
-    adam_->step(st, args);
+  const DType grad_dtype = place_.grad_bytes == 4 ? DType::kF32 : DType::kBF16;
+  // Each run of tensors alike, at offset k of the owned elements (q8: whole groups).
+  for (const DecayRun& run : place_.at(b).decay_runs) {
+    const AdamStep& st = run.decay ? decayed : spared;
+    const size_t k = run.begin, len = run.end - run.begin;
+    const std::byte* g = grads + k * place_.grad_bytes;
+    if (format == StateFormat::kQ8) {
+      const size_t gk = k / kQ8GroupElems;
+      const Q8View qk{q.hi + k, q.ext + k, q.m + k, q.m_scale + gk, q.v + k, q.v_scale + gk};
+      adam_->step_q8(st, Q8Args{qk, g, grad_dtype, len, uint32_t(at + k), q8_salt(job.step, pc.block)});
+    } else if (fp32) {
+      // fp32 compute: the compute copy is the master itself, chunk by chunk.
+      float* out = s.compute_f32.data() + at + k;
+      float* pk = p + k;
+      adam_->step(st, AdamArgs{pk, m + k, v + k, g, grad_dtype, nullptr, len}, [&](size_t begin, size_t end) {
+        std::memcpy(out + begin, pk + begin, (end - begin) * sizeof(float));
+      });
+    } else {
+      adam_->step(st, AdamArgs{p + k, m + k, v + k, g, grad_dtype, s.compute.data() + at + k, len});
+    }
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,
                  adam_bytes(format, n, place_.grad_bytes)});

@@ -1,157 +1,32 @@
 #include "engine/model_spec.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
-#include <fstream>
-#include <nlohmann/json.hpp>
-#include <tuple>
+#include <regex>
 
 #include "host/error.h"
 
 namespace strider {
+
+BlockRef ModelSpec::block(int64_t i) const {
+  STRIDER_CHECK(i >= 0 && i < num_blocks(), "block {} out of range (model has {} blocks)", i, num_blocks());
+  if (i == 0) return {BlockKind::kEmbedding};
+  if (i == num_blocks() - 1) return {BlockKind::kHead};
+  return {BlockKind::kLayer, i - 1};
+}
+
+std::string ModelSpec::block_name(int64_t i) const {
+  BlockRef b = block(i);
+  switch (b.kind) {
+    case BlockKind::kEmbedding: return "embedding";
+    case BlockKind::kHead: return "head";
+    case BlockKind::kLayer: break;
+  }
+  return fmt::format("layer.{}", b.layer);
+}
+
 namespace {
-
-using nlohmann::json;
-
-// Bounds of every number read from a config.json. Each is far past any
-// published model (the largest we know: hidden 16384, 126 layers, 128 heads
-// and intermediate 53248 in Llama 3.1 405B; a vocab of about 262k in Gemma 3;
-// 10M positions in Llama 4 Scout; rope_theta 1e7 in Qwen2.5-1M), so no real
-// config is refused. What they stop is a typo or a hostile file
-// (num_hidden_layers 10^12) that would otherwise reach loops and allocations
-// sized by it, or overflow the 64-bit sizes computed from it.
-struct IntRange { int64_t lo, hi; };
-constexpr IntRange kLayersRange{1, 100'000};
-constexpr IntRange kHiddenRange{1, int64_t{1} << 20};
-constexpr IntRange kHeadsRange{1, int64_t{1} << 16};  // attention and KV heads
-constexpr IntRange kHeadDimRange{2, int64_t{1} << 20};  // given, or hidden / heads
-constexpr IntRange kIntermediateRange{1, int64_t{1} << 22};
-constexpr IntRange kVocabRange{1, int64_t{1} << 24};
-constexpr IntRange kPositionsRange{1, int64_t{1} << 30};  // positions, sliding window
-
-// A real-valued field's bounds; `lo_open`: lo itself is outside.
-struct RealRange { double lo, hi; bool lo_open; };
-constexpr RealRange kRopeThetaRange{0, 1e12, true};
-constexpr RealRange kRopeFactorRange{0, 1e6, true};  // factor, low and high freq factors
-constexpr RealRange kRmsEpsRange{0, 1, true};
-
-// Field readers that name the file and the field in every error.
-struct Reader {
-  const json& j;
-  std::string_view source;
-  std::string_view prefix = {};  // "rope_scaling." inside that object
-
-  std::string name(std::string_view key) const { return fmt::format("{}{}", prefix, key); }
-
-  const json* find(std::string_view key) const {
-    auto it = j.find(key);
-    return (it == j.end() || it->is_null()) ? nullptr : &*it;
-  }
-  // An integer within `r`. JSON's 1e12 or 32.0 is a floating-point number, not
-  // an integer: refused with the range, rather than rounded.
-  int64_t integer(std::string_view key, IntRange r) const {
-    const json* v = find(key);
-    STRIDER_CHECK(v != nullptr, "{}: missing field '{}'", source, name(key));
-    STRIDER_CHECK(!v->is_number_float(), "{}: field '{}' = {} is a floating-point number; it must be "
-                  "an integer in [{}, {}], written without a decimal point or exponent", source, name(key),
-                  v->dump(), r.lo, r.hi);
-    STRIDER_CHECK(v->is_number_integer(), "{}: field '{}' must be an integer in [{}, {}], got {}",
-                  source, name(key), r.lo, r.hi, v->dump());
-    // The parser stores a non-negative integer as unsigned; past int64 it
-    // would wrap in get<int64_t>(), so compare it as unsigned first.
-    const bool in = v->is_number_unsigned()
-                        ? v->get<uint64_t>() <= uint64_t(r.hi) && v->get<int64_t>() >= r.lo
-                        : v->get<int64_t>() >= r.lo && v->get<int64_t>() <= r.hi;
-    STRIDER_CHECK(in, "{}: field '{}' = {} is outside [{}, {}]", source, name(key), v->dump(), r.lo, r.hi);
-    return v->get<int64_t>();
-  }
-  int64_t integer_or(std::string_view key, int64_t dflt, IntRange r) const {
-    return find(key) ? integer(key, r) : dflt;
-  }
-  double number_or(std::string_view key, double dflt, RealRange r) const {
-    const json* v = find(key);
-    if (!v) return dflt;
-    STRIDER_CHECK(v->is_number(), "{}: field '{}' must be a number, got {}", source, name(key), v->dump());
-    const double x = v->get<double>();
-    const bool in = (r.lo_open ? x > r.lo : x >= r.lo) && x <= r.hi;  // false for NaN
-    STRIDER_CHECK(in, "{}: field '{}' = {} is outside {}{}, {}]", source, name(key), v->dump(),
-                  r.lo_open ? "(" : "[", r.lo, r.hi);
-    return x;
-  }
-  bool boolean_or(std::string_view key, bool dflt) const {
-    const json* v = find(key);
-    if (!v) return dflt;
-    STRIDER_CHECK(v->is_boolean(), "{}: field '{}' must be true or false, got {}", source, name(key), v->dump());
-    return v->get<bool>();
-  }
-  std::string string_or(std::string_view key, std::string dflt) const {
-    const json* v = find(key);
-    if (!v) return dflt;
-    STRIDER_CHECK(v->is_string(), "{}: field '{}' must be a string, got {}", source, name(key), v->dump());
-    return v->get<std::string>();
-  }
-};
-
-struct ArchInfo { Arch arch; std::string_view name, model_type; };
-constexpr ArchInfo kArchs[] = {
-    {Arch::kLlama, "LlamaForCausalLM", "llama"},
-    {Arch::kQwen2, "Qwen2ForCausalLM", "qwen2"},
-    {Arch::kQwen3, "Qwen3ForCausalLM", "qwen3"},
-    {Arch::kMistral, "MistralForCausalLM", "mistral"},
-};
-
-const ArchInfo& arch_of(const Reader& r) {
-  std::string name;
-  if (const json* a = r.find("architectures")) {
-    STRIDER_CHECK(a->is_array() && a->size() == 1 && (*a)[0].is_string(),
-                  "{}: field 'architectures' must hold one name, got {}", r.source, a->dump());
-    name = (*a)[0].get<std::string>();
-    for (const auto& i : kArchs)
-      if (i.name == name) return i;
-  } else {
-    std::string mt = r.string_or("model_type", "");
-    for (const auto& i : kArchs)
-      if (i.model_type == mt) return i;
-    name = "model_type '" + mt + "'";
-  }
-  throw Error(fmt::format("{}: architecture {} is not supported; strider supports LlamaForCausalLM, "
-                          "Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM",
-                          r.source, name));
-}
-
-// rope_parameters (transformers >= 5) or rope_theta + rope_scaling (older files).
-RopeDims parse_rope(const Reader& r) {
-  RopeDims rope;
-  const json* params = r.find("rope_parameters");
-  const json* scaling = r.find("rope_scaling");
-  rope.theta = r.number_or("rope_theta", 10000.0, kRopeThetaRange);
-  const json* p = params ? params : scaling;
-  if (p == nullptr) return rope;
-  STRIDER_CHECK(p->is_object(), "{}: field '{}' must be an object", r.source,
-                params ? "rope_parameters" : "rope_scaling");
-  Reader pr{*p, r.source, params ? "rope_parameters." : "rope_scaling."};
-  if (params) rope.theta = pr.number_or("rope_theta", rope.theta, kRopeThetaRange);
-  std::string type = pr.string_or("rope_type", pr.string_or("type", "default"));
-  if (type == "default") {
-    rope.type = RopeType::kDefault;
-  } else if (type == "llama3") {
-    rope.type = RopeType::kLlama3;
-    rope.factor = pr.number_or("factor", 8.0, kRopeFactorRange);
-    rope.low_freq_factor = pr.number_or("low_freq_factor", 1.0, kRopeFactorRange);
-    rope.high_freq_factor = pr.number_or("high_freq_factor", 4.0, kRopeFactorRange);
-    rope.original_max_position =
-        pr.integer_or("original_max_position_embeddings", 8192, kPositionsRange);
-    STRIDER_CHECK(rope.high_freq_factor > rope.low_freq_factor,
-                  "{}: rope high_freq_factor {} must exceed low_freq_factor {}", r.source,
-                  rope.high_freq_factor, rope.low_freq_factor);
-  } else if (type == "linear") {
-    rope.type = RopeType::kLinear;
-    rope.factor = pr.number_or("factor", 1.0, kRopeFactorRange);
-  } else {
-    throw Error(fmt::format("{}: rope_type '{}' is not supported (default, llama3, linear)", r.source, type));
-  }
-  return rope;
-}
 
 // The working memory of gpu/blocks' decoder layer for a micro-batch of
 // batch x seq tokens: the peak of ATen's allocations above what was live
@@ -233,95 +108,29 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
 
 }  // namespace
 
-ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
-  STRIDER_CHECK(config.is_object(), "{}: a config must be a JSON object", source);
-  Reader r{config, source};
-  const ArchInfo& ai = arch_of(r);
-  ModelSpec s;
-  s.arch = ai.arch;
-  s.arch_name = std::string(ai.name);
-  const std::string act = r.string_or("hidden_act", "silu");
-  STRIDER_CHECK(act == "silu", "{}: hidden_act '{}' is not supported (silu)", source, act);
-
-  BlockDims& d = s.dims;
-  d.hidden = r.integer("hidden_size", kHiddenRange);
-  s.layers = r.integer("num_hidden_layers", kLayersRange);
-  d.heads = r.integer("num_attention_heads", kHeadsRange);
-  d.kv_heads = r.integer_or("num_key_value_heads", d.heads, kHeadsRange);
-  d.intermediate = r.integer("intermediate_size", kIntermediateRange);
-  d.vocab = r.integer("vocab_size", kVocabRange);
-  s.max_position = r.integer_or("max_position_embeddings", 4096, kPositionsRange);
-  STRIDER_CHECK(d.heads % d.kv_heads == 0,
-                "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", source,
-                d.heads, d.kv_heads);
-  if (r.find("head_dim")) {
-    d.head_dim = r.integer("head_dim", kHeadDimRange);
-  } else {
-    STRIDER_CHECK(d.hidden % d.heads == 0,
-                  "{}: hidden_size {} is not a multiple of num_attention_heads {} and no head_dim is given",
-                  source, d.hidden, d.heads);
-    d.head_dim = d.hidden / d.heads;
-  }
-  STRIDER_CHECK(d.head_dim % 2 == 0, "{}: head_dim {} must be even for RoPE", source, d.head_dim);
-  d.rms_eps = r.number_or("rms_norm_eps", 1e-6, kRmsEpsRange);
-  d.rope = parse_rope(r);
-  s.tie_embeddings = r.boolean_or("tie_word_embeddings", false);
-
-  switch (s.arch) {
-    case Arch::kLlama:
-      d.qkv_bias = d.o_bias = r.boolean_or("attention_bias", false);
-      d.mlp_bias = r.boolean_or("mlp_bias", false);
-      break;
-    case Arch::kQwen2:
-      d.qkv_bias = true;  // Qwen2's q/k/v projections always carry a bias
-      break;
-    case Arch::kQwen3:
-      d.qkv_bias = d.o_bias = r.boolean_or("attention_bias", false);
-      d.qk_norm = true;
-      break;
-    case Arch::kMistral:
-      break;
-  }
-  // Sliding-window attention: only Mistral applies it to every layer; Qwen
-  // configs carry the field but leave use_sliding_window off.
-  if (s.arch == Arch::kMistral || r.boolean_or("use_sliding_window", false)) {
-    STRIDER_CHECK(s.arch == Arch::kMistral,
-                  "{}: use_sliding_window is not supported for {}", source, s.arch_name);
-    d.sliding_window = r.integer_or("sliding_window", 0, kPositionsRange);
-  }
-  s.check_size(source);
-  return s;
+bool weight_decays(std::string_view name) {
+  static const std::regex exempt(R"(bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.))");
+  std::string lower(name);
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  return !std::regex_search(lower, exempt);
 }
 
-ModelSpec ModelSpec::from_file(const std::filesystem::path& path) {
-  std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
-  std::ifstream in(file);
-  STRIDER_CHECK(in.good(), "cannot open model config {}", file.string());
-  json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
-  STRIDER_CHECK(!j.is_discarded(), "{}: not valid JSON", file.string());
-  return from_json(j, file.string());
-}
+namespace {
 
-BlockRef ModelSpec::block(int64_t i) const {
-  STRIDER_CHECK(i >= 0 && i < num_blocks(), "block {} out of range (model has {} blocks)", i, num_blocks());
-  if (i == 0) return {BlockKind::kEmbedding};
-  if (i == num_blocks() - 1) return {BlockKind::kHead};
-  return {BlockKind::kLayer, i - 1};
-}
-
-std::string ModelSpec::block_name(int64_t i) const {
-  BlockRef b = block(i);
-  switch (b.kind) {
-    case BlockKind::kEmbedding: return "embedding";
-    case BlockKind::kHead: return "head";
-    case BlockKind::kLayer: break;
+// A ParamLayout whose tensors take their decay flag from their names.
+struct NamedLayout {
+  ParamLayout l;
+  void add(std::string name, std::vector<int64_t> shape) {
+    const bool decay = weight_decays(name);
+    l.add(std::move(name), std::move(shape), decay);
   }
-  return fmt::format("layer.{}", b.layer);
-}
+};
+
+}  // namespace
 
 ParamLayout ModelSpec::layout(int64_t i) const {
   BlockRef b = block(i);
-  ParamLayout l(block_name(i));
+  NamedLayout l{ParamLayout(block_name(i))};
   const BlockDims& d = dims;
   const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
   switch (b.kind) {
@@ -357,7 +166,7 @@ ParamLayout ModelSpec::layout(int64_t i) const {
       break;
     }
   }
-  return l;
+  return std::move(l.l);
 }
 
 BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
@@ -439,51 +248,6 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
     }
   }
   return c;
-}
-
-namespace {
-// Embedding, one layer (every layer has the same tensors), head: O(1) however
-// many layers, and no sum that can overflow.
-long double param_estimate(const ModelSpec& s) {
-  return static_cast<long double>(s.layout(0).param_elems()) +
-         static_cast<long double>(s.layers) * static_cast<long double>(s.layout(1).param_elems()) +
-         static_cast<long double>(s.layout(s.num_blocks() - 1).param_elems());
-}
-}  // namespace
-
-void ModelSpec::check_size(std::string_view source) const {
-  // from_json has checked each field as it read it; a spec built in code gets
-  // the same bounds here. Within them every tensor's element count (at most
-  // 2^56) and one layer's sum stay inside 64 bits.
-  const BlockDims& d = dims;
-  const std::tuple<std::string_view, int64_t, IntRange> fields[] = {
-      {"num_hidden_layers", layers, kLayersRange},      {"hidden_size", d.hidden, kHiddenRange},
-      {"num_attention_heads", d.heads, kHeadsRange},    {"num_key_value_heads", d.kv_heads, kHeadsRange},
-      {"head_dim", d.head_dim, kHeadDimRange},          {"intermediate_size", d.intermediate, kIntermediateRange},
-      {"vocab_size", d.vocab, kVocabRange}};
-  for (const auto& [name, x, r] : fields)
-    STRIDER_CHECK(x >= r.lo && x <= r.hi, "{}: field '{}' = {} is outside [{}, {}]", source, name, x,
-                  r.lo, r.hi);
-  const long double n = param_estimate(*this);
-  STRIDER_CHECK(n <= static_cast<long double>(kMaxParams), "{}: the model has {:.4g} parameters "
-                "({} layers, hidden {}, intermediate {}, vocab {}), past the {:.0e} strider accepts: "
-                "its optimizer state alone (16 bytes per parameter) would need {:.4g} TB; check the "
-                "config", source, static_cast<double>(n), layers, d.hidden, d.intermediate, d.vocab,
-                static_cast<double>(kMaxParams), static_cast<double>(n) * 16 / 1e12);
-}
-
-int64_t ModelSpec::param_count() const {
-  check_size(arch_name.empty() ? "model" : arch_name);
-  return static_cast<int64_t>(layout(0).param_elems()) + layers * static_cast<int64_t>(layout(1).param_elems()) +
-         static_cast<int64_t>(layout(num_blocks() - 1).param_elems());
-}
-
-std::string ModelSpec::summary() const {
-  return fmt::format("{}: {} layers, hidden {}, heads {}/{} (head dim {}), intermediate {}, vocab {}, "
-                     "{:.3f}B parameters{}",
-                     arch_name, layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim,
-                     dims.intermediate, dims.vocab, param_count() / 1e9,
-                     tie_embeddings ? ", tied embeddings" : "");
 }
 
 }  // namespace strider

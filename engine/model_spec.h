@@ -37,6 +37,13 @@ struct BlockCost {
   int64_t output_bytes = 0;        // the block's output (next block's checkpoint)
 };
 
+// Whether AdamW's weight decay applies to the tensor `name` (a checkpoint
+// name): transformers' Trainer exempts biases and norms by name
+// (Trainer.get_decay_parameter_names: "bias", "layernorm", "rmsnorm", a "norm"
+// or "*_norm" component), and so does strider unless told otherwise
+// (EngineConfig::decay_norms_and_biases).
+bool weight_decays(std::string_view name);
+
 struct ModelSpec {
   Arch arch = Arch::kLlama;
   std::string arch_name;          // "LlamaForCausalLM", ...
@@ -58,6 +65,7 @@ struct ModelSpec {
   // The block's tensors under the checkpoint's names, in a fixed order. With
   // tied embeddings the head holds no weight of its own: it reads the
   // embedding's (the engine keeps that one parameter in both places).
+  // Its tensors' decay flags follow weight_decays().
   ParamLayout layout(int64_t i) const;
 
   // Throws if batch x seq is past kMaxTokens or a byte count past kMaxBytes.

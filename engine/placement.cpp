@@ -150,6 +150,15 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
     at.owned = {std::clamp(bs[rank], pc.begin, pc.end), std::clamp(bs[rank + 1], pc.begin, pc.end)};
     for (size_t x : bs) at.slices.push_back(std::clamp(x, pc.begin, pc.end) - pc.begin);
     const size_t n = at.owned.elems();
+    if (c.decay_norms_and_biases || c.adam.weight_decay == 0) {
+      if (n > 0) at.decay_runs = {{0, n, true}};
+    } else {
+      for (const DecayRun& r : pl.layouts[size_t(pc.block)].decay_runs(at.owned.begin, at.owned.end))
+        at.decay_runs.push_back({r.begin - at.owned.begin, r.end - at.owned.begin, r.decay});
+    }
+    for (const DecayRun& r : at.decay_runs)  // tensors start on whole groups, and so do q8 pieces
+      STRIDER_CHECK(c.optimizer_state != StateFormat::kQ8 || r.begin % kQ8GroupElems == 0,
+                    "{}: its weight-decay run at {} does not start a q8 group", sh.name(spec, p), r.begin);
     if (pl.nvme_block[size_t(pc.block)] && n > 0) {
       at.on_nvme = true;
       for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {

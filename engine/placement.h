@@ -65,6 +65,9 @@ struct PiecePlace {
   bool spills_grads = false;   // in the ring with clipping: its gradients wait for the norm on NVMe
   ElemRange owned;             // the elements whose state this rank keeps (block coordinates)
   std::vector<size_t> slices;  // the ranks' slice bounds cut to the piece, relative to its start
+  // The owned elements cut where the weight decay changes (relative to
+  // owned.begin; one run when every tensor decays alike): what AdamW updates.
+  std::vector<DecayRun> decay_runs;
 };
 
 struct Placement {

@@ -342,7 +342,7 @@ TrainCheckpointInfo inspect_training_checkpoint(const fs::path& dir_in) {
 const std::vector<std::string>& maths_config_fields() {
   static const std::vector<std::string> kFields = {
       "seq", "micro_batch", "accumulation", "dtype", "vocab_chunk", "lr", "beta1", "beta2", "eps",
-      "weight_decay", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state"};
+      "weight_decay", "decay_norms_and_biases", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state"};
   return kFields;
 }
 
@@ -367,9 +367,14 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
   const nlohmann::json now = engine_config_to_json(engine.config());
   std::vector<std::string> changed;
   for (const std::string& f : fields) {
-    // Checkpoints from before the optimizer-state formats hold fp32 state.
-    const nlohmann::json saved = f == "optimizer_state" ? info.engine_config.value(f, nlohmann::json("fp32"))
-                                                        : info.engine_config.value(f, nlohmann::json());
+    // Checkpoints from before the optimizer-state formats hold fp32 state; from
+    // before the decay rule, they decayed every tensor (which matters only
+    // with weight decay).
+    const nlohmann::json saved = f == "optimizer_state"          ? info.engine_config.value(f, nlohmann::json("fp32"))
+                                 : f == "decay_norms_and_biases" ? info.engine_config.value(f, nlohmann::json(true))
+                                                                 : info.engine_config.value(f, nlohmann::json());
+    if (f == "decay_norms_and_biases" && now["weight_decay"] == 0 && info.engine_config.value("weight_decay", 0.0) == 0)
+      continue;
     STRIDER_CHECK(!saved.is_null(), "{}: engine_config has no field '{}'", ts_file, f);
     const bool allowed = std::find(options.allow_changed.begin(), options.allow_changed.end(), f) !=
                          options.allow_changed.end();

@@ -1,12 +1,13 @@
 #include "host/param_layout.h"
 
+#include <algorithm>
 #include <limits>
 
 #include "host/error.h"
 
 namespace strider {
 
-const TensorSlot& ParamLayout::add(std::string name, std::vector<int64_t> shape) {
+const TensorSlot& ParamLayout::add(std::string name, std::vector<int64_t> shape, bool decay) {
   STRIDER_CHECK(!name.empty(), "block '{}': a tensor needs a name", block_name_);
   STRIDER_CHECK(find(name) == nullptr, "block '{}': tensor '{}' added twice", block_name_, name);
   size_t numel = 1;
@@ -16,11 +17,27 @@ const TensorSlot& ParamLayout::add(std::string name, std::vector<int64_t> shape)
                   "block '{}': tensor '{}' has too many elements", block_name_, name);
     numel *= static_cast<size_t>(d);
   }
-  TensorSlot slot{std::move(name), std::move(shape), total_elems_, numel};
+  TensorSlot slot{std::move(name), std::move(shape), total_elems_, numel, decay};
   total_elems_ += (numel + kAlignElems - 1) / kAlignElems * kAlignElems;
   param_elems_ += numel;
   slots_.push_back(std::move(slot));
   return slots_.back();
+}
+
+std::vector<DecayRun> ParamLayout::decay_runs(size_t begin, size_t end) const {
+  STRIDER_CHECK(begin <= end && end <= total_elems_, "block '{}' has {} elements, not [{}, {})", block_name_,
+                total_elems_, begin, end);
+  std::vector<DecayRun> runs;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    // The slot and its padding: up to the next slot (or the block's end).
+    const size_t lo = std::max(begin, slots_[i].offset_elems);
+    const size_t hi = std::min(end, i + 1 < slots_.size() ? slots_[i + 1].offset_elems : total_elems_);
+    if (lo >= hi) continue;
+    if (!runs.empty() && runs.back().decay == slots_[i].decay) runs.back().end = hi;
+    else runs.push_back({lo, hi, slots_[i].decay});
+  }
+  if (runs.empty() && begin < end) runs.push_back({begin, end, true});  // no tensors: padding only
+  return runs;
 }
 
 const TensorSlot* ParamLayout::find(std::string_view name) const {

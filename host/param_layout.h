@@ -19,6 +19,15 @@ struct TensorSlot {
   std::vector<int64_t> shape;
   size_t offset_elems = 0;     // from the start of the block's flat buffer
   size_t numel = 0;
+  // AdamW's weight decay applies to it (the model's rule says which: norms and
+  // biases are exempt in transformers' Trainer; engine/model_spec.h).
+  bool decay = true;
+};
+
+// Elements [begin, end) of a block's flat layout that are updated alike.
+struct DecayRun {
+  size_t begin = 0, end = 0;
+  bool decay = true;
 };
 
 class ParamLayout {
@@ -30,7 +39,7 @@ class ParamLayout {
 
   // Appends a tensor at the next aligned offset. Throws on a duplicate name,
   // a negative dimension or an empty name. Returns its slot.
-  const TensorSlot& add(std::string name, std::vector<int64_t> shape);
+  const TensorSlot& add(std::string name, std::vector<int64_t> shape, bool decay = true);
 
   // The slot called `name`; throws naming the block and the tensor when absent.
   const TensorSlot& at(std::string_view name) const;
@@ -44,6 +53,10 @@ class ParamLayout {
   size_t total_elems() const { return total_elems_; }
   // Elements that belong to tensors (no padding).
   size_t param_elems() const { return param_elems_; }
+  // [begin, end) cut where the decay changes, in order, neighbours of the same
+  // kind merged (a tensor's padding goes with it). Cuts fall on tensor offsets,
+  // so on multiples of kAlignElems.
+  std::vector<DecayRun> decay_runs(size_t begin, size_t end) const;
 
  private:
   std::string block_name_;

@@ -67,6 +67,16 @@ CLI::Option* ConfigOptions::add(CLI::App& c, std::string_view name, std::string&
               [&target](const nlohmann::json& v) { target = v.is_string() ? v.get<std::string>() : v.dump(); });
 }
 
+CLI::Option* ConfigOptions::add(CLI::App& c, std::string_view name, bool& target, std::string help) {
+  const ConfigField& f = config_field(name);
+  STRIDER_CHECK(!f.flag.empty() && f.type == FieldType::kBool,
+                "configuration field '{}' is not a bool with a command-line flag (engine/config_fields.json)", f.name);
+  target = f.default_value.get<bool>();
+  CLI::Option* opt = c.add_flag(f.flag, target, help_of(f, std::move(help)));
+  bound_.push_back({&f, opt, [&target](const nlohmann::json& v) { target = v.get<bool>(); }});
+  return opt;
+}
+
 std::string ConfigOptions::apply_demo(bool cuda) {
   const DemoValues& demo = demo_values();
   std::vector<std::string> set;

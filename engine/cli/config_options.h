@@ -29,6 +29,7 @@ class ConfigOptions {
   CLI::Option* add(CLI::App& c, std::string_view name, int& target, std::string help = "");
   CLI::Option* add(CLI::App& c, std::string_view name, double& target, std::string help = "");
   CLI::Option* add(CLI::App& c, std::string_view name, std::string& target, std::string help = "");
+  CLI::Option* add(CLI::App& c, std::string_view name, bool& target, std::string help = "");  // a flag
 
   // The built-in model trains from scratch, so it takes the declaration's
   // demo values (and, off CUDA, its CPU values) for every option the command

@@ -98,6 +98,7 @@ void add_optimizer_options(CLI::App& c, TrainOptions& o) {
   f.add(c, "schedule", o.schedule);
   f.add(c, "warmup_steps", o.warmup);
   f.add(c, "weight_decay", o.weight_decay);
+  f.add(c, "decay_norms_and_biases", o.decay_norms_and_biases);
   f.add(c, "clip_norm", o.clip);
   f.add(c, "beta1", o.beta1);
   f.add(c, "beta2", o.beta2);
@@ -290,6 +291,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   EngineConfig cfg = run.plan.engine_config(lim);
   cfg.adam = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps, .weight_decay = o.weight_decay,
               .mode = o.optimizer == "adam" ? AdamMode::kAdam : AdamMode::kAdamW};
+  cfg.decay_norms_and_biases = o.decay_norms_and_biases;
   cfg.schedule = {LrSchedule::parse_shape(o.schedule), o.warmup, total_steps};
   cfg.clip_norm = o.clip;
   cfg.optimizer_threads = o.optimizer_threads;

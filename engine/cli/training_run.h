@@ -34,6 +34,7 @@ struct TrainOptions {
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, warmup = 0 /* warmup_steps */, vocab_chunk = 0,
           token_tile = 0;
   double lr = 0, weight_decay = 0, clip = 0 /* clip_norm */, beta1 = 0, beta2 = 0, eps = 0;
+  bool decay_norms_and_biases = false;
   int optimizer_threads = 0;
   ConfigOptions config;  // what registered them: the demo's values for what was left unset
 };

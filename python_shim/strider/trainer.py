@@ -50,8 +50,8 @@ bf16) plus `seq`. With a strider_config, an argument set away from its
 TrainingArguments default to something other than the config's value is
 refused, as is anything strider cannot honour (gradient_accumulation_steps,
 fp16, several GPUs, optimizers other than AdamW, load_best_model_at_end).
-Note that strider's weight decay applies to every parameter, norms and
-biases included (the Trainer's own AdamW exempts them).
+strider's weight decay spares norms and biases, as the Trainer's own AdamW
+does (EngineConfig.decay_norms_and_biases=True decays them too).
 """
 import dataclasses
 import math

@@ -272,10 +272,11 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     int64_t shard_rows, tile;
     std::vector<int64_t> saved;
     bool keep_logits = false;
+    bool decay_all = false;  // weight decay of norms and biases too
   };
-  for (auto [tied, shard_rows, tile, saved, keep_logits] :
+  for (auto [tied, shard_rows, tile, saved, keep_logits, decay_all] :
        {Variant{false, 0, 0}, {true, 0, 0}, {false, 40, 0}, {true, 40, 0}, {false, 40, 5}, {true, 0, 5},
-        {false, 0, 0, {1, 2, 3}}, {true, 40, 5, {1, 3}, true}, {false, 40, 0, {}, true}}) {
+        {false, 0, 0, {1, 2, 3}}, {true, 40, 5, {1, 3}, true}, {false, 40, 0, {}, true}, {true, 40, 0, {}, false, true}}) {
     ModelSpec spec = tiny(tied);
     const Case c{"K=2 chaos", 2, false, {}, true, 9};
     EngineConfig cfg;
@@ -287,6 +288,7 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     cfg.vocab_shard_rows = shard_rows;
     cfg.saved_blocks = saved;
     cfg.keep_logits = keep_logits;
+    cfg.decay_norms_and_biases = decay_all;
     Engine e(spec, cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 9}}));
     CHECK(e.sharding().shards == (shard_rows ? 3 : 1));
     e.init_params(3);
@@ -302,13 +304,15 @@ TEST_CASE("one engine step equals the resident reference's gradients plus AdamW"
     at::Tensor labels = at::from_blob(b.labels.data(), {cfg.batch(), cfg.seq}, at::kLong);
     StepLoss rl = ref.forward_backward(ids, labels, cfg.accumulation);
     INFO("tied=" << tied << " shard rows " << shard_rows << " token tile " << tile << " kept layers "
-                 << saved.size() << " kept logits " << keep_logits);
+                 << saved.size() << " kept logits " << keep_logits << " decay all " << decay_all);
     CHECK(rep.loss == rl.loss);
     size_t i = 0;
     for (const std::string& name : ref.param_names()) {
       std::vector<float> p = before[i++], mm(p.size(), 0), vv(p.size(), 0);
       at::Tensor g = ref.grad(name).contiguous();
-      adam_update(Isa::kScalar, AdamStep::make(cfg.adam, 1),
+      AdamHyper h = cfg.adam;
+      if (!decay_all && !weight_decays(name)) h.weight_decay = 0;  // norms and biases are spared
+      adam_update(Isa::kScalar, AdamStep::make(h, 1),
                   {p.data(), mm.data(), vv.data(), g.data_ptr<float>(), DType::kF32, nullptr, p.size()});
       std::vector<float> got = e.param(name);
       INFO(name);

@@ -195,3 +195,40 @@ TEST_CASE("block costs refuse byte counts that would wrap", "[engine][spec]") {
   CHECK_NOTHROW(s.cost(1, 1, int64_t{1} << 36, 8192, 2, 4096));
   CHECK_THROWS_WITH(s.cost(1, 1, 1024, 8192, 2, -1), Catch::Contains("token tile -1"));
 }
+
+TEST_CASE("weight decay spares norms and biases by name, as transformers' Trainer does", "[engine][spec]") {
+  for (const char* name : {"model.embed_tokens.weight", "lm_head.weight", "model.layers.3.self_attn.q_proj.weight",
+                           "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"})
+    CHECK(weight_decays(name));
+  for (const char* name : {"model.norm.weight", "model.layers.3.input_layernorm.weight",
+                           "model.layers.3.post_attention_layernorm.weight", "model.layers.0.self_attn.q_norm.weight",
+                           "model.layers.0.self_attn.k_norm.weight", "model.layers.0.self_attn.q_proj.bias",
+                           "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.0.RMSNorm.weight"})
+    CHECK_FALSE(weight_decays(name));
+  CHECK(weight_decays("model.normalizer.weight"));  // "norm" only as a whole component or a "_norm" suffix
+
+  // A Qwen2 layer (biases) cut into runs: the norm, the projections with their
+  // biases between them, the second norm, the MLP.
+  json q2 = qwen3_tiny();
+  q2["architectures"] = {"Qwen2ForCausalLM"};
+  const ParamLayout l = ModelSpec::from_json(q2, "x").layout(1);
+  for (const TensorSlot& s : l.slots()) CHECK(s.decay == weight_decays(s.name));
+  const auto runs = l.decay_runs(0, l.total_elems());
+  std::vector<bool> kinds;
+  for (const DecayRun& r : runs) kinds.push_back(r.decay);
+  CHECK(kinds == std::vector<bool>{false, true, false, true, false, true, false, true, false, true});
+  CHECK(runs.front().begin == 0);
+  CHECK(runs.back().end == l.total_elems());
+  for (size_t i = 1; i < runs.size(); ++i) {
+    CHECK(runs[i].begin == runs[i - 1].end);
+    CHECK(runs[i].begin % ParamLayout::kAlignElems == 0);
+  }
+  // A range inside one tensor is one run; a range across a cut is cut there.
+  const TensorSlot& q = l.at("model.layers.0.self_attn.q_proj.weight");
+  const TensorSlot& qb = l.at("model.layers.0.self_attn.q_proj.bias");
+  CHECK(l.decay_runs(q.offset_elems + 5, q.offset_elems + 9).size() == 1);
+  const auto cut = l.decay_runs(q.offset_elems + 5, qb.offset_elems + 3);
+  REQUIRE(cut.size() == 2);
+  CHECK((cut[0].begin == q.offset_elems + 5 && cut[0].end == qb.offset_elems && cut[0].decay));
+  CHECK((cut[1].begin == qb.offset_elems && cut[1].end == qb.offset_elems + 3 && !cut[1].decay));
+}

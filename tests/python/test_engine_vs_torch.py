@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from strider import _library  # the package's own loader (conftest puts python_shim/ on sys.path)
+from strider.torch_reference import adamw_param_groups
 
 try:
     _library.load_library()
@@ -35,9 +36,11 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 
 
 def hf_config(arch):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
     if arch == "llama":
         return LlamaConfig(**SMALL)
+    if arch == "qwen2":  # q, k and v biases
+        return Qwen2Config(**SMALL)
     if arch == "qwen3_tied":
         return Qwen3Config(**{**SMALL, "num_hidden_layers": 3, "head_dim": 24}, tie_word_embeddings=True)
     raise KeyError(arch)
@@ -99,10 +102,11 @@ def load_into(engine, model):
         engine.set_param(name, p.detach())
 
 
-def reference_run(model, data):
-    """transformers + torch.optim.AdamW: per-step (loss, grad norm before clipping)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                            foreach=False)
+def reference_run(model, data, decay_all=False):
+    """transformers + torch.optim.AdamW: per-step (loss, grad norm before clipping). Weight decay of the
+    parameters transformers' Trainer decays (not norms and biases), or of all of them."""
+    groups = model.parameters() if decay_all else adamw_param_groups(model, WEIGHT_DECAY)
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
     sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
     out = []
     for ids, labels in data:
@@ -131,15 +135,17 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("arch,chaos", [("llama", False), ("qwen3_tied", False), ("llama", True)])
-def test_fp32_steps_track_transformers_and_adamw(arch, chaos):
+@pytest.mark.parametrize("arch,chaos,decay_all", [("llama", False, False), ("qwen3_tied", False, False),
+                                                  ("qwen2", False, False), ("llama", True, False),
+                                                  ("qwen3_tied", False, True)])
+def test_fp32_steps_track_transformers_and_adamw(arch, chaos, decay_all):
     model = make_model(arch)
     data = batches(model.config.vocab_size)
-    engine = new_engine(model, chaos=chaos)
+    engine = new_engine(model, chaos=chaos, decay_norms_and_biases=decay_all)
     load_into(engine, model)
     reports = engine_run(engine, data)
     engine.finish()
-    ref = reference_run(model, data)
+    ref = reference_run(model, data, decay_all)
 
     clipped = 0
     for s, (r, (ref_loss, ref_norm)) in enumerate(zip(reports, ref)):

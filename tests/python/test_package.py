@@ -20,6 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
+from strider.torch_reference import adamw_param_groups  # noqa: E402
 
 try:
     strider.load_library()
@@ -75,8 +76,7 @@ def hf_batches(vocab, steps, seed=1):
 
 def reference_steps(model, data):
     """transformers + torch.optim.AdamW on the same batches: per-step (loss, grad norm)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
-                            foreach=False)
+    opt = torch.optim.AdamW(adamw_param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS, foreach=False)
     sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
     out = []
     for ids, labels, mask in data:
