@@ -15,6 +15,14 @@ std::function<int()> add_finetune(CLI::App& app);
 std::function<int()> add_plan(CLI::App& app);
 std::function<int()> add_profile(CLI::App& app);
 
+// --config FILE, given after any subcommand: a TOML or INI file of that
+// command's options, each under its long name without the dashes (seq = 1024,
+// device-budget = "20GiB", decay-norms-and-biases = true). The command
+// line's own options win; a key that is no option is refused (main() names
+// the fix). Call on the main app before adding the subcommands; returns the
+// option (its value: the file used).
+CLI::Option* add_config_file(CLI::App& app);
+
 // A CLI11 check that a number lies in [lo, hi] ((lo, hi] when `lo_open`), so
 // a value out of range is refused while parsing, with the range in the
 // message ("--steps: 0 is outside [1, 1e+12]"). NaN is outside every range.

@@ -7,6 +7,8 @@
 // the last good state saved; SIGINT/SIGTERM finish the step, save and exit
 // 128 + the signal; resuming takes the newest checkpoint that loads and
 // refuses other data or other maths settings unless --allow-changed names them.
+#include <unistd.h>
+
 #include <cmath>
 #include <filesystem>
 #include <fmt/format.h>
@@ -21,6 +23,7 @@
 #include "engine/cli/cli.h"
 #include "engine/cli/final_model.h"
 #include "engine/cli/run_outputs.h"
+#include "engine/cli/step_log.h"
 #include "engine/cli/training_run.h"
 #include "engine/hf_checkpoint.h"
 #include "engine/train_checkpoint.h"
@@ -32,6 +35,7 @@ namespace {
 struct Options {
   TrainOptions train;
   std::string eval_data, out = "strider-out", trace, metrics, checkpoint_dir, save_dtype = "auto";
+  std::string config_file;  // --config, if given
   int64_t checkpoint_every = 0, steps = 120, eval_every = 30, eval_batches = 2, keep_checkpoints = 2,
           max_skipped_steps = 3;
   std::vector<std::string> allow_changed;
@@ -68,6 +72,14 @@ int run(Options& o) {
   const bool writes = me.rank == 0;
   if (!writes) STRIDER_CHECK(std::freopen("/dev/null", "w", stdout) != nullptr, "rank {}: cannot quiet its output: {}",
                              me.rank, errno_text(errno));
+  // The --config file, as the checkpoints record it.
+  nlohmann::json config_file;
+  if (!o.config_file.empty()) {
+    std::ifstream in(o.config_file);
+    config_file = {{"path", fs::absolute(o.config_file).string()},
+                   {"text", std::string(std::istreambuf_iterator<char>(in), {})}};
+    fmt::print("options from {} (the command line's own win)\n", o.config_file);
+  }
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
   STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   std::optional<DirLock> out_lock;
@@ -130,7 +142,7 @@ int run(Options& o) {
     nlohmann::json l = {{"epoch", st.epoch}, {"cursor", st.cursor}, {"seed", st.seed},
                         {"num_windows", st.num_windows}, {"seq", st.seq}};
     return nlohmann::json{{"loader", l}, {"data", tr.data}, {"data_file", data}, {"seed", o.train.seed},
-                          {"skipped_steps", skipped_total}, {"world", me.world}};
+                          {"skipped_steps", skipped_total}, {"world", me.world}, {"config_file", config_file}};
   };
   CheckpointSeries series(ckpt_root, int(o.keep_checkpoints));
   int64_t saved_step = -1;
@@ -253,6 +265,7 @@ int run(Options& o) {
   const int64_t start_step = engine.steps_done();
   int64_t in_a_row = 0;
   std::string diverged;  // why the numerics guard stopped the run
+  StepLog log(start_step, o.steps, &metrics, o.metrics, writes && ::isatty(STDOUT_FILENO) == 1);
   bool stop = false;  // a signal reached a rank: every rank stops after the same step
   std::string data_error;  // the training data failed (changed or cut under the run): stop, keeping the state
   while (engine.steps_done() < o.steps && !(stop = ranks->any(signals.requested() || !data_error.empty()))) {
@@ -269,12 +282,11 @@ int run(Options& o) {
       // not count toward --max-skipped-steps.
       ++skipped_total;
       const TokenLoaderState at = loader.state();
-      fmt::print("step {:>4}/{} skipped: {}; nothing changed, the data moves on (epoch {}, window {} of {})\n",
-                 r.step, o.steps, r.skip_reason, at.epoch, at.cursor, at.num_windows);
-      std::fflush(stdout);
-      if (metrics.is_open())
-        append_line(metrics, o.metrics, {{"step", r.step}, {"skipped", true}, {"reason", r.skip_reason},
-                                         {"no_targets", true}, {"epoch", at.epoch}, {"window", at.cursor}});
+      log.skipped(r.step,
+                  fmt::format("{}; nothing changed, the data moves on (epoch {}, window {} of {})", r.skip_reason,
+                              at.epoch, at.cursor, at.num_windows),
+                  {{"step", r.step}, {"skipped", true}, {"reason", r.skip_reason}, {"no_targets", true},
+                   {"epoch", at.epoch}, {"window", at.cursor}});
       continue;
     }
     if (r.skipped) {
@@ -284,13 +296,12 @@ int run(Options& o) {
           r.nonfinite_block >= 0 ? fmt::format("; first non-finite gradient: block {} ({})", r.nonfinite_block,
                                                r.nonfinite_tensor)
                                  : "";
-      fmt::print("step {:>4}/{} skipped: {}{} ({} in a row; the run stops at {})\n", r.step, o.steps, r.skip_reason,
-                 where, in_a_row, o.max_skipped_steps);
-      std::fflush(stdout);
-      if (metrics.is_open())
-        append_line(metrics, o.metrics, {{"step", r.step}, {"skipped", true}, {"reason", r.skip_reason},
-                                         {"nonfinite_block", r.nonfinite_block}, {"nonfinite_tensor", r.nonfinite_tensor},
-                                         {"loss", r.loss}, {"grad_norm", r.grad_norm}});
+      log.skipped(r.step,
+                  fmt::format("{}{} ({} in a row; the run stops at {})", r.skip_reason, where, in_a_row,
+                              o.max_skipped_steps),
+                  {{"step", r.step}, {"skipped", true}, {"reason", r.skip_reason},
+                   {"nonfinite_block", r.nonfinite_block}, {"nonfinite_tensor", r.nonfinite_tensor},
+                   {"loss", r.loss}, {"grad_norm", r.grad_norm}});
       if (in_a_row >= o.max_skipped_steps) {
         const std::string param = engine.first_non_finite_param();
         diverged = fmt::format("step {}: {} steps in a row were skipped (--max-skipped-steps {}), the last because "
@@ -304,29 +315,22 @@ int run(Options& o) {
     in_a_row = 0;
     if (r.step == start_step + 1) first_loss = r.loss;
     last_loss = r.loss;
-    fmt::print("step {:>4}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>7.0f} tok/s | {:.3f} s | overlap {:.2f} "
-               "(critical: {}) | peak dev {}\n",
-               r.step, o.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.step_s, r.stats.overlap_efficiency,
-               lane_name(r.stats.critical), format_bytes(r.peak_device_bytes));
-    std::fflush(stdout);
-    nlohmann::json lanes;
-    for (int l = 0; l < kNumLanes; ++l)
-      lanes[std::string(lane_name(Lane(l)))] = r.stats.lanes[size_t(l)].busy_fraction;
-    nlohmann::json line = {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
-                           {"tokens_per_s", r.tokens_per_s}, {"step_s", r.step_s},
-                           {"overlap_efficiency", r.stats.overlap_efficiency}, {"lanes", lanes},
-                           {"peak_device_bytes", r.peak_device_bytes}, {"h2d_bytes", r.h2d_bytes},
-                           {"d2h_bytes", r.d2h_bytes}, {"work_peak_bytes", r.work_peak_bytes}};
+    nlohmann::json line = log.trained(r);
     if (eval_file && r.step % o.eval_every == 0) {
+      log.clear();  // the evaluation may print
       if (const double loss = evaluate(); !std::isnan(loss)) {
         line["eval_loss"] = loss;
-        fmt::print("           eval loss {:.4f}\n", loss);
+        log.note(fmt::format("           eval loss {:.4f}", loss));
       }
     }
-    if (metrics.is_open()) append_line(metrics, o.metrics, line);
-    if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) save_checkpoint();
+    log.append(line);
+    if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) {
+      log.clear();  // the save prints its line
+      save_checkpoint();
+    }
   }
   engine.finish_updates();
+  log.clear();
   auto write_trace = [&] {
     if (o.trace.empty() || !writes) return;
     engine.timeline().write_chrome_trace(o.trace);
@@ -442,6 +446,7 @@ int run(Options& o) {
 std::function<int()> add_finetune(CLI::App& app) {
   auto o = std::make_shared<Options>();
   CLI::App* c = app.add_subcommand("finetune", "fine-tune a model (with no options: the built-in demo)");
+  CLI::Option* config = app.get_config_ptr();
   add_model_options(*c, o->train);
   c->add_option("--eval-data", o->eval_data, "held-out token file, evaluated every --eval-every steps");
   c->add_option("--eval-every", o->eval_every, "steps between evaluations")
@@ -488,7 +493,10 @@ std::function<int()> add_finetune(CLI::App& app) {
                 "engine setting such as lr, weight_decay, clip_norm")
       ->delimiter(',')
       ->check(CLI::IsMember(changeable_settings()));
-  return [o] { return run(*o); };
+  return [o, config] {
+    if (config != nullptr && config->count() > 0) o->config_file = config->as<std::string>();
+    return run(*o);
+  };
 }
 
 }  // namespace strider::cli

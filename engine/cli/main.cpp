@@ -11,10 +11,25 @@ int main(int argc, char** argv) {
   CLI::App app{"strider: fine-tune every parameter of a model larger than the GPU, with the GPU as a "
                "sliding window over the model's blocks"};
   app.require_subcommand(0, 1);
+  strider::cli::add_config_file(app);
   auto finetune = strider::cli::add_finetune(app);
   auto plan = strider::cli::add_plan(app);
   auto profile = strider::cli::add_profile(app);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ConfigError& e) {  // a --config file's key that is no option
+    const std::string command = app.get_subcommands().empty() ? "finetune" : app.get_subcommands().front()->get_name();
+    std::string what = e.what();
+    const std::string lead = "INI was not able to parse " + command + ".";
+    if (what.rfind(lead, 0) == 0) what = fmt::format("'{}' is not an option of 'strider {}'", what.substr(lead.size()), command);
+    fmt::print(stderr,
+               "strider: --config {}: {}; a key is an option's long name without the dashes (device-budget = "
+               "\"20GiB\", not device_budget), and 'strider {} --help' lists them\n",
+               app.get_config_ptr()->as<std::string>(), what, command);
+    return e.get_exit_code();
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
   try {
     if (app.got_subcommand("plan")) return plan();
     if (app.got_subcommand("profile")) return profile();

@@ -3,6 +3,7 @@ is bit-identical to an uninterrupted one, Ctrl-C stops after the current step
 with a checkpoint, and a plan that cannot work is refused with the number.
 Faults and bad input: test_cli_faults.py."""
 import json
+import os
 import re
 import signal
 import subprocess
@@ -47,6 +48,76 @@ def test_resume_is_bit_identical(strider, tmp_path):
     assert state["step"] == 4
     assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-")) == [
         "step-00000002", "step-00000004"]
+
+
+def test_weight_decay_spares_norms_unless_told(strider, tmp_path):
+    """One step with and without --decay-norms-and-biases: only the norms differ, and the checkpoint says which."""
+    outs = {}
+    for flag in ([], ["--decay-norms-and-biases"]):
+        name = "all" if flag else "spared"
+        finetune(strider, tmp_path, "--steps", "1", "--warmup", "0", "--weight-decay", "10", *flag,
+                 "--checkpoint-dir", str(tmp_path / f"ck-{name}"), "--out", str(tmp_path / name))
+        outs[name] = load_file(str(tmp_path / name / "model.safetensors"))
+        state = json.loads((tmp_path / f"ck-{name}" / "step-00000001" / "trainer_state.json").read_text())
+        assert state["engine_config"]["decay_norms_and_biases"] == bool(flag)
+    norms = [k for k in outs["all"] if "norm" in k]
+    assert norms and len(norms) < len(outs["all"])
+    for k in outs["all"]:
+        same = torch.equal(outs["all"][k].view(torch.int16), outs["spared"][k].view(torch.int16))
+        assert same == (k not in norms), k
+
+
+def test_a_config_file_holds_options_the_command_line_wins_and_the_run_records_it(strider, tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('steps = 2\nseq = 64\nwarmup = 0\nweight-decay = 0.5\ndecay-norms-and-biases = true\n'
+                   'checkpoint-every = 1\n')
+    out = finetune(strider, tmp_path, "--config", str(cfg), "--checkpoint-dir", str(tmp_path / "ck"),
+                   "--out", str(tmp_path / "out"))  # finetune() gives --seq 32 on the command line
+    assert f"options from {cfg}" in out
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("step-")) == [
+        "step-00000001", "step-00000002"]
+    state = json.loads((tmp_path / "ck" / "step-00000002" / "trainer_state.json").read_text())
+    engine = state["engine_config"]
+    assert (engine["seq"], engine["warmup_steps"], engine["weight_decay"], engine["decay_norms_and_biases"]) == (
+        32, 0, 0.5, True)
+    assert state["extra"]["config_file"] == {"path": str(cfg), "text": cfg.read_text()}
+
+    # A key that is no option is refused, naming it and the fix; so is a missing file.
+    cfg.write_text('device_budget = "20MiB"\n')
+    bad = subprocess.run([str(strider), "finetune", "--config", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0
+    assert "device_budget" in bad.stderr and "device-budget" in bad.stderr and "--help" in bad.stderr, bad.stderr
+    bad = subprocess.run([str(strider), "plan", "--config", str(tmp_path / "none.toml")], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode != 0 and "none.toml" in bad.stderr, bad.stderr
+
+
+def test_progress_bar_with_eta_on_a_terminal_plain_lines_otherwise(strider, tmp_path):
+    import pty
+    args = [str(strider), "finetune", "--device", "cpu", "--seq", "32", "--steps", "3", "--eval-batches", "0",
+            "--work-dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: strider on the terminal's side
+        os.execv(args[0], args)
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    tty = b"".join(chunks).decode()
+    assert re.search(r"\[#+\.*\] 3/3 100% \| ETA 0s", tty), tty
+    assert "\r\x1b[K" in tty  # the bar is erased before each line
+    plain = subprocess.run(args[:-2] + ["--out", str(tmp_path / "out2")], capture_output=True, text=True,
+                           timeout=300, check=True).stdout
+    assert "\x1b[" not in plain and "[#" not in plain
+    steps = [line for line in plain.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and all(re.search(r"\| ETA \S+$", line) for line in steps), steps
 
 
 def test_loss_falls_and_metrics_are_written(strider, tmp_path):
