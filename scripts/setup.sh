@@ -41,6 +41,14 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 ln -sfn "$venv" "$here/.venv"
+# `python -m strider.data` and `import strider` from a checkout's root, without
+# PYTHONPATH: the environment is shared by every checkout (it is keyed by the
+# pinned requirements), so the path file adds the working directory's
+# python_shim/ when it holds the package, not one fixed checkout's.
+site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+cat >"$site/strider-checkout.pth" <<'PTH'
+import os, sys; d = os.path.join(os.getcwd(), "python_shim"); os.path.isfile(os.path.join(d, "strider", "__init__.py")) and d not in sys.path and sys.path.append(d)
+PTH
 # The build backend of `pip install --no-build-isolation .` (pyproject.toml).
 # Not in requirements.txt on purpose: the environment's key would change, and
 # with it torch's include paths, so every ATen object would miss the compiler

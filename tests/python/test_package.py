@@ -288,3 +288,14 @@ def test_missing_library_is_an_import_error_naming_the_paths(tmp_path):
     assert "libstrider_ops.so not found" in out.stdout
     assert str(tmp_path / "pkg" / "strider" / "libstrider_ops.so") in out.stdout
     assert str(tmp_path / "nobuild" / "python_shim" / "libstrider_ops.so") in out.stdout
+
+
+@pytest.mark.parametrize("package,deb", [("fmt", "libfmt-dev"), ("TBB", "libtbb-dev"), ("CLI11", "libcli11-dev")])
+def test_a_missing_library_stops_the_configure_naming_its_debian_package(tmp_path, package, deb):
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run(["cmake", "-S", repo, "-B", str(tmp_path / "build"), "-DSTRIDER_WITH_CUDA=OFF",
+                        "-DSTRIDER_WITH_TORCH=OFF", f"-DCMAKE_DISABLE_FIND_PACKAGE_{package}=ON"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0
+    message = " ".join(r.stderr.split())  # CMake wraps its messages
+    assert f"{package} not found" in message and f"'apt install {deb}'" in message, r.stderr
