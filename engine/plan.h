@@ -185,4 +185,13 @@ uint64_t process_rss_bytes();
 
 std::string format_bytes(uint64_t bytes);
 
+// A host RAM figure given as the machine's (plan --ram, finetune --host-ram):
+// strider plans its whole process within it less kOsRamPercent, left to the
+// OS and the rest of the machine (the kernel, the page cache, a shell, the
+// GPU driver). 0 (no limit) stays 0.
+inline constexpr uint64_t kOsRamPercent = 5;
+inline uint64_t os_ram_headroom_bytes(uint64_t ram) { return ram / 100 * kOsRamPercent + ram % 100 * kOsRamPercent / 100; }
+// "--ram 128.0 GiB less 6.40 GiB (5%) left to the OS: 121.6 GiB for strider"
+std::string ram_headroom_text(std::string_view option, uint64_t ram);
+
 }  // namespace strider

@@ -21,6 +21,12 @@ std::string format_bytes(uint64_t b) {
   return fmt::format("{} B", b);
 }
 
+std::string ram_headroom_text(std::string_view option, uint64_t ram) {
+  const uint64_t keep = os_ram_headroom_bytes(ram);
+  return fmt::format("{} {} less {} ({}%) left to the OS: {} for strider", option, format_bytes(ram),
+                     format_bytes(keep), kOsRamPercent, format_bytes(ram - keep));
+}
+
 uint64_t process_rss_bytes() {
   std::ifstream in("/proc/self/status");
   std::string line;

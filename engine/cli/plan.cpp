@@ -119,7 +119,10 @@ std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json
   }
   return fmt::format("fits: {}; GPU {} of {}; RAM {}{}; {}", speed, format_bytes(p.device_peak_bytes),
                      format_bytes(l.device_bytes), format_bytes(p.host_peak_bytes),
-                     l.host_bytes == 0 ? std::string(" (no --ram limit)") : " of " + format_bytes(l.host_bytes), nvme);
+                     l.host_bytes == 0 ? std::string(" (no --ram limit)")
+                                       : fmt::format(" of {} (--ram less {}% for the OS)", format_bytes(l.host_bytes),
+                                                     kOsRamPercent),
+                     nvme);
 }
 
 int run(Options& o) {
@@ -131,7 +134,8 @@ int run(Options& o) {
   l.device_bytes = o.gpu_option->count() == 0 && !o.predict.empty() && o.predict != "none"
                        ? CostModel::parse(rank_machine(o)).device_memory_bytes
                        : parse_bytes(o.gpu);
-  l.host_bytes = parse_bytes(o.ram);
+  const uint64_t ram = parse_bytes(o.ram);
+  l.host_bytes = ram - os_ram_headroom_bytes(ram);
   l.nvme_dir = o.nvme;
   l.seq = o.seq;
   l.micro_batch = o.micro_batch;
@@ -209,12 +213,14 @@ int run(Options& o) {
     out["schedule"] = to_json(prog, spec, pl);
     schedule = describe(prog, spec, pl);
   }
+  out["host_ram_bytes"] = ram;  // --ram, the machine's
+  out["os_headroom_bytes"] = os_ram_headroom_bytes(ram);
   out["answer"] = answer_line(p, l, out, o);
   if (o.json) {
     fmt::print("{}\n", out.dump());
   } else {
-    fmt::print("{}\n{}\n{}{}", answer_line(p, l, out, o), spec.summary(), demo.empty() ? "" : "  " + demo + "\n",
-               p.explain());
+    fmt::print("{}\n{}\n{}{}{}", answer_line(p, l, out, o), spec.summary(), demo.empty() ? "" : "  " + demo + "\n",
+               ram == 0 ? "" : "  RAM: " + ram_headroom_text("--ram", ram) + "\n", p.explain());
     if (o.gpus > 1)
       fmt::print("  data parallel: {} GPUs on {} ({}): each rank plans the above with 1/{} of master, m and v; {}\n",
                  o.gpus, o.link, one_machine ? "one machine" : "a machine each", o.gpus,
@@ -254,7 +260,10 @@ std::function<int()> add_plan(CLI::App& app) {
                                 "device memory (e.g. 24GiB); unset: the --predict preset's (its board less 0.5 GiB), "
                                 "else 24GiB")
                       ->capture_default_str();
-  c->add_option("--ram", o->ram, "host RAM the whole process may hold at its peak (0: none)")->capture_default_str();
+  c->add_option("--ram", o->ram,
+                "the machine's host RAM (0: no limit): strider's whole process plans to hold at most this less 5% "
+                "left to the OS")
+      ->capture_default_str();
   ConfigOptions& f = o->config;
   f.add(*c, "nvme_dir", o->nvme);
   f.add(*c, "seq", o->seq);

@@ -66,8 +66,9 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   f.add(c, "device", o.device);
   f.add(c, "device_budget", o.device_budget);
   c.add_option("--host-ram", o.host_ram,
-               "host RAM the whole process may hold at its peak (0: no limit); the pinned arena gets what the rest "
-               "of the process leaves, and state that does not fit goes to --nvme")
+               "the machine's host RAM (0: no limit): the whole process plans to hold at most this less 5% left to "
+               "the OS; the pinned arena gets what the rest of the process leaves, and state that does not fit goes "
+               "to --nvme")
       ->capture_default_str()
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
@@ -211,7 +212,8 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   // for rank 0's slice, the largest, so that all take the same plan.
   lim.state_shards = me.world;
   lim.shared_compute = me.world > 1 && me.world == me.local_world && fs::is_directory("/dev/shm");
-  lim.host_bytes = parse_bytes(o.host_ram);
+  const uint64_t host_ram = parse_bytes(o.host_ram);
+  lim.host_bytes = host_ram - os_ram_headroom_bytes(host_ram);
   uint64_t shared = 0;
   if (lim.shared_compute) {
     shared = shared_compute_bytes(run.spec, o.dtype == "fp32" ? at::kFloat : at::kBFloat16);
@@ -274,6 +276,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   fmt::print(log, "strider {}: {}\n{}{}", command, run.spec.summary(), demo.empty() ? "" : "  " + demo + "\n",
              run.plan.explain());
   if (!budget_why.empty()) fmt::print(log, "  device budget: {}\n", budget_why);
+  if (host_ram > 0) fmt::print(log, "  RAM: {}\n", ram_headroom_text("--host-ram", host_ram));
   STRIDER_CHECK(run.plan.feasible, "{}", run.plan.reason);
   if (run.plan.nvme_bytes > 0) {
     // The plan counts the NVMe tier's bytes; the disk must have them (of the

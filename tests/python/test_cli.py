@@ -171,6 +171,19 @@ def test_impossible_budget_is_refused_with_the_number(strider, tmp_path):
     assert json.loads(plan.stdout)["feasible"] is False
 
 
+def test_plan_leaves_the_os_a_stated_share_of_ram(strider, tmp_path):
+    """--ram is the machine's: the plan fills at most 95% of it and says so in its answer."""
+    ram = 64 << 30
+    out = subprocess.run([str(strider), "plan", "--model", "llama-3.1-8b", "--gpu", "24GiB", "--ram", "64GiB",
+                          "--nvme", str(tmp_path), "--seq", "1024", "--accumulation", "8", "--json"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    p = json.loads(out)
+    assert p["feasible"] and len(p["nvme_blocks"]) > 0
+    assert p["host_ram_bytes"] == ram and p["os_headroom_bytes"] == ram * 5 // 100
+    assert ram * 90 // 100 < p["host_peak_bytes"] <= ram - p["os_headroom_bytes"]
+    assert "(--ram less 5% for the OS)" in p["answer"]
+
+
 def test_device_budget_defaults_to_24_mib_on_the_cpu_and_a_given_one_wins(strider, tmp_path):
     out = finetune(strider, tmp_path, "--steps", "1", "--out", str(tmp_path / "a"))
     assert "ATen working memory = " in out and " of 24.0 MiB\n" in out
@@ -193,7 +206,10 @@ def nvme_forcing_limit(strider, tmp_path, common):
                            *common, "--out", str(tmp_path / "y")], capture_output=True, text=True, timeout=120)
     m = re.search(r"is below what the process holds besides its pinned arena: ([\d.]+ \w+)", tiny.stderr)
     assert tiny.returncode != 0 and m, tiny.stderr
-    return f"{(size_bytes(m.group(1)) + pinned * 7 // 10) >> 20}MiB"
+    assert "RAM: --host-ram 1.0 MiB less 51.2 KiB (5%) left to the OS: 972.8 KiB for strider" in tiny.stdout
+    # --host-ram is the machine's: the process plans within 95% of it, the rest left to the OS.
+    process = size_bytes(m.group(1)) + pinned * 7 // 10
+    return f"{(process * 100 // 95 >> 20) + 1}MiB"
 
 
 def test_an_nvme_disk_without_room_for_the_state_is_refused_before_anything_runs(strider, tmp_path):
@@ -228,7 +244,7 @@ def test_host_ram_limit_moves_state_to_nvme_and_changes_nothing(strider, tmp_pat
     out = finetune(strider, tmp_path, *common, "--host-ram", limit, "--nvme", str(tmp_path / "nvme"),
                    "--trace", str(tmp_path / "t.json"), "--out", str(tmp_path / "tiered"))
     peak_tiered = size_bytes(re.search(r"at its peak the process holds ~([\d.]+ \w+)", out).group(1))
-    assert peak_tiered <= size_bytes(limit.replace("MiB", " MiB"))
+    assert peak_tiered <= size_bytes(limit.replace("MiB", " MiB")) * 95 // 100  # 5% is the OS's
     assert "on NVMe" in out and "gradients through a ring" in out
     names = {e["name"].split(" b")[0] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
              if e["ph"] == "X"}
