@@ -10,6 +10,19 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 "$here/scripts/setup.sh"
 build=${STRIDER_BUILD_DIR:-$here/build}
 
+# ATEN_CPU_CAPABILITY=avx2 (or default) on an AVX-512 machine runs another
+# machine's ATen kernels. oneDNN must be held to the same ISA: otherwise
+# torch's bf16 flash attention takes oneDNN's packed path (chosen by what the
+# CPU has) from its AVX2 kernels and throws "pack_vnni2 is only supported
+# when avx512 is supported".
+if [ -n "${ATEN_CPU_CAPABILITY:-}" ] && [ -z "${ONEDNN_MAX_CPU_ISA:-}${DNNL_MAX_CPU_ISA:-}" ]; then
+  case "$ATEN_CPU_CAPABILITY" in
+    avx2) export ONEDNN_MAX_CPU_ISA=AVX2 ;;
+    default) export ONEDNN_MAX_CPU_ISA=SSE41 ;;
+  esac
+  echo "test.sh: ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY, so ONEDNN_MAX_CPU_ISA=${ONEDNN_MAX_CPU_ISA:-unset}"
+fi
+
 # Arguments that choose which tests run: with one, not every case is expected.
 filtered=""
 for a in "$@"; do
