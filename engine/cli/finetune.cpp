@@ -72,14 +72,7 @@ int run(Options& o) {
   const bool writes = me.rank == 0;
   if (!writes) STRIDER_CHECK(std::freopen("/dev/null", "w", stdout) != nullptr, "rank {}: cannot quiet its output: {}",
                              me.rank, errno_text(errno));
-  // The --config file, as the checkpoints record it.
-  nlohmann::json config_file;
-  if (!o.config_file.empty()) {
-    std::ifstream in(o.config_file);
-    config_file = {{"path", fs::absolute(o.config_file).string()},
-                   {"text", std::string(std::istreambuf_iterator<char>(in), {})}};
-    fmt::print("options from {} (the command line's own win)\n", o.config_file);
-  }
+  const nlohmann::json config_file = config_file_record(o.config_file);  // as the checkpoints record it
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
   STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
   std::optional<DirLock> out_lock;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <iterator>
 #include <fmt/format.h>
 
 #include "host/error.h"
@@ -79,6 +80,15 @@ int StopSignals::signal_number() const { return int(g_signal); }
 
 const char* StopSignals::name(int signo) {
   return signo == SIGINT ? "SIGINT" : signo == SIGTERM ? "SIGTERM" : "a signal";
+}
+
+nlohmann::json config_file_record(const std::string& path) {
+  if (path.empty()) return nullptr;
+  std::ifstream in(path);
+  STRIDER_CHECK(in.good(), "--config {}: cannot read it: {}", path, errno_text(errno));
+  fmt::print("options from {} (the command line's own win)\n", path);
+  return {{"path", std::filesystem::absolute(path).string()},
+          {"text", std::string(std::istreambuf_iterator<char>(in), {})}};
 }
 
 void append_line(std::ofstream& metrics, const std::string& path, const nlohmann::json& line) {

@@ -25,6 +25,10 @@ void check_output_file(const std::string& path, std::string_view option);
 // full disk is an error, not a silence).
 void append_line(std::ofstream& metrics, const std::string& path, const nlohmann::json& line);
 
+// The --config file `path` as a run's checkpoints record it ({"path",
+// "text"}; null when none was given), saying so on stdout.
+nlohmann::json config_file_record(const std::string& path);
+
 // SIGINT and SIGTERM ask the run to stop: the first sets a flag that the
 // training loop reads between steps (it finishes the step, saves and exits
 // with 128 + the signal's number); a second one of either restores the
