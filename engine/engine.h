@@ -181,8 +181,12 @@ class Engine {
   void inject_nonfinite_gradient(int64_t b);
 
  private:
-  using Range = ElemRange;  // elements of a block
-  struct Loaded { const CacheUnit* unit; std::unique_ptr<Event> ready; };
+  using Range = ElemRange;
+  struct Loaded {
+    const CacheUnit* unit;
+    std::unique_ptr<Event> ready;
+    std::vector<UnitRun> layout;  // its pieces' ranges in the unit (Sharding::unit_layout)
+  };
 
   // The device executor: a program's device operations, in order, each
   // through one table (run_device_op, engine_visit.cpp).
@@ -238,6 +242,7 @@ class Engine {
   // What a pass's host operations compute for the ones after them.
   struct PassFigures {
     std::vector<double> sumsq;              // per piece: its gradients' sum of squares
+    std::vector<std::vector<double>> parts; // per piece: that, range by range (the norm adds these)
     std::vector<std::string> bad_tensor;    // per piece: its first non-finite gradient tensor, or ""
     int64_t fault_piece = -1;               // inject_nonfinite_gradient's piece in this pass
     double grad_scale = 1.0;                // the clipping coefficient, once the norm is known
@@ -250,7 +255,7 @@ class Engine {
   std::span<std::byte> grad_host(int64_t p);
   // The D2H of piece p's gradients from `src` (a unit, in the transfer
   // dtype), once its staging is free; records grads_ready_[p] and tells the updater.
-  void copy_grads_out(int64_t p, const void* src);
+  void copy_grads_out(int64_t p, const StepOp& visit, const std::byte* src);
   // The first `elems` gradients of unit u in the transfer dtype: the fp32
   // accumulators themselves, or (bf16) rounded on the compute stream into the
   // unit's parameter area, which the visit no longer reads.
@@ -263,10 +268,10 @@ class Engine {
   void write_state_back(int64_t p, int64_t step);
   // A skipped step: piece p's gradients are consumed without an update (its staging is freed).
   void skip_piece(int64_t p);
-  // The name of the first tensor of piece p whose values (the piece's
-  // elements, fp32 or `dtype`) are not finite.
+  // The name of the first tensor of piece p whose values (fp32, in the
+  // piece's coordinates) are not finite.
   std::string first_non_finite(int64_t p, const float* values) const;
-  // Among piece p's gradients `in` (its elements, block coordinates): the
+  // Among piece p's gradients `in` (the piece's coordinates): the
   // first non-finite's tensor, "(padding)", or "" when all are finite.
   std::string first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const;
   void start_state_read(int64_t p, int slot);
@@ -376,7 +381,7 @@ class Engine {
   // in its PiecePlace (engine/placement.h).
   bool sharded() const { return config_.state_shards > 1; }
   std::vector<size_t> slice_bytes_;  // a piece's slices scaled to bytes (updater thread)
-  // Piece p's elements (block coordinates) whose state this engine keeps.
+  // Piece p's elements (the piece's coordinates) whose state this engine keeps.
   Range owned(int64_t p) const { return place_.at(p).owned; }
   // Block b's whole state of one kind into `out`, which holds this rank's
   // slice: the others' slices from their ranks (a collective).

@@ -42,6 +42,15 @@ struct EngineConfig {
   // Vocabulary rows per embedding / LM-head shard (engine/shards.h); 0: the
   // most whole LM-head chunks whose visit fits in the largest layer's unit.
   int64_t vocab_shard_rows = 0;
+  // Each decoder layer cut into pieces by tensor name (engine/shards.h,
+  // layer_piece_ranges): "input_layernorm+post_attention_layernorm,self_attn+mlp"
+  // makes two pieces, the norms (two ranges of the block) and the
+  // projections (two more). Each piece has its own gradient copy, ring slot,
+  // checks, AdamW job and NVMe extents; the layer's visit still loads them
+  // all, in the block's layout. Placement, not maths: the same bits as one
+  // piece per layer (clipping aside: the norm adds its parts per range). Empty:
+  // one piece per layer.
+  std::string layer_pieces;
   // Gradients are summed in fp32 on the device over the micro-batches, then
   // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
   // keeps them exact (the exactness tests; an fp32 compute dtype always does).

@@ -37,8 +37,7 @@ at::Tensor Engine::rows_view(const at::Tensor& flat, size_t offset, const Piece&
 }
 
 std::vector<int64_t> Engine::visit_segments(const StepOp& v) const {
-  if (v.shard < 0) return {v.piece};
-  return {place_.shards.norm_piece, place_.shards.lm_piece[size_t(v.shard)]};
+  return place_.shards.visit_pieces(v.piece, v.shard);
 }
 
 at::Tensor Engine::kept_logits(int64_t m, const Piece& rows) const {
@@ -99,18 +98,24 @@ void Engine::load_visit(const StepOp& v) {
   const CacheUnit& u = pool_->acquire(StreamId::kH2D);
   if (simulated())
     for (int64_t p : segs) device_->wait(StreamId::kH2D, sim_updater_->update_done(p));
-  size_t offset = 0;
-  for (int64_t p : segs) {
-    const Piece& pc = piece(p);
-    auto bytes = store_->block(size_t(pc.block)).compute_bytes().subspan(pc.begin * place_.compute_bytes,
-                                                                          pc.elems() * place_.compute_bytes);
-    device_->copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + offset * place_.compute_bytes, bytes.data(),
-                      bytes.size(), {"h2d params", int32_t(pc.block)});
-    offset += pc.elems();
+  // Each range from the block's compute copy to its place in the unit
+  // (Sharding::unit_layout), ranges adjacent in both as one copy.
+  std::vector<UnitRun> layout = place_.shards.unit_layout(segs);
+  for (size_t i = 0; i < layout.size();) {
+    const int64_t block = piece(layout[i].piece).block;
+    const size_t unit_at = layout[i].unit_at, from = layout[i].run.block;
+    size_t n = layout[i].run.n;
+    for (++i; i < layout.size() && piece(layout[i].piece).block == block && layout[i].unit_at == unit_at + n &&
+              layout[i].run.block == from + n;
+         ++i)
+      n += layout[i].run.n;
+    auto bytes = store_->block(size_t(block)).compute_bytes().subspan(from * place_.compute_bytes, n * place_.compute_bytes);
+    device_->copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + unit_at * place_.compute_bytes,
+                      bytes.data(), bytes.size(), {"h2d params", int32_t(block)});
   }
   auto ready = device_->make_event();
   device_->record(*ready, StreamId::kH2D);
-  loaded_[size_t(v.visit)] = {&u, std::move(ready)};
+  loaded_[size_t(v.visit)] = {&u, std::move(ready), std::move(layout)};
 }
 
 const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems, int64_t block) {
@@ -137,10 +142,11 @@ std::span<std::byte> Engine::grad_host(int64_t p) {
   const int r = place_.at(p).ring_slot;
   if (r >= 0) return grad_ring_[size_t(r)];
   const Piece& pc = piece(p);
-  return store_->block(size_t(pc.block)).grad.subspan(pc.begin * place_.grad_bytes, pc.elems() * place_.grad_bytes);
+  return store_->block(size_t(pc.block)).grad.subspan(place_.at(p).staging_at * place_.grad_bytes,
+                                                      pc.elems() * place_.grad_bytes);
 }
 
-void Engine::copy_grads_out(int64_t p, const void* src) {
+void Engine::copy_grads_out(int64_t p, const StepOp& visit, const std::byte* src) {
   const int r = place_.at(p).ring_slot;
   if (r >= 0) {
     // The slot's n-th use waits for n consumptions: the previous gradients in
@@ -155,8 +161,12 @@ void Engine::copy_grads_out(int64_t p, const void* src) {
       if (updater_error_) std::rethrow_exception(updater_error_);
     }
   }
-  const size_t bytes = piece(p).elems() * place_.grad_bytes;
-  device_->copy_d2h(StreamId::kD2H, grad_host(p).data(), src, bytes, {"d2h grads", int32_t(piece(p).block)});
+  // Each of its ranges from its place in the unit to the piece's coordinates on the host.
+  std::byte* host = grad_host(p).data();
+  for (const UnitRun& u : loaded_[size_t(visit.visit)].layout)
+    if (u.piece == p)
+      device_->copy_d2h(StreamId::kD2H, host + u.run.at * place_.grad_bytes, src + u.unit_at * place_.grad_bytes,
+                        u.run.n * place_.grad_bytes, {"d2h grads", int32_t(piece(p).block)});
   device_->record(*grads_ready_[size_t(p)], StreamId::kD2H);
   if (simulated()) {
     sim_updater_->landed(p, *grads_ready_[size_t(p)]);

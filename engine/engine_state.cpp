@@ -44,15 +44,19 @@ void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
       if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
       const Extent& e = nvme_->extent(p, kind);
       nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
-      const size_t n = owned(p).elems(), at = owned(p).begin;
+      // The extent holds the piece's owned elements back to back; each run goes to its place in the block.
+      const size_t n = owned(p).elems();
       std::byte* bytes = slot.master.data();
-      if (config_.optimizer_state == StateFormat::kFp32)
-        std::memcpy(out.data() + at, bytes, n * sizeof(float));
-      else if (kind == ExtentKind::kMaster)
-        q8_decode_master(s.compute.data() + at, reinterpret_cast<const uint8_t*>(bytes), out.data() + at, n);
-      else
-        q8_decode_moment(state_kind(kind), reinterpret_cast<const uint8_t*>(bytes), scales_after(bytes, n),
-                         out.data() + at, n);
+      const auto* codes = reinterpret_cast<const uint8_t*>(bytes);
+      for (const UpdateRun& r : place_.at(p).runs) {
+        float* to = out.data() + r.block;
+        if (config_.optimizer_state == StateFormat::kFp32)
+          std::memcpy(to, bytes + r.at * sizeof(float), r.n * sizeof(float));
+        else if (kind == ExtentKind::kMaster)
+          q8_decode_master(s.compute.data() + r.block, codes + r.at, to, r.n);
+        else
+          q8_decode_moment(state_kind(kind), codes + r.at, scales_after(bytes, n) + r.at / kQ8GroupElems, to, r.n);
+      }
     }
   }
   if (sharded()) gather_state(b, out);
@@ -103,15 +107,19 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
   for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
     if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
     const Extent& e = nvme_->extent(p, kind);
-    const size_t n = owned(p).elems(), at = owned(p).begin;
+    const size_t n = owned(p).elems();
     std::byte* bytes = slot.master.data();
+    auto* codes = reinterpret_cast<uint8_t*>(bytes);
     std::memset(bytes, 0, e.io_bytes);
-    if (!q8)
-      std::memcpy(bytes, in.data() + at, n * sizeof(float));
-    else if (kind == ExtentKind::kMaster)
-      q8_encode_master(in.data() + at, s.compute.data() + at, reinterpret_cast<uint8_t*>(bytes), n);
-    else
-      q8_encode_moment(state_kind(kind), in.data() + at, reinterpret_cast<uint8_t*>(bytes), scales_after(bytes, n), n);
+    for (const UpdateRun& r : place_.at(p).runs) {  // as read_state, the other way
+      const float* from = in.data() + r.block;
+      if (!q8)
+        std::memcpy(bytes + r.at * sizeof(float), from, r.n * sizeof(float));
+      else if (kind == ExtentKind::kMaster)
+        q8_encode_master(from, s.compute.data() + r.block, codes + r.at, r.n);
+      else
+        q8_encode_moment(state_kind(kind), from, codes + r.at, scales_after(bytes, n) + r.at / kQ8GroupElems, r.n);
+    }
     nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
   }
 }

@@ -37,23 +37,22 @@ void skip(auto& job, std::string reason) {
 }  // namespace
 
 std::string Engine::first_non_finite(int64_t p, const float* values) const {
-  const Piece& pc = piece(p);
-  for (const TensorSlot& t : place_.layouts[size_t(pc.block)].slots()) {
-    const size_t lo = std::max(pc.begin, t.offset_elems), hi = std::min(pc.end, t.offset_elems + t.numel);
-    for (size_t i = lo; i < hi; ++i)
-      if (!std::isfinite(values[i - pc.begin])) return t.name;
-  }
+  for (const PieceRun& r : piece(p).runs())
+    for (const TensorSlot& t : place_.layouts[size_t(piece(p).block)].slots()) {
+      const size_t lo = std::max(r.block, t.offset_elems), hi = std::min(r.block + r.n, t.offset_elems + t.numel);
+      for (size_t i = lo; i < hi; ++i)
+        if (!std::isfinite(values[r.at + (i - r.block)])) return t.name;
+    }
   return "(padding)";
 }
 
 std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const {
   std::vector<float> values(piece(p).elems(), 0.0f);
-  const size_t at = in.begin - piece(p).begin;
   if (place_.grad_bytes == 4)
-    std::memcpy(values.data() + at, grads + at * 4, in.elems() * 4);
+    std::memcpy(values.data() + in.begin, grads + in.begin * 4, in.elems() * 4);
   else
-    bf16_to_float({reinterpret_cast<const uint16_t*>(grads) + at, in.elems()},
-                  std::span<float>(values).subspan(at, in.elems()));
+    bf16_to_float({reinterpret_cast<const uint16_t*>(grads) + in.begin, in.elems()},
+                  std::span<float>(values).subspan(in.begin, in.elems()));
   const std::string name = first_non_finite(p, values.data());
   return name == "(padding)" && std::all_of(values.begin(), values.end(), [](float x) { return std::isfinite(x); })
              ? ""
@@ -66,7 +65,9 @@ std::string Engine::first_non_finite_param() {
     read_state(b, ExtentKind::kMaster, w);
     if (std::isfinite(sum_squares(w))) continue;
     for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
-      std::string name = first_non_finite(p, w.data() + piece(p).begin);
+      std::vector<float> values(piece(p).elems());  // the piece's coordinates
+      for (const PieceRun& r : piece(p).runs()) std::copy_n(w.begin() + ptrdiff_t(r.block), r.n, values.begin() + ptrdiff_t(r.at));
+      std::string name = first_non_finite(p, values.data());
       if (name != "(padding)") return name;
     }
   }
@@ -125,11 +126,15 @@ void Engine::gather_compute(int64_t p, bool shared) {
     dist_update_->barrier();
     return;
   }
-  const std::vector<size_t>& cut = place_.at(p).slices;
-  for (size_t r = 0; r < cut.size(); ++r) slice_bytes_[r] = cut[r] * place_.compute_bytes;
+  // Range by range: each is contiguous in the block's compute copy, the ranks' slices cut to it.
+  const std::vector<size_t>& bounds = place_.block_slices[size_t(piece(p).block)];
   const std::span<std::byte> c = store_->block(size_t(piece(p).block)).compute_bytes();
-  dist_update_->all_gather(c.subspan(piece(p).begin * place_.compute_bytes, piece(p).elems() * place_.compute_bytes),
-                           slice_bytes_);
+  for (const ElemRange& range : piece(p).ranges) {
+    for (size_t r = 0; r < bounds.size(); ++r)
+      slice_bytes_[r] = (std::clamp(bounds[r], range.begin, range.end) - range.begin) * place_.compute_bytes;
+    dist_update_->all_gather(c.subspan(range.begin * place_.compute_bytes, range.elems() * place_.compute_bytes),
+                             slice_bytes_);
+  }
 }
 
 // The updater thread: the host operations of each training pass's program
@@ -147,6 +152,7 @@ void Engine::updater_main() {
     try {
       PassFigures fig;
       fig.sumsq.assign(size_t(num_pieces()), 0.0);
+      fig.parts.assign(size_t(num_pieces()), {});
       fig.bad_tensor.resize(size_t(num_pieces()));
       {
         std::lock_guard lk(mu_);
@@ -185,19 +191,37 @@ void Engine::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig) {
       sum_grads_over_ranks(b, op.over_slices);
       return;
     case StepOpKind::kSumSquares: {
-      // The summed gradients: the whole piece's, or (sharded) this rank's slice of them.
+      // The summed gradients: the whole piece's, or (sharded) this rank's slice
+      // of them, range by range (a piece of two ranges sums as the same two
+      // pieces would: the norm adds the parts in piece order).
       const Range own = owned(b);
-      const size_t n = own.elems(), at = (own.begin - piece(b).begin) * place_.grad_bytes;
+      const size_t n = own.elems();
       std::byte* g = grad_host(b).data();
-      if (b == fig.fault_piece && n > 0 && own.begin == piece(b).begin) {  // the rank holding its first element
+      if (b == fig.fault_piece && n > 0 && own.begin == 0) {  // the rank holding its first element
         if (place_.grad_bytes == 4) reinterpret_cast<float*>(g)[0] = std::numeric_limits<float>::quiet_NaN();
         else reinterpret_cast<uint16_t*>(g)[0] = 0x7FC0;  // a bf16 NaN
       }
+      std::vector<double>& parts = fig.parts[size_t(b)];
+      for (const PieceRun& r : piece(b).runs(own.begin, own.end)) {
+        const std::byte* x = g + r.at * place_.grad_bytes;
+        parts.push_back(place_.grad_bytes == 4 ? sum_squares({reinterpret_cast<const float*>(x), r.n})
+                                               : sum_squares_bf16({reinterpret_cast<const uint16_t*>(x), r.n}));
+      }
+      // Sharded: each part summed over the ranks' slices (rank order: the same
+      // bits everywhere; a rank holding none of a range adds 0).
+      if (op.over_slices) {
+        std::vector<double> all(piece(b).ranges.size(), 0.0);
+        const std::vector<PieceRun> mine = piece(b).runs(own.begin, own.end);
+        const std::vector<PieceRun> whole = piece(b).runs();
+        for (size_t i = 0, j = 0; i < mine.size(); ++i) {
+          while (whole[j].at + whole[j].n <= mine[i].at) ++j;
+          all[j] = parts[i];
+        }
+        dist_update_->all_reduce_sum(std::span<double>(all));
+        parts = std::move(all);
+      }
       double& sq = fig.sumsq[size_t(b)];
-      if (place_.grad_bytes == 4) sq = sum_squares({reinterpret_cast<const float*>(g + at), n});
-      else sq = sum_squares_bf16({reinterpret_cast<const uint16_t*>(g + at), n});
-      // Sharded: the piece's sum of squares over the ranks' slices (rank order: the same bits everywhere).
-      if (op.over_slices) dist_update_->all_reduce_sum(std::span<double>(&sq, 1));
+      for (double x : parts) sq += x;
       // Named now: a ring slot may hold other gradients by the time it matters.
       if (!std::isfinite(sq)) {
         std::string& bad = fig.bad_tensor[size_t(b)];
@@ -210,7 +234,7 @@ void Engine::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig) {
       // The norm waits for every piece: park this one's gradients (this
       // rank's slice) on NVMe and free the ring slot once they are written.
       const Range own = owned(b);
-      const size_t n = own.elems(), at = (own.begin - piece(b).begin) * place_.grad_bytes;
+      const size_t n = own.elems(), at = own.begin * place_.grad_bytes;
       if (n == 0) {
         release_ring_slot(b);  // nothing of it is this rank's to keep
         return;
@@ -259,7 +283,8 @@ void Engine::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig) {
       return;
     case StepOpKind::kNorm: {
       double total = 0;
-      for (double x : fig.sumsq) total += x;  // piece order: independent of arrival order
+      for (const std::vector<double>& parts : fig.parts)  // piece order: independent of arrival order
+        for (double x : parts) total += x;
       if (op.gate && !job.skipped && !std::isfinite(total)) skip(job, "gradient norm is " + nonfinite_text(std::sqrt(total)));
       if (job.skipped)  // name the first block in forward order with a bad gradient
         for (int64_t p = 0; p < num_pieces(); ++p)
@@ -346,24 +371,23 @@ void Engine::update_piece(const UpdateJob& job, int64_t b, double grad_scale) {
   h.lr = job.lr;
   const AdamStep decayed = AdamStep::make(h, job.step, grad_scale);
   h.weight_decay = 0;
-  const AdamStep spared = AdamStep::make(h, job.step, grad_scale);  // norms and biases (PiecePlace::decay_runs)
+  const AdamStep spared = AdamStep::make(h, job.step, grad_scale);  // norms and biases (PiecePlace::runs)
   const Piece& pc = piece(b);
   BlockState& s = store_->block(size_t(pc.block));
   // The elements this rank updates: the piece, or (sharded) its slice of it,
-  // at `at` in the block, `st_at` in the block's state slice.
+  // `n` of them from `own` in the piece's coordinates; each run says where
+  // its stretch lies in the block (the block's state slice starts at s.state_begin).
   const Range own = owned(b);
-  const size_t n = own.elems(), at = own.begin, st_at = own.begin - s.state_begin;
+  const size_t n = own.elems();
   if (n == 0) {  // another rank's slice: its update arrives by the gather
     if (place_.at(b).ring_slot >= 0 && !spills_grads(b)) release_ring_slot(b);
     return;
   }
   const bool fp32 = !s.compute_f32.empty();
   const StateFormat format = config_.optimizer_state;
-  float *p = nullptr, *m = nullptr, *v = nullptr;
-  Q8View q;
   NvmeStaging* slot = nullptr;
   if (on_nvme(b)) {
-    // Its state was read into a staging slot (kReadState).
+    // Its state was read into a staging slot (kReadState), in the piece's coordinates.
     for (NvmeStaging& x : nvme_staging_)
       if (x.reading == b) slot = &x;
     STRIDER_CHECK(slot != nullptr, "the update of {} found no read of its state", place_.shards.name(spec_, b));
@@ -373,43 +397,49 @@ void Engine::update_piece(const UpdateJob& job, int64_t b, double grad_scale) {
     slot->holding = b;
     timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(pc.block), -1, job.step, slot->read_begin_us,
                    Timeline::now_us(), 0, uint64_t(state_bytes(format, n) + (spills_grads(b) ? n * place_.grad_bytes : 0))});
-    p = reinterpret_cast<float*>(slot->master.data());
-    m = reinterpret_cast<float*>(slot->m.data());
-    v = reinterpret_cast<float*>(slot->v.data());
-    if (format == StateFormat::kQ8)
-      q = q8_view(s.compute.data() + at, slot->master.data(), slot->m.data(), scales_after(slot->m.data(), n),
-                  slot->v.data(), scales_after(slot->v.data(), n));
-  } else if (format == StateFormat::kFp32) {
-    p = s.master.data() + st_at;
-    m = s.m.data() + st_at;
-    v = s.v.data() + st_at;
-  } else {
-    const size_t g = st_at / kQ8GroupElems;
-    q = {s.compute.data() + at, s.ext.data() + st_at, s.m_codes.data() + st_at, s.m_scale.data() + g,
-         s.v_codes.data() + st_at, s.v_scale.data() + g};
   }
   const double t0 = Timeline::now_us();
   const std::byte* grads =
-      spills_grads(b) ? slot->grad.data() : grad_host(b).data() + (at - pc.begin) * place_.grad_bytes;
+      spills_grads(b) ? slot->grad.data() : grad_host(b).data() + own.begin * place_.grad_bytes;
   const DType grad_dtype = place_.grad_bytes == 4 ? DType::kF32 : DType::kBF16;
-  // Each run of tensors alike, at offset k of the owned elements (q8: whole groups).
-  for (const DecayRun& run : place_.at(b).decay_runs) {
+  // Each run of tensors alike: its gradients at run.at, its state at run.at
+  // in the staging slot (NVMe) or at run.block in the block (RAM); q8: whole groups.
+  for (const UpdateRun& run : place_.at(b).runs) {
     const AdamStep& st = run.decay ? decayed : spared;
-    const size_t k = run.begin, len = run.end - run.begin;
+    const size_t k = run.at, len = run.n, at = run.block, st_at = run.block - s.state_begin;
     const std::byte* g = grads + k * place_.grad_bytes;
     if (format == StateFormat::kQ8) {
-      const size_t gk = k / kQ8GroupElems;
-      const Q8View qk{q.hi + k, q.ext + k, q.m + k, q.m_scale + gk, q.v + k, q.v_scale + gk};
-      adam_->step_q8(st, Q8Args{qk, g, grad_dtype, len, uint32_t(at + k), q8_salt(job.step, pc.block)});
-    } else if (fp32) {
+      Q8View q;
+      if (slot) {
+        std::byte *m = slot->m.data(), *v = slot->v.data();
+        q = q8_view(s.compute.data() + at, slot->master.data() + k, m + k, scales_after(m, n) + k / kQ8GroupElems,
+                    v + k, scales_after(v, n) + k / kQ8GroupElems);
+      } else {
+        const size_t gi = st_at / kQ8GroupElems;
+        q = {s.compute.data() + at, s.ext.data() + st_at, s.m_codes.data() + st_at, s.m_scale.data() + gi,
+             s.v_codes.data() + st_at, s.v_scale.data() + gi};
+      }
+      adam_->step_q8(st, Q8Args{q, g, grad_dtype, len, uint32_t(at), q8_salt(job.step, pc.block)});
+      continue;
+    }
+    float *p = nullptr, *m = nullptr, *v = nullptr;
+    if (slot) {
+      p = reinterpret_cast<float*>(slot->master.data()) + k;
+      m = reinterpret_cast<float*>(slot->m.data()) + k;
+      v = reinterpret_cast<float*>(slot->v.data()) + k;
+    } else {
+      p = s.master.data() + st_at;
+      m = s.m.data() + st_at;
+      v = s.v.data() + st_at;
+    }
+    if (fp32) {
       // fp32 compute: the compute copy is the master itself, chunk by chunk.
-      float* out = s.compute_f32.data() + at + k;
-      float* pk = p + k;
-      adam_->step(st, AdamArgs{pk, m + k, v + k, g, grad_dtype, nullptr, len}, [&](size_t begin, size_t end) {
-        std::memcpy(out + begin, pk + begin, (end - begin) * sizeof(float));
+      float* out = s.compute_f32.data() + at;
+      adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, nullptr, len}, [&](size_t begin, size_t end) {
+        std::memcpy(out + begin, p + begin, (end - begin) * sizeof(float));
       });
     } else {
-      adam_->step(st, AdamArgs{p + k, m + k, v + k, g, grad_dtype, s.compute.data() + at + k, len});
+      adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, s.compute.data() + at, len});
     }
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,

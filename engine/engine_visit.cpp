@@ -96,27 +96,21 @@ void Engine::run_device_op(const StepOp& op, PassCursor& at) {
     case StepOpKind::kTiedGradIn: {
       // The embedding's gradient starts from the head's share, so the sum runs
       // in the same order as in the resident reference.
-      const Piece& pc = piece(op.piece);
+      const Piece& pc = piece(op.piece);  // an embedding shard: one range
       device_->wait(StreamId::kH2D, *tied_grad_ready_);
-      device_->copy_h2d(StreamId::kH2D, unit(op).grads_fp32, tied_grad_host_.data() + pc.begin, pc.elems() * 4,
+      device_->copy_h2d(StreamId::kH2D, unit(op).grads_fp32, tied_grad_host_.data() + pc.ranges[0].begin, pc.elems() * 4,
                         {"h2d tied gradient", 0});
       stream_after(StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kBackward: backward_op(op); return;
     case StepOpKind::kGradsToSend: at.send = grads_to_send(unit(op), visit_elems(op), op.block); return;
-    case StepOpKind::kGradsOut: {
-      // The head's LM-head rows follow the norm in its unit.
-      const Sharding& sh = place_.shards;
-      const bool rows = piece(op.piece).block == place_.head && op.piece != sh.norm_piece;
-      copy_grads_out(op.piece, at.send + (rows ? piece(sh.norm_piece).elems() * place_.grad_bytes : 0));
-      return;
-    }
+    case StepOpKind::kGradsOut: copy_grads_out(op.piece, op, at.send); return;
     case StepOpKind::kTiedGradOut: {
       // Kept in fp32 so that the embedding's sum is the resident reference's.
       const Piece& rows = piece(op.piece);
       const size_t norm = piece(place_.shards.norm_piece).elems();
-      device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows.begin, unit(op).grads_fp32 + norm,
+      device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows.ranges[0].begin, unit(op).grads_fp32 + norm,
                         rows.elems() * 4, {"d2h tied grads", int32_t(place_.head)});
       device_->record(*tied_grad_ready_, StreamId::kD2H);
       return;
@@ -133,14 +127,16 @@ void Engine::run_device_op(const StepOp& op, PassCursor& at) {
 const CacheUnit& Engine::unit(const StepOp& op) const { return *loaded_[size_t(op.visit)].unit; }
 
 size_t Engine::visit_elems(const StepOp& op) const {
-  if (op.shard < 0) return piece(op.piece).elems();
-  return piece(place_.shards.norm_piece).elems() + piece(place_.shards.lm_piece[size_t(op.shard)]).elems();
+  size_t n = 0;
+  for (const UnitRun& u : loaded_[size_t(op.visit)].layout) n += u.run.n;
+  return n;
 }
 
 void Engine::forward_op(const StepOp& op, PassCursor& at) {
   const Piece& pc = piece(op.piece);
   const int64_t b = pc.block, m = op.micro_batch;
-  at::Tensor params = params_view(unit(op), 0, pc.elems());
+  // The visit's unit: an embedding shard, or a layer in its block's layout (all its pieces).
+  at::Tensor params = params_view(unit(op), 0, visit_elems(op));
   // Block b writes ring set (b+1)%2, whose checkpoint copy-out (two blocks ago) must be done.
   if (op.wait_ring) device_->wait(StreamId::kCompute, *ring_free_[size_t((b + 1) % 2)]);
   const double flops = op_flops(op);
@@ -227,8 +223,9 @@ void Engine::head_op(const StepOp& op) {
 void Engine::backward_op(const StepOp& op) {
   const Piece& pc = piece(op.piece);
   const int64_t b = pc.block, m = op.micro_batch;
-  at::Tensor params = params_view(unit(op), 0, pc.elems());
-  at::Tensor grads = grads_view(unit(op)).slice(0, 0, int64_t(pc.elems()));
+  const size_t n = visit_elems(op);  // as in forward_op
+  at::Tensor params = params_view(unit(op), 0, n);
+  at::Tensor grads = grads_view(unit(op)).slice(0, 0, int64_t(n));
   const double flops = op_flops(op);
   at::Tensor in = b == 0 ? mb_[size_t(m)].ids : act(b, m);
   at::Tensor gout = mb_[size_t(m)].grad_out;

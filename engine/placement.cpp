@@ -110,7 +110,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   for (int64_t b = 0; b < pl.blocks; ++b) pl.layouts.push_back(spec.layout(b));
   pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;
-  pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align());
+  pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces);
   const Sharding& sh = pl.shards;
   const int64_t P = int64_t(sh.pieces.size());
   const bool clip = c.clip_norm > 0;
@@ -142,23 +142,31 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
               .compute_dtype = pl.compute_bytes == 4 ? DType::kF32 : DType::kBF16,
               .format = c.optimizer_state};
 
-  // Per piece: its slice, its NVMe extents (of its slice, in the format's bytes).
+  // Per piece: its slice, its update runs, its NVMe extents (of its slice, in the format's bytes).
+  std::vector<size_t> staged(size_t(pl.blocks), 0);  // per block: its pieces' gradients so far, back to back
   for (int64_t p = 0; p < P; ++p) {
     const Piece& pc = sh.pieces[size_t(p)];
     const std::vector<size_t>& bs = pl.block_slices[size_t(pc.block)];
     PiecePlace at;
-    at.owned = {std::clamp(bs[rank], pc.begin, pc.end), std::clamp(bs[rank + 1], pc.begin, pc.end)};
-    for (size_t x : bs) at.slices.push_back(std::clamp(x, pc.begin, pc.end) - pc.begin);
+    at.owned = {pc.before(bs[rank]), pc.before(bs[rank + 1])};
+    for (size_t x : bs) at.slices.push_back(pc.before(x));
+    at.staging_at = staged[size_t(pc.block)];
+    staged[size_t(pc.block)] += pc.elems();
     const size_t n = at.owned.elems();
-    if (c.decay_norms_and_biases || c.adam.weight_decay == 0) {
-      if (n > 0) at.decay_runs = {{0, n, true}};
-    } else {
-      for (const DecayRun& r : pl.layouts[size_t(pc.block)].decay_runs(at.owned.begin, at.owned.end))
-        at.decay_runs.push_back({r.begin - at.owned.begin, r.end - at.owned.begin, r.decay});
+    const bool all_decay = c.decay_norms_and_biases || c.adam.weight_decay == 0;
+    for (const PieceRun& r : pc.runs(at.owned.begin, at.owned.end)) {
+      const size_t from = r.at - at.owned.begin;
+      if (all_decay) {
+        at.runs.push_back({from, r.block, r.n, true});
+        continue;
+      }
+      for (const DecayRun& d : pl.layouts[size_t(pc.block)].decay_runs(r.block, r.block + r.n))
+        at.runs.push_back({from + (d.begin - r.block), d.begin, d.end - d.begin, d.decay});
     }
-    for (const DecayRun& r : at.decay_runs)  // tensors start on whole groups, and so do q8 pieces
-      STRIDER_CHECK(c.optimizer_state != StateFormat::kQ8 || r.begin % kQ8GroupElems == 0,
-                    "{}: its weight-decay run at {} does not start a q8 group", sh.name(spec, p), r.begin);
+    for (const UpdateRun& r : at.runs)  // tensors start on whole groups, and so do q8 pieces
+      STRIDER_CHECK(c.optimizer_state != StateFormat::kQ8 || (r.at % kQ8GroupElems == 0 && r.block % kQ8GroupElems == 0),
+                    "{}: its update run at {} (block element {}) does not start a q8 group", sh.name(spec, p), r.at,
+                    r.block);
     if (pl.nvme_block[size_t(pc.block)] && n > 0) {
       at.on_nvme = true;
       for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {

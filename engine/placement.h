@@ -52,10 +52,13 @@ struct EngineFootprint {
   uint64_t registered_host_bytes = 0;
 };
 
-// Elements [begin, end) of a block's flat layout.
-struct ElemRange {
-  size_t begin = 0, end = 0;
-  size_t elems() const { return end - begin; }
+// A stretch of a piece's owned elements that AdamW updates alike: `n`
+// elements at `at` from the owned elements' start (the piece's coordinates),
+// at `block` in the block, decayed or not. Runs are cut where the piece's
+// ranges end and where the weight decay changes (q8: on whole groups).
+struct UpdateRun {
+  size_t at = 0, block = 0, n = 0;
+  bool decay = true;
 };
 
 // Where one piece's state and gradients live.
@@ -63,11 +66,12 @@ struct PiecePlace {
   bool on_nvme = false;        // its master, m and v live on NVMe (its block's do, and this rank keeps some)
   int ring_slot = -1;          // the gradient ring slot it lands in, or -1: its block's own staging
   bool spills_grads = false;   // in the ring with clipping: its gradients wait for the norm on NVMe
-  ElemRange owned;             // the elements whose state this rank keeps (block coordinates)
-  std::vector<size_t> slices;  // the ranks' slice bounds cut to the piece, relative to its start
-  // The owned elements cut where the weight decay changes (relative to
-  // owned.begin; one run when every tensor decays alike): what AdamW updates.
-  std::vector<DecayRun> decay_runs;
+  // The elements whose state this rank keeps, in the piece's coordinates
+  // (engine/shards.h): the piece's part of this rank's slice of the block.
+  ElemRange owned;
+  std::vector<size_t> slices;  // the ranks' slice bounds cut to the piece, in the piece's coordinates
+  std::vector<UpdateRun> runs; // the owned elements as AdamW updates them
+  size_t staging_at = 0;       // its gradients' place in its block's own staging (the block's pieces back to back)
 };
 
 struct Placement {

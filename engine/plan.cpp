@@ -15,6 +15,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.accumulation = l.accumulation;
   c.compute = {l.dtype, l.vocab_chunk, token_tile};
   c.vocab_shard_rows = l.vocab_shard_rows;
+  c.layer_pieces = l.layer_pieces;
   c.fp32_grad_transfer = l.fp32_grad_transfer;
   c.window = window;
   c.checkpoints_on_host = checkpoints_on_host;

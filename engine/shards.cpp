@@ -8,19 +8,127 @@
 
 namespace strider {
 
+size_t Piece::elems() const {
+  size_t n = 0;
+  for (const ElemRange& r : ranges) n += r.elems();
+  return n;
+}
+
+std::vector<PieceRun> Piece::runs(size_t lo, size_t hi) const {
+  std::vector<PieceRun> out;
+  size_t at = 0;
+  for (const ElemRange& r : ranges) {
+    const size_t a = std::max(lo, at), b = std::min(hi, at + r.elems());
+    if (a < b) out.push_back({a, r.begin + (a - at), b - a});
+    at += r.elems();
+  }
+  return out;
+}
+
+size_t Piece::before(size_t x) const {
+  size_t n = 0;
+  for (const ElemRange& r : ranges) n += std::clamp(x, r.begin, r.end) - r.begin;
+  return n;
+}
+
 size_t Sharding::head_visit_elems(int64_t s) const {
   return pieces[size_t(norm_piece)].elems() + pieces[size_t(lm_piece[size_t(s)])].elems();
+}
+
+std::vector<int64_t> Sharding::visit_pieces(int64_t piece, int64_t shard) const {
+  if (shard >= 0) return {norm_piece, lm_piece[size_t(shard)]};
+  const Piece& pc = pieces[size_t(piece)];
+  if (pc.rows()) return {piece};
+  std::vector<int64_t> all;
+  for (int64_t p = first_of(pc.block); p < end_of(pc.block); ++p) all.push_back(p);
+  return all;
+}
+
+std::vector<UnitRun> Sharding::unit_layout(const std::vector<int64_t>& visit) const {
+  std::vector<UnitRun> out;
+  size_t at = 0;
+  for (size_t i = 0; i < visit.size(); ++i) {
+    const int64_t block = pieces[size_t(visit[i])].block;
+    bool seen = false;  // the block's group was laid out already
+    for (size_t j = 0; j < i; ++j) seen = seen || pieces[size_t(visit[j])].block == block;
+    if (seen) continue;
+    std::vector<UnitRun> group;
+    for (size_t j = i; j < visit.size(); ++j)
+      if (pieces[size_t(visit[j])].block == block)
+        for (const PieceRun& r : pieces[size_t(visit[j])].runs()) group.push_back({visit[j], 0, r});
+    std::sort(group.begin(), group.end(), [](const UnitRun& a, const UnitRun& b) { return a.run.block < b.run.block; });
+    for (UnitRun& u : group) {
+      u.unit_at = at;
+      at += u.run.n;
+      out.push_back(u);
+    }
+  }
+  return out;
+}
+
+size_t Sharding::visit_elems(const std::vector<int64_t>& visit) const {
+  size_t n = 0;
+  for (int64_t p : visit) n += pieces[size_t(p)].elems();
+  return n;
+}
+
+std::vector<std::vector<ElemRange>> layer_piece_ranges(const ParamLayout& layer, const std::string& groups) {
+  const std::vector<TensorSlot>& slots = layer.slots();
+  if (groups.empty()) return {{{0, layer.total_elems()}}};
+  std::vector<std::vector<std::string>> frags;
+  std::vector<std::string> texts;
+  for (size_t a = 0; a <= groups.size();) {
+    const size_t b = std::min(groups.find(',', a), groups.size());
+    texts.push_back(groups.substr(a, b - a));
+    std::vector<std::string>& f = frags.emplace_back();
+    const std::string& g = texts.back();
+    for (size_t x = 0; x <= g.size();) {
+      const size_t y = std::min(g.find('+', x), g.size());
+      STRIDER_CHECK(y > x, "layer_pieces '{}': group '{}' has an empty name fragment (groups are separated by ',', "
+                    "fragments of one group by '+')", groups, g);
+      f.push_back(g.substr(x, y - x));
+      x = y + 1;
+    }
+    a = b + 1;
+  }
+  std::vector<std::vector<ElemRange>> out(frags.size());
+  for (size_t t = 0; t < slots.size(); ++t) {
+    // The name after "model.layers.N.".
+    const std::string& name = slots[t].name;
+    size_t cut = 0;
+    if (name.rfind("model.layers.", 0) == 0) cut = name.find('.', 13) + 1;
+    const std::string own = name.substr(cut);
+    int64_t group = -1;
+    for (size_t g = 0; g < frags.size(); ++g)
+      for (const std::string& f : frags[g])
+        if (own.find(f) != std::string::npos && group != int64_t(g)) {
+          STRIDER_CHECK(group < 0, "layer_pieces '{}': tensor {} matches two groups, '{}' and '{}'", groups, name,
+                        texts[size_t(group)], texts[g]);
+          group = int64_t(g);
+        }
+    STRIDER_CHECK(group >= 0, "layer_pieces '{}': tensor {} matches no group; every tensor of a layer belongs to "
+                  "exactly one piece", groups, name);
+    const ElemRange r{slots[t].offset_elems, t + 1 < slots.size() ? slots[t + 1].offset_elems : layer.total_elems()};
+    std::vector<ElemRange>& rs = out[size_t(group)];
+    if (!rs.empty() && rs.back().end == r.begin) rs.back().end = r.end;
+    else rs.push_back(r);
+  }
+  for (size_t g = 0; g < out.size(); ++g)
+    STRIDER_CHECK(!out[g].empty(), "layer_pieces '{}': group '{}' matches no tensor of {}", groups, texts[g],
+                  layer.block_name());
+  return out;
 }
 
 std::string Sharding::name(const ModelSpec& spec, int64_t i) const {
   const Piece& p = pieces[size_t(i)];
   const BlockKind kind = spec.block(p.block).kind;
-  if (kind == BlockKind::kLayer) return spec.block_name(p.block);
+  if (kind == BlockKind::kLayer) return p.part.empty() ? spec.block_name(p.block) : spec.block_name(p.block) + "[" + p.part + "]";
   if (i == norm_piece) return "head norm";
   return fmt::format("{}[{}:{})", kind == BlockKind::kEmbedding ? "embedding" : "lm_head", p.row_begin, p.row_end);
 }
 
-Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows, int64_t align_elems) {
+Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows, int64_t align_elems,
+                       const std::string& layer_pieces) {
   STRIDER_CHECK(vocab_chunk >= 0 && shard_rows >= 0, "vocab chunk {} and shard rows {} must be >= 0", vocab_chunk,
                 shard_rows);
   Sharding s;
@@ -67,7 +175,7 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
     for (int64_t k = 0; k < s.shards; ++k) {
       const int64_t r0 = k * rows, r1 = std::min(V, r0 + rows);
       index.push_back(int64_t(s.pieces.size()));
-      add({b, base + size_t(r0 * H), k + 1 == s.shards ? total : base + size_t(r1 * H), r0, r1});
+      add({b, {{base + size_t(r0 * H), k + 1 == s.shards ? total : base + size_t(r1 * H)}}, r0, r1});
     }
   };
   const TensorSlot* ew = emb.find("model.embed_tokens.weight");
@@ -76,11 +184,20 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
   row_pieces(0, 0, emb.total_elems(), s.emb_piece);
   for (int64_t b = 1; b < head; ++b) {
     s.first.push_back(int64_t(s.pieces.size()));
-    add({b, 0, spec.layout(b).total_elems()});
+    std::vector<std::vector<ElemRange>> cut = layer_piece_ranges(spec.layout(b), layer_pieces);
+    for (size_t g = 0, at = 0; g < cut.size(); ++g) {
+      for (const ElemRange& r : cut[g])  // tensors start on whole groups (ParamLayout::kAlignElems)
+        STRIDER_CHECK(r.begin % size_t(align_elems) == 0, "layer_pieces: a piece of {} starts at element {}, not a "
+                      "multiple of {} (the optimizer state's groups)", spec.block_name(b), r.begin, align_elems);
+      // Its label: its group's text.
+      const size_t end = std::min(layer_pieces.find(',', at), layer_pieces.size());
+      add({b, std::move(cut[g]), 0, 0, cut.size() > 1 ? layer_pieces.substr(at, end - at) : std::string()});
+      at = end + 1;
+    }
   }
   s.first.push_back(int64_t(s.pieces.size()));
   s.norm_piece = int64_t(s.pieces.size());
-  add({head, 0, norm_elems});
+  add({head, {{0, norm_elems}}});
   if (lm) row_pieces(head, lm->offset_elems, hd.total_elems(), s.lm_piece);
   else s.lm_piece = s.emb_piece;
   s.first.push_back(int64_t(s.pieces.size()));

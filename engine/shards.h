@@ -14,7 +14,22 @@
 // Each piece has its own gradient D2H, AdamW job, NVMe extents and update
 // wait; each visit of the sliding window loads a few pieces' compute copies
 // into one cache unit. Storage (ParamStore, checkpoints, the Python aliasing)
-// still sees whole blocks: a piece is an element range of its block.
+// still sees whole blocks: a piece is a list of element ranges of its block.
+//
+// A piece of several ranges (EngineConfig::layer_pieces cuts a layer by
+// tensor names: its norms are two ranges, input_layernorm and
+// post_attention_layernorm; an expert group of a fused tensor or an MLP slice
+// along the intermediate dimension will be more) has two coordinates:
+//   - the piece's own: its ranges back to back, in block order. Its gradients
+//     on the host, its NVMe extents, its AdamW runs' offsets and the ranks'
+//     slices of it are in these; the piece's part of a rank's slice of the
+//     block is one stretch of them, since the ranges ascend.
+//   - the block's: the host compute copy and the optimizer state stay in the
+//     block's layout, so the Python model's tensors still alias them.
+// In a cache unit a visit's ranges lie grouped by block in the visit's order
+// and, within a block, in block order (Sharding::unit_layout): a layer whose
+// pieces all ride in its visit sees the block's layout, whatever pieces cut it;
+// the head's visit is its norm, then a shard's rows.
 //
 // Shard boundaries fall on LM-head chunk boundaries, so the head's streaming
 // log-sum-exp runs over exactly the chunks, in exactly the order, an unsharded
@@ -31,12 +46,37 @@
 
 namespace strider {
 
-struct Piece {
-  int64_t block = 0;            // the storage block
-  size_t begin = 0, end = 0;    // elements of the block's flat layout
-  int64_t row_begin = 0, row_end = 0;  // vocabulary rows (embedding and LM-head shards); 0, 0 otherwise
+// Elements [begin, end) of a block's flat layout.
+struct ElemRange {
+  size_t begin = 0, end = 0;
   size_t elems() const { return end - begin; }
+};
+
+// A stretch of a piece that is contiguous in its block: `n` elements, at `at`
+// in the piece's coordinates and at `block` in the block's.
+struct PieceRun {
+  size_t at = 0, block = 0, n = 0;
+};
+
+struct Piece {
+  int64_t block = 0;               // the storage block
+  std::vector<ElemRange> ranges;   // elements of the block's flat layout: ascending, disjoint, not empty
+  int64_t row_begin = 0, row_end = 0;  // vocabulary rows (embedding and LM-head shards: one range); 0, 0 otherwise
+  std::string part;                // a layer cut into pieces: this one's group of names (EngineConfig::layer_pieces)
+  size_t elems() const;
   bool rows() const { return row_end > row_begin; }
+  // Piece coordinates [lo, hi) as runs contiguous in the block, in order.
+  std::vector<PieceRun> runs(size_t lo, size_t hi) const;
+  std::vector<PieceRun> runs() const { return runs(0, elems()); }
+  // How many of the piece's elements lie before block element x.
+  size_t before(size_t x) const;
+};
+
+// Where a range of a visit's piece lies in its cache unit (Sharding::unit_layout).
+struct UnitRun {
+  int64_t piece = 0;
+  size_t unit_at = 0;              // elements into the unit
+  PieceRun run;                    // one of the piece's ranges, whole
 };
 
 // One visit's parameters in a cache unit: pieces' compute copies back to back.
@@ -58,7 +98,14 @@ struct Sharding {
   int64_t end_of(int64_t b) const { return first[size_t(b) + 1]; }
   // Elements a head visit of shard s loads: the norm, then the shard's rows.
   size_t head_visit_elems(int64_t s) const;
-  // "embedding[0:4096)", "layer.3", "head norm", "lm_head[4096:8192)".
+  // The pieces one visit loads: the head's (shard >= 0) norm and that
+  // shard's LM-head rows; an embedding shard alone; a layer's all.
+  std::vector<int64_t> visit_pieces(int64_t piece, int64_t shard) const;
+  // Their ranges in the unit: grouped by block in the order given, in block
+  // order within a block, back to back.
+  std::vector<UnitRun> unit_layout(const std::vector<int64_t>& visit) const;
+  size_t visit_elems(const std::vector<int64_t>& visit) const;
+  // "embedding[0:4096)", "layer.3", "layer.3[self_attn+mlp]", "head norm", "lm_head[4096:8192)".
   std::string name(const ModelSpec& spec, int64_t piece) const;
 };
 
@@ -69,7 +116,18 @@ struct Sharding {
 // `align_elems` > 1: every piece starts at a multiple of it within its block
 // (the q8 optimizer state's groups must not straddle two pieces, which are
 // updated apart): chosen rows are rounded down to fit, given ones are refused.
-Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows = 0, int64_t align_elems = 1);
+// `layer_pieces` (EngineConfig::layer_pieces) cuts each decoder layer.
+Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows = 0, int64_t align_elems = 1,
+                       const std::string& layer_pieces = "");
+
+// A decoder layer's pieces by tensor name: `groups` is comma-separated
+// groups, each of '+'-joined fragments of the name after the layer's prefix
+// ("model.layers.N."); a group is one piece, the tensors whose name contains
+// one of its fragments (each tensor's range reaching to the next tensor's
+// start), in the order the groups are given. Empty: the whole layer is one
+// piece. Throws, naming the tensor or the group, where a tensor matches no
+// group or two, or a group matches no tensor.
+std::vector<std::vector<ElemRange>> layer_piece_ranges(const ParamLayout& layer, const std::string& groups);
 
 // Data parallel with sharded state: which elements of a block of `elems`
 // each of `world` ranks keeps the master and Adam state of. world + 1 bounds,

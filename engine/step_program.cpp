@@ -69,24 +69,28 @@ struct Visit {
   bool lse = false, grad = false;
 };
 
-// The pieces a visit loads: its piece, or (the head) the norm and one shard's LM-head rows.
+// The pieces a visit loads (Sharding::visit_pieces): an embedding shard, a
+// layer's pieces, or (the head) the norm and one shard's LM-head rows.
 std::vector<int64_t> visit_pieces(const Placement& place, const Visit& v) {
-  if (v.kind != Visit::kHead) return {v.piece};
-  return {place.shards.norm_piece, place.shards.lm_piece[size_t(v.shard)]};
+  return place.shards.visit_pieces(v.piece, v.kind == Visit::kHead ? v.shard : -1);
 }
 
 // Pass "visits": forward (embedding shards, layers), the head's shards (pass 1
 // over all, then pass 2 over all; one visit each when there is one shard),
-// backward (layers, then embedding shards, each in reverse).
+// backward (layers, then embedding shards, each in reverse). A layer is one
+// visit however many pieces cut it (named by its first).
 std::vector<Visit> visits(const Placement& place, bool train) {
   const Sharding& sh = place.shards;
+  std::vector<int64_t> forward;  // each visit's first piece
+  for (int64_t p = 0; p < sh.first_of(place.head); ++p)
+    if (place.piece(p).rows() || p == sh.first_of(place.piece(p).block)) forward.push_back(p);
   std::vector<Visit> out;
-  for (int64_t p = 0; p < sh.first_of(place.head); ++p) out.push_back({Visit::kForward, p});
+  for (int64_t p : forward) out.push_back({Visit::kForward, p});
   if (!train || sh.shards > 1)
     for (int64_t s = 0; s < sh.shards; ++s) out.push_back({Visit::kHead, -1, s, true, false});
   if (!train) return out;
   for (int64_t s = 0; s < sh.shards; ++s) out.push_back({Visit::kHead, -1, s, sh.shards == 1, true});
-  for (int64_t p = sh.first_of(place.head) - 1; p >= 0; --p) out.push_back({Visit::kBackward, p});
+  for (auto p = forward.rbegin(); p != forward.rend(); ++p) out.push_back({Visit::kBackward, *p});
   return out;
 }
 
@@ -118,8 +122,10 @@ class DeviceBuilder {
     std::vector<int32_t> out;  // what the release waits for on the d2h stream
     bool grads = false;
     if (vis.kind == Visit::kForward) {
+      const std::vector<int64_t> loads = visit_pieces(pl_, vis);
       const int64_t p = vis.piece, b = pl_.piece(p).block;
-      const bool first_piece = p == sh.first_of(b), last_piece = p + 1 == sh.end_of(b), keep = train_ && keeps(pl_, b);
+      const bool first_piece = loads.front() == sh.first_of(b), last_piece = loads.back() + 1 == sh.end_of(b);
+      const bool keep = train_ && keeps(pl_, b);
       for (int64_t m = 0; m < M; ++m) {
         std::vector<int32_t> after{load};
         const bool wait_ring = in_.checkpoints_on_host && first_piece && m == 0;
@@ -217,7 +223,9 @@ class DeviceBuilder {
       }
       const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, b, {last});
       op(send).piece = p;
-      out.push_back(grads_out(v, p, send));
+      // In landing order (a layer's pieces in reverse): the ring's slots are handed out in it.
+      const std::vector<int64_t> loads = visit_pieces(pl_, vis);
+      for (auto q = loads.rbegin(); q != loads.rend(); ++q) out.push_back(grads_out(v, *q, send));
     }
     const int32_t r = add(StepOpKind::kRelease, Lane::kCompute, v, vis.kind == Visit::kHead ? pl_.head : pl_.piece(vis.piece).block, out);
     op(r).d2h = grads;
@@ -412,6 +420,10 @@ std::string what(const StepOp& o, const ModelSpec& spec, const Placement& place)
     w = "head";
   else if (o.block >= 1)
     w = fmt::format("layer.{}", o.block - 1);
+  // A layer's visit works on the whole layer, whatever pieces cut it; its gradients leave piece by piece.
+  if (o.on_device() && o.kind != StepOpKind::kGradsOut && o.piece >= 0 && !place.piece(o.piece).rows() &&
+      o.block >= 1 && o.block < place.head)
+    w = spec.block_name(o.block);
   if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kRelease) w = fmt::format("visit {}: {}", o.visit, w);
   if (o.micro_batch >= 0) w += fmt::format(" m{}", o.micro_batch);
   return w;

@@ -131,6 +131,7 @@ void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device
   l.grad_ring = config.grad_ring;
   l.token_tile = config.compute.token_tile;
   l.vocab_shard_rows = config.vocab_shard_rows;
+  l.layer_pieces = config.layer_pieces;
   l.fp32_grad_transfer = config.fp32_grad_transfer;
   l.optimizer_state = config.optimizer_state;
   l.activations = ActivationMode::kRecompute;  // the binding chooses kept activations itself, after

@@ -27,7 +27,7 @@ struct Options {
   bool json = false;
   bool schedule = false;
   // From the configuration's declaration (engine/config_fields.json).
-  std::string nvme, dtype, activations, optimizer_state;
+  std::string nvme, dtype, activations, optimizer_state, layer_pieces;
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0;
   double clip = 0;
   ConfigOptions config;
@@ -145,6 +145,7 @@ int run(Options& o) {
   l.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   l.activations = parse_activation_mode(o.activations);
   l.optimizer_state = parse_state_format(o.optimizer_state);
+  l.layer_pieces = o.layer_pieces;
   // host_peak_bytes counts this binary's own footprint (no run allocated yet)
   // and, for a checkpoint on disk, the load's staging; the GPU's memory is its own.
   l.process_bytes = process_rss_bytes();
@@ -273,6 +274,7 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "dtype", o->dtype);
   f.add(*c, "activations", o->activations);
   f.add(*c, "optimizer_state", o->optimizer_state);
+  f.add(*c, "layer_pieces", o->layer_pieces);
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")

@@ -87,6 +87,7 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   f.add(c, "window", o.window);
   f.add(c, "dtype", o.dtype);
   f.add(c, "vocab_chunk", o.vocab_chunk);
+  f.add(c, "layer_pieces", o.layer_pieces);
   f.add(c, "token_tile", o.token_tile);
   f.add(c, "grad_transfer", o.grad_transfer);
   f.add(c, "activations", o.activations);
@@ -248,6 +249,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   lim.vocab_chunk = o.vocab_chunk;
+  lim.layer_pieces = o.layer_pieces;
   lim.token_tile = o.token_tile;
   lim.fp32_grad_transfer = o.grad_transfer == "fp32";
   lim.window = o.window;

@@ -36,6 +36,7 @@ struct Case {
   int64_t shard_rows = 0;  // vocabulary rows per embedding / LM-head shard (0: the tiny model's one shard)
   std::vector<int64_t> saved;  // layers that keep their activations (EngineConfig::saved_blocks)
   bool keep_logits = false;    // the head's pass 2 takes pass 1's logits (EngineConfig::keep_logits)
+  std::string layer_pieces;    // EngineConfig::layer_pieces
 };
 
 struct Result {
@@ -80,6 +81,7 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
   cfg.vocab_shard_rows = c.shard_rows;
   cfg.saved_blocks = c.saved;
   cfg.keep_logits = c.keep_logits;
+  cfg.layer_pieces = c.layer_pieces;
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,
                      .chaos = {.enabled = c.chaos, .seed = c.seed, .max_delay_us = 300}};
@@ -218,6 +220,77 @@ TEST_CASE("q8 optimizer state: offload changes nothing, and it trains as fp32 do
       }
     }
   }
+}
+
+TEST_CASE("a piece of two ranges trains to the bits of the same ranges cut as two pieces", "[engine][pieces]") {
+  // "layernorm": one piece of two ranges of each layer (input_layernorm,
+  // post_attention_layernorm), with the projections another two
+  // (self_attn, mlp). Cut apart, the norms are two pieces of one range each.
+  // Every operation a piece has (its H2D, its gradients' D2H, their landing,
+  // sums of squares, ring slot and NVMe spill, AdamW, its state on NVMe)
+  // works range by range; the layer's visit still sees the block's layout.
+  const std::string two_ranges = "layernorm,self_attn+mlp", cut = "input_layernorm,post_attention_layernorm,self_attn+mlp";
+  for (bool tied : {false, true}) {
+    ModelSpec spec = tiny(tied);
+    const int64_t B = spec.num_blocks();
+    {
+      EngineConfig cfg = small_bf16();
+      cfg.layer_pieces = two_ranges;
+      Engine e(spec, cfg, make_device({.spec = "cpu"}));
+      const Sharding& sh = e.sharding();
+      REQUIRE(sh.end_of(1) - sh.first_of(1) == 2);
+      CHECK(sh.pieces[size_t(sh.first_of(1))].ranges.size() == 2);      // the norms
+      CHECK(sh.pieces[size_t(sh.first_of(1)) + 1].ranges.size() == 2);  // the projections
+      CHECK(sh.name(spec, sh.first_of(1)) == "layer.0[layernorm]");
+    }
+    for (double clip : {0.0, 0.5}) {
+      // One piece per layer: the bits without clipping (with it, the norm
+      // adds its parts range by range, so it may round apart).
+      const Result whole = run(spec, {"all resident", B}, at::kFloat, clip);
+      for (Case c : {Case{"K=2", 2}, Case{"chaos, host checkpoints, NVMe layers, ring of 1", 2, true, {1, 3}, true, 3, 1},
+                     Case{"all state on NVMe, 3 vocabulary shards, chaos", 3, false, {0, 1, 2, 3, 4}, true, 4, 2, 40},
+                     Case{"kept activations, K=3, chaos", 3, false, {}, true, 5, 3, 0, {1, 2, 3}}}) {
+        INFO("tied=" << tied << " clip=" << clip << " case: " << c.name);
+        c.layer_pieces = two_ranges;
+        const Result a = run(spec, c, at::kFloat, clip);
+        c.layer_pieces = cut;
+        const Result b = run(spec, c, at::kFloat, clip);
+        CHECK(a.losses.back() < a.losses.front());
+        CHECK(same_bits(a, b));
+        if (clip == 0) CHECK(same_bits(a, whole));
+        CHECK(a.peak <= a.budget);
+      }
+    }
+    // q8 state: its groups and their scales, in RAM and on NVMe, range by range.
+    for (double clip : {0.0, 1.0}) {
+      INFO("q8, tied=" << tied << " clip=" << clip);
+      Case q{"q8, NVMe layers, chaos", 2, false, {1, 2}, true, 6};
+      const Result whole_q8 = run(spec, q, at::kBFloat16, clip, 3, StateFormat::kQ8);
+      q.layer_pieces = two_ranges;
+      const Result a = run(spec, q, at::kBFloat16, clip, 3, StateFormat::kQ8);
+      q.layer_pieces = cut;
+      CHECK(same_bits(a, run(spec, q, at::kBFloat16, clip, 3, StateFormat::kQ8)));
+      if (clip == 0) CHECK(same_bits(a, whole_q8));
+    }
+  }
+}
+
+TEST_CASE("layer pieces are refused naming the tensor or the group", "[engine][pieces]") {
+  ModelSpec spec = tiny(false);
+  EngineConfig cfg = small_bf16();
+  auto refused = [&](const std::string& text) {
+    cfg.layer_pieces = text;
+    try {
+      Engine e(spec, cfg, make_device({.spec = "cpu"}));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  CHECK_THAT(refused("layernorm,self_attn"), Catch::Contains("model.layers.0.mlp.gate_proj.weight matches no group"));
+  CHECK_THAT(refused("layernorm,self_attn+mlp,proj"), Catch::Contains("matches two groups, 'self_attn+mlp' and 'proj'"));
+  CHECK_THAT(refused("layernorm,self_attn+mlp,experts"), Catch::Contains("group 'experts' matches no tensor"));
+  CHECK_THAT(refused("layernorm,,mlp+self_attn"), Catch::Contains("empty name fragment"));
 }
 
 TEST_CASE("q8 optimizer state: refused with an fp32 compute copy, and vocabulary shards off its groups", "[engine][q8]") {

@@ -39,6 +39,7 @@ struct Setup {
   bool sharded = false;  // each rank keeps its slice of the state (EngineConfig::state_shards)
   std::string shared;    // sharded: the ranks' one compute copy in this shared memory file
   StateFormat format = StateFormat::kFp32;
+  std::string layer_pieces;  // EngineConfig::layer_pieces: pieces of several ranges, cut by the ranks' slices
 };
 
 EngineConfig config(const Setup& s, int64_t accumulation, const std::string& nvme_dir, int world = 1, int rank = 0) {
@@ -57,6 +58,7 @@ EngineConfig config(const Setup& s, int64_t accumulation, const std::string& nvm
   cfg.clip_norm = s.clip;
   cfg.fp32_grad_transfer = s.fp32_grads;
   cfg.optimizer_threads = 1;
+  cfg.layer_pieces = s.layer_pieces;
   if (s.nvme) {
     cfg.nvme_blocks = {1, 3};
     cfg.nvme_dir = nvme_dir;
@@ -268,6 +270,11 @@ TEST_CASE("sharded state gives the bits of replicated state", "[engine][dist]") 
                  .format = StateFormat::kQ8}},
         Variant{"2 ranks, q8, tied", 2,
                 {.dtype = at::kBFloat16, .fp32_grads = false, .tied = true, .format = StateFormat::kQ8}},
+        Variant{"3 ranks, layers in pieces of two ranges, chaos, NVMe tiers", 3,
+                {.chaos = true, .nvme = true, .layer_pieces = "layernorm,self_attn+mlp"}},
+        Variant{"2 ranks, q8, bf16, layers in pieces of two ranges, NVMe tiers", 2,
+                {.dtype = at::kBFloat16, .fp32_grads = false, .nvme = true, .format = StateFormat::kQ8,
+                 .layer_pieces = "layernorm,self_attn+mlp"}},
         Variant{"3 ranks, clipping, chaos, NVMe tiers, tied", 3,
                 {.clip = 0.5, .chaos = true, .nvme = true, .tied = true}, false}}) {
     INFO(v.name);

@@ -257,10 +257,11 @@ TEST_CASE("vocabulary shards: no cache unit is larger than the largest layer's",
     CHECK(rows == spec.dims.vocab);
     for (int64_t b = 0; b < spec.num_blocks(); ++b) {
       size_t at = 0;
-      for (int64_t p = sh.first_of(b); p < sh.end_of(b); ++p) {
-        CHECK(sh.pieces[size_t(p)].begin == at);
-        at = sh.pieces[size_t(p)].end;
-      }
+      for (int64_t p = sh.first_of(b); p < sh.end_of(b); ++p)
+        for (const ElemRange& r : sh.pieces[size_t(p)].ranges) {
+          CHECK(r.begin == at);
+          at = r.end;
+        }
       CHECK(at == spec.layout(b).total_elems());
     }
   }
@@ -301,7 +302,8 @@ TEST_CASE("aligned vocabulary shards start on the q8 groups and still fall on th
       INFO("hidden " << hidden << " chunk " << chunk);
       const Sharding sh = make_sharding(spec, chunk, 0, 128);
       CHECK((sh.rows % sh.chunk == 0 || sh.shards == 1));  // one shard: the whole vocabulary, any chunk
-      for (const Piece& p : sh.pieces) CHECK(p.begin % 128 == 0);
+      for (const Piece& p : sh.pieces)
+        for (const ElemRange& r : p.ranges) CHECK(r.begin % 128 == 0);
     }
   }
 }

@@ -190,6 +190,54 @@ TEST_CASE("every visit runs each micro-batch once: forward, head passes, backwar
   CHECK(count(tprog, K::kGradsOut) == tp.num_pieces());
 }
 
+TEST_CASE("a layer cut into pieces is one visit in its block's layout; its pieces' gradients leave and land apart",
+          "[engine][program]") {
+  const ModelSpec spec = tiny();
+  EngineConfig cfg = config(1.0);
+  const Placement whole = place(spec, cfg);
+  cfg.layer_pieces = "layernorm,self_attn+mlp";
+  const Placement pl = place(spec, cfg);
+  const int64_t layers = spec.num_blocks() - 2;
+  REQUIRE(pl.num_pieces() == whole.num_pieces() + layers);
+  for (int64_t b = 1; b <= layers; ++b) {
+    const std::vector<int64_t> visit = pl.shards.visit_pieces(pl.shards.first_of(b), -1);
+    CHECK(visit.size() == 2);
+    // The unit holds the block's layout: each range at its own offset, the whole block covered.
+    size_t covered = 0;
+    for (const UnitRun& u : pl.shards.unit_layout(visit)) {
+      CHECK(u.unit_at == u.run.block);
+      covered += u.run.n;
+    }
+    CHECK(covered == pl.layouts[size_t(b)].total_elems());
+    // Its gradients: its pieces back to back in the block's own staging.
+    CHECK(pl.at(visit[0]).staging_at == 0);
+    CHECK(pl.at(visit[1]).staging_at == pl.piece(visit[0]).elems());
+  }
+  for (const bool clip : {true, false}) {
+    cfg.clip_norm = clip ? 1.0 : 0.0;
+    const Placement a = place(spec, cfg);
+    const StepProgram prog = compile_step(a, program_inputs(cfg, 1));
+    check_order(prog);
+    EngineConfig one = cfg;
+    one.layer_pieces = "";
+    const StepProgram base = compile_step(place(spec, one), program_inputs(one, 1));
+    // The same visits, computing as often; one more gradient copy, landing, check and update per layer.
+    CHECK(prog.visits == base.visits);
+    for (K k : {K::kLoad, K::kForward, K::kBackward, K::kGradsToSend, K::kRelease})
+      CHECK(count(prog, k) == count(base, k));
+    for (K k : {K::kGradsOut, K::kLand, K::kSumSquares, K::kAdamW, K::kUpdated})
+      CHECK(count(prog, k) == count(base, k) + layers);
+    // Gradients leave in landing order (the ring's slots are handed out in it).
+    std::vector<int64_t> out;
+    for (const StepOp& o : prog.ops)
+      if (o.kind == K::kGradsOut) out.push_back(o.piece);
+    CHECK(out == a.landing);
+    // A layer's next load waits for both its pieces' updates.
+    for (const StepOp& o : prog.ops)
+      if (o.kind == K::kLoad && o.block >= 1 && o.block <= layers) CHECK(o.after_previous.size() == 2);
+  }
+}
+
 TEST_CASE("host checkpoints add exactly two copies per layer and micro-batch", "[engine][program]") {
   const ModelSpec spec = tiny();
   for (int64_t M : {1, 2, 3}) {
