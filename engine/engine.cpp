@@ -1,4 +1,4 @@
-#include "engine/engine.h"
+#include "engine/engine_core.h"
 
 #include <fmt/ranges.h>
 
@@ -24,11 +24,11 @@ at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::
 
 }  // namespace
 
-size_t Engine::registered_host_bytes() const {
+size_t EngineCore::registered_host_bytes() const {
   return arena_->copied_bytes() + (shared_arena_ ? shared_arena_->copied_bytes() : 0);
 }
 
-Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
+EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
     : spec_(std::move(spec)), config_(std::move(config)),
       place_((check_config(spec_, config_), place(spec_, config_))), device_(std::move(device)),
       aten_device_(engine_aten_device(*device_)) {
@@ -136,7 +136,7 @@ Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> devi
   updater_ = std::thread([this] { updater_main(); });
 }
 
-Engine::~Engine() {
+EngineCore::~EngineCore() {
   {
     std::lock_guard lk(mu_);
     stopping_ = true;
@@ -154,7 +154,7 @@ Engine::~Engine() {
     if (t.valid()) try { nvme_->wait(t); } catch (...) {}
 }
 
-void Engine::allocate_activations() {
+void EngineCore::allocate_activations() {
   const int64_t M = config_.accumulation, mb = config_.micro_batch, S = config_.seq, H = spec_.dims.hidden;
   const auto cdt = config_.compute.dtype;
   auto make = [&](std::vector<int64_t> shape, at::ScalarType dt, const char* what) {
@@ -197,18 +197,18 @@ void Engine::allocate_activations() {
   }
 }
 
-void Engine::compile_programs(int world) {
+void EngineCore::compile_programs(int world) {
   program_ = compile_step(place_, program_inputs(config_, world));
   eval_program_ = compile_eval(place_, program_inputs(config_, world));
 }
 
-void Engine::settle_compute() {
+void EngineCore::settle_compute() {
   if (!compute_pending_) return;
   dist_->barrier();  // every rank wrote its slices
   compute_pending_ = false;
 }
 
-StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
+StepReport EngineCore::step(const int64_t* ids, const int64_t* labels) {
   STRIDER_CHECK(dist_->ranks().world == config_.state_shards || !sharded() || simulated(),
                 "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
                 config_.state_shard, config_.state_shards, dist_->ranks().world);
@@ -295,7 +295,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels) {
   return rep;
 }
 
-double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
+double EngineCore::evaluate(const int64_t* ids, const int64_t* labels) {
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
   settle_compute();
   upload_batch(ids, labels);
@@ -307,7 +307,7 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels) {
   return loss / double(valid);
 }
 
-std::pair<double, int64_t> Engine::pass_loss() {
+std::pair<double, int64_t> EngineCore::pass_loss() {
   head_stats_ready_->synchronize();
   const size_t M = size_t(config_.accumulation);
   double sums[2] = {0, 0};  // the loss summed over valid tokens, and their count
@@ -319,7 +319,7 @@ std::pair<double, int64_t> Engine::pass_loss() {
   return {sums[0], int64_t(sums[1])};
 }
 
-void Engine::set_collectives(std::unique_ptr<Collectives> ranks) {
+void EngineCore::set_collectives(std::unique_ptr<Collectives> ranks) {
   STRIDER_CHECK(ranks != nullptr, "set_collectives: no collectives");
   STRIDER_CHECK(!simulated() || ranks->ranks().solo(),
                 "a simulated engine runs one rank: it predicts one device's schedule, not {} ranks'",
@@ -341,15 +341,15 @@ void Engine::set_collectives(std::unique_ptr<Collectives> ranks) {
   dist_scratch_.assign(dist_->ranks().solo() || place_.grad_bytes == 4 ? 0 : largest, 0.0f);
 }
 
-const RankInfo& Engine::ranks() const { return dist_->ranks(); }
+const RankInfo& EngineCore::ranks() const { return dist_->ranks(); }
 
-void Engine::set_steps_done(int64_t steps) {
+void EngineCore::set_steps_done(int64_t steps) {
   STRIDER_CHECK(steps >= 0, "set_steps_done({}): a step count is >= 0", steps);
   finish_updates();
   steps_ = steps;  // the passes' sequence numbers go on as they were
 }
 
-void Engine::init_params(uint64_t seed) {
+void EngineCore::init_params(uint64_t seed) {
   for (int64_t b = 0; b < place_.blocks; ++b) {
     std::vector<float> w(place_.layouts[b].total_elems(), 0.0f);
     for (const TensorSlot& t : place_.layouts[b].slots()) {
@@ -368,7 +368,7 @@ void Engine::init_params(uint64_t seed) {
   }
 }
 
-void Engine::set_param(const std::string& name, std::span<const float> values) {
+void EngineCore::set_param(const std::string& name, std::span<const float> values) {
   for (int64_t b = 0; b < place_.blocks; ++b) {
     const TensorSlot* t = place_.layouts[b].find(name);
     if (!t) continue;
@@ -382,14 +382,14 @@ void Engine::set_param(const std::string& name, std::span<const float> values) {
   throw Error(fmt::format("{} has no parameter '{}'", spec_.arch_name, name));
 }
 
-std::span<std::byte> Engine::compute_copy(int64_t b) {
+std::span<std::byte> EngineCore::compute_copy(int64_t b) {
   STRIDER_CHECK(!simulated(), "compute_copy: a simulated engine holds no parameters");
   STRIDER_CHECK(b >= 0 && b < place_.blocks, "compute_copy: block {} out of range (the model has {} blocks)", b,
                 place_.blocks);
   return store_->block(size_t(b)).compute_bytes();
 }
 
-void Engine::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
+void EngineCore::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
   STRIDER_CHECK(!simulated(), "model_weights: a simulated engine holds no state");
   STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
                 "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
@@ -403,7 +403,7 @@ void Engine::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
   bf16_to_float(c, out);
 }
 
-std::vector<float> Engine::param(const std::string& name) {
+std::vector<float> EngineCore::param(const std::string& name) {
   for (int64_t b = 0; b < place_.blocks; ++b) {
     const TensorSlot* t = place_.layouts[b].find(name);
     if (!t) continue;

@@ -6,7 +6,7 @@
 // or the gradient ring).
 #include <cstring>
 
-#include "engine/engine.h"
+#include "engine/engine_core.h"
 #include "engine/collectives.h"
 #include "engine/plan.h"  // attention_core_flops
 #include "engine/sim_updater.h"
@@ -14,41 +14,41 @@
 
 namespace strider {
 
-at::Tensor Engine::act(int64_t b, int64_t m) const {
+at::Tensor EngineCore::act(int64_t b, int64_t m) const {
   // b in 1..head: the input of block b (block 0's input is the ids).
   const int64_t set = config_.checkpoints_on_host ? (b % 2) : (b - 1);
   return mb_[size_t(m)].act[size_t(set)];
 }
 
-at::Tensor Engine::params_view(const CacheUnit& u, size_t offset, size_t elems) const {
+at::Tensor EngineCore::params_view(const CacheUnit& u, size_t offset, size_t elems) const {
   return at::from_blob(static_cast<std::byte*>(u.params_bf16) + offset * place_.compute_bytes, {int64_t(elems)},
                        at::TensorOptions().dtype(config_.compute.dtype).device(aten_device_));
 }
 
-at::Tensor Engine::grads_view(const CacheUnit& u) const {
+at::Tensor EngineCore::grads_view(const CacheUnit& u) const {
   return at::from_blob(u.grads_fp32, {int64_t(u.capacity_elems)},
                        at::TensorOptions().dtype(at::kFloat).device(aten_device_));
 }
 
-at::Tensor Engine::rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const {
+at::Tensor EngineCore::rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const {
   const int64_t H = spec_.dims.hidden;
   return flat.slice(0, int64_t(offset), int64_t(offset) + (rows.row_end - rows.row_begin) * H)
       .view({rows.row_end - rows.row_begin, H});
 }
 
-std::vector<int64_t> Engine::visit_segments(const StepOp& v) const {
+std::vector<int64_t> EngineCore::visit_segments(const StepOp& v) const {
   return place_.shards.visit_pieces(v.piece, v.shard);
 }
 
-at::Tensor Engine::kept_logits(int64_t m, const Piece& rows) const {
+at::Tensor EngineCore::kept_logits(int64_t m, const Piece& rows) const {
   return mb_[size_t(m)].logits.slice(1, rows.row_begin, rows.row_end);
 }
 
-std::span<std::byte> Engine::saved_host(int64_t b, int64_t m) const {
+std::span<std::byte> EngineCore::saved_host(int64_t b, int64_t m) const {
   return mb_[size_t(m)].saved_host[size_t(place_.saved_index[size_t(b)])];
 }
 
-void Engine::fetch_saved(int64_t b, int64_t m) {
+void EngineCore::fetch_saved(int64_t b, int64_t m) {
   const int slot = int(saved_uses_++ % 2);
   device_->wait(StreamId::kH2D, *saved_free_[size_t(slot)]);              // its last reader is done
   device_->wait(StreamId::kH2D, *saved_out_[size_t(place_.saved_index[size_t(b)])]);  // the forward's copy has landed
@@ -59,18 +59,18 @@ void Engine::fetch_saved(int64_t b, int64_t m) {
   saved_in_.push_back({b, m, slot, std::move(ready)});
 }
 
-void Engine::wait_updated(int64_t p) {
+void EngineCore::wait_updated(int64_t p) {
   if (simulated()) return;  // ordered by the SimUpdater's events instead
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return updated_[size_t(p)] >= passes_ || updater_error_ || stopping_; });
   if (updater_error_) std::rethrow_exception(updater_error_);
 }
 
-void Engine::finish_updates() {
+void EngineCore::finish_updates() {
   for (int64_t p = 0; p < num_pieces(); ++p) wait_updated(p);
 }
 
-void Engine::upload_batch(const int64_t* ids, const int64_t* labels) {
+void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels) {
   data_ready_->synchronize();  // the previous batch's copy has left the staging
   const size_t n = ids_host_.size();
   for (size_t i = 0; i < n; ++i) {
@@ -92,7 +92,7 @@ void Engine::upload_batch(const int64_t* ids, const int64_t* labels) {
   device_->wait(StreamId::kCompute, *data_ready_);
 }
 
-void Engine::load_visit(const StepOp& v) {
+void EngineCore::load_visit(const StepOp& v) {
   const std::vector<int64_t> segs = visit_segments(v);
   for (int64_t p : segs) wait_updated(p);
   const CacheUnit& u = pool_->acquire(StreamId::kH2D);
@@ -118,7 +118,7 @@ void Engine::load_visit(const StepOp& v) {
   loaded_[size_t(v.visit)] = {&u, std::move(ready), std::move(layout)};
 }
 
-const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems, int64_t block) {
+const std::byte* EngineCore::grads_to_send(const CacheUnit& u, size_t elems, int64_t block) {
   const std::byte* out = reinterpret_cast<const std::byte*>(u.grads_fp32);
   if (place_.grad_bytes == 2) {
     at::Tensor acc = grads_view(u).slice(0, 0, int64_t(elems));
@@ -132,13 +132,13 @@ const std::byte* Engine::grads_to_send(const CacheUnit& u, size_t elems, int64_t
   return out;
 }
 
-void Engine::stream_after(StreamId waiter, StreamId done) {
+void EngineCore::stream_after(StreamId waiter, StreamId done) {
   auto e = device_->make_event();
   device_->record(*e, done);
   device_->wait(waiter, *e);
 }
 
-std::span<std::byte> Engine::grad_host(int64_t p) {
+std::span<std::byte> EngineCore::grad_host(int64_t p) {
   const int r = place_.at(p).ring_slot;
   if (r >= 0) return grad_ring_[size_t(r)];
   const Piece& pc = piece(p);
@@ -146,7 +146,7 @@ std::span<std::byte> Engine::grad_host(int64_t p) {
                                                       pc.elems() * place_.grad_bytes);
 }
 
-void Engine::copy_grads_out(int64_t p, const StepOp& visit, const std::byte* src) {
+void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte* src) {
   const int r = place_.at(p).ring_slot;
   if (r >= 0) {
     // The slot's n-th use waits for n consumptions: the previous gradients in
@@ -179,7 +179,7 @@ void Engine::copy_grads_out(int64_t p, const StepOp& visit, const std::byte* src
   cv_.notify_all();
 }
 
-Engine::Moved Engine::collect_device_spans() {
+EngineCore::Moved EngineCore::collect_device_spans() {
   std::vector<OpSpan> spans;
   device_->drain_spans(spans);
   Moved moved;
@@ -193,7 +193,7 @@ Engine::Moved Engine::collect_device_spans() {
   return moved;
 }
 
-void Engine::run_pass(const StepProgram& program) {
+void EngineCore::run_pass(const StepProgram& program) {
   device_->prepare_driver_thread();
   loaded_.clear();
   loaded_.resize(size_t(program.visits));

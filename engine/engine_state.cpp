@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "engine/collectives.h"
-#include "engine/engine.h"
+#include "engine/engine_core.h"
 #include "host/adam_q8.h"
 #include "host/bf16.h"
 #include "host/error.h"
@@ -17,7 +17,7 @@ float* scales_after(std::byte* codes, size_t n) { return reinterpret_cast<float*
 
 }  // namespace
 
-Engine::NvmeStaging& Engine::idle_staging() {
+EngineCore::NvmeStaging& EngineCore::idle_staging() {
   // Outside steps (finish_updates() first), slot 0 is free once its last
   // write-back has left.
   for (NvmeStaging& slot : nvme_staging_) {
@@ -30,7 +30,7 @@ Engine::NvmeStaging& Engine::idle_staging() {
   return nvme_staging_[0];
 }
 
-void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
+void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
   STRIDER_CHECK(!simulated(), "read_state: a simulated engine holds no state");
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
@@ -62,7 +62,7 @@ void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
   if (sharded()) gather_state(b, out);
 }
 
-void Engine::gather_state(int64_t b, std::span<float> out) {
+void EngineCore::gather_state(int64_t b, std::span<float> out) {
   STRIDER_CHECK(dist_->ranks().world == config_.state_shards,
                 "block {}'s state is sharded over {} ranks; reading all of it needs them (set_collectives)", b,
                 config_.state_shards);
@@ -71,7 +71,7 @@ void Engine::gather_state(int64_t b, std::span<float> out) {
   dist_->all_gather(std::as_writable_bytes(out), bytes);
 }
 
-void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
+void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
   STRIDER_CHECK(!simulated(), "write_state: a simulated engine holds no state");
   finish_updates();
   STRIDER_CHECK(b >= 0 && b < place_.blocks && in.size() == place_.layouts[b].total_elems(),

@@ -6,7 +6,7 @@
 #include <limits>
 #include <fmt/format.h>
 
-#include "engine/engine.h"
+#include "engine/engine_core.h"
 #include "engine/collectives.h"
 #include "host/adam_q8.h"
 #include "host/bf16.h"
@@ -36,7 +36,7 @@ void skip(auto& job, std::string reason) {
 
 }  // namespace
 
-std::string Engine::first_non_finite(int64_t p, const float* values) const {
+std::string EngineCore::first_non_finite(int64_t p, const float* values) const {
   for (const PieceRun& r : piece(p).runs())
     for (const TensorSlot& t : place_.layouts[size_t(piece(p).block)].slots()) {
       const size_t lo = std::max(r.block, t.offset_elems), hi = std::min(r.block + r.n, t.offset_elems + t.numel);
@@ -46,7 +46,7 @@ std::string Engine::first_non_finite(int64_t p, const float* values) const {
   return "(padding)";
 }
 
-std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const {
+std::string EngineCore::first_non_finite_grad(int64_t p, const std::byte* grads, Range in) const {
   std::vector<float> values(piece(p).elems(), 0.0f);
   if (place_.grad_bytes == 4)
     std::memcpy(values.data() + in.begin, grads + in.begin * 4, in.elems() * 4);
@@ -59,7 +59,7 @@ std::string Engine::first_non_finite_grad(int64_t p, const std::byte* grads, Ran
              : name;
 }
 
-std::string Engine::first_non_finite_param() {
+std::string EngineCore::first_non_finite_param() {
   for (int64_t b = 0; b < place_.blocks; ++b) {
     std::vector<float> w(place_.layouts[size_t(b)].total_elems());
     read_state(b, ExtentKind::kMaster, w);
@@ -74,14 +74,14 @@ std::string Engine::first_non_finite_param() {
   return "";
 }
 
-void Engine::inject_nonfinite_gradient(int64_t b) {
+void EngineCore::inject_nonfinite_gradient(int64_t b) {
   STRIDER_CHECK(b >= 0 && b < place_.blocks, "inject_nonfinite_gradient: block {} out of range", b);
   std::lock_guard lk(mu_);
   fault_block_ = b;
   fault_pass_ = passes_ + 1;
 }
 
-void Engine::skip_piece(int64_t b) {
+void EngineCore::skip_piece(int64_t b) {
   if (spills_grads(b)) {
     // Its ring slot is freed by the spill's completion; the spill must be
     // done before the next pass writes the extent again.
@@ -95,7 +95,7 @@ void Engine::skip_piece(int64_t b) {
 
 // Replicated state: the whole gradient summed on every rank. Sharded: only
 // this rank's slice of it (the rest stays this rank's own micro-batches').
-void Engine::sum_grads_over_ranks(int64_t p, bool slice) {
+void EngineCore::sum_grads_over_ranks(int64_t p, bool slice) {
   if (dist_update_->ranks().solo()) return;
   const size_t n = piece(p).elems();
   std::byte* g = grad_host(p).data();
@@ -121,7 +121,7 @@ void Engine::sum_grads_over_ranks(int64_t p, bool slice) {
   float_to_bf16(f.subspan(lo, hi - lo), g16.subspan(lo, hi - lo));
 }
 
-void Engine::gather_compute(int64_t p, bool shared) {
+void EngineCore::gather_compute(int64_t p, bool shared) {
   if (shared) {  // one compute copy on the machine: the ranks' slices are in it once all have written
     dist_update_->barrier();
     return;
@@ -139,7 +139,7 @@ void Engine::gather_compute(int64_t p, bool shared) {
 
 // The updater thread: the host operations of each training pass's program
 // (engine/step_program.h), in order, through one table (run_host_op).
-void Engine::updater_main() {
+void EngineCore::updater_main() {
   for (;;) {
     std::shared_ptr<UpdateJob> job;
     {
@@ -175,7 +175,7 @@ void Engine::updater_main() {
   }
 }
 
-void Engine::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig) {
+void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig) {
   const int64_t b = op.piece;
   switch (op.kind) {
     case StepOpKind::kLand: {
@@ -331,7 +331,7 @@ void Engine::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig) {
   }
 }
 
-void Engine::release_ring_slot(int64_t b) {
+void EngineCore::release_ring_slot(int64_t b) {
   {
     std::lock_guard lk(mu_);
     ++ring_released_[size_t(place_.at(b).ring_slot)];
@@ -339,7 +339,7 @@ void Engine::release_ring_slot(int64_t b) {
   cv_.notify_all();
 }
 
-void Engine::start_state_read(int64_t b, int slot_index) {
+void EngineCore::start_state_read(int64_t b, int slot_index) {
   NvmeStaging& slot = nvme_staging_[size_t(slot_index)];
   if (slot.reading == b) return;
   for (auto& t : slot.writes) nvme_->wait(t);  // the slot's previous write-back has left
@@ -366,7 +366,7 @@ void Engine::start_state_read(int64_t b, int slot_index) {
   slot.reading = b;
 }
 
-void Engine::update_piece(const UpdateJob& job, int64_t b, double grad_scale) {
+void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale) {
   AdamHyper h = config_.adam;
   h.lr = job.lr;
   const AdamStep decayed = AdamStep::make(h, job.step, grad_scale);
@@ -447,7 +447,7 @@ void Engine::update_piece(const UpdateJob& job, int64_t b, double grad_scale) {
   if (place_.at(b).ring_slot >= 0 && !spills_grads(b)) release_ring_slot(b);
 }
 
-void Engine::write_state_back(int64_t b, int64_t step) {
+void EngineCore::write_state_back(int64_t b, int64_t step) {
   NvmeStaging* slot = nullptr;
   for (NvmeStaging& x : nvme_staging_)
     if (x.holding == b) slot = &x;

@@ -4,13 +4,13 @@
 // activation slot free, a unit's load done); which operations exist, and in
 // what order, is the program's.
 #include "engine/collectives.h"
-#include "engine/engine.h"
+#include "engine/engine_core.h"
 #include "engine/plan.h"  // attention_core_flops
 #include "host/error.h"
 
 namespace strider {
 
-double Engine::op_flops(const StepOp& op) const {
+double EngineCore::op_flops(const StepOp& op) const {
   const double tokens = double(config_.micro_batch * config_.seq), H = double(spec_.dims.hidden);
   switch (op.kind) {
     case StepOpKind::kHeadLse:
@@ -36,7 +36,7 @@ double Engine::op_flops(const StepOp& op) const {
   }
 }
 
-void Engine::run_device_op(const StepOp& op, PassCursor& at) {
+void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
   const int64_t m = op.micro_batch;
   switch (op.kind) {
     case StepOpKind::kLoad: load_visit(op); return;
@@ -124,15 +124,15 @@ void Engine::run_device_op(const StepOp& op, PassCursor& at) {
   }
 }
 
-const CacheUnit& Engine::unit(const StepOp& op) const { return *loaded_[size_t(op.visit)].unit; }
+const CacheUnit& EngineCore::unit(const StepOp& op) const { return *loaded_[size_t(op.visit)].unit; }
 
-size_t Engine::visit_elems(const StepOp& op) const {
+size_t EngineCore::visit_elems(const StepOp& op) const {
   size_t n = 0;
   for (const UnitRun& u : loaded_[size_t(op.visit)].layout) n += u.run.n;
   return n;
 }
 
-void Engine::forward_op(const StepOp& op, PassCursor& at) {
+void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
   const Piece& pc = piece(op.piece);
   const int64_t b = pc.block, m = op.micro_batch;
   // The visit's unit: an embedding shard, or a layer in its block's layout (all its pieces).
@@ -167,7 +167,7 @@ void Engine::forward_op(const StepOp& op, PassCursor& at) {
                   [this, b, params, in, out](const LaunchContext&) { out.copy_(runner_->forward(b, params, in)); });
 }
 
-void Engine::head_op(const StepOp& op) {
+void EngineCore::head_op(const StepOp& op) {
   const int64_t m = op.micro_batch;
   const Sharding& sh = place_.shards;
   const Piece& norm_pc = piece(sh.norm_piece);
@@ -220,7 +220,7 @@ void Engine::head_op(const StepOp& op) {
                   });
 }
 
-void Engine::backward_op(const StepOp& op) {
+void EngineCore::backward_op(const StepOp& op) {
   const Piece& pc = piece(op.piece);
   const int64_t b = pc.block, m = op.micro_batch;
   const size_t n = visit_elems(op);  // as in forward_op

@@ -190,7 +190,7 @@ TEST_CASE("every visit runs each micro-batch once: forward, head passes, backwar
   CHECK(count(tprog, K::kGradsOut) == tp.num_pieces());
 }
 
-TEST_CASE("a layer cut into pieces is one visit in its block's layout; its pieces' gradients leave and land apart",
+TEST_CASE("a layer cut into pieces is one visit in its block's layout, and its pieces' gradients leave and land apart",
           "[engine][program]") {
   const ModelSpec spec = tiny();
   EngineConfig cfg = config(1.0);
