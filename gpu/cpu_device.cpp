@@ -16,6 +16,19 @@ namespace {
 
 size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
+// The metered compute of every CpuDevice in the process takes turns, one op at
+// a time. The meter (gpu/aten_memory.h) counts the whole process: ATen's
+// intra-op workers allocate on threads of their own, so an allocation cannot
+// be charged to its device by thread, and two devices computing at once would
+// each be charged the other's bytes (and refused at each other's limits). So
+// a pool of CPU devices in one process computes in turn, while their copies
+// and the host lanes overlap it; a CUDA device meters its own caching
+// allocator and computes alongside the others.
+std::mutex& metered_compute_turn() {
+  static std::mutex m;
+  return m;
+}
+
 // An event is a pair of generation counters: record() bumps `recorded` on the
 // host and enqueues an op that raises `completed` to that generation when the
 // stream reaches it. Shared with queued ops so destroying the Event early is safe.
@@ -220,6 +233,8 @@ void CpuDevice::run_worker(Worker& w) {
     const double begin = now_us();
     uint64_t work = 0;
     try {
+      std::unique_lock<std::mutex> turn;
+      if (op.metered) turn = std::unique_lock(metered_compute_turn());
       WorkWatch watch(op.metered ? meter_ : nullptr, op.tag, options_.work_limit_bytes);
       try {
         op.work();

@@ -4,9 +4,13 @@
 // one is tested in aten_memory_test.cpp).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <future>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "gpu/cpu_device.h"
@@ -222,6 +226,45 @@ TEST_CASE("compute-stream launches are metered: the figure in the span and the m
   dev.launch(StreamId::kCompute, OpTag{"later"}, [&](const LaunchContext&) { later_ran = true; });
   CHECK_THROWS_WITH(dev.synchronize(), Catch::Contains("'refused' (block 4)") && Catch::Contains("limit 12345"));
   CHECK(later_ran);
+}
+
+namespace {
+// Counts the ops it watches at once.
+class ConcurrencyMeter final : public WorkMeter {
+ public:
+  int begin(const OpTag&, uint64_t) override {
+    std::lock_guard lk(mu);
+    most = std::max(most, ++active);
+    return 0;
+  }
+  uint64_t end(int) noexcept override {
+    std::lock_guard lk(mu);
+    --active;
+    return 0;
+  }
+  const char* what() const override { return "concurrency"; }
+  std::mutex mu;
+  int active = 0, most = 0;
+};
+}  // namespace
+
+TEST_CASE("metered compute of several CPU devices in one process takes turns: each op's figure is its own",
+          "[gpu][cpu_device]") {
+  // The process-wide meter cannot tell two devices' allocations apart, so
+  // their metered ops never overlap.
+  ConcurrencyMeter meter;
+  register_work_meter(&meter);
+  struct Unregister {
+    ~Unregister() { register_work_meter(nullptr); }
+  } unregister;
+  CpuDevice a(DeviceOptions{}), b(DeviceOptions{});
+  for (int i = 0; i < 6; ++i)
+    for (CpuDevice* d : {&a, &b})
+      d->launch(StreamId::kCompute, OpTag{"sleeps", i},
+                [](const LaunchContext&) { std::this_thread::sleep_for(std::chrono::milliseconds(3)); });
+  a.synchronize();
+  b.synchronize();
+  CHECK(meter.most == 1);  // unserialised, the two devices' 3 ms ops overlap: 2
 }
 
 TEST_CASE("without a meter nothing is measured, and a working-memory limit is refused at construction",
