@@ -187,9 +187,14 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
       grads_ready_[size_t(b)]->synchronize();
       return;
     }
-    case StepOpKind::kSumRanks:
+    case StepOpKind::kSumRanks: {
+      if (dist_update_->ranks().solo()) return;
+      const double t0 = Timeline::now_us();
       sum_grads_over_ranks(b, op.over_slices);
+      timeline_.add({Lane::kCollective, op.over_slices ? "reduce-scatter" : "all-reduce", int32_t(piece(b).block), -1,
+                     job.step, t0, Timeline::now_us(), 0, uint64_t(piece(b).elems() * place_.grad_bytes)});
       return;
+    }
     case StepOpKind::kSumSquares: {
       // The summed gradients: the whole piece's, or (sharded) this rank's slice
       // of them, range by range (a piece of two ranges sums as the same two
@@ -315,9 +320,14 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
     case StepOpKind::kWriteState:
       if (!job.skipped) write_state_back(b, job.step);
       return;
-    case StepOpKind::kGather:
-      if (!job.skipped) gather_compute(b, op.shared_copy);
+    case StepOpKind::kGather: {
+      if (job.skipped) return;
+      const double t0 = Timeline::now_us();
+      gather_compute(b, op.shared_copy);
+      timeline_.add({Lane::kCollective, op.shared_copy ? "barrier" : "all-gather", int32_t(piece(b).block), -1, job.step,
+                     t0, Timeline::now_us(), 0, op.shared_copy ? 0 : uint64_t(piece(b).elems() * place_.compute_bytes)});
       return;
+    }
     case StepOpKind::kUpdated: {
       {
         std::lock_guard lk(mu_);

@@ -71,8 +71,9 @@ void SimUpdater::span(Lane lane, const char* name, int64_t p, SimInterval t, uin
   timeline_.add({lane, name, p >= 0 ? int32_t(place_.piece(p).block) : -1, -1, step_, t.begin_us, t.end_us, 0, bytes});
 }
 
-// Each operation where the real updater runs it: the optimizer lane's in
-// program order on its thread (which waits for each piece's gradients); the
+// Each operation where the real updater runs it: the optimizer and
+// collective lanes' in program order on its thread (which waits for each
+// piece's gradients; thread_us_ serialises them, as the one thread does); the
 // NVMe reads and writes are issued there and run on their own lanes.
 void SimUpdater::run(const StepOp& op, double ready, double& end) {
   const CostModel& cm = sim_.model();
@@ -89,8 +90,8 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       // The gradient's reduce-scatter (this rank's (W - 1) / W of the piece
       // each way) and its sum of squares' all-reduce.
       const uint64_t bytes = uint64_t(share * double(grad_bytes));
-      const SimInterval t = optimizer_.run(ready, cm.collective_us(bytes) + cm.collective_latency_us);
-      span(Lane::kOptimizer, "reduce-scatter", p, t, bytes);
+      const SimInterval t = collective_.run(ready, cm.collective_us(bytes) + cm.collective_latency_us);
+      span(Lane::kCollective, "reduce-scatter", p, t, bytes);
       end = thread_us_ = t.end_us;
       return;
     }
@@ -139,8 +140,8 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       // The other ranks' slices of the new compute copy, or (one machine,
       // one shared copy) a barrier.
       const uint64_t bytes = op.shared_copy ? 0 : uint64_t(share * double(n * place_.compute_bytes));
-      const SimInterval t = optimizer_.run(ready, cm.collective_us(bytes));
-      span(Lane::kOptimizer, op.shared_copy ? "barrier" : "all-gather", p, t, bytes);
+      const SimInterval t = collective_.run(ready, cm.collective_us(bytes));
+      span(Lane::kCollective, op.shared_copy ? "barrier" : "all-gather", p, t, bytes);
       end = thread_us_ = t.end_us;
       return;
     }

@@ -51,7 +51,7 @@ class SimUpdater {
   StateFormat format_;
   Timeline& timeline_;
   std::vector<std::unique_ptr<Event>> update_done_, ring_free_;
-  SimHostLane optimizer_, nvme_read_, nvme_write_;
+  SimHostLane optimizer_, nvme_read_, nvme_write_, collective_;
   const StepProgram* program_ = nullptr;
   int64_t step_ = 0;
   size_t next_ = 0;                 // the next operation to price

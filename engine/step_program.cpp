@@ -355,7 +355,7 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
     prog.ops[size_t(last)].shared_copy = in.shared_compute;
     if (place.at(p).on_nvme) write[size_t(p)] = add(StepOpKind::kWriteState, Lane::kNvmeWrite, p, {last});
     if (sharded) {
-      last = add(StepOpKind::kGather, Lane::kOptimizer, p, {last});
+      last = add(StepOpKind::kGather, Lane::kCollective, p, {last});
       prog.ops[size_t(last)].shared_copy = in.shared_compute;
     }
     prog.updated[size_t(p)] = add(StepOpKind::kUpdated, Lane::kOptimizer, p, {last});
@@ -366,7 +366,7 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
     const int64_t p = place.landing[i];
     int32_t last = prog.landed[size_t(p)] = add(StepOpKind::kLand, Lane::kOptimizer, p, {sent[size_t(p)]});
     if (ranks) {
-      last = add(StepOpKind::kSumRanks, Lane::kOptimizer, p, {last});
+      last = add(StepOpKind::kSumRanks, Lane::kCollective, p, {last});
       prog.ops[size_t(last)].over_slices = sharded;
     }
     last = sumsq[size_t(p)] = add(StepOpKind::kSumSquares, Lane::kOptimizer, p, {last});

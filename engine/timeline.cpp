@@ -16,6 +16,7 @@ std::string_view lane_name(Lane lane) {
     case Lane::kOptimizer: return "optimizer";
     case Lane::kNvmeRead: return "nvme read";
     case Lane::kNvmeWrite: return "nvme write";
+    case Lane::kCollective: return "collective";
   }
   return "?";
 }

@@ -14,8 +14,13 @@
 
 namespace strider {
 
-enum class Lane : uint8_t { kCompute, kH2D, kD2H, kOptimizer, kNvmeRead, kNvmeWrite };
-inline constexpr int kNumLanes = 6;
+// kCollective: what a data-parallel step exchanges with the other ranks (the
+// gradients' sums, the compute copy's gather). Its operations run on the
+// updater thread, between the optimizer's: a lane of their own in the
+// program and the timeline, so that a profile shows them apart, not yet a
+// thread of their own.
+enum class Lane : uint8_t { kCompute, kH2D, kD2H, kOptimizer, kNvmeRead, kNvmeWrite, kCollective };
+inline constexpr int kNumLanes = 7;
 std::string_view lane_name(Lane lane);
 
 struct Span {

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <filesystem>
+#include <set>
 #include <thread>
 
 #include "engine/collectives.h"
@@ -27,6 +28,7 @@ struct Run {
   std::vector<std::vector<float>> master;  // per block
   std::vector<double> losses;
   std::vector<double> norms;
+  std::set<std::string> collective;  // the names of the spans on the collective lane
 };
 
 struct Setup {
@@ -78,6 +80,8 @@ Run steps(Engine& e, int world, int rank, int n_steps) {
     r.norms.push_back(rep.grad_norm);
   }
   e.finish_updates();
+  for (const Span& sp : e.timeline().spans())
+    if (sp.lane == Lane::kCollective) r.collective.insert(sp.name);
   for (int64_t b = 0; b < e.spec().num_blocks(); ++b) {
     std::vector<float> x(e.spec().layout(b).total_elems());
     e.read_state(b, ExtentKind::kMaster, x);
@@ -205,6 +209,12 @@ TEST_CASE("data parallel ranks end bit-identical and match one rank with their a
     const std::vector<Run> ranks = data_parallel(v.setup, v.world, v.accumulation, n_steps);
     const Run one = one_rank(v.setup, v.accumulation * v.world, n_steps);
     for (int r = 1; r < v.world; ++r) CHECK(same_bits(ranks[r], ranks[0]));
+    // What the ranks exchange is timed on the collective lane; one rank exchanges nothing.
+    CHECK(one.collective.empty());
+    if (v.setup.sharded)
+      CHECK(ranks[0].collective == std::set<std::string>{"reduce-scatter", "all-gather"});
+    else
+      CHECK(ranks[0].collective == std::set<std::string>{"all-reduce"});
     const double gap = relative_gap(ranks[0], one);
     INFO("largest relative gap of the weights: " << gap);
     if (v.same_bits_as_one_rank) CHECK(same_bits(ranks[0], one));

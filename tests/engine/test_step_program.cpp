@@ -321,6 +321,7 @@ TEST_CASE("data parallel: the ranks' pass sums every gradient, and sharded state
       const int s = index_of(prog, K::kSumRanks, p);
       CHECK((index_of(prog, K::kLand, p) < s && s < index_of(prog, K::kSumSquares, p)));
       CHECK_FALSE(prog.ops[size_t(s)].over_slices);
+      CHECK(prog.ops[size_t(s)].lane == Lane::kCollective);
       CHECK(index_of(prog, K::kGather, p) < 0);
     }
   }
@@ -338,6 +339,7 @@ TEST_CASE("data parallel: the ranks' pass sums every gradient, and sharded state
         const int g = index_of(prog, K::kGather, p);
         CHECK((index_of(prog, K::kAdamW, p) < g && g < index_of(prog, K::kUpdated, p)));
         CHECK(prog.ops[size_t(g)].shared_copy == shared);
+        CHECK(prog.ops[size_t(g)].lane == Lane::kCollective);
       }
     }
   }
