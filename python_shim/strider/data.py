@@ -13,8 +13,9 @@ Inputs (--format, default from the file name: .jsonl/.json -> chat, else lines):
 The output is io/token_data.h's format, version 1, written with numpy per its
 header comment: uint16 ids when the vocabulary fits (<= 65536 ids), else
 uint32; document starts always (the loader never predicts across them); a loss
-mask for chat data. The engine's command line (`strider finetune --data`) and
-TokenBatches below read it.
+mask for chat data. The engine's command line (`strider finetune --data`),
+TokenDataset (a map-style dataset of seq-token windows: what StriderTrainer
+takes, or a token file's path itself) and TokenBatches below read it.
 """
 import argparse
 import json
@@ -243,24 +244,31 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
 # -- batches for a Python training loop -----------------------------------------------------------------
 
 
-class TokenBatches:
-    """[batch, seq] (input_ids, labels) from a token file, in transformers' convention (labels not shifted).
+class TokenDataset:
+    """A token file as a map-style dataset (torch.utils.data.Dataset's protocol): item i is window i of seq
+    tokens, dict(input_ids, labels), int64 tensors in transformers' convention (labels not shifted), so
+    transformers.Trainer's default collator batches it. A label is -100 where the loss mask is 0 and where a
+    document starts (never predict a document's first token from the one before). The tokens past the last
+    whole window are not used. strider.StriderTrainer takes one, or a token file's path, as train_dataset or
+    eval_dataset."""
 
-    The stream is cut into seq-token windows; a label is -100 where the loss mask is 0 and where a document
-    starts (never predict a document's first token from the one before). With shuffle, each epoch visits
-    the windows in an order drawn from (seed, epoch); without, in file order. Endless: iterate with zip or
-    itertools.islice."""
-
-    def __init__(self, path, batch, seq, seed=0, shuffle=True):
+    def __init__(self, path, seq):
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise ValueError(f"TokenDataset: seq = {seq!r}: expected an int >= 1")
         f = read_token_file(path)
+        self.path = Path(path)
         self.ids, self.mask = f["ids"], f["mask"]
+        self.vocab_size = f["vocab_size"]
         self.starts = np.zeros(len(self.ids), bool)
         if f["doc_starts"] is not None:
             self.starts[f["doc_starts"].astype(np.int64)] = True
-        self.batch, self.seq, self.seed, self.shuffle = batch, seq, seed, shuffle
+        self.seq = seq
         self.num_windows = len(self.ids) // seq
         if self.num_windows == 0:
             raise ValueError(f"{path}: {len(self.ids)} tokens, fewer than one sequence of {seq}")
+
+    def __len__(self):
+        return self.num_windows
 
     def window(self, w):
         """(input_ids, labels) of window w, int64 tensors of seq values."""
@@ -273,6 +281,29 @@ class TokenBatches:
             drop |= np.asarray(self.mask[s:s + self.seq]) == 0
         labels[drop] = IGNORE_INDEX
         return torch.from_numpy(ids), torch.from_numpy(labels)
+
+    def __getitem__(self, i):
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"TokenDataset: index {i!r} is not an int")
+        if not -self.num_windows <= i < self.num_windows:
+            raise IndexError(f"TokenDataset: window {i} of {self.num_windows} ({self.path})")
+        ids, labels = self.window(int(i) % self.num_windows)
+        return {"input_ids": ids, "labels": labels}
+
+
+class TokenBatches:
+    """[batch, seq] (input_ids, labels) from a token file, TokenDataset's windows stacked (labels not
+    shifted). With shuffle, each epoch visits the windows in an order drawn from (seed, epoch); without, in
+    file order. Endless: iterate with zip or itertools.islice."""
+
+    def __init__(self, path, batch, seq, seed=0, shuffle=True):
+        self.data = TokenDataset(path, seq)
+        self.batch, self.seq, self.seed, self.shuffle = batch, seq, seed, shuffle
+        self.num_windows = len(self.data)
+
+    def window(self, w):
+        """(input_ids, labels) of window w, int64 tensors of seq values."""
+        return self.data.window(w)
 
     def __iter__(self):
         import torch

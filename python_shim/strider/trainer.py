@@ -3,6 +3,7 @@
     args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=500,
                              learning_rate=1e-5, lr_scheduler_type="cosine", warmup_steps=20, report_to=[])
     trainer = strider.StriderTrainer(model=model, args=args, train_dataset=ds, data_collator=collator, seq=1024)
+    trainer = strider.StriderTrainer(model=model, args=args, train_dataset="train.tokens", seq=1024)
     trainer.train()
     trainer.save_model("finetuned")          # the trained weights (the model's parameters are strider's)
     trainer.train(resume_from_checkpoint=True)   # a later run: continues from the last checkpoint-N
@@ -42,6 +43,11 @@ replaced:
   targets is skipped without counting. save_only_model=True checkpoints hold no
   strider state and cannot be resumed.
 
+Data: any dataset the Trainer takes whose rows hold input_ids (and labels,
+attention_mask), or a token file (`python -m strider.data` writes one): its
+path as train_dataset or eval_dataset is read as strider.data.TokenDataset,
+windows of the engine's seq tokens.
+
 The engine's config: pass `strider_config` (an EngineConfig), or let the
 trainer build one from TrainingArguments (learning_rate, lr_scheduler_type
 linear/cosine/constant/constant_with_warmup, warmup_steps, max_steps or the
@@ -63,6 +69,7 @@ import torch
 import transformers
 
 from strider.config import EngineConfig
+from strider.data import TokenDataset
 from strider.engine import IGNORE_INDEX, Engine, inspect_checkpoint
 
 # lr_scheduler_type -> (strider schedule, whether the Trainer's schedule warms up).
@@ -114,6 +121,13 @@ class StriderTrainer(transformers.Trainer):
         self.max_skipped_steps = max_skipped_steps
         self._skipped_in_a_row = 0
         self.engine = None
+        for key in ("train_dataset", "eval_dataset"):  # a token file's path: its windows of the engine's seq
+            if isinstance(kwargs.get(key), (str, os.PathLike)):
+                window = strider_config.seq if strider_config is not None else seq
+                if window is None:
+                    raise ValueError(f"StriderTrainer: {key} = {str(kwargs[key])!r} is a token file; pass seq= "
+                                     "(or a strider_config) to cut it into sequences")
+                kwargs[key] = TokenDataset(kwargs[key], window)
         super().__init__(model=model, args=args, **kwargs)
         self.place_model_on_device = False
         config = self._config_from_args(strider_config, seq)
@@ -281,7 +295,10 @@ class StriderTrainer(transformers.Trainer):
 
     # -- evaluation ------------------------------------------------------------------------------------
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """Mean loss over every valid token of the eval set (engine.evaluate on each batch)."""
+        """Mean loss over every valid token of the eval set (engine.evaluate on each batch); a token file's
+        path is read as TokenDataset windows of the engine's seq."""
+        if isinstance(eval_dataset, (str, os.PathLike)):
+            eval_dataset = TokenDataset(eval_dataset, self.engine.config.seq)
         total, valid = 0.0, 0
         for inputs in self.get_eval_dataloader(eval_dataset):
             ids, labels, mask = self._batch(inputs, "evaluate")

@@ -144,6 +144,27 @@ def test_token_batches_follow_transformers_conventions(tmp_path):
     assert sorted(int(b[0][0, 0]) for b, _ in zip(shuffled, range(2))) == [10, 18]  # each window once an epoch
 
 
+def test_token_dataset_is_a_map_style_dataset_of_windows(tmp_path):
+    ids = np.arange(10, 30)
+    mask = np.ones(20, np.uint8)
+    mask[3:5] = 0
+    sd.write_token_file(tmp_path / "t.tokens", ids, mask=mask, doc_starts=[0, 6], vocab_size=64)
+    data = sd.TokenDataset(tmp_path / "t.tokens", seq=8)
+    assert len(data) == 2  # 20 tokens: two whole windows of 8, the last 4 unused
+    assert data[0]["input_ids"].tolist() == list(range(10, 18))
+    assert data[0]["labels"].tolist() == [-100, 11, 12, -100, -100, 15, -100, 17]
+    assert data[-1]["input_ids"].tolist() == list(range(18, 26))
+    with pytest.raises(IndexError, match="window 2 of 2"):
+        data[2]
+    # What transformers.Trainer's default collator makes of it: a batch of both windows.
+    import torch
+    batch = {k: torch.stack([data[i][k] for i in range(len(data))]) for k in ("input_ids", "labels")}
+    x, y = next(iter(sd.TokenBatches(tmp_path / "t.tokens", batch=2, seq=8, shuffle=False)))
+    assert torch.equal(batch["input_ids"], x) and torch.equal(batch["labels"], y)
+    with pytest.raises(ValueError, match="fewer than one sequence of 32"):
+        sd.TokenDataset(tmp_path / "t.tokens", seq=32)
+
+
 def test_bad_input_is_named(tmp_path, tokenizer):
     good = '{"messages": [{"role": "user", "content": "hello"}]}\n'
     for text, match in [(good + '{"messages": [\n', "bad.jsonl:2: not valid JSON"),

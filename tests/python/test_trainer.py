@@ -116,6 +116,38 @@ def test_train_steps_the_engine_like_the_engine_itself(tmp_path):
     assert trainer.engine.last_result.step == STEPS  # evaluation did not step
 
 
+def test_a_token_file_is_a_dataset(tmp_path):
+    """A token file from `python -m strider.data`, by its path: the Trainer trains on its windows (in order,
+    with sequential sampling) as the engine does on the same windows, and evaluates on one."""
+    from strider.data import TokenDataset, write_token_file
+    g = torch.Generator().manual_seed(5)
+    n = SEQ * BATCH * STEPS + 7  # the last 7 tokens make no whole window
+    ids = torch.randint(0, SMALL["vocab_size"], (n,), generator=g).numpy()
+    mask = (torch.rand(n, generator=g) > 0.2).numpy().astype("uint8")
+    path = tmp_path / "train.tokens"
+    write_token_file(path, ids, mask=mask, doc_starts=[0, 40, 41], vocab_size=SMALL["vocab_size"])
+    args = training_args(tmp_path)
+    trainer = strider.StriderTrainer(model=make_model(), args=args, train_dataset=str(path), strider_config=config())
+    assert isinstance(trainer.train_dataset, TokenDataset) and len(trainer.train_dataset) == BATCH * STEPS
+    trainer.train()
+    direct = strider.Engine(make_model(), config())
+    windows = TokenDataset(path, SEQ)
+    for s in range(STEPS):
+        batch = transformers.default_data_collator([windows[i] for i in range(s * BATCH, (s + 1) * BATCH)])
+        direct.step(batch["input_ids"], batch["labels"])
+    for name in direct.param_names():
+        assert torch.equal(trainer.engine.param(name), direct.param(name)), name
+    # evaluate(path): the token-mean loss over its windows, batch by batch (the engines' weights are equal).
+    total = valid = 0
+    for k in range(0, len(windows), BATCH):
+        b = transformers.default_data_collator([windows[i] for i in range(k, min(k + BATCH, len(windows)))])
+        n = int((b["labels"][:, 1:] != -100).sum())
+        total, valid = total + direct.evaluate(b["input_ids"], b["labels"]) * n, valid + n
+    assert trainer.evaluate(path)["eval_loss"] == pytest.approx(total / valid, rel=1e-9)
+    with pytest.raises(ValueError, match="is a token file; pass seq="):
+        strider.StriderTrainer(model=make_model(), args=args, train_dataset=str(path))
+
+
 def test_config_from_training_arguments(tmp_path):
     args = training_args(tmp_path, per_device_train_batch_size=3, learning_rate=2e-4, lr_scheduler_type="cosine",
                          warmup_steps=0.25, max_steps=8, weight_decay=0.05, max_grad_norm=0.5, adam_beta2=0.98,
