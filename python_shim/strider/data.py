@@ -10,6 +10,18 @@ Inputs (--format, default from the file name: .jsonl/.json -> chat, else lines):
          tokenizer's chat template; the loss mask is 1 on assistant turns (their content and the
          template's end-of-turn tokens) and 0 on system, user and template prompt tokens.
 
+Layout (--mode):
+  packed   the documents back to back, one stream that the loader cuts into
+           --seq windows: no padding, but a window's attention crosses the
+           documents in it and a document may run across two windows
+  example  each document alone in a window of exactly --seq tokens: cut to
+           --seq, or padded after its end (padding is masked out of the loss);
+           what one example per sequence means in transformers' SFT recipes
+The summary line reports the documents' lengths (min, median, max), the
+target fraction and, given --seq, the windows, the documents longer than a
+window (cut in example mode, split across windows in packed mode) and the
+padding.
+
 The output is io/token_data.h's format, version 1, written with numpy per its
 header comment: uint16 ids when the vocabulary fits (<= 65536 ids), else
 uint32; document starts always (the loader never predicts across them); a loss
@@ -196,16 +208,31 @@ def _documents(path, fmt):
             yield record["messages"], len(raw)
 
 
-def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, progress=True):
-    """Tokenizes input_path into the token file output_path; returns a summary dict."""
+def _pad_id(tokenizer):
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, progress=True, mode="packed",
+            seq=None):
+    """Tokenizes input_path into the token file output_path (mode packed or example; see the module's
+    docstring); returns a summary dict with the report."""
     from tqdm.auto import tqdm
 
     if fmt == "auto":
         fmt = "chat" if str(input_path).endswith((".jsonl", ".json")) else "lines"
     if fmt not in ("lines", "text", "chat"):
         raise ValueError(f"format {fmt!r} is not lines, text or chat")
-    ids, mask, starts = [], [], []
-    n = 0
+    if mode not in ("packed", "example"):
+        raise ValueError(f"mode {mode!r} is not packed or example")
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 2):
+        raise ValueError(f"seq = {seq!r}: expected an int >= 2 (the tokens of one training sequence)")
+    if mode == "example" and seq is None:
+        raise ValueError("mode example pads or cuts each document to one sequence: give seq (--seq), the "
+                         "engine's sequence length")
+    docs, masks = [], []
     with tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True, disable=not progress,
               desc=f"tokenizing {Path(input_path).name}") as bar:
         for item, consumed in _documents(input_path, fmt):
@@ -214,24 +241,50 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
                 continue
             if fmt == "chat":
                 doc, doc_mask = encode_chat(tokenizer, item)
-                mask.append(np.asarray(doc_mask, np.uint8))
             else:
-                doc = encode_document(tokenizer, item, append_eos)
+                doc, doc_mask = encode_document(tokenizer, item, append_eos), None
             if not doc:
                 continue
-            starts.append(n)
-            ids.append(np.asarray(doc, np.int64))
-            n += len(doc)
-    if n == 0:
+            docs.append(np.asarray(doc, np.int64))
+            masks.append(np.ones(len(doc), np.uint8) if doc_mask is None else np.asarray(doc_mask, np.uint8))
+    if not docs:
         raise ValueError(f"{input_path}: no tokens (empty input?)")
+    lengths = np.array([len(d) for d in docs], np.int64)
     vocab = len(tokenizer)
-    all_ids = np.concatenate(ids)
-    all_mask = np.concatenate(mask) if fmt == "chat" else None
-    write_token_file(output_path, all_ids, all_mask, starts, vocab_size=vocab)
-    summary = dict(output=str(output_path), format=fmt, tokens=int(n), documents=len(starts), vocab_size=vocab,
-                   token_bytes=2 if vocab <= 1 << 16 else 4)
-    if all_mask is not None:
-        summary["target_fraction"] = float(all_mask.mean())
+    report = dict(documents=len(docs), length_min=int(lengths.min()), length_median=float(np.median(lengths)),
+                  length_max=int(lengths.max()))
+    if mode == "example":
+        # One window per document: cut to seq, or padded after it (the padding is no target). One more
+        # padding token ends the file: the C++ loader reads a window's seq + 1 tokens (io/token_data.h; the
+        # last one is only a label), so without it the last document would make no window there.
+        pad = _pad_id(tokenizer)
+        all_ids = np.full(len(docs) * seq + 1, pad, np.int64)
+        all_mask = np.zeros(len(docs) * seq + 1, np.uint8)
+        for k, (d, m) in enumerate(zip(docs, masks)):
+            n = min(len(d), seq)
+            all_ids[k * seq:k * seq + n] = d[:n]
+            all_mask[k * seq:k * seq + n] = m[:n]
+        starts = [k * seq for k in range(len(docs))]
+        report.update(seq=seq, windows=len(docs), cut=int((lengths > seq).sum()),
+                      tokens_cut=int(np.maximum(lengths - seq, 0).sum()),
+                      padding_fraction=float(np.maximum(seq - lengths, 0).sum() / (len(docs) * seq)))
+        write_mask = True
+    else:
+        all_ids = np.concatenate(docs)
+        all_mask = np.concatenate(masks)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
+        write_mask = fmt == "chat"
+        if seq is not None:
+            ends = np.cumsum(lengths)
+            # A document split across windows: its first and last token fall in different windows.
+            split = (np.asarray(starts) // seq) != ((ends - 1) // seq)
+            report.update(seq=seq, windows=int(all_ids.size // seq), split=int(split.sum()),
+                          tokens_unused=int(all_ids.size % seq))
+    write_token_file(output_path, all_ids, all_mask if write_mask else None, starts, vocab_size=vocab)
+    summary = dict(output=str(output_path), format=fmt, mode=mode, tokens=int(all_ids.size), vocab_size=vocab,
+                   token_bytes=2 if vocab <= 1 << 16 else 4, **report)
+    if write_mask:
+        summary["target_fraction"] = float(all_mask.sum() / (len(docs) * seq if mode == "example" else all_mask.size))
         if not all_mask.any():
             # Every batch would be skipped for want of a target: said now, not after a run that learns nothing.
             warnings.warn(f"{input_path}: no assistant turn in any conversation, so {output_path} has no target "
@@ -329,12 +382,19 @@ def main(argv=None):
     p.add_argument("--format", default="auto", choices=["auto", "lines", "text", "chat"],
                    help="auto: chat for .jsonl/.json, else lines")
     p.add_argument("--no-eos", action="store_true", help="do not end text documents with the EOS token")
+    p.add_argument("--mode", default="packed", choices=["packed", "example"],
+                   help="packed: documents back to back, cut into --seq windows by the loader; example: each "
+                        "document alone in a window of --seq tokens, cut or padded")
+    p.add_argument("--seq", type=int, default=None,
+                   help="the engine's sequence length: needed by --mode example; with packed, the report says "
+                        "how many documents run across two windows")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
-        summary = prepare(tokenizer, a.input, a.output, a.format, append_eos=not a.no_eos, progress=not a.quiet)
+        summary = prepare(tokenizer, a.input, a.output, a.format, append_eos=not a.no_eos, progress=not a.quiet,
+                          mode=a.mode, seq=a.seq)
     except (ValueError, OSError) as e:
         print(f"strider.data: {e}", file=sys.stderr)
         return 1

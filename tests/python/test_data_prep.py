@@ -116,6 +116,59 @@ def test_chat_loss_mask_is_the_assistant_turns(tmp_path, tokenizer, strider_bina
     assert counted == targets
 
 
+def test_example_mode_gives_each_document_a_window_of_its_own(tmp_path, tokenizer, tokenizer_dir, strider_binary):
+    docs = ["the cat sat on the mat", "sure", "hello how are you", "be brief please"]
+    (tmp_path / "corpus.txt").write_text("\n".join(docs) + "\n")
+    encoded = [tokenizer(d)["input_ids"] + [tokenizer.eos_token_id] for d in docs]
+    lengths = [len(e) for e in encoded]  # 8, 3, 6, 5 (BOS, the words, EOS)
+    seq = 6
+    summary = sd.prepare(tokenizer, tmp_path / "corpus.txt", tmp_path / "ex.tokens", mode="example", seq=seq,
+                         progress=False)
+    # The report: lengths, what was cut, how much is padding, what counts.
+    # One padding token past the last window: the C++ loader reads seq + 1 tokens a window.
+    assert summary["mode"] == "example" and summary["windows"] == 4 and summary["tokens"] == 4 * seq + 1
+    assert (summary["length_min"], summary["length_median"], summary["length_max"]) == (3, 5.5, 8)
+    assert summary["cut"] == 1 and summary["tokens_cut"] == 2
+    assert summary["padding_fraction"] == pytest.approx((3 + 1) / 24)
+    assert summary["target_fraction"] == pytest.approx(sum(min(n, seq) for n in lengths) / 24)
+    data = sd.TokenDataset(tmp_path / "ex.tokens", seq)
+    pad = tokenizer.pad_token_id
+    for k, e in enumerate(encoded):
+        row = data[k]
+        kept = e[:seq]
+        assert row["input_ids"].tolist() == kept + [pad] * (seq - len(kept))
+        # Its first token starts a document; its padding is no target.
+        assert row["labels"].tolist() == [-100] + kept[1:] + [-100] * (seq - len(kept))
+    # The C++ loader reads the same windows.
+    st_tool = strider_binary("st_tool")
+    b = st_json(st_tool, "tok-batches", tmp_path / "ex.tokens", "--batch", 4, "--seq", seq, "--no-shuffle")[0]
+    assert b["inputs"] == [t for k in range(4) for t in data[k]["input_ids"].tolist()]
+    # Its labels are shifted (the next token's), so a window's last one is the next document's start: none.
+    assert b["labels"] == [t for k in range(4) for t in data[k]["labels"].tolist()[1:] + [-100]]
+    # The command line takes --mode and --seq, and example mode needs --seq.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    base = [sys.executable, "-m", "strider.data", "--tokenizer", tokenizer_dir, "--input", tmp_path / "corpus.txt",
+            "--output", tmp_path / "cli.tokens", "--quiet", "--mode", "example"]
+    out = subprocess.run(base + ["--seq", "6"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.splitlines()[-1])["cut"] == 1
+    out = subprocess.run(base, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1 and "give seq (--seq)" in out.stderr
+
+
+def test_packed_mode_reports_documents_split_across_windows(tmp_path, tokenizer):
+    docs = ["the cat sat on the mat", "sure", "hello how are you", "be brief please"]
+    (tmp_path / "corpus.txt").write_text("\n".join(docs) + "\n")
+    summary = sd.prepare(tokenizer, tmp_path / "corpus.txt", tmp_path / "p.tokens", seq=6, progress=False)
+    # Lengths 8, 3, 6, 5 back to back: tokens 0-7, 8-10, 11-16, 17-21; windows of 6 start at 0, 6, 12, 18.
+    # Split: the first (0-7), the third (11-16) and the fourth (17-21); the second (8-10) stays in window 1.
+    assert summary["mode"] == "packed" and summary["tokens"] == 22 and summary["windows"] == 3
+    assert summary["split"] == 3 and summary["tokens_unused"] == 4
+    assert "target_fraction" not in summary  # plain text: every token counts, no mask written
+    with pytest.raises(ValueError, match="mode 'sliced' is not packed or example"):
+        sd.prepare(tokenizer, tmp_path / "corpus.txt", tmp_path / "x.tokens", mode="sliced", progress=False)
+
+
 def test_big_vocabularies_get_uint32_ids(tmp_path, strider_binary):
     ids = np.array([5, 70000, 65535, 1], np.int64)
     sd.write_token_file(tmp_path / "big.tokens", ids, doc_starts=[0, 2], vocab_size=70001)
