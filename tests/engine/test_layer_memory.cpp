@@ -92,10 +92,11 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
               work.gemm_staging_bytes, work.silu_back_staging_bytes);
   const ModelSpec gqa = llama(2), mha = llama(8), qwen3 = llama(4, true);
   std::vector<Shape> shapes;
-  // STRIDER_LAYER_MEMORY_FP32_ONLY=1 (the ATEN_CPU_CAPABILITY=avx2 entry of
-  // tests/engine/CMakeLists.txt): torch 2.15's bf16 flash attention throws
-  // "pack_vnni2 is only supported when avx512 is supported" when AVX2 is
-  // forced on a CPU with AVX-512 BF16, so that run measures the fp32 shapes.
+  // STRIDER_LAYER_MEMORY_FP32_ONLY=1 measures the fp32 shapes only: for a run
+  // with ATEN_CPU_CAPABILITY=avx2 but oneDNN left at AVX-512 BF16, where
+  // torch 2.15's bf16 flash attention throws "pack_vnni2 is only supported
+  // when avx512 is supported" (ctest's avx2 entry sets ONEDNN_MAX_CPU_ISA=AVX2
+  // instead, and measures both dtypes).
   const char* fp32_only = std::getenv("STRIDER_LAYER_MEMORY_FP32_ONLY");
   const bool bf16 = fp32_only == nullptr || std::string(fp32_only) != "1";
   if (!bf16) std::printf("fp32 shapes only (STRIDER_LAYER_MEMORY_FP32_ONLY=1)\n");
