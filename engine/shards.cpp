@@ -84,9 +84,12 @@ std::vector<std::vector<ElemRange>> layer_piece_ranges(const ParamLayout& layer,
     const std::string& g = texts.back();
     for (size_t x = 0; x <= g.size();) {
       const size_t y = std::min(g.find('+', x), g.size());
-      STRIDER_CHECK(y > x, "layer_pieces '{}': group '{}' has an empty name fragment (groups are separated by ',', "
-                    "fragments of one group by '+')", groups, g);
-      f.push_back(g.substr(x, y - x));
+      std::string frag = g.substr(x, y - x);  // spaces around it are not part of any name
+      frag.erase(0, frag.find_first_not_of(' '));
+      frag.erase(frag.find_last_not_of(' ') + 1);
+      STRIDER_CHECK(!frag.empty(), "layer_pieces '{}': group '{}' has an empty name fragment (groups are separated "
+                    "by ',', fragments of one group by '+')", groups, g);
+      f.push_back(std::move(frag));
       x = y + 1;
     }
     a = b + 1;
@@ -108,7 +111,10 @@ std::vector<std::vector<ElemRange>> layer_piece_ranges(const ParamLayout& layer,
         }
     STRIDER_CHECK(group >= 0, "layer_pieces '{}': tensor {} matches no group; every tensor of a layer belongs to "
                   "exactly one piece", groups, name);
-    const ElemRange r{slots[t].offset_elems, t + 1 < slots.size() ? slots[t + 1].offset_elems : layer.total_elems()};
+    // From its start (the first: the block's) to the next tensor's (the last: the block's end), so that the
+    // pieces tile the block, its alignment padding included.
+    const ElemRange r{t == 0 ? 0 : slots[t].offset_elems,
+                      t + 1 < slots.size() ? slots[t + 1].offset_elems : layer.total_elems()};
     std::vector<ElemRange>& rs = out[size_t(group)];
     if (!rs.empty() && rs.back().end == r.begin) rs.back().end = r.end;
     else rs.push_back(r);

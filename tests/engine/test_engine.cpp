@@ -291,6 +291,7 @@ TEST_CASE("layer pieces are refused naming the tensor or the group", "[engine][p
   CHECK_THAT(refused("layernorm,self_attn+mlp,proj"), Catch::Contains("matches two groups, 'self_attn+mlp' and 'proj'"));
   CHECK_THAT(refused("layernorm,self_attn+mlp,experts"), Catch::Contains("group 'experts' matches no tensor"));
   CHECK_THAT(refused("layernorm,,mlp+self_attn"), Catch::Contains("empty name fragment"));
+  CHECK(refused("layernorm, self_attn + mlp") == "(accepted)");  // spaces around a fragment are not part of it
 }
 
 TEST_CASE("q8 optimizer state: refused with an fp32 compute copy, and vocabulary shards off its groups", "[engine][q8]") {
