@@ -7,36 +7,26 @@
 
 #include "engine/engine.h"
 
+// Beyond what engine.h brings (the config, the spec, the shards, the program,
+// the timeline, the Device, the NVMe store's kinds):
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
-#include <memory>
 #include <mutex>
-#include <string>
 #include <thread>
-#include <vector>
 
 #include "engine/block_runner.h"
-#include "engine/engine_config.h"
-#include "engine/model_spec.h"
 #include "engine/placement.h"
-#include "engine/shards.h"
-#include "engine/step_program.h"
-#include "engine/timeline.h"
 #include "gpu/cache_unit_pool.h"
-#include "gpu/device.h"
 #include "host/cpu_adam.h"
-#include "host/state_format.h"
 #include "host/param_store.h"
 #include "host/pinned_arena.h"
-#include "io/nvme_store.h"
+#include "host/state_format.h"
 
 namespace strider {
 
-class Collectives;  // engine/collectives.h
-struct RankInfo;
 class SimUpdater;   // engine/sim_updater.h
 
 class EngineCore {
@@ -77,12 +67,13 @@ class EngineCore {
   struct Loaded {
     const CacheUnit* unit;
     std::unique_ptr<Event> ready;
-    std::vector<UnitRun> layout;  // its pieces' ranges in the unit (Sharding::unit_layout)
+    const std::vector<UnitRun>* layout;  // its pieces' ranges in the unit (StepProgram::layouts)
   };
 
   // The device executor: a program's device operations, in order, each
   // through one table (run_device_op, engine_visit.cpp).
   struct PassCursor {
+    const StepProgram* program = nullptr;  // the pass's
     int saved_slot = -1;                   // the latest kept forward's device slot...
     std::unique_ptr<Event> saved_done;     // ...and its forward done, for its kSaveOut
     const std::byte* send = nullptr;       // the visit's gradients in the transfer dtype (kGradsToSend)
@@ -100,7 +91,8 @@ class EngineCore {
   void allocate_activations();
   void upload_batch(const int64_t* ids, const int64_t* labels);
   std::vector<int64_t> visit_segments(const StepOp& v) const;
-  void load_visit(const StepOp& load);          // acquire + H2D of its visit's pieces into loaded_[visit]
+  // Acquire + H2D of its visit's pieces into loaded_[visit], laid out as `layout` says.
+  void load_visit(const StepOp& load, const std::vector<UnitRun>& layout);
   at::Tensor params_view(const CacheUnit& u, size_t offset, size_t elems) const;
   at::Tensor grads_view(const CacheUnit& u) const;
   at::Tensor rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const;  // [rows, hidden]

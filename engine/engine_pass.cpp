@@ -92,15 +92,14 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels) {
   device_->wait(StreamId::kCompute, *data_ready_);
 }
 
-void EngineCore::load_visit(const StepOp& v) {
+void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout) {
   const std::vector<int64_t> segs = visit_segments(v);
   for (int64_t p : segs) wait_updated(p);
   const CacheUnit& u = pool_->acquire(StreamId::kH2D);
   if (simulated())
     for (int64_t p : segs) device_->wait(StreamId::kH2D, sim_updater_->update_done(p));
   // Each range from the block's compute copy to its place in the unit
-  // (Sharding::unit_layout), ranges adjacent in both as one copy.
-  std::vector<UnitRun> layout = place_.shards.unit_layout(segs);
+  // (StepProgram::layouts), ranges adjacent in both as one copy.
   for (size_t i = 0; i < layout.size();) {
     const int64_t block = piece(layout[i].piece).block;
     const size_t unit_at = layout[i].unit_at, from = layout[i].run.block;
@@ -115,7 +114,7 @@ void EngineCore::load_visit(const StepOp& v) {
   }
   auto ready = device_->make_event();
   device_->record(*ready, StreamId::kH2D);
-  loaded_[size_t(v.visit)] = {&u, std::move(ready), std::move(layout)};
+  loaded_[size_t(v.visit)] = {&u, std::move(ready), &layout};
 }
 
 const std::byte* EngineCore::grads_to_send(const CacheUnit& u, size_t elems, int64_t block) {
@@ -163,7 +162,7 @@ void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte*
   }
   // Each of its ranges from its place in the unit to the piece's coordinates on the host.
   std::byte* host = grad_host(p).data();
-  for (const UnitRun& u : loaded_[size_t(visit.visit)].layout)
+  for (const UnitRun& u : *loaded_[size_t(visit.visit)].layout)
     if (u.piece == p)
       device_->copy_d2h(StreamId::kD2H, host + u.run.at * place_.grad_bytes, src + u.unit_at * place_.grad_bytes,
                         u.run.n * place_.grad_bytes, {"d2h grads", int32_t(piece(p).block)});
@@ -199,6 +198,7 @@ void EngineCore::run_pass(const StepProgram& program) {
   loaded_.resize(size_t(program.visits));
   saved_in_.clear();  // a pass that threw left nothing to wait for in order
   PassCursor at;
+  at.program = &program;
   for (const StepOp& op : program.ops) {
     if (!op.on_device()) continue;
     // A visit's first operation waits on the compute stream for its load.

@@ -206,25 +206,17 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
         if (place_.grad_bytes == 4) reinterpret_cast<float*>(g)[0] = std::numeric_limits<float>::quiet_NaN();
         else reinterpret_cast<uint16_t*>(g)[0] = 0x7FC0;  // a bf16 NaN
       }
+      // One part per range of the piece (0 where this rank holds none of it).
       std::vector<double>& parts = fig.parts[size_t(b)];
-      for (const PieceRun& r : piece(b).runs(own.begin, own.end)) {
+      parts.assign(piece(b).ranges.size(), 0.0);
+      for (const PieceRun& r : place_.at(b).owned_runs) {
         const std::byte* x = g + r.at * place_.grad_bytes;
-        parts.push_back(place_.grad_bytes == 4 ? sum_squares({reinterpret_cast<const float*>(x), r.n})
-                                               : sum_squares_bf16({reinterpret_cast<const uint16_t*>(x), r.n}));
+        parts[r.range] = place_.grad_bytes == 4 ? sum_squares({reinterpret_cast<const float*>(x), r.n})
+                                                : sum_squares_bf16({reinterpret_cast<const uint16_t*>(x), r.n});
       }
       // Sharded: each part summed over the ranks' slices (rank order: the same
-      // bits everywhere; a rank holding none of a range adds 0).
-      if (op.over_slices) {
-        std::vector<double> all(piece(b).ranges.size(), 0.0);
-        const std::vector<PieceRun> mine = piece(b).runs(own.begin, own.end);
-        const std::vector<PieceRun> whole = piece(b).runs();
-        for (size_t i = 0, j = 0; i < mine.size(); ++i) {
-          while (whole[j].at + whole[j].n <= mine[i].at) ++j;
-          all[j] = parts[i];
-        }
-        dist_update_->all_reduce_sum(std::span<double>(all));
-        parts = std::move(all);
-      }
+      // bits everywhere).
+      if (op.over_slices) dist_update_->all_reduce_sum(std::span<double>(parts));
       double& sq = fig.sumsq[size_t(b)];
       for (double x : parts) sq += x;
       // Named now: a ring slot may hold other gradients by the time it matters.

@@ -39,7 +39,7 @@ double EngineCore::op_flops(const StepOp& op) const {
 void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
   const int64_t m = op.micro_batch;
   switch (op.kind) {
-    case StepOpKind::kLoad: load_visit(op); return;
+    case StepOpKind::kLoad: load_visit(op, at.program->layouts[size_t(op.visit)]); return;
     case StepOpKind::kFetchSaved: fetch_saved(op.block, m); return;
     case StepOpKind::kForward: forward_op(op, at); return;
     case StepOpKind::kSaveOut: {
@@ -128,7 +128,7 @@ const CacheUnit& EngineCore::unit(const StepOp& op) const { return *loaded_[size
 
 size_t EngineCore::visit_elems(const StepOp& op) const {
   size_t n = 0;
-  for (const UnitRun& u : loaded_[size_t(op.visit)].layout) n += u.run.n;
+  for (const UnitRun& u : *loaded_[size_t(op.visit)].layout) n += u.run.n;
   return n;
 }
 

@@ -154,7 +154,8 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
     staged[size_t(pc.block)] += pc.elems();
     const size_t n = at.owned.elems();
     const bool all_decay = c.decay_norms_and_biases || c.adam.weight_decay == 0;
-    for (const PieceRun& r : pc.runs(at.owned.begin, at.owned.end)) {
+    at.owned_runs = pc.runs(at.owned.begin, at.owned.end);
+    for (const PieceRun& r : at.owned_runs) {
       const size_t from = r.at - at.owned.begin;
       if (all_decay) {
         at.runs.push_back({from, r.block, r.n, true});

@@ -70,6 +70,7 @@ struct PiecePlace {
   // (engine/shards.h): the piece's part of this rank's slice of the block.
   ElemRange owned;
   std::vector<size_t> slices;  // the ranks' slice bounds cut to the piece, in the piece's coordinates
+  std::vector<PieceRun> owned_runs;  // the owned elements range by range (the sums of squares' parts)
   std::vector<UpdateRun> runs; // the owned elements as AdamW updates them
   size_t staging_at = 0;       // its gradients' place in its block's own staging (the block's pieces back to back)
 };

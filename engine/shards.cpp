@@ -17,9 +17,10 @@ size_t Piece::elems() const {
 std::vector<PieceRun> Piece::runs(size_t lo, size_t hi) const {
   std::vector<PieceRun> out;
   size_t at = 0;
-  for (const ElemRange& r : ranges) {
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const ElemRange& r = ranges[i];
     const size_t a = std::max(lo, at), b = std::min(hi, at + r.elems());
-    if (a < b) out.push_back({a, r.begin + (a - at), b - a});
+    if (a < b) out.push_back({a, r.begin + (a - at), b - a, i});
     at += r.elems();
   }
   return out;
@@ -64,12 +65,6 @@ std::vector<UnitRun> Sharding::unit_layout(const std::vector<int64_t>& visit) co
     }
   }
   return out;
-}
-
-size_t Sharding::visit_elems(const std::vector<int64_t>& visit) const {
-  size_t n = 0;
-  for (int64_t p : visit) n += pieces[size_t(p)].elems();
-  return n;
 }
 
 std::vector<std::vector<ElemRange>> layer_piece_ranges(const ParamLayout& layer, const std::string& groups) {

@@ -53,9 +53,11 @@ struct ElemRange {
 };
 
 // A stretch of a piece that is contiguous in its block: `n` elements, at `at`
-// in the piece's coordinates and at `block` in the block's.
+// in the piece's coordinates and at `block` in the block's, in the piece's
+// range `range`.
 struct PieceRun {
   size_t at = 0, block = 0, n = 0;
+  size_t range = 0;
 };
 
 struct Piece {
@@ -104,7 +106,6 @@ struct Sharding {
   // Their ranges in the unit: grouped by block in the order given, in block
   // order within a block, back to back.
   std::vector<UnitRun> unit_layout(const std::vector<int64_t>& visit) const;
-  size_t visit_elems(const std::vector<int64_t>& visit) const;
   // "embedding[0:4096)", "layer.3", "layer.3[self_attn+mlp]", "head norm", "lm_head[4096:8192)".
   std::string name(const ModelSpec& spec, int64_t piece) const;
 };

@@ -293,6 +293,14 @@ std::vector<Visit> device_program(const Placement& place, const ProgramInputs& i
   return vs;
 }
 
+// Each visit's unit layout, from its load (which names the visit's first piece, or the head's shard).
+void lay_out_visits(const Placement& place, StepProgram& prog) {
+  prog.layouts.assign(size_t(prog.visits), {});
+  for (const StepOp& o : prog.ops)
+    if (o.kind == StepOpKind::kLoad)
+      prog.layouts[size_t(o.visit)] = place.shards.unit_layout(place.shards.visit_pieces(o.piece, o.shard));
+}
+
 }  // namespace
 
 ProgramInputs program_inputs(const EngineConfig& c, int world) {
@@ -307,6 +315,7 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   DeviceBuilder dev(place, in, true, prog.ops);
   const std::vector<Visit> vs = device_program(place, in, true, prog.ops, dev);
   prog.visits = int64_t(vs.size());
+  lay_out_visits(place, prog);
   const std::vector<int32_t>& sent = dev.grads_out_;
   const int64_t P = place.num_pieces();
   const bool clip = in.clip_norm > 0;
@@ -404,6 +413,7 @@ StepProgram compile_eval(const Placement& place, const ProgramInputs& in) {
   StepProgram prog;
   DeviceBuilder dev(place, in, false, prog.ops);
   prog.visits = int64_t(device_program(place, in, false, prog.ops, dev).size());
+  lay_out_visits(place, prog);
   return prog;
 }
 

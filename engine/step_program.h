@@ -107,6 +107,8 @@ struct StepOp {
 struct StepProgram {
   std::vector<StepOp> ops;      // device and host operations; each executor walks its own in order
   int64_t visits = 0;           // the visits (a kLoad ... kRelease each)
+  // Per visit: its pieces' ranges in its cache unit (Sharding::unit_layout).
+  std::vector<std::vector<UnitRun>> layouts;
   std::vector<int32_t> landed;  // per piece: its kLand operation
   std::vector<int32_t> updated; // per piece: its kUpdated operation
   int32_t norm = -1;            // the kNorm operation: the step's end for step()

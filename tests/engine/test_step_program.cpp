@@ -232,9 +232,15 @@ TEST_CASE("a layer cut into pieces is one visit in its block's layout, and its p
     for (const StepOp& o : prog.ops)
       if (o.kind == K::kGradsOut) out.push_back(o.piece);
     CHECK(out == a.landing);
-    // A layer's next load waits for both its pieces' updates.
+    // A layer's next load waits for both its pieces' updates, and its unit holds the whole block.
+    REQUIRE(prog.layouts.size() == size_t(prog.visits));
     for (const StepOp& o : prog.ops)
-      if (o.kind == K::kLoad && o.block >= 1 && o.block <= layers) CHECK(o.after_previous.size() == 2);
+      if (o.kind == K::kLoad && o.block >= 1 && o.block <= layers) {
+        CHECK(o.after_previous.size() == 2);
+        size_t covered = 0;
+        for (const UnitRun& u : prog.layouts[size_t(o.visit)]) covered += u.run.n;
+        CHECK(covered == a.layouts[size_t(o.block)].total_elems());
+      }
   }
 }
 
