@@ -66,6 +66,13 @@ const CpuEvent& own_event(const Event& e, const CpuDevice* self) {
   return *ce;
 }
 
+// Any CPU device's event: a pool's devices wait for each other's.
+const CpuEvent& cpu_event(const Event& e) {
+  auto* ce = dynamic_cast<const CpuEvent*>(&e);
+  STRIDER_CHECK(ce != nullptr, "CpuDevice: the event was not made by a CPU device");
+  return *ce;
+}
+
 }  // namespace
 
 struct CpuDevice::Op {
@@ -127,8 +134,9 @@ CpuDevice::~CpuDevice() {
 }
 
 std::string CpuDevice::name() const {
-  if (options_.chaos.enabled) return fmt::format("cpu (chaos seed {})", options_.chaos.seed);
-  return "cpu";
+  const std::string me = options_.pool_index >= 0 ? fmt::format("cpu:{}", options_.pool_index) : "cpu";
+  if (options_.chaos.enabled) return fmt::format("{} (chaos seed {})", me, options_.chaos.seed);
+  return me;
 }
 
 double CpuDevice::now_us() const {
@@ -246,7 +254,7 @@ void CpuDevice::run_worker(Worker& w) {
     } catch (const std::exception& e) {
       std::lock_guard lk(error_mutex_);
       if (first_error_.empty())
-        first_error_ = fmt::format("CpuDevice: {} op '{}' (block {}) on stream {} failed: {}",
+        first_error_ = fmt::format("{}: {} op '{}' (block {}) on stream {} failed: {}", name(),
                                    op_kind_name(op.kind), op.tag.name, op.tag.block, stream_name(w.id), e.what());
     }
     if (work > work_peak_.load()) work_peak_.store(work);  // this worker is the only writer
@@ -292,7 +300,7 @@ void CpuDevice::launch(StreamId s, OpTag tag, LaunchFn fn) {
 std::unique_ptr<Event> CpuDevice::make_event() { return std::make_unique<CpuEvent>(this); }
 
 void CpuDevice::record(Event& e, StreamId s) {
-  std::shared_ptr<CpuEventState> st = own_event(e, this).state();
+  std::shared_ptr<CpuEventState> st = cpu_event(e).state();
   uint64_t gen = 0;
   {
     std::lock_guard lk(st->m);
@@ -308,7 +316,7 @@ void CpuDevice::record(Event& e, StreamId s) {
 }
 
 void CpuDevice::wait(StreamId s, const Event& e) {
-  std::shared_ptr<CpuEventState> st = own_event(e, this).state();
+  std::shared_ptr<CpuEventState> st = cpu_event(e).state();
   uint64_t gen = 0;
   {
     std::lock_guard lk(st->m);

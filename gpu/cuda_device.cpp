@@ -215,7 +215,10 @@ class CudaDevice final : public Device {
   }
   void wait(StreamId s, const Event& e) override {
     CurrentDevice cd(ordinal_);
-    STRIDER_CUDA_CHECK(cudaStreamWaitEvent(stream(s), own(e).get(), 0));
+    // Another GPU's event too (a pool): CUDA orders streams across devices.
+    auto* ce = dynamic_cast<const CudaEvent*>(&e);
+    STRIDER_CHECK(ce != nullptr, "{}: the event was not made by a CUDA device", name_);
+    STRIDER_CUDA_CHECK(cudaStreamWaitEvent(stream(s), ce->get(), 0));
   }
 
   void synchronize(StreamId s) override {

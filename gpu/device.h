@@ -78,7 +78,10 @@ inline void run_launched(const LaunchFn& fn, const LaunchContext& ctx) {
   else fn(ctx);
 }
 
-// A point in a stream. Made by Device::make_event; usable only with its device.
+// A point in a stream. Made by Device::make_event. Only its device records
+// it; any device of the same kind may wait for it (a pool's devices order
+// their streams across devices that way; CUDA: cudaStreamWaitEvent), and any
+// host thread may synchronize on it.
 class Event {
  public:
   virtual ~Event() = default;
@@ -144,7 +147,8 @@ class Device {
   virtual std::unique_ptr<Event> make_event() = 0;
   // Marks in `e` the point after all work enqueued on `s` so far.
   virtual void record(Event& e, StreamId s) = 0;
-  // Makes later work on `s` wait for `e`'s latest record (a no-op if never recorded).
+  // Makes later work on `s` wait for `e`'s latest record (a no-op if never
+  // recorded). `e` may be another device's of the same kind (a pool).
   virtual void wait(StreamId s, const Event& e) = 0;
 
   // Blocks the host until all work enqueued on `s` so far is done; rethrows a failed op.
@@ -207,10 +211,24 @@ struct DeviceOptions {
   // CUDA, from launch (the caching allocator capped to the limit, and each
   // op's peak checked after it is enqueued).
   uint64_t work_limit_bytes = 0;
+  // A device of a pool (make_devices): its place in the pool, in its name
+  // ("cpu:1") and in its chaos seed; -1: a device of its own.
+  int pool_index = -1;
 };
 
 // The device `options.spec` asks for; "auto" says in `why` (if given) what it chose and why.
 std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why = nullptr);
+
+// The devices of a pool (engine/README.md, "A pool of devices"): `devices` is
+// a count ("2": that many of `options.spec`'s kind: cuda:0..N-1 for CUDA, N
+// CPU devices, each with its own streams, budget and chaos seed) or a list
+// of specs ("cuda:0,cuda:2"); "" or "1": the one device `options.spec` names.
+// Each gets `options`' budget. Throws naming the entry that is not a device,
+// a repeated CUDA device, a mix of kinds, or a simulated device in a pool.
+std::vector<std::unique_ptr<Device>> make_devices(const DeviceOptions& options, const std::string& devices);
+// The specs make_devices would make (of `spec`'s kind for a count), without
+// making them: its size is the pool's.
+std::vector<std::string> pool_specs(const std::string& spec, const std::string& devices);
 
 // What make_device would make of `spec`, without making it: the kind, the
 // CUDA ordinal, and why ("auto" probes for a GPU). Throws on an unknown spec.

@@ -2,6 +2,7 @@
 // "cpu", "cuda" and "cuda:N" override the choice; "sim:<preset>[,key=value...]"
 // builds a cost-model SimDevice.
 #include <charconv>
+#include <set>
 
 #include "gpu/cpu_device.h"
 #include "gpu/cuda_device.h"
@@ -66,6 +67,54 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* w
     case DeviceKind::kCuda: return make_cuda_device(c.ordinal, options);
   }
   throw Error(fmt::format("device \"{}\": no such kind", options.spec));
+}
+
+std::vector<std::string> pool_specs(const std::string& spec, const std::string& devices) {
+  std::vector<std::string> specs;
+  int count = 0;
+  auto [ptr, ec] = std::from_chars(devices.data(), devices.data() + devices.size(), count);
+  if (devices.empty()) {
+    specs.push_back(spec);
+  } else if (ec == std::errc() && ptr == devices.data() + devices.size()) {
+    STRIDER_CHECK(count >= 1 && count <= 64, "--devices {}: a pool has 1 to 64 devices", devices);
+    const DeviceChoice c = choose_device(spec);
+    for (int i = 0; i < count; ++i)
+      specs.push_back(count == 1 ? spec : c.kind == DeviceKind::kCuda ? fmt::format("cuda:{}", c.ordinal + i) : spec);
+  } else {
+    for (size_t at = 0; at <= devices.size();) {
+      const size_t end = std::min(devices.find(',', at), devices.size());
+      specs.push_back(devices.substr(at, end - at));
+      STRIDER_CHECK(!specs.back().empty(), "--devices {}: an empty entry; give a count (2) or a list (cuda:0,cuda:2)",
+                    devices);
+      at = end + 1;
+    }
+    STRIDER_CHECK(specs.size() <= 64, "--devices {}: a pool has 1 to 64 devices", devices);
+  }
+  return specs;
+}
+
+std::vector<std::unique_ptr<Device>> make_devices(const DeviceOptions& options, const std::string& devices) {
+  const std::vector<std::string> specs = pool_specs(options.spec, devices);
+  std::vector<std::unique_ptr<Device>> out;
+  std::set<int> gpus;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const DeviceChoice c = choose_device(specs[i]);
+    STRIDER_CHECK(specs.size() == 1 || c.kind != DeviceKind::kSim,
+                  "--devices {}: a pool of simulated devices is not built yet (strider plan predicts one device)",
+                  devices);
+    STRIDER_CHECK(c.kind != DeviceKind::kCuda || gpus.insert(c.ordinal).second || specs.size() == 1,
+                  "--devices {}: cuda:{} is named twice", devices, c.ordinal);
+    DeviceOptions o = options;
+    o.spec = specs[i];
+    if (specs.size() > 1) {
+      o.pool_index = int(i);
+      o.chaos.seed = options.chaos.seed + i;  // each device its own delays
+    }
+    out.push_back(make_device(o));
+    STRIDER_CHECK(out.back()->kind() == out.front()->kind(), "--devices {}: {} and {} are of different kinds; a pool's "
+                  "devices are all CPU or all CUDA", devices, out.front()->name(), out.back()->name());
+  }
+  return out;
 }
 
 }  // namespace strider
