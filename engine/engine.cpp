@@ -22,18 +22,34 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 // its (fake) buffers are never touched, so they may as well say CPU.
 at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::kSim ? at::kCPU : aten_device(d); }
 
+EngineConfig with_devices(EngineConfig c, size_t n) {
+  c.devices = int(n);
+  return c;
+}
+
 }  // namespace
 
 size_t EngineCore::registered_host_bytes() const {
   return arena_->copied_bytes() + (shared_arena_ ? shared_arena_->copied_bytes() : 0);
 }
 
-EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
-    : spec_(std::move(spec)), config_(std::move(config)),
-      place_((check_config(spec_, config_), place(spec_, config_))), device_(std::move(device)),
-      aten_device_(engine_aten_device(*device_)) {
-  if (device_->kind() == DeviceKind::kSim)
-    sim_updater_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(*device_), place_, config_.optimizer_state,
+EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices)
+    : spec_(std::move(spec)), config_(with_devices(std::move(config), devices.size())),
+      place_((check_config(spec_, config_), place(spec_, config_))) {
+  STRIDER_CHECK(!devices.empty(), "Engine: no device given");
+  for (auto& d : devices) {
+    STRIDER_CHECK(d != nullptr, "Engine: no device given");
+    STRIDER_CHECK(seats_.empty() || d->kind() == device().kind(),
+                  "Engine: a pool's devices are of one kind; {} and {} are not", device().name(), d->name());
+    STRIDER_CHECK(devices.size() == 1 || d->kind() != DeviceKind::kSim,
+                  "Engine: a pool of simulated devices is not built yet; the simulator predicts one device");
+    Seat st;
+    st.aten = engine_aten_device(*d);
+    st.device = std::move(d);
+    seats_.push_back(std::move(st));
+  }
+  if (device().kind() == DeviceKind::kSim)
+    sim_updater_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(device()), place_, config_.optimizer_state,
                                                 place_.ring_slot_bytes > 0 ? config_.grad_ring : 0, timeline_);
   dist_ = solo_collectives();
   dist_update_ = solo_collectives();
@@ -63,23 +79,31 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::unique_ptr<Devi
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kHostAlign);
   head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kHostAlign);
   // Per micro-batch: its host checkpoints (of blocks 1..head) and kept
-  // activations (per kept layer), carved block-major.
-  mb_.resize(size_t(M));
+  // activations (per kept layer), carved block-major; a pool's hand-offs.
+  host_ckpt_.resize(size_t(M));
+  saved_host_.resize(size_t(M));
   if (config_.checkpoints_on_host)
     for (int64_t b = 0; b < head; ++b)
       for (int64_t m = 0; m < M; ++m)
-        mb_[size_t(m)].host_ckpt.push_back(arena_->carve(place_.act_bytes, kHostAlign, "host checkpoint"));
+        host_ckpt_[size_t(m)].push_back(arena_->carve(place_.act_bytes, kHostAlign, "host checkpoint"));
   for (int64_t k = 0; k < fp.saved_layers; ++k)
     for (int64_t m = 0; m < M; ++m)
-      mb_[size_t(m)].saved_host.push_back(arena_->carve(place_.saved_bytes, kHostAlign, "kept activations"));
+      saved_host_[size_t(m)].push_back(arena_->carve(place_.saved_bytes, kHostAlign, "kept activations"));
+  if (fp.hand_off_bytes > 0)
+    for (int64_t m = 0; m < M; ++m) hand_host_.push_back(arena_->carve(place_.act_bytes, kHostAlign, "hand-off"));
   if (place_.ring_slot_bytes > 0)
     for (int64_t r = 0; r < config_.grad_ring; ++r)
       grad_ring_.push_back(arena_->carve(place_.ring_slot_bytes, kHostAlign, "gradient ring slot"));
   // The device pins what it copies (everything above), not the optimizer state;
-  // each process registers the shared compute copy for itself.
-  if (auto reg = device_->host_registrar()) {
-    arena_->attach(reg, ArenaPart::kCopied);
-    if (shared_arena_) shared_arena_->attach(reg, ArenaPart::kCopied);
+  // each process registers the shared compute copy for itself. A pool of
+  // GPUs registers once (cudaHostRegisterPortable); each CPU device keeps its
+  // own record of what is registered.
+  for (const Seat& st : seats_) {
+    if (&st != &seats_.front() && st.device->kind() != DeviceKind::kCpu) continue;
+    if (auto reg = st.device->host_registrar()) {
+      arena_->attach(reg, ArenaPart::kCopied);
+      if (shared_arena_) shared_arena_->attach(reg, ArenaPart::kCopied);
+    }
   }
   ring_uses_.assign(grad_ring_.size(), 0);
   ring_released_.assign(grad_ring_.size(), 0);
@@ -109,29 +133,40 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::unique_ptr<Devi
     }
   }
 
-  // The device: K units sized for the largest visit.
-  pool_ = std::make_unique<CacheUnitPool>(
-      *device_, size_t(config_.window), fp.unit_elems,
-      CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = place_.compute_bytes});
-  allocate_activations();
-  runner_ = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, aten_device_);
+  // Each device: K units sized for the largest visit, its buffers, its runner.
+  for (int d = 0; d < int(seats_.size()); ++d) {
+    Seat& st = seats_[size_t(d)];
+    st.pool = std::make_unique<CacheUnitPool>(
+        *st.device, size_t(config_.window), fp.unit_elems,
+        CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = place_.compute_bytes});
+    allocate_activations(d);
+    st.runner = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, st.aten);
+    st.data_ready = st.device->make_event();
+    st.handed = st.device->make_event();
+  }
   adam_ = std::make_unique<CpuAdam>(CpuAdam::Options{.threads = config_.optimizer_threads});
 
-  for (int64_t p = 0; p < P; ++p) grads_ready_.push_back(device_->make_event());
+  // Events are made by the device that records them.
+  for (int64_t p = 0; p < P; ++p) grads_ready_.push_back(seat_of(piece(p).block).device->make_event());
   grads_recorded_.assign(size_t(P), 0);
   grad_spill_.resize(size_t(P));
-  data_ready_ = device_->make_event();
-  tied_grad_ready_ = device_->make_event();
-  head_stats_ready_ = device_->make_event();
+  tied_grad_ready_ = seat_of(head).device->make_event();
+  head_stats_ready_ = seat_of(head).device->make_event();
+  saved_out_.resize(size_t(fp.saved_layers));
+  for (int64_t b = 1; b < head; ++b)
+    if (place_.saved_index[size_t(b)] >= 0)
+      saved_out_[size_t(place_.saved_index[size_t(b)])] = seat_of(b).device->make_event();
   updated_.assign(size_t(P), 0);
 
   if (simulated()) return;  // no updater thread: the SimUpdater prices the host operations
-  // Align the device's span clock with ours: one empty op, timed from both sides.
-  device_->launch(StreamId::kCompute, {"clock sync"}, [](const LaunchContext&) {});
-  device_->synchronize();
-  std::vector<OpSpan> sync_spans;
-  device_->drain_spans(sync_spans);
-  if (!sync_spans.empty()) device_origin_us_ = Timeline::now_us() - sync_spans.back().end_us;
+  // Align each device's span clock with ours: one empty op, timed from both sides.
+  for (Seat& st : seats_) {
+    st.device->launch(StreamId::kCompute, {"clock sync"}, [](const LaunchContext&) {});
+    st.device->synchronize();
+    std::vector<OpSpan> sync_spans;
+    st.device->drain_spans(sync_spans);
+    if (!sync_spans.empty()) st.origin_us = Timeline::now_us() - sync_spans.back().end_us;
+  }
 
   updater_ = std::thread([this] { updater_main(); });
 }
@@ -143,57 +178,70 @@ EngineCore::~EngineCore() {
   }
   cv_.notify_all();
   if (updater_.joinable()) updater_.join();
-  try {
-    device_->synchronize();
-  } catch (...) {
-    // Destructors never throw; a failed op was reported by the step that saw it.
-  }
+  for (Seat& st : seats_) try {
+      st.device->synchronize();
+    } catch (...) {
+      // Destructors never throw; a failed op was reported by the step that saw it.
+    }
   for (auto& s : nvme_staging_)
     for (auto& t : s.writes) try { nvme_->wait(t); } catch (...) {}
   for (auto& t : grad_spill_)  // their callbacks touch the timeline and the lock
     if (t.valid()) try { nvme_->wait(t); } catch (...) {}
 }
 
-void EngineCore::allocate_activations() {
+void EngineCore::allocate_activations(int d) {
+  // What placement.cpp's count_device counts for device d, allocated once.
+  Seat& st = seats_[size_t(d)];
   const int64_t M = config_.accumulation, mb = config_.micro_batch, S = config_.seq, H = spec_.dims.hidden;
+  const int64_t head = place_.head;
+  const bool runs_head = place_.block_device(head) == d;
   const auto cdt = config_.compute.dtype;
   auto make = [&](std::vector<int64_t> shape, at::ScalarType dt, const char* what) {
     size_t n = 1;
-    for (int64_t d : shape) n *= size_t(d);
-    device_buffers_.push_back(device_->allocate(round_up(n * c10::elementSize(dt), 256), what));
-    return at::from_blob(device_buffers_.back().data(), shape, at::TensorOptions().dtype(dt).device(aten_device_));
+    for (int64_t x : shape) n *= size_t(x);
+    st.buffers.push_back(st.device->allocate(round_up(n * c10::elementSize(dt), 256), what));
+    return at::from_blob(st.buffers.back().data(), shape, at::TensorOptions().dtype(dt).device(st.aten));
   };
-  ids_dev_ = make({config_.batch(), S}, at::kLong, "batch ids");
-  head_stats_dev_ = make({2, M}, at::kDouble, "head loss figures");
-  labels_dev_ = make({config_.batch(), S}, at::kLong, "batch labels");
+  st.ids = make({config_.batch(), S}, at::kLong, "batch ids");
+  if (runs_head) st.head_stats = make({2, M}, at::kDouble, "head loss figures");
+  st.labels = make({config_.batch(), S}, at::kLong, "batch labels");
+  st.mb.resize(size_t(M));
   for (int64_t m = 0; m < M; ++m) {
-    MicroBatch& x = mb_[size_t(m)];
-    x.ids = ids_dev_.chunk(M, 0)[m];
-    x.labels = labels_dev_.chunk(M, 0)[m].reshape({-1});
-    x.loss_sum = head_stats_dev_[0][m];
-    x.valid_tokens = head_stats_dev_[1][m];
+    MicroBatch& x = st.mb[size_t(m)];
+    x.ids = st.ids.chunk(M, 0)[m];
+    x.labels = st.labels.chunk(M, 0)[m].reshape({-1});
+    if (!runs_head) continue;
+    x.loss_sum = st.head_stats[0][m];
+    x.valid_tokens = st.head_stats[1][m];
   }
-  // Checkpoints on the device: every block's input for every micro-batch.
-  // On the host: a ring of two sets on the device, the checkpoints copied out.
-  const int64_t sets = config_.checkpoints_on_host ? 2 : place_.head;
-  for (int64_t i = 0; i < sets * M; ++i) mb_[size_t(i % M)].act.push_back(make({mb, S, H}, cdt, "activations"));
-  for (int64_t m = 0; m < M; ++m) mb_[size_t(m)].grad_out = make({mb, S, H}, cdt, "output gradients");
-  for (int64_t m = 0; m < M; ++m) {
-    mb_[size_t(m)].head = {make({mb * S}, at::kFloat, "head running max"), make({mb * S}, at::kFloat, "head running sum"),
-                           make({mb * S}, at::kFloat, "head target logits")};
-    mb_[size_t(m)].head_lse = make({mb * S}, at::kFloat, "head log-sum-exp");
-    mb_[size_t(m)].grad_h = make({mb * S, H}, at::kFloat, "head hidden gradient");
-  }
-  for (int s = 0; s < 2; ++s) ring_free_.push_back(device_->make_event());
-  if (config_.keep_logits)
-    for (int64_t m = 0; m < M; ++m) mb_[size_t(m)].logits = make({mb * S, spec_.dims.vocab}, cdt, "kept logits");
-  if (!config_.saved_blocks.empty()) {
+  // Checkpoints on the device: the inputs of the blocks it runs or writes
+  // (every block's, on one device) for every micro-batch. On the host: a
+  // ring of two sets on the device, the checkpoints copied out.
+  for (int64_t i = 0; i < (config_.checkpoints_on_host ? 2 : head); ++i)
+    for (int64_t m = 0; m < M; ++m)
+      st.mb[size_t(m)].act.push_back(config_.checkpoints_on_host || place_.holds_input(d, i + 1)
+                                         ? make({mb, S, H}, cdt, "activations")
+                                         : at::Tensor());
+  for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].grad_out = make({mb, S, H}, cdt, "output gradients");
+  if (runs_head)
+    for (int64_t m = 0; m < M; ++m) {
+      st.mb[size_t(m)].head = {make({mb * S}, at::kFloat, "head running max"),
+                               make({mb * S}, at::kFloat, "head running sum"),
+                               make({mb * S}, at::kFloat, "head target logits")};
+      st.mb[size_t(m)].head_lse = make({mb * S}, at::kFloat, "head log-sum-exp");
+      st.mb[size_t(m)].grad_h = make({mb * S, H}, at::kFloat, "head hidden gradient");
+    }
+  for (int s = 0; s < 2; ++s) st.ring_free.push_back(st.device->make_event());
+  if (config_.keep_logits && runs_head)
+    for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].logits = make({mb * S, spec_.dims.vocab}, cdt, "kept logits");
+  bool kept = false;
+  for (int64_t b = 1; b < head; ++b) kept = kept || (keeps(b) && place_.block_device(b) == d);
+  if (kept) {
     const int64_t elems = layer_saved_elems(spec_.dims, mb * S);
     for (int s = 0; s < 2; ++s) {
-      saved_dev_.push_back(make({elems}, cdt, "kept activations"));
-      saved_free_.push_back(device_->make_event());
+      st.saved_dev.push_back(make({elems}, cdt, "kept activations"));
+      st.saved_free.push_back(st.device->make_event());
     }
-    for (size_t i = 0; i < config_.saved_blocks.size(); ++i) saved_out_.push_back(device_->make_event());
   }
 }
 
@@ -217,7 +265,7 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels) {
   rep.step = steps_ + 1;
   rep.lr = config_.adam.lr * config_.schedule.factor(steps_);
   rep.tokens = config_.batch() * config_.seq;
-  device_->reset_work_peak();  // no compute op is in flight between steps
+  for (Seat& st : seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
   settle_compute();
   upload_batch(ids, labels);
   if (batch_valid_ == 0 && !simulated()) {
@@ -248,7 +296,7 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels) {
     rep.step_s = (end - begin) * 1e-6;
     rep.tokens_per_s = double(rep.tokens) / rep.step_s;
     rep.stats = timeline_.stats(begin, end);
-    rep.peak_device_bytes = device_->peak_allocated_bytes();
+    rep.peak_device_bytes = device().peak_allocated_bytes();
     return rep;
   }
   {
@@ -266,7 +314,7 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels) {
   // The loss is known once the head ran; the step ends when every gradient
   // has landed and the norm is known (the updates may continue). The updater
   // decided whether the step is skipped before it published the norm.
-  device_->synchronize(StreamId::kCompute);
+  synchronize_devices(StreamId::kCompute);
   {
     std::unique_lock lk(mu_);
     cv_.wait(lk, [&] { return norm_pass_ >= job->pass || updater_error_; });
@@ -287,11 +335,11 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels) {
   const Moved moved = collect_device_spans();
   rep.h2d_bytes = moved.h2d_bytes;
   rep.d2h_bytes = moved.d2h_bytes;
-  rep.work_peak_bytes = device_->work_peak_bytes();
+  for (Seat& st : seats_) rep.work_peak_bytes = std::max(rep.work_peak_bytes, st.device->work_peak_bytes());
   rep.step_s = (t1 - t0) * 1e-6;
   rep.tokens_per_s = double(rep.tokens) / rep.step_s;
   rep.stats = timeline_.stats(t0, t1);
-  rep.peak_device_bytes = device_->peak_allocated_bytes();
+  for (Seat& st : seats_) rep.peak_device_bytes = std::max(rep.peak_device_bytes, st.device->peak_allocated_bytes());
   return rep;
 }
 
@@ -300,7 +348,7 @@ double EngineCore::evaluate(const int64_t* ids, const int64_t* labels) {
   settle_compute();
   upload_batch(ids, labels);
   run_pass(eval_program_);
-  device_->synchronize(StreamId::kCompute);
+  synchronize_devices(StreamId::kCompute);
   const auto [loss, valid] = pass_loss();
   collect_device_spans();
   STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");

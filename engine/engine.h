@@ -91,6 +91,11 @@ struct StepReport {
 class Engine {
  public:
   Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device);
+  // A pool of devices (gpu/device.h, make_devices), all of one kind: block
+  // b's visits run on devices[b % N] (engine/README.md, "A pool of devices");
+  // config.devices is set to N. One host optimizer and one copy of the state
+  // serve them all; the result is one device's bits.
+  Engine(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -141,7 +146,8 @@ class Engine {
   const Sharding& sharding() const;
   // The training pass's program (engine/step_program.h): what step() runs.
   const StepProgram& program() const;
-  Device& device();
+  Device& device(int d = 0);  // the pool's device d (0: the only one, or the first)
+  int devices() const;
   Timeline& timeline();
   int64_t steps_done() const;
   // For resuming: the optimizer steps already taken (AdamW's bias corrections

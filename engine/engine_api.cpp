@@ -6,8 +6,18 @@
 
 namespace strider {
 
+namespace {
+std::vector<std::unique_ptr<Device>> one(std::unique_ptr<Device> device) {
+  std::vector<std::unique_ptr<Device>> v;
+  v.push_back(std::move(device));
+  return v;
+}
+}  // namespace
+
 Engine::Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device)
-    : core_(std::make_unique<EngineCore>(std::move(spec), std::move(config), std::move(device))) {}
+    : Engine(std::move(spec), std::move(config), one(std::move(device))) {}
+Engine::Engine(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices)
+    : core_(std::make_unique<EngineCore>(std::move(spec), std::move(config), std::move(devices))) {}
 Engine::~Engine() = default;
 
 void Engine::init_params(uint64_t seed) { core_->init_params(seed); }
@@ -27,7 +37,8 @@ const ModelSpec& Engine::spec() const { return core_->spec(); }
 const EngineConfig& Engine::config() const { return core_->config(); }
 const Sharding& Engine::sharding() const { return core_->sharding(); }
 const StepProgram& Engine::program() const { return core_->program(); }
-Device& Engine::device() { return core_->device(); }
+Device& Engine::device(int d) { return core_->device(d); }
+int Engine::devices() const { return core_->devices(); }
 Timeline& Engine::timeline() { return core_->timeline(); }
 int64_t Engine::steps_done() const { return core_->steps_done(); }
 void Engine::set_steps_done(int64_t steps) { core_->set_steps_done(steps); }

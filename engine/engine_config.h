@@ -93,6 +93,12 @@ struct EngineConfig {
   // least 64: slices start on 256-byte lines).
   int64_t slice_align() const { return std::max<int64_t>(shard_align(), 64); }
 
+  // The devices of the pool one engine drives (engine/README.md, "A pool of
+  // devices"; set by the Engine from the devices it is given): block b's
+  // visits, forward and backward, run on device b % devices (placement.h,
+  // block_device). Placement, not maths: the same bits as one device.
+  int devices = 1;
+
   int64_t batch() const { return micro_batch * accumulation; }
 };
 

@@ -32,7 +32,7 @@ class SimUpdater;   // engine/sim_updater.h
 class EngineCore {
  public:
   // The Engine's API: engine/engine.h says what each does.
-  EngineCore(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device);
+  EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices);
   ~EngineCore();
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
@@ -51,7 +51,8 @@ class EngineCore {
   const EngineConfig& config() const { return config_; }
   const Sharding& sharding() const { return place_.shards; }
   const StepProgram& program() const { return program_; }
-  Device& device() { return *device_; }
+  Device& device(int d = 0) { return *seats_.at(size_t(d)).device; }
+  int devices() const { return int(seats_.size()); }
   Timeline& timeline() { return timeline_; }
   int64_t steps_done() const { return steps_; }
   void set_steps_done(int64_t steps);
@@ -70,6 +71,58 @@ class EngineCore {
     const std::vector<UnitRun>* layout;  // its pieces' ranges in the unit (StepProgram::layouts)
   };
 
+  // One micro-batch's device buffers on one device, allocated once (the
+  // Seat's; a pool's device has those of the blocks it runs).
+  struct MicroBatch {
+    at::Tensor ids, labels;                 // its rows of the batch ([micro_batch, seq]; labels flat)
+    std::vector<at::Tensor> act;            // per set: block inputs (set b - 1 is block b's; undefined
+                                            // where another device of the pool holds it), or the
+                                            // 2-set ring with host checkpoints
+    at::Tensor grad_out;                    // the gradient flowing backward
+    // The head's device: the streamed head's pass 1 running max, sum, target
+    // logit and then log-sum-exp (fp32 [tokens] each), and d(loss)/d(normed
+    // hidden) summed over the shards of pass 2 (fp32 [tokens, hidden]).
+    HeadState head;
+    at::Tensor head_lse, grad_h;
+    at::Tensor logits;                      // kept logits (EngineConfig::keep_logits), else undefined
+    at::Tensor loss_sum, valid_tokens;      // its entries of the head's Seat::head_stats
+  };
+  struct SavedIn {
+    int64_t block = -1, m = -1;
+    int slot = 0;
+    std::unique_ptr<Event> ready;
+  };
+  // One device of the pool (engine/README.md, "A pool of devices") and what
+  // lives on it: its cache units, its block runner, the buffers of the
+  // blocks it runs, its kept-activation slots, and the events its own
+  // streams record. Every visit of a block runs on the block's device
+  // (Placement::block_device).
+  struct Seat {
+    std::unique_ptr<Device> device;
+    at::Device aten = at::kCPU;
+    std::unique_ptr<CacheUnitPool> pool;
+    std::unique_ptr<BlockRunner> runner;
+    std::vector<DeviceBuffer> buffers;       // beyond the pool, allocated once
+    at::Tensor ids, labels;                  // the batch: [batch, seq] (every device)
+    at::Tensor head_stats;                   // the head's device: per micro-batch loss sum and valid tokens ([2, M] f64)
+    std::vector<MicroBatch> mb;
+    std::vector<std::unique_ptr<Event>> ring_free;  // per ring set: its last reader is done
+    // Kept activations: two device slots (flat, compute dtype) that forward
+    // fills and copies out of and backward copies into; per slot, its last
+    // reader (a D2H out, a backward) is done. H2Ds issued ahead wait in
+    // saved_in, in order.
+    std::vector<at::Tensor> saved_dev;
+    std::vector<std::unique_ptr<Event>> saved_free;
+    int64_t saved_uses = 0;                  // device slot uses so far: the next is uses % 2
+    std::deque<SavedIn> saved_in;
+    std::unique_ptr<Event> data_ready;       // the batch is on this device
+    std::unique_ptr<Event> handed;           // its latest kHandOut group is on the host
+    double origin_us = 0;                    // its span clock's origin on Timeline::now_us()'s
+  };
+  Seat& seat(const StepOp& op) { return seats_[size_t(op.device)]; }
+  Seat& seat_of(int64_t block) { return seats_[size_t(place_.block_device(block))]; }
+  const Seat& seat_of(int64_t block) const { return seats_[size_t(place_.block_device(block))]; }
+
   // The device executor: a program's device operations, in order, each
   // through one table (run_device_op, engine_visit.cpp).
   struct PassCursor {
@@ -86,30 +139,33 @@ class EngineCore {
   double op_flops(const StepOp& op) const;
   const CacheUnit& unit(const StepOp& op) const;  // its visit's unit
   // Stream `waiter`'s next work waits for what stream `done` has enqueued so far.
-  void stream_after(StreamId waiter, StreamId done);
+  void stream_after(Device& d, StreamId waiter, StreamId done);
   size_t visit_elems(const StepOp& op) const;     // the parameters its visit loaded
-  void allocate_activations();
+  void allocate_activations(int d);
   void upload_batch(const int64_t* ids, const int64_t* labels);
   std::vector<int64_t> visit_segments(const StepOp& v) const;
   // Acquire + H2D of its visit's pieces into loaded_[visit], laid out as `layout` says.
   void load_visit(const StepOp& load, const std::vector<UnitRun>& layout);
-  at::Tensor params_view(const CacheUnit& u, size_t offset, size_t elems) const;
-  at::Tensor grads_view(const CacheUnit& u) const;
+  at::Tensor params_view(const Seat& s, const CacheUnit& u, size_t offset, size_t elems) const;
+  at::Tensor grads_view(const Seat& s, const CacheUnit& u) const;
   at::Tensor rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const;  // [rows, hidden]
-  at::Tensor act(int64_t b, int64_t m) const;   // input of block b for micro-batch m
+  at::Tensor act(const Seat& s, int64_t b, int64_t m) const;   // input of block b for micro-batch m, on s
   // Kept activations (EngineConfig::saved_blocks). Block b keeps them, its
-  // host copy for micro-batch m, and the H2D of that copy into the next
-  // device slot (slots alternate; each use waits for the slot's last reader).
+  // host copy for micro-batch m, and the H2D of that copy into its device's
+  // next slot (slots alternate; each use waits for the slot's last reader).
   bool keeps(int64_t b) const { return b > 0 && b < place_.head && place_.saved_index[size_t(b)] >= 0; }
   std::span<std::byte> saved_host(int64_t b, int64_t m) const;
   // Micro-batch m's kept logits of one LM-head shard's rows: [tokens, rows].
   at::Tensor kept_logits(int64_t m, const Piece& rows) const;
-  void fetch_saved(int64_t b, int64_t m);
+  void fetch_saved(Seat& s, int64_t b, int64_t m);
+  // A pool's hand-offs (kHandOut, kHandIn): the tensor they move on device s.
+  at::Tensor handed(const Seat& s, const StepOp& op) const;
   void wait_updated(int64_t p);                 // piece p's update of the previous pass is done
   // Moves the device's finished spans into the timeline; returns the bytes
   // they copied each way.
   struct Moved { uint64_t h2d_bytes = 0, d2h_bytes = 0; };
   Moved collect_device_spans();
+  void synchronize_devices(StreamId s);  // each device's stream s
 
   // The updater (optimizer and NVMe lanes), engine_update.cpp: the host
   // executor of the program.
@@ -143,7 +199,7 @@ class EngineCore {
   // The first `elems` gradients of unit u in the transfer dtype: the fp32
   // accumulators themselves, or (bf16) rounded on the compute stream into the
   // unit's parameter area, which the visit no longer reads.
-  const std::byte* grads_to_send(const CacheUnit& u, size_t elems, int64_t block);
+  const std::byte* grads_to_send(Seat& s, const CacheUnit& u, size_t elems, int64_t block);
   void release_ring_slot(int64_t p);  // the slot's gradients are consumed
   // AdamW on piece p (this rank's elements of it), its state in RAM or read
   // into a staging slot by kReadState.
@@ -167,11 +223,10 @@ class EngineCore {
   ModelSpec spec_;
   EngineConfig config_;
   const Placement place_;  // what lives where (engine/placement.h), after check_config
-  std::unique_ptr<Device> device_;
+  std::vector<Seat> seats_;  // the pool; one for a single device
   StepProgram program_, eval_program_;  // a training pass, an evaluation pass
   void compile_programs(int world);
   std::unique_ptr<SimUpdater> sim_updater_;  // on a SimDevice: the host operations on virtual clocks
-  at::Device aten_device_;
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<PinnedArena> shared_arena_;  // the shared compute copy (EngineConfig::shared_compute_file)
   // This rank wrote its slices of a shared compute copy (write_state): the
@@ -180,11 +235,8 @@ class EngineCore {
   void settle_compute();
   std::unique_ptr<ParamStore> store_;
   std::unique_ptr<NvmeStore> nvme_;
-  std::unique_ptr<CacheUnitPool> pool_;
-  std::unique_ptr<BlockRunner> runner_;
   std::unique_ptr<CpuAdam> adam_;
   Timeline timeline_;
-  double device_origin_us_ = 0;
 
   // Pinned host staging.
   std::span<int64_t> ids_host_, labels_host_;
@@ -205,49 +257,18 @@ class EngineCore {
   int next_read_slot_ = 0;                  // the slot the next kReadState reads into
   NvmeStaging& idle_staging();
 
-  // Device memory beyond the pool, allocated once.
-  std::vector<DeviceBuffer> device_buffers_;
-  at::Tensor ids_dev_, labels_dev_;         // [batch, seq]
-  // One micro-batch's buffers, allocated once (device tensors, and host
-  // spans in the pinned arena).
-  struct MicroBatch {
-    at::Tensor ids, labels;                 // its rows of the batch ([micro_batch, seq]; labels flat)
-    std::vector<at::Tensor> act;            // per set: its block inputs on the device (set b - 1 is
-                                            // block b's), or the 2-set ring with host checkpoints
-    at::Tensor grad_out;                    // the gradient flowing backward
-    // The streamed head: pass 1's running max, sum, target logit and then
-    // log-sum-exp (fp32 [tokens] each), and d(loss)/d(normed hidden) summed
-    // over the shards of pass 2 (fp32 [tokens, hidden]).
-    HeadState head;
-    at::Tensor head_lse, grad_h;
-    at::Tensor logits;                      // kept logits (EngineConfig::keep_logits), else undefined
-    at::Tensor loss_sum, valid_tokens;      // its entries of head_stats_dev_
-    std::vector<std::span<std::byte>> host_ckpt;   // per block: its input copied out (host checkpoints)
-    std::vector<std::span<std::byte>> saved_host;  // per kept layer: its kept activations on the host
-  };
-  std::vector<MicroBatch> mb_;
-  std::vector<std::unique_ptr<Event>> ring_free_;  // per ring set: its last reader is done
-  // Kept activations (their host copies are MicroBatch::saved_host): two
-  // device slots (flat, compute dtype) that forward fills and copies out of
-  // and backward copies into; per slot, its last reader (a D2H out, a
-  // backward) is done; per kept block, its copies out are on the host. H2Ds
-  // issued ahead wait in saved_in_, in order.
-  std::vector<at::Tensor> saved_dev_;
-  std::vector<std::unique_ptr<Event>> saved_free_, saved_out_;
-  int64_t saved_uses_ = 0;                  // device slot uses so far: the next is uses % 2
-  struct SavedIn {
-    int64_t block = -1, m = -1;
-    int slot = 0;
-    std::unique_ptr<Event> ready;
-  };
-  std::deque<SavedIn> saved_in_;
-  std::unique_ptr<Event> data_ready_, tied_grad_ready_;
+  // Pinned host buffers per micro-batch: its host checkpoints (per block,
+  // its input copied out), kept activations (per kept layer), and a pool's
+  // hand-off buffer (block inputs and output gradients between devices).
+  std::vector<std::vector<std::span<std::byte>>> host_ckpt_, saved_host_;
+  std::vector<std::span<std::byte>> hand_host_;
+  std::vector<std::unique_ptr<Event>> saved_out_;  // per kept block: its copies out are on the host
+  std::unique_ptr<Event> tied_grad_ready_;
 
   // Per-step state shared with closures (they run in stream order).
   int64_t batch_valid_ = 0;                 // labels of the batch that count
   // Per micro-batch loss sum and valid tokens ([2, M] float64), summed on the
   // device and copied out once per pass: no host read inside the head's ops.
-  at::Tensor head_stats_dev_;
   std::span<double> head_stats_host_;
   std::unique_ptr<Event> head_stats_ready_;
   std::vector<Loaded> loaded_;

@@ -14,20 +14,26 @@
 
 namespace strider {
 
-at::Tensor EngineCore::act(int64_t b, int64_t m) const {
+at::Tensor EngineCore::act(const Seat& s, int64_t b, int64_t m) const {
   // b in 1..head: the input of block b (block 0's input is the ids).
   const int64_t set = config_.checkpoints_on_host ? (b % 2) : (b - 1);
-  return mb_[size_t(m)].act[size_t(set)];
+  at::Tensor t = s.mb[size_t(m)].act[size_t(set)];
+  STRIDER_CHECK(t.defined(), "internal: {} holds no input of block {}", s.device->name(), b);
+  return t;
 }
 
-at::Tensor EngineCore::params_view(const CacheUnit& u, size_t offset, size_t elems) const {
+at::Tensor EngineCore::handed(const Seat& s, const StepOp& op) const {
+  return op.grads ? s.mb[size_t(op.micro_batch)].grad_out : act(s, op.block, op.micro_batch);
+}
+
+at::Tensor EngineCore::params_view(const Seat& s, const CacheUnit& u, size_t offset, size_t elems) const {
   return at::from_blob(static_cast<std::byte*>(u.params_bf16) + offset * place_.compute_bytes, {int64_t(elems)},
-                       at::TensorOptions().dtype(config_.compute.dtype).device(aten_device_));
+                       at::TensorOptions().dtype(config_.compute.dtype).device(s.aten));
 }
 
-at::Tensor EngineCore::grads_view(const CacheUnit& u) const {
+at::Tensor EngineCore::grads_view(const Seat& s, const CacheUnit& u) const {
   return at::from_blob(u.grads_fp32, {int64_t(u.capacity_elems)},
-                       at::TensorOptions().dtype(at::kFloat).device(aten_device_));
+                       at::TensorOptions().dtype(at::kFloat).device(s.aten));
 }
 
 at::Tensor EngineCore::rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const {
@@ -41,22 +47,23 @@ std::vector<int64_t> EngineCore::visit_segments(const StepOp& v) const {
 }
 
 at::Tensor EngineCore::kept_logits(int64_t m, const Piece& rows) const {
-  return mb_[size_t(m)].logits.slice(1, rows.row_begin, rows.row_end);
+  return seat_of(place_.head).mb[size_t(m)].logits.slice(1, rows.row_begin, rows.row_end);
 }
 
 std::span<std::byte> EngineCore::saved_host(int64_t b, int64_t m) const {
-  return mb_[size_t(m)].saved_host[size_t(place_.saved_index[size_t(b)])];
+  return saved_host_[size_t(m)][size_t(place_.saved_index[size_t(b)])];
 }
 
-void EngineCore::fetch_saved(int64_t b, int64_t m) {
-  const int slot = int(saved_uses_++ % 2);
-  device_->wait(StreamId::kH2D, *saved_free_[size_t(slot)]);              // its last reader is done
-  device_->wait(StreamId::kH2D, *saved_out_[size_t(place_.saved_index[size_t(b)])]);  // the forward's copy has landed
-  device_->copy_h2d(StreamId::kH2D, saved_dev_[size_t(slot)].data_ptr(), saved_host(b, m).data(), place_.saved_bytes,
-                    {"h2d activations", int32_t(b)});
-  auto ready = device_->make_event();
-  device_->record(*ready, StreamId::kH2D);
-  saved_in_.push_back({b, m, slot, std::move(ready)});
+void EngineCore::fetch_saved(Seat& s, int64_t b, int64_t m) {
+  Device& dev = *s.device;
+  const int slot = int(s.saved_uses++ % 2);
+  dev.wait(StreamId::kH2D, *s.saved_free[size_t(slot)]);              // its last reader is done
+  dev.wait(StreamId::kH2D, *saved_out_[size_t(place_.saved_index[size_t(b)])]);  // the forward's copy has landed
+  dev.copy_h2d(StreamId::kH2D, s.saved_dev[size_t(slot)].data_ptr(), saved_host(b, m).data(), place_.saved_bytes,
+               {"h2d activations", int32_t(b)});
+  auto ready = dev.make_event();
+  dev.record(*ready, StreamId::kH2D);
+  s.saved_in.push_back({b, m, slot, std::move(ready)});
 }
 
 void EngineCore::wait_updated(int64_t p) {
@@ -71,7 +78,7 @@ void EngineCore::finish_updates() {
 }
 
 void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels) {
-  data_ready_->synchronize();  // the previous batch's copy has left the staging
+  for (Seat& st : seats_) st.data_ready->synchronize();  // the previous batch's copies have left the staging
   const size_t n = ids_host_.size();
   for (size_t i = 0; i < n; ++i) {
     STRIDER_CHECK(ids[i] >= 0 && ids[i] < spec_.dims.vocab, "token id {} at position {} is outside the vocabulary [0, {})",
@@ -86,18 +93,22 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels) {
   dist_->all_reduce_sum(std::span<int64_t>(&batch_valid_, 1));
   std::memcpy(ids_host_.data(), ids, n * 8);
   std::memcpy(labels_host_.data(), labels, n * 8);
-  device_->copy_h2d(StreamId::kH2D, ids_dev_.data_ptr(), ids_host_.data(), n * 8, {"h2d batch"});
-  device_->copy_h2d(StreamId::kH2D, labels_dev_.data_ptr(), labels_host_.data(), n * 8, {"h2d batch"});
-  device_->record(*data_ready_, StreamId::kH2D);
-  device_->wait(StreamId::kCompute, *data_ready_);
+  for (Seat& st : seats_) {  // every device of a pool: the embedding needs the ids, the head the labels
+    st.device->copy_h2d(StreamId::kH2D, st.ids.data_ptr(), ids_host_.data(), n * 8, {"h2d batch"});
+    st.device->copy_h2d(StreamId::kH2D, st.labels.data_ptr(), labels_host_.data(), n * 8, {"h2d batch"});
+    st.device->record(*st.data_ready, StreamId::kH2D);
+    st.device->wait(StreamId::kCompute, *st.data_ready);
+  }
 }
 
 void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout) {
   const std::vector<int64_t> segs = visit_segments(v);
   for (int64_t p : segs) wait_updated(p);
-  const CacheUnit& u = pool_->acquire(StreamId::kH2D);
+  Seat& st = seat(v);
+  Device& dev = *st.device;
+  const CacheUnit& u = st.pool->acquire(StreamId::kH2D);
   if (simulated())
-    for (int64_t p : segs) device_->wait(StreamId::kH2D, sim_updater_->update_done(p));
+    for (int64_t p : segs) dev.wait(StreamId::kH2D, sim_updater_->update_done(p));
   // Each range from the block's compute copy to its place in the unit
   // (StepProgram::layouts), ranges adjacent in both as one copy.
   for (size_t i = 0; i < layout.size();) {
@@ -109,32 +120,32 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
          ++i)
       n += layout[i].run.n;
     auto bytes = store_->block(size_t(block)).compute_bytes().subspan(from * place_.compute_bytes, n * place_.compute_bytes);
-    device_->copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + unit_at * place_.compute_bytes,
-                      bytes.data(), bytes.size(), {"h2d params", int32_t(block)});
+    dev.copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + unit_at * place_.compute_bytes, bytes.data(),
+                 bytes.size(), {"h2d params", int32_t(block)});
   }
-  auto ready = device_->make_event();
-  device_->record(*ready, StreamId::kH2D);
+  auto ready = dev.make_event();
+  dev.record(*ready, StreamId::kH2D);
   loaded_[size_t(v.visit)] = {&u, std::move(ready), &layout};
 }
 
-const std::byte* EngineCore::grads_to_send(const CacheUnit& u, size_t elems, int64_t block) {
+const std::byte* EngineCore::grads_to_send(Seat& s, const CacheUnit& u, size_t elems, int64_t block) {
   const std::byte* out = reinterpret_cast<const std::byte*>(u.grads_fp32);
   if (place_.grad_bytes == 2) {
-    at::Tensor acc = grads_view(u).slice(0, 0, int64_t(elems));
+    at::Tensor acc = grads_view(s, u).slice(0, 0, int64_t(elems));
     at::Tensor dst = at::from_blob(u.params_bf16, {int64_t(elems)},
-                                   at::TensorOptions().dtype(at::kBFloat16).device(aten_device_));
-    device_->launch(StreamId::kCompute, {"grads to bf16", int32_t(block), 0.0},
-                    [acc, dst](const LaunchContext&) { dst.copy_(acc); });
+                                   at::TensorOptions().dtype(at::kBFloat16).device(s.aten));
+    s.device->launch(StreamId::kCompute, {"grads to bf16", int32_t(block), 0.0},
+                     [acc, dst](const LaunchContext&) { dst.copy_(acc); });
     out = static_cast<const std::byte*>(u.params_bf16);
   }
-  stream_after(StreamId::kD2H, StreamId::kCompute);
+  stream_after(*s.device, StreamId::kD2H, StreamId::kCompute);
   return out;
 }
 
-void EngineCore::stream_after(StreamId waiter, StreamId done) {
-  auto e = device_->make_event();
-  device_->record(*e, done);
-  device_->wait(waiter, *e);
+void EngineCore::stream_after(Device& d, StreamId waiter, StreamId done) {
+  auto e = d.make_event();
+  d.record(*e, done);
+  d.wait(waiter, *e);
 }
 
 std::span<std::byte> EngineCore::grad_host(int64_t p) {
@@ -146,6 +157,7 @@ std::span<std::byte> EngineCore::grad_host(int64_t p) {
 }
 
 void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte* src) {
+  Device& dev = *seat(visit).device;
   const int r = place_.at(p).ring_slot;
   if (r >= 0) {
     // The slot's n-th use waits for n consumptions: the previous gradients in
@@ -153,7 +165,7 @@ void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte*
     // own, from gradients already enqueued, so waiting here cannot deadlock.
     const int64_t use = ring_uses_[size_t(r)]++;
     if (simulated()) {
-      device_->wait(StreamId::kD2H, sim_updater_->ring_free(r));
+      dev.wait(StreamId::kD2H, sim_updater_->ring_free(r));
     } else {
       std::unique_lock lk(mu_);
       cv_.wait(lk, [&] { return ring_released_[size_t(r)] >= use || updater_error_; });
@@ -164,9 +176,9 @@ void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte*
   std::byte* host = grad_host(p).data();
   for (const UnitRun& u : *loaded_[size_t(visit.visit)].layout)
     if (u.piece == p)
-      device_->copy_d2h(StreamId::kD2H, host + u.run.at * place_.grad_bytes, src + u.unit_at * place_.grad_bytes,
-                        u.run.n * place_.grad_bytes, {"d2h grads", int32_t(piece(p).block)});
-  device_->record(*grads_ready_[size_t(p)], StreamId::kD2H);
+      dev.copy_d2h(StreamId::kD2H, host + u.run.at * place_.grad_bytes, src + u.unit_at * place_.grad_bytes,
+                   u.run.n * place_.grad_bytes, {"d2h grads", int32_t(piece(p).block)});
+  dev.record(*grads_ready_[size_t(p)], StreamId::kD2H);
   if (simulated()) {
     sim_updater_->landed(p, *grads_ready_[size_t(p)]);
     return;
@@ -179,30 +191,41 @@ void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte*
 }
 
 EngineCore::Moved EngineCore::collect_device_spans() {
-  std::vector<OpSpan> spans;
-  device_->drain_spans(spans);
   Moved moved;
-  for (const OpSpan& o : spans) {
-    Lane lane = o.stream == StreamId::kCompute ? Lane::kCompute : o.stream == StreamId::kH2D ? Lane::kH2D : Lane::kD2H;
-    timeline_.add({lane, o.tag.name, o.tag.block, -1, steps_, o.begin_us + device_origin_us_,
-                   o.end_us + device_origin_us_, o.tag.flops, o.tag.bytes, o.work_peak_bytes});
-    if (o.kind == OpKind::kCopyH2D) moved.h2d_bytes += o.tag.bytes;
-    if (o.kind == OpKind::kCopyD2H) moved.d2h_bytes += o.tag.bytes;
+  for (int d = 0; d < devices(); ++d) {
+    const Seat& st = seats_[size_t(d)];
+    std::vector<OpSpan> spans;
+    st.device->drain_spans(spans);
+    for (const OpSpan& o : spans) {
+      Lane lane = o.stream == StreamId::kCompute ? Lane::kCompute : o.stream == StreamId::kH2D ? Lane::kH2D : Lane::kD2H;
+      Span sp{lane, o.tag.name, o.tag.block, -1, steps_, o.begin_us + st.origin_us, o.end_us + st.origin_us,
+              o.tag.flops, o.tag.bytes, o.work_peak_bytes};
+      sp.device = devices() > 1 ? d : -1;
+      timeline_.add(std::move(sp));
+      if (o.kind == OpKind::kCopyH2D) moved.h2d_bytes += o.tag.bytes;
+      if (o.kind == OpKind::kCopyD2H) moved.d2h_bytes += o.tag.bytes;
+    }
   }
   return moved;
 }
 
+void EngineCore::synchronize_devices(StreamId s) {
+  for (Seat& st : seats_) st.device->synchronize(s);
+}
+
 void EngineCore::run_pass(const StepProgram& program) {
-  device_->prepare_driver_thread();
+  for (Seat& st : seats_) {
+    st.device->prepare_driver_thread();
+    st.saved_in.clear();  // a pass that threw left nothing to wait for in order
+  }
   loaded_.clear();
   loaded_.resize(size_t(program.visits));
-  saved_in_.clear();  // a pass that threw left nothing to wait for in order
   PassCursor at;
   at.program = &program;
   for (const StepOp& op : program.ops) {
     if (!op.on_device()) continue;
     // A visit's first operation waits on the compute stream for its load.
-    if (op.first_of_visit) device_->wait(StreamId::kCompute, *loaded_[size_t(op.visit)].ready);
+    if (op.first_of_visit) seat(op).device->wait(StreamId::kCompute, *loaded_[size_t(op.visit)].ready);
     run_device_op(op, at);
   }
 }

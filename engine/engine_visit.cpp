@@ -38,40 +38,69 @@ double EngineCore::op_flops(const StepOp& op) const {
 
 void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
   const int64_t m = op.micro_batch;
+  Seat& st = seat(op);
+  Device& dev = *st.device;
   switch (op.kind) {
     case StepOpKind::kLoad: load_visit(op, at.program->layouts[size_t(op.visit)]); return;
-    case StepOpKind::kFetchSaved: fetch_saved(op.block, m); return;
+    case StepOpKind::kFetchSaved: fetch_saved(st, op.block, m); return;
     case StepOpKind::kForward: forward_op(op, at); return;
     case StepOpKind::kSaveOut: {
       // What the kept forward wrote into its slot, out to the layer's host copy.
-      device_->wait(StreamId::kD2H, *at.saved_done);
-      device_->copy_d2h(StreamId::kD2H, saved_host(op.block, m).data(), saved_dev_[size_t(at.saved_slot)].data_ptr(),
-                        place_.saved_bytes, {"d2h activations", int32_t(op.block)});
-      device_->record(*saved_free_[size_t(at.saved_slot)], StreamId::kD2H);
-      if (op.last) device_->record(*saved_out_[size_t(place_.saved_index[size_t(op.block)])], StreamId::kD2H);
+      dev.wait(StreamId::kD2H, *at.saved_done);
+      dev.copy_d2h(StreamId::kD2H, saved_host(op.block, m).data(), st.saved_dev[size_t(at.saved_slot)].data_ptr(),
+                   place_.saved_bytes, {"d2h activations", int32_t(op.block)});
+      dev.record(*st.saved_free[size_t(at.saved_slot)], StreamId::kD2H);
+      if (op.last) dev.record(*saved_out_[size_t(place_.saved_index[size_t(op.block)])], StreamId::kD2H);
       return;
     }
     case StepOpKind::kCheckpointOut: {
       // Block op.block's inputs out; their ring set is free again once they left.
-      if (op.first) stream_after(StreamId::kD2H, StreamId::kCompute);
-      at::Tensor a = act(op.block, m);
-      device_->copy_d2h(StreamId::kD2H, mb_[size_t(m)].host_ckpt[size_t(op.block)].data(), a.data_ptr(), a.nbytes(),
-                        {"d2h checkpoint", int32_t(op.block)});
-      if (op.last) device_->record(*ring_free_[size_t(op.block % 2)], StreamId::kD2H);
+      if (op.first) stream_after(dev, StreamId::kD2H, StreamId::kCompute);
+      at::Tensor a = act(st, op.block, m);
+      dev.copy_d2h(StreamId::kD2H, host_ckpt_[size_t(m)][size_t(op.block)].data(), a.data_ptr(), a.nbytes(),
+                   {"d2h checkpoint", int32_t(op.block)});
+      if (op.last) dev.record(*st.ring_free[size_t(op.block % 2)], StreamId::kD2H);
       return;
     }
     case StepOpKind::kCheckpointIn: {
       // Block op.block's inputs back into ring set block % 2, once its last
       // reader is done and the forward's copy-out of this checkpoint has
-      // landed (the set's latest copy-out is at or after it on the d2h stream).
+      // landed (the set's latest copy-out is at or after it on the d2h
+      // stream: this device's, or in a pool the device that made it).
       if (op.first) {
-        stream_after(StreamId::kH2D, StreamId::kCompute);
-        device_->wait(StreamId::kH2D, *ring_free_[size_t(op.block % 2)]);
+        stream_after(dev, StreamId::kH2D, StreamId::kCompute);
+        dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
+        if (op.peer >= 0) dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].ring_free[size_t(op.block % 2)]);
       }
-      at::Tensor a = act(op.block, m);
-      device_->copy_h2d(StreamId::kH2D, a.data_ptr(), mb_[size_t(m)].host_ckpt[size_t(op.block)].data(), a.nbytes(),
-                        {"h2d checkpoint", int32_t(op.block)});
-      if (op.last) stream_after(StreamId::kCompute, StreamId::kH2D);
+      at::Tensor a = act(st, op.block, m);
+      dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host_ckpt_[size_t(m)][size_t(op.block)].data(), a.nbytes(),
+                   {"h2d checkpoint", int32_t(op.block)});
+      if (op.last) stream_after(dev, StreamId::kCompute, StreamId::kH2D);
+      return;
+    }
+    case StepOpKind::kHandOut: {
+      // A pool: what the next device takes, out to the hand-off buffer once
+      // this device's compute wrote it. The buffer's previous reader was
+      // this device's own kHandIn, which its compute waited for.
+      if (op.first) stream_after(dev, StreamId::kD2H, StreamId::kCompute);
+      at::Tensor a = handed(st, op);
+      dev.copy_d2h(StreamId::kD2H, hand_host_[size_t(m)].data(), a.data_ptr(), a.nbytes(),
+                   {op.grads ? "d2h hand-off gradient" : "d2h hand-off", int32_t(op.block)});
+      if (op.last) dev.record(*st.handed, StreamId::kD2H);
+      return;
+    }
+    case StepOpKind::kHandIn: {
+      // ...and in on this visit's device, once the other's copies landed and
+      // this device's last reader of the buffer it fills is done.
+      if (op.first) {
+        stream_after(dev, StreamId::kH2D, StreamId::kCompute);
+        dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].handed);
+        if (config_.checkpoints_on_host && !op.grads) dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
+      }
+      at::Tensor a = handed(st, op);
+      dev.copy_h2d(StreamId::kH2D, a.data_ptr(), hand_host_[size_t(m)].data(), a.nbytes(),
+                   {op.grads ? "h2d hand-off gradient" : "h2d hand-off", int32_t(op.block)});
+      if (op.last) stream_after(dev, StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kHeadLse:
@@ -82,42 +111,42 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
     case StepOpKind::kLossOut: {
       // The loss's D2H precedes every head gradient's on the d2h stream: the
       // updater checks it when the first gradients land.
-      stream_after(StreamId::kD2H, StreamId::kCompute);
-      device_->copy_d2h(StreamId::kD2H, head_stats_host_.data(), head_stats_dev_.data_ptr(), head_stats_host_.size_bytes(),
-                        {"d2h loss", int32_t(place_.head)});
-      device_->record(*head_stats_ready_, StreamId::kD2H);
+      stream_after(dev, StreamId::kD2H, StreamId::kCompute);
+      dev.copy_d2h(StreamId::kD2H, head_stats_host_.data(), st.head_stats.data_ptr(), head_stats_host_.size_bytes(),
+                   {"d2h loss", int32_t(place_.head)});
+      dev.record(*head_stats_ready_, StreamId::kD2H);
       return;
     }
     case StepOpKind::kZeroGrads: {
-      at::Tensor grads = grads_view(unit(op)).slice(0, 0, int64_t(visit_elems(op)));
-      device_->launch(StreamId::kCompute, {"zero grads", int32_t(op.block)}, [grads](const LaunchContext&) { grads.zero_(); });
+      at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(visit_elems(op)));
+      dev.launch(StreamId::kCompute, {"zero grads", int32_t(op.block)}, [grads](const LaunchContext&) { grads.zero_(); });
       return;
     }
     case StepOpKind::kTiedGradIn: {
       // The embedding's gradient starts from the head's share, so the sum runs
       // in the same order as in the resident reference.
       const Piece& pc = piece(op.piece);  // an embedding shard: one range
-      device_->wait(StreamId::kH2D, *tied_grad_ready_);
-      device_->copy_h2d(StreamId::kH2D, unit(op).grads_fp32, tied_grad_host_.data() + pc.ranges[0].begin, pc.elems() * 4,
-                        {"h2d tied gradient", 0});
-      stream_after(StreamId::kCompute, StreamId::kH2D);
+      dev.wait(StreamId::kH2D, *tied_grad_ready_);  // in a pool, the head's device's
+      dev.copy_h2d(StreamId::kH2D, unit(op).grads_fp32, tied_grad_host_.data() + pc.ranges[0].begin, pc.elems() * 4,
+                   {"h2d tied gradient", 0});
+      stream_after(dev, StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kBackward: backward_op(op); return;
-    case StepOpKind::kGradsToSend: at.send = grads_to_send(unit(op), visit_elems(op), op.block); return;
+    case StepOpKind::kGradsToSend: at.send = grads_to_send(st, unit(op), visit_elems(op), op.block); return;
     case StepOpKind::kGradsOut: copy_grads_out(op.piece, op, at.send); return;
     case StepOpKind::kTiedGradOut: {
       // Kept in fp32 so that the embedding's sum is the resident reference's.
       const Piece& rows = piece(op.piece);
       const size_t norm = piece(place_.shards.norm_piece).elems();
-      device_->copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows.ranges[0].begin, unit(op).grads_fp32 + norm,
-                        rows.elems() * 4, {"d2h tied grads", int32_t(place_.head)});
-      device_->record(*tied_grad_ready_, StreamId::kD2H);
+      dev.copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows.ranges[0].begin, unit(op).grads_fp32 + norm,
+                   rows.elems() * 4, {"d2h tied grads", int32_t(place_.head)});
+      dev.record(*tied_grad_ready_, StreamId::kD2H);
       return;
     }
     case StepOpKind::kRelease:
-      if (op.d2h) pool_->release(unit(op), {StreamId::kCompute, StreamId::kD2H});
-      else pool_->release(unit(op), {StreamId::kCompute});
+      if (op.d2h) st.pool->release(unit(op), {StreamId::kCompute, StreamId::kD2H});
+      else st.pool->release(unit(op), {StreamId::kCompute});
       return;
     default:
       throw Error(fmt::format("the device executor was given the host operation '{}'", op_name(op.kind)));
@@ -135,128 +164,135 @@ size_t EngineCore::visit_elems(const StepOp& op) const {
 void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
   const Piece& pc = piece(op.piece);
   const int64_t b = pc.block, m = op.micro_batch;
+  Seat& st = seat(op);
+  Device& dev = *st.device;
+  BlockRunner* runner = st.runner.get();
   // The visit's unit: an embedding shard, or a layer in its block's layout (all its pieces).
-  at::Tensor params = params_view(unit(op), 0, visit_elems(op));
+  at::Tensor params = params_view(st, unit(op), 0, visit_elems(op));
   // Block b writes ring set (b+1)%2, whose checkpoint copy-out (two blocks ago) must be done.
-  if (op.wait_ring) device_->wait(StreamId::kCompute, *ring_free_[size_t((b + 1) % 2)]);
+  if (op.wait_ring) dev.wait(StreamId::kCompute, *st.ring_free[size_t((b + 1) % 2)]);
   const double flops = op_flops(op);
-  at::Tensor in = b == 0 ? mb_[size_t(m)].ids : act(b, m);
-  at::Tensor out = act(b + 1, m);
+  at::Tensor in = b == 0 ? st.mb[size_t(m)].ids : act(st, b, m);
+  at::Tensor out = act(st, b + 1, m);
   if (b == 0) {
     at::Tensor rows = rows_view(params, 0, pc);
     const int64_t v0 = pc.row_begin;
-    device_->launch(StreamId::kCompute, {"embedding shard", int32_t(b), flops},
-                    [rows, v0, in, out](const LaunchContext&) { embedding_shard_forward(rows, v0, in, out); });
+    dev.launch(StreamId::kCompute, {"embedding shard", int32_t(b), flops},
+               [rows, v0, in, out](const LaunchContext&) { embedding_shard_forward(rows, v0, in, out); });
     return;
   }
   if (op.keep) {
     // Keep what backward needs: written into a device slot (once its last
     // reader is done); kSaveOut copies it out to the layer's host copy.
-    at.saved_slot = int(saved_uses_++ % 2);
-    at::Tensor save = saved_dev_[size_t(at.saved_slot)];
-    device_->wait(StreamId::kCompute, *saved_free_[size_t(at.saved_slot)]);
-    device_->launch(StreamId::kCompute, {"forward", int32_t(b), flops},
-                    [this, b, params, in, out, save](const LaunchContext&) {
-                      out.copy_(runner_->forward(b, params, in, save));
-                    });
-    at.saved_done = device_->make_event();
-    device_->record(*at.saved_done, StreamId::kCompute);
+    at.saved_slot = int(st.saved_uses++ % 2);
+    at::Tensor save = st.saved_dev[size_t(at.saved_slot)];
+    dev.wait(StreamId::kCompute, *st.saved_free[size_t(at.saved_slot)]);
+    dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops}, [runner, b, params, in, out, save](const LaunchContext&) {
+      out.copy_(runner->forward(b, params, in, save));
+    });
+    at.saved_done = dev.make_event();
+    dev.record(*at.saved_done, StreamId::kCompute);
     return;
   }
-  device_->launch(StreamId::kCompute, {"forward", int32_t(b), flops},
-                  [this, b, params, in, out](const LaunchContext&) { out.copy_(runner_->forward(b, params, in)); });
+  dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops},
+             [runner, b, params, in, out](const LaunchContext&) { out.copy_(runner->forward(b, params, in)); });
 }
 
 void EngineCore::head_op(const StepOp& op) {
   const int64_t m = op.micro_batch;
+  Seat& st = seat(op);
+  Device& dev = *st.device;
   const Sharding& sh = place_.shards;
   const Piece& norm_pc = piece(sh.norm_piece);
   const Piece& rows_pc = piece(sh.lm_piece[size_t(op.shard)]);
   const bool first = op.shard == 0, last = op.shard + 1 == sh.shards;
   const size_t used = norm_pc.elems() + rows_pc.elems();
-  at::Tensor params = params_view(unit(op), 0, used);
+  at::Tensor params = params_view(st, unit(op), 0, used);
   at::Tensor norm = params.slice(0, 0, spec_.dims.hidden);
   at::Tensor rows = rows_view(params, norm_pc.elems(), rows_pc);
   const BlockDims dims = spec_.dims;
   const int64_t chunk = sh.chunk, tile = config_.compute.token_tile, v0 = rows_pc.row_begin;
-  at::Tensor in = act(place_.head, m);
-  const MicroBatch& x = mb_[size_t(m)];
+  at::Tensor in = act(st, place_.head, m);
+  const MicroBatch& x = st.mb[size_t(m)];
   if (op.kind == StepOpKind::kHeadLse) {
     at::Tensor labels = x.labels, lse = x.head_lse, loss_sum = x.loss_sum, valid_tokens = x.valid_tokens;
-    HeadState st = x.head;
+    HeadState hs = x.head;
     const at::Tensor keep = op.keep ? kept_logits(m, rows_pc) : at::Tensor();
-    device_->launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), op_flops(op)},
-                    [dims, norm, rows, v0, in, labels, chunk, tile, st, lse, loss_sum, valid_tokens, first, last,
-                     keep](const LaunchContext&) mutable {
-                      if (first) head_state_reset(st);
-                      head_lse_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, st, keep);
-                      if (!last) return;
-                      lse.copy_(head_lse(st));
-                      head_loss_sums(st, lse, labels, loss_sum, valid_tokens);
-                    });
+    dev.launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), op_flops(op)},
+               [dims, norm, rows, v0, in, labels, chunk, tile, hs, lse, loss_sum, valid_tokens, first, last,
+                keep](const LaunchContext&) mutable {
+                 if (first) head_state_reset(hs);
+                 head_lse_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, hs, keep);
+                 if (!last) return;
+                 lse.copy_(head_lse(hs));
+                 head_loss_sums(hs, lse, labels, loss_sum, valid_tokens);
+               });
     return;
   }
-  at::Tensor grads = grads_view(unit(op)).slice(0, 0, int64_t(used));
+  at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(used));
   at::Tensor grad_h = x.grad_h;
   if (op.kind == StepOpKind::kHeadNormBackward) {
     at::Tensor grad_norm = grads.slice(0, 0, spec_.dims.hidden), gout = x.grad_out;
-    device_->launch(StreamId::kCompute, {"head norm backward", int32_t(place_.head), 0.0},
-                    [dims, norm, in, grad_h, grad_norm, gout, tile](const LaunchContext&) {
-                      head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile,
-                                         gout.view({-1, dims.hidden}));
-                    });
+    dev.launch(StreamId::kCompute, {"head norm backward", int32_t(place_.head), 0.0},
+               [dims, norm, in, grad_h, grad_norm, gout, tile](const LaunchContext&) {
+                 head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile,
+                                    gout.view({-1, dims.hidden}));
+               });
     return;
   }
   at::Tensor grad_rows = rows_view(grads, norm_pc.elems(), rows_pc);
   at::Tensor labels = x.labels, lse = x.head_lse;
   const int64_t valid = batch_valid_;
   const at::Tensor kept = op.keep ? kept_logits(m, rows_pc) : at::Tensor();
-  device_->launch(StreamId::kCompute, {"head backward", int32_t(place_.head), op_flops(op)},
-                  [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first, kept](
-                      const LaunchContext&) {
-                    if (first) grad_h.zero_();
-                    head_grad_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, lse,
-                                    1.0 / double(valid), grad_h, grad_rows, kept);
-                  });
+  dev.launch(StreamId::kCompute, {"head backward", int32_t(place_.head), op_flops(op)},
+             [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first, kept](
+                 const LaunchContext&) {
+               if (first) grad_h.zero_();
+               head_grad_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, lse,
+                               1.0 / double(valid), grad_h, grad_rows, kept);
+             });
 }
 
 void EngineCore::backward_op(const StepOp& op) {
   const Piece& pc = piece(op.piece);
   const int64_t b = pc.block, m = op.micro_batch;
+  Seat& st = seat(op);
+  Device& dev = *st.device;
+  BlockRunner* runner = st.runner.get();
   const size_t n = visit_elems(op);  // as in forward_op
-  at::Tensor params = params_view(unit(op), 0, n);
-  at::Tensor grads = grads_view(unit(op)).slice(0, 0, int64_t(n));
+  at::Tensor params = params_view(st, unit(op), 0, n);
+  at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(n));
   const double flops = op_flops(op);
-  at::Tensor in = b == 0 ? mb_[size_t(m)].ids : act(b, m);
-  at::Tensor gout = mb_[size_t(m)].grad_out;
+  at::Tensor in = b == 0 ? st.mb[size_t(m)].ids : act(st, b, m);
+  at::Tensor gout = st.mb[size_t(m)].grad_out;
   if (b == 0) {
     at::Tensor grad_rows = rows_view(grads, 0, pc);
     const int64_t v0 = pc.row_begin;
-    device_->launch(StreamId::kCompute, {"embedding shard backward", int32_t(b), flops},
-                    [in, v0, gout, grad_rows](const LaunchContext&) { embedding_shard_backward(in, v0, gout, grad_rows); });
+    dev.launch(StreamId::kCompute, {"embedding shard backward", int32_t(b), flops},
+               [in, v0, gout, grad_rows](const LaunchContext&) { embedding_shard_backward(in, v0, gout, grad_rows); });
     return;
   }
   if (op.keep) {
     // Its kept activations came in ahead (kFetchSaved), in order.
-    STRIDER_CHECK(!saved_in_.empty(), "kept activations: block {} micro-batch {} expected, none came", b, m);
-    SavedIn got = std::move(saved_in_.front());
-    saved_in_.pop_front();
+    STRIDER_CHECK(!st.saved_in.empty(), "kept activations: block {} micro-batch {} expected, none came", b, m);
+    SavedIn got = std::move(st.saved_in.front());
+    st.saved_in.pop_front();
     STRIDER_CHECK(got.block == b && got.m == m, "kept activations: block {} micro-batch {} expected, {} {} came", b, m,
                   got.block, got.m);
-    device_->wait(StreamId::kCompute, *got.ready);
-    at::Tensor saved = saved_dev_[size_t(got.slot)];
-    device_->launch(StreamId::kCompute, {"backward", int32_t(b), flops},
-                    [this, b, params, grads, in, gout, saved](const LaunchContext&) {
-                      gout.copy_(runner_->backward(b, params, in, gout, grads, saved));
-                    });
-    device_->record(*saved_free_[size_t(got.slot)], StreamId::kCompute);
+    dev.wait(StreamId::kCompute, *got.ready);
+    at::Tensor saved = st.saved_dev[size_t(got.slot)];
+    dev.launch(StreamId::kCompute, {"backward", int32_t(b), flops},
+               [runner, b, params, grads, in, gout, saved](const LaunchContext&) {
+                 gout.copy_(runner->backward(b, params, in, gout, grads, saved));
+               });
+    dev.record(*st.saved_free[size_t(got.slot)], StreamId::kCompute);
     return;
   }
-  device_->launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
-                  [this, b, params, grads, in, gout](const LaunchContext&) {
-                    at::Tensor gin = runner_->backward(b, params, in, gout, grads);
-                    if (gin.defined()) gout.copy_(gin);
-                  });
+  dev.launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
+             [runner, b, params, grads, in, gout](const LaunchContext&) {
+               at::Tensor gin = runner->backward(b, params, in, gout, grads);
+               if (gin.defined()) gout.copy_(gin);
+             });
 }
 
 }  // namespace strider

@@ -38,13 +38,24 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   const size_t tokens = size_t(c.batch() * c.seq), mb_tokens = size_t(c.micro_batch * c.seq);
   const size_t hidden = size_t(spec.dims.hidden);
   const size_t act = round_up(mb_tokens * hidden * cbytes, 256);
-  const size_t sets = c.checkpoints_on_host ? 2 : size_t(pl.head);
-  f.activation_bytes = 2 * round_up(tokens * 8, 256) + round_up(2 * M * 8, 256) + sets * M * act + M * act +
-                       M * (4 * round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256));
-  if (f.saved_layers > 0) f.activation_bytes += 2 * round_up(pl.saved_bytes, 256);
-  if (c.keep_logits) {
-    f.logits_bytes = M * round_up(mb_tokens * size_t(spec.dims.vocab) * cbytes, 256);
-    f.activation_bytes += f.logits_bytes;
+  if (c.keep_logits) f.logits_bytes = M * round_up(mb_tokens * size_t(spec.dims.vocab) * cbytes, 256);
+  // Each device of a pool: the batch and output gradients; the sets of the
+  // block inputs it holds (placement.h, holds_input; the 2-set ring with host
+  // checkpoints); kept-activation slots if it runs a kept layer; the head's
+  // loss figures, per-token state, hidden gradient and kept logits if it runs the head.
+  f.activation_bytes = 0;
+  for (int d = 0; d < pl.devices; ++d) {
+    size_t sets = 0;
+    for (int64_t b = 1; b <= pl.head; ++b) sets += pl.holds_input(d, b);
+    if (c.checkpoints_on_host) sets = 2;
+    bool kept = false;
+    for (int64_t b = 1; b < pl.head; ++b) kept = kept || (pl.saved_index[size_t(b)] >= 0 && pl.block_device(b) == d);
+    uint64_t bytes = 2 * round_up(tokens * 8, 256) + sets * M * act + M * act;
+    if (kept) bytes += 2 * round_up(pl.saved_bytes, 256);
+    if (pl.block_device(pl.head) == d)
+      bytes += round_up(2 * M * 8, 256) + M * (4 * round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256)) +
+               f.logits_bytes;
+    f.activation_bytes = std::max(f.activation_bytes, bytes);
   }
   f.device_bytes = f.pool_bytes + f.activation_bytes;
 }
@@ -67,6 +78,8 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kHostAlign) + round_up(2 * M * 8, kHostAlign) +
                  8 * kHostAlign;
   if (c.checkpoints_on_host) f.host_bytes += uint64_t(pl.head) * M * round_up(pl.act_bytes, kHostAlign);
+  if (pl.devices > 1) f.hand_off_bytes = M * round_up(pl.act_bytes, kHostAlign);
+  f.host_bytes += f.hand_off_bytes;
   if (f.saved_layers > 0) {
     f.saved_bytes_per_layer = M * round_up(pl.saved_bytes, kHostAlign);
     f.saved_host_bytes = uint64_t(f.saved_layers) * f.saved_bytes_per_layer;
@@ -104,9 +117,11 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.state_shards >= 1 && c.state_shard >= 0 && c.state_shard < c.state_shards,
                 "state shard {} of {}: a rank's slice of the sharded state is 0..shards-1 of shards >= 1",
                 c.state_shard, c.state_shards);
+  STRIDER_CHECK(c.devices >= 1 && c.devices <= 64, "devices {}: a pool has 1 to 64 devices", c.devices);
   Placement pl;
   pl.blocks = spec.num_blocks();
   pl.head = pl.blocks - 1;
+  pl.devices = c.devices;
   for (int64_t b = 0; b < pl.blocks; ++b) pl.layouts.push_back(spec.layout(b));
   pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;

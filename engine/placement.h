@@ -38,7 +38,9 @@ struct EngineFootprint {
   uint64_t saved_bytes_per_layer = 0;  // host bytes one such layer keeps, all micro-batches of a step
   uint64_t saved_host_bytes = 0;    // host bytes of all kept activations (part of host_bytes)
   uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes)
-  uint64_t device_bytes = 0;        // pool + activations: every device allocation
+  uint64_t device_bytes = 0;        // pool + activations: every device allocation (a pool: its largest device's)
+  uint64_t hand_off_bytes = 0;      // a pool: pinned host buffers the devices hand block outputs and
+                                    // output gradients over (part of host_bytes)
   uint64_t host_bytes = 0;          // the pinned arena
   uint64_t optimizer_host_bytes = 0;  // of state_host_bytes, the RAM tier's master, m and v (sharded: this rank's slices)
   uint64_t shared_host_bytes = 0;   // the compute copy in shared memory (EngineConfig::shared_compute_file;
@@ -98,6 +100,16 @@ struct Placement {
   size_t act_bytes = 0;                 // one micro-batch's hidden states [micro_batch, seq, hidden]
   size_t saved_bytes = 0;               // one micro-batch's kept activations of one layer
   EngineFootprint footprint;
+
+  int devices = 1;                      // the pool's devices (EngineConfig::devices)
+  // The pool's device that runs block b's visits (forward, backward, the
+  // head's shards): round robin over the blocks, so consecutive blocks run
+  // on consecutive devices and a block's backward finds its forward's
+  // checkpoints and kept activations where they were made.
+  int block_device(int64_t b) const { return int(b % devices); }
+  // Device d holds block b's input checkpoints (no host checkpoints): it
+  // runs block b (which reads them) or block b - 1 (which writes them).
+  bool holds_input(int d, int64_t b) const { return block_device(b) == d || block_device(b - 1) == d; }
 
   int64_t num_pieces() const { return int64_t(pieces.size()); }
   const Piece& piece(int64_t p) const { return shards.pieces[size_t(p)]; }

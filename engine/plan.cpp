@@ -16,6 +16,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.compute = {l.dtype, l.vocab_chunk, token_tile};
   c.vocab_shard_rows = l.vocab_shard_rows;
   c.layer_pieces = l.layer_pieces;
+  c.devices = l.devices;
   c.fp32_grad_transfer = l.fp32_grad_transfer;
   c.window = window;
   c.checkpoints_on_host = checkpoints_on_host;
@@ -119,7 +120,7 @@ uint64_t largest_block_f32_bytes(const ModelSpec& spec) {
 uint64_t rest_of_process(const ModelSpec& spec, const PlanLimits& l, bool nvme_staging, std::string* parts) {
   const uint64_t block = largest_block_f32_bytes(spec);
   const uint64_t staging = l.loads_checkpoint ? 2 * block : nvme_staging ? block : 0;
-  const uint64_t device = l.device_memory_on_host ? l.device_bytes + PlanLimits::kCpuRuntimeGrowthBytes : 0;
+  const uint64_t device = l.device_memory_on_host ? l.devices * l.device_bytes + PlanLimits::kCpuRuntimeGrowthBytes : 0;
   if (parts)
     *parts = fmt::format("{} the process before the run{}{}", format_bytes(l.process_bytes),
                          device ? fmt::format(" + {} the CPU device's budget and ATen's runtime", format_bytes(device))
@@ -365,7 +366,8 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.registered_bytes = f.registered_host_bytes;
   p.optimizer_state = l.optimizer_state;
   p.nvme_bytes = f.nvme_bytes;
-  p.why.push_back(fmt::format("device: {} allocated at start + ~{} ATen working memory = {} of {}",
+  p.why.push_back(fmt::format("device{}: {} allocated at start + ~{} ATen working memory = {} of {}",
+                              l.devices > 1 ? fmt::format(" (each of {}; the largest's share)", l.devices) : "",
                               format_bytes(f.device_bytes), format_bytes(work), format_bytes(p.device_peak_bytes),
                               format_bytes(l.device_bytes)));
   // The process's peak (what a host RAM figure given as "the machine's free
@@ -374,7 +376,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // again); a save of NVMe-tier state reads each block's master back first.
   const uint64_t block_bytes = largest_block_f32_bytes(spec);
   const uint64_t staging = l.loads_checkpoint ? 2 * block_bytes : p.nvme_blocks.empty() ? 0 : block_bytes;
-  const uint64_t on_device = l.device_memory_on_host ? p.device_peak_bytes + PlanLimits::kCpuRuntimeGrowthBytes : 0;
+  const uint64_t on_device = l.device_memory_on_host ? l.devices * p.device_peak_bytes + PlanLimits::kCpuRuntimeGrowthBytes : 0;
   p.host_peak_bytes = f.host_bytes + l.process_bytes + on_device + staging;
   std::string parts = fmt::format("{} pinned", format_bytes(f.host_bytes));
   if (l.process_bytes > 0) parts += fmt::format(" + {} the process before the run", format_bytes(l.process_bytes));

@@ -1,9 +1,8 @@
 #include "engine/step_program.h"
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
+#include <algorithm>
 
-#include <nlohmann/json.hpp>
+#include <fmt/format.h>
 
 #include "host/error.h"
 
@@ -18,6 +17,8 @@ const char* op_name(StepOpKind k) {
     case StepOpKind::kForward: return "forward";
     case StepOpKind::kSaveOut: return "kept activations out";
     case StepOpKind::kCheckpointOut: return "checkpoint out";
+    case StepOpKind::kHandOut: return "hand out";
+    case StepOpKind::kHandIn: return "hand in";
     case StepOpKind::kHeadLse: return "head log-sum-exp";
     case StepOpKind::kLossOut: return "loss out";
     case StepOpKind::kHeadGrad: return "head backward";
@@ -102,7 +103,7 @@ class DeviceBuilder {
         ckpt_out_(size_t(place.head + 1), -1), saved_out_(size_t(place.head + 1), -1) {}
 
   int32_t add(StepOpKind k, Lane lane, int64_t v, int64_t block, std::vector<int32_t> after = {}) {
-    StepOp o{.kind = k, .lane = lane, .block = block, .visit = v, .after = std::move(after)};
+    StepOp o{.kind = k, .lane = lane, .block = block, .visit = v, .device = dev_, .after = std::move(after)};
     if (v >= 0 && v != visit_) {
       visit_ = v;
       o.first_of_visit = k != StepOpKind::kLoad;
@@ -118,6 +119,7 @@ class DeviceBuilder {
     const int64_t M = in_.micro_batches;
     const Sharding& sh = pl_.shards;
     visit_ = -1;
+    dev_ = pl_.block_device(vis.kind == Visit::kHead ? pl_.head : pl_.piece(vis.piece).block);
     int32_t last = -1;  // the latest compute operation of the visit
     std::vector<int32_t> out;  // what the release waits for on the d2h stream
     bool grads = false;
@@ -126,6 +128,7 @@ class DeviceBuilder {
       const int64_t p = vis.piece, b = pl_.piece(p).block;
       const bool first_piece = loads.front() == sh.first_of(b), last_piece = loads.back() + 1 == sh.end_of(b);
       const bool keep = train_ && keeps(pl_, b);
+      if (first_piece && b >= 1) hand_in(v, b, false);
       for (int64_t m = 0; m < M; ++m) {
         std::vector<int32_t> after{load};
         const bool wait_ring = in_.checkpoints_on_host && first_piece && m == 0;
@@ -149,9 +152,11 @@ class DeviceBuilder {
           op(c).last = m + 1 == M;
           ckpt_out_[size_t(b + 1)] = c;
         }
+      if (last_piece) hand_out(v, b + 1, false, last);
     } else if (vis.kind == Visit::kHead) {
       const int64_t s = vis.shard;
       const bool last_shard = s + 1 == sh.shards, grad = train_ && vis.grad;
+      if (vis.lse && s == 0) hand_in(v, pl_.head, false);
       if (vis.lse) {
         for (int64_t m = 0; m < M; ++m) {
           last = add(StepOpKind::kHeadLse, Lane::kCompute, v, pl_.head, {load});
@@ -177,6 +182,7 @@ class DeviceBuilder {
             op(last).micro_batch = m;
             op(last).shard = s;
           }
+        if (last_shard) hand_out(v, pl_.head - 1, true, last);
         const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, pl_.head);
         op(send).shard = s;
         if (last_shard) out.push_back(grads_out(v, sh.norm_piece, send));
@@ -192,6 +198,7 @@ class DeviceBuilder {
     } else {
       const int64_t p = vis.piece, b = pl_.piece(p).block;
       grads = true;
+      hand_in(v, b, true);
       if (b == 0 && pl_.piece(sh.lm_piece[0]).block == 0) {  // tied: starts from the head's share
         std::vector<int32_t> after;
         for (int32_t t : tied_out_)
@@ -207,6 +214,7 @@ class DeviceBuilder {
         for (int64_t m = 0; m < M; ++m) {
           back = add(StepOpKind::kCheckpointIn, Lane::kH2D, v, b, {ckpt_out_[size_t(b)]});
           op(back).micro_batch = m;
+          op(back).peer = peer(b - 1, b);
           op(back).first = m == 0;
           op(back).last = m + 1 == M;
         }
@@ -221,6 +229,7 @@ class DeviceBuilder {
         op(last).micro_batch = m;
         op(last).keep = keep;
       }
+      if (b >= 1) hand_out(v, b - 1, true, last);
       const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, b, {last});
       op(send).piece = p;
       // In landing order (a layer's pieces in reverse): the ring's slots are handed out in it.
@@ -239,6 +248,44 @@ class DeviceBuilder {
     fetched_.resize(size_t(in_.micro_batches), -1);
     fetched_[size_t(m)] = add(StepOpKind::kFetchSaved, Lane::kH2D, v, b, {saved_out_[size_t(b)]});
     op(fetched_[size_t(m)]).micro_batch = m;
+    op(fetched_[size_t(m)]).device = pl_.block_device(b);  // where its backward runs
+  }
+
+  // Pass "devices": the device that made what block `to` takes (its input:
+  // block to - 1's; its output gradient: block to + 1's), when another.
+  int peer(int64_t from, int64_t to) const {
+    return pl_.block_device(from) == pl_.block_device(to) ? -1 : pl_.block_device(from);
+  }
+  // Block b's input (`grads`: its output gradient) for every micro-batch, out
+  // of this visit's device after `last` when block b's visits run on another.
+  // With host checkpoints a layer's input is already out (kCheckpointOut).
+  void hand_out(int64_t v, int64_t b, bool grads, int32_t last) {
+    if (pl_.block_device(b) == dev_) return;
+    if (!grads && in_.checkpoints_on_host && b < pl_.head) return;
+    for (int64_t m = 0; m < in_.micro_batches; ++m) {
+      const int32_t h = add(StepOpKind::kHandOut, Lane::kD2H, v, b, {last});
+      op(h).micro_batch = m;
+      op(h).grads = grads;
+      op(h).first = m == 0;
+      op(h).last = m + 1 == in_.micro_batches;
+      hand_out_ = h;
+    }
+  }
+  // ...and in, at the start of the visit of block b that takes it.
+  void hand_in(int64_t v, int64_t b, bool grads) {
+    const int from = peer(grads ? b + 1 : b - 1, b);
+    if (from < 0 || (grads && b == 0 && handed_grads_to_embedding_)) return;
+    if (grads && b == 0) handed_grads_to_embedding_ = true;  // its shards share one device
+    const bool ckpt = !grads && in_.checkpoints_on_host && b < pl_.head;
+    for (int64_t m = 0; m < in_.micro_batches; ++m) {
+      const int32_t h = add(ckpt ? StepOpKind::kCheckpointIn : StepOpKind::kHandIn, Lane::kH2D, v, b,
+                            {ckpt ? ckpt_out_[size_t(b)] : hand_out_});
+      op(h).micro_batch = m;
+      op(h).grads = grads;
+      op(h).peer = from;
+      op(h).first = m == 0;
+      op(h).last = m + 1 == in_.micro_batches;
+    }
   }
 
   int32_t grads_out(int64_t v, int64_t p, int32_t send) {
@@ -261,6 +308,9 @@ class DeviceBuilder {
   int64_t visit_ = -1;
   std::vector<int32_t> fetched_;  // per micro-batch: the latest layer's kFetchSaved
   std::vector<int32_t> ckpt_out_, saved_out_;  // per block: its latest kCheckpointOut (its input), kSaveOut
+  int dev_ = 0;                   // the device of the visit being expanded
+  int32_t hand_out_ = -1;         // the latest kHandOut
+  bool handed_grads_to_embedding_ = false;
 };
 
 // Pass "prefetch": visit i's load is issued before visit i - (K - 1) computes
@@ -270,21 +320,40 @@ class DeviceBuilder {
 std::vector<Visit> device_program(const Placement& place, const ProgramInputs& in, bool train,
                                   std::vector<StepOp>& ops, DeviceBuilder& d) {
   std::vector<Visit> vs = visits(place, train);
-  const size_t n = vs.size(), ahead = size_t(in.window) - 1;
-  std::vector<int32_t> load(n, -1), release(n, -1);
-  size_t next = 0;
+  const size_t n = vs.size(), ahead = size_t(in.window) - 1, K = size_t(in.window);
+  auto device_of = [&](size_t i) {
+    return place.block_device(vs[i].kind == Visit::kHead ? place.head : place.piece(vs[i].piece).block);
+  };
+  // Per device: its visits in order (a pool's devices each slide their own window).
+  std::vector<std::vector<size_t>> mine(size_t(place.devices));
+  std::vector<size_t> nth(n);  // visit i is its device's nth
   for (size_t i = 0; i < n; ++i) {
-    for (; next < n && next <= i + ahead; ++next) {
+    nth[i] = mine[size_t(device_of(i))].size();
+    mine[size_t(device_of(i))].push_back(i);
+  }
+  std::vector<int32_t> load(n, -1), release(n, -1);
+  std::vector<size_t> done(size_t(place.devices), 0), next(size_t(place.devices), 0);
+  for (size_t i = 0; i < n; ++i) {
+    // Each device's loads up to K-1 of its visits ahead of those it has run,
+    // in visit order.
+    std::vector<size_t> due;
+    for (size_t dv = 0; dv < mine.size(); ++dv)
+      for (; next[dv] < mine[dv].size() && next[dv] <= done[dv] + ahead; ++next[dv]) due.push_back(mine[dv][next[dv]]);
+    std::sort(due.begin(), due.end());
+    for (size_t j : due) {
+      const std::vector<size_t>& own = mine[size_t(device_of(j))];
       std::vector<int32_t> after;
-      if (next >= size_t(in.window)) after.push_back(release[next - size_t(in.window)]);
-      load[next] = d.add(StepOpKind::kLoad, Lane::kH2D, int64_t(next), -1, std::move(after));
-      StepOp& l = d.op(load[next]);
-      l.piece = vs[next].piece;
-      l.shard = vs[next].shard;
-      l.block = vs[next].kind == Visit::kHead ? place.head : place.piece(vs[next].piece).block;
+      if (nth[j] >= K) after.push_back(release[own[nth[j] - K]]);
+      load[j] = d.add(StepOpKind::kLoad, Lane::kH2D, int64_t(j), -1, std::move(after));
+      StepOp& l = d.op(load[j]);
+      l.piece = vs[j].piece;
+      l.shard = vs[j].shard;
+      l.block = vs[j].kind == Visit::kHead ? place.head : place.piece(vs[j].piece).block;
+      l.device = device_of(j);
     }
     d.expand(vs[i], int64_t(i), load[i]);
     release[i] = int32_t(ops.size()) - 1;
+    ++done[size_t(device_of(i))];
     if (train && i + 1 < n && vs[i + 1].kind == Visit::kBackward) {
       const int64_t b = place.piece(vs[i + 1].piece).block;
       if (keeps(place, b)) d.fetch(b, 0, int64_t(i));
@@ -415,69 +484,6 @@ StepProgram compile_eval(const Placement& place, const ProgramInputs& in) {
   prog.visits = int64_t(device_program(place, in, false, prog.ops, dev).size());
   lay_out_visits(place, prog);
   return prog;
-}
-
-namespace {
-
-std::string what(const StepOp& o, const ModelSpec& spec, const Placement& place) {
-  std::string w;
-  if (o.piece >= 0 && o.kind != StepOpKind::kCheckpointOut && o.kind != StepOpKind::kCheckpointIn &&
-      o.kind != StepOpKind::kSaveOut && o.kind != StepOpKind::kFetchSaved)
-    w = place.shards.name(spec, o.piece);
-  else if (o.shard >= 0)
-    w = fmt::format("head shard {}", o.shard);
-  else if (o.block == place.head)
-    w = "head";
-  else if (o.block >= 1)
-    w = fmt::format("layer.{}", o.block - 1);
-  // A layer's visit works on the whole layer, whatever pieces cut it; its gradients leave piece by piece.
-  if (o.on_device() && o.kind != StepOpKind::kGradsOut && o.piece >= 0 && !place.piece(o.piece).rows() &&
-      o.block >= 1 && o.block < place.head)
-    w = spec.block_name(o.block);
-  if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kRelease) w = fmt::format("visit {}: {}", o.visit, w);
-  if (o.micro_batch >= 0) w += fmt::format(" m{}", o.micro_batch);
-  return w;
-}
-
-}  // namespace
-
-std::string describe(const StepProgram& program, const ModelSpec& spec, const Placement& place) {
-  std::string out;
-  for (size_t i = 0; i < program.ops.size(); ++i) {
-    const StepOp& o = program.ops[i];
-    std::string waits;
-    if (!o.after.empty()) waits = fmt::format("after {}", fmt::join(o.after, ","));
-    if (!o.after_previous.empty())
-      waits += fmt::format("{}after {} of the previous step", waits.empty() ? "" : "; ",
-                           fmt::join(o.after_previous, ","));
-    std::string attrs;
-    if (o.keep) attrs += o.kind == StepOpKind::kHeadLse || o.kind == StepOpKind::kHeadGrad ? " [kept logits]" : " [kept activations]";
-    if (o.wait_ring) attrs += " [after its checkpoint set left]";
-    if (o.over_slices) attrs += " [this rank's slice]";
-    if (o.kind == StepOpKind::kGather && o.shared_copy) attrs += " [barrier: shared copy]";
-    if (o.gate) attrs += fmt::format(" [gates the updates; clip {}]", o.clip);
-    out += fmt::format("{:5} {:<10} {:<22} {:<28}{} {}\n", i, lane_name(o.lane), op_name(o.kind),
-                       what(o, spec, place), attrs, waits);
-  }
-  return out;
-}
-
-nlohmann::json to_json(const StepProgram& program, const ModelSpec& spec, const Placement& place) {
-  nlohmann::json ops = nlohmann::json::array();
-  for (const StepOp& o : program.ops) {
-    nlohmann::json j{{"lane", std::string(lane_name(o.lane))}, {"op", op_name(o.kind)},
-                     {"what", what(o, spec, place)}, {"after", o.after}};
-    if (o.piece >= 0) j["piece"] = o.piece;
-    if (o.block >= 0) j["block"] = o.block;
-    if (o.visit >= 0) j["visit"] = o.visit;
-    if (o.micro_batch >= 0) j["micro_batch"] = o.micro_batch;
-    if (o.keep) j["keep"] = true;
-    if (!o.after_previous.empty()) j["after_previous_step"] = o.after_previous;
-    if (o.over_slices) j["slice"] = true;
-    if (o.gate) j["clip"] = o.clip;
-    ops.push_back(std::move(j));
-  }
-  return ops;
 }
 
 }  // namespace strider

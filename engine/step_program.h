@@ -12,6 +12,8 @@
 //   micro-batches     each visit's compute per micro-batch, its gradients out
 //   prefetch          each visit's load K-1 visits ahead
 //   host checkpoints  a layer's input out after the forward, in before the backward
+//   devices           a pool: each visit on its block's device; a block's
+//                     input and output gradient handed to the next device
 //   kept activations  what a kept layer's forward keeps out, and back one
 //                     micro-batch ahead of its backward
 //   tied              the head's share of a tied embedding's gradient out and in
@@ -53,6 +55,8 @@ enum class StepOpKind : uint8_t {
   kForward,            // compute: a piece's forward for one micro-batch
   kSaveOut,            // d2h: what a kept layer's forward kept, for one micro-batch
   kCheckpointOut,      // d2h: the next block's input for one micro-batch out to the host
+  kHandOut,            // d2h: a pool: a block's input (or output gradient) for one micro-batch, to the next device
+  kHandIn,             // h2d: a pool: what kHandOut handed, on the device of the visit it is for
   kHeadLse,            // compute: the head's pass 1 (log-sum-exp) over one shard, one micro-batch
   kLossOut,            // d2h: the pass's loss figures
   kHeadGrad,           // compute: the head's pass 2 (gradients) over one shard, one micro-batch
@@ -87,12 +91,15 @@ struct StepOp {
   int64_t visit = -1;          // device operations: their visit
   int64_t micro_batch = -1;    // device operations per micro-batch
   int64_t shard = -1;          // the head's operations: the vocabulary shard
+  int device = 0;              // device operations: the pool's device they run on (Placement::block_device)
+  int peer = -1;               // kHandIn, kCheckpointIn: the device that handed it over, when another
   // Set by passes, read by the executors.
   bool first_of_visit = false; // a device operation: the visit's first (it waits for the load)
   bool keep = false;           // kForward: keeps what backward needs (kept activations); kBackward: uses it
   bool first = false, last = false;  // a group's first and last (kCheckpointIn/Out; kSaveOut's last)
   bool wait_ring = false;      // kForward: its output's checkpoint ring set must have left (host checkpoints)
   bool d2h = false;            // kRelease: the visit's gradients left on the d2h stream
+  bool grads = false;          // kHandOut, kHandIn: the output gradient flowing backward (else a block's input)
   bool over_slices = false;    // kSumRanks, kSumSquares, kAdamW: this rank holds a slice (sharded state)
   bool shared_copy = false;    // kGather, kAdamW: the machine's ranks share one compute copy
   bool gate = false;           // kNorm: a non-finite norm skips the step, and `clip` scales the updates

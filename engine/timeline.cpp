@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "io/atomic_file.h"
@@ -78,6 +79,15 @@ void Timeline::write_chrome_trace(const std::string& path) const {
     events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", l},
                       {"args", {{"name", std::string(lane_name(static_cast<Lane>(l)))}}}});
   std::vector<Span> copy = spans();
+  // A pool's devices: a process each ("device d"), with its device lanes.
+  int pool = 0;
+  for (const Span& s : copy) pool = std::max(pool, s.device + 1);
+  for (int d = 0; d < pool; ++d) {
+    events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 2 + d}, {"args", {{"name", fmt::format("device {}", d)}}}});
+    for (Lane l : {Lane::kCompute, Lane::kH2D, Lane::kD2H})
+      events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 2 + d}, {"tid", static_cast<int>(l)},
+                        {"args", {{"name", std::string(lane_name(l))}}}});
+  }
   for (const Span& s : copy) {
     std::string name = s.name;
     if (s.block >= 0) name += " b" + std::to_string(s.block);
@@ -86,7 +96,8 @@ void Timeline::write_chrome_trace(const std::string& path) const {
     if (s.bytes) args["bytes"] = s.bytes;
     if (s.flops) args["flops"] = s.flops;
     if (s.work_peak_bytes) args["work_peak_bytes"] = s.work_peak_bytes;
-    events.push_back({{"name", name}, {"ph", "X"}, {"pid", 1}, {"tid", static_cast<int>(s.lane)},
+    if (s.device >= 0) args["device"] = s.device;
+    events.push_back({{"name", name}, {"ph", "X"}, {"pid", s.device >= 0 ? 2 + s.device : 1}, {"tid", static_cast<int>(s.lane)},
                       {"ts", s.begin_us}, {"dur", std::max(0.0, s.end_us - s.begin_us)}, {"args", args}});
   }
   json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};

@@ -33,6 +33,7 @@ struct Span {
   double flops = 0;
   uint64_t bytes = 0;
   uint64_t work_peak_bytes = 0;  // compute: ATen's working memory during the op (OpSpan::work_peak_bytes)
+  int32_t device = -1;           // device lanes of a pool: its device (a track each in the trace); -1: one device
 };
 
 struct LaneStats {

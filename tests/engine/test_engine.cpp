@@ -37,6 +37,7 @@ struct Case {
   std::vector<int64_t> saved;  // layers that keep their activations (EngineConfig::saved_blocks)
   bool keep_logits = false;    // the head's pass 2 takes pass 1's logits (EngineConfig::keep_logits)
   std::string layer_pieces;    // EngineConfig::layer_pieces
+  int devices = 1;             // a pool of CPU devices (make_devices), each with its own chaos seed
 };
 
 struct Result {
@@ -85,7 +86,8 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,
                      .chaos = {.enabled = c.chaos, .seed = c.seed, .max_delay_us = 300}};
-  Engine e(spec, cfg, make_device(dopt));
+  Engine e(spec, cfg, make_devices(dopt, std::to_string(c.devices)));
+  REQUIRE(e.devices() == c.devices);
   e.init_params(7);
   Result r;
   for (int s = 0; s < steps; ++s) {
@@ -98,8 +100,10 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
       e.read_state(b, k, x);
       r.state.push_back(std::move(x));
     }
-  r.peak = e.device().peak_allocated_bytes();
-  r.budget = e.device().budget_bytes();
+  for (int d = 0; d < e.devices(); ++d) {
+    r.peak = std::max(r.peak, e.device(d).peak_allocated_bytes());
+    r.budget = e.device(d).budget_bytes();
+  }
   return r;
 }
 
@@ -173,6 +177,50 @@ TEST_CASE("offload changes nothing: bit-identical across K, tiers, checkpoints a
       }
     }
   }
+}
+
+TEST_CASE("a pool of 2 and 3 CPU devices trains to one device's bits", "[engine][pool]") {
+  // Block b's visits run on device b % N; block inputs and output gradients
+  // are handed between devices through pinned host memory, and every
+  // device has its own streams, units, budget and chaos. With 3 devices
+  // and 5 blocks, the head runs on device 1 and layer 3 on device 0.
+  for (bool tied : {false, true}) {
+    for (double clip : {0.0, 0.5}) {
+      ModelSpec spec = tiny(tied);
+      Result ref = run(spec, {"reference: all resident", spec.num_blocks()}, at::kFloat, clip);
+      for (int n : {2, 3})
+        for (Case c : cases(spec.num_blocks())) {
+          c.devices = n;
+          c.seed += 100;  // other delays than the one-device cases'
+          INFO("tied=" << tied << " clip=" << clip << " devices=" << n << " case: " << c.name);
+          Result r = run(spec, c, at::kFloat, clip);
+          CHECK(same_bits(r, ref));
+          CHECK(r.peak <= r.budget);
+        }
+    }
+  }
+}
+
+TEST_CASE("a pool of devices with bf16 gradients and q8 state: still one device's bits", "[engine][pool][q8]") {
+  for (bool tied : {false, true})
+    for (double clip : {1.0, 0.0})
+      for (StateFormat format : {StateFormat::kFp32, StateFormat::kQ8}) {
+        ModelSpec spec = tiny(tied);
+        const int64_t B = spec.num_blocks();
+        Result ref = run(spec, {"all resident", B}, at::kBFloat16, clip, 3, format);
+        for (Case c : {Case{"K=2", 2}, Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
+                       Case{"3 vocabulary shards, chaos, NVMe, ring of 1", 2, false, {0, 2, 4}, true, 7, 1, 40},
+                       Case{"kept activations and logits, 2 vocabulary shards, chaos", 3, false, {2}, true, 6, 2, 80,
+                            {1, 2, 3}, true}})
+          for (int n : {2, 3}) {
+            c.devices = n;
+            INFO(c.name << " devices " << n << " tied " << tied << " clip " << clip << " "
+                        << state_format_name(format));
+            Result r = run(spec, c, at::kBFloat16, clip, 3, format);
+            CHECK(same_bits(r, ref));
+            CHECK(r.peak <= r.budget);
+          }
+      }
 }
 
 TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {

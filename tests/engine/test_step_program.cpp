@@ -432,3 +432,80 @@ TEST_CASE("one NVMe-tier layer without clipping: each read waits for its own las
   CHECK(trained[0] == trained[1]);
   std::filesystem::remove_all(tmpl);
 }
+
+TEST_CASE("a pool: every visit on its block's device, K-1 of its own visits ahead, and a hand-off where the device "
+          "changes",
+          "[engine][program][pool]") {
+  const ModelSpec spec = tiny(true);
+  for (int devices : {2, 3})
+    for (bool host_ckpt : {false, true})
+      for (int64_t window : {2, 3}) {
+        INFO("devices " << devices << " host checkpoints " << host_ckpt << " K " << window);
+        EngineConfig cfg = config(1.0);
+        cfg.devices = devices;
+        cfg.window = window;
+        cfg.checkpoints_on_host = host_ckpt;
+        cfg.saved_blocks = {2};
+        const Placement pl = place(spec, cfg);
+        const StepProgram prog = compile_step(pl, program_inputs(cfg, 1));
+        check_order(prog);
+        const int64_t M = cfg.accumulation;
+        // Per device: its visits in order; each op of a visit on its block's device.
+        std::map<int, std::vector<int64_t>> mine;
+        std::map<int64_t, int> load, first, release;
+        std::map<int64_t, int> visit_device;
+        for (size_t i = 0; i < prog.ops.size(); ++i) {
+          const StepOp& o = prog.ops[i];
+          if (!o.on_device()) continue;
+          if (o.kind == K::kLoad) {
+            load[o.visit] = int(i);
+            visit_device[o.visit] = o.device;
+            CHECK(o.device == pl.block_device(o.block));
+          }
+          if (o.first_of_visit) first[o.visit] = int(i);
+          if (o.kind == K::kRelease) {
+            release[o.visit] = int(i);
+            mine[o.device].push_back(o.visit);
+          }
+          if (o.kind == K::kForward || o.kind == K::kBackward || o.kind == K::kHeadLse || o.kind == K::kHeadGrad ||
+              o.kind == K::kFetchSaved)
+            CHECK(o.device == pl.block_device(o.block));
+          if (o.kind != K::kFetchSaved && o.visit >= 0 && visit_device.count(o.visit))
+            CHECK(o.device == visit_device[o.visit]);
+        }
+        CHECK(int64_t(mine.size()) == devices);
+        // Each device slides its own window: its visit j loads before its visit j-(K-1) computes, into the unit of its visit j-K.
+        for (const auto& [d, vs] : mine)
+          for (size_t j = 0; j < vs.size(); ++j) {
+            if (j >= size_t(window - 1)) CHECK(load[vs[j]] < first[vs[j - size_t(window - 1)]]);
+            if (j >= size_t(window))
+              CHECK(prog.ops[size_t(load[vs[j]])].after == std::vector<int32_t>{release[vs[j - size_t(window)]]});
+          }
+        // Hand-offs: forward, each block boundary whose devices differ moves the input of every
+        // micro-batch (with host checkpoints a layer's comes in from its checkpoint); backward, the
+        // output gradient of every block whose predecessor runs elsewhere (the embedding's shards once).
+        int outs = 0, ins = 0, grad_outs = 0, grad_ins = 0, ckpt_in_from_peer = 0;
+        for (const StepOp& o : prog.ops) {
+          if (o.kind == K::kHandOut) (o.grads ? grad_outs : outs)++;
+          if (o.kind == K::kHandIn) {
+            (o.grads ? grad_ins : ins)++;
+            CHECK(o.peer >= 0);
+            CHECK(o.peer != o.device);
+          }
+          if (o.kind == K::kCheckpointIn && o.peer >= 0) ckpt_in_from_peer++;
+        }
+        int boundaries = 0;  // blocks b (1..head) whose input comes from another device
+        for (int64_t b = 1; b <= pl.head; ++b) boundaries += pl.block_device(b) != pl.block_device(b - 1);
+        const int head_boundary = pl.block_device(pl.head) != pl.block_device(pl.head - 1);
+        if (host_ckpt) {
+          CHECK(outs == head_boundary * M);  // only the head's input: the others' are checkpoints already
+          CHECK(ckpt_in_from_peer == 2 * (boundaries - head_boundary) * M);  // forward, and backward's own
+        } else {
+          CHECK(outs == boundaries * M);
+          CHECK(ckpt_in_from_peer == 0);
+        }
+        CHECK(ins == outs);
+        CHECK(grad_outs == boundaries * M);
+        CHECK(grad_ins == grad_outs);
+      }
+}

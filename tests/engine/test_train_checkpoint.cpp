@@ -147,6 +147,49 @@ TEST_CASE("resume is bit-identical to an uninterrupted run, across window and ti
   }
 }
 
+TEST_CASE("a pool device that fails mid-run stops the step naming it, and the resume is bit-identical",
+          "[train_checkpoint][pool]") {
+  // Device 1 of a pool of 2 fails its ops (its ATen working memory is
+  // limited to one byte: a real failure, raised inside the op). The step
+  // that runs on it throws naming the device; the checkpoint saved before
+  // stays loadable, and a healthy pool resumed from it ends on the bits of a
+  // run that never failed (one device, all resident).
+  const nlohmann::json model = tiny_config(false);
+  const ModelSpec spec = ModelSpec::from_json(model, "tiny");
+  TempDir tmp;
+  const fs::path dir = tmp.path / "ckpt";
+  auto pool = [&](int n, uint64_t sick_limit) {
+    std::vector<std::unique_ptr<Device>> devs;
+    for (int d = 0; d < n; ++d)
+      devs.push_back(make_device({.spec = "cpu", .budget_bytes = size_t(64) << 20,
+                                  .chaos = {.enabled = true, .seed = uint64_t(31 + d)},
+                                  .work_limit_bytes = d == 1 ? sick_limit : 0, .pool_index = d}));
+    return std::make_unique<Engine>(spec, config(at::kFloat, 0.5, window(2)), std::move(devs));
+  };
+  auto ref = engine(model, config(at::kFloat, 0.5, window(5)));
+  ref->init_params(7);
+  train(*ref, 0, 4);
+  const State ref_state = read_all(*ref);
+  {
+    auto first = pool(2, 0);
+    first->init_params(7);
+    train(*first, 0, 2);
+    save_training_checkpoint(dir, *first, model.dump());
+  }
+  {
+    auto sick = pool(2, 1);
+    load_training_checkpoint(dir, *sick);
+    Batch b = batch(sick->config().batch(), sick->config().seq, spec.dims.vocab, 102);
+    CHECK_THROWS_WITH(sick->step(b.ids.data(), b.labels.data()), Catch::Contains("cpu:1") && Catch::Contains("failed"));
+  }
+  CHECK(inspect_training_checkpoint(dir).step == 2);
+  auto resumed = pool(3, 0);
+  resumed->init_params(99);
+  load_training_checkpoint(dir, *resumed);
+  train(*resumed, 2, 4);
+  CHECK(same_bits(read_all(*resumed), ref_state));
+}
+
 TEST_CASE("q8 state: resume is bit-identical across window and tiers, and another format is refused unless asked",
           "[train_checkpoint][q8]") {
   const nlohmann::json model = tiny_config(false);

@@ -1,0 +1,82 @@
+// The step program as text and JSON (engine/step_program.h: describe,
+// to_json), for `strider plan --schedule` and the tests.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <nlohmann/json.hpp>
+
+#include "engine/step_program.h"
+
+namespace strider {
+
+namespace {
+
+std::string what(const StepOp& o, const ModelSpec& spec, const Placement& place) {
+  std::string w;
+  if (o.piece >= 0 && o.kind != StepOpKind::kCheckpointOut && o.kind != StepOpKind::kCheckpointIn &&
+      o.kind != StepOpKind::kSaveOut && o.kind != StepOpKind::kFetchSaved)
+    w = place.shards.name(spec, o.piece);
+  else if (o.shard >= 0)
+    w = fmt::format("head shard {}", o.shard);
+  else if (o.block == place.head)
+    w = "head";
+  else if (o.block >= 1)
+    w = fmt::format("layer.{}", o.block - 1);
+  else if (o.kind == StepOpKind::kHandOut || o.kind == StepOpKind::kHandIn)
+    w = "embedding";
+  if (o.kind == StepOpKind::kHandOut || o.kind == StepOpKind::kHandIn) w += o.grads ? " output gradient" : " input";
+  // A layer's visit works on the whole layer, whatever pieces cut it; its gradients leave piece by piece.
+  if (o.on_device() && o.kind != StepOpKind::kGradsOut && o.piece >= 0 && !place.piece(o.piece).rows() &&
+      o.block >= 1 && o.block < place.head)
+    w = spec.block_name(o.block);
+  if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kRelease) w = fmt::format("visit {}: {}", o.visit, w);
+  if (o.micro_batch >= 0) w += fmt::format(" m{}", o.micro_batch);
+  return w;
+}
+
+}  // namespace
+
+std::string describe(const StepProgram& program, const ModelSpec& spec, const Placement& place) {
+  std::string out;
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const StepOp& o = program.ops[i];
+    std::string waits;
+    if (!o.after.empty()) waits = fmt::format("after {}", fmt::join(o.after, ","));
+    if (!o.after_previous.empty())
+      waits += fmt::format("{}after {} of the previous step", waits.empty() ? "" : "; ",
+                           fmt::join(o.after_previous, ","));
+    std::string attrs;
+    if (o.keep) attrs += o.kind == StepOpKind::kHeadLse || o.kind == StepOpKind::kHeadGrad ? " [kept logits]" : " [kept activations]";
+    if (o.wait_ring) attrs += " [after its checkpoint set left]";
+    if (place.devices > 1 && o.on_device()) attrs += fmt::format(" [device {}]", o.device);
+    if (o.peer >= 0) attrs += fmt::format(" [from device {}]", o.peer);
+    if (o.over_slices) attrs += " [this rank's slice]";
+    if (o.kind == StepOpKind::kGather && o.shared_copy) attrs += " [barrier: shared copy]";
+    if (o.gate) attrs += fmt::format(" [gates the updates; clip {}]", o.clip);
+    out += fmt::format("{:5} {:<10} {:<22} {:<28}{} {}\n", i, lane_name(o.lane), op_name(o.kind),
+                       what(o, spec, place), attrs, waits);
+  }
+  return out;
+}
+
+nlohmann::json to_json(const StepProgram& program, const ModelSpec& spec, const Placement& place) {
+  nlohmann::json ops = nlohmann::json::array();
+  for (const StepOp& o : program.ops) {
+    nlohmann::json j{{"lane", std::string(lane_name(o.lane))}, {"op", op_name(o.kind)},
+                     {"what", what(o, spec, place)}, {"after", o.after}};
+    if (o.piece >= 0) j["piece"] = o.piece;
+    if (o.block >= 0) j["block"] = o.block;
+    if (o.visit >= 0) j["visit"] = o.visit;
+    if (o.micro_batch >= 0) j["micro_batch"] = o.micro_batch;
+    if (o.on_device()) j["device"] = o.device;
+    if (o.peer >= 0) j["from_device"] = o.peer;
+    if (o.keep) j["keep"] = true;
+    if (!o.after_previous.empty()) j["after_previous_step"] = o.after_previous;
+    if (o.over_slices) j["slice"] = true;
+    if (o.gate) j["clip"] = o.clip;
+    ops.push_back(std::move(j));
+  }
+  return ops;
+}
+
+}  // namespace strider
