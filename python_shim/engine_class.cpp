@@ -132,6 +132,7 @@ void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device
   l.token_tile = config.compute.token_tile;
   l.vocab_shard_rows = config.vocab_shard_rows;
   l.layer_pieces = config.layer_pieces;
+  l.devices = config.devices;
   l.fp32_grad_transfer = config.fp32_grad_transfer;
   l.optimizer_state = config.optimizer_state;
   l.activations = ActivationMode::kRecompute;  // the binding chooses kept activations itself, after
@@ -168,6 +169,14 @@ class EngineHolder : public torch::CustomClassHolder {
       activations = engine_json["activations"].get<std::string>();
       engine_json.erase("activations");
     }
+    // A pool of devices (the package's field too): a count or a list.
+    std::string devices = "1";
+    if (engine_json.is_object() && engine_json.contains("devices")) {
+      TORCH_CHECK_VALUE(engine_json["devices"].is_string(), "engine_config_json: devices must be a string, got ",
+                        engine_json["devices"].dump());
+      devices = engine_json["devices"].get<std::string>();
+      engine_json.erase("devices");
+    }
     // strider.Engine in a torch.distributed group (the package's fields too):
     // this rank's slice of the sharded state.
     int64_t shards = 1, shard = 0;
@@ -199,13 +208,15 @@ class EngineHolder : public torch::CustomClassHolder {
     // The engine checks its config (window, seq against max positions, ...)
     // and the budget before any work: those are the caller's to fix.
     engine_ = translated("engine", true, [&] {
-      std::unique_ptr<Device> device = make_device(dev);
-      choose_planned(spec, config, device->budget_bytes());
+      std::vector<std::unique_ptr<Device>> pool = make_devices(dev, devices);
+      const size_t budget = pool.front()->budget_bytes();
+      config.devices = int(pool.size());  // the plan's choices below count each device's share
+      choose_planned(spec, config, budget);
       if (!activations.empty()) {
-        config.saved_blocks = choose_saved_blocks(activations, spec, config, device->budget_bytes());
-        config.keep_logits = choose_keep_logits(activations, spec, config, device->budget_bytes());
+        config.saved_blocks = choose_saved_blocks(activations, spec, config, budget);
+        config.keep_logits = choose_keep_logits(activations, spec, config, budget);
       }
-      return std::make_unique<Engine>(std::move(spec), std::move(config), std::move(device));
+      return std::make_unique<Engine>(std::move(spec), std::move(config), std::move(pool));
     });
   }
 

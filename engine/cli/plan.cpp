@@ -27,7 +27,7 @@ struct Options {
   bool json = false;
   bool schedule = false;
   // From the configuration's declaration (engine/config_fields.json).
-  std::string nvme, dtype, activations, optimizer_state, layer_pieces;
+  std::string nvme, dtype, activations, optimizer_state, layer_pieces, devices;
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0;
   double clip = 0;
   ConfigOptions config;
@@ -103,6 +103,7 @@ Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l,
 std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json& out, const Options& o) {
   if (!p.feasible) return "does not fit: " + p.reason;
   std::string speed = "no prediction (--predict none)";
+  if (out.contains("prediction")) speed = "no prediction (" + out["prediction"].get<std::string>() + ")";
   if (out.contains("step_s") && !out["step_s"].is_null())
     speed = fmt::format("{:.0f} tokens/s, {:.3f} s/step predicted on {}{}", out["tokens_per_s"].get<double>(),
                         out["step_s"].get<double>(), o.predict, o.gpus > 1 ? fmt::format(" x {} GPUs", o.gpus) : "");
@@ -117,8 +118,9 @@ std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json
                             room.available < p.nvme_bytes ? " (NOT ENOUGH: strider finetune would refuse)" : "");
     }
   }
-  return fmt::format("fits: {}; GPU {} of {}; RAM {}{}; {}", speed, format_bytes(p.device_peak_bytes),
-                     format_bytes(l.device_bytes), format_bytes(p.host_peak_bytes),
+  return fmt::format("fits: {}; GPU {} of {}{}; RAM {}{}; {}", speed, format_bytes(p.device_peak_bytes),
+                     format_bytes(l.device_bytes), l.devices > 1 ? fmt::format(" on each of {} devices", l.devices) : "",
+                     format_bytes(p.host_peak_bytes),
                      l.host_bytes == 0 ? std::string(" (no --ram limit)")
                                        : fmt::format(" of {} (--ram less {}% for the OS)", format_bytes(l.host_bytes),
                                                      kOsRamPercent),
@@ -146,6 +148,7 @@ int run(Options& o) {
   l.activations = parse_activation_mode(o.activations);
   l.optimizer_state = parse_state_format(o.optimizer_state);
   l.layer_pieces = o.layer_pieces;
+  l.devices = int(pool_specs("cpu", o.devices).size());
   // host_peak_bytes counts this binary's own footprint (no run allocated yet)
   // and, for a checkpoint on disk, the load's staging; the GPU's memory is its own.
   l.process_bytes = process_rss_bytes();
@@ -186,7 +189,13 @@ int run(Options& o) {
     out["machine_host_bytes"] = one_machine ? uint64_t(o.gpus) * p.host_peak_bytes + shared : p.host_peak_bytes;
     out["rank_optimizer_host_bytes"] = f.optimizer_host_bytes;
   }
-  if (predicting && p.feasible) {
+  if (l.devices > 1) out["devices"] = l.devices;
+  if (predicting && p.feasible && l.devices > 1) {
+    // A pool's prediction needs N SimDevices sharing the host's memory bus
+    // (engine/README.md, "A pool of devices"): not built yet.
+    out["step_s"] = out["lower_bound_s"] = out["tokens_per_s"] = nullptr;
+    out["prediction"] = "not built yet for a pool of devices";
+  } else if (predicting && p.feasible) {
     Prediction pr = predict(spec, p, l, o);
     const StepReport& r = pr.step;
     out["step_s"] = r.step_s;
@@ -275,6 +284,7 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "activations", o->activations);
   f.add(*c, "optimizer_state", o->optimizer_state);
   f.add(*c, "layer_pieces", o->layer_pieces);
+  f.add(*c, "devices", o->devices);
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")

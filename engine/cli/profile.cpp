@@ -109,6 +109,28 @@ ActivationTraffic activation_traffic(const std::vector<Span>& spans, size_t from
   return t;
 }
 
+// A pool's devices (EngineConfig::devices > 1): each one's busy time per
+// device lane (the sum of its spans' durations: one stream's spans never
+// overlap) and its hand-offs to and from the others (kHandOut, kHandIn:
+// the spans "d2h hand-off ...", "h2d hand-off ...").
+struct DeviceLanes {
+  double compute_s = 0, h2d_s = 0, d2h_s = 0, hand_out_s = 0, hand_in_s = 0;
+  uint64_t hand_out_bytes = 0, hand_in_bytes = 0;
+};
+
+void add_device_lanes(const std::vector<Span>& spans, size_t from, std::vector<DeviceLanes>& per) {
+  for (size_t i = from; i < spans.size(); ++i) {
+    const Span& s = spans[i];
+    if (s.device < 0 || size_t(s.device) >= per.size()) continue;
+    DeviceLanes& d = per[size_t(s.device)];
+    const double t = (s.end_us - s.begin_us) * 1e-6;
+    const bool hand = s.name.find("hand-off") != std::string::npos;
+    if (s.lane == Lane::kCompute) d.compute_s += t;
+    if (s.lane == Lane::kH2D) (hand ? d.hand_in_s : d.h2d_s) += t, d.hand_in_bytes += hand ? s.bytes : 0;
+    if (s.lane == Lane::kD2H) (hand ? d.hand_out_s : d.d2h_s) += t, d.hand_out_bytes += hand ? s.bytes : 0;
+  }
+}
+
 // 'text' for sh -c, whatever it holds.
 std::string shell_quote(const std::string& text) {
   std::string q = "'";
@@ -164,6 +186,7 @@ int run(Options& o) {
   std::vector<int64_t> ids(static_cast<size_t>(tokens)), labels(ids.size());
   std::vector<StepReport> measured;
   std::vector<ActivationTraffic> measured_traffic;
+  std::vector<DeviceLanes> pool(size_t(engine.devices() > 1 ? engine.devices() : 0));
   nlohmann::json per_step = nlohmann::json::array();
   size_t spans_seen = 0;
   for (int64_t i = 0; i < o.skip_steps + o.steps; ++i) {
@@ -173,8 +196,9 @@ int run(Options& o) {
     // timeline only grows here: nothing calls forget_before).
     const std::vector<Span> spans = engine.timeline().spans();
     const ActivationTraffic act = activation_traffic(spans, spans_seen);
-    spans_seen = spans.size();
     const bool timed = i >= o.skip_steps;
+    if (timed) add_device_lanes(spans, spans_seen, pool);
+    spans_seen = spans.size();
     fmt::print(log, "step {:>3} {} | loss {:.4f} | {:.3f} s | {:>7.0f} tok/s | overlap {:.2f} (critical: {})\n",
                r.step, timed ? "measured" : "untimed ", r.loss, r.step_s, r.tokens_per_s,
                r.stats.overlap_efficiency, lane_name(r.stats.critical));
@@ -256,10 +280,20 @@ int run(Options& o) {
   for (int l = 0; l < kNumLanes; ++l)
     out["lanes"][std::string(lane_name(Lane(l)))] = {{"busy_s", busy_s[size_t(l)] / n},
                                                      {"busy_fraction", busy_s[size_t(l)] / total_s}};
+  std::string on = engine.device().name();
+  for (int d = 1; d < engine.devices(); ++d) on += ", " + engine.device(d).name();
+  for (size_t d = 0; d < pool.size(); ++d) {
+    const DeviceLanes& x = pool[d];
+    out["pool"].push_back({{"device", engine.device(int(d)).name()}, {"compute_busy_s", x.compute_s / n},
+                           {"h2d_busy_s", x.h2d_s / n}, {"d2h_busy_s", x.d2h_s / n},
+                           {"hand_out_busy_s", x.hand_out_s / n}, {"hand_in_busy_s", x.hand_in_s / n},
+                           {"hand_out_bytes", uint64_t(double(x.hand_out_bytes) / n)},
+                           {"hand_in_bytes", uint64_t(double(x.hand_in_bytes) / n)}});
+  }
 
   fmt::print(log, "profile: {} measured steps after {} untimed, on {}; batch {} x seq {} (micro-batch {} x {}), K {}, "
                   "checkpoints on {}\n",
-             o.steps, o.skip_steps, engine.device().name(), cfg.batch(), cfg.seq, cfg.micro_batch, cfg.accumulation,
+             o.steps, o.skip_steps, on, cfg.batch(), cfg.seq, cfg.micro_batch, cfg.accumulation,
              cfg.window, cfg.checkpoints_on_host ? "host" : "device");
   fmt::print(log, "  step time {:.4f} s, {:.0f} tokens/s{}\n", step_s, double(tokens) / step_s,
              engine.simulated() ? " (virtual time: a simulated device)" : "");
@@ -273,6 +307,14 @@ int run(Options& o) {
         fmt::print(log, "  {:>10}  of which kept activations: {:.4f} s, {} per step ({} layers)\n", "", act_s,
                    format_bytes(in ? activations.h2d_bytes : activations.d2h_bytes), cfg.saved_blocks.size());
     }
+  }
+  for (size_t d = 0; d < pool.size(); ++d) {
+    const DeviceLanes& x = pool[d];
+    fmt::print(log, "  device {} ({}): compute {:.4f} s, h2d {:.4f} s, d2h {:.4f} s per step; hand-offs out {} "
+                    "({:.4f} s), in {} ({:.4f} s)\n",
+               d, engine.device(int(d)).name(), x.compute_s / n, x.h2d_s / n, x.d2h_s / n,
+               format_bytes(uint64_t(double(x.hand_out_bytes) / n)), x.hand_out_s / n,
+               format_bytes(uint64_t(double(x.hand_in_bytes) / n)), x.hand_in_s / n);
   }
   fmt::print(log, "  critical lane: {}\n  overlap efficiency: {:.3f} (busiest lane / step time; 1.0: all else hidden)\n",
              lane_name(Lane(critical)), overlap);

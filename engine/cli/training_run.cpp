@@ -64,6 +64,7 @@ void add_model_options(CLI::App& c, TrainOptions& o) {
 void add_placement_options(CLI::App& c, TrainOptions& o) {
   ConfigOptions& f = o.config;
   f.add(c, "device", o.device);
+  f.add(c, "devices", o.devices);
   f.add(c, "device_budget", o.device_budget);
   c.add_option("--host-ram", o.host_ram,
                "the machine's host RAM (0: no limit): the whole process plans to hold at most this less 5% left to "
@@ -250,6 +251,11 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   lim.vocab_chunk = o.vocab_chunk;
   lim.layer_pieces = o.layer_pieces;
+  lim.devices = int(pool_specs(device_spec, o.devices).size());
+  STRIDER_CHECK(me.solo() || lim.devices == 1 || choose_device(device_spec).kind == DeviceKind::kCpu,
+                "--devices {} with {} data-parallel ranks: ranks of GPU pools are not built yet (each rank takes "
+                "the GPU of its local rank); run one process with --devices, or ranks of one GPU each",
+                o.devices, me.world);
   lim.token_tile = o.token_tile;
   lim.fp32_grad_transfer = o.grad_transfer == "fp32";
   lim.window = o.window;
@@ -322,11 +328,21 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   // buffers, enforced per op (a visit that would pass it fails naming itself,
   // rather than the budget being exceeded); the plan's estimate of it fits in there.
   const uint64_t work_limit = lim.device_bytes - std::min(lim.device_bytes, run.plan.device_buffer_bytes);
-  auto device = make_device({.spec = device_spec, .budget_bytes = lim.device_bytes, .record_spans = true,
-                             .work_limit_bytes = work_limit},
-                            &why);
-  fmt::print(log, "  device: {}{}\n", device->name(), why.empty() ? "" : " (" + why + ")");
-  run.engine = std::make_unique<Engine>(run.spec, cfg, std::move(device));
+  if (lim.devices == 1) {
+    auto device = make_device({.spec = device_spec, .budget_bytes = lim.device_bytes, .record_spans = true,
+                               .work_limit_bytes = work_limit},
+                              &why);
+    fmt::print(log, "  device: {}{}\n", device->name(), why.empty() ? "" : " (" + why + ")");
+    run.engine = std::make_unique<Engine>(run.spec, cfg, std::move(device));
+  } else {
+    auto pool = make_devices({.spec = device_spec, .budget_bytes = lim.device_bytes, .record_spans = true,
+                              .work_limit_bytes = work_limit},
+                             o.devices);
+    std::string names;
+    for (const auto& d : pool) names += (names.empty() ? "" : ", ") + d->name();
+    fmt::print(log, "  devices: {} (a pool: block b's visits on device b % {})\n", names, pool.size());
+    run.engine = std::make_unique<Engine>(run.spec, cfg, std::move(pool));
+  }
   Engine& engine = *run.engine;
   if (!me.solo()) engine.set_collectives(ranks->split("engine"));
   if (!cfg.shared_compute_file.empty()) {

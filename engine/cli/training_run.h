@@ -29,7 +29,7 @@ struct TrainOptions {
   std::string host_ram = "0", work_dir = ".strider";
   uint64_t seed = 1234;
   // From the declaration (the field's name where it differs).
-  std::string device, device_budget, nvme /* nvme_dir */, dtype, schedule, grad_transfer, activations,
+  std::string device, devices, device_budget, nvme /* nvme_dir */, dtype, schedule, grad_transfer, activations,
       optimizer, optimizer_state, layer_pieces;
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, warmup = 0 /* warmup_steps */, vocab_chunk = 0,
           token_tile = 0;

@@ -203,6 +203,9 @@ class _Methods:
             bad("nvme_blocks", "needs nvme_dir, the directory their optimizer state lives in")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             bad("device", "must be auto, cpu, cuda or cuda:N")
+        one = r"(auto|cpu|cuda(:[0-9]+)?)"
+        if not re.fullmatch(rf"[0-9]+|{one}(,{one})*", self.devices) or self.devices in ("0",):
+            bad("devices", "must be a count of devices (2) or a list (cuda:0,cuda:2)")
         return self
 
     @property
@@ -229,6 +232,7 @@ class _Methods:
                 v = getattr(self, f["name"])
             d[f["name"]] = (float(v) if f["type"] == "number" else list(v) if f["type"] == "ints" else v)
         d["activations"] = self.activations
+        d["devices"] = self.devices  # the binding's, like activations: a pool of `device`'s kind
         return d
 
     @classmethod

@@ -88,6 +88,25 @@ def test_model_holds_the_trained_weights_and_saves_them(tmp_path, dtype):
     assert all(engine.is_aliased(n) for n in engine.param_names())
 
 
+def test_a_pool_of_devices_trains_the_model_in_place_to_one_devices_bits():
+    """EngineConfig(devices=...): one process drives a pool (here 2 and 3 CPU devices, chaos on each); the
+    model's parameters are still the engine's one compute copy, and they end on one device's bits."""
+    finals = {}
+    for devices in ("1", "2", "3"):
+        model = make_model("qwen3_tied")
+        engine = strider.Engine(model, config(dtype="fp32", devices=devices, chaos=True, total_steps=6))
+        assert all(engine.is_aliased(n) for n in engine.param_names())
+        for batch in hf_batches(model.config.vocab_size, 3):
+            engine.step(*batch)
+        engine.finish()
+        finals[devices] = values(model)
+    for devices in ("2", "3"):
+        for n, p in finals["1"].items():
+            assert torch.equal(finals[devices][n], p), (devices, n)
+    with pytest.raises(ValueError, match="devices"):
+        config(devices="two")
+
+
 def test_a_parameter_rebound_away_still_gets_synced():
     model = make_model()
     engine = strider.Engine(model, config())

@@ -135,13 +135,15 @@ def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("arch,chaos,decay_all", [("llama", False, False), ("qwen3_tied", False, False),
-                                                  ("qwen2", False, False), ("llama", True, False),
-                                                  ("qwen3_tied", False, True)])
-def test_fp32_steps_track_transformers_and_adamw(arch, chaos, decay_all):
+@pytest.mark.parametrize("arch,chaos,decay_all,devices", [
+    ("llama", False, False, "1"), ("qwen3_tied", False, False, "1"), ("qwen2", False, False, "1"),
+    ("llama", True, False, "1"), ("qwen3_tied", False, True, "1"),
+    # A pool of CPU devices in one process (engine/README.md, "A pool of devices"), chaos on each.
+    ("llama", True, False, "2"), ("qwen3_tied", True, False, "3")])
+def test_fp32_steps_track_transformers_and_adamw(arch, chaos, decay_all, devices):
     model = make_model(arch)
     data = batches(model.config.vocab_size)
-    engine = new_engine(model, chaos=chaos, decay_norms_and_biases=decay_all)
+    engine = new_engine(model, chaos=chaos, decay_norms_and_biases=decay_all, devices=devices)
     load_into(engine, model)
     reports = engine_run(engine, data)
     engine.finish()
