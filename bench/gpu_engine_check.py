@@ -13,6 +13,8 @@ weight decay; 3 optimizer steps, in fp32 and in bf16. Three runs per dtype on th
   cpu     strider.Engine on the CPU device
   torch   transformers + torch.optim.AdamW on --device (the reference), per micro-batch sum of token
           losses / the batch's valid tokens (HF's num_items_in_batch), clip, AdamW, scheduler
+  pool    strider.Engine on a pool of two devices on the same card (devices "cuda,cuda"; on the CPU
+          "cpu,cpu" with chaos, which must be bit-identical to `engine`): the cross-device path
 
 Tolerances (relative; a tensor's error is its largest absolute difference over its largest magnitude):
   fp32  each step's loss and gradient norm, and every fp32 master after 3 steps: 1e-5. TF32 is off.
@@ -73,12 +75,13 @@ def valid_count(labels):
     return int((labels[:, 1:] != -100).sum())
 
 
-def engine_run(model, data, dtype, device, chaos=False):
+def engine_run(model, data, dtype, device, chaos=False, devices="1"):
     import strider
     cfg = strider.EngineConfig(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, window=2,
                                dtype=dtype, vocab_chunk=300, checkpoints_on_host=True, lr=LR, schedule="linear",
                                warmup_steps=WARMUP, total_steps=TOTAL, weight_decay=WEIGHT_DECAY, clip_norm=CLIP,
-                               betas=BETAS, eps=EPS, device=device, chaos=chaos, chaos_seed=7)
+                               betas=BETAS, eps=EPS, device=device, chaos=chaos, chaos_seed=7, devices=devices,
+                               device_budget="auto" if devices == "1" else "1GiB")
     engine = strider.Engine(model, cfg)
     steps = [engine.step(ids, labels) for ids, labels in data]
     engine.finish()
@@ -165,7 +168,13 @@ def check_dtype(dtype, device):
     label = "engine on cpu with chaos" if chaos else f"engine on {device}"
     print(f"{dtype}: {STEPS} steps, losses {['%.5f' % x for x in ours['loss']]} ({label}), "
           f"{['%.5f' % x for x in ref['loss']]} (transformers + AdamW on {device}); {clipped} of {STEPS} clipped")
+    # A pool of two devices on this one card (two CUDA devices on the same GPU, engine/README.md "A pool of
+    # devices"): the cross-device hand-offs and waits, against the reference and the one-device engine.
+    pool = engine_run(copy.deepcopy(base), data, dtype, device, chaos=chaos, devices=f"{device},{device}")
     res = {"engine_vs_torch": compare(f"{label} vs transformers + AdamW on {device}", ours, ref, TOL[dtype]),
+           "pool_vs_torch": compare(f"pool of 2 on {device} vs transformers + AdamW", pool, ref, TOL[dtype]),
+           "pool_bit_identical_to_one_device": pool["loss"] == ours["loss"] and all(
+               torch.equal(pool["params"][n], p) for n, p in ours["params"].items()),
            "engine_vs_cpu_engine": compare(f"{label} vs engine on cpu", ours, cpu, TOL[dtype]),
            "losses": ours["loss"], "reference_losses": ref["loss"], "clipped_steps": clipped,
            "peak_device_bytes": ours["peak_device_bytes"], "tolerance": TOL[dtype], "seconds": time.time() - t0}
@@ -173,8 +182,10 @@ def check_dtype(dtype, device):
         same = ours["loss"] == cpu["loss"] and all(torch.equal(ours["params"][n], p) for n, p in cpu["params"].items())
         res["chaos_bit_identical"] = same
         print(f"  chaos delays bit-identical to the plain CPU device: {same}")
-    res["ok"] = (res["engine_vs_torch"]["ok"] and res["engine_vs_cpu_engine"]["ok"] and clipped > 0
-                 and res.get("chaos_bit_identical", True))
+    print(f"  pool of 2 bit-identical to one device: {res['pool_bit_identical_to_one_device']}")
+    res["ok"] = (res["engine_vs_torch"]["ok"] and res["engine_vs_cpu_engine"]["ok"] and res["pool_vs_torch"]["ok"]
+                 and clipped > 0
+                 and res.get("chaos_bit_identical", True) and (res["pool_bit_identical_to_one_device"] or not chaos))
     if clipped == 0:
         print("  no step was clipped: the clipping path went untested")
     return res

@@ -223,8 +223,9 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* w
 // a count ("2": that many of `options.spec`'s kind: cuda:0..N-1 for CUDA, N
 // CPU devices, each with its own streams, budget and chaos seed) or a list
 // of specs ("cuda:0,cuda:2"); "" or "1": the one device `options.spec` names.
-// Each gets `options`' budget. Throws naming the entry that is not a device,
-// a repeated CUDA device, a mix of kinds, or a simulated device in a pool.
+// Each gets `options`' budget. A GPU named twice is two devices on one card
+// (they share its memory: it needs a budget, not auto). Throws naming the
+// entry that is not a device, a mix of kinds, or a simulated device in a pool.
 std::vector<std::unique_ptr<Device>> make_devices(const DeviceOptions& options, const std::string& devices);
 // The specs make_devices would make (of `spec`'s kind for a count), without
 // making them: its size is the pool's.

@@ -102,8 +102,11 @@ std::vector<std::unique_ptr<Device>> make_devices(const DeviceOptions& options, 
     STRIDER_CHECK(specs.size() == 1 || c.kind != DeviceKind::kSim,
                   "--devices {}: a pool of simulated devices is not built yet (strider plan predicts one device)",
                   devices);
-    STRIDER_CHECK(c.kind != DeviceKind::kCuda || gpus.insert(c.ordinal).second || specs.size() == 1,
-                  "--devices {}: cuda:{} is named twice", devices, c.ordinal);
+    // A GPU named twice is two devices sharing its memory (the GPU check's
+    // pool on one card): each needs a budget the two fit in, not "auto".
+    STRIDER_CHECK(c.kind != DeviceKind::kCuda || gpus.insert(c.ordinal).second || options.budget_bytes > 0,
+                  "--devices {}: cuda:{} is named twice, so its devices share its memory; give --device-budget "
+                  "(each device's) instead of auto", devices, c.ordinal);
     DeviceOptions o = options;
     o.spec = specs[i];
     if (specs.size() > 1) {
