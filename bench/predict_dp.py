@@ -11,9 +11,10 @@ to this script).
 """
 import argparse
 import json
-import re
 import subprocess
 from pathlib import Path
+
+from figures_block import replace_block
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,13 +78,7 @@ def main():
     block = render(results, args.accumulation)
     print(block)
     if args.update_readme:
-        readme = Path(args.update_readme)
-        marker = re.compile(r"<!-- figures:begin predict-dp -->.*?<!-- figures:end -->", re.S)
-        text = readme.read_text()
-        if not marker.search(text):
-            raise SystemExit(f"{readme} has no <!-- figures:begin predict-dp --> ... <!-- figures:end --> block")
-        readme.write_text(marker.sub(lambda m: f"<!-- figures:begin predict-dp -->\n{block}\n<!-- figures:end -->", text))
-        print(f"updated {readme}")
+        replace_block(Path(args.update_readme), "predict-dp", block)
 
 
 if __name__ == "__main__":

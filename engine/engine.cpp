@@ -41,8 +41,6 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     STRIDER_CHECK(d != nullptr, "Engine: no device given");
     STRIDER_CHECK(seats_.empty() || d->kind() == device().kind(),
                   "Engine: a pool's devices are of one kind; {} and {} are not", device().name(), d->name());
-    STRIDER_CHECK(devices.size() == 1 || d->kind() != DeviceKind::kSim,
-                  "Engine: a pool of simulated devices is not built yet; the simulator predicts one device");
     Seat st;
     st.aten = engine_aten_device(*d);
     st.device = std::move(d);
@@ -142,7 +140,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     allocate_activations(d);
     st.runner = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, st.aten);
     st.data_ready = st.device->make_event();
-    st.handed = st.device->make_event();
+    for (int64_t m = 0; m < M; ++m) st.handed.push_back(st.device->make_event());
   }
   adam_ = std::make_unique<CpuAdam>(CpuAdam::Options{.threads = config_.optimizer_threads});
 

@@ -116,7 +116,7 @@ class EngineCore {
     int64_t saved_uses = 0;                  // device slot uses so far: the next is uses % 2
     std::deque<SavedIn> saved_in;
     std::unique_ptr<Event> data_ready;       // the batch is on this device
-    std::unique_ptr<Event> handed;           // its latest kHandOut group is on the host
+    std::vector<std::unique_ptr<Event>> handed;  // per micro-batch: its latest kHandOut is on the host
     double origin_us = 0;                    // its span clock's origin on Timeline::now_us()'s
   };
   Seat& seat(const StepOp& op) { return seats_[size_t(op.device)]; }

@@ -79,28 +79,31 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       return;
     }
     case StepOpKind::kHandOut: {
-      // A pool: what the next device takes, out to the hand-off buffer once
-      // this device's compute wrote it. The buffer's previous reader was
-      // this device's own kHandIn, which its compute waited for.
-      if (op.first) stream_after(dev, StreamId::kD2H, StreamId::kCompute);
+      // A pool: micro-batch m of what the next device takes, out to its
+      // hand-off buffer once this device's compute wrote it (the compute of
+      // the next micro-batch goes on meanwhile). The buffer's previous
+      // reader was this device's own kHandIn, which its compute waited for.
+      stream_after(dev, StreamId::kD2H, StreamId::kCompute);
       at::Tensor a = handed(st, op);
       dev.copy_d2h(StreamId::kD2H, hand_host_[size_t(m)].data(), a.data_ptr(), a.nbytes(),
                    {op.grads ? "d2h hand-off gradient" : "d2h hand-off", int32_t(op.block)});
-      if (op.last) dev.record(*st.handed, StreamId::kD2H);
+      dev.record(*st.handed[size_t(m)], StreamId::kD2H);
       return;
     }
     case StepOpKind::kHandIn: {
-      // ...and in on this visit's device, once the other's copies landed and
-      // this device's last reader of the buffer it fills is done.
+      // ...and in on this visit's device once the other's copy of it landed
+      // (and, before the visit's first, once this device's compute so far,
+      // the last reader of what it fills, is done); its compute of
+      // micro-batch m waits for it.
       if (op.first) {
         stream_after(dev, StreamId::kH2D, StreamId::kCompute);
-        dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].handed);
         if (config_.checkpoints_on_host && !op.grads) dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
       }
+      dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].handed[size_t(m)]);
       at::Tensor a = handed(st, op);
       dev.copy_h2d(StreamId::kH2D, a.data_ptr(), hand_host_[size_t(m)].data(), a.nbytes(),
                    {op.grads ? "h2d hand-off gradient" : "h2d hand-off", int32_t(op.block)});
-      if (op.last) stream_after(dev, StreamId::kCompute, StreamId::kH2D);
+      stream_after(dev, StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kHeadLse:

@@ -123,6 +123,8 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       // Ranks on machines of their own each take their slice's time.
       const uint64_t updated = op.over_slices && !op.shared_copy ? place_.at(p).owned.elems() : n;
       const double ratio = format_ == StateFormat::kQ8 ? kQ8AdamTimeRatio : 1.0;
+      // (Its memory traffic is not put on a pool's shared host bus: one
+      // device's prediction has no bus, and the two must compare.)
       const SimInterval t = optimizer_.run(ready, cm.adam_us(updated) * ratio);
       span(Lane::kOptimizer, "adamw", p, t, adam_bytes(format_, n, place_.grad_bytes));
       if (place_.at(p).ring_slot >= 0 && !place_.at(p).spills_grads)

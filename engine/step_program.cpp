@@ -128,8 +128,8 @@ class DeviceBuilder {
       const int64_t p = vis.piece, b = pl_.piece(p).block;
       const bool first_piece = loads.front() == sh.first_of(b), last_piece = loads.back() + 1 == sh.end_of(b);
       const bool keep = train_ && keeps(pl_, b);
-      if (first_piece && b >= 1) hand_in(v, b, false);
       for (int64_t m = 0; m < M; ++m) {
+        if (first_piece && b >= 1) hand_in(v, b, false, m);
         std::vector<int32_t> after{load};
         const bool wait_ring = in_.checkpoints_on_host && first_piece && m == 0;
         if (wait_ring && b >= 1 && ckpt_out_[size_t(b)] >= 0) after.push_back(ckpt_out_[size_t(b)]);
@@ -138,11 +138,13 @@ class DeviceBuilder {
         op(last).micro_batch = m;
         op(last).keep = keep;
         op(last).wait_ring = wait_ring;
-        if (!keep) continue;
-        const int32_t save = add(StepOpKind::kSaveOut, Lane::kD2H, v, b, {last});
-        op(save).micro_batch = m;
-        op(save).last = m + 1 == M;
-        saved_out_[size_t(b)] = save;
+        if (keep) {
+          const int32_t save = add(StepOpKind::kSaveOut, Lane::kD2H, v, b, {last});
+          op(save).micro_batch = m;
+          op(save).last = m + 1 == M;
+          saved_out_[size_t(b)] = save;
+        }
+        if (last_piece) hand_out(v, b + 1, false, last, m);
       }
       if (in_.checkpoints_on_host && last_piece && b + 1 < pl_.head)
         for (int64_t m = 0; m < M; ++m) {
@@ -152,13 +154,12 @@ class DeviceBuilder {
           op(c).last = m + 1 == M;
           ckpt_out_[size_t(b + 1)] = c;
         }
-      if (last_piece) hand_out(v, b + 1, false, last);
     } else if (vis.kind == Visit::kHead) {
       const int64_t s = vis.shard;
       const bool last_shard = s + 1 == sh.shards, grad = train_ && vis.grad;
-      if (vis.lse && s == 0) hand_in(v, pl_.head, false);
       if (vis.lse) {
         for (int64_t m = 0; m < M; ++m) {
+          if (s == 0) hand_in(v, pl_.head, false, m);
           last = add(StepOpKind::kHeadLse, Lane::kCompute, v, pl_.head, {load});
           op(last).shard = s;
           op(last).micro_batch = m;
@@ -181,8 +182,8 @@ class DeviceBuilder {
             last = add(StepOpKind::kHeadNormBackward, Lane::kCompute, v, pl_.head);
             op(last).micro_batch = m;
             op(last).shard = s;
+            hand_out(v, pl_.head - 1, true, last, m);
           }
-        if (last_shard) hand_out(v, pl_.head - 1, true, last);
         const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, pl_.head);
         op(send).shard = s;
         if (last_shard) out.push_back(grads_out(v, sh.norm_piece, send));
@@ -198,7 +199,6 @@ class DeviceBuilder {
     } else {
       const int64_t p = vis.piece, b = pl_.piece(p).block;
       grads = true;
-      hand_in(v, b, true);
       if (b == 0 && pl_.piece(sh.lm_piece[0]).block == 0) {  // tied: starts from the head's share
         std::vector<int32_t> after;
         for (int32_t t : tied_out_)
@@ -224,12 +224,14 @@ class DeviceBuilder {
         std::vector<int32_t> after{load};
         if (back >= 0) after.push_back(back);
         if (keep) after.push_back(fetched_[size_t(m)]);
+        hand_in(v, b, true, m);
         last = add(StepOpKind::kBackward, Lane::kCompute, v, b, std::move(after));
         op(last).piece = p;
         op(last).micro_batch = m;
         op(last).keep = keep;
+        if (b >= 1) hand_out(v, b - 1, true, last, m);
       }
-      if (b >= 1) hand_out(v, b - 1, true, last);
+      if (b == 0) handed_grads_to_embedding_ = true;  // its shards share one device: the first took it
       const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, b, {last});
       op(send).piece = p;
       // In landing order (a layer's pieces in reverse): the ring's slots are handed out in it.
@@ -253,41 +255,33 @@ class DeviceBuilder {
 
   // Pass "devices": the device that made what block `to` takes (its input:
   // block to - 1's; its output gradient: block to + 1's), when another.
-  int peer(int64_t from, int64_t to) const {
-    return pl_.block_device(from) == pl_.block_device(to) ? -1 : pl_.block_device(from);
-  }
-  // Block b's input (`grads`: its output gradient) for every micro-batch, out
-  // of this visit's device after `last` when block b's visits run on another.
-  // With host checkpoints a layer's input is already out (kCheckpointOut).
-  void hand_out(int64_t v, int64_t b, bool grads, int32_t last) {
+  int peer(int64_t from, int64_t to) const { return pl_.block_device(from) == pl_.block_device(to) ? -1 : pl_.block_device(from); }
+  // Block b's input (`grads`: its output gradient) for micro-batch m, out of
+  // this visit's device right after `last` (its compute) when block b's
+  // visits run on another, so the next device starts on it while this one
+  // computes the next micro-batch. (With host checkpoints too: the
+  // checkpoints leave after the visit's last micro-batch.)
+  void hand_out(int64_t v, int64_t b, bool grads, int32_t last, int64_t m) {
     if (pl_.block_device(b) == dev_) return;
-    if (!grads && in_.checkpoints_on_host && b < pl_.head) return;
-    for (int64_t m = 0; m < in_.micro_batches; ++m) {
-      const int32_t h = add(StepOpKind::kHandOut, Lane::kD2H, v, b, {last});
-      op(h).micro_batch = m;
-      op(h).grads = grads;
-      op(h).first = m == 0;
-      op(h).last = m + 1 == in_.micro_batches;
-      hand_out_ = h;
-    }
+    const int32_t h = add(StepOpKind::kHandOut, Lane::kD2H, v, b, {last});
+    op(h).micro_batch = m;
+    op(h).grads = grads;
+    op(h).first = m == 0;
+    op(h).last = m + 1 == in_.micro_batches;
+    hand_out_.resize(size_t(in_.micro_batches), -1);
+    hand_out_[size_t(m)] = h;
   }
-  // ...and in, at the start of the visit of block b that takes it.
-  void hand_in(int64_t v, int64_t b, bool grads) {
+  // ...and in on block b's device, before its compute of micro-batch m (the embedding's shards: the first).
+  void hand_in(int64_t v, int64_t b, bool grads, int64_t m) {
     const int from = peer(grads ? b + 1 : b - 1, b);
     if (from < 0 || (grads && b == 0 && handed_grads_to_embedding_)) return;
-    if (grads && b == 0) handed_grads_to_embedding_ = true;  // its shards share one device
-    const bool ckpt = !grads && in_.checkpoints_on_host && b < pl_.head;
-    for (int64_t m = 0; m < in_.micro_batches; ++m) {
-      const int32_t h = add(ckpt ? StepOpKind::kCheckpointIn : StepOpKind::kHandIn, Lane::kH2D, v, b,
-                            {ckpt ? ckpt_out_[size_t(b)] : hand_out_});
-      op(h).micro_batch = m;
-      op(h).grads = grads;
-      op(h).peer = from;
-      op(h).first = m == 0;
-      op(h).last = m + 1 == in_.micro_batches;
-    }
+    const int32_t h = add(StepOpKind::kHandIn, Lane::kH2D, v, b, {hand_out_[size_t(m)]});
+    op(h).micro_batch = m;
+    op(h).grads = grads;
+    op(h).peer = from;
+    op(h).first = m == 0;
+    op(h).last = m + 1 == in_.micro_batches;
   }
-
   int32_t grads_out(int64_t v, int64_t p, int32_t send) {
     const int32_t g = add(StepOpKind::kGradsOut, Lane::kD2H, v, pl_.piece(p).block, {send});
     op(g).piece = p;
@@ -309,7 +303,7 @@ class DeviceBuilder {
   std::vector<int32_t> fetched_;  // per micro-batch: the latest layer's kFetchSaved
   std::vector<int32_t> ckpt_out_, saved_out_;  // per block: its latest kCheckpointOut (its input), kSaveOut
   int dev_ = 0;                   // the device of the visit being expanded
-  int32_t hand_out_ = -1;         // the latest kHandOut
+  std::vector<int32_t> hand_out_;  // per micro-batch: its latest kHandOut
   bool handed_grads_to_embedding_ = false;
 };
 

@@ -300,7 +300,7 @@ void CpuDevice::launch(StreamId s, OpTag tag, LaunchFn fn) {
 std::unique_ptr<Event> CpuDevice::make_event() { return std::make_unique<CpuEvent>(this); }
 
 void CpuDevice::record(Event& e, StreamId s) {
-  std::shared_ptr<CpuEventState> st = cpu_event(e).state();
+  std::shared_ptr<CpuEventState> st = own_event(e, this).state();
   uint64_t gen = 0;
   {
     std::lock_guard lk(st->m);

@@ -99,9 +99,6 @@ std::vector<std::unique_ptr<Device>> make_devices(const DeviceOptions& options, 
   std::set<int> gpus;
   for (size_t i = 0; i < specs.size(); ++i) {
     const DeviceChoice c = choose_device(specs[i]);
-    STRIDER_CHECK(specs.size() == 1 || c.kind != DeviceKind::kSim,
-                  "--devices {}: a pool of simulated devices is not built yet (strider plan predicts one device)",
-                  devices);
     // A GPU named twice is two devices sharing its memory (the GPU check's
     // pool on one card): each needs a budget the two fit in, not "auto".
     STRIDER_CHECK(c.kind != DeviceKind::kCuda || gpus.insert(c.ordinal).second || options.budget_bytes > 0,
@@ -116,6 +113,11 @@ std::vector<std::unique_ptr<Device>> make_devices(const DeviceOptions& options, 
     out.push_back(make_device(o));
     STRIDER_CHECK(out.back()->kind() == out.front()->kind(), "--devices {}: {} and {} are of different kinds; a pool's "
                   "devices are all CPU or all CUDA", devices, out.front()->name(), out.back()->name());
+  }
+  // A simulated pool shares one host: its memory bus carries every device's copies.
+  if (out.size() > 1 && out.front()->kind() == DeviceKind::kSim) {
+    auto host = std::make_shared<SimHostMemory>(static_cast<SimDevice&>(*out.front()).model().host_memory_gbps());
+    for (auto& d : out) static_cast<SimDevice&>(*d).share_host_memory(host);
   }
   return out;
 }

@@ -230,6 +230,13 @@ class SimEvent final : public Event {
   const SimDevice* owner_;
 };
 
+// Any SimDevice's event (a pool's devices wait for each other's, in one virtual time).
+const SimEvent& sim_event(const Event& e) {
+  auto* se = dynamic_cast<const SimEvent*>(&e);
+  STRIDER_CHECK(se != nullptr, "SimDevice: the event was not made by a SimDevice");
+  return *se;
+}
+
 const SimEvent& own_event(const Event& e, const SimDevice* self) {
   auto* se = dynamic_cast<const SimEvent*>(&e);
   STRIDER_CHECK(se != nullptr && se->owner() == self,
@@ -403,7 +410,9 @@ void SimDevice::place(StreamId s, OpKind kind, const OpTag& tag, double cost_us,
   const int i = stream_index(s);
   double begin = clock_us_[i];
   if (link_clock != nullptr) begin = std::max(begin, *link_clock);  // one copy at a time per direction
-  const double end = begin + cost_us;
+  double end = begin + cost_us;
+  // A pool's copies also cross the host's memory bus, which they share.
+  if (link_clock != nullptr && host_) end = std::max(end, host_->reserve_bytes(begin, tag.bytes));
   clock_us_[i] = end;
   if (link_clock != nullptr) *link_clock = end;
   if (options_.record_spans) spans_.push_back(OpSpan{s, kind, tag, begin, end});
@@ -446,17 +455,50 @@ void SimDevice::record(Event& e, StreamId s) {
 }
 
 void SimDevice::wait(StreamId s, const Event& e) {
-  const SimEvent& se = own_event(e, this);
+  const SimEvent& se = sim_event(e);
+  const uint64_t epoch = se.owner() == this ? 0 : se.owner()->epoch();  // its device's (a pool's other)
   std::lock_guard lk(mutex_);
   const int i = stream_index(s);
-  if (se.epoch != epoch_) return;  // never recorded (or before reset_clock): a no-op, as in CUDA
+  if (se.epoch != (se.owner() == this ? epoch_ : epoch)) return;  // never recorded (or before reset_clock): a no-op
   clock_us_[i] = std::max(clock_us_[i], se.time_us);
 }
 
 double SimDevice::event_time_us(const Event& e) const {
-  const SimEvent& se = own_event(e, this);
+  const SimEvent& se = sim_event(e);
+  const uint64_t epoch = se.owner() == this ? 0 : se.owner()->epoch();
   std::lock_guard lk(mutex_);
-  return se.epoch == epoch_ ? se.time_us : 0.0;
+  return se.epoch == (se.owner() == this ? epoch_ : epoch) ? se.time_us : 0.0;
+}
+
+uint64_t SimDevice::epoch() const {
+  std::lock_guard lk(mutex_);
+  return epoch_;
+}
+
+SimHostMemory::SimHostMemory(double gbps) : gbps_(gbps) {
+  STRIDER_CHECK(std::isfinite(gbps) && gbps > 0, "SimHostMemory: {} GB/s is not a bandwidth", gbps);
+}
+
+double SimHostMemory::reserve(double begin_us, double busy_us) {
+  std::lock_guard lk(mu_);
+  double t = begin_us, left = busy_us;
+  std::vector<std::pair<double, double>> taken;
+  // The busy interval that may reach into `begin_us`, then each after it: fill the gaps in order.
+  auto it = busy_.upper_bound(t);
+  if (it != busy_.begin() && std::prev(it)->second > t) --it;
+  for (; it != busy_.end() && left > 0; ++it) {
+    if (it->first > t) {
+      const double take = std::min(it->first - t, left);
+      taken.emplace_back(t, t + take);
+      left -= take;
+      t += take;
+      if (left <= 0) break;
+    }
+    t = std::max(t, it->second);
+  }
+  if (left > 0) taken.emplace_back(t, t + left), t += left;
+  for (const auto& [a, b] : taken) busy_[a] = b;
+  return t;
 }
 
 void SimDevice::record_at(Event& e, double time_us) {

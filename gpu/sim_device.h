@@ -111,6 +111,27 @@ struct SimHostLane {
   SimInterval run(double ready_us, double cost_us);
 };
 
+// The host's memory bus, as a pool's SimDevices (their copies) and the host's
+// optimizer (its AdamW) share it: each use occupies it for bytes / gbps,
+// filling the time left free at and after its start (a calendar of busy
+// intervals, so work priced out of virtual-time order still finds the gaps
+// before it). A copy then ends when both its own link and the bus are done
+// with it: N GPUs' links together can ask more of the bus than it gives.
+// One device alone has none (its link is its limit).
+class SimHostMemory {
+ public:
+  explicit SimHostMemory(double gbps);
+  double gbps() const { return gbps_; }
+  // `busy_us` of the bus from `begin_us` on; returns when it is done.
+  double reserve(double begin_us, double busy_us);
+  double reserve_bytes(double begin_us, uint64_t bytes) { return reserve(begin_us, double(bytes) / (gbps_ * 1e3)); }
+
+ private:
+  std::mutex mu_;
+  const double gbps_;
+  std::map<double, double> busy_;  // begin -> end, disjoint
+};
+
 // Simulating the host. The engine prices its host work itself and feeds the
 // result back as events, exactly where a real run blocks or waits:
 //   1. host work that consumes device output starts at
@@ -183,12 +204,17 @@ class SimDevice final : public Device {
   // Every clock back to 0; events recorded before become never-recorded (their
   // waits no-ops). Spans not yet drained are kept, in the old time base.
   void reset_clock();
+  uint64_t epoch() const;
+  // A pool's devices share the host's memory bus (make_devices); nullptr: none.
+  void share_host_memory(std::shared_ptr<SimHostMemory> host) { host_ = std::move(host); }
+  SimHostMemory* host_memory() const { return host_.get(); }
 
  protected:
   void free_memory(std::byte* data, size_t bytes) noexcept override;
 
  private:
-  // Places an op of `cost_us` on stream `s` (and `link` if a copy); records its span.
+  // Places an op of `cost_us` on stream `s` (and `link` if a copy, and the
+  // shared host memory's bus for its bytes); records its span.
   void place(StreamId s, OpKind kind, const OpTag& tag, double cost_us, double* link_clock);
   static int stream_index(StreamId s);
 
@@ -203,6 +229,7 @@ class SimDevice final : public Device {
   double d2h_link_us_ = 0;
   uint64_t epoch_ = 1;      // bumped by reset_clock(); events remember the epoch they were recorded in
   std::vector<OpSpan> spans_;
+  std::shared_ptr<SimHostMemory> host_;
 };
 
 // "sim:<preset>[,key=value...]" -> a SimDevice (make_device uses this).

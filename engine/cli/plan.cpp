@@ -88,7 +88,9 @@ std::string rank_machine(const Options& o) {
 Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l, const Options& o) {
   EngineConfig cfg = plan.engine_config(l);
   const std::string dev = "sim:" + rank_machine(o);
-  Engine e(spec, cfg, make_device({.spec = dev, .budget_bytes = l.device_bytes, .record_spans = true}));
+  // A pool: N SimDevices, each on its own link, sharing the host's memory bus.
+  Engine e(spec, cfg, make_devices({.spec = dev, .budget_bytes = l.device_bytes, .record_spans = true},
+                                   std::to_string(l.devices)));
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
   Prediction p;
   // The first steps fill the pipeline (no update to wait for yet); report the last.
@@ -103,10 +105,11 @@ Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l,
 std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json& out, const Options& o) {
   if (!p.feasible) return "does not fit: " + p.reason;
   std::string speed = "no prediction (--predict none)";
-  if (out.contains("prediction")) speed = "no prediction (" + out["prediction"].get<std::string>() + ")";
   if (out.contains("step_s") && !out["step_s"].is_null())
     speed = fmt::format("{:.0f} tokens/s, {:.3f} s/step predicted on {}{}", out["tokens_per_s"].get<double>(),
-                        out["step_s"].get<double>(), o.predict, o.gpus > 1 ? fmt::format(" x {} GPUs", o.gpus) : "");
+                        out["step_s"].get<double>(), o.predict,
+                        (l.devices > 1 ? fmt::format(" x {} devices in one process", l.devices) : std::string()) +
+                            (o.gpus > 1 ? fmt::format(" x {} GPUs", o.gpus) : std::string()));
   std::string nvme = "NVMe: none";
   if (p.nvme_bytes > 0) {
     nvme = fmt::format("NVMe {}", format_bytes(p.nvme_bytes));
@@ -190,12 +193,7 @@ int run(Options& o) {
     out["rank_optimizer_host_bytes"] = f.optimizer_host_bytes;
   }
   if (l.devices > 1) out["devices"] = l.devices;
-  if (predicting && p.feasible && l.devices > 1) {
-    // A pool's prediction needs N SimDevices sharing the host's memory bus
-    // (engine/README.md, "A pool of devices"): not built yet.
-    out["step_s"] = out["lower_bound_s"] = out["tokens_per_s"] = nullptr;
-    out["prediction"] = "not built yet for a pool of devices";
-  } else if (predicting && p.feasible) {
+  if (predicting && p.feasible) {
     Prediction pr = predict(spec, p, l, o);
     const StepReport& r = pr.step;
     out["step_s"] = r.step_s;

@@ -178,3 +178,51 @@ TEST_CASE("the simulator prices kept activations: less compute, their bytes on b
   const StepReport slow_kept = run(true, "sim:rtx4090,h2d_gbps=2,d2h_gbps=2");
   CHECK(slow_kept.step_s > slow_re.step_s);
 }
+
+TEST_CASE("the host's memory bus fills the time left free before and after what it carries", "[engine][sim][pool]") {
+  SimHostMemory bus(10);  // 10 GB/s: 1 MB takes 100 us
+  CHECK(bus.reserve_bytes(0, 1000000) == Approx(100));
+  CHECK(bus.reserve(200, 50) == Approx(250));
+  // Priced later but starting earlier: it takes the gap before [200, 250) and what it needs after.
+  CHECK(bus.reserve(50, 200) == Approx(350));  // 100..200 is free (100 us), then 250..350
+  CHECK(bus.reserve(0, 10) == Approx(360));    // all of 0..350 is taken: it queues after
+}
+
+TEST_CASE("a simulated pool: its devices' compute overlaps, and the shared host bus slows their copies",
+          "[engine][sim][pool]") {
+  // Llama-3.1-8B on the rtx4090 preset, the same per-device batch (8
+  // micro-batches of one sequence each): a pool of N runs N times the
+  // micro-batches. Its devices pipeline them (block b on device b % N,
+  // micro-batch by micro-batch), so more devices predict more tokens per
+  // second. Their copies share the host's memory bus: on a host with a slow
+  // one (cpu_mem_gbps=20) a pool's copies take longer, one device's (its
+  // link is its limit; one device has no shared bus) as long as before.
+  const ModelSpec spec = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  auto predict_pool = [&](int n, const std::string& machine) {
+    EngineConfig cfg;
+    cfg.seq = 1024;
+    cfg.micro_batch = 1;
+    cfg.accumulation = 8 * n;
+    cfg.window = 3;
+    cfg.checkpoints_on_host = true;
+    cfg.clip_norm = 1.0;
+    Engine e(spec, cfg, make_devices({.spec = machine, .budget_bytes = 24ull << 30, .record_spans = true},
+                                     std::to_string(n)));
+    REQUIRE(e.devices() == n);
+    std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
+    StepReport r;
+    for (int i = 0; i < 3; ++i) r = e.step(ids.data(), labels.data());
+    return r;
+  };
+  const StepReport r_one = predict_pool(1, "sim:rtx4090"), r_four = predict_pool(4, "sim:rtx4090");
+  const double one = r_one.tokens_per_s, two = predict_pool(2, "sim:rtx4090").tokens_per_s, four = r_four.tokens_per_s;
+  INFO("tokens/s: 1 device " << one << ", 2 " << two << ", 4 " << four);
+  CHECK(two > 1.2 * one);
+  CHECK(four > 1.2 * two);
+  CHECK(four < 4.0 * one);  // never past linear
+  const StepReport slow_one = predict_pool(1, "sim:rtx4090,cpu_mem_gbps=20");
+  const StepReport slow_four = predict_pool(4, "sim:rtx4090,cpu_mem_gbps=20");
+  auto h2d = [](const StepReport& r) { return r.stats.lanes[size_t(Lane::kH2D)].busy_s; };
+  CHECK(h2d(slow_one) == Approx(h2d(r_one)).epsilon(0.01));
+  CHECK(h2d(slow_four) > 1.5 * h2d(r_four));
+}

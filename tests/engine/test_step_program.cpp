@@ -482,11 +482,17 @@ TEST_CASE("a pool: every visit on its block's device, K-1 of its own visits ahea
               CHECK(prog.ops[size_t(load[vs[j]])].after == std::vector<int32_t>{release[vs[j - size_t(window)]]});
           }
         // Hand-offs: forward, each block boundary whose devices differ moves the input of every
-        // micro-batch (with host checkpoints a layer's comes in from its checkpoint); backward, the
-        // output gradient of every block whose predecessor runs elsewhere (the embedding's shards once).
+        // micro-batch, each right after its compute; backward, the output gradient of every block whose
+        // predecessor runs elsewhere (the embedding's shards once). With host checkpoints, a layer's
+        // backward takes its input from the checkpoint the other device wrote.
         int outs = 0, ins = 0, grad_outs = 0, grad_ins = 0, ckpt_in_from_peer = 0;
         for (const StepOp& o : prog.ops) {
-          if (o.kind == K::kHandOut) (o.grads ? grad_outs : outs)++;
+          if (o.kind == K::kHandOut) {
+            (o.grads ? grad_outs : outs)++;
+            // Micro-batch by micro-batch: right after its own compute, not the visit's last.
+            REQUIRE(o.after.size() == 1);
+            CHECK(prog.ops[size_t(o.after[0])].micro_batch == o.micro_batch);
+          }
           if (o.kind == K::kHandIn) {
             (o.grads ? grad_ins : ins)++;
             CHECK(o.peer >= 0);
@@ -497,13 +503,8 @@ TEST_CASE("a pool: every visit on its block's device, K-1 of its own visits ahea
         int boundaries = 0;  // blocks b (1..head) whose input comes from another device
         for (int64_t b = 1; b <= pl.head; ++b) boundaries += pl.block_device(b) != pl.block_device(b - 1);
         const int head_boundary = pl.block_device(pl.head) != pl.block_device(pl.head - 1);
-        if (host_ckpt) {
-          CHECK(outs == head_boundary * M);  // only the head's input: the others' are checkpoints already
-          CHECK(ckpt_in_from_peer == 2 * (boundaries - head_boundary) * M);  // forward, and backward's own
-        } else {
-          CHECK(outs == boundaries * M);
-          CHECK(ckpt_in_from_peer == 0);
-        }
+        CHECK(outs == boundaries * M);
+        CHECK(ckpt_in_from_peer == (host_ckpt ? (boundaries - head_boundary) * M : 0));
         CHECK(ins == outs);
         CHECK(grad_outs == boundaries * M);
         CHECK(grad_ins == grad_outs);

@@ -117,6 +117,34 @@ TEST_CASE("copies move bytes and refuse swapped host/device pointers", "[gpu][cp
                     Catch::Contains("not inside one device allocation"));
 }
 
+TEST_CASE("a pool's devices wait for each other's events, and only its own device records one", "[gpu][cpu_device]") {
+  DeviceOptions a_opt = chaos_options(3), b_opt = chaos_options(4);
+  a_opt.pool_index = 0;
+  b_opt.pool_index = 1;
+  CpuDevice a(a_opt), b(b_opt);
+  CHECK(b.name() == "cpu:1 (chaos seed 4)");
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  std::atomic<int> value{0};
+  a.launch(StreamId::kD2H, OpTag{"gate"}, [opened](const LaunchContext&) { opened.wait(); });
+  a.launch(StreamId::kD2H, OpTag{"produce"}, [&value](const LaunchContext&) { value.store(7); });
+  auto handed = a.make_event();
+  a.record(*handed, StreamId::kD2H);
+  b.wait(StreamId::kH2D, *handed);  // device b's stream waits for device a's point
+  int taken = -1;
+  b.launch(StreamId::kH2D, OpTag{"take"}, [&](const LaunchContext&) { taken = value.load(); });
+  auto took = b.make_event();
+  b.record(*took, StreamId::kH2D);
+  CHECK_FALSE(took->query());
+  gate.set_value();
+  took->synchronize();
+  CHECK(taken == 7);
+  CHECK_THROWS_WITH(b.record(*handed, StreamId::kH2D), Catch::Contains("made by another device"));
+  b.launch(StreamId::kCompute, OpTag{"exploding op", 2}, [](const LaunchContext&) { throw Error("kaboom"); });
+  CHECK_THROWS_WITH(b.synchronize(), Catch::StartsWith("cpu:1 (chaos seed 4): compute op 'exploding op'"));
+  a.synchronize();
+}
+
 TEST_CASE("a failed operation surfaces at synchronize, naming it", "[gpu][cpu_device]") {
   CpuDevice dev;
   dev.launch(StreamId::kCompute, OpTag{"exploding op", 5}, [](const LaunchContext&) { throw Error("kaboom"); });

@@ -287,9 +287,17 @@ TEST_CASE("sim: events stamp virtual time and waits on unrecorded events are no-
   dev.wait(StreamId::kH2D, *host);
   CHECK(dev.stream_time_us(StreamId::kH2D) == 0);
 
+  // Another SimDevice's event (a pool's devices share one virtual time):
+  // waited for like its own; recorded only by its own device.
   SimDevice other(toy_model());
   auto foreign = other.make_event();
-  CHECK_THROWS_WITH(dev.wait(StreamId::kCompute, *foreign), Catch::Contains("made by another device"));
+  dev.wait(StreamId::kCompute, *foreign);  // never recorded: a no-op
+  CHECK(dev.stream_time_us(StreamId::kCompute) == 0);
+  other.record_at(*foreign, 500);
+  CHECK(dev.event_time_us(*foreign) == 500);
+  dev.wait(StreamId::kCompute, *foreign);
+  CHECK(dev.stream_time_us(StreamId::kCompute) == 500);
+  CHECK_THROWS_WITH(dev.record(*foreign, StreamId::kCompute), Catch::Contains("made by another device"));
 }
 
 TEST_CASE("sim: device memory is fake but budgeted like CpuDevice", "[gpu][sim_device]") {

@@ -62,13 +62,17 @@ def test_devices_that_are_not_a_pool_are_refused_naming_the_entry(strider, tmp_p
         assert "step    1" not in r.stdout
 
 
-def test_plan_for_a_pool_counts_each_device_and_says_the_prediction_is_not_built(strider):
-    r = subprocess.run([str(strider), "plan", "--model", "llama-3.1-8b", "--gpu", "24GiB", "--seq", "1024",
-                        "--devices", "4", "--json"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout)
-    assert out["devices"] == 4 and out["tokens_per_s"] is None
-    assert "on each of 4 devices" in out["answer"] and "not built yet for a pool" in out["answer"]
+def test_plan_for_a_pool_counts_each_device_and_predicts_on_as_many_simulated_devices(strider):
+    def plan(devices, accumulation):
+        r = subprocess.run([str(strider), "plan", "--model", "llama-3.1-8b", "--gpu", "24GiB", "--seq", "1024",
+                            "--accumulation", str(accumulation), "--devices", str(devices), "--json"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout)
+    one, four = plan(1, 8), plan(4, 32)  # the same batch per device
+    assert four["devices"] == 4 and "on each of 4 devices" in four["answer"]
+    assert "x 4 devices in one process" in four["answer"]
+    assert one["tokens_per_s"] < four["tokens_per_s"] < 4 * one["tokens_per_s"]
 
 
 def test_profile_shows_each_devices_lanes_and_the_hand_offs(strider, tmp_path):
