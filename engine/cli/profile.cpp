@@ -126,8 +126,18 @@ void add_device_lanes(const std::vector<Span>& spans, size_t from, std::vector<D
     const double t = (s.end_us - s.begin_us) * 1e-6;
     const bool hand = s.name.find("hand-off") != std::string::npos;
     if (s.lane == Lane::kCompute) d.compute_s += t;
-    if (s.lane == Lane::kH2D) (hand ? d.hand_in_s : d.h2d_s) += t, d.hand_in_bytes += hand ? s.bytes : 0;
-    if (s.lane == Lane::kD2H) (hand ? d.hand_out_s : d.d2h_s) += t, d.hand_out_bytes += hand ? s.bytes : 0;
+    if (s.lane == Lane::kH2D && hand) {
+      d.hand_in_s += t;
+      d.hand_in_bytes += s.bytes;
+    } else if (s.lane == Lane::kH2D) {
+      d.h2d_s += t;
+    }
+    if (s.lane == Lane::kD2H && hand) {
+      d.hand_out_s += t;
+      d.hand_out_bytes += s.bytes;
+    } else if (s.lane == Lane::kD2H) {
+      d.d2h_s += t;
+    }
   }
 }
 
