@@ -140,6 +140,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     allocate_activations(d);
     st.runner = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, st.aten);
     st.data_ready = st.device->make_event();
+    for (auto& e : st.mark) e = st.device->make_event();
     for (int64_t m = 0; m < M; ++m) st.handed.push_back(st.device->make_event());
   }
   adam_ = std::make_unique<CpuAdam>(CpuAdam::Options{.threads = config_.optimizer_threads});
@@ -232,9 +233,7 @@ void EngineCore::allocate_activations(int d) {
   for (int s = 0; s < 2; ++s) st.ring_free.push_back(st.device->make_event());
   if (config_.keep_logits && runs_head)
     for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].logits = make({mb * S, spec_.dims.vocab}, cdt, "kept logits");
-  bool kept = false;
-  for (int64_t b = 1; b < head; ++b) kept = kept || (keeps(b) && place_.block_device(b) == d);
-  if (kept) {
+  if (place_.runs_kept_layer(d)) {
     const int64_t elems = layer_saved_elems(spec_.dims, mb * S);
     for (int s = 0; s < 2; ++s) {
       st.saved_dev.push_back(make({elems}, cdt, "kept activations"));

@@ -118,6 +118,9 @@ class EngineCore {
     std::unique_ptr<Event> data_ready;       // the batch is on this device
     std::vector<std::unique_ptr<Event>> handed;  // per micro-batch: its latest kHandOut is on the host
     double origin_us = 0;                    // its span clock's origin on Timeline::now_us()'s
+    // stream_after's events, per stream it marks, made once: a wait takes
+    // the latest record when it is issued, so one event serves every use.
+    std::unique_ptr<Event> mark[kNumStreams];
   };
   Seat& seat(const StepOp& op) { return seats_[size_t(op.device)]; }
   Seat& seat_of(int64_t block) { return seats_[size_t(place_.block_device(block))]; }
@@ -138,8 +141,8 @@ class EngineCore {
   void backward_op(const StepOp& op);
   double op_flops(const StepOp& op) const;
   const CacheUnit& unit(const StepOp& op) const;  // its visit's unit
-  // Stream `waiter`'s next work waits for what stream `done` has enqueued so far.
-  void stream_after(Device& d, StreamId waiter, StreamId done);
+  // Stream `waiter`'s next work waits for what stream `done` has enqueued so far (on s's device).
+  void stream_after(Seat& s, StreamId waiter, StreamId done);
   size_t visit_elems(const StepOp& op) const;     // the parameters its visit loaded
   void allocate_activations(int d);
   void upload_batch(const int64_t* ids, const int64_t* labels);

@@ -138,14 +138,14 @@ const std::byte* EngineCore::grads_to_send(Seat& s, const CacheUnit& u, size_t e
                      [acc, dst](const LaunchContext&) { dst.copy_(acc); });
     out = static_cast<const std::byte*>(u.params_bf16);
   }
-  stream_after(*s.device, StreamId::kD2H, StreamId::kCompute);
+  stream_after(s, StreamId::kD2H, StreamId::kCompute);
   return out;
 }
 
-void EngineCore::stream_after(Device& d, StreamId waiter, StreamId done) {
-  auto e = d.make_event();
-  d.record(*e, done);
-  d.wait(waiter, *e);
+void EngineCore::stream_after(Seat& s, StreamId waiter, StreamId done) {
+  Event& e = *s.mark[int(done)];
+  s.device->record(e, done);
+  s.device->wait(waiter, e);
 }
 
 std::span<std::byte> EngineCore::grad_host(int64_t p) {

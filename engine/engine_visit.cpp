@@ -55,7 +55,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
     }
     case StepOpKind::kCheckpointOut: {
       // Block op.block's inputs out; their ring set is free again once they left.
-      if (op.first) stream_after(dev, StreamId::kD2H, StreamId::kCompute);
+      if (op.first) stream_after(st, StreamId::kD2H, StreamId::kCompute);
       at::Tensor a = act(st, op.block, m);
       dev.copy_d2h(StreamId::kD2H, host_ckpt_[size_t(m)][size_t(op.block)].data(), a.data_ptr(), a.nbytes(),
                    {"d2h checkpoint", int32_t(op.block)});
@@ -68,14 +68,14 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // landed (the set's latest copy-out is at or after it on the d2h
       // stream: this device's, or in a pool the device that made it).
       if (op.first) {
-        stream_after(dev, StreamId::kH2D, StreamId::kCompute);
+        stream_after(st, StreamId::kH2D, StreamId::kCompute);
         dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
         if (op.peer >= 0) dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].ring_free[size_t(op.block % 2)]);
       }
       at::Tensor a = act(st, op.block, m);
       dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host_ckpt_[size_t(m)][size_t(op.block)].data(), a.nbytes(),
                    {"h2d checkpoint", int32_t(op.block)});
-      if (op.last) stream_after(dev, StreamId::kCompute, StreamId::kH2D);
+      if (op.last) stream_after(st, StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kHandOut: {
@@ -83,7 +83,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // hand-off buffer once this device's compute wrote it (the compute of
       // the next micro-batch goes on meanwhile). The buffer's previous
       // reader was this device's own kHandIn, which its compute waited for.
-      stream_after(dev, StreamId::kD2H, StreamId::kCompute);
+      stream_after(st, StreamId::kD2H, StreamId::kCompute);
       at::Tensor a = handed(st, op);
       dev.copy_d2h(StreamId::kD2H, hand_host_[size_t(m)].data(), a.data_ptr(), a.nbytes(),
                    {op.grads ? "d2h hand-off gradient" : "d2h hand-off", int32_t(op.block)});
@@ -96,14 +96,14 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // the last reader of what it fills, is done); its compute of
       // micro-batch m waits for it.
       if (op.first) {
-        stream_after(dev, StreamId::kH2D, StreamId::kCompute);
+        stream_after(st, StreamId::kH2D, StreamId::kCompute);
         if (config_.checkpoints_on_host && !op.grads) dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
       }
       dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].handed[size_t(m)]);
       at::Tensor a = handed(st, op);
       dev.copy_h2d(StreamId::kH2D, a.data_ptr(), hand_host_[size_t(m)].data(), a.nbytes(),
                    {op.grads ? "h2d hand-off gradient" : "h2d hand-off", int32_t(op.block)});
-      stream_after(dev, StreamId::kCompute, StreamId::kH2D);
+      stream_after(st, StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kHeadLse:
@@ -114,7 +114,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
     case StepOpKind::kLossOut: {
       // The loss's D2H precedes every head gradient's on the d2h stream: the
       // updater checks it when the first gradients land.
-      stream_after(dev, StreamId::kD2H, StreamId::kCompute);
+      stream_after(st, StreamId::kD2H, StreamId::kCompute);
       dev.copy_d2h(StreamId::kD2H, head_stats_host_.data(), st.head_stats.data_ptr(), head_stats_host_.size_bytes(),
                    {"d2h loss", int32_t(place_.head)});
       dev.record(*head_stats_ready_, StreamId::kD2H);
@@ -132,7 +132,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       dev.wait(StreamId::kH2D, *tied_grad_ready_);  // in a pool, the head's device's
       dev.copy_h2d(StreamId::kH2D, unit(op).grads_fp32, tied_grad_host_.data() + pc.ranges[0].begin, pc.elems() * 4,
                    {"h2d tied gradient", 0});
-      stream_after(dev, StreamId::kCompute, StreamId::kH2D);
+      stream_after(st, StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kBackward: backward_op(op); return;

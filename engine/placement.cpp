@@ -48,10 +48,8 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     size_t sets = 0;
     for (int64_t b = 1; b <= pl.head; ++b) sets += pl.holds_input(d, b);
     if (c.checkpoints_on_host) sets = 2;
-    bool kept = false;
-    for (int64_t b = 1; b < pl.head; ++b) kept = kept || (pl.saved_index[size_t(b)] >= 0 && pl.block_device(b) == d);
     uint64_t bytes = 2 * round_up(tokens * 8, 256) + sets * M * act + M * act;
-    if (kept) bytes += 2 * round_up(pl.saved_bytes, 256);
+    if (pl.runs_kept_layer(d)) bytes += 2 * round_up(pl.saved_bytes, 256);
     if (pl.block_device(pl.head) == d)
       bytes += round_up(2 * M * 8, 256) + M * (4 * round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256)) +
                f.logits_bytes;

@@ -110,6 +110,12 @@ struct Placement {
   // Device d holds block b's input checkpoints (no host checkpoints): it
   // runs block b (which reads them) or block b - 1 (which writes them).
   bool holds_input(int d, int64_t b) const { return block_device(b) == d || block_device(b - 1) == d; }
+  // Device d runs a decoder layer that keeps its activations (it holds the two kept-activation slots).
+  bool runs_kept_layer(int d) const {
+    for (int64_t b = 1; b < head; ++b)
+      if (saved_index[size_t(b)] >= 0 && block_device(b) == d) return true;
+    return false;
+  }
 
   int64_t num_pieces() const { return int64_t(pieces.size()); }
   const Piece& piece(int64_t p) const { return shards.pieces[size_t(p)]; }

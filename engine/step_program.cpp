@@ -266,8 +266,6 @@ class DeviceBuilder {
     const int32_t h = add(StepOpKind::kHandOut, Lane::kD2H, v, b, {last});
     op(h).micro_batch = m;
     op(h).grads = grads;
-    op(h).first = m == 0;
-    op(h).last = m + 1 == in_.micro_batches;
     hand_out_.resize(size_t(in_.micro_batches), -1);
     hand_out_[size_t(m)] = h;
   }
@@ -279,8 +277,7 @@ class DeviceBuilder {
     op(h).micro_batch = m;
     op(h).grads = grads;
     op(h).peer = from;
-    op(h).first = m == 0;
-    op(h).last = m + 1 == in_.micro_batches;
+    op(h).first = m == 0;  // the visit's first: it waits for this device's compute so far
   }
   int32_t grads_out(int64_t v, int64_t p, int32_t send) {
     const int32_t g = add(StepOpKind::kGradsOut, Lane::kD2H, v, pl_.piece(p).block, {send});

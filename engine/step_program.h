@@ -96,7 +96,7 @@ struct StepOp {
   // Set by passes, read by the executors.
   bool first_of_visit = false; // a device operation: the visit's first (it waits for the load)
   bool keep = false;           // kForward: keeps what backward needs (kept activations); kBackward: uses it
-  bool first = false, last = false;  // a group's first and last (kCheckpointIn/Out; kSaveOut's last)
+  bool first = false, last = false;  // a group's first and last (kCheckpointIn/Out, kHandIn's first; kSaveOut's last)
   bool wait_ring = false;      // kForward: its output's checkpoint ring set must have left (host checkpoints)
   bool d2h = false;            // kRelease: the visit's gradients left on the d2h stream
   bool grads = false;          // kHandOut, kHandIn: the output gradient flowing backward (else a block's input)

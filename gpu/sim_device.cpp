@@ -456,18 +456,15 @@ void SimDevice::record(Event& e, StreamId s) {
 
 void SimDevice::wait(StreamId s, const Event& e) {
   const SimEvent& se = sim_event(e);
-  const uint64_t epoch = se.owner() == this ? 0 : se.owner()->epoch();  // its device's (a pool's other)
+  if (se.epoch != se.owner()->epoch()) return;  // never recorded (or before its device's reset_clock): a no-op
   std::lock_guard lk(mutex_);
   const int i = stream_index(s);
-  if (se.epoch != (se.owner() == this ? epoch_ : epoch)) return;  // never recorded (or before reset_clock): a no-op
   clock_us_[i] = std::max(clock_us_[i], se.time_us);
 }
 
 double SimDevice::event_time_us(const Event& e) const {
   const SimEvent& se = sim_event(e);
-  const uint64_t epoch = se.owner() == this ? 0 : se.owner()->epoch();
-  std::lock_guard lk(mutex_);
-  return se.epoch == (se.owner() == this ? epoch_ : epoch) ? se.time_us : 0.0;
+  return se.epoch == se.owner()->epoch() ? se.time_us : 0.0;
 }
 
 uint64_t SimDevice::epoch() const {

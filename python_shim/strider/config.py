@@ -204,7 +204,7 @@ class _Methods:
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             bad("device", "must be auto, cpu, cuda or cuda:N")
         one = r"(auto|cpu|cuda(:[0-9]+)?)"
-        if not re.fullmatch(rf"[0-9]+|{one}(,{one})*", self.devices) or self.devices in ("0",):
+        if not re.fullmatch(rf"[0-9]+|{one}(,{one})*", self.devices) or self.devices == "0":
             bad("devices", "must be a count of devices (2) or a list (cuda:0,cuda:2)")
         return self
 
