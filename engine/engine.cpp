@@ -87,8 +87,13 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   for (int64_t k = 0; k < fp.saved_layers; ++k)
     for (int64_t m = 0; m < M; ++m)
       saved_host_[size_t(m)].push_back(arena_->carve(place_.saved_bytes, kHostAlign, "kept activations"));
-  if (fp.hand_off_bytes > 0)
-    for (int64_t m = 0; m < M; ++m) hand_host_.push_back(arena_->carve(place_.act_bytes, kHostAlign, "hand-off"));
+  if (fp.hand_off_bytes > 0) {  // placement.cpp's count_host counts these
+    const size_t tokens_mb = size_t(config_.micro_batch * config_.seq);
+    const size_t bytes[kHandKinds] = {place_.act_bytes, 3 * tokens_mb * 4, tokens_mb * 4,
+                                      tokens_mb * size_t(spec_.dims.hidden) * 4};
+    for (int k = 0; k < (place_.head_spread() ? kHandKinds : 1); ++k)
+      for (int64_t m = 0; m < M; ++m) hand_host_[k].push_back(arena_->carve(bytes[k], kHostAlign, "hand-off"));
+  }
   if (place_.ring_slot_bytes > 0)
     for (int64_t r = 0; r < config_.grad_ring; ++r)
       grad_ring_.push_back(arena_->carve(place_.ring_slot_bytes, kHostAlign, "gradient ring slot"));
@@ -141,20 +146,22 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     st.runner = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, st.aten);
     st.data_ready = st.device->make_event();
     for (auto& e : st.mark) e = st.device->make_event();
-    for (int64_t m = 0; m < M; ++m) st.handed.push_back(st.device->make_event());
+    for (auto& kind : st.handed)
+      for (int64_t m = 0; m < M; ++m) kind.push_back(st.device->make_event());
   }
   adam_ = std::make_unique<CpuAdam>(CpuAdam::Options{.threads = config_.optimizer_threads});
 
   // Events are made by the device that records them.
-  for (int64_t p = 0; p < P; ++p) grads_ready_.push_back(seat_of(piece(p).block).device->make_event());
+  for (int64_t p = 0; p < P; ++p) grads_ready_.push_back(seats_[size_t(place_.piece_device(p))].device->make_event());
   grads_recorded_.assign(size_t(P), 0);
   grad_spill_.resize(size_t(P));
-  tied_grad_ready_ = seat_of(head).device->make_event();
-  head_stats_ready_ = seat_of(head).device->make_event();
+  for (int64_t s = 0; s < place_.shards.shards; ++s)
+    tied_grad_ready_.push_back(seats_[size_t(place_.head_device(s))].device->make_event());
+  head_stats_ready_ = seats_[size_t(place_.last_head_device())].device->make_event();
   saved_out_.resize(size_t(fp.saved_layers));
   for (int64_t b = 1; b < head; ++b)
     if (place_.saved_index[size_t(b)] >= 0)
-      saved_out_[size_t(place_.saved_index[size_t(b)])] = seat_of(b).device->make_event();
+      saved_out_[size_t(place_.saved_index[size_t(b)])] = seats_[size_t(place_.block_device(b))].device->make_event();
   updated_.assign(size_t(P), 0);
 
   if (simulated()) return;  // no updater thread: the SimUpdater prices the host operations
@@ -193,7 +200,7 @@ void EngineCore::allocate_activations(int d) {
   Seat& st = seats_[size_t(d)];
   const int64_t M = config_.accumulation, mb = config_.micro_batch, S = config_.seq, H = spec_.dims.hidden;
   const int64_t head = place_.head;
-  const bool runs_head = place_.block_device(head) == d;
+  const bool runs_head = place_.runs_head(d);
   const auto cdt = config_.compute.dtype;
   auto make = [&](std::vector<int64_t> shape, at::ScalarType dt, const char* what) {
     size_t n = 1;
@@ -224,9 +231,9 @@ void EngineCore::allocate_activations(int d) {
   for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].grad_out = make({mb, S, H}, cdt, "output gradients");
   if (runs_head)
     for (int64_t m = 0; m < M; ++m) {
-      st.mb[size_t(m)].head = {make({mb * S}, at::kFloat, "head running max"),
-                               make({mb * S}, at::kFloat, "head running sum"),
-                               make({mb * S}, at::kFloat, "head target logits")};
+      MicroBatch& x = st.mb[size_t(m)];
+      x.head_state = make({3, mb * S}, at::kFloat, "head running max, sum and target logits");
+      x.head = {x.head_state[0], x.head_state[1], x.head_state[2]};
       st.mb[size_t(m)].head_lse = make({mb * S}, at::kFloat, "head log-sum-exp");
       st.mb[size_t(m)].grad_h = make({mb * S, H}, at::kFloat, "head hidden gradient");
     }

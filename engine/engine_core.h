@@ -79,11 +79,12 @@ class EngineCore {
                                             // where another device of the pool holds it), or the
                                             // 2-set ring with host checkpoints
     at::Tensor grad_out;                    // the gradient flowing backward
-    // The head's device: the streamed head's pass 1 running max, sum, target
-    // logit and then log-sum-exp (fp32 [tokens] each), and d(loss)/d(normed
+    // A device that runs the head's shards: the streamed head's pass 1
+    // running max, sum and target logit (`head`: rows of `head_state`, fp32
+    // [3, tokens]) and then log-sum-exp (fp32 [tokens]), and d(loss)/d(normed
     // hidden) summed over the shards of pass 2 (fp32 [tokens, hidden]).
     HeadState head;
-    at::Tensor head_lse, grad_h;
+    at::Tensor head_state, head_lse, grad_h;
     at::Tensor logits;                      // kept logits (EngineConfig::keep_logits), else undefined
     at::Tensor loss_sum, valid_tokens;      // its entries of the head's Seat::head_stats
   };
@@ -96,7 +97,7 @@ class EngineCore {
   // lives on it: its cache units, its block runner, the buffers of the
   // blocks it runs, its kept-activation slots, and the events its own
   // streams record. Every visit of a block runs on the block's device
-  // (Placement::block_device).
+  // (Placement::block_device, head_device).
   struct Seat {
     std::unique_ptr<Device> device;
     at::Device aten = at::kCPU;
@@ -104,7 +105,7 @@ class EngineCore {
     std::unique_ptr<BlockRunner> runner;
     std::vector<DeviceBuffer> buffers;       // beyond the pool, allocated once
     at::Tensor ids, labels;                  // the batch: [batch, seq] (every device)
-    at::Tensor head_stats;                   // the head's device: per micro-batch loss sum and valid tokens ([2, M] f64)
+    at::Tensor head_stats;                   // a head device: per micro-batch loss sum and valid tokens ([2, M] f64)
     std::vector<MicroBatch> mb;
     std::vector<std::unique_ptr<Event>> ring_free;  // per ring set: its last reader is done
     // Kept activations: two device slots (flat, compute dtype) that forward
@@ -116,15 +117,13 @@ class EngineCore {
     int64_t saved_uses = 0;                  // device slot uses so far: the next is uses % 2
     std::deque<SavedIn> saved_in;
     std::unique_ptr<Event> data_ready;       // the batch is on this device
-    std::vector<std::unique_ptr<Event>> handed;  // per micro-batch: its latest kHandOut is on the host
+    std::vector<std::unique_ptr<Event>> handed[kHandKinds];  // per Hand, per micro-batch: its latest kHandOut is on the host
     double origin_us = 0;                    // its span clock's origin on Timeline::now_us()'s
     // stream_after's events, per stream it marks, made once: a wait takes
     // the latest record when it is issued, so one event serves every use.
     std::unique_ptr<Event> mark[kNumStreams];
   };
   Seat& seat(const StepOp& op) { return seats_[size_t(op.device)]; }
-  Seat& seat_of(int64_t block) { return seats_[size_t(place_.block_device(block))]; }
-  const Seat& seat_of(int64_t block) const { return seats_[size_t(place_.block_device(block))]; }
 
   // The device executor: a program's device operations, in order, each
   // through one table (run_device_op, engine_visit.cpp).
@@ -159,7 +158,7 @@ class EngineCore {
   bool keeps(int64_t b) const { return b > 0 && b < place_.head && place_.saved_index[size_t(b)] >= 0; }
   std::span<std::byte> saved_host(int64_t b, int64_t m) const;
   // Micro-batch m's kept logits of one LM-head shard's rows: [tokens, rows].
-  at::Tensor kept_logits(int64_t m, const Piece& rows) const;
+  at::Tensor kept_logits(const Seat& s, int64_t m, const Piece& rows) const;
   void fetch_saved(Seat& s, int64_t b, int64_t m);
   // A pool's hand-offs (kHandOut, kHandIn): the tensor they move on device s.
   at::Tensor handed(const Seat& s, const StepOp& op) const;
@@ -262,11 +261,11 @@ class EngineCore {
 
   // Pinned host buffers per micro-batch: its host checkpoints (per block,
   // its input copied out), kept activations (per kept layer), and a pool's
-  // hand-off buffer (block inputs and output gradients between devices).
+  // hand-off buffers (per Hand: what passes between devices).
   std::vector<std::vector<std::span<std::byte>>> host_ckpt_, saved_host_;
-  std::vector<std::span<std::byte>> hand_host_;
+  std::vector<std::span<std::byte>> hand_host_[kHandKinds];
   std::vector<std::unique_ptr<Event>> saved_out_;  // per kept block: its copies out are on the host
-  std::unique_ptr<Event> tied_grad_ready_;
+  std::vector<std::unique_ptr<Event>> tied_grad_ready_;  // per vocabulary shard (tied): the head's share is on the host
 
   // Per-step state shared with closures (they run in stream order).
   int64_t batch_valid_ = 0;                 // labels of the batch that count

@@ -23,7 +23,14 @@ at::Tensor EngineCore::act(const Seat& s, int64_t b, int64_t m) const {
 }
 
 at::Tensor EngineCore::handed(const Seat& s, const StepOp& op) const {
-  return op.grads ? s.mb[size_t(op.micro_batch)].grad_out : act(s, op.block, op.micro_batch);
+  const MicroBatch& x = s.mb[size_t(op.micro_batch)];
+  switch (op.hand) {
+    case Hand::kBlock: return op.grads ? x.grad_out : act(s, op.block, op.micro_batch);
+    case Hand::kHeadState: return x.head_state;
+    case Hand::kLse: return x.head_lse;
+    case Hand::kHeadGrad: return x.grad_h;
+  }
+  return {};
 }
 
 at::Tensor EngineCore::params_view(const Seat& s, const CacheUnit& u, size_t offset, size_t elems) const {
@@ -46,8 +53,8 @@ std::vector<int64_t> EngineCore::visit_segments(const StepOp& v) const {
   return place_.shards.visit_pieces(v.piece, v.shard);
 }
 
-at::Tensor EngineCore::kept_logits(int64_t m, const Piece& rows) const {
-  return seat_of(place_.head).mb[size_t(m)].logits.slice(1, rows.row_begin, rows.row_end);
+at::Tensor EngineCore::kept_logits(const Seat& s, int64_t m, const Piece& rows) const {
+  return s.mb[size_t(m)].logits.slice(1, rows.row_begin, rows.row_end);
 }
 
 std::span<std::byte> EngineCore::saved_host(int64_t b, int64_t m) const {

@@ -10,6 +10,23 @@
 
 namespace strider {
 
+namespace {
+
+// A hand-off's span name, by what it carries (the trace's and the profile's lanes).
+const char* hand_name(const StepOp& op, bool out) {
+  switch (op.hand) {
+    case Hand::kBlock:
+      if (op.grads) return out ? "d2h hand-off gradient" : "h2d hand-off gradient";
+      return out ? "d2h hand-off" : "h2d hand-off";
+    case Hand::kHeadState: return out ? "d2h hand-off head state" : "h2d hand-off head state";
+    case Hand::kLse: return out ? "d2h hand-off log-sum-exp" : "h2d hand-off log-sum-exp";
+    case Hand::kHeadGrad: return out ? "d2h hand-off head gradient" : "h2d hand-off head gradient";
+  }
+  return "hand-off";
+}
+
+}  // namespace
+
 double EngineCore::op_flops(const StepOp& op) const {
   const double tokens = double(config_.micro_batch * config_.seq), H = double(spec_.dims.hidden);
   switch (op.kind) {
@@ -82,12 +99,14 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // A pool: micro-batch m of what the next device takes, out to its
       // hand-off buffer once this device's compute wrote it (the compute of
       // the next micro-batch goes on meanwhile). The buffer's previous
-      // reader was this device's own kHandIn, which its compute waited for.
+      // readers come before this compute in the chain of hand-offs: each
+      // reader's compute waited for its copy, and handed on what this
+      // device's compute waited for.
       stream_after(st, StreamId::kD2H, StreamId::kCompute);
       at::Tensor a = handed(st, op);
-      dev.copy_d2h(StreamId::kD2H, hand_host_[size_t(m)].data(), a.data_ptr(), a.nbytes(),
-                   {op.grads ? "d2h hand-off gradient" : "d2h hand-off", int32_t(op.block)});
-      dev.record(*st.handed[size_t(m)], StreamId::kD2H);
+      dev.copy_d2h(StreamId::kD2H, hand_host_[size_t(op.hand)][size_t(m)].data(), a.data_ptr(), a.nbytes(),
+                   {hand_name(op, true), int32_t(op.block)});
+      dev.record(*st.handed[size_t(op.hand)][size_t(m)], StreamId::kD2H);
       return;
     }
     case StepOpKind::kHandIn: {
@@ -97,12 +116,13 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // micro-batch m waits for it.
       if (op.first) {
         stream_after(st, StreamId::kH2D, StreamId::kCompute);
-        if (config_.checkpoints_on_host && !op.grads) dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
+        if (config_.checkpoints_on_host && op.hand == Hand::kBlock && !op.grads)
+          dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
       }
-      dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].handed[size_t(m)]);
+      dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].handed[size_t(op.hand)][size_t(m)]);
       at::Tensor a = handed(st, op);
-      dev.copy_h2d(StreamId::kH2D, a.data_ptr(), hand_host_[size_t(m)].data(), a.nbytes(),
-                   {op.grads ? "h2d hand-off gradient" : "h2d hand-off", int32_t(op.block)});
+      dev.copy_h2d(StreamId::kH2D, a.data_ptr(), hand_host_[size_t(op.hand)][size_t(m)].data(), a.nbytes(),
+                   {hand_name(op, false), int32_t(op.block)});
       stream_after(st, StreamId::kCompute, StreamId::kH2D);
       return;
     }
@@ -129,7 +149,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // The embedding's gradient starts from the head's share, so the sum runs
       // in the same order as in the resident reference.
       const Piece& pc = piece(op.piece);  // an embedding shard: one range
-      dev.wait(StreamId::kH2D, *tied_grad_ready_);  // in a pool, the head's device's
+      for (const auto& e : tied_grad_ready_) dev.wait(StreamId::kH2D, *e);  // in a pool, the head's devices
       dev.copy_h2d(StreamId::kH2D, unit(op).grads_fp32, tied_grad_host_.data() + pc.ranges[0].begin, pc.elems() * 4,
                    {"h2d tied gradient", 0});
       stream_after(st, StreamId::kCompute, StreamId::kH2D);
@@ -144,7 +164,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       const size_t norm = piece(place_.shards.norm_piece).elems();
       dev.copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows.ranges[0].begin, unit(op).grads_fp32 + norm,
                    rows.elems() * 4, {"d2h tied grads", int32_t(place_.head)});
-      dev.record(*tied_grad_ready_, StreamId::kD2H);
+      dev.record(*tied_grad_ready_[size_t(op.shard)], StreamId::kD2H);
       return;
     }
     case StepOpKind::kRelease:
@@ -220,7 +240,7 @@ void EngineCore::head_op(const StepOp& op) {
   if (op.kind == StepOpKind::kHeadLse) {
     at::Tensor labels = x.labels, lse = x.head_lse, loss_sum = x.loss_sum, valid_tokens = x.valid_tokens;
     HeadState hs = x.head;
-    const at::Tensor keep = op.keep ? kept_logits(m, rows_pc) : at::Tensor();
+    const at::Tensor keep = op.keep ? kept_logits(st, m, rows_pc) : at::Tensor();
     dev.launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), op_flops(op)},
                [dims, norm, rows, v0, in, labels, chunk, tile, hs, lse, loss_sum, valid_tokens, first, last,
                 keep](const LaunchContext&) mutable {
@@ -246,7 +266,7 @@ void EngineCore::head_op(const StepOp& op) {
   at::Tensor grad_rows = rows_view(grads, norm_pc.elems(), rows_pc);
   at::Tensor labels = x.labels, lse = x.head_lse;
   const int64_t valid = batch_valid_;
-  const at::Tensor kept = op.keep ? kept_logits(m, rows_pc) : at::Tensor();
+  const at::Tensor kept = op.keep ? kept_logits(st, m, rows_pc) : at::Tensor();
   dev.launch(StreamId::kCompute, {"head backward", int32_t(place_.head), op_flops(op)},
              [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first, kept](
                  const LaunchContext&) {

@@ -42,7 +42,8 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   // Each device of a pool: the batch and output gradients; the sets of the
   // block inputs it holds (placement.h, holds_input; the 2-set ring with host
   // checkpoints); kept-activation slots if it runs a kept layer; the head's
-  // loss figures, per-token state, hidden gradient and kept logits if it runs the head.
+  // loss figures, per-token state, hidden gradient and kept logits (all the
+  // vocabulary's) if it runs one of the head's shards.
   f.activation_bytes = 0;
   for (int d = 0; d < pl.devices; ++d) {
     size_t sets = 0;
@@ -50,8 +51,8 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     if (c.checkpoints_on_host) sets = 2;
     uint64_t bytes = 2 * round_up(tokens * 8, 256) + sets * M * act + M * act;
     if (pl.runs_kept_layer(d)) bytes += 2 * round_up(pl.saved_bytes, 256);
-    if (pl.block_device(pl.head) == d)
-      bytes += round_up(2 * M * 8, 256) + M * (4 * round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256)) +
+    if (pl.runs_head(d))
+      bytes += round_up(2 * M * 8, 256) + M * (round_up(3 * mb_tokens * 4, 256) + round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256)) +
                f.logits_bytes;
     f.activation_bytes = std::max(f.activation_bytes, bytes);
   }
@@ -76,7 +77,15 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kHostAlign) + round_up(2 * M * 8, kHostAlign) +
                  8 * kHostAlign;
   if (c.checkpoints_on_host) f.host_bytes += uint64_t(pl.head) * M * round_up(pl.act_bytes, kHostAlign);
+  // A pool's hand-off buffers, per micro-batch: a block's input or output
+  // gradient; with the head spread, its per-token state (3 fp32 per token),
+  // its log-sum-exp and its hidden gradient (fp32) too (EngineCore::Hand).
   if (pl.devices > 1) f.hand_off_bytes = M * round_up(pl.act_bytes, kHostAlign);
+  if (pl.head_spread()) {
+    const size_t mb_tokens = size_t(c.micro_batch * c.seq);
+    f.hand_off_bytes += M * (round_up(3 * mb_tokens * 4, kHostAlign) + round_up(mb_tokens * 4, kHostAlign) +
+                             round_up(mb_tokens * size_t(spec.dims.hidden) * 4, kHostAlign));
+  }
   f.host_bytes += f.hand_off_bytes;
   if (f.saved_layers > 0) {
     f.saved_bytes_per_layer = M * round_up(pl.saved_bytes, kHostAlign);
@@ -123,7 +132,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   for (int64_t b = 0; b < pl.blocks; ++b) pl.layouts.push_back(spec.layout(b));
   pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;
-  pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces);
+  pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces, c.devices);
   const Sharding& sh = pl.shards;
   const int64_t P = int64_t(sh.pieces.size());
   const bool clip = c.clip_norm > 0;

@@ -9,6 +9,7 @@
 // plan's numbers are the engine's numbers by construction.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -102,14 +103,44 @@ struct Placement {
   EngineFootprint footprint;
 
   int devices = 1;                      // the pool's devices (EngineConfig::devices)
-  // The pool's device that runs block b's visits (forward, backward, the
-  // head's shards): round robin over the blocks, so consecutive blocks run
-  // on consecutive devices and a block's backward finds its forward's
-  // checkpoints and kept activations where they were made.
+  // The pool's device that runs block b's visits (forward and backward):
+  // round robin over the blocks, so consecutive blocks run on consecutive
+  // devices and a block's backward finds its forward's checkpoints and kept
+  // activations where they were made.
   int block_device(int64_t b) const { return int(b % devices); }
+  // The device that runs the head's visits of vocabulary shard s (both
+  // passes): the round robin goes on over the shards, so a head of several
+  // shards is spread over the pool instead of being one device's long turn.
+  // The last shard's device computes the loss and the final norm's backward.
+  int head_device(int64_t s) const { return int((head + s) % devices); }
+  int last_head_device() const { return head_device(shards.shards - 1); }
+  // Device d runs a visit of the head.
+  bool runs_head(int d) const {
+    for (int64_t s = 0; s < std::min<int64_t>(shards.shards, devices); ++s)
+      if (head_device(s) == d) return true;
+    return false;
+  }
+  // Shard s is the first of the head's shards on its device (it takes the head's input there).
+  bool first_head_shard_on_device(int64_t s) const { return s < devices; }
+  // The device that sends piece p's gradients: its block's, or the head's
+  // shard's (the final norm's: the last shard's).
+  int piece_device(int64_t p) const {
+    const int64_t b = piece(p).block;
+    if (b < head) return block_device(b);
+    if (p == shards.norm_piece) return last_head_device();
+    for (int64_t s = 0; s < shards.shards; ++s)
+      if (shards.lm_piece[size_t(s)] == p) return head_device(s);
+    return block_device(b);
+  }
   // Device d holds block b's input checkpoints (no host checkpoints): it
-  // runs block b (which reads them) or block b - 1 (which writes them).
-  bool holds_input(int d, int64_t b) const { return block_device(b) == d || block_device(b - 1) == d; }
+  // runs block b (which reads them; the head: any of its shards) or block
+  // b - 1 (which writes them).
+  bool holds_input(int d, int64_t b) const {
+    return (b == head ? runs_head(d) : block_device(b) == d) || block_device(b - 1) == d;
+  }
+  // The head's per-token state, log-sum-exp and hidden gradient cross
+  // between devices (its shards run on more than one).
+  bool head_spread() const { return devices > 1 && shards.shards > 1; }
   // Device d runs a decoder layer that keeps its activations (it holds the two kept-activation slots).
   bool runs_kept_layer(int d) const {
     for (int64_t b = 1; b < head; ++b)

@@ -162,7 +162,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // layer has the same dimensions, so the embedding, one layer and the head
   // say it all.
   const Sharding sh = make_sharding(spec, l.vocab_chunk, l.vocab_shard_rows,
-                                    l.optimizer_state == StateFormat::kQ8 ? int64_t(kQ8GroupElems) : 1);
+                                    l.optimizer_state == StateFormat::kQ8 ? int64_t(kQ8GroupElems) : 1, "", l.devices);
   uint64_t work = 0;
   auto work_for = [&](int64_t tile) {
     uint64_t w = 0;

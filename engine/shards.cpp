@@ -129,7 +129,7 @@ std::string Sharding::name(const ModelSpec& spec, int64_t i) const {
 }
 
 Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows, int64_t align_elems,
-                       const std::string& layer_pieces) {
+                       const std::string& layer_pieces, int64_t min_shards) {
   STRIDER_CHECK(vocab_chunk >= 0 && shard_rows >= 0, "vocab chunk {} and shard rows {} must be >= 0", vocab_chunk,
                 shard_rows);
   Sharding s;
@@ -148,6 +148,10 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
     // The most rows whose head visit (norm + rows) fits where a layer does.
     const int64_t fit = std::max<int64_t>(1, int64_t((s.layer_elems - std::min(s.layer_elems, norm_elems)) / size_t(H)));
     rows = fit >= chunk ? fit / chunk * chunk : fit;
+    // A pool: at least `min_shards` shards where whole chunks allow (the
+    // chunk stays, so the loss and gradients keep their bits).
+    const int64_t spread = (V + min_shards - 1) / min_shards;
+    if (min_shards > 1 && rows >= chunk) rows = std::min(rows, std::max(chunk, (spread + chunk - 1) / chunk * chunk));
   }
   rows = std::min(rows, V);
   if (align_elems > 1 && rows < V) {

@@ -118,8 +118,11 @@ struct Sharding {
 // (the q8 optimizer state's groups must not straddle two pieces, which are
 // updated apart): chosen rows are rounded down to fit, given ones are refused.
 // `layer_pieces` (EngineConfig::layer_pieces) cuts each decoder layer.
+// `min_shards` > 1 (a pool's devices) makes chosen shards no larger than
+// needed for that many, in whole chunks, so the head's shards spread over
+// the pool (Placement::head_device); given rows are kept.
 Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows = 0, int64_t align_elems = 1,
-                       const std::string& layer_pieces = "");
+                       const std::string& layer_pieces = "", int64_t min_shards = 1);
 
 // A decoder layer's pieces by tensor name: `groups` is comma-separated
 // groups, each of '+'-joined fragments of the name after the layer's prefix

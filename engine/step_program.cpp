@@ -119,7 +119,8 @@ class DeviceBuilder {
     const int64_t M = in_.micro_batches;
     const Sharding& sh = pl_.shards;
     visit_ = -1;
-    dev_ = pl_.block_device(vis.kind == Visit::kHead ? pl_.head : pl_.piece(vis.piece).block);
+    handed_in_ = false;
+    dev_ = vis.kind == Visit::kHead ? pl_.head_device(vis.shard) : pl_.block_device(pl_.piece(vis.piece).block);
     int32_t last = -1;  // the latest compute operation of the visit
     std::vector<int32_t> out;  // what the release waits for on the d2h stream
     bool grads = false;
@@ -129,7 +130,7 @@ class DeviceBuilder {
       const bool first_piece = loads.front() == sh.first_of(b), last_piece = loads.back() + 1 == sh.end_of(b);
       const bool keep = train_ && keeps(pl_, b);
       for (int64_t m = 0; m < M; ++m) {
-        if (first_piece && b >= 1) hand_in(v, b, false, m);
+        if (first_piece && b >= 1) hand_in(v, Hand::kBlock, b, false, pl_.block_device(b - 1), m);
         std::vector<int32_t> after{load};
         const bool wait_ring = in_.checkpoints_on_host && first_piece && m == 0;
         if (wait_ring && b >= 1 && ckpt_out_[size_t(b)] >= 0) after.push_back(ckpt_out_[size_t(b)]);
@@ -144,7 +145,7 @@ class DeviceBuilder {
           op(save).last = m + 1 == M;
           saved_out_[size_t(b)] = save;
         }
-        if (last_piece) hand_out(v, b + 1, false, last, m);
+        if (last_piece && takes_elsewhere(b + 1)) hand_out(v, Hand::kBlock, b + 1, false, last, m);
       }
       if (in_.checkpoints_on_host && last_piece && b + 1 < pl_.head)
         for (int64_t m = 0; m < M; ++m) {
@@ -155,43 +156,56 @@ class DeviceBuilder {
           ckpt_out_[size_t(b + 1)] = c;
         }
     } else if (vis.kind == Visit::kHead) {
-      const int64_t s = vis.shard;
+      // Pass "devices" here: shard s runs on head_device(s); the head's
+      // input comes in where a device runs its first shard; the per-token
+      // state (pass 1) and the hidden gradient (pass 2) pass from shard to
+      // shard, and the log-sum-exp from the last shard to the others.
+      const int64_t s = vis.shard, h = pl_.head;
       const bool last_shard = s + 1 == sh.shards, grad = train_ && vis.grad;
+      const int prev = s > 0 ? pl_.head_device(s - 1) : dev_, next = last_shard ? dev_ : pl_.head_device(s + 1);
+      const int lse_from = pl_.last_head_device();
+      const bool first_here = pl_.first_head_shard_on_device(s);
       if (vis.lse) {
         for (int64_t m = 0; m < M; ++m) {
-          if (s == 0) hand_in(v, pl_.head, false, m);
-          last = add(StepOpKind::kHeadLse, Lane::kCompute, v, pl_.head, {load});
+          if (first_here) hand_in(v, Hand::kBlock, h, false, pl_.block_device(h - 1), m);
+          hand_in(v, Hand::kHeadState, h, false, prev, m);
+          last = add(StepOpKind::kHeadLse, Lane::kCompute, v, h, {load});
           op(last).shard = s;
           op(last).micro_batch = m;
           op(last).keep = train_ && in_.keep_logits;
+          if (next != dev_) hand_out(v, Hand::kHeadState, h, false, last, m);
+          if (last_shard && train_ && pl_.head_spread()) hand_out(v, Hand::kLse, h, false, last, m);
         }
-        if (last_shard) loss_ = add(StepOpKind::kLossOut, Lane::kD2H, v, pl_.head, {last});
+        if (last_shard) loss_ = add(StepOpKind::kLossOut, Lane::kD2H, v, h, {last});
       }
       if (grad) {
         grads = true;
-        last = add(StepOpKind::kZeroGrads, Lane::kCompute, v, pl_.head, {load});
+        last = add(StepOpKind::kZeroGrads, Lane::kCompute, v, h, {load});
         op(last).shard = s;
+        // The last shard's norm backward follows each micro-batch's
+        // gradient, so the next block's backward starts after the first.
         for (int64_t m = 0; m < M; ++m) {
-          last = add(StepOpKind::kHeadGrad, Lane::kCompute, v, pl_.head, {load, loss_});
+          if (!vis.lse && first_here) hand_in(v, Hand::kLse, h, false, lse_from, m);
+          hand_in(v, Hand::kHeadGrad, h, false, prev, m);
+          last = add(StepOpKind::kHeadGrad, Lane::kCompute, v, h, {load, loss_});
           op(last).shard = s;
           op(last).micro_batch = m;
           op(last).keep = in_.keep_logits;
+          if (next != dev_) hand_out(v, Hand::kHeadGrad, h, false, last, m);
+          if (!last_shard) continue;
+          last = add(StepOpKind::kHeadNormBackward, Lane::kCompute, v, h);
+          op(last).micro_batch = m;
+          op(last).shard = s;
+          if (takes_elsewhere(h - 1, true)) hand_out(v, Hand::kBlock, h - 1, true, last, m);
         }
-        if (last_shard)
-          for (int64_t m = 0; m < M; ++m) {
-            last = add(StepOpKind::kHeadNormBackward, Lane::kCompute, v, pl_.head);
-            op(last).micro_batch = m;
-            op(last).shard = s;
-            hand_out(v, pl_.head - 1, true, last, m);
-          }
-        const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, pl_.head);
+        const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, h);
         op(send).shard = s;
         if (last_shard) out.push_back(grads_out(v, sh.norm_piece, send));
         const int64_t lm = sh.lm_piece[size_t(s)];
-        if (pl_.piece(lm).block == pl_.head) {
+        if (pl_.piece(lm).block == h) {
           out.push_back(grads_out(v, lm, send));
         } else {  // tied: the head's share of the embedding's gradient, in fp32
-          out.push_back(tied_out_[size_t(s)] = add(StepOpKind::kTiedGradOut, Lane::kD2H, v, pl_.head, {send}));
+          out.push_back(tied_out_[size_t(s)] = add(StepOpKind::kTiedGradOut, Lane::kD2H, v, h, {send}));
           op(out.back()).shard = s;
           op(out.back()).piece = lm;
         }
@@ -224,12 +238,12 @@ class DeviceBuilder {
         std::vector<int32_t> after{load};
         if (back >= 0) after.push_back(back);
         if (keep) after.push_back(fetched_[size_t(m)]);
-        hand_in(v, b, true, m);
+        if (!(b == 0 && handed_grads_to_embedding_)) hand_in(v, Hand::kBlock, b, true, grad_from(b), m);
         last = add(StepOpKind::kBackward, Lane::kCompute, v, b, std::move(after));
         op(last).piece = p;
         op(last).micro_batch = m;
         op(last).keep = keep;
-        if (b >= 1) hand_out(v, b - 1, true, last, m);
+        if (b >= 1 && takes_elsewhere(b - 1, true)) hand_out(v, Hand::kBlock, b - 1, true, last, m);
       }
       if (b == 0) handed_grads_to_embedding_ = true;  // its shards share one device: the first took it
       const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, b, {last});
@@ -254,30 +268,43 @@ class DeviceBuilder {
   }
 
   // Pass "devices": the device that made what block `to` takes (its input:
-  // block to - 1's; its output gradient: block to + 1's), when another.
+  // block to - 1's; its output gradient: block to + 1's, or the head's last
+  // shard's), when another.
   int peer(int64_t from, int64_t to) const { return pl_.block_device(from) == pl_.block_device(to) ? -1 : pl_.block_device(from); }
-  // Block b's input (`grads`: its output gradient) for micro-batch m, out of
-  // this visit's device right after `last` (its compute) when block b's
-  // visits run on another, so the next device starts on it while this one
-  // computes the next micro-batch. (With host checkpoints too: the
-  // checkpoints leave after the visit's last micro-batch.)
-  void hand_out(int64_t v, int64_t b, bool grads, int32_t last, int64_t m) {
-    if (pl_.block_device(b) == dev_) return;
+  int grad_from(int64_t b) const { return b + 1 == pl_.head ? pl_.last_head_device() : pl_.block_device(b + 1); }
+  // Whether a device other than this visit's takes block b's input (the
+  // head's: any of its shards' devices), or (`grads`) its output gradient.
+  bool takes_elsewhere(int64_t b, bool grads = false) const {
+    if (grads || b < pl_.head) return pl_.block_device(b) != dev_;
+    for (int64_t s = 0; s < std::min<int64_t>(pl_.shards.shards, pl_.devices); ++s)
+      if (pl_.head_device(s) != dev_) return true;
+    return false;
+  }
+  // What `hand` carries for block b (`grads`: its output gradient) for
+  // micro-batch m, out of this visit's device right after `last` (its
+  // compute), so the next device starts on it while this one computes the
+  // next micro-batch. (With host checkpoints too: the checkpoints leave
+  // after the visit's last micro-batch.)
+  void hand_out(int64_t v, Hand hand, int64_t b, bool grads, int32_t last, int64_t m) {
     const int32_t h = add(StepOpKind::kHandOut, Lane::kD2H, v, b, {last});
     op(h).micro_batch = m;
     op(h).grads = grads;
-    hand_out_.resize(size_t(in_.micro_batches), -1);
-    hand_out_[size_t(m)] = h;
+    op(h).hand = hand;
+    std::vector<int32_t>& outs = hand_out_[size_t(hand)];
+    outs.resize(size_t(in_.micro_batches), -1);
+    outs[size_t(m)] = h;
   }
-  // ...and in on block b's device, before its compute of micro-batch m (the embedding's shards: the first).
-  void hand_in(int64_t v, int64_t b, bool grads, int64_t m) {
-    const int from = peer(grads ? b + 1 : b - 1, b);
-    if (from < 0 || (grads && b == 0 && handed_grads_to_embedding_)) return;
-    const int32_t h = add(StepOpKind::kHandIn, Lane::kH2D, v, b, {hand_out_[size_t(m)]});
+  // ...and in on this visit's device from device `from`, before its compute
+  // of micro-batch m; nothing when `from` is this device.
+  void hand_in(int64_t v, Hand hand, int64_t b, bool grads, int from, int64_t m) {
+    if (from == dev_) return;
+    const int32_t h = add(StepOpKind::kHandIn, Lane::kH2D, v, b, {hand_out_[size_t(hand)][size_t(m)]});
     op(h).micro_batch = m;
     op(h).grads = grads;
+    op(h).hand = hand;
     op(h).peer = from;
-    op(h).first = m == 0;  // the visit's first: it waits for this device's compute so far
+    op(h).first = !handed_in_;  // the visit's first: it waits for this device's compute so far
+    handed_in_ = true;
   }
   int32_t grads_out(int64_t v, int64_t p, int32_t send) {
     const int32_t g = add(StepOpKind::kGradsOut, Lane::kD2H, v, pl_.piece(p).block, {send});
@@ -300,7 +327,8 @@ class DeviceBuilder {
   std::vector<int32_t> fetched_;  // per micro-batch: the latest layer's kFetchSaved
   std::vector<int32_t> ckpt_out_, saved_out_;  // per block: its latest kCheckpointOut (its input), kSaveOut
   int dev_ = 0;                   // the device of the visit being expanded
-  std::vector<int32_t> hand_out_;  // per micro-batch: its latest kHandOut
+  std::vector<int32_t> hand_out_[kHandKinds];  // per kind, per micro-batch: its latest kHandOut
+  bool handed_in_ = false;        // the visit being expanded has a kHandIn already
   bool handed_grads_to_embedding_ = false;
 };
 
@@ -313,7 +341,7 @@ std::vector<Visit> device_program(const Placement& place, const ProgramInputs& i
   std::vector<Visit> vs = visits(place, train);
   const size_t n = vs.size(), ahead = size_t(in.window) - 1, K = size_t(in.window);
   auto device_of = [&](size_t i) {
-    return place.block_device(vs[i].kind == Visit::kHead ? place.head : place.piece(vs[i].piece).block);
+    return vs[i].kind == Visit::kHead ? place.head_device(vs[i].shard) : place.block_device(place.piece(vs[i].piece).block);
   };
   // Per device: its visits in order (a pool's devices each slide their own window).
   std::vector<std::vector<size_t>> mine(size_t(place.devices));
@@ -324,6 +352,17 @@ std::vector<Visit> device_program(const Placement& place, const ProgramInputs& i
   }
   std::vector<int32_t> load(n, -1), release(n, -1);
   std::vector<size_t> done(size_t(place.devices), 0), next(size_t(place.devices), 0);
+  auto emit_load = [&](size_t j) {
+    const std::vector<size_t>& own = mine[size_t(device_of(j))];
+    std::vector<int32_t> after;
+    if (nth[j] >= K) after.push_back(release[own[nth[j] - K]]);
+    load[j] = d.add(StepOpKind::kLoad, Lane::kH2D, int64_t(j), -1, std::move(after));
+    StepOp& l = d.op(load[j]);
+    l.piece = vs[j].piece;
+    l.shard = vs[j].shard;
+    l.block = vs[j].kind == Visit::kHead ? place.head : place.piece(vs[j].piece).block;
+    l.device = device_of(j);
+  };
   for (size_t i = 0; i < n; ++i) {
     // Each device's loads up to K-1 of its visits ahead of those it has run,
     // in visit order.
@@ -331,17 +370,7 @@ std::vector<Visit> device_program(const Placement& place, const ProgramInputs& i
     for (size_t dv = 0; dv < mine.size(); ++dv)
       for (; next[dv] < mine[dv].size() && next[dv] <= done[dv] + ahead; ++next[dv]) due.push_back(mine[dv][next[dv]]);
     std::sort(due.begin(), due.end());
-    for (size_t j : due) {
-      const std::vector<size_t>& own = mine[size_t(device_of(j))];
-      std::vector<int32_t> after;
-      if (nth[j] >= K) after.push_back(release[own[nth[j] - K]]);
-      load[j] = d.add(StepOpKind::kLoad, Lane::kH2D, int64_t(j), -1, std::move(after));
-      StepOp& l = d.op(load[j]);
-      l.piece = vs[j].piece;
-      l.shard = vs[j].shard;
-      l.block = vs[j].kind == Visit::kHead ? place.head : place.piece(vs[j].piece).block;
-      l.device = device_of(j);
-    }
+    for (size_t j : due) emit_load(j);
     d.expand(vs[i], int64_t(i), load[i]);
     release[i] = int32_t(ops.size()) - 1;
     ++done[size_t(device_of(i))];

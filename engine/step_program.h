@@ -12,8 +12,10 @@
 //   micro-batches     each visit's compute per micro-batch, its gradients out
 //   prefetch          each visit's load K-1 visits ahead
 //   host checkpoints  a layer's input out after the forward, in before the backward
-//   devices           a pool: each visit on its block's device; a block's
-//                     input and output gradient handed to the next device
+//   devices           a pool: each visit on its block's device (the head's
+//                     shards continuing the round robin); a block's input and
+//                     output gradient, and the head's state, log-sum-exp and
+//                     hidden gradient, handed to the next device
 //   kept activations  what a kept layer's forward keeps out, and back one
 //                     micro-batch ahead of its backward
 //   tied              the head's share of a tied embedding's gradient out and in
@@ -83,6 +85,15 @@ enum class StepOpKind : uint8_t {
 };
 const char* op_name(StepOpKind k);
 
+// What a pool's kHandOut and kHandIn carry, per micro-batch, each kind in
+// its own host buffers: a block's input (or, `grads`, its output gradient);
+// with the head's shards on several devices, the head's per-token state
+// from one shard's pass 1 to the next's, the log-sum-exp from the last
+// shard's pass 1 to the other shards' pass 2, and the hidden gradient from
+// one shard's pass 2 to the next's.
+enum class Hand : uint8_t { kBlock, kHeadState, kLse, kHeadGrad };
+inline constexpr int kHandKinds = 4;
+
 struct StepOp {
   StepOpKind kind = StepOpKind::kForward;
   Lane lane = Lane::kCompute;
@@ -91,12 +102,13 @@ struct StepOp {
   int64_t visit = -1;          // device operations: their visit
   int64_t micro_batch = -1;    // device operations per micro-batch
   int64_t shard = -1;          // the head's operations: the vocabulary shard
-  int device = 0;              // device operations: the pool's device they run on (Placement::block_device)
+  int device = 0;              // device operations: the pool's device they run on (Placement::block_device, head_device)
   int peer = -1;               // kHandIn, kCheckpointIn: the device that handed it over, when another
+  Hand hand = Hand::kBlock;    // kHandOut, kHandIn: what they carry
   // Set by passes, read by the executors.
   bool first_of_visit = false; // a device operation: the visit's first (it waits for the load)
   bool keep = false;           // kForward: keeps what backward needs (kept activations); kBackward: uses it
-  bool first = false, last = false;  // a group's first and last (kCheckpointIn/Out, kHandIn's first; kSaveOut's last)
+  bool first = false, last = false;  // a group's first and last (kCheckpointIn/Out; kHandIn: the visit's first; kSaveOut's last)
   bool wait_ring = false;      // kForward: its output's checkpoint ring set must have left (host checkpoints)
   bool d2h = false;            // kRelease: the visit's gradients left on the d2h stream
   bool grads = false;          // kHandOut, kHandIn: the output gradient flowing backward (else a block's input)

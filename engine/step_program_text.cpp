@@ -24,7 +24,10 @@ std::string what(const StepOp& o, const ModelSpec& spec, const Placement& place)
     w = fmt::format("layer.{}", o.block - 1);
   else if (o.kind == StepOpKind::kHandOut || o.kind == StepOpKind::kHandIn)
     w = "embedding";
-  if (o.kind == StepOpKind::kHandOut || o.kind == StepOpKind::kHandIn) w += o.grads ? " output gradient" : " input";
+  if (o.kind == StepOpKind::kHandOut || o.kind == StepOpKind::kHandIn) {
+    static const char* const carries[kHandKinds] = {" input", " state", " log-sum-exp", " hidden gradient"};
+    w += o.hand == Hand::kBlock && o.grads ? " output gradient" : carries[int(o.hand)];
+  }
   // A layer's visit works on the whole layer, whatever pieces cut it; its gradients leave piece by piece.
   if (o.on_device() && o.kind != StepOpKind::kGradsOut && o.piece >= 0 && !place.piece(o.piece).rows() &&
       o.block >= 1 && o.block < place.head)

@@ -28,7 +28,7 @@ struct Options {
   bool schedule = false;
   // From the configuration's declaration (engine/config_fields.json).
   std::string nvme, dtype, activations, optimizer_state, layer_pieces, devices;
-  int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0;
+  int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0;
   double clip = 0;
   ConfigOptions config;
   CLI::Option* gpu_option = nullptr;  // --gpu: given, or the preset's memory
@@ -151,6 +151,7 @@ int run(Options& o) {
   l.activations = parse_activation_mode(o.activations);
   l.optimizer_state = parse_state_format(o.optimizer_state);
   l.layer_pieces = o.layer_pieces;
+  l.vocab_shard_rows = o.vocab_shard_rows;
   l.devices = int(pool_specs("cpu", o.devices).size());
   // host_peak_bytes counts this binary's own footprint (no run allocated yet)
   // and, for a checkpoint on disk, the load's staging; the GPU's memory is its own.
@@ -283,6 +284,7 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "optimizer_state", o->optimizer_state);
   f.add(*c, "layer_pieces", o->layer_pieces);
   f.add(*c, "devices", o->devices);
+  f.add(*c, "vocab_shard_rows", o->vocab_shard_rows);
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")

@@ -88,6 +88,7 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   f.add(c, "window", o.window);
   f.add(c, "dtype", o.dtype);
   f.add(c, "vocab_chunk", o.vocab_chunk);
+  f.add(c, "vocab_shard_rows", o.vocab_shard_rows);
   f.add(c, "layer_pieces", o.layer_pieces);
   f.add(c, "token_tile", o.token_tile);
   f.add(c, "grad_transfer", o.grad_transfer);
@@ -250,6 +251,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   lim.vocab_chunk = o.vocab_chunk;
+  lim.vocab_shard_rows = o.vocab_shard_rows;
   lim.layer_pieces = o.layer_pieces;
   lim.devices = int(pool_specs(device_spec, o.devices).size());
   STRIDER_CHECK(me.solo() || lim.devices == 1 || choose_device(device_spec).kind == DeviceKind::kCpu,

@@ -219,7 +219,12 @@ TEST_CASE("a simulated pool: its devices' compute overlaps, and the shared host 
   INFO("tokens/s: 1 device " << one << ", 2 " << two << ", 4 " << four);
   CHECK(two > 1.2 * one);
   CHECK(four > 1.2 * two);
-  CHECK(four < 4.0 * one);  // never past linear
+  // Never past linear in compute: each of the four devices computes as much
+  // per step as the one device does. (Past linear in tokens/s it may be: one
+  // device waits for the optimizer at each step's start, and a pool's step,
+  // four times the tokens, hides the same optimizer work better.)
+  const double one_compute_bound = double(8 * 1024) / r_one.stats.lanes[size_t(Lane::kCompute)].busy_s;
+  CHECK(four < 4.0 * one_compute_bound);
   const StepReport slow_one = predict_pool(1, "sim:rtx4090,cpu_mem_gbps=20");
   const StepReport slow_four = predict_pool(4, "sim:rtx4090,cpu_mem_gbps=20");
   auto h2d = [](const StepReport& r) { return r.stats.lanes[size_t(Lane::kH2D)].busy_s; };

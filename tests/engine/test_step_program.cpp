@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <set>
 
 #include "engine/engine.h"
 #include "engine/step_program.h"
@@ -433,8 +434,8 @@ TEST_CASE("one NVMe-tier layer without clipping: each read waits for its own las
   std::filesystem::remove_all(tmpl);
 }
 
-TEST_CASE("a pool: every visit on its block's device, K-1 of its own visits ahead, and a hand-off where the device "
-          "changes",
+TEST_CASE("a pool: every visit on its block's device, the head's shards spread, K-1 of its own visits ahead, and a "
+          "hand-off where the device changes",
           "[engine][program][pool]") {
   const ModelSpec spec = tiny(true);
   for (int devices : {2, 3})
@@ -449,8 +450,15 @@ TEST_CASE("a pool: every visit on its block's device, K-1 of its own visits ahea
         const Placement pl = place(spec, cfg);
         const StepProgram prog = compile_step(pl, program_inputs(cfg, 1));
         check_order(prog);
-        const int64_t M = cfg.accumulation;
-        // Per device: its visits in order; each op of a visit on its block's device.
+        const int64_t M = cfg.accumulation, S = pl.shards.shards;
+        REQUIRE(S == 3);
+        // A block's visits on its device; the head's shard s's on the device after shard s - 1's.
+        auto device_of = [&](const StepOp& o) {
+          return o.block == pl.head ? pl.head_device(o.shard) : pl.block_device(o.block);
+        };
+        CHECK(pl.head_device(0) == pl.block_device(pl.head));
+        for (int64_t s = 1; s < S; ++s) CHECK(pl.head_device(s) == (pl.head_device(s - 1) + 1) % devices);
+        // Per device: its visits in order; each op of a visit on its visit's device.
         std::map<int, std::vector<int64_t>> mine;
         std::map<int64_t, int> load, first, release;
         std::map<int64_t, int> visit_device;
@@ -460,7 +468,7 @@ TEST_CASE("a pool: every visit on its block's device, K-1 of its own visits ahea
           if (o.kind == K::kLoad) {
             load[o.visit] = int(i);
             visit_device[o.visit] = o.device;
-            CHECK(o.device == pl.block_device(o.block));
+            CHECK(o.device == device_of(o));
           }
           if (o.first_of_visit) first[o.visit] = int(i);
           if (o.kind == K::kRelease) {
@@ -468,8 +476,9 @@ TEST_CASE("a pool: every visit on its block's device, K-1 of its own visits ahea
             mine[o.device].push_back(o.visit);
           }
           if (o.kind == K::kForward || o.kind == K::kBackward || o.kind == K::kHeadLse || o.kind == K::kHeadGrad ||
-              o.kind == K::kFetchSaved)
-            CHECK(o.device == pl.block_device(o.block));
+              o.kind == K::kHeadNormBackward || o.kind == K::kFetchSaved)
+            CHECK(o.device == device_of(o));
+          if (o.kind == K::kHeadNormBackward) CHECK(o.device == pl.last_head_device());
           if (o.kind != K::kFetchSaved && o.visit >= 0 && visit_device.count(o.visit))
             CHECK(o.device == visit_device[o.visit]);
         }
@@ -482,31 +491,50 @@ TEST_CASE("a pool: every visit on its block's device, K-1 of its own visits ahea
               CHECK(prog.ops[size_t(load[vs[j]])].after == std::vector<int32_t>{release[vs[j - size_t(window)]]});
           }
         // Hand-offs: forward, each block boundary whose devices differ moves the input of every
-        // micro-batch, each right after its compute; backward, the output gradient of every block whose
-        // predecessor runs elsewhere (the embedding's shards once). With host checkpoints, a layer's
-        // backward takes its input from the checkpoint the other device wrote.
-        int outs = 0, ins = 0, grad_outs = 0, grad_ins = 0, ckpt_in_from_peer = 0;
+        // micro-batch, each right after its compute, and the head's input goes to every device of its
+        // shards; backward, the output gradient of every block whose predecessor runs elsewhere (the
+        // embedding's shards once). With host checkpoints, a layer's backward takes its input from the
+        // checkpoint the other device wrote. The head's state and hidden gradient pass from shard to
+        // shard, its log-sum-exp from the last shard's device to the others.
+        std::map<std::pair<int, bool>, int> outs, ins;
+        int ckpt_in_from_peer = 0;
         for (const StepOp& o : prog.ops) {
           if (o.kind == K::kHandOut) {
-            (o.grads ? grad_outs : outs)++;
+            outs[{int(o.hand), o.grads}]++;
             // Micro-batch by micro-batch: right after its own compute, not the visit's last.
             REQUIRE(o.after.size() == 1);
             CHECK(prog.ops[size_t(o.after[0])].micro_batch == o.micro_batch);
           }
           if (o.kind == K::kHandIn) {
-            (o.grads ? grad_ins : ins)++;
+            ins[{int(o.hand), o.grads}]++;
             CHECK(o.peer >= 0);
             CHECK(o.peer != o.device);
+            REQUIRE(o.after.size() == 1);  // the hand-out of the same micro-batch and kind
+            const StepOp& out = prog.ops[size_t(o.after[0])];
+            CHECK((out.kind == K::kHandOut && out.hand == o.hand && out.grads == o.grads &&
+                   out.micro_batch == o.micro_batch && out.device == o.peer));
           }
           if (o.kind == K::kCheckpointIn && o.peer >= 0) ckpt_in_from_peer++;
         }
-        int boundaries = 0;  // blocks b (1..head) whose input comes from another device
-        for (int64_t b = 1; b <= pl.head; ++b) boundaries += pl.block_device(b) != pl.block_device(b - 1);
-        const int head_boundary = pl.block_device(pl.head) != pl.block_device(pl.head - 1);
-        CHECK(outs == boundaries * M);
-        CHECK(ckpt_in_from_peer == (host_ckpt ? (boundaries - head_boundary) * M : 0));
-        CHECK(ins == outs);
-        CHECK(grad_outs == boundaries * M);
-        CHECK(grad_ins == grad_outs);
+        int boundaries = 0;  // layers and the embedding: blocks b (1..head-1) whose input comes from another device
+        for (int64_t b = 1; b < pl.head; ++b) boundaries += pl.block_device(b) != pl.block_device(b - 1);
+        std::set<int> head_devices;
+        for (int64_t s = 0; s < S; ++s) head_devices.insert(pl.head_device(s));
+        CHECK(int(head_devices.size()) == std::min<int>(devices, int(S)));
+        const int head_in = int(head_devices.size()) - int(head_devices.count(pl.block_device(pl.head - 1)));
+        const int head_grad_out = pl.last_head_device() != pl.block_device(pl.head - 1);
+        auto block = [](bool grads) { return std::pair<int, bool>{int(Hand::kBlock), grads}; };
+        auto head = [](Hand h) { return std::pair<int, bool>{int(h), false}; };
+        CHECK(outs[block(false)] == (boundaries + (head_in > 0)) * M);
+        CHECK(ins[block(false)] == (boundaries + head_in) * M);
+        CHECK(ckpt_in_from_peer == (host_ckpt ? boundaries * M : 0));
+        CHECK(outs[block(true)] == (boundaries + head_grad_out) * M);
+        CHECK(ins[block(true)] == outs[block(true)]);
+        CHECK(outs[head(Hand::kHeadState)] == (S - 1) * M);
+        CHECK(ins[head(Hand::kHeadState)] == (S - 1) * M);
+        CHECK(outs[head(Hand::kHeadGrad)] == (S - 1) * M);
+        CHECK(ins[head(Hand::kHeadGrad)] == (S - 1) * M);
+        CHECK(outs[head(Hand::kLse)] == M);
+        CHECK(ins[head(Hand::kLse)] == int(head_devices.size() - 1) * M);
       }
 }
