@@ -364,13 +364,26 @@ std::vector<Visit> device_program(const Placement& place, const ProgramInputs& i
     l.device = device_of(j);
   };
   for (size_t i = 0; i < n; ++i) {
-    // Each device's loads up to K-1 of its visits ahead of those it has run,
-    // in visit order.
-    std::vector<size_t> due;
-    for (size_t dv = 0; dv < mine.size(); ++dv)
-      for (; next[dv] < mine[dv].size() && next[dv] <= done[dv] + ahead; ++next[dv]) due.push_back(mine[dv][next[dv]]);
-    std::sort(due.begin(), due.end());
-    for (size_t j : due) emit_load(j);
+    if (place.devices > 1) {
+      // A pool: each visit's load just before it, into the unit its
+      // device's visit K before released. A device's own visits are a round
+      // of the pool apart, and the issuing thread runs that far ahead of the
+      // devices, so the load still runs while the device computes its
+      // previous visit. Issued K-1 of its own visits ahead (K-1 rounds), the
+      // step's first loads would wait for updates far down the model (the
+      // previous step's, in forward order), and with them what is issued
+      // after them: the issuing thread (engine_pass.cpp, wait_updated), or
+      // on a simulated device the h2d stream's hand-offs.
+      emit_load(i);
+    } else {
+      // Each device's loads up to K-1 of its visits ahead of those it has
+      // run, in visit order.
+      std::vector<size_t> due;
+      for (size_t dv = 0; dv < mine.size(); ++dv)
+        for (; next[dv] < mine[dv].size() && next[dv] <= done[dv] + ahead; ++next[dv]) due.push_back(mine[dv][next[dv]]);
+      std::sort(due.begin(), due.end());
+      for (size_t j : due) emit_load(j);
+    }
     d.expand(vs[i], int64_t(i), load[i]);
     release[i] = int32_t(ops.size()) - 1;
     ++done[size_t(device_of(i))];

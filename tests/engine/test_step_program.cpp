@@ -434,8 +434,8 @@ TEST_CASE("one NVMe-tier layer without clipping: each read waits for its own las
   std::filesystem::remove_all(tmpl);
 }
 
-TEST_CASE("a pool: every visit on its block's device, the head's shards spread, K-1 of its own visits ahead, and a "
-          "hand-off where the device changes",
+TEST_CASE("a pool: every visit on its block's device, the head's shards spread, each load just before its visit, "
+          "and a hand-off where the device changes",
           "[engine][program][pool]") {
   const ModelSpec spec = tiny(true);
   for (int devices : {2, 3})
@@ -483,12 +483,17 @@ TEST_CASE("a pool: every visit on its block's device, the head's shards spread, 
             CHECK(o.device == visit_device[o.visit]);
         }
         CHECK(int64_t(mine.size()) == devices);
-        // Each device slides its own window: its visit j loads before its visit j-(K-1) computes, into the unit of its visit j-K.
+        // Each device slides its own window of K units: its visit j loads into the unit of its visit
+        // j-K, issued just before the visit (after the pool's visits before it), not K-1 rounds ahead.
         for (const auto& [d, vs] : mine)
           for (size_t j = 0; j < vs.size(); ++j) {
-            if (j >= size_t(window - 1)) CHECK(load[vs[j]] < first[vs[j - size_t(window - 1)]]);
+            CHECK(load[vs[j]] < first[vs[j]]);
+            if (j >= 1) CHECK(load[vs[j]] > release[vs[j - 1]]);
+            for (int64_t other = 0; other < vs[j]; ++other) CHECK(load[vs[j]] > load[other]);
             if (j >= size_t(window))
               CHECK(prog.ops[size_t(load[vs[j]])].after == std::vector<int32_t>{release[vs[j - size_t(window)]]});
+            else
+              CHECK(prog.ops[size_t(load[vs[j]])].after.empty());
           }
         // Hand-offs: forward, each block boundary whose devices differ moves the input of every
         // micro-batch, each right after its compute, and the head's input goes to every device of its
