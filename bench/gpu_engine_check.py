@@ -78,7 +78,8 @@ def valid_count(labels):
 def engine_run(model, data, dtype, device, chaos=False, devices="1"):
     import strider
     cfg = strider.EngineConfig(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, window=2,
-                               dtype=dtype, vocab_chunk=300, checkpoints_on_host=True, lr=LR, schedule="linear",
+                               dtype=dtype, vocab_chunk=300, vocab_shard_rows=300, checkpoints_on_host=True, lr=LR,
+                               schedule="linear",
                                warmup_steps=WARMUP, total_steps=TOTAL, weight_decay=WEIGHT_DECAY, clip_norm=CLIP,
                                betas=BETAS, eps=EPS, device=device, chaos=chaos, chaos_seed=7, devices=devices,
                                device_budget="auto" if devices == "1" else "1GiB")
@@ -169,7 +170,8 @@ def check_dtype(dtype, device):
     print(f"{dtype}: {STEPS} steps, losses {['%.5f' % x for x in ours['loss']]} ({label}), "
           f"{['%.5f' % x for x in ref['loss']]} (transformers + AdamW on {device}); {clipped} of {STEPS} clipped")
     # A pool of two devices on this one card (two CUDA devices on the same GPU, engine/README.md "A pool of
-    # devices"): the cross-device hand-offs and waits, against the reference and the one-device engine.
+    # devices"): the cross-device hand-offs and waits, the head's 4 vocabulary shards spread over both
+    # (the same shards as one device's: vocab_shard_rows), against the reference and the one-device engine.
     pool = engine_run(copy.deepcopy(base), data, dtype, device, chaos=chaos, devices=f"{device},{device}")
     res = {"engine_vs_torch": compare(f"{label} vs transformers + AdamW on {device}", ours, ref, TOL[dtype]),
            "pool_vs_torch": compare(f"pool of 2 on {device} vs transformers + AdamW", pool, ref, TOL[dtype]),

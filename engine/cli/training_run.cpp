@@ -342,7 +342,8 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
                              o.devices);
     std::string names;
     for (const auto& d : pool) names += (names.empty() ? "" : ", ") + d->name();
-    fmt::print(log, "  devices: {} (a pool: block b's visits on device b % {})\n", names, pool.size());
+    fmt::print(log, "  devices: {} (a pool: block b's visits on device b % {}, the head's shards on the devices after)\n", names,
+               pool.size());
     run.engine = std::make_unique<Engine>(run.spec, cfg, std::move(pool));
   }
   Engine& engine = *run.engine;

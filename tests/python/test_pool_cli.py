@@ -36,7 +36,7 @@ def test_a_pool_of_2_and_3_cpu_devices_trains_the_builtin_model_to_one_devices_b
     for n in (2, 3):
         out = finetune(strider, tmp_path, f"pool{n}", "--devices", str(n), "--trace", str(tmp_path / f"t{n}.json"))
         names = ", ".join(f"cpu:{d}" for d in range(n))
-        assert f"devices: {names} (a pool: block b's visits on device b % {n})" in out
+        assert f"devices: {names} (a pool: block b's visits on device b % {n}, the head's shards on the devices after)" in out
         pool = final_state(tmp_path, f"pool{n}")
         assert pool.keys() == one.keys()
         for k in one:
