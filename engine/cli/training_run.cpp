@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -167,10 +168,11 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   if (ranks == nullptr) ranks = (solo = solo_collectives()).get();
   const RankInfo& me = ranks->ranks();
   TrainingRun run;
-  // Data parallel on GPUs: one device per rank, the machine's local rank's.
-  // Everything the ranks exchange lives in host memory (gradients after their
-  // D2H, the state's slices, the shared compute copy), so the transport is the
-  // same Gloo as on the CPU device.
+  // Data parallel on GPUs: each rank the machine's local rank's GPU, or with
+  // --devices N (a count) a pool of its N: local rank r takes cuda:rN to
+  // cuda:rN+N-1. Everything the ranks exchange lives in host memory
+  // (gradients after their D2H, the state's slices, the shared compute
+  // copy), so the transport is the same Gloo as on the CPU device.
   std::string device_spec = o.device;
   if (!me.solo() && o.device != "cpu" && o.device.rfind("sim", 0) != 0) {
     STRIDER_CHECK(o.device == "auto" || o.device == "cuda",
@@ -178,13 +180,20 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
                   "--device cuda (or auto), and CUDA_VISIBLE_DEVICES to choose the machine's GPUs",
                   o.device);
     if (choose_device(o.device).kind == DeviceKind::kCuda) {
+      int per_rank = 0;
+      const auto [end, ec] = std::from_chars(o.devices.data(), o.devices.data() + o.devices.size(), per_rank);
+      STRIDER_CHECK(ec == std::errc() && end == o.devices.data() + o.devices.size() && per_rank >= 1,
+                    "--devices {} with {} data-parallel ranks: give a count N (local rank r takes cuda:rN to "
+                    "cuda:rN+N-1); a list names one process's GPUs", o.devices, me.world);
       const CudaProbe probe = probe_cuda();
-      STRIDER_CHECK(me.local_rank < probe.device_count,
-                    "rank {} (local rank {} of {}) takes cuda:{}, but this machine shows {} CUDA device(s){}; launch "
-                    "at most that many ranks per machine (--nproc-per-node)",
-                    me.rank, me.local_rank, me.local_world, me.local_rank, probe.device_count,
-                    probe.reason.empty() ? "" : " (" + probe.reason + ")");
-      device_spec = fmt::format("cuda:{}", me.local_rank);
+      const int first = me.local_rank * per_rank;
+      STRIDER_CHECK(first + per_rank <= probe.device_count,
+                    "rank {} (local rank {} of {}) takes cuda:{}{}, but this machine shows {} CUDA device(s){}; launch "
+                    "at most {} ranks per machine (--nproc-per-node) with --devices {}",
+                    me.rank, me.local_rank, me.local_world, first,
+                    per_rank > 1 ? fmt::format(" to cuda:{}", first + per_rank - 1) : std::string(), probe.device_count,
+                    probe.reason.empty() ? "" : " (" + probe.reason + ")", probe.device_count / per_rank, per_rank);
+      device_spec = fmt::format("cuda:{}", first);
     }
   }
   // The built-in model trains from scratch: the demo's settings, for what the
@@ -254,10 +263,6 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   lim.vocab_shard_rows = o.vocab_shard_rows;
   lim.layer_pieces = o.layer_pieces;
   lim.devices = int(pool_specs(device_spec, o.devices).size());
-  STRIDER_CHECK(me.solo() || lim.devices == 1 || choose_device(device_spec).kind == DeviceKind::kCpu,
-                "--devices {} with {} data-parallel ranks: ranks of GPU pools are not built yet (each rank takes "
-                "the GPU of its local rank); run one process with --devices, or ranks of one GPU each",
-                o.devices, me.world);
   lim.token_tile = o.token_tile;
   lim.fp32_grad_transfer = o.grad_transfer == "fp32";
   lim.window = o.window;

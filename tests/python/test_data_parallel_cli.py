@@ -66,6 +66,20 @@ def test_ranks_train_as_one_process_with_their_accumulation(strider_binary, tmp_
     assert (tmp_path / "ranks" / "model" / "model.safetensors").exists()
 
 
+def test_ranks_of_pools_train_as_ranks_of_one_device(strider_binary, tmp_path):
+    # Each of 2 ranks a pool of 2 CPU devices (`--devices 2`: its blocks dealt over them, hand-offs
+    # between them), against 2 ranks of one device each: a pool changes no bit, within a rank either.
+    binary = strider_binary("strider")
+    pools = finetune(binary, tmp_path, "pools", "--steps", "3", "--devices", "2", ranks=2, accumulation=2)
+    assert "a pool: block b's visits on device b % 2" in pools.stdout + pools.stderr
+    finetune(binary, tmp_path, "single", "--steps", "3", ranks=2, accumulation=2)
+    a, b = final_state(tmp_path, "pools"), final_state(tmp_path, "single")
+    assert a.keys() == b.keys()
+    for k in b:
+        assert torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)), k
+    assert losses(tmp_path, "pools") == losses(tmp_path, "single")
+
+
 def test_a_resumed_two_rank_run_is_bit_identical_to_an_uninterrupted_one(strider_binary, tmp_path):
     binary = strider_binary("strider")
     finetune(binary, tmp_path, "straight", "--steps", "4", ranks=2)
@@ -200,10 +214,10 @@ def test_cuda_ranks_take_their_local_rank_s_gpu_or_are_refused(strider_binary, t
     if torch.cuda.device_count() >= 2:
         pytest.skip("this machine has GPUs for two ranks: bench/gpu_check.sh runs them")
     binary = str(strider_binary("strider"))
-    def launch(device):
+    def launch(device, *more):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
                binary, "finetune", "--device", device, "--steps", "1", "--work-dir", str(tmp_path / "w"), "--out",
-               str(tmp_path / "o")]
+               str(tmp_path / "o"), *more]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert r.returncode != 0
         return r.stderr
@@ -213,3 +227,9 @@ def test_cuda_ranks_take_their_local_rank_s_gpu_or_are_refused(strider_binary, t
     assert re.search(r"rank (\d) \(local rank \1 of 2\) takes cuda:\1, but this machine shows", err), err[-2000:]
     err = launch("cuda:0")
     assert "each data-parallel rank takes the GPU of its local rank" in err, err[-2000:]
+    # Ranks of pools: local rank r takes cuda:2r and cuda:2r+1; a list is one process's.
+    err = launch("cuda", "--devices", "2")
+    assert re.search(r"rank (\d) \(local rank \1 of 2\) takes cuda:(0 to cuda:1|2 to cuda:3), but this machine "
+                     r"shows", err), err[-2000:]
+    err = launch("cuda", "--devices", "cuda:0,cuda:1")
+    assert "--devices cuda:0,cuda:1 with 2 data-parallel ranks: give a count N" in err, err[-2000:]
