@@ -4,7 +4,7 @@
     python bench/profile_plot.py TRACE.json --step N --out step.png \
         [--metrics m.jsonl] [--params P --tokens T]
 
-Lanes are rows (compute, h2d, d2h, optimizer, nvme read, nvme write, collective); each span
+Lanes are rows (compute, h2d, d2h, optimizer, nvme read, nvme write, collective, hand-off); each span
 is a bar colored by its kind (the first word of its name) with the block number
 written on it where it fits. Prints, per lane, the busy time and busy fraction,
 then the critical lane, the overlap efficiency (busiest lane / step time) and
@@ -30,7 +30,7 @@ import argparse
 import json
 import sys
 
-LANES = ["compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write", "collective"]
+LANES = ["compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write", "collective", "hand-off"]
 WINDOW_LANES = (0, 1, 2)  # compute, h2d, d2h
 
 

@@ -205,6 +205,8 @@ EngineCore::Moved EngineCore::collect_device_spans() {
     st.device->drain_spans(spans);
     for (const OpSpan& o : spans) {
       Lane lane = o.stream == StreamId::kCompute ? Lane::kCompute : o.stream == StreamId::kH2D ? Lane::kH2D : Lane::kD2H;
+      // A pool's hand-offs (engine_visit.cpp, hand_name) have a lane of their own.
+      if (std::string_view(o.tag.name).find("hand-off") != std::string_view::npos) lane = Lane::kHandOff;
       Span sp{lane, o.tag.name, o.tag.block, -1, steps_, o.begin_us + st.origin_us, o.end_us + st.origin_us,
               o.tag.flops, o.tag.bytes, o.work_peak_bytes};
       sp.device = devices() > 1 ? d : -1;

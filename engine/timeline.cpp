@@ -18,6 +18,7 @@ std::string_view lane_name(Lane lane) {
     case Lane::kNvmeRead: return "nvme read";
     case Lane::kNvmeWrite: return "nvme write";
     case Lane::kCollective: return "collective";
+    case Lane::kHandOff: return "hand-off";
   }
   return "?";
 }
@@ -84,7 +85,7 @@ void Timeline::write_chrome_trace(const std::string& path) const {
   for (const Span& s : copy) pool = std::max(pool, s.device + 1);
   for (int d = 0; d < pool; ++d) {
     events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 2 + d}, {"args", {{"name", fmt::format("device {}", d)}}}});
-    for (Lane l : {Lane::kCompute, Lane::kH2D, Lane::kD2H})
+    for (Lane l : {Lane::kCompute, Lane::kH2D, Lane::kD2H, Lane::kHandOff})
       events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 2 + d}, {"tid", static_cast<int>(l)},
                         {"args", {{"name", std::string(lane_name(l))}}}});
   }

@@ -19,8 +19,10 @@ namespace strider {
 // updater thread, between the optimizer's: a lane of their own in the
 // program and the timeline, so that a profile shows them apart, not yet a
 // thread of their own.
-enum class Lane : uint8_t { kCompute, kH2D, kD2H, kOptimizer, kNvmeRead, kNvmeWrite, kCollective };
-inline constexpr int kNumLanes = 7;
+// kHandOff: a pool's copies between its devices (kHandOut, kHandIn), both
+// ways; they run on the devices' d2h and h2d streams.
+enum class Lane : uint8_t { kCompute, kH2D, kD2H, kOptimizer, kNvmeRead, kNvmeWrite, kCollective, kHandOff };
+inline constexpr int kNumLanes = 8;
 std::string_view lane_name(Lane lane);
 
 struct Span {

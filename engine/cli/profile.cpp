@@ -111,8 +111,8 @@ ActivationTraffic activation_traffic(const std::vector<Span>& spans, size_t from
 
 // A pool's devices (EngineConfig::devices > 1): each one's busy time per
 // device lane (the sum of its spans' durations: one stream's spans never
-// overlap) and its hand-offs to and from the others (kHandOut, kHandIn:
-// the spans "d2h hand-off ...", "h2d hand-off ...").
+// overlap) and its hand-offs to and from the others (the hand-off lane:
+// kHandOut's "d2h hand-off ...", kHandIn's "h2d hand-off ...").
 struct DeviceLanes {
   double compute_s = 0, h2d_s = 0, d2h_s = 0, hand_out_s = 0, hand_in_s = 0;
   uint64_t hand_out_bytes = 0, hand_in_bytes = 0;
@@ -124,19 +124,15 @@ void add_device_lanes(const std::vector<Span>& spans, size_t from, std::vector<D
     if (s.device < 0 || size_t(s.device) >= per.size()) continue;
     DeviceLanes& d = per[size_t(s.device)];
     const double t = (s.end_us - s.begin_us) * 1e-6;
-    const bool hand = s.name.find("hand-off") != std::string::npos;
     if (s.lane == Lane::kCompute) d.compute_s += t;
-    if (s.lane == Lane::kH2D && hand) {
+    if (s.lane == Lane::kH2D) d.h2d_s += t;
+    if (s.lane == Lane::kD2H) d.d2h_s += t;
+    if (s.lane == Lane::kHandOff && s.name.rfind("h2d", 0) == 0) {
       d.hand_in_s += t;
       d.hand_in_bytes += s.bytes;
-    } else if (s.lane == Lane::kH2D) {
-      d.h2d_s += t;
-    }
-    if (s.lane == Lane::kD2H && hand) {
+    } else if (s.lane == Lane::kHandOff) {
       d.hand_out_s += t;
       d.hand_out_bytes += s.bytes;
-    } else if (s.lane == Lane::kD2H) {
-      d.d2h_s += t;
     }
   }
 }

@@ -127,7 +127,8 @@ def test_loss_falls_and_metrics_are_written(strider, tmp_path):
     lines = [json.loads(l) for l in metrics.read_text().splitlines()]
     assert [l["step"] for l in lines] == list(range(1, 13))
     assert lines[-1]["loss"] < lines[0]["loss"] - 0.5
-    assert set(lines[0]["lanes"]) == {"compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write", "collective"}
+    assert set(lines[0]["lanes"]) == {"compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write", "collective",
+                                      "hand-off"}
     # What each step moved and ATen's working memory: the same shapes each step, so the same bytes.
     assert all(l["h2d_bytes"] == lines[0]["h2d_bytes"] > 0 and l["d2h_bytes"] == lines[0]["d2h_bytes"] > 0
                for l in lines)

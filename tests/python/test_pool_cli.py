@@ -50,6 +50,9 @@ def test_a_pool_of_2_and_3_cpu_devices_trains_the_builtin_model_to_one_devices_b
         handed = [e for e in events if e["ph"] == "X" and "hand-off" in e["name"]]
         assert {e["name"].split(" b")[0] for e in handed} >= {"d2h hand-off", "h2d hand-off", "d2h hand-off gradient",
                                                             "h2d hand-off gradient"}
+        # ...on a lane of their own in each device's track.
+        hand_lanes = {(e["pid"], e["tid"]) for e in events if e["name"] == "thread_name" and e["args"]["name"] == "hand-off"}
+        assert {(e["pid"], e["tid"]) for e in handed} <= hand_lanes and len(hand_lanes) > n
 
 
 def test_devices_that_are_not_a_pool_are_refused_naming_the_entry(strider, tmp_path):

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-LANES = {"compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write", "collective"}
+LANES = {"compute", "h2d", "d2h", "optimizer", "nvme read", "nvme write", "collective", "hand-off"}
 
 
 @pytest.fixture
