@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
+#include <set>
 #include <string_view>
 
 #include "engine/builtin.h"
@@ -151,6 +152,30 @@ uint64_t device_budget_bytes(const std::string& device, const std::string& budge
   return bytes;
 }
 
+uint64_t pool_device_budget_bytes(const std::vector<std::string>& pool, const std::string& budget, std::string* why) {
+  uint64_t least = 0;
+  size_t at = 0;
+  std::string least_why;
+  std::set<std::string> distinct;
+  for (size_t i = 0; i < pool.size(); ++i) {
+    std::string w;
+    const uint64_t b = device_budget_bytes(pool[i], budget, &w);
+    distinct.insert(pool[i]);
+    if (i == 0 || b < least) {
+      least = b;
+      at = i;
+      least_why = w;
+    }
+  }
+  if (why != nullptr) {
+    *why = least_why;
+    if (budget == "auto" && distinct.size() > 1 && !least_why.empty())
+      *why += fmt::format(", the least of the pool's {} devices: each plans on it ({} is the smallest)", pool.size(),
+                          pool[at]);
+  }
+  return least;
+}
+
 void check_single_process(std::string_view command) {
   // Under a launcher that starts several processes (torchrun sets WORLD_SIZE)
   // each would profile alone and race the others on its outputs.
@@ -216,8 +241,11 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
 
   // The plan, before anything is allocated.
   PlanLimits& lim = run.limits;
+  // A pool plans every device on one budget (its K units and buffers are the
+  // same on each): with auto, the smallest of its devices' (devices of
+  // different memory: the larger ones' rest stays unused, and the plan says so).
   std::string budget_why;
-  lim.device_bytes = device_budget_bytes(device_spec, o.device_budget, &budget_why);
+  lim.device_bytes = pool_device_budget_bytes(pool_specs(device_spec, o.devices), o.device_budget, &budget_why);
   // --host-ram is the machine's, so each of its ranks plans with its share.
   // Data parallel, the ranks shard the state: each keeps its slice of master,
   // m and v (and its own compute copy and gradient staging). Every rank plans

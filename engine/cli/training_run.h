@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "engine/cli/config_options.h"
 #include "engine/collectives.h"
@@ -59,6 +60,10 @@ void add_work_dir_option(CLI::App& c, TrainOptions& o);
 // value is a size ("20GiB") and wins. `why`, if given, says how "auto" came
 // to its figure on CUDA (empty otherwise).
 uint64_t device_budget_bytes(const std::string& device, const std::string& budget, std::string* why = nullptr);
+// A pool's (pool_specs): every device plans on one budget, with auto the
+// least of its devices' (`why` names the smallest when they differ).
+uint64_t pool_device_budget_bytes(const std::vector<std::string>& pool, const std::string& budget,
+                                  std::string* why = nullptr);
 
 struct TrainingRun {
   nlohmann::json config;   // the model's config.json
