@@ -43,6 +43,7 @@ struct Case {
 struct Result {
   std::vector<std::vector<float>> state;  // per block: master, m, v
   std::vector<double> losses;
+  double eval_loss = 0;  // the trained model's loss on another batch (Engine::evaluate)
   size_t peak = 0, budget = 0;
 };
 
@@ -94,6 +95,8 @@ Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, double cl
     Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100 + s);
     r.losses.push_back(e.step(b.ids.data(), b.labels.data()).loss);
   }
+  const Batch held_out = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 999);
+  r.eval_loss = e.evaluate(held_out.ids.data(), held_out.labels.data());
   for (int64_t b = 0; b < spec.num_blocks(); ++b)
     for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
       std::vector<float> x(spec.layout(b).total_elems());
@@ -183,7 +186,10 @@ TEST_CASE("a pool of 2 and 3 CPU devices trains to one device's bits", "[engine]
   // Block b's visits run on device b % N; block inputs and output gradients
   // are handed between devices through pinned host memory, and every
   // device has its own streams, units, budget and chaos. With 3 devices
-  // and 5 blocks, the head runs on device 1 and layer 3 on device 0.
+  // and 5 blocks, the head's first shard runs on device 1 and layer 3 on
+  // device 0; its vocabulary shards (3 and 2 in the cases that give rows, at
+  // least as many as devices otherwise) go on over the devices, handing on
+  // their state, log-sum-exp and hidden gradient. Training and evaluation.
   for (bool tied : {false, true}) {
     for (double clip : {0.0, 0.5}) {
       ModelSpec spec = tiny(tied);
@@ -195,6 +201,7 @@ TEST_CASE("a pool of 2 and 3 CPU devices trains to one device's bits", "[engine]
           INFO("tied=" << tied << " clip=" << clip << " devices=" << n << " case: " << c.name);
           Result r = run(spec, c, at::kFloat, clip);
           CHECK(same_bits(r, ref));
+          CHECK(r.eval_loss == ref.eval_loss);
           CHECK(r.peak <= r.budget);
         }
     }
