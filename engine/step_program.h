@@ -10,7 +10,7 @@
 // loss and norm checks). Features are passes that add or order operations:
 //   visits            forward, head, backward: the base program
 //   micro-batches     each visit's compute per micro-batch, its gradients out
-//   prefetch          each visit's load K-1 visits ahead
+//   prefetch          each visit's load K-1 visits ahead (a pool: just before it)
 //   host checkpoints  a layer's input out after the forward, in before the backward
 //   devices           a pool: each visit on its block's device (the head's
 //                     shards continuing the round robin); a block's input and
