@@ -52,7 +52,9 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     uint64_t bytes = 2 * round_up(tokens * 8, 256) + sets * M * act + M * act;
     if (pl.runs_kept_layer(d)) bytes += 2 * round_up(pl.saved_bytes, 256);
     if (pl.runs_head(d))
-      bytes += round_up(2 * M * 8, 256) + M * (round_up(3 * mb_tokens * 4, 256) + round_up(mb_tokens * 4, 256) + round_up(mb_tokens * hidden * 4, 256)) +
+      bytes += round_up(2 * M * 8, 256) +
+               M * (round_up(3 * mb_tokens * 4, 256) + round_up(mb_tokens * 4, 256) +
+                    round_up(mb_tokens * hidden * 4, 256)) +
                f.logits_bytes;
     f.activation_bytes = std::max(f.activation_bytes, bytes);
   }

@@ -238,7 +238,8 @@ class DeviceBuilder {
         std::vector<int32_t> after{load};
         if (back >= 0) after.push_back(back);
         if (keep) after.push_back(fetched_[size_t(m)]);
-        if (!(b == 0 && handed_grads_to_embedding_)) hand_in(v, Hand::kBlock, b, true, grad_from(b), m);
+        if (!(b == 0 && handed_grads_to_embedding_))  // the embedding's shards share one device: the first takes it
+          hand_in(v, Hand::kBlock, b, true, grad_from(b), m);
         last = add(StepOpKind::kBackward, Lane::kCompute, v, b, std::move(after));
         op(last).piece = p;
         op(last).micro_batch = m;
@@ -341,7 +342,8 @@ std::vector<Visit> device_program(const Placement& place, const ProgramInputs& i
   std::vector<Visit> vs = visits(place, train);
   const size_t n = vs.size(), ahead = size_t(in.window) - 1, K = size_t(in.window);
   auto device_of = [&](size_t i) {
-    return vs[i].kind == Visit::kHead ? place.head_device(vs[i].shard) : place.block_device(place.piece(vs[i].piece).block);
+    return vs[i].kind == Visit::kHead ? place.head_device(vs[i].shard)
+                                      : place.block_device(place.piece(vs[i].piece).block);
   };
   // Per device: its visits in order (a pool's devices each slide their own window).
   std::vector<std::vector<size_t>> mine(size_t(place.devices));
