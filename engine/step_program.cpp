@@ -8,43 +8,6 @@
 
 namespace strider {
 
-const char* op_name(StepOpKind k) {
-  switch (k) {
-    case StepOpKind::kLoad: return "load";
-    case StepOpKind::kZeroGrads: return "zero grads";
-    case StepOpKind::kTiedGradIn: return "tied grads in";
-    case StepOpKind::kCheckpointIn: return "checkpoint in";
-    case StepOpKind::kForward: return "forward";
-    case StepOpKind::kSaveOut: return "kept activations out";
-    case StepOpKind::kCheckpointOut: return "checkpoint out";
-    case StepOpKind::kHandOut: return "hand out";
-    case StepOpKind::kHandIn: return "hand in";
-    case StepOpKind::kHeadLse: return "head log-sum-exp";
-    case StepOpKind::kLossOut: return "loss out";
-    case StepOpKind::kHeadGrad: return "head backward";
-    case StepOpKind::kHeadNormBackward: return "head norm backward";
-    case StepOpKind::kFetchSaved: return "kept activations in";
-    case StepOpKind::kBackward: return "backward";
-    case StepOpKind::kGradsToSend: return "grads to send";
-    case StepOpKind::kGradsOut: return "grads out";
-    case StepOpKind::kTiedGradOut: return "tied grads out";
-    case StepOpKind::kRelease: return "release";
-    case StepOpKind::kLand: return "land";
-    case StepOpKind::kSumRanks: return "sum over ranks";
-    case StepOpKind::kSumSquares: return "sum of squares";
-    case StepOpKind::kSpill: return "spill";
-    case StepOpKind::kCheckLoss: return "check loss";
-    case StepOpKind::kCheckGrad: return "check gradient";
-    case StepOpKind::kNorm: return "norm";
-    case StepOpKind::kReadState: return "read state";
-    case StepOpKind::kAdamW: return "adamw";
-    case StepOpKind::kWriteState: return "write state";
-    case StepOpKind::kGather: return "gather";
-    case StepOpKind::kUpdated: return "updated";
-  }
-  return "?";
-}
-
 uint64_t state_bytes(StateFormat format, size_t n) {
   uint64_t total = 0;
   for (StateKind k : {StateKind::kMaster, StateKind::kAdamM, StateKind::kAdamV}) total += state_kind_bytes(format, k, n);
@@ -277,9 +240,7 @@ class DeviceBuilder {
   // head's: any of its shards' devices), or (`grads`) its output gradient.
   bool takes_elsewhere(int64_t b, bool grads = false) const {
     if (grads || b < pl_.head) return pl_.block_device(b) != dev_;
-    for (int64_t s = 0; s < std::min<int64_t>(pl_.shards.shards, pl_.devices); ++s)
-      if (pl_.head_device(s) != dev_) return true;
-    return false;
+    return pl_.head_spread() || pl_.head_device(0) != dev_;  // spread: its shards' devices are several
   }
   // What `hand` carries for block b (`grads`: its output gradient) for
   // micro-batch m, out of this visit's device right after `last` (its

@@ -1,5 +1,5 @@
-// The step program as text and JSON (engine/step_program.h: describe,
-// to_json), for `strider plan --schedule` and the tests.
+// The step program as text and JSON (engine/step_program.h: op_name,
+// describe, to_json), for `strider plan --schedule` and the tests.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -8,6 +8,43 @@
 #include "engine/step_program.h"
 
 namespace strider {
+
+const char* op_name(StepOpKind k) {
+  switch (k) {
+    case StepOpKind::kLoad: return "load";
+    case StepOpKind::kZeroGrads: return "zero grads";
+    case StepOpKind::kTiedGradIn: return "tied grads in";
+    case StepOpKind::kCheckpointIn: return "checkpoint in";
+    case StepOpKind::kForward: return "forward";
+    case StepOpKind::kSaveOut: return "kept activations out";
+    case StepOpKind::kCheckpointOut: return "checkpoint out";
+    case StepOpKind::kHandOut: return "hand out";
+    case StepOpKind::kHandIn: return "hand in";
+    case StepOpKind::kHeadLse: return "head log-sum-exp";
+    case StepOpKind::kLossOut: return "loss out";
+    case StepOpKind::kHeadGrad: return "head backward";
+    case StepOpKind::kHeadNormBackward: return "head norm backward";
+    case StepOpKind::kFetchSaved: return "kept activations in";
+    case StepOpKind::kBackward: return "backward";
+    case StepOpKind::kGradsToSend: return "grads to send";
+    case StepOpKind::kGradsOut: return "grads out";
+    case StepOpKind::kTiedGradOut: return "tied grads out";
+    case StepOpKind::kRelease: return "release";
+    case StepOpKind::kLand: return "land";
+    case StepOpKind::kSumRanks: return "sum over ranks";
+    case StepOpKind::kSumSquares: return "sum of squares";
+    case StepOpKind::kSpill: return "spill";
+    case StepOpKind::kCheckLoss: return "check loss";
+    case StepOpKind::kCheckGrad: return "check gradient";
+    case StepOpKind::kNorm: return "norm";
+    case StepOpKind::kReadState: return "read state";
+    case StepOpKind::kAdamW: return "adamw";
+    case StepOpKind::kWriteState: return "write state";
+    case StepOpKind::kGather: return "gather";
+    case StepOpKind::kUpdated: return "updated";
+  }
+  return "?";
+}
 
 namespace {
 

@@ -28,6 +28,17 @@ DeviceOptions chaos_options(uint64_t seed) {
   o.chaos.max_delay_us = 100;
   return o;
 }
+
+// Holds `stream` on a gate the test opens, then stores `v` into `value`: so
+// "not done yet" is certain rather than a matter of timing. Open the gate
+// with the returned promise's set_value().
+std::promise<void> gated_store(Device& dev, StreamId stream, std::atomic<int>& value, int v) {
+  std::promise<void> gate;
+  std::shared_future<void> opened = gate.get_future().share();
+  dev.launch(stream, OpTag{"gate"}, [opened](const LaunchContext&) { opened.wait(); });
+  dev.launch(stream, OpTag{"produce"}, [&value, v](const LaunchContext&) { value.store(v); });
+  return gate;
+}
 }  // namespace
 
 TEST_CASE("a stream runs its operations in order, under chaos", "[gpu][cpu_device]") {
@@ -48,13 +59,8 @@ TEST_CASE("an event orders work across streams and signals the host", "[gpu][cpu
   never->synchronize();
   dev.wait(StreamId::kCompute, *never);  // a no-op, must not block
 
-  // Hold the h2d stream on a gate the test controls, so "not done yet" is
-  // certain rather than a matter of timing.
-  std::promise<void> gate;
-  std::shared_future<void> opened = gate.get_future().share();
   std::atomic<int> value{0};
-  dev.launch(StreamId::kH2D, OpTag{"gate"}, [opened](const LaunchContext&) { opened.wait(); });
-  dev.launch(StreamId::kH2D, OpTag{"produce"}, [&value](const LaunchContext&) { value.store(42); });
+  std::promise<void> gate = gated_store(dev, StreamId::kH2D, value, 42);
   auto produced = dev.make_event();
   dev.record(*produced, StreamId::kH2D);
   dev.wait(StreamId::kCompute, *produced);
@@ -123,11 +129,8 @@ TEST_CASE("a pool's devices wait for each other's events, and only its own devic
   b_opt.pool_index = 1;
   CpuDevice a(a_opt), b(b_opt);
   CHECK(b.name() == "cpu:1 (chaos seed 4)");
-  std::promise<void> gate;
-  std::shared_future<void> opened = gate.get_future().share();
   std::atomic<int> value{0};
-  a.launch(StreamId::kD2H, OpTag{"gate"}, [opened](const LaunchContext&) { opened.wait(); });
-  a.launch(StreamId::kD2H, OpTag{"produce"}, [&value](const LaunchContext&) { value.store(7); });
+  std::promise<void> gate = gated_store(a, StreamId::kD2H, value, 7);
   auto handed = a.make_event();
   a.record(*handed, StreamId::kD2H);
   b.wait(StreamId::kH2D, *handed);  // device b's stream waits for device a's point
