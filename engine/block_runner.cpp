@@ -18,17 +18,20 @@ std::string prefix_of(const ModelSpec& spec, int64_t b) {
 }  // namespace
 
 TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& layout,
-                      const at::Tensor& flat) {
-  STRIDER_CHECK(flat.dim() == 1 && size_t(flat.numel()) >= layout.total_elems(),
-                "block '{}': flat buffer of {} elements is smaller than its layout ({})",
-                layout.block_name(), flat.numel(), layout.total_elems());
+                      const at::Tensor& flat, bool trainable_only, size_t from) {
+  STRIDER_CHECK(flat.dim() == 1 && from <= layout.total_elems() && size_t(flat.numel()) >= layout.total_elems() - from,
+                "block '{}': flat buffer of {} elements from element {} is smaller than its layout ({})",
+                layout.block_name(), flat.numel(), from, layout.total_elems());
   const std::string prefix = prefix_of(spec, block);
   TensorMap out;
   for (const TensorSlot& s : layout.slots()) {
+    if (trainable_only && !s.trainable) continue;
+    STRIDER_CHECK(s.offset_elems >= from, "block '{}': tensor {} lies before element {}, where the buffer starts",
+                  layout.block_name(), s.name, from);
     std::string role = s.name;
     if (!prefix.empty() && role.rfind(prefix, 0) == 0) role = role.substr(prefix.size());
     else if (role.rfind("model.", 0) == 0) role = role.substr(6);  // head: model.norm.weight
-    out.emplace(std::move(role), flat.slice(0, int64_t(s.offset_elems), int64_t(s.offset_elems + s.numel))
+    out.emplace(std::move(role), flat.slice(0, int64_t(s.offset_elems - from), int64_t(s.offset_elems - from + s.numel))
                                      .view(s.shape));
   }
   return out;
@@ -59,12 +62,13 @@ at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::T
 }
 
 at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
-                                 const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved) const {
+                                 const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved,
+                                 size_t grads_from) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
-  TensorMap g = block_views(spec_, b, layouts_[b], grads);
+  TensorMap g = block_views(spec_, b, layouts_[b], grads, /*trainable_only=*/true, grads_from);
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding:
-      embedding_backward(input, grad_out, g.at("weight"));
+      if (auto it = g.find("weight"); it != g.end()) embedding_backward(input, grad_out, it->second);
       return {};
     case BlockKind::kLayer: {
       if (!saved.defined()) return layer_backward(spec_.dims, w, rope_, input, grad_out, g, options_.token_tile);
@@ -92,10 +96,15 @@ HeadResult BlockRunner::head_backward(const at::Tensor& params, const at::Tensor
                                       double loss_scale, Scalars scalars) const {
   const int64_t h = spec_.num_blocks() - 1;
   HeadWeights w = head_weights(params, tied_params);
-  TensorMap g = block_views(spec_, h, layouts_[h], grads);
-  HeadGrads hg{g.at("norm.weight"),
-               spec_.tie_embeddings ? block_views(spec_, 0, layouts_[0], tied_grads).at("weight")
-                                    : g.at("lm_head.weight")};
+  // A frozen tensor gets no accumulator (undefined: its gradient is not computed).
+  auto trained = [](const TensorMap& m, const char* role) {
+    auto it = m.find(role);
+    return it == m.end() ? at::Tensor() : it->second;
+  };
+  TensorMap g = block_views(spec_, h, layouts_[h], grads, true);
+  HeadGrads hg{trained(g, "norm.weight"),
+               spec_.tie_embeddings ? trained(block_views(spec_, 0, layouts_[0], tied_grads, true), "weight")
+                                    : trained(g, "lm_head.weight")};
   return head_loss_backward(spec_.dims, w, input, labels, options_.vocab_chunk, loss_scale, hg, scalars,
                             options_.token_tile);
 }

@@ -20,8 +20,12 @@ struct ComputeOptions {
 
 // Named views of a block's flat 1-D buffer (`flat` holds layout.total_elems()
 // elements of any dtype); names lose the block prefix (see gpu/blocks.h).
+// `trainable_only`: the trainable tensors' only (gradient accumulators: the
+// blocks compute no gradient of a tensor that has none), with `flat`
+// starting at block element `from` (a unit's gradient area starts at its
+// first trained element, Sharding::grad_base).
 TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& layout,
-                      const at::Tensor& flat);
+                      const at::Tensor& flat, bool trainable_only = false, size_t from = 0);
 
 class BlockRunner {
  public:
@@ -34,12 +38,14 @@ class BlockRunner {
   at::Tensor forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
                      const at::Tensor& save = {}) const;
 
-  // Backward of a layer or the embedding: adds parameter gradients into
-  // `grads` (fp32 flat, same layout) and returns d(loss)/d(input) (undefined
+  // Backward of a layer or the embedding: adds the trainable parameters'
+  // gradients into `grads` (fp32 flat, same layout) and returns d(loss)/d(input) (undefined
   // for the embedding). A layer recomputes its forward's projections, or
   // takes them from `saved` (what forward wrote into `save`): the same bits.
+  // `grads` may start at block element `grads_from` (before it: frozen).
   at::Tensor backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
-                      const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved = {}) const;
+                      const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved = {},
+                      size_t grads_from = 0) const;
 
   // The head: loss and gradients. With tied embeddings `tied_params` /
   // `tied_grads` are the embedding block's flat buffers (the LM head reads

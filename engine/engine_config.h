@@ -51,6 +51,10 @@ struct EngineConfig {
   // piece per layer (clipping aside: the norm adds its parts per range). Empty:
   // one piece per layer.
   std::string layer_pieces;
+  // LoRA adapters over a frozen base (engine/lora.h, LoraSpec::parse's
+  // text); empty: every parameter trains. The Engine gives it to its
+  // ModelSpec (ModelSpec::set_lora), whose layouts then hold the adapters.
+  std::string lora;
   // Gradients are summed in fp32 on the device over the micro-batches, then
   // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
   // keeps them exact (the exactness tests; an fp32 compute dtype always does).

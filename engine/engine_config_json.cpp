@@ -23,6 +23,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"token_tile", c.compute.token_tile},
           {"vocab_shard_rows", c.vocab_shard_rows},
           {"layer_pieces", c.layer_pieces},
+          {"lora", c.lora},
           {"grad_transfer", c.fp32_grad_transfer ? "fp32" : "bf16"},
           {"window", c.window},
           {"checkpoints_on_host", c.checkpoints_on_host},
@@ -68,6 +69,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   get("token_tile", c.compute.token_tile);
   get("vocab_shard_rows", c.vocab_shard_rows);
   get("layer_pieces", c.layer_pieces);
+  get("lora", c.lora);
   c.fp32_grad_transfer = j["grad_transfer"] == "fp32";
   get("window", c.window);
   get("checkpoints_on_host", c.checkpoints_on_host);

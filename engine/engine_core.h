@@ -69,6 +69,7 @@ class EngineCore {
     const CacheUnit* unit;
     std::unique_ptr<Event> ready;
     const std::vector<UnitRun>* layout;  // its pieces' ranges in the unit (StepProgram::layouts)
+    size_t grad_base = 0;                // where its gradient area starts in the unit (Sharding::grad_base)
   };
 
   // One micro-batch's device buffers on one device, allocated once (the
@@ -143,6 +144,8 @@ class EngineCore {
   // Stream `waiter`'s next work waits for what stream `done` has enqueued so far (on s's device).
   void stream_after(Seat& s, StreamId waiter, StreamId done);
   size_t visit_elems(const StepOp& op) const;     // the parameters its visit loaded
+  // Where its visit's gradient area starts in the unit: unit element x has its accumulator at x - grad_base.
+  size_t grad_base(const StepOp& op) const { return loaded_[size_t(op.visit)].grad_base; }
   void allocate_activations(int d);
   void upload_batch(const int64_t* ids, const int64_t* labels);
   std::vector<int64_t> visit_segments(const StepOp& v) const;

@@ -39,7 +39,7 @@ at::Tensor EngineCore::params_view(const Seat& s, const CacheUnit& u, size_t off
 }
 
 at::Tensor EngineCore::grads_view(const Seat& s, const CacheUnit& u) const {
-  return at::from_blob(u.grads_fp32, {int64_t(u.capacity_elems)},
+  return at::from_blob(u.grads_fp32, {int64_t(u.grad_capacity_elems)},
                        at::TensorOptions().dtype(at::kFloat).device(s.aten));
 }
 
@@ -74,7 +74,7 @@ void EngineCore::fetch_saved(Seat& s, int64_t b, int64_t m) {
 }
 
 void EngineCore::wait_updated(int64_t p) {
-  if (simulated()) return;  // ordered by the SimUpdater's events instead
+  if (simulated() || piece(p).frozen) return;  // ordered by the SimUpdater's events instead; never updated
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return updated_[size_t(p)] >= passes_ || updater_error_ || stopping_; });
   if (updater_error_) std::rethrow_exception(updater_error_);
@@ -115,7 +115,8 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
   Device& dev = *st.device;
   const CacheUnit& u = st.pool->acquire(StreamId::kH2D);
   if (simulated())
-    for (int64_t p : segs) dev.wait(StreamId::kH2D, sim_updater_->update_done(p));
+    for (int64_t p : segs)
+      if (!piece(p).frozen) dev.wait(StreamId::kH2D, sim_updater_->update_done(p));
   // Each range from the block's compute copy to its place in the unit
   // (StepProgram::layouts), ranges adjacent in both as one copy.
   for (size_t i = 0; i < layout.size();) {
@@ -132,7 +133,7 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
   }
   auto ready = dev.make_event();
   dev.record(*ready, StreamId::kH2D);
-  loaded_[size_t(v.visit)] = {&u, std::move(ready), &layout};
+  loaded_[size_t(v.visit)] = {&u, std::move(ready), &layout, place_.shards.grad_base(layout)};
 }
 
 const std::byte* EngineCore::grads_to_send(Seat& s, const CacheUnit& u, size_t elems, int64_t block) {
@@ -183,7 +184,7 @@ void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte*
   std::byte* host = grad_host(p).data();
   for (const UnitRun& u : *loaded_[size_t(visit.visit)].layout)
     if (u.piece == p)
-      dev.copy_d2h(StreamId::kD2H, host + u.run.at * place_.grad_bytes, src + u.unit_at * place_.grad_bytes,
+      dev.copy_d2h(StreamId::kD2H, host + u.run.at * place_.grad_bytes, src + (u.unit_at - grad_base(visit)) * place_.grad_bytes,
                    u.run.n * place_.grad_bytes, {"d2h grads", int32_t(piece(p).block)});
   dev.record(*grads_ready_[size_t(p)], StreamId::kD2H);
   if (simulated()) {

@@ -15,6 +15,17 @@ namespace {
 // Where a q8 moment's group scales follow its codes in an NVMe extent.
 float* scales_after(std::byte* codes, size_t n) { return reinterpret_cast<float*>(codes + n); }
 
+// The block's elements outside its trained stretch: its frozen tensors (a
+// LoRA base, engine/lora.h), whose master is their compute copy (the engine
+// keeps nothing else of them) and whose moments are zero.
+std::vector<std::pair<size_t, size_t>> frozen_ranges(const ParamLayout& l) {
+  const auto [tb, te] = l.trainable_span();
+  std::vector<std::pair<size_t, size_t>> out;
+  if (tb > 0) out.emplace_back(0, tb);
+  if (te < l.total_elems()) out.emplace_back(te, l.total_elems());
+  return out;
+}
+
 }  // namespace
 
 EngineCore::NvmeStaging& EngineCore::idle_staging() {
@@ -60,6 +71,11 @@ void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
     }
   }
   if (sharded()) gather_state(b, out);
+  for (const auto& [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
+    if (kind != ExtentKind::kMaster) std::fill(out.begin() + lo, out.begin() + hi, 0.0f);
+    else if (!s.compute.empty()) bf16_to_float(s.compute.subspan(lo, hi - lo), out.subspan(lo, hi - lo));
+    else std::copy(s.compute_f32.begin() + lo, s.compute_f32.begin() + hi, out.begin() + lo);
+  }
 }
 
 void EngineCore::gather_state(int64_t b, std::span<float> out) {
@@ -78,6 +94,12 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
                 "write_state: block {} and a buffer of {} elements do not match", b, in.size());
   BlockState& s = store_->block(size_t(b));
   const bool q8 = config_.optimizer_state == StateFormat::kQ8;
+  // Frozen tensors: the master is the compute copy (a shared one: rank 0 writes it).
+  if (kind == ExtentKind::kMaster && (!shared_arena_ || config_.state_shard == 0))
+    for (const auto& [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
+      if (!s.compute.empty()) float_to_bf16(in.subspan(lo, hi - lo), s.compute.subspan(lo, hi - lo));
+      else std::copy(in.begin() + lo, in.begin() + hi, s.compute_f32.begin() + lo);
+    }
   if (kind == ExtentKind::kMaster && shared_arena_) {
     // A compute copy shared with the other ranks: this rank writes its slice
     // (below, or here for an NVMe-tier fp32 state), the others theirs.

@@ -34,9 +34,11 @@ double EngineCore::op_flops(const StepOp& op) const {
     case StepOpKind::kHeadGrad: {
       const Piece& rows = piece(place_.shards.lm_piece[size_t(op.shard)]);
       const double logits = 2.0 * tokens * H * double(rows.row_end - rows.row_begin);
-      // Pass 1: the logits; pass 2: the logits again and both gradients.
-      // With kept logits, pass 2 computes only the two gradients.
-      return op.kind == StepOpKind::kHeadLse ? logits : (op.keep ? 2.0 : 3.0) * logits;
+      // Pass 1: the logits; pass 2: the logits again and both gradients
+      // (frozen rows: the hidden state's only). With kept logits, pass 2
+      // computes only the gradients.
+      if (op.kind == StepOpKind::kHeadLse) return logits;
+      return (op.keep ? 2.0 : 3.0) * logits - (rows.frozen ? logits : 0.0);
     }
     case StepOpKind::kForward:
     case StepOpKind::kBackward: {
@@ -44,7 +46,7 @@ double EngineCore::op_flops(const StepOp& op) const {
       if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
       const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(place_.compute_bytes));
       if (op.kind == StepOpKind::kForward) return c.forward_flops;
-      if (!op.keep) return c.backward_flops * 1.5;  // recompute + backward
+      if (!op.keep) return c.forward_flops + c.backward_flops;  // recompute + backward
       // Kept activations: backward, and the attention core recomputed.
       return c.backward_flops + attention_core_flops(spec_, config_.micro_batch, config_.seq);
     }
@@ -141,7 +143,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       return;
     }
     case StepOpKind::kZeroGrads: {
-      at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(visit_elems(op)));
+      at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(visit_elems(op) - grad_base(op)));
       dev.launch(StreamId::kCompute, {"zero grads", int32_t(op.block)}, [grads](const LaunchContext&) { grads.zero_(); });
       return;
     }
@@ -156,12 +158,14 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       return;
     }
     case StepOpKind::kBackward: backward_op(op); return;
-    case StepOpKind::kGradsToSend: at.send = grads_to_send(st, unit(op), visit_elems(op), op.block); return;
+    case StepOpKind::kGradsToSend:
+      at.send = grads_to_send(st, unit(op), visit_elems(op) - grad_base(op), op.block);
+      return;
     case StepOpKind::kGradsOut: copy_grads_out(op.piece, op, at.send); return;
     case StepOpKind::kTiedGradOut: {
       // Kept in fp32 so that the embedding's sum is the resident reference's.
       const Piece& rows = piece(op.piece);
-      const size_t norm = piece(place_.shards.norm_piece).elems();
+      const size_t norm = piece(place_.shards.norm_piece).elems() - grad_base(op);  // the rows' accumulators
       dev.copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows.ranges[0].begin, unit(op).grads_fp32 + norm,
                    rows.elems() * 4, {"d2h tied grads", int32_t(place_.head)});
       dev.record(*tied_grad_ready_[size_t(op.shard)], StreamId::kD2H);
@@ -252,10 +256,13 @@ void EngineCore::head_op(const StepOp& op) {
                });
     return;
   }
-  at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(used));
+  // A frozen norm or frozen rows have no accumulator (undefined): their
+  // gradients are not computed. The gradient area starts at the first trained.
+  const size_t base = grad_base(op);
+  at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(used - base));
   at::Tensor grad_h = x.grad_h;
   if (op.kind == StepOpKind::kHeadNormBackward) {
-    at::Tensor grad_norm = grads.slice(0, 0, spec_.dims.hidden), gout = x.grad_out;
+    at::Tensor grad_norm = norm_pc.frozen ? at::Tensor() : grads.slice(0, 0, spec_.dims.hidden), gout = x.grad_out;
     dev.launch(StreamId::kCompute, {"head norm backward", int32_t(place_.head), 0.0},
                [dims, norm, in, grad_h, grad_norm, gout, tile](const LaunchContext&) {
                  head_norm_backward(dims, norm, in.reshape({-1, dims.hidden}), grad_h, grad_norm, tile,
@@ -263,7 +270,7 @@ void EngineCore::head_op(const StepOp& op) {
                });
     return;
   }
-  at::Tensor grad_rows = rows_view(grads, norm_pc.elems(), rows_pc);
+  at::Tensor grad_rows = rows_pc.frozen ? at::Tensor() : rows_view(grads, norm_pc.elems() - base, rows_pc);
   at::Tensor labels = x.labels, lse = x.head_lse;
   const int64_t valid = batch_valid_;
   const at::Tensor kept = op.keep ? kept_logits(st, m, rows_pc) : at::Tensor();
@@ -282,9 +289,9 @@ void EngineCore::backward_op(const StepOp& op) {
   Seat& st = seat(op);
   Device& dev = *st.device;
   BlockRunner* runner = st.runner.get();
-  const size_t n = visit_elems(op);  // as in forward_op
+  const size_t n = visit_elems(op), base = grad_base(op);  // as in forward_op; the gradients from `base` on
   at::Tensor params = params_view(st, unit(op), 0, n);
-  at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(n));
+  at::Tensor grads = grads_view(st, unit(op)).slice(0, 0, int64_t(n - base));
   const double flops = op_flops(op);
   at::Tensor in = b == 0 ? st.mb[size_t(m)].ids : act(st, b, m);
   at::Tensor gout = st.mb[size_t(m)].grad_out;
@@ -305,15 +312,15 @@ void EngineCore::backward_op(const StepOp& op) {
     dev.wait(StreamId::kCompute, *got.ready);
     at::Tensor saved = st.saved_dev[size_t(got.slot)];
     dev.launch(StreamId::kCompute, {"backward", int32_t(b), flops},
-               [runner, b, params, grads, in, gout, saved](const LaunchContext&) {
-                 gout.copy_(runner->backward(b, params, in, gout, grads, saved));
+               [runner, b, params, grads, in, gout, saved, base](const LaunchContext&) {
+                 gout.copy_(runner->backward(b, params, in, gout, grads, saved, base));
                });
     dev.record(*st.saved_free[size_t(got.slot)], StreamId::kCompute);
     return;
   }
   dev.launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
-             [runner, b, params, grads, in, gout](const LaunchContext&) {
-               at::Tensor gin = runner->backward(b, params, in, gout, grads);
+             [runner, b, params, grads, in, gout, base](const LaunchContext&) {
+               at::Tensor gin = runner->backward(b, params, in, gout, grads, {}, base);
                if (gin.defined()) gout.copy_(gin);
              });
 }

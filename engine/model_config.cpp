@@ -266,10 +266,11 @@ int64_t ModelSpec::param_count() const {
 
 std::string ModelSpec::summary() const {
   return fmt::format("{}: {} layers, hidden {}, heads {}/{} (head dim {}), intermediate {}, vocab {}, "
-                     "{:.3f}B parameters{}",
+                     "{:.3f}B parameters{}{}",
                      arch_name, layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim,
                      dims.intermediate, dims.vocab, param_count() / 1e9,
-                     tie_embeddings ? ", tied embeddings" : "");
+                     tie_embeddings ? ", tied embeddings" : "",
+                     lora.enabled() ? ", LoRA " + lora.text() + " over a frozen base" : "");
 }
 
 }  // namespace strider

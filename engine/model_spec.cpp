@@ -5,6 +5,8 @@
 #include <cmath>
 #include <regex>
 
+#include <fmt/ranges.h>
+
 #include "host/error.h"
 
 namespace strider {
@@ -120,9 +122,10 @@ namespace {
 // A ParamLayout whose tensors take their decay flag from their names.
 struct NamedLayout {
   ParamLayout l;
+  bool trainable = true;
   void add(std::string name, std::vector<int64_t> shape) {
     const bool decay = weight_decays(name);
-    l.add(std::move(name), std::move(shape), decay);
+    l.add(std::move(name), std::move(shape), decay, trainable);
   }
 };
 
@@ -133,12 +136,15 @@ ParamLayout ModelSpec::layout(int64_t i) const {
   NamedLayout l{ParamLayout(block_name(i))};
   const BlockDims& d = dims;
   const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
+  l.trainable = !lora.enabled();
   switch (b.kind) {
     case BlockKind::kEmbedding:
+      l.trainable = l.trainable || lora.trains("embed_tokens");
       l.add("model.embed_tokens.weight", {d.vocab, d.hidden});
       break;
     case BlockKind::kHead:
       l.add("model.norm.weight", {d.hidden});
+      l.trainable = l.trainable || lora.trains("lm_head");
       if (!tie_embeddings) l.add("lm_head.weight", {d.vocab, d.hidden});
       break;
     case BlockKind::kLayer: {
@@ -163,10 +169,30 @@ ParamLayout ModelSpec::layout(int64_t i) const {
       if (d.mlp_bias) l.add(p + "mlp.up_proj.bias", {d.intermediate});
       l.add(p + "mlp.down_proj.weight", {d.hidden, d.intermediate});
       if (d.mlp_bias) l.add(p + "mlp.down_proj.bias", {d.hidden});
+      // The adapters, after the base: [in] -> [r] -> [out] per target.
+      l.trainable = true;
+      const std::pair<int64_t, int64_t> in_out[] = {{d.hidden, q}, {d.hidden, kv}, {d.hidden, kv}, {q, d.hidden},
+                                                    {d.hidden, d.intermediate}, {d.hidden, d.intermediate},
+                                                    {d.intermediate, d.hidden}};
+      for (size_t k = 0; k < std::size(kLinearModules); ++k) {
+        const std::string_view m = kLinearModules[k];
+        if (!lora.targets_module(m)) continue;
+        const std::string proj = p + (k < 4 ? "self_attn." : "mlp.") + std::string(m);
+        l.add(proj + ".lora_A.weight", {lora.r, in_out[k].first});
+        l.add(proj + ".lora_B.weight", {in_out[k].second, lora.r});
+      }
       break;
     }
   }
   return std::move(l.l);
+}
+
+void ModelSpec::set_lora(LoraSpec l) {
+  STRIDER_CHECK(!l.enabled() || !tie_embeddings || l.train.empty(),
+                "LoRA train={}: {} ties its embedding and LM head; training either in full beside adapters "
+                "is not supported for tied embeddings", fmt::join(l.train, "+"), arch_name);
+  lora = std::move(l);
+  dims.lora_scale = lora.enabled() ? lora.scale() : 0;
 }
 
 BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
@@ -212,8 +238,19 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       const double proj = 2.0 * t * d.hidden * (2.0 * double(q) + 2.0 * double(kv));
       const double attn = 2.0 * 2.0 * double(batch) * d.heads * d.head_dim * double(seq) * double(seq) / 2;
       const double mlp = 2.0 * 3.0 * t * d.hidden * d.intermediate;
-      c.forward_flops = proj + attn + mlp;
-      c.backward_flops = 2.0 * c.forward_flops;
+      // LoRA: each adapter's two thin GEMMs, x A^T and (x A^T) B^T.
+      double adapters = 0;
+      const double in_out[] = {double(d.hidden + q), double(d.hidden + kv), double(d.hidden + kv),
+                               double(q + d.hidden), double(d.hidden + d.intermediate),
+                               double(d.hidden + d.intermediate), double(d.intermediate + d.hidden)};
+      for (size_t k = 0; k < std::size(kLinearModules); ++k)
+        if (lora.targets_module(kLinearModules[k])) adapters += 2.0 * t * double(lora.r) * in_out[k];
+      c.forward_flops = proj + attn + mlp + adapters;
+      // Full training: every input and weight gradient (2x the forward). A
+      // frozen base (LoRA): the input gradients only (the projections' and
+      // the MLP's once, the attention core's twice), and the adapters' x A^T
+      // again, dB, du, dA and du A (2.5x theirs).
+      c.backward_flops = lora.enabled() ? proj + mlp + 2.0 * attn + 2.5 * adapters : 2.0 * c.forward_flops;
       const LayerWork w = layer_work(d, batch, seq, token_tile, dtype_bytes, work);
       c.forward_work_bytes = bytes(w.forward, "forward working memory");
       c.backward_work_bytes = bytes(w.backward, "backward working memory");

@@ -15,6 +15,7 @@
 
 #include "gpu/block_dims.h"
 #include "gpu/work_calibration.h"  // WorkCoefficients
+#include "engine/lora.h"
 #include "host/param_layout.h"
 
 namespace strider {
@@ -51,6 +52,10 @@ struct ModelSpec {
   int64_t max_position = 0;
   bool tie_embeddings = false;
   BlockDims dims;
+  // LoRA adapters over a frozen base (engine/lora.h); none by default. Set
+  // with set_lora, which also gives the blocks their scale (dims.lora_scale).
+  LoraSpec lora;
+  void set_lora(LoraSpec l);
 
   // Parses a config.json's JSON; `source` names the file in errors.
   static ModelSpec from_json(const nlohmann::json& config, std::string_view source);
@@ -65,7 +70,9 @@ struct ModelSpec {
   // The block's tensors under the checkpoint's names, in a fixed order. With
   // tied embeddings the head holds no weight of its own: it reads the
   // embedding's (the engine keeps that one parameter in both places).
-  // Its tensors' decay flags follow weight_decays().
+  // Its tensors' decay flags follow weight_decays(). With LoRA a layer's
+  // adapters follow its base tensors, and only the adapters (and the
+  // modules lora.train names) are trainable.
   ParamLayout layout(int64_t i) const;
 
   // Throws if batch x seq is past kMaxTokens or a byte count past kMaxBytes.

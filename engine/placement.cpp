@@ -18,6 +18,7 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 // every gradient must outlive the global norm.
 bool grads_in_ring(bool on_nvme, const EngineConfig& c) { return on_nvme || c.clip_norm <= 0; }
 
+// The trained pieces in the order their gradients land (frozen pieces send none).
 std::vector<int64_t> landing_order(const ModelSpec& spec, const Sharding& sh, int64_t head) {
   std::vector<int64_t> order;
   for (int64_t k = 0; k < sh.shards; ++k) {
@@ -25,6 +26,7 @@ std::vector<int64_t> landing_order(const ModelSpec& spec, const Sharding& sh, in
     if (!spec.tie_embeddings) order.push_back(sh.lm_piece[size_t(k)]);
   }
   for (int64_t p = sh.first_of(head) - 1; p >= 0; --p) order.push_back(p);
+  std::erase_if(order, [&](int64_t p) { return sh.pieces[size_t(p)].frozen; });
   return order;
 }
 
@@ -154,13 +156,20 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
     pl.nvme_block[size_t(b)] = true;
   }
 
-  // The ranks' slices of every block, and this rank's store blocks.
+  // The ranks' slices of every block's trained stretch (all of it unless
+  // some tensors are frozen; none of a frozen block), and this rank's store
+  // blocks, whose gradient staging holds their trained pieces back to back.
   const size_t rank = size_t(c.state_shard);
   for (int64_t b = 0; b < pl.blocks; ++b) {
-    pl.block_slices.push_back(rank_slices(pl.layouts[size_t(b)].total_elems(), c.state_shards, size_t(c.slice_align())));
+    const auto [tb, te] = pl.layouts[size_t(b)].trainable_span();
+    pl.block_slices.push_back(rank_slices(te - tb, c.state_shards, size_t(c.slice_align())));
+    for (size_t& x : pl.block_slices.back()) x += tb;
     const bool nvme = pl.nvme_block[size_t(b)];
-    pl.store_blocks.push_back({pl.layouts[size_t(b)], !nvme, !grads_in_ring(nvme, c), pl.block_slices.back()[rank],
-                               pl.block_slices.back()[rank + 1]});
+    size_t trained = 0;
+    for (int64_t p = sh.first_of(b); p < sh.end_of(b); ++p)
+      if (!sh.pieces[size_t(p)].frozen) trained += sh.pieces[size_t(p)].elems();
+    pl.store_blocks.push_back({pl.layouts[size_t(b)], !nvme, !grads_in_ring(nvme, c) && trained > 0,
+                               pl.block_slices.back()[rank], pl.block_slices.back()[rank + 1], trained});
   }
   pl.store = {.grad_dtype = pl.grad_bytes == 4 ? DType::kF32 : DType::kBF16,
               .compute_dtype = pl.compute_bytes == 4 ? DType::kF32 : DType::kBF16,
@@ -175,7 +184,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
     at.owned = {pc.before(bs[rank]), pc.before(bs[rank + 1])};
     for (size_t x : bs) at.slices.push_back(pc.before(x));
     at.staging_at = staged[size_t(pc.block)];
-    staged[size_t(pc.block)] += pc.elems();
+    if (!pc.frozen) staged[size_t(pc.block)] += pc.elems();
     const size_t n = at.owned.elems();
     const bool all_decay = c.decay_norms_and_biases || c.adam.weight_decay == 0;
     at.owned_runs = pc.runs(at.owned.begin, at.owned.end);
@@ -211,7 +220,10 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
 
   // Gradient ring slots go round in the order gradients land.
   pl.landing = landing_order(spec, sh, pl.head);
-  STRIDER_CHECK(int64_t(pl.landing.size()) == P, "internal: {} pieces land gradients, {} exist", pl.landing.size(), P);
+  const int64_t trained = std::count_if(sh.pieces.begin(), sh.pieces.end(), [](const Piece& x) { return !x.frozen; });
+  STRIDER_CHECK(trained > 0, "{}: every tensor is frozen; there is nothing to train", spec.arch_name);
+  STRIDER_CHECK(int64_t(pl.landing.size()) == trained, "internal: {} pieces land gradients, {} are trained",
+                pl.landing.size(), trained);
   int next = 0;
   for (int64_t p : pl.landing) {
     const Piece& pc = sh.pieces[size_t(p)];
@@ -227,9 +239,10 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
 
   EngineFootprint& f = pl.footprint;
   f.unit_elems = sh.unit_elems;
+  f.unit_grad_elems = sh.unit_grad_elems;
   f.vocab_shards = sh.shards;
   f.shard_rows = sh.rows;
-  f.unit_bytes = CacheUnitPool::unit_bytes_for(f.unit_elems, pl.compute_bytes);
+  f.unit_bytes = CacheUnitPool::unit_bytes_for(f.unit_elems, pl.compute_bytes, sh.unit_grad_elems);
   f.pool_bytes = f.unit_bytes * uint64_t(c.window);
   f.saved_layers = kept;
   count_device(spec, c, pl);

@@ -30,9 +30,10 @@ inline StateKind state_kind(ExtentKind k) {
 // What an Engine allocates: the same figures it sizes its buffers by.
 struct EngineFootprint {
   uint64_t unit_elems = 0;          // parameters one cache unit holds (the largest visit's)
+  uint64_t unit_grad_elems = 0;     // gradients one unit holds (what trains of the largest visit: Sharding::unit_grad_elems)
   int64_t vocab_shards = 1;         // embedding / LM-head shards (engine/shards.h)
   int64_t shard_rows = 0;           // vocabulary rows per shard
-  uint64_t unit_bytes = 0;          // one unit: parameters + fp32 gradients
+  uint64_t unit_bytes = 0;          // one unit: parameters + fp32 gradients (of what trains: Sharding::unit_grad_elems)
   uint64_t pool_bytes = 0;          // K units
   uint64_t activation_bytes = 0;    // checkpoints (or the ring), output gradients, the batch, saved-activation slots
   int64_t saved_layers = 0;         // layers whose activations are kept (EngineConfig::saved_blocks)
@@ -146,6 +147,15 @@ struct Placement {
     for (int64_t b = 1; b < head; ++b)
       if (saved_index[size_t(b)] >= 0 && block_device(b) == d) return true;
     return false;
+  }
+
+  // The first block in forward order with a trained piece: the backward
+  // stops there, since no block before it needs a gradient (LoRA over a
+  // frozen embedding: the embedding has no backward visit).
+  int64_t first_trained_block() const {
+    for (int64_t p = 0; p < num_pieces(); ++p)
+      if (!piece(p).frozen) return piece(p).block;
+    return head;
   }
 
   int64_t num_pieces() const { return int64_t(pieces.size()); }

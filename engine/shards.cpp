@@ -67,6 +67,15 @@ std::vector<UnitRun> Sharding::unit_layout(const std::vector<int64_t>& visit) co
   return out;
 }
 
+size_t Sharding::grad_base(const std::vector<UnitRun>& layout) const {
+  size_t end = 0;
+  for (const UnitRun& u : layout) {
+    if (!pieces[size_t(u.piece)].frozen) return u.unit_at;
+    end = std::max(end, u.unit_at + u.run.n);
+  }
+  return end;
+}
+
 std::vector<std::vector<ElemRange>> layer_piece_ranges(const ParamLayout& layer, const std::string& groups) {
   const std::vector<TensorSlot>& slots = layer.slots();
   if (groups.empty()) return {{{0, layer.total_elems()}}};
@@ -189,7 +198,21 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
   row_pieces(0, 0, emb.total_elems(), s.emb_piece);
   for (int64_t b = 1; b < head; ++b) {
     s.first.push_back(int64_t(s.pieces.size()));
-    std::vector<std::vector<ElemRange>> cut = layer_piece_ranges(spec.layout(b), layer_pieces);
+    const ParamLayout layer = spec.layout(b);
+    if (layer.any_frozen() && layer.trainable_span().second > 0) {
+      // A frozen base with adapters: two pieces, the base (its program has
+      // no gradient, update or state operations) and the trained stretch.
+      STRIDER_CHECK(layer_pieces.empty(), "layer_pieces '{}': cutting a layer with LoRA adapters into pieces by "
+                    "name is not supported (it is cut into its frozen base and its adapters)", layer_pieces);
+      const auto [tb, te] = layer.trainable_span();
+      std::vector<ElemRange> base;
+      if (tb > 0) base.push_back({0, tb});
+      if (te < layer.total_elems()) base.push_back({te, layer.total_elems()});
+      add({b, std::move(base), 0, 0, "base"});
+      add({b, {{tb, te}}, 0, 0, "lora"});
+      continue;
+    }
+    std::vector<std::vector<ElemRange>> cut = layer_piece_ranges(layer, layer_pieces);
     for (size_t g = 0, at = 0; g < cut.size(); ++g) {
       for (const ElemRange& r : cut[g])  // tensors start on whole groups (ParamLayout::kAlignElems)
         STRIDER_CHECK(r.begin % size_t(align_elems) == 0, "layer_pieces: a piece of {} starts at element {}, not a "
@@ -207,9 +230,31 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
   else s.lm_piece = s.emb_piece;
   s.first.push_back(int64_t(s.pieces.size()));
 
+  // Frozen pieces: every tensor they hold is (a piece holds frozen and trained tensors only apart).
+  for (int64_t i = 0; i < int64_t(s.pieces.size()); ++i) {
+    Piece& pc = s.pieces[size_t(i)];
+    const ParamLayout l = spec.layout(pc.block);
+    int frozen = 0, trained = 0;
+    for (const ElemRange& r : pc.ranges)
+      for (const TensorSlot& t : l.slots())
+        if (t.offset_elems < r.end && t.offset_elems + t.numel > r.begin) (t.trainable ? trained : frozen) += 1;
+    STRIDER_CHECK(frozen == 0 || trained == 0, "{} holds {} frozen and {} trainable tensors; a piece is one or the "
+                  "other", s.name(spec, i), frozen, trained);
+    pc.frozen = frozen > 0;
+  }
   s.unit_elems = s.layer_elems;
   for (int64_t k = 0; k < s.shards; ++k)
     s.unit_elems = std::max({s.unit_elems, s.pieces[size_t(s.emb_piece[size_t(k)])].elems(), s.head_visit_elems(k)});
+  // The gradient area: every visit's elements from its first trained range on.
+  auto grad_elems = [&](const std::vector<int64_t>& visit) {
+    const std::vector<UnitRun> layout = s.unit_layout(visit);
+    size_t n = 0;
+    for (const UnitRun& u : layout) n = std::max(n, u.unit_at + u.run.n);
+    return n - std::min(n, s.grad_base(layout));
+  };
+  for (int64_t b = 1; b < head; ++b) s.unit_grad_elems = std::max(s.unit_grad_elems, grad_elems(s.visit_pieces(s.first_of(b), -1)));
+  for (int64_t k = 0; k < s.shards; ++k)
+    s.unit_grad_elems = std::max({s.unit_grad_elems, grad_elems({s.emb_piece[size_t(k)]}), grad_elems(s.visit_pieces(-1, k))});
   return s;
 }
 

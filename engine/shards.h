@@ -11,6 +11,8 @@
 //   - the embedding is one piece per shard of rows;
 //   - the head is one piece for the final norm, and (untied) one per shard of
 //     LM-head rows. Tied, the LM head's rows are the embedding's pieces.
+//   - a layer with LoRA adapters (engine/lora.h) is two: its frozen base and
+//     its adapters ("layer.3[base]", "layer.3[lora]").
 // Each piece has its own gradient D2H, AdamW job, NVMe extents and update
 // wait; each visit of the sliding window loads a few pieces' compute copies
 // into one cache unit. Storage (ParamStore, checkpoints, the Python aliasing)
@@ -65,6 +67,9 @@ struct Piece {
   std::vector<ElemRange> ranges;   // elements of the block's flat layout: ascending, disjoint, not empty
   int64_t row_begin = 0, row_end = 0;  // vocabulary rows (embedding and LM-head shards: one range); 0, 0 otherwise
   std::string part;                // a layer cut into pieces: this one's group of names (EngineConfig::layer_pieces)
+  // Every tensor it holds is frozen (a LoRA base, engine/lora.h): its
+  // program has no gradient, landing, update or state operations.
+  bool frozen = false;
   size_t elems() const;
   bool rows() const { return row_end > row_begin; }
   // Piece coordinates [lo, hi) as runs contiguous in the block, in order.
@@ -94,6 +99,9 @@ struct Sharding {
   std::vector<int64_t> lm_piece, emb_piece;
   size_t layer_elems = 0;       // the largest decoder layer
   size_t unit_elems = 0;        // the largest visit: a layer, an embedding shard, or norm + LM-head shard
+  // The most gradient accumulators a visit needs: its elements from its
+  // first trained range on (grad_base); unit_elems unless pieces are frozen.
+  size_t unit_grad_elems = 0;
 
   // The pieces of block b.
   int64_t first_of(int64_t b) const { return first[size_t(b)]; }
@@ -106,6 +114,12 @@ struct Sharding {
   // Their ranges in the unit: grouped by block in the order given, in block
   // order within a block, back to back.
   std::vector<UnitRun> unit_layout(const std::vector<int64_t>& visit) const;
+  // Where a visit's gradient accumulators start in the unit: its first
+  // trained range's unit_at (0 unless frozen ranges come first: a LoRA
+  // layer's base, the head's frozen norm), or its end when every range is
+  // frozen. A unit's gradient area holds the visit's elements from there on,
+  // element unit_at of the unit at unit_at - grad_base of the area.
+  size_t grad_base(const std::vector<UnitRun>& layout) const;
   // "embedding[0:4096)", "layer.3", "layer.3[self_attn+mlp]", "head norm", "lm_head[4096:8192)".
   std::string name(const ModelSpec& spec, int64_t piece) const;
 };

@@ -58,12 +58,13 @@ void SimUpdater::advance() {
 
 double SimUpdater::finish() {
   const std::vector<StepOp>& ops = program_->ops;
-  for (const int32_t l : program_->landed)
-    STRIDER_CHECK(landed_us_[size_t(ops[size_t(l)].piece)] >= 0, "simulated pass: piece {}'s gradients never landed",
-                  ops[size_t(l)].piece);
+  for (const int32_t l : program_->landed)  // -1: a frozen piece, which lands nothing
+    STRIDER_CHECK(l < 0 || landed_us_[size_t(ops[size_t(l)].piece)] >= 0,
+                  "simulated pass: piece {}'s gradients never landed", l < 0 ? -1 : ops[size_t(l)].piece);
   advance();
   end_us_ = end_[size_t(program_->norm)];
-  for (const int32_t l : program_->landed) end_us_ = std::max(end_us_, end_[size_t(l)]);
+  for (const int32_t l : program_->landed)
+    if (l >= 0) end_us_ = std::max(end_us_, end_[size_t(l)]);
   return end_us_;
 }
 

@@ -1,6 +1,7 @@
 #include "engine/step_program.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include <fmt/format.h>
 
@@ -41,8 +42,8 @@ std::vector<int64_t> visit_pieces(const Placement& place, const Visit& v) {
 
 // Pass "visits": forward (embedding shards, layers), the head's shards (pass 1
 // over all, then pass 2 over all; one visit each when there is one shard),
-// backward (layers, then embedding shards, each in reverse). A layer is one
-// visit however many pieces cut it (named by its first).
+// backward (layers, then embedding shards, in reverse, to the first trained
+// block). A layer is one visit however many pieces cut it (named by its first).
 std::vector<Visit> visits(const Placement& place, bool train) {
   const Sharding& sh = place.shards;
   std::vector<int64_t> forward;  // each visit's first piece
@@ -54,7 +55,9 @@ std::vector<Visit> visits(const Placement& place, bool train) {
     for (int64_t s = 0; s < sh.shards; ++s) out.push_back({Visit::kHead, -1, s, true, false});
   if (!train) return out;
   for (int64_t s = 0; s < sh.shards; ++s) out.push_back({Visit::kHead, -1, s, sh.shards == 1, true});
-  for (auto p = forward.rbegin(); p != forward.rend(); ++p) out.push_back({Visit::kBackward, *p});
+  const int64_t first = place.first_trained_block();
+  for (auto p = forward.rbegin(); p != forward.rend(); ++p)
+    if (place.piece(*p).block >= first) out.push_back({Visit::kBackward, *p});
   return out;
 }
 
@@ -63,7 +66,8 @@ class DeviceBuilder {
  public:
   DeviceBuilder(const Placement& place, const ProgramInputs& in, bool train, std::vector<StepOp>& ops)
       : tied_out_(size_t(place.shards.shards), -1), pl_(place), in_(in), train_(train), ops_(ops),
-        ckpt_out_(size_t(place.head + 1), -1), saved_out_(size_t(place.head + 1), -1) {}
+        ckpt_out_(size_t(place.head + 1), -1), saved_out_(size_t(place.head + 1), -1),
+        first_trained_(place.first_trained_block()) {}
 
   int32_t add(StepOpKind k, Lane lane, int64_t v, int64_t block, std::vector<int32_t> after = {}) {
     StepOp o{.kind = k, .lane = lane, .block = block, .visit = v, .device = dev_, .after = std::move(after)};
@@ -141,10 +145,14 @@ class DeviceBuilder {
         }
         if (last_shard) loss_ = add(StepOpKind::kLossOut, Lane::kD2H, v, h, {last});
       }
+      const int64_t lm = sh.lm_piece[size_t(s)];
+      const bool norm_trained = last_shard && !pl_.piece(sh.norm_piece).frozen, lm_trained = !pl_.piece(lm).frozen;
       if (grad) {
-        grads = true;
-        last = add(StepOpKind::kZeroGrads, Lane::kCompute, v, h, {load});
-        op(last).shard = s;
+        grads = norm_trained || lm_trained;  // else frozen: no accumulators, nothing sent
+        if (grads) {
+          last = add(StepOpKind::kZeroGrads, Lane::kCompute, v, h, {load});
+          op(last).shard = s;
+        }
         // The last shard's norm backward follows each micro-batch's
         // gradient, so the next block's backward starts after the first.
         for (int64_t m = 0; m < M; ++m) {
@@ -159,15 +167,14 @@ class DeviceBuilder {
           last = add(StepOpKind::kHeadNormBackward, Lane::kCompute, v, h);
           op(last).micro_batch = m;
           op(last).shard = s;
-          if (takes_elsewhere(h - 1, true)) hand_out(v, Hand::kBlock, h - 1, true, last, m);
+          if (h - 1 >= first_trained_ && takes_elsewhere(h - 1, true)) hand_out(v, Hand::kBlock, h - 1, true, last, m);
         }
-        const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, h);
-        op(send).shard = s;
-        if (last_shard) out.push_back(grads_out(v, sh.norm_piece, send));
-        const int64_t lm = sh.lm_piece[size_t(s)];
-        if (pl_.piece(lm).block == h) {
+        const int32_t send = grads ? add(StepOpKind::kGradsToSend, Lane::kCompute, v, h) : -1;
+        if (grads) op(send).shard = s;
+        if (norm_trained) out.push_back(grads_out(v, sh.norm_piece, send));
+        if (lm_trained && pl_.piece(lm).block == h) {
           out.push_back(grads_out(v, lm, send));
-        } else {  // tied: the head's share of the embedding's gradient, in fp32
+        } else if (lm_trained) {  // tied: the head's share of the embedding's gradient, in fp32
           out.push_back(tied_out_[size_t(s)] = add(StepOpKind::kTiedGradOut, Lane::kD2H, v, h, {send}));
           op(out.back()).shard = s;
           op(out.back()).piece = lm;
@@ -175,14 +182,16 @@ class DeviceBuilder {
       }
     } else {
       const int64_t p = vis.piece, b = pl_.piece(p).block;
-      grads = true;
-      if (b == 0 && pl_.piece(sh.lm_piece[0]).block == 0) {  // tied: starts from the head's share
+      const std::vector<int64_t> loads = visit_pieces(pl_, vis);
+      grads = std::any_of(loads.begin(), loads.end(), [&](int64_t q) { return !pl_.piece(q).frozen; });
+      // A frozen block's backward computes the input gradient only: no accumulators.
+      if (grads && b == 0 && pl_.piece(sh.lm_piece[0]).block == 0) {  // tied: starts from the head's share
         std::vector<int32_t> after;
         for (int32_t t : tied_out_)
           if (t >= 0) after.push_back(t);
         last = add(StepOpKind::kTiedGradIn, Lane::kH2D, v, b, std::move(after));
         op(last).piece = p;
-      } else {
+      } else if (grads) {
         last = add(StepOpKind::kZeroGrads, Lane::kCompute, v, b, {load});
         op(last).piece = p;
       }
@@ -207,14 +216,16 @@ class DeviceBuilder {
         op(last).piece = p;
         op(last).micro_batch = m;
         op(last).keep = keep;
-        if (b >= 1 && takes_elsewhere(b - 1, true)) hand_out(v, Hand::kBlock, b - 1, true, last, m);
+        if (b - 1 >= first_trained_ && takes_elsewhere(b - 1, true)) hand_out(v, Hand::kBlock, b - 1, true, last, m);
       }
       if (b == 0) handed_grads_to_embedding_ = true;  // its shards share one device: the first took it
-      const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, b, {last});
-      op(send).piece = p;
-      // In landing order (a layer's pieces in reverse): the ring's slots are handed out in it.
-      const std::vector<int64_t> loads = visit_pieces(pl_, vis);
-      for (auto q = loads.rbegin(); q != loads.rend(); ++q) out.push_back(grads_out(v, *q, send));
+      if (grads) {
+        const int32_t send = add(StepOpKind::kGradsToSend, Lane::kCompute, v, b, {last});
+        op(send).piece = p;
+        // In landing order (a layer's pieces in reverse): the ring's slots are handed out in it.
+        for (auto q = loads.rbegin(); q != loads.rend(); ++q)
+          if (!pl_.piece(*q).frozen) out.push_back(grads_out(v, *q, send));
+      }
     }
     const int32_t r = add(StepOpKind::kRelease, Lane::kCompute, v, vis.kind == Visit::kHead ? pl_.head : pl_.piece(vis.piece).block, out);
     op(r).d2h = grads;
@@ -292,6 +303,7 @@ class DeviceBuilder {
   std::vector<int32_t> hand_out_[kHandKinds];  // per kind, per micro-batch: its latest kHandOut
   bool handed_in_ = false;        // the visit being expanded has a kHandIn already
   bool handed_grads_to_embedding_ = false;
+  int64_t first_trained_ = 0;     // Placement::first_trained_block: no gradient is handed to a block before it
 };
 
 // Pass "prefetch": visit i's load is issued before visit i - (K - 1) computes
@@ -396,8 +408,7 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   // Pass "clipping" decides the update order: with clipping, forward order
   // after the norm; without, each piece as it lands.
   std::vector<int64_t> order = place.landing;
-  if (clip)
-    for (int64_t p = 0; p < P; ++p) order[size_t(p)] = p;
+  if (clip) std::sort(order.begin(), order.end());
   // Pass "nvme": an NVMe-tier piece's state is read into one of two staging
   // slots during the update of the NVMe piece before it (the first one's just
   // before its own), and written back after its update; a slot is read into
@@ -462,15 +473,18 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
     prog.ops[size_t(prog.norm)].clip = in.clip_norm;
     for (size_t k = 0; k < order.size(); ++k) update(k, {prog.norm});
   } else {
-    prog.norm = add(StepOpKind::kNorm, Lane::kOptimizer, -1, prog.updated);  // published once every piece is updated
+    std::vector<int32_t> w;  // published once every trained piece is updated
+    std::copy_if(prog.updated.begin(), prog.updated.end(), std::back_inserter(w), [](int32_t u) { return u >= 0; });
+    prog.norm = add(StepOpKind::kNorm, Lane::kOptimizer, -1, std::move(w));
   }
   // A state read waits for the previous pass's write-back of the same state.
   for (StepOp& o : prog.ops)
     if (o.kind == StepOpKind::kReadState) o.after_previous.push_back(write[size_t(o.piece)]);
-  // The loads wait for the previous pass's release of their pieces.
+  // The loads wait for the previous pass's release of their pieces (a frozen one's is never updated).
   for (StepOp& o : prog.ops)
     if (o.kind == StepOpKind::kLoad)
-      for (int64_t p : visit_pieces(place, vs[size_t(o.visit)])) o.after_previous.push_back(prog.updated[size_t(p)]);
+      for (int64_t p : visit_pieces(place, vs[size_t(o.visit)]))
+        if (prog.updated[size_t(p)] >= 0) o.after_previous.push_back(prog.updated[size_t(p)]);
   return prog;
 }
 

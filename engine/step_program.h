@@ -128,8 +128,8 @@ struct StepProgram {
   int64_t visits = 0;           // the visits (a kLoad ... kRelease each)
   // Per visit: its pieces' ranges in its cache unit (Sharding::unit_layout).
   std::vector<std::vector<UnitRun>> layouts;
-  std::vector<int32_t> landed;  // per piece: its kLand operation
-  std::vector<int32_t> updated; // per piece: its kUpdated operation
+  std::vector<int32_t> landed;  // per piece: its kLand operation (-1: a frozen piece has none)
+  std::vector<int32_t> updated; // per piece: its kUpdated operation (-1: frozen)
   int32_t norm = -1;            // the kNorm operation: the step's end for step()
 };
 

@@ -291,6 +291,11 @@ std::string read_text(const fs::path& path) {
 void save_training_checkpoint(const fs::path& dir_in, Engine& engine, std::string_view model_config_json,
                               const nlohmann::json& extra, const TrainCheckpointOptions& options) {
   const fs::path dir = normalise(dir_in);
+  // Not built yet: a checkpoint's model files are the base's (config.json
+  // describes no adapters), and the adapters would need their own folder.
+  STRIDER_CHECK(!engine.spec().lora.enabled(), "{}: training checkpoints of LoRA adapters (lora {}) are not "
+                "supported yet; after engine.finish(), peft_model.save_pretrained(dir) saves the trained adapter",
+                dir.string(), engine.spec().lora.text());
   try {
     save_impl(dir, engine, model_config_json, extra, options);
   } catch (const std::exception& e) {

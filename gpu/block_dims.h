@@ -32,6 +32,9 @@ struct BlockDims {
   bool mlp_bias = false;    // Llama with mlp_bias
   bool qk_norm = false;     // Qwen3: RMSNorm over head_dim on q and k
   int64_t sliding_window = 0;  // Mistral; 0: none. Sequences longer are refused.
+  // LoRA: a linear layer whose block holds "<proj>.lora_A.weight" and
+  // "<proj>.lora_B.weight" adds lora_scale * (x A^T) B^T (engine/lora.h).
+  double lora_scale = 0;
 };
 
 }  // namespace strider

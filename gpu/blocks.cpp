@@ -23,8 +23,23 @@ at::Tensor optional_weight(const TensorMap& w, std::string_view name) {
   return it == w.end() ? at::Tensor() : it->second;
 }
 
-at::Tensor linear(const at::Tensor& x, const TensorMap& w, const std::string& proj) {
-  return at::linear(x, weight(w, proj + ".weight"), optional_weight(w, proj + ".bias"));
+// The LoRA adapter of `proj` (A [r, in], B [out, r]), undefined when the block has none.
+struct Adapter {
+  at::Tensor a, b;
+};
+Adapter adapter(const TensorMap& w, const std::string& proj) {
+  auto it = w.find(proj + ".lora_A.weight");
+  if (it == w.end()) return {};
+  return {it->second, weight(w, proj + ".lora_B.weight")};
+}
+
+// x W^T (+ b), plus the adapter's (x A^T) B^T scaled, added as PEFT's
+// lora.Linear adds it (the scaled product into the base's result).
+at::Tensor linear(const BlockDims& d, const at::Tensor& x, const TensorMap& w, const std::string& proj) {
+  at::Tensor y = at::linear(x, weight(w, proj + ".weight"), optional_weight(w, proj + ".bias"));
+  if (const Adapter ad = adapter(w, proj); ad.a.defined())
+    y.add_(at::linear(at::linear(x, ad.a), ad.b).mul_(d.lora_scale));
+  return y;
 }
 
 // x * cos + rotate_half(x) * sin for x [b, s, heads, head_dim], as
@@ -76,7 +91,8 @@ struct Projections {
 };
 Projections attention_projections(const TensorMap& w, const BlockDims& d, const at::Tensor& x) {
   at::Tensor h = rms_norm(x, weight(w, "input_layernorm.weight"), d.rms_eps);
-  return {linear(h, w, "self_attn.q_proj"), linear(h, w, "self_attn.k_proj"), linear(h, w, "self_attn.v_proj")};
+  return {linear(d, h, w, "self_attn.q_proj"), linear(d, h, w, "self_attn.k_proj"),
+          linear(d, h, w, "self_attn.v_proj")};
 }
 
 // The attention core from the projections: the q/k norms, RoPE and SDPA,
@@ -125,19 +141,36 @@ struct MlpProjections {
 };
 MlpProjections mlp_projections(const BlockDims& d, const TensorMap& w, const at::Tensor& x1) {
   at::Tensor h = rms_norm(x1, weight(w, "post_attention_layernorm.weight"), d.rms_eps);
-  return {linear(h, w, "mlp.gate_proj"), linear(h, w, "mlp.up_proj")};
+  return {linear(d, h, w, "mlp.gate_proj"), linear(d, h, w, "mlp.up_proj")};
 }
 
-// y = x W^T (+ b) for 2-D dy = dL/dy and x: adds dL/dW = dy^T x (and dL/db,
-// summed in fp32) into the fp32 accumulators of `proj`.
-void add_linear_grads(TensorMap& grads, const std::string& proj, const at::Tensor& dy, const at::Tensor& x) {
-  auto acc = [&](const std::string& name) -> at::Tensor& {
-    auto it = grads.find(name);
-    STRIDER_CHECK(it != grads.end(), "model block: no gradient accumulator for '{}'", name);
-    return it->second;
-  };
-  acc(proj + ".weight").add_(at::mm(dy.t(), x));
+// y = x W^T (+ b) (+ scale (x A^T) B^T) for 2-D dy = dL/dy and x: adds dL/dW
+// = dy^T x (and dL/db, summed in fp32) into the fp32 accumulators of `proj`,
+// and the adapter's dL/dB = (scale dy)^T (x A^T) and dL/dA = du^T x, du =
+// (scale dy) B, into theirs. A tensor without an accumulator is frozen
+// (BlockRunner gives accumulators to the trainable tensors only): its
+// gradient is not computed. Returns du (undefined without an adapter), which
+// d(loss)/dx needs too (input_grad).
+at::Tensor add_linear_grads(const BlockDims& d, const TensorMap& w, TensorMap& grads, const std::string& proj,
+                            const at::Tensor& dy, const at::Tensor& x) {
+  if (auto it = grads.find(proj + ".weight"); it != grads.end()) it->second.add_(at::mm(dy.t(), x));
   if (auto it = grads.find(proj + ".bias"); it != grads.end()) it->second.add_(dy.sum({0}, false, at::kFloat));
+  const Adapter ad = adapter(w, proj);
+  if (!ad.a.defined()) return {};
+  const at::Tensor dz = dy * d.lora_scale;
+  if (auto it = grads.find(proj + ".lora_B.weight"); it != grads.end())
+    it->second.add_(at::mm(dz.t(), at::mm(x, ad.a.t())));
+  at::Tensor du = at::mm(dz, ad.b);
+  if (auto it = grads.find(proj + ".lora_A.weight"); it != grads.end()) it->second.add_(at::mm(du.t(), x));
+  return du;
+}
+
+// d(loss)/dx of the linear layer `proj` for 2-D dy: dy W, plus du A with an
+// adapter (du from add_linear_grads).
+at::Tensor input_grad(const TensorMap& w, const std::string& proj, const at::Tensor& dy, const at::Tensor& du) {
+  at::Tensor dx = at::mm(dy, weight(w, proj + ".weight"));
+  if (du.defined()) dx.add_(at::mm(du, weight(w, proj + ".lora_A.weight")));
+  return dx;
 }
 
 // A fresh leaf that aliases t: autograd reads it, never writes it.
@@ -245,7 +278,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
       save->v.copy_(p.v.view({n, -1}));
     }
     at::Tensor a = attention_core(d, w, rope, std::move(p.q), std::move(p.k), std::move(p.v));
-    x1 = x + linear(a, w, "self_attn.o_proj");
+    x1 = x + linear(d, a, w, "self_attn.o_proj");
   }
   if (save) save->x1.copy_(x1.view({n, d.hidden}));
   // x1 + mlp, tile by tile, in place: x1 is ours (a fresh sum), and the sum
@@ -265,7 +298,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
     at::silu_(m.gate);
     m.gate.mul_(m.up);
     m.up = at::Tensor();
-    t.add_(linear(m.gate, w, "mlp.down_proj"));
+    t.add_(linear(d, m.gate, w, "mlp.down_proj"));
   }
   return flat.view(x1.sizes());
 }
@@ -275,12 +308,12 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
                           int64_t token_tile, const LayerSaved* saved) {
   const int64_t b = x.size(0), s = x.size(1), n = b * s, qf = d.heads * d.head_dim;
   // Leaves for the weights autograd differentiates (norms; the projections'
-  // gradients are explicit GEMMs below).
-  auto weight_leaf = [&](const char* name) { return leaf(weight(w, name)); };
+  // gradients are explicit GEMMs below). A frozen norm (no accumulator) is
+  // no leaf: autograd computes no gradient for it.
+  auto trains = [&](const char* name) { return grads.find(name) != grads.end(); };
+  auto weight_leaf = [&](const char* name) { return trains(name) ? leaf(weight(w, name)) : weight(w, name); };
   auto add_grad = [&](const char* name, const at::Tensor& g) {
-    auto it = grads.find(name);
-    STRIDER_CHECK(it != grads.end(), "model block: no gradient accumulator for '{}'", name);
-    it->second.add_(g);
+    if (auto it = grads.find(name); it != grads.end()) it->second.add_(g);
   };
 
   // 1. The attention core rebuilt with autograd from the projections (kept,
@@ -299,9 +332,12 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
   }
   std::vector<at::Tensor> core_inputs = {leaf(q_proj), leaf(k_proj), leaf(v_proj)};
   TensorMap core_w;
+  const bool qk_norm_grads = d.qk_norm && trains("self_attn.q_norm.weight");
   if (d.qk_norm) {
     core_w.emplace("self_attn.q_norm.weight", weight_leaf("self_attn.q_norm.weight"));
     core_w.emplace("self_attn.k_norm.weight", weight_leaf("self_attn.k_norm.weight"));
+  }
+  if (qk_norm_grads) {
     core_inputs.push_back(core_w.at("self_attn.q_norm.weight"));
     core_inputs.push_back(core_w.at("self_attn.k_norm.weight"));
   }
@@ -314,7 +350,7 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     x1 = saved->x1.view({b, s, d.hidden});
   } else {
     at::NoGradGuard no_grad;
-    x1 = x + linear(a.detach(), w, "self_attn.o_proj");
+    x1 = x + linear(d, a.detach(), w, "self_attn.o_proj");
   }
 
   // 2. The MLP tile by tile (the forward's tiles): gate and up (kept, or
@@ -326,9 +362,6 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
   at::Tensor x1_flat = x1.reshape({n, d.hidden});
   x1 = at::Tensor();
   const at::Tensor gout_flat = grad_out.reshape({n, d.hidden});
-  const at::Tensor& w_gate = weight(w, "mlp.gate_proj.weight");
-  const at::Tensor& w_up = weight(w, "mlp.up_proj.weight");
-  const at::Tensor& w_down = weight(w, "mlp.down_proj.weight");
   const at::Tensor& norm2 = weight(w, "post_attention_layernorm.weight");
   const at::Tensor norm2_w = weight_leaf("post_attention_layernorm.weight");
   at::Tensor gx1 = at::empty({n, d.hidden}, x1_flat.options());
@@ -342,23 +375,25 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
       if (saved) m = {saved->gate.slice(0, t0, t1), saved->up.slice(0, t0, t1)};
       else m = mlp_projections(d, w, x1_t);
       at::Tensor silu = at::silu(m.gate);
-      add_linear_grads(grads, "mlp.down_proj", gout_t, silu * m.up);
-      at::Tensor dact = at::mm(gout_t, w_down);
+      at::Tensor du_down = add_linear_grads(d, w, grads, "mlp.down_proj", gout_t, silu * m.up);
+      at::Tensor dact = input_grad(w, "mlp.down_proj", gout_t, du_down);
+      du_down = at::Tensor();
       const at::Tensor du = dact * silu;
       silu = at::Tensor();
       const at::Tensor dg = at::silu_backward(dact.mul_(m.up), m.gate);
       dact = at::Tensor();
       m = {};
       const at::Tensor h2 = rms_norm(x1_t, norm2, d.rms_eps);
-      add_linear_grads(grads, "mlp.gate_proj", dg, h2);
-      add_linear_grads(grads, "mlp.up_proj", du, h2);
-      dh2 = at::mm(dg, w_gate).add_(at::mm(du, w_up));
+      const at::Tensor du_gate = add_linear_grads(d, w, grads, "mlp.gate_proj", dg, h2);
+      const at::Tensor du_up = add_linear_grads(d, w, grads, "mlp.up_proj", du, h2);
+      dh2 = input_grad(w, "mlp.gate_proj", dg, du_gate).add_(input_grad(w, "mlp.up_proj", du, du_up));
     }
     at::AutoGradMode enable(true);
     at::Tensor x1_leaf = leaf(x1_t);
-    std::vector<at::Tensor> g =
-        torch::autograd::grad({rms_norm(x1_leaf, norm2_w, d.rms_eps)}, {x1_leaf, norm2_w}, {dh2});
-    add_grad("post_attention_layernorm.weight", g[1]);
+    std::vector<at::Tensor> leaves{x1_leaf};
+    if (trains("post_attention_layernorm.weight")) leaves.push_back(norm2_w);
+    std::vector<at::Tensor> g = torch::autograd::grad({rms_norm(x1_leaf, norm2_w, d.rms_eps)}, leaves, {dh2});
+    if (g.size() > 1) add_grad("post_attention_layernorm.weight", g[1]);
     gx1.slice(0, t0, t1).copy_(g[0].add_(gout_t));
   }
   x1_flat = at::Tensor();
@@ -371,8 +406,8 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     at::Tensor da;
     {
       const at::Tensor a_flat = a.detach().reshape({n, qf});
-      add_linear_grads(grads, "self_attn.o_proj", gx1, a_flat);
-      da = at::mm(gx1, weight(w, "self_attn.o_proj.weight"));
+      const at::Tensor du = add_linear_grads(d, w, grads, "self_attn.o_proj", gx1, a_flat);
+      da = input_grad(w, "self_attn.o_proj", gx1, du);
     }
     at::AutoGradMode enable(true);
     g = torch::autograd::grad({a}, core_inputs, {da.view(a.sizes())});
@@ -380,7 +415,7 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
   a = at::Tensor();
   core_inputs.clear();
   q_proj = k_proj = v_proj = at::Tensor();
-  if (d.qk_norm) {
+  if (qk_norm_grads) {
     add_grad("self_attn.q_norm.weight", g[3]);
     add_grad("self_attn.k_norm.weight", g[4]);
   }
@@ -390,18 +425,20 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     at::NoGradGuard no_grad;
     const at::Tensor h1 = rms_norm(x, norm1, d.rms_eps).reshape({n, d.hidden});
     const at::Tensor dq = g[0].reshape({n, -1}), dk = g[1].reshape({n, -1}), dv = g[2].reshape({n, -1});
-    add_linear_grads(grads, "self_attn.q_proj", dq, h1);
-    add_linear_grads(grads, "self_attn.k_proj", dk, h1);
-    add_linear_grads(grads, "self_attn.v_proj", dv, h1);
-    dh1 = at::mm(dq, weight(w, "self_attn.q_proj.weight"));
-    dh1.add_(at::mm(dk, weight(w, "self_attn.k_proj.weight"))).add_(at::mm(dv, weight(w, "self_attn.v_proj.weight")));
+    const at::Tensor du_q = add_linear_grads(d, w, grads, "self_attn.q_proj", dq, h1);
+    const at::Tensor du_k = add_linear_grads(d, w, grads, "self_attn.k_proj", dk, h1);
+    const at::Tensor du_v = add_linear_grads(d, w, grads, "self_attn.v_proj", dv, h1);
+    dh1 = input_grad(w, "self_attn.q_proj", dq, du_q);
+    dh1.add_(input_grad(w, "self_attn.k_proj", dk, du_k)).add_(input_grad(w, "self_attn.v_proj", dv, du_v));
   }
   g.clear();
   at::AutoGradMode enable(true);
   at::Tensor x_leaf = leaf(x), norm1_w = weight_leaf("input_layernorm.weight");
   at::Tensor h1 = rms_norm(x_leaf, norm1_w, d.rms_eps);
-  g = torch::autograd::grad({h1}, {x_leaf, norm1_w}, {dh1.view(h1.sizes())});
-  add_grad("input_layernorm.weight", g[1]);
+  std::vector<at::Tensor> leaves{x_leaf};
+  if (trains("input_layernorm.weight")) leaves.push_back(norm1_w);
+  g = torch::autograd::grad({h1}, leaves, {dh1.view(h1.sizes())});
+  if (g.size() > 1) add_grad("input_layernorm.weight", g[1]);
   return g[0].add_(gx1.view(x.sizes()));
 }
 

@@ -8,6 +8,12 @@
 // name with the block prefix removed: "self_attn.q_proj.weight",
 // "input_layernorm.weight", "mlp.down_proj.weight", ... ("weight" alone for the
 // embedding; "norm.weight" and "lm_head.weight" for the head).
+//
+// LoRA (engine/lora.h): a linear layer whose weights include
+// "<proj>.lora_A.weight" [r, in] and "<proj>.lora_B.weight" [out, r] adds
+// BlockDims::lora_scale * (x A^T) B^T to x W^T, as PEFT's lora.Linear does.
+// A tensor with no gradient accumulator is frozen: its gradient is not
+// computed (the input's still is).
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,5 +1,7 @@
 #include "gpu/cache_unit_pool.h"
 
+#include <algorithm>
+
 #include "host/error.h"
 #include "host/param_layout.h"
 
@@ -9,9 +11,9 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 constexpr size_t kGradBytes = 4;   // fp32 accumulators
 }  // namespace
 
-size_t CacheUnitPool::unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes) {
+size_t CacheUnitPool::unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes, size_t grad_capacity_elems) {
   return round_up(capacity_elems * param_elem_bytes, kAlignBytes) +
-         round_up(capacity_elems * kGradBytes, kAlignBytes);
+         round_up(std::min(grad_capacity_elems, capacity_elems) * kGradBytes, kAlignBytes);
 }
 
 CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, const ParamLayout& largest_block,
@@ -26,7 +28,8 @@ CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, size_t capacity_e
   STRIDER_CHECK(options_.param_elem_bytes == 2 || options_.param_elem_bytes == 4,
                 "{}: parameters are 2 (bf16) or 4 (fp32) bytes, not {}", options_.what,
                 options_.param_elem_bytes);
-  unit_bytes_ = unit_bytes_for(capacity_elems, options_.param_elem_bytes);
+  const size_t grad_elems = std::min(options_.grad_capacity_elems, capacity_elems);
+  unit_bytes_ = unit_bytes_for(capacity_elems, options_.param_elem_bytes, grad_elems);
   // One allocation for all units: no fragmentation, and the budget check is one number.
   buffer_ = device_.allocate(unit_bytes_ * num_units,
                              fmt::format("{} ({} x {} bytes)", options_.what, num_units, unit_bytes_));
@@ -41,6 +44,7 @@ CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, size_t capacity_e
     u.params_bf16 = u.base;
     u.grads_fp32 = reinterpret_cast<float*>(u.base + grad_offset);
     u.capacity_elems = capacity_elems;
+    u.grad_capacity_elems = grad_elems;
     u.param_elem_bytes = options_.param_elem_bytes;
     for (auto& e : slots_[i].released) e = device_.make_event();
     free_.push_back(static_cast<int>(i));

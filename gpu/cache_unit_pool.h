@@ -1,9 +1,10 @@
 // CacheUnitPool: the K cache units of the sliding window, carved from ONE device
 // allocation made at construction (no allocation during a step).
 //
-// A unit holds one block: its bf16 parameters, then its fp32 gradient
-// accumulators, both `capacity_elems` long (the largest block's
-// ParamLayout::total_elems()). Reuse is ordered by events, not by the host
+// A unit holds one block: its bf16 parameters, `capacity_elems` long (the
+// largest block's ParamLayout::total_elems()), then its fp32 gradient
+// accumulators, `grad_capacity_elems` long (as many, unless some of what a
+// unit holds is frozen and has none: a LoRA base). Reuse is ordered by events, not by the host
 // waiting: release() records, on the streams that used the unit, the point
 // after their work so far; the next acquire() makes the writing stream wait for
 // those points. So a unit is overwritten only after the compute that read it
@@ -32,14 +33,16 @@ struct CacheUnit {
   size_t bytes = 0;              // the whole unit
   void* params_bf16 = nullptr;   // capacity_elems parameters at base: bf16, or fp32 when
                                  // param_elem_bytes is 4 (fp32 exactness runs)
-  float* grads_fp32 = nullptr;   // capacity_elems fp32 values after the parameters
+  float* grads_fp32 = nullptr;   // grad_capacity_elems fp32 values after the parameters
   size_t capacity_elems = 0;
+  size_t grad_capacity_elems = 0;
   size_t param_elem_bytes = 2;
 };
 
 struct CacheUnitPoolOptions {
   std::string what = "cache units";  // for messages
   size_t param_elem_bytes = 2;       // 2: bf16 parameters; 4: fp32
+  size_t grad_capacity_elems = SIZE_MAX;  // fp32 gradients per unit; SIZE_MAX: capacity_elems
   // Tests only: acquire() skips the wait on this stream's release event, to
   // prove that the ring test catches a missing wait. -1: skip nothing.
   int test_skip_release_wait = -1;
@@ -49,8 +52,10 @@ class CacheUnitPool {
  public:
   static constexpr size_t kAlignBytes = 256;
 
-  // Bytes of one unit holding `capacity_elems` parameters and their gradients.
-  static size_t unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes = 2);
+  // Bytes of one unit holding `capacity_elems` parameters and
+  // `grad_capacity_elems` gradients (SIZE_MAX: as many).
+  static size_t unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes = 2,
+                               size_t grad_capacity_elems = SIZE_MAX);
 
   // K units of `capacity_elems` each, in one device allocation. Throws (from
   // the device) naming the budget when it does not fit; K must be >= 1.

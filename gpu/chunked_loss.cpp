@@ -114,7 +114,7 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
       g.mul_(row_scale.unsqueeze(1));
       at::Tensor gc = g.to(ht.scalar_type());
       gh.add_(at::matmul(gc, wc));
-      grad_rows.slice(0, c0, c1).add_(at::matmul(gc.t(), ht));
+      if (grad_rows.defined()) grad_rows.slice(0, c0, c1).add_(at::matmul(gc.t(), ht));
     }
   });
 }
@@ -123,25 +123,30 @@ at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const 
                               const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile,
                               const at::Tensor& grad_x_out) {
   at::AutoGradMode enable(true);
-  at::Tensor norm_w = norm.detach().requires_grad_(true);
+  // A frozen norm (grad_norm undefined) is no leaf: no gradient of it is computed.
+  const bool trains = grad_norm.defined();
+  at::Tensor norm_w = trains ? norm.detach().requires_grad_(true) : norm.detach();
+  auto grads_of = [&](const at::Tensor& xin, const at::Tensor& normed, const at::Tensor& g_out) {
+    std::vector<at::Tensor> leaves{xin};
+    if (trains) leaves.push_back(norm_w);
+    std::vector<at::Tensor> g = torch::autograd::grad({normed}, leaves, {g_out});
+    if (trains) grad_norm.add_(g[1]);
+    return g[0];
+  };
   const int64_t tokens = x.size(0);
   if (token_tile <= 0 || token_tile >= tokens) {
     at::Tensor xin = x.detach().requires_grad_(true);
     at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
-    std::vector<at::Tensor> g = torch::autograd::grad({normed}, {xin, norm_w}, {grad_h.to(normed.scalar_type())});
-    grad_norm.add_(g[1]);
-    if (!grad_x_out.defined()) return g[0];
-    grad_x_out.copy_(g[0]);
+    at::Tensor gx = grads_of(xin, normed, grad_h.to(normed.scalar_type()));
+    if (!grad_x_out.defined()) return gx;
+    grad_x_out.copy_(gx);
     return grad_x_out;
   }
   at::Tensor grad_x = grad_x_out.defined() ? grad_x_out : at::empty_like(x);
   for_tiles(tokens, token_tile, [&](int64_t t0, int64_t t1) {
     at::Tensor xin = x.slice(0, t0, t1).detach().requires_grad_(true);
     at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
-    std::vector<at::Tensor> g =
-        torch::autograd::grad({normed}, {xin, norm_w}, {grad_h.slice(0, t0, t1).to(normed.scalar_type())});
-    grad_norm.add_(g[1]);
-    grad_x.slice(0, t0, t1).copy_(g[0]);
+    grad_x.slice(0, t0, t1).copy_(grads_of(xin, normed, grad_h.slice(0, t0, t1).to(normed.scalar_type())));
   });
   return grad_x;
 }

@@ -37,7 +37,7 @@ struct HeadWeights {
   at::Tensor lm_head;  // [vocab, hidden]; the embedding's weight when tied
 };
 struct HeadGrads {
-  at::Tensor norm;     // fp32 accumulators
+  at::Tensor norm;     // fp32 accumulators; undefined: frozen, its gradient not computed
   at::Tensor lm_head;
 };
 
@@ -88,7 +88,7 @@ void head_loss_sums(const HeadState& st, const at::Tensor& lse, const at::Tensor
                     at::Tensor& valid_tokens);
 // Pass 2 over one shard: adds d(loss_scale * loss)/dh (h the normed input)
 // into grad_h (fp32 [tokens, hidden]) and the rows' gradient into grad_rows
-// (fp32, like w_rows).
+// (fp32, like w_rows; undefined: frozen rows, no gradient computed).
 // `kept`: what pass 1 wrote into `keep` for this shard (the logits are not
 // computed again).
 void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
@@ -96,7 +96,7 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
                      double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows,
                      const at::Tensor& kept = {});
 // The final norm's backward once grad_h is complete: adds into grad_norm
-// (fp32) and returns d(loss)/dx, [tokens, hidden] (tile by tile with a token
+// (fp32; undefined: a frozen norm) and returns d(loss)/dx, [tokens, hidden] (tile by tile with a token
 // tile), written into grad_x_out when it is given.
 at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x,
                               const at::Tensor& grad_h, const at::Tensor& grad_norm, int64_t token_tile,

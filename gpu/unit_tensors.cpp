@@ -33,8 +33,8 @@ at::Tensor unit_params_flat(const Device& device, const CacheUnit& unit) {
 }
 
 at::Tensor unit_grads_flat(const Device& device, const CacheUnit& unit) {
-  const int64_t n = static_cast<int64_t>(unit.capacity_elems);
-  return view(device, unit.grads_fp32, unit.capacity_elems, at::kFloat, 0, unit.capacity_elems, {n}, "grads");
+  const int64_t n = static_cast<int64_t>(unit.grad_capacity_elems);
+  return view(device, unit.grads_fp32, unit.grad_capacity_elems, at::kFloat, 0, unit.grad_capacity_elems, {n}, "grads");
 }
 
 at::Tensor unit_param(const Device& device, const CacheUnit& unit, const TensorSlot& slot) {
@@ -43,7 +43,7 @@ at::Tensor unit_param(const Device& device, const CacheUnit& unit, const TensorS
 }
 
 at::Tensor unit_grad(const Device& device, const CacheUnit& unit, const TensorSlot& slot) {
-  return view(device, unit.grads_fp32, unit.capacity_elems, at::kFloat, slot.offset_elems, slot.numel, slot.shape,
+  return view(device, unit.grads_fp32, unit.grad_capacity_elems, at::kFloat, slot.offset_elems, slot.numel, slot.shape,
               slot.name);
 }
 

@@ -7,7 +7,7 @@
 
 namespace strider {
 
-const TensorSlot& ParamLayout::add(std::string name, std::vector<int64_t> shape, bool decay) {
+const TensorSlot& ParamLayout::add(std::string name, std::vector<int64_t> shape, bool decay, bool trainable) {
   STRIDER_CHECK(!name.empty(), "block '{}': a tensor needs a name", block_name_);
   STRIDER_CHECK(find(name) == nullptr, "block '{}': tensor '{}' added twice", block_name_, name);
   size_t numel = 1;
@@ -17,7 +17,7 @@ const TensorSlot& ParamLayout::add(std::string name, std::vector<int64_t> shape,
                   "block '{}': tensor '{}' has too many elements", block_name_, name);
     numel *= static_cast<size_t>(d);
   }
-  TensorSlot slot{std::move(name), std::move(shape), total_elems_, numel, decay};
+  TensorSlot slot{std::move(name), std::move(shape), total_elems_, numel, decay, trainable};
   total_elems_ += (numel + kAlignElems - 1) / kAlignElems * kAlignElems;
   param_elems_ += numel;
   slots_.push_back(std::move(slot));
@@ -38,6 +38,24 @@ std::vector<DecayRun> ParamLayout::decay_runs(size_t begin, size_t end) const {
   }
   if (runs.empty() && begin < end) runs.push_back({begin, end, true});  // no tensors: padding only
   return runs;
+}
+
+std::pair<size_t, size_t> ParamLayout::trainable_span() const {
+  size_t begin = 0, end = 0;
+  bool any = false;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    if (!slots_[i].trainable) continue;
+    if (!any) begin = slots_[i].offset_elems;
+    any = true;
+    end = i + 1 < slots_.size() ? slots_[i + 1].offset_elems : total_elems_;
+  }
+  return {begin, end};
+}
+
+bool ParamLayout::any_frozen() const {
+  for (const TensorSlot& s : slots_)
+    if (!s.trainable) return true;
+  return false;
 }
 
 const TensorSlot* ParamLayout::find(std::string_view name) const {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace strider {
@@ -22,6 +23,10 @@ struct TensorSlot {
   // AdamW's weight decay applies to it (the model's rule says which: norms and
   // biases are exempt in transformers' Trainer; engine/model_spec.h).
   bool decay = true;
+  // The optimizer trains it. A frozen tensor (a base weight under LoRA
+  // adapters, engine/model_spec.h) has no gradient, no master and no Adam
+  // state: its compute copy is all the engine keeps of it.
+  bool trainable = true;
 };
 
 // Elements [begin, end) of a block's flat layout that are updated alike.
@@ -39,7 +44,7 @@ class ParamLayout {
 
   // Appends a tensor at the next aligned offset. Throws on a duplicate name,
   // a negative dimension or an empty name. Returns its slot.
-  const TensorSlot& add(std::string name, std::vector<int64_t> shape, bool decay = true);
+  const TensorSlot& add(std::string name, std::vector<int64_t> shape, bool decay = true, bool trainable = true);
 
   // The slot called `name`; throws naming the block and the tensor when absent.
   const TensorSlot& at(std::string_view name) const;
@@ -57,6 +62,12 @@ class ParamLayout {
   // kind merged (a tensor's padding goes with it). Cuts fall on tensor offsets,
   // so on multiples of kAlignElems.
   std::vector<DecayRun> decay_runs(size_t begin, size_t end) const;
+  // [begin, end) from the first trainable tensor's offset to the end of the
+  // last one's padding; {0, 0} when every tensor is frozen. The optimizer
+  // state of the block covers this span (host/param_store.h, state_begin).
+  std::pair<size_t, size_t> trainable_span() const;
+  // Some tensor is frozen.
+  bool any_frozen() const;
 
  private:
   std::string block_name_;

@@ -31,7 +31,8 @@ KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
       state = 3 * aligned(ns) + 2 * scales;
     }
   }
-  return {state, aligned(n * dtype_size(o.compute_dtype)), b.grad_staging ? aligned(n * dtype_size(o.grad_dtype)) : 0};
+  return {state, aligned(n * dtype_size(o.compute_dtype)),
+          b.grad_staging ? aligned(std::min(b.grad_elems, n) * dtype_size(o.grad_dtype)) : 0};
 }
 
 void check_options(const StoreOptions& o) {
@@ -114,7 +115,9 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
       s.compute = carrier.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
     else
       s.compute_f32 = carrier.carve_as<float>(n, name + " fp32 compute copy", kAlignBytes);
-    if (spec.grad_staging) s.grad = arena.carve(n * dtype_size(options_.grad_dtype), kAlignBytes, name + " grad staging");
+    if (spec.grad_staging)
+      s.grad = arena.carve(std::min(spec.grad_elems, n) * dtype_size(options_.grad_dtype), kAlignBytes,
+                           name + " grad staging");
     // Adam's moments must start at zero and padding must stay zero; the arena
     // may have been used before, so do not rely on fresh mmap pages.
     if (!options_.zero) {

@@ -32,6 +32,9 @@ struct BlockSpec {
   // keeps (data parallel with sharded state: this rank's slice; whole q8
   // groups). The compute copy and the gradient staging are always whole.
   size_t state_begin = 0, state_end = SIZE_MAX;
+  // The gradient staging's elements (its trained pieces' back to back, when
+  // some are frozen); SIZE_MAX: the block's.
+  size_t grad_elems = SIZE_MAX;
 };
 
 struct StoreOptions {
@@ -53,7 +56,7 @@ struct BlockState {
   StateFormat format = StateFormat::kFp32;
   std::span<uint16_t> compute;       // bf16 bits (compute_dtype kBF16), else empty
   std::span<float> compute_f32;      // compute_dtype kF32, else empty
-  std::span<std::byte> grad;         // grad_dtype elements, layout->total_elems() of them (or empty)
+  std::span<std::byte> grad;         // grad_dtype elements, BlockSpec::grad_elems of them (or empty)
   DType grad_dtype = DType::kBF16;
   bool state_on_host = true;
   size_t state_begin = 0, state_end = 0;  // the state's slice of the block (BlockSpec)
