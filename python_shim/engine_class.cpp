@@ -132,6 +132,7 @@ void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device
   l.token_tile = config.compute.token_tile;
   l.vocab_shard_rows = config.vocab_shard_rows;
   l.layer_pieces = config.layer_pieces;
+  l.lora = config.lora;
   l.devices = config.devices;
   l.fp32_grad_transfer = config.fp32_grad_transfer;
   l.optimizer_state = config.optimizer_state;
@@ -191,6 +192,8 @@ class EngineHolder : public torch::CustomClassHolder {
     EngineConfig config = translated("engine_config_json", true, [&] { return engine_config_from_json(engine_json); });
     config.state_shards = int(shards);
     config.state_shard = int(shard);
+    // The adapters, if any, are tensors of the model the engine trains (and names).
+    translated("engine_config_json", true, [&] { spec.set_lora(LoraSpec::parse(config.lora, "engine_config_json lora")); });
     for (int64_t b : config.saved_blocks)
       TORCH_CHECK_VALUE(b >= 1 && b <= spec.layers, "engine_config_json: saved_blocks holds ", b,
                         ", which is not a decoder-layer block (1..", spec.layers, ")");

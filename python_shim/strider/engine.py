@@ -51,6 +51,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from strider import peft_lora
 from strider._library import load_library
 from strider.config import EngineConfig
 
@@ -116,15 +117,23 @@ def architecture_of(model) -> str:
     return name
 
 
-def check_trainable(model):
-    """Refuses frozen parameters: strider trains every parameter of the model (adapters over a frozen base are
-    not supported yet), so a requires_grad=False tensor would be updated against the caller's intent."""
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        shown = ", ".join(frozen[:8]) + (f", ... ({len(frozen)} in all)" if len(frozen) > 8 else "")
-        raise ValueError(f"strider.Engine: {len(frozen)} parameters have requires_grad=False ({shown}); strider "
-                         "trains every parameter and would update them too. Set requires_grad=True on them, or "
-                         "train the whole model (frozen parameters and LoRA adapters are not supported yet)")
+def check_trainable(model, pnames=None, lora=""):
+    """Refuses a requires_grad flag that is not what the engine would do with the tensor: a plain model trains
+    every parameter (freeze a base with PEFT's LoRA instead); a PEFT model its adapters and modules_to_save
+    (`pnames`: engine name -> the model's parameter name; `lora`: the EngineConfig.lora text)."""
+    if pnames is None:
+        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+        wrong = []
+    else:
+        flags = {name: p.requires_grad for name, p in model.named_parameters()}
+        frozen = [pn for en, pn in pnames.items() if not flags[pn] and peft_lora.trains(en, lora)]
+        wrong = [pn for en, pn in pnames.items() if flags[pn] and not peft_lora.trains(en, lora)]
+    for names, what, does in ((frozen, "requires_grad=False", "trains"), (wrong, "requires_grad=True", "freezes")):
+        if names:
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            raise ValueError(f"strider.Engine: {len(names)} parameters have {what} ({shown}), but strider {does} "
+                             "them: it trains every parameter of a plain model, and a PEFT LoRA model's adapters "
+                             "and modules_to_save (freeze a base with peft.get_peft_model)")
 
 
 def check_on_cpu(model):
@@ -166,7 +175,7 @@ class Engine:
         """Builds the engine for `model`, loads the model's weights into its fp32 masters and rebinds every
         parameter to the engine's compute copy (dtype: config.dtype). `model` is untouched if this raises."""
         self._build(model, config)
-        params = dict(model.named_parameters())
+        params = self._params()
         for name in self._names:
             self._engine.set_param(name, params[name].detach())
         self._alias()
@@ -200,16 +209,26 @@ class Engine:
             raise TypeError(f"strider.Engine: config must be a strider.EngineConfig, got {type(config).__name__}")
         config.validate()
         ranks = distributed_ranks()
-        arch = architecture_of(model)
+        base, pnames = model, None
+        if peft_lora.is_peft_model(model):
+            # LoRA over a frozen base: the adapters' options become the engine's (engine/lora.h).
+            if config.lora:
+                raise ValueError("strider.Engine: EngineConfig.lora is taken from the PEFT model; leave it empty")
+            base, lora, pnames = peft_lora.engine_view(model)
+            config = config.replace(lora=lora)
+        elif config.lora:
+            raise ValueError(f"strider.Engine: EngineConfig.lora = {config.lora!r} needs the model's adapters: wrap "
+                             "the model with peft.get_peft_model(model, peft.LoraConfig(...)) and leave lora empty")
+        arch = architecture_of(base)
         check_on_cpu(model)
-        check_trainable(model)
-        max_pos = getattr(model.config, "max_position_embeddings", None)
+        check_trainable(model, pnames, config.lora)
+        max_pos = getattr(base.config, "max_position_embeddings", None)
         if max_pos is not None and config.seq > max_pos:
             raise ValueError(f"EngineConfig.seq = {config.seq} is past the model's max_position_embeddings "
                              f"({max_pos}); lower seq")
         load_library()
 
-        model_config = model.config.to_dict()
+        model_config = base.config.to_dict()
         model_config["architectures"] = [arch]
         self._model_config_json = json.dumps(model_config, default=str)
         # Everything the engine builds is checked before anything is allocated, and nothing of the
@@ -227,8 +246,10 @@ class Engine:
         self.config = config
         self._names = list(self._engine.param_names())
         params = dict(model.named_parameters())  # a tied weight appears once
-        missing = [n for n in self._names if n not in params]
-        extra = [n for n in params if n not in set(self._names)]
+        # Engine name -> the model's parameter name (a PEFT model's differ; a plain one's are the same).
+        self._pnames = {n: n for n in params} if pnames is None else pnames
+        missing = [n for n in self._names if n not in self._pnames]
+        extra = [pn for en, pn in self._pnames.items() if en not in set(self._names)]
         if missing or extra:
             raise ValueError(f"strider.Engine: the model's parameters do not match what the engine trains for "
                              f"{arch}: the model lacks {missing[:5]}, the engine has no place for {extra[:5]}")
@@ -251,12 +272,17 @@ class Engine:
         host, port = where[0]
         self._engine.join_ranks(host, port, rank, world, local_rank, local_world, timeout)
 
+    def _params(self):
+        """The model's parameters by the engine's names."""
+        params = dict(self.model.named_parameters())
+        return {name: params[self._pnames[name]] for name in self._names}
+
     @torch.no_grad()
     def _alias(self):
         """Rebinds every parameter's data to its slot of the engine's compute copy. Every view is made
         first, so a failure leaves the model as it was; the rebinding itself cannot fail half-way."""
         views = {name: self._engine.compute_view(name) for name in self._names}
-        params = dict(self.model.named_parameters())
+        params = self._params()
         for name in self._names:
             p = params[name]
             p.grad = None  # a gradient of the old data means nothing to the engine's weights
@@ -339,7 +365,7 @@ class Engine:
 
     def is_aliased(self, name: str) -> bool:
         """Whether the model's parameter `name` is (still) a view of the engine's compute copy."""
-        p = dict(self.model.named_parameters())[name]
+        p = self._params()[name]
         return p.data_ptr() == self._engine.compute_view(name).data_ptr() and \
             p.dtype == self.compute_dtype
 
@@ -353,8 +379,8 @@ class Engine:
         the trained weights. Returns the model. A parameter rebound away from the engine since (e.g. by
         model.to(dtype)) gets the trained fp32 master copied in, cast to its dtype."""
         self._engine.finish()
-        for name, p in self.model.named_parameters():
-            if name in self._names and not self.is_aliased(name):
+        for name, p in self._params().items():
+            if not self.is_aliased(name):
                 p.copy_(self._engine.param(name).to(p.dtype))
         return self.model
 
@@ -366,6 +392,9 @@ class Engine:
         data position; Engine.resume gives it back). With write_model, also config.json and
         model.safetensors (the compute dtype) that from_pretrained loads. Waits for pending updates."""
         path = os.fspath(path)
+        if self.config.lora:
+            raise ValueError(f"Engine.save({path}): training checkpoints of LoRA adapters are not supported yet; "
+                             "after engine.finish(), peft_model.save_pretrained(dir) saves the trained adapter")
         try:
             extra_json = json.dumps({} if extra is None else extra)
         except (TypeError, ValueError) as e:

@@ -1,0 +1,115 @@
+"""LoRA over a frozen base (engine/lora.h), driven from Python with a PEFT model in place, against PEFT +
+torch.optim.AdamW.
+
+fp32 (an fp32 base), the CPU device, a window of 2 units over 4 blocks: a PEFT LoRA model (q, k, v, o and
+the MLP's projections, and the LM head in modules_to_save) trained for 4 steps with accumulation, clipping,
+weight decay and a warm-up tracks the same PEFT model trained by torch to 1e-5 relative, in every step's
+loss and gradient norm and in every adapter afterwards; every frozen base weight keeps its bits; and the adapter the trained PEFT model
+saves loads with PeftModel.from_pretrained into the same logits.
+"""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+import strider  # noqa: E402  (conftest puts python_shim/ on sys.path)
+from strider import _library  # noqa: E402
+# The full-training test's model size, data and reference: transformers + torch.optim.AdamW with the Trainer's
+# weight-decay groups, warm-up and linear decay, clipping (over the parameters that have gradients: PEFT's).
+from test_engine_vs_torch import (ACCUMULATION, BETAS, CLIP, EPS, LR, MICRO_BATCH, SEQ, SMALL, TOTAL,  # noqa: E402
+                                  WARMUP, WEIGHT_DECAY, batches, reference_run, rel_err)
+
+try:
+    _library.load_library()
+except ImportError as e:  # not built yet: the message names every path tried
+    pytest.skip(str(e), allow_module_level=True)
+
+STEPS = 4
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def base_model(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**SMALL)
+    cfg._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+def lora_model(base, **over):
+    opts = dict(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=0.0, modules_to_save=["lm_head"])
+    opts.update(over)
+    model = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **opts))
+    with torch.no_grad():  # PEFT starts lora_B at zero: move it so that lora_A's gradients mean something
+        torch.manual_seed(1)
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def config(**over):
+    return strider.EngineConfig(**{**dict(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, dtype="fp32",
+                                          vocab_chunk=300, window=2, lr=LR, betas=BETAS, eps=EPS,
+                                          weight_decay=WEIGHT_DECAY, schedule="linear", warmup_steps=WARMUP,
+                                          total_steps=TOTAL, clip_norm=CLIP, device="cpu"), **over})
+
+
+@pytest.mark.parametrize("chaos,devices", [(False, "1"), (True, "2")])
+def test_lora_tracks_peft_and_adamw_and_keeps_the_base(chaos, devices, tmp_path):
+    model = lora_model(base_model())
+    reference = copy.deepcopy(model)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    data = batches(SMALL["vocab_size"])[:STEPS]
+
+    engine = strider.Engine(model, config(chaos=chaos, devices=devices))
+    assert engine.config.lora == "r=4,alpha=8,targets=" + "+".join(ALL) + ",train=lm_head"
+    results = [engine.step(ids, labels) for ids, labels in data]
+    engine.finish()
+    ref = reference_run(reference, data)
+
+    for s, (r, (loss, norm)) in enumerate(zip(results, ref)):
+        assert abs(r.loss - loss) <= 1e-5 * abs(loss), f"step {s + 1}: loss {r.loss} vs {loss}"
+        assert abs(r.grad_norm - norm) <= 1e-5 * norm, f"step {s + 1}: grad norm {r.grad_norm} vs {norm}"
+    got, want = dict(model.named_parameters()), dict(reference.named_parameters())
+    trained = 0
+    for name, p in want.items():
+        if name in frozen:  # the base (and PEFT's own copy of the LM head): bit for bit what it was
+            assert torch.equal(got[name].detach(), frozen[name]), name
+            continue
+        trained += 1
+        assert rel_err(got[name].detach(), p.detach()) <= 1e-5, name  # measured: 5.4e-7 at most (the LM head)
+        assert not torch.equal(got[name].detach(), initial[name]), name  # it trained
+    assert trained == 2 * 7 * 2 + 1  # the adapters, and the LM head trained in full
+
+    # The trained adapter, saved by PEFT, loads into the same logits.
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "adapter")
+    ids = data[0][0]
+    with torch.no_grad():
+        a, b = model(input_ids=ids).logits, loaded(input_ids=ids).logits
+    assert (a - b).abs().max().item() <= 1e-6 * max(1.0, a.abs().max().item())
+
+
+def test_peft_options_strider_does_not_implement_are_refused_by_name():
+    for over, named in [(dict(use_dora=True), "use_dora"), (dict(lora_dropout=0.1), "lora_dropout"),
+                        (dict(bias="lora_only"), "bias"), (dict(modules_to_save=["norm"]), "modules_to_save"),
+                        (dict(layers_to_transform=[0]), "layers_to_transform"),
+                        (dict(rank_pattern={"q_proj": 8}), "rank_pattern")]:
+        model = lora_model(base_model(), **over)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(ValueError, match=named):
+            strider.Engine(model, config())
+        assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())  # untouched
+    with pytest.raises(ValueError, match="needs the model's adapters"):
+        strider.Engine(base_model(), config(lora="r=4,alpha=8,targets=q_proj"))
+    model = lora_model(base_model())
+    model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad=False"):
+        strider.Engine(model, config())
+    engine = strider.Engine(lora_model(base_model()), config())
+    with pytest.raises(ValueError, match="LoRA adapters"):
+        engine.save("/tmp/strider-lora-save-refused")
