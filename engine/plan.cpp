@@ -16,6 +16,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.compute = {l.dtype, l.vocab_chunk, token_tile};
   c.vocab_shard_rows = l.vocab_shard_rows;
   c.layer_pieces = l.layer_pieces;
+  c.lora = l.lora;
   c.devices = l.devices;
   c.fp32_grad_transfer = l.fp32_grad_transfer;
   c.window = window;
@@ -231,8 +232,9 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head; the embedding and the LM head move in {} "
                               "vocabulary shard{} of {} rows, no larger than a layer", blocks, spec.layers,
                               f.vocab_shards, f.vocab_shards == 1 ? "" : "s", f.shard_rows));
-  p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients) {}", k, k,
+  p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients{}) {}", k, k,
                               format_bytes(f.unit_bytes), f.unit_elems,
+                              f.unit_grad_elems < f.unit_elems ? fmt::format(" of the {} trained", f.unit_grad_elems) : "",
                               l.window > 0 ? "(as asked)" : k == blocks ? "(the whole model fits)"
                                              : k == kMaxAutoWindow ? "(more hides no more transfer time)"
                                                                    : "(the most that fits)"));
@@ -438,8 +440,10 @@ std::string activations_line(const ModelSpec& spec, const PlanLimits& l, const P
 
 }  // namespace
 
-Plan Plan::make(const ModelSpec& spec, const PlanLimits& l) {
+Plan Plan::make(const ModelSpec& model, const PlanLimits& l) {
   STRIDER_CHECK(l.device_bytes > 0, "plan: the device budget must be > 0");
+  ModelSpec spec = model;  // what the engine trains: the model with the limits' adapters, if any
+  spec.set_lora(LoraSpec::parse(l.lora, "plan: lora"));
   check_plan_inputs(spec, l);
   // What one kept layer holds per step, and whether keeping pays (kAuto).
   EngineConfig one;

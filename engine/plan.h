@@ -51,6 +51,7 @@ struct PlanLimits {
   int64_t token_tile = -1;       // tokens per tile in the head and the MLP; -1: the plan chooses, 0: untiled
   int64_t vocab_shard_rows = 0;  // 0: shards no larger than a layer (engine/shards.h)
   std::string layer_pieces;      // EngineConfig::layer_pieces (empty: one piece per layer)
+  std::string lora;              // EngineConfig::lora (empty: every parameter trains); Plan::make applies it
   int devices = 1;               // a pool's devices, each with device_bytes (EngineConfig::devices)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
   StateFormat optimizer_state = StateFormat::kFp32;  // how master, m and v are stored (host/state_format.h)

@@ -27,7 +27,7 @@ struct Options {
   bool json = false;
   bool schedule = false;
   // From the configuration's declaration (engine/config_fields.json).
-  std::string nvme, dtype, activations, optimizer_state, layer_pieces, devices;
+  std::string nvme, dtype, activations, optimizer_state, layer_pieces, devices, lora;
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0;
   double clip = 0;
   ConfigOptions config;
@@ -132,6 +132,7 @@ std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json
 
 int run(Options& o) {
   ModelSpec spec = load_spec(o.model);
+  spec.set_lora(LoraSpec::parse(o.lora, "--lora"));  // what the engine would train (Plan::make applies it too)
   // The built-in model trains from scratch: the demo's shapes (a plan is for a GPU).
   const std::string demo = o.model == "builtin" ? o.config.apply_demo(true) : std::string();
   PlanLimits l;
@@ -151,6 +152,7 @@ int run(Options& o) {
   l.activations = parse_activation_mode(o.activations);
   l.optimizer_state = parse_state_format(o.optimizer_state);
   l.layer_pieces = o.layer_pieces;
+  l.lora = o.lora;
   l.vocab_shard_rows = o.vocab_shard_rows;
   l.devices = int(pool_specs("cpu", o.devices).size());
   // host_peak_bytes counts this binary's own footprint (no run allocated yet)
@@ -283,6 +285,7 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "activations", o->activations);
   f.add(*c, "optimizer_state", o->optimizer_state);
   f.add(*c, "layer_pieces", o->layer_pieces);
+  f.add(*c, "lora", o->lora);
   f.add(*c, "devices", o->devices);
   f.add(*c, "vocab_shard_rows", o->vocab_shard_rows);
   c->add_option("--predict", o->predict,
