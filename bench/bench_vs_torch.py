@@ -27,6 +27,13 @@ largest relative difference of a step's loss. A figure, never pass/fail.
     bench/bench_vs_torch.py                        # the default: ~135M Llama, 49152 vocabulary
     bench/bench_vs_torch.py --rounds 5 --window 2 --activations auto
     bench/bench_vs_torch.py --device cuda          # on a GPU (bench/gpu_check.sh runs it there)
+
+With --lora R both sides train LoRA adapters of rank R (alpha 2R, every decoder
+layer's linear modules) over a frozen base: torch is PEFT + torch.optim.AdamW
+over the adapters, strider is strider.Engine on the same PEFT model. A third
+side, strider training every parameter of the same model on the same batches,
+runs in the same rounds: lora_over_full is the median over rounds of the LoRA
+step's time divided by the full step's.
 """
 import argparse
 import json
@@ -67,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=MODEL_135M["vocab_size"])
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--device-budget", default="8GiB", help="strider's device budget (the CPU device's memory)")
+    p.add_argument("--lora", type=int, default=0,
+                   help="rank of LoRA adapters on every linear module of the decoder layers (PEFT on both sides), "
+                        "and a third side training the full model; 0: full training only")
     p.add_argument("--json-out", default="", help="also write the JSON line to this file")
     p.add_argument("--toy", action="store_true",
                    help="a 1-layer, 78K-parameter cut (seq 32, 1 step per round): checks the bench itself in seconds")
@@ -107,7 +117,10 @@ class TorchSide:
         import torch
         self.torch, self.a, self.model = torch, a, model
         from strider.torch_reference import adamw_param_groups  # the Trainer's groups, as strider decays
-        self.opt = torch.optim.AdamW(adamw_param_groups(model, 0.1), lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
+        # A PEFT model: its trainable parameters only (the adapters), as PEFT + a Trainer would train them.
+        groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in adamw_param_groups(model, 0.1)]
+        self.trained = [p for g in groups for p in g["params"]]
+        self.opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
         self.dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
 
     def step(self, ids, labels):
@@ -126,7 +139,7 @@ class TorchSide:
             (loss_sum / valid).backward()
             total += float(loss_sum)
             del logits, loss_sum
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(self.trained, 1.0)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return total / valid
@@ -163,6 +176,10 @@ def worker(side, a, conn):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(model_config(a)).float()
     params = sum(p.numel() for p in model.parameters())
+    if a.lora and side != "strider_full":
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(r=a.lora, lora_alpha=2 * a.lora, lora_dropout=0.0,
+                                                           target_modules="all-linear", task_type="CAUSAL_LM"))
     if side == "torch":
         model.to(a.device)  # strider takes the model on the CPU and streams it to the device itself
     runner = TorchSide(a, model) if side == "torch" else StriderSide(a, model)
@@ -191,7 +208,8 @@ def main(argv=None):
     a = parse_args(argv)
     ctx = mp.get_context("spawn")
     procs, conns = {}, {}
-    for side in ("torch", "strider"):
+    sides = ("torch", "strider", "strider_full") if a.lora else ("torch", "strider")
+    for side in sides:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=worker, args=(side, a, child), daemon=True)
         p.start()
@@ -201,28 +219,33 @@ def main(argv=None):
     print(f"model: Llama {info['torch']['params'] / 1e6:.1f}M parameters ({a.layers} layers, hidden {a.hidden}, "
           f"vocabulary {a.vocab}); batch {a.micro_batch} x {a.accumulation} x seq {a.seq}, {a.dtype}, "
           f"{info['torch']['threads']} threads; strider K = {a.window}, activations "
-          f"{a.activations or 'default'}, {'CPU device' if a.device == 'cpu' else 'on the GPU'}", flush=True)
+          f"{a.activations or 'default'}, {'CPU device' if a.device == 'cpu' else 'on the GPU'}"
+          + (f"; LoRA rank {a.lora} (torch: PEFT), strider_full: every parameter" if a.lora else ""), flush=True)
 
     def run(side, n):
         conns[side].send(n)
         return conns[side].recv()
 
-    losses = {"torch": [], "strider": []}
+    losses = {side: [] for side in sides}
     if a.warmup_steps:
         for side in conns:
             losses[side] += run(side, a.warmup_steps)["losses"]
-    ratios, tps = [], {"torch": [], "strider": []}
+    ratios, lora_full, tps = [], [], {side: [] for side in sides}
     rss = {}
     for r in range(a.rounds):
-        order = ("torch", "strider") if r % 2 == 0 else ("strider", "torch")
+        order = sides if r % 2 == 0 else tuple(reversed(sides))
         got = {side: run(side, a.steps_per_round) for side in order}
         for side in order:
             losses[side] += got[side]["losses"]
             tps[side].append(a.steps_per_round * tokens_per_step / got[side]["seconds"])
             rss[side] = got[side]["peak_rss"]
         ratios.append(tps["strider"][-1] / tps["torch"][-1])
-        print(f"round {r + 1}: torch {tps['torch'][-1]:.0f} tokens/s, strider {tps['strider'][-1]:.0f} tokens/s, "
-              f"strider/torch {ratios[-1]:.3f}", flush=True)
+        line = (f"round {r + 1}: torch {tps['torch'][-1]:.0f} tokens/s, strider {tps['strider'][-1]:.0f} tokens/s, "
+                f"strider/torch {ratios[-1]:.3f}")
+        if a.lora:  # time per step: LoRA's over full training's
+            lora_full.append(tps["strider_full"][-1] / tps["strider"][-1])
+            line += f", strider full {tps['strider_full'][-1]:.0f} tokens/s, LoRA step / full step {lora_full[-1]:.3f}"
+        print(line, flush=True)
     for side in conns:
         conns[side].send("stop")
         procs[side].join(timeout=60)
@@ -238,7 +261,11 @@ def main(argv=None):
                   strider_tokens_per_s=statistics.median(tps["strider"]),
                   strider_over_torch=statistics.median(ratios), ratios=[round(x, 4) for x in ratios],
                   torch_peak_rss_bytes=rss["torch"], strider_peak_rss_bytes=rss["strider"],
-                  loss_max_rel_diff=max(rel), steps=len(rel))
+                  loss_max_rel_diff=max(rel), steps=len(rel), lora=a.lora)
+    if a.lora:
+        result.update(strider_full_tokens_per_s=statistics.median(tps["strider_full"]),
+                      lora_over_full=statistics.median(lora_full), lora_over_full_rounds=[round(x, 4) for x in lora_full],
+                      strider_full_peak_rss_bytes=rss["strider_full"])
     line = json.dumps(result)
     print(line)
     if a.json_out:

@@ -18,3 +18,15 @@ def test_bench_vs_torch_runs_both_sides_and_their_losses_agree(build_dir, repo_r
     assert result["strider_over_torch"] > 0 and len(result["ratios"]) == 2
     assert result["loss_max_rel_diff"] < 2e-2
     assert "round 2:" in r.stdout and "step 3: loss torch" in r.stdout
+
+
+def test_bench_vs_torch_with_lora_runs_peft_strider_and_full_training(build_dir, repo_root):
+    cmd = [sys.executable, str(repo_root / "bench/bench_vs_torch.py"), "--toy", "--rounds", "2", "--lora", "4"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "STRIDER_BUILD_DIR": str(build_dir)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["lora"] == 4 and result["steps"] == 3
+    assert result["lora_over_full"] > 0 and len(result["lora_over_full_rounds"]) == 2
+    assert result["loss_max_rel_diff"] < 2e-2  # strider's LoRA against PEFT's, step by step
+    assert "LoRA step / full step" in r.stdout
