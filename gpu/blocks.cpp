@@ -23,23 +23,60 @@ at::Tensor optional_weight(const TensorMap& w, std::string_view name) {
   return it == w.end() ? at::Tensor() : it->second;
 }
 
-// The LoRA adapter of `proj` (A [r, in], B [out, r]), undefined when the block has none.
-struct Adapter {
-  at::Tensor a, b;
+// The LoRA adapters of projections that read one input (q, k and v; gate
+// and up; o; down), those of them the block has: A [r, in] and B [out, r]
+// each. x A^T is one GEMM for the group, over the A's stacked: a GEMM of r
+// (16) output columns costs far more than its FLOPs (on a CPU its fixed
+// overhead dominates), so the adapters' GEMMs are grouped wherever they share
+// an operand (bench/bench_vs_torch.py --lora times the LoRA step).
+struct Adapters {
+  std::vector<std::string> projs;
+  std::vector<at::Tensor> b;
+  std::vector<int64_t> at;  // each adapter's first row of `a`
+  at::Tensor a;             // the A's stacked: [sum of r, in]
+  bool empty() const { return projs.empty(); }
 };
-Adapter adapter(const TensorMap& w, const std::string& proj) {
-  auto it = w.find(proj + ".lora_A.weight");
-  if (it == w.end()) return {};
-  return {it->second, weight(w, proj + ".lora_B.weight")};
+Adapters adapters(const TensorMap& w, std::initializer_list<const char*> projs) {
+  Adapters g;
+  std::vector<at::Tensor> a;
+  int64_t rows = 0;
+  for (const char* proj : projs) {
+    auto it = w.find(std::string(proj) + ".lora_A.weight");
+    if (it == w.end()) continue;
+    g.projs.emplace_back(proj);
+    g.at.push_back(rows);
+    rows += it->second.size(0);
+    a.push_back(it->second);
+    g.b.push_back(weight(w, std::string(proj) + ".lora_B.weight"));
+  }
+  if (!a.empty()) g.a = a.size() == 1 ? a[0] : at::cat(a);
+  return g;
 }
 
-// x W^T (+ b), plus the adapter's (x A^T) B^T scaled, added as PEFT's
-// lora.Linear adds it (the scaled product into the base's result).
-at::Tensor linear(const BlockDims& d, const at::Tensor& x, const TensorMap& w, const std::string& proj) {
-  at::Tensor y = at::linear(x, weight(w, proj + ".weight"), optional_weight(w, proj + ".bias"));
-  if (const Adapter ad = adapter(w, proj); ad.a.defined())
-    y.add_(at::linear(at::linear(x, ad.a), ad.b).mul_(d.lora_scale));
+at::Tensor base_linear(const at::Tensor& x, const TensorMap& w, const std::string& proj) {
+  return at::linear(x, weight(w, proj + ".weight"), optional_weight(w, proj + ".bias"));
+}
+
+// The projections `projs` of x (one input), each x W^T (+ b) plus its
+// adapter's scale (x A^T) B^T: PEFT's lora.Linear's sum, with the adapter's
+// GEMM accumulating into the base's output (addmm_, scaled there), so the
+// adapters add no pass over the [tokens, out] outputs.
+std::vector<at::Tensor> linears(const BlockDims& d, const at::Tensor& x, const TensorMap& w,
+                                std::initializer_list<const char*> projs) {
+  std::vector<at::Tensor> y;
+  for (const char* proj : projs) y.push_back(base_linear(x, w, proj));
+  const Adapters g = adapters(w, projs);
+  if (g.empty()) return y;
+  const at::Tensor u = at::linear(x, g.a).reshape({-1, g.a.size(0)});
+  for (size_t i = 0; i < g.projs.size(); ++i) {
+    const size_t k = size_t(std::find(projs.begin(), projs.end(), g.projs[i]) - projs.begin());
+    const at::Tensor& b = g.b[i];
+    y[k].view({-1, b.size(0)}).addmm_(u.narrow(1, g.at[i], b.size(1)), b.t(), 1.0, d.lora_scale);
+  }
   return y;
+}
+at::Tensor linear(const BlockDims& d, const at::Tensor& x, const TensorMap& w, const char* proj) {
+  return linears(d, x, w, {proj})[0];
 }
 
 // x * cos + rotate_half(x) * sin for x [b, s, heads, head_dim], as
@@ -91,8 +128,8 @@ struct Projections {
 };
 Projections attention_projections(const TensorMap& w, const BlockDims& d, const at::Tensor& x) {
   at::Tensor h = rms_norm(x, weight(w, "input_layernorm.weight"), d.rms_eps);
-  return {linear(d, h, w, "self_attn.q_proj"), linear(d, h, w, "self_attn.k_proj"),
-          linear(d, h, w, "self_attn.v_proj")};
+  std::vector<at::Tensor> y = linears(d, h, w, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"});
+  return {std::move(y[0]), std::move(y[1]), std::move(y[2])};
 }
 
 // The attention core from the projections: the q/k norms, RoPE and SDPA,
@@ -141,36 +178,50 @@ struct MlpProjections {
 };
 MlpProjections mlp_projections(const BlockDims& d, const TensorMap& w, const at::Tensor& x1) {
   at::Tensor h = rms_norm(x1, weight(w, "post_attention_layernorm.weight"), d.rms_eps);
-  return {linear(d, h, w, "mlp.gate_proj"), linear(d, h, w, "mlp.up_proj")};
+  std::vector<at::Tensor> y = linears(d, h, w, {"mlp.gate_proj", "mlp.up_proj"});
+  return {std::move(y[0]), std::move(y[1])};
 }
 
-// y = x W^T (+ b) (+ scale (x A^T) B^T) for 2-D dy = dL/dy and x: adds dL/dW
-// = dy^T x (and dL/db, summed in fp32) into the fp32 accumulators of `proj`,
-// and the adapter's dL/dB = (scale dy)^T (x A^T) and dL/dA = du^T x, du =
-// (scale dy) B, into theirs. A tensor without an accumulator is frozen
-// (BlockRunner gives accumulators to the trainable tensors only): its
-// gradient is not computed. Returns du (undefined without an adapter), which
-// d(loss)/dx needs too (input_grad).
-at::Tensor add_linear_grads(const BlockDims& d, const TensorMap& w, TensorMap& grads, const std::string& proj,
-                            const at::Tensor& dy, const at::Tensor& x) {
+// y = x W^T (+ b) for 2-D dy = dL/dy and x: adds dL/dW = dy^T x (and dL/db,
+// summed in fp32) into the fp32 accumulators of `proj`. A tensor without an
+// accumulator is frozen (BlockRunner gives accumulators to the trainable
+// tensors only): its gradient is not computed.
+void add_linear_grads(TensorMap& grads, const std::string& proj, const at::Tensor& dy, const at::Tensor& x) {
   if (auto it = grads.find(proj + ".weight"); it != grads.end()) it->second.add_(at::mm(dy.t(), x));
   if (auto it = grads.find(proj + ".bias"); it != grads.end()) it->second.add_(dy.sum({0}, false, at::kFloat));
-  const Adapter ad = adapter(w, proj);
-  if (!ad.a.defined()) return {};
-  const at::Tensor dz = dy * d.lora_scale;
-  if (auto it = grads.find(proj + ".lora_B.weight"); it != grads.end())
-    it->second.add_(at::mm(dz.t(), at::mm(x, ad.a.t())));
-  at::Tensor du = at::mm(dz, ad.b);
-  if (auto it = grads.find(proj + ".lora_A.weight"); it != grads.end()) it->second.add_(at::mm(du.t(), x));
-  return du;
 }
 
-// d(loss)/dx of the linear layer `proj` for 2-D dy: dy W, plus du A with an
-// adapter (du from add_linear_grads).
-at::Tensor input_grad(const TensorMap& w, const std::string& proj, const at::Tensor& dy, const at::Tensor& du) {
-  at::Tensor dx = at::mm(dy, weight(w, proj + ".weight"));
-  if (du.defined()) dx.add_(at::mm(du, weight(w, proj + ".lora_A.weight")));
-  return dx;
+// d(loss)/dx of the projections `projs` of one 2-D input x, given their
+// output gradients `dys` (2-D, in the same order): the sum of dy W, plus
+// their adapters' share. On the way, adds the adapters' gradients: dB =
+// s dy^T (x A^T), dA = du^T x with du = s dy B, and dx gains du A (the
+// group's du side by side: dA and du A are one GEMM each for the group; the
+// scale goes on the [out, r] and [tokens, r] products, not on dy).
+at::Tensor linears_input_grad(const BlockDims& d, const TensorMap& w, TensorMap& grads,
+                              std::initializer_list<const char*> projs, const std::vector<at::Tensor>& dys,
+                              const at::Tensor& x) {
+  at::Tensor dx;
+  size_t k = 0;
+  for (const char* proj : projs) {
+    const at::Tensor part = at::mm(dys[k++], weight(w, std::string(proj) + ".weight"));
+    dx = dx.defined() ? dx.add_(part) : part;
+  }
+  const Adapters g = adapters(w, projs);
+  if (g.empty()) return dx;
+  const at::Tensor u = at::mm(x, g.a.t());
+  at::Tensor du = at::empty({x.size(0), g.a.size(0)}, x.options());
+  for (size_t i = 0; i < g.projs.size(); ++i) {
+    const int64_t r = g.b[i].size(1);
+    const at::Tensor& dy = dys[size_t(std::find(projs.begin(), projs.end(), g.projs[i]) - projs.begin())];
+    if (auto it = grads.find(g.projs[i] + ".lora_B.weight"); it != grads.end())
+      it->second.add_(at::mm(dy.t(), u.narrow(1, g.at[i], r)).mul_(d.lora_scale));
+    du.narrow(1, g.at[i], r).copy_(at::mm(dy, g.b[i]).mul_(d.lora_scale));
+  }
+  const at::Tensor da = at::mm(du.t(), x);
+  for (size_t i = 0; i < g.projs.size(); ++i)
+    if (auto it = grads.find(g.projs[i] + ".lora_A.weight"); it != grads.end())
+      it->second.add_(da.narrow(0, g.at[i], g.b[i].size(1)));
+  return dx.add_(at::mm(du, g.a));
 }
 
 // A fresh leaf that aliases t: autograd reads it, never writes it.
@@ -375,18 +426,20 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
       if (saved) m = {saved->gate.slice(0, t0, t1), saved->up.slice(0, t0, t1)};
       else m = mlp_projections(d, w, x1_t);
       at::Tensor silu = at::silu(m.gate);
-      at::Tensor du_down = add_linear_grads(d, w, grads, "mlp.down_proj", gout_t, silu * m.up);
-      at::Tensor dact = input_grad(w, "mlp.down_proj", gout_t, du_down);
-      du_down = at::Tensor();
+      at::Tensor act = silu * m.up;
+      add_linear_grads(grads, "mlp.down_proj", gout_t, act);
+      if (w.find("mlp.down_proj.lora_A.weight") == w.end()) act = at::Tensor();  // gone before dact, as ever
+      at::Tensor dact = linears_input_grad(d, w, grads, {"mlp.down_proj"}, {gout_t}, act);
+      act = at::Tensor();
       const at::Tensor du = dact * silu;
       silu = at::Tensor();
       const at::Tensor dg = at::silu_backward(dact.mul_(m.up), m.gate);
       dact = at::Tensor();
       m = {};
       const at::Tensor h2 = rms_norm(x1_t, norm2, d.rms_eps);
-      const at::Tensor du_gate = add_linear_grads(d, w, grads, "mlp.gate_proj", dg, h2);
-      const at::Tensor du_up = add_linear_grads(d, w, grads, "mlp.up_proj", du, h2);
-      dh2 = input_grad(w, "mlp.gate_proj", dg, du_gate).add_(input_grad(w, "mlp.up_proj", du, du_up));
+      add_linear_grads(grads, "mlp.gate_proj", dg, h2);
+      add_linear_grads(grads, "mlp.up_proj", du, h2);
+      dh2 = linears_input_grad(d, w, grads, {"mlp.gate_proj", "mlp.up_proj"}, {dg, du}, h2);
     }
     at::AutoGradMode enable(true);
     at::Tensor x1_leaf = leaf(x1_t);
@@ -406,8 +459,8 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     at::Tensor da;
     {
       const at::Tensor a_flat = a.detach().reshape({n, qf});
-      const at::Tensor du = add_linear_grads(d, w, grads, "self_attn.o_proj", gx1, a_flat);
-      da = input_grad(w, "self_attn.o_proj", gx1, du);
+      add_linear_grads(grads, "self_attn.o_proj", gx1, a_flat);
+      da = linears_input_grad(d, w, grads, {"self_attn.o_proj"}, {gx1}, a_flat);
     }
     at::AutoGradMode enable(true);
     g = torch::autograd::grad({a}, core_inputs, {da.view(a.sizes())});
@@ -425,11 +478,10 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     at::NoGradGuard no_grad;
     const at::Tensor h1 = rms_norm(x, norm1, d.rms_eps).reshape({n, d.hidden});
     const at::Tensor dq = g[0].reshape({n, -1}), dk = g[1].reshape({n, -1}), dv = g[2].reshape({n, -1});
-    const at::Tensor du_q = add_linear_grads(d, w, grads, "self_attn.q_proj", dq, h1);
-    const at::Tensor du_k = add_linear_grads(d, w, grads, "self_attn.k_proj", dk, h1);
-    const at::Tensor du_v = add_linear_grads(d, w, grads, "self_attn.v_proj", dv, h1);
-    dh1 = input_grad(w, "self_attn.q_proj", dq, du_q);
-    dh1.add_(input_grad(w, "self_attn.k_proj", dk, du_k)).add_(input_grad(w, "self_attn.v_proj", dv, du_v));
+    add_linear_grads(grads, "self_attn.q_proj", dq, h1);
+    add_linear_grads(grads, "self_attn.k_proj", dk, h1);
+    add_linear_grads(grads, "self_attn.v_proj", dv, h1);
+    dh1 = linears_input_grad(d, w, grads, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {dq, dk, dv}, h1);
   }
   g.clear();
   at::AutoGradMode enable(true);
