@@ -46,14 +46,17 @@ ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint6
   ActivationCost c;
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
   const double m = double(l.accumulation);
-  c.forward_flops = spec.cost(1, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0).forward_flops * m;
+  const BlockCost layer = spec.cost(1, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0);
+  c.forward_flops = layer.forward_flops * m;
+  c.backward_flops = layer.backward_flops * m;
   c.attention_flops = attention_core_flops(spec, l.micro_batch, l.seq) * m;
   c.param_bytes = uint64_t(spec.layout(1).total_elems()) * uint64_t(cbytes);
   c.saved_bytes = saved_bytes_per_layer;
   const double f = c.forward_flops / l.compute_flops_per_s, a = c.attention_flops / l.compute_flops_per_s;
+  const double b = c.backward_flops / l.compute_flops_per_s;
   const double p = double(c.param_bytes) / l.link_bytes_per_s, s = double(c.saved_bytes) / l.link_bytes_per_s;
-  c.recompute_s = std::max(f, p) + std::max(3 * f, p);
-  c.saved_s = std::max({f, p, s}) + std::max(2 * f + a, p + s);
+  c.recompute_s = std::max(f, p) + std::max(f + b, p);
+  c.saved_s = std::max({f, p, s}) + std::max(b + a, p + s);
   return c;
 }
 

@@ -102,19 +102,21 @@ struct PlanLimits {
 
 // kAuto's cost model for one decoder layer over one step (all micro-batches),
 // in seconds; Plan::make keeps a layer's activations when saved_s < recompute_s.
-//   F = forward FLOPs / compute rate, A = attention-core FLOPs / compute rate,
+//   F, B = forward, backward FLOPs (ModelSpec::cost) / compute rate, A = attention-core FLOPs / compute rate,
 //   P = the layer's parameter bytes (compute dtype), S = its kept bytes, link:
-//   recompute: forward max(F, P/link) + backward max(3F, P/link)
-//              (backward runs the forward again: F + 2F; the parameters cross
-//              the link once per sweep, twice in all);
+//   recompute: forward max(F, P/link) + backward max(F + B, P/link)
+//              (backward runs the forward again: F + B, B = 2F in full
+//              training, the input gradients only under LoRA; the
+//              parameters cross the link once per sweep, twice in all);
 //   saved:     forward max(F, P/link, S/link) (S goes out on the d2h lane
-//              while P comes in on h2d) + backward max(2F + A, (P + S)/link)
+//              while P comes in on h2d) + backward max(B + A, (P + S)/link)
 //              (no matmul recomputed, the attention core is; P and S both
 //              come in on h2d).
 // The gradients' D2H is the same either way and left out. A rough, one-layer
 // model: the whole schedule, with its overlaps, is what --predict simulates.
 struct ActivationCost {
   double forward_flops = 0, attention_flops = 0;  // the layer's, one step
+  double backward_flops = 0;  // its backward's, one step: 2x the forward, or input gradients only under LoRA
   uint64_t param_bytes = 0, saved_bytes = 0;
   double recompute_s = 0, saved_s = 0;
   bool pays() const { return saved_s < recompute_s; }

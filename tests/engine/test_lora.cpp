@@ -8,6 +8,7 @@
 
 #include "engine/engine.h"
 #include "engine/model_presets.h"
+#include "engine/plan.h"
 #include "engine/resident_model.h"
 #include "engine/step_program.h"
 #include "host/cpu_adam.h"
@@ -258,4 +259,22 @@ TEST_CASE("LoRA on the simulated RTX 4090: less compute, the adapters' D2H and o
   CHECK(lora.d2h_bytes * 50 < full.d2h_bytes);  // r=16 adapters: 0.5% of the parameters
   CHECK(lora.stats.lanes[size_t(Lane::kOptimizer)].busy_s * 50 < full.stats.lanes[size_t(Lane::kOptimizer)].busy_s);
   CHECK(lora.tokens_per_s > full.tokens_per_s);
+}
+
+TEST_CASE("LoRA: the plan's activation choice prices a backward of input gradients", "[lora][plan]") {
+  // Llama-3.1-8B, 8 sequences of 1024: recompute costs the forward again on
+  // top of the backward, which under a frozen base is about the forward, not
+  // twice it; kept activations spare that recompute either way.
+  const ModelSpec full = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  const ModelSpec lora = with_lora(full, "r=16,alpha=32,targets=all-linear");
+  PlanLimits l;
+  l.seq = 1024;
+  l.accumulation = 8;
+  l.compute_flops_per_s = 80e12;
+  l.link_bytes_per_s = 25e9;
+  const ActivationCost f = activation_cost(full, l, 1 << 30), a = activation_cost(lora, l, 1 << 30);
+  CHECK(f.backward_flops == Approx(2 * f.forward_flops));
+  CHECK(a.backward_flops < 0.6 * f.backward_flops);
+  CHECK(a.recompute_s < f.recompute_s);
+  CHECK(a.recompute_s - a.saved_s < f.recompute_s - f.saved_s);  // keeping pays less: a cheaper backward hides its bytes less
 }
