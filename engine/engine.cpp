@@ -22,12 +22,6 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 // its (fake) buffers are never touched, so they may as well say CPU.
 at::Device engine_aten_device(const Device& d) { return d.kind() == DeviceKind::kSim ? at::kCPU : aten_device(d); }
 
-// The spec the engine trains: the model's, with the configuration's LoRA adapters.
-ModelSpec with_lora(ModelSpec s, const EngineConfig& c) {
-  s.set_lora(LoraSpec::parse(c.lora, "engine config lora"));
-  return s;
-}
-
 EngineConfig with_devices(EngineConfig c, size_t n) {
   c.devices = int(n);
   return c;
@@ -40,7 +34,7 @@ size_t EngineCore::registered_host_bytes() const {
 }
 
 EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices)
-    : spec_(with_lora(std::move(spec), config)), config_(with_devices(std::move(config), devices.size())),
+    : spec_(spec.with_lora(config.lora, "engine config lora")), config_(with_devices(std::move(config), devices.size())),
       place_((check_config(spec_, config_), place(spec_, config_))) {
   STRIDER_CHECK(!devices.empty(), "Engine: no device given");
   for (auto& d : devices) {

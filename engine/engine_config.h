@@ -53,7 +53,7 @@ struct EngineConfig {
   std::string layer_pieces;
   // LoRA adapters over a frozen base (engine/lora.h, LoraSpec::parse's
   // text); empty: every parameter trains. The Engine gives it to its
-  // ModelSpec (ModelSpec::set_lora), whose layouts then hold the adapters.
+  // ModelSpec (ModelSpec::with_lora), whose layouts then hold the adapters.
   std::string lora;
   // Gradients are summed in fp32 on the device over the micro-batches, then
   // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32

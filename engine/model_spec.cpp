@@ -187,12 +187,14 @@ ParamLayout ModelSpec::layout(int64_t i) const {
   return std::move(l.l);
 }
 
-void ModelSpec::set_lora(LoraSpec l) {
-  STRIDER_CHECK(!l.enabled() || !tie_embeddings || l.train.empty(),
-                "LoRA train={}: {} ties its embedding and LM head; training either in full beside adapters "
-                "is not supported for tied embeddings", fmt::join(l.train, "+"), arch_name);
-  lora = std::move(l);
-  dims.lora_scale = lora.enabled() ? lora.scale() : 0;
+ModelSpec ModelSpec::with_lora(std::string_view text, std::string_view source) const {
+  ModelSpec s = *this;
+  s.lora = LoraSpec::parse(text, source);
+  STRIDER_CHECK(!s.lora.enabled() || !tie_embeddings || s.lora.train.empty(),
+                "{}: LoRA train={}: {} ties its embedding and LM head; training either in full beside adapters "
+                "is not supported for tied embeddings", source, fmt::join(s.lora.train, "+"), arch_name);
+  s.dims.lora_scale = s.lora.enabled() ? s.lora.scale() : 0;
+  return s;
 }
 
 BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,

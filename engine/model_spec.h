@@ -53,9 +53,12 @@ struct ModelSpec {
   bool tie_embeddings = false;
   BlockDims dims;
   // LoRA adapters over a frozen base (engine/lora.h); none by default. Set
-  // with set_lora, which also gives the blocks their scale (dims.lora_scale).
+  // by with_lora, which also gives the blocks their scale (dims.lora_scale).
   LoraSpec lora;
-  void set_lora(LoraSpec l);
+  // This model with the adapters `lora` (LoraSpec::parse's text; empty:
+  // none): what an engine configured with EngineConfig::lora trains. Throws
+  // naming `source` on bad text, or on train= with tied embeddings.
+  ModelSpec with_lora(std::string_view lora, std::string_view source) const;
 
   // Parses a config.json's JSON; `source` names the file in errors.
   static ModelSpec from_json(const nlohmann::json& config, std::string_view source);

@@ -127,6 +127,13 @@ ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& limits, 
 // recomputes. The same count ModelSpec::cost includes in forward_flops.
 double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq);
 
+struct Plan;
+// The plan's line that says which layers keep their activations, and why
+// (engine/plan_text.cpp): `wanted` layers asked for, `device_fallback` the
+// reason all recompute when their device slots did not fit (or empty).
+std::string activations_line(const ModelSpec& spec, const PlanLimits& l, const Plan& p, size_t wanted,
+                             const std::string& device_fallback);
+
 struct Plan {
   static constexpr int64_t kMaxAutoWindow = 4;
 

@@ -81,4 +81,41 @@ nlohmann::json Plan::to_json() const {
           {"why", why}};
 }
 
+namespace {
+
+std::string seconds_text(double s) { return s >= 1 ? fmt::format("{:.2f} s", s) : fmt::format("{:.1f} ms", s * 1e3); }
+
+}  // namespace
+
+std::string activations_line(const ModelSpec& spec, const PlanLimits& l, const Plan& p, size_t wanted,
+                             const std::string& device_fallback) {
+  const ActivationCost& c = p.layer_cost;
+  const std::string rates = fmt::format("at {:.4g} TFLOP/s and {:.4g} GB/s", l.compute_flops_per_s * 1e-12,
+                                        l.link_bytes_per_s * 1e-9);
+  const std::string costs = fmt::format("per layer and step: recompute ~{}, kept ~{} {}", seconds_text(c.recompute_s),
+                                        seconds_text(c.saved_s), rates);
+  if (l.activations == ActivationMode::kRecompute)
+    return "activations: every layer recomputes its forward from its checkpoint in backward (as asked)";
+  if (!device_fallback.empty()) return "activations: every layer recomputes from its checkpoint: " + device_fallback;
+  if (wanted == 0)
+    return fmt::format("activations: every layer recomputes from its checkpoint: keeping its projections' outputs "
+                       "would not pay ({})", costs);
+  if (p.saved_layers == 0)
+    return fmt::format("activations: every layer recomputes from its checkpoint: the host RAM limit {} leaves no "
+                       "room for kept activations ({} per layer per step) after the optimizer state (kept "
+                       "activations never push state to NVMe)",
+                       format_bytes(l.host_bytes), format_bytes(p.saved_bytes_per_layer));
+  std::string line = fmt::format(
+      "activations: {} of {} layers keep their projections' outputs in host RAM ({} per layer per step, {}): their "
+      "backward recomputes no matmul",
+      p.saved_layers, spec.layers, format_bytes(p.saved_bytes_per_layer), format_bytes(p.saved_host_bytes));
+  if (size_t(p.saved_layers) < wanted)
+    line += fmt::format("; the host RAM limit {} holds {} of the {} after the optimizer state (kept activations "
+                        "never push state to NVMe): the last {} keep theirs (their backward comes first)",
+                        format_bytes(l.host_bytes), p.saved_layers, wanted, p.saved_layers);
+  if (p.saved_layers < spec.layers) line += "; the rest recompute from checkpoints";
+  if (l.activations == ActivationMode::kAuto) line += fmt::format(" ({})", costs);
+  return line;
+}
+
 }  // namespace strider

@@ -193,7 +193,7 @@ class EngineHolder : public torch::CustomClassHolder {
     config.state_shards = int(shards);
     config.state_shard = int(shard);
     // The adapters, if any, are tensors of the model the engine trains (and names).
-    translated("engine_config_json", true, [&] { spec.set_lora(LoraSpec::parse(config.lora, "engine_config_json lora")); });
+    spec = translated("engine_config_json", true, [&] { return spec.with_lora(config.lora, "engine_config_json lora"); });
     for (int64_t b : config.saved_blocks)
       TORCH_CHECK_VALUE(b >= 1 && b <= spec.layers, "engine_config_json: saved_blocks holds ", b,
                         ", which is not a decoder-layer block (1..", spec.layers, ")");
@@ -248,6 +248,13 @@ class EngineHolder : public torch::CustomClassHolder {
   }
 
   std::vector<std::string> param_names() const { return names_; }
+  // Those the optimizer trains (TensorSlot::trainable: all but a LoRA base's).
+  std::vector<std::string> trainable_names() const {
+    std::vector<std::string> out;
+    for (const std::string& n : names_)
+      if (slots_.at(n).second.trainable) out.push_back(n);
+    return out;
+  }
 
   // A CPU tensor over parameter `name`'s slot in the engine's compute copy
   // (bf16, or fp32 with an fp32 compute dtype), in the parameter's shape: no
@@ -489,6 +496,7 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("set_param", &EngineHolder::set_param)
       .def("param", &EngineHolder::param)
       .def("param_names", &EngineHolder::param_names)
+      .def("trainable_names", &EngineHolder::trainable_names)
       .def("step", &EngineHolder::step)
       .def("evaluate", &EngineHolder::evaluate)
       .def("finish", &EngineHolder::finish)

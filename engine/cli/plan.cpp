@@ -131,8 +131,7 @@ std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json
 }
 
 int run(Options& o) {
-  ModelSpec spec = load_spec(o.model);
-  spec.set_lora(LoraSpec::parse(o.lora, "--lora"));  // what the engine would train (Plan::make applies it too)
+  const ModelSpec spec = load_spec(o.model).with_lora(o.lora, "--lora");  // what the engine trains (as Plan::make)
   // The built-in model trains from scratch: the demo's shapes (a plan is for a GPU).
   const std::string demo = o.model == "builtin" ? o.config.apply_demo(true) : std::string();
   PlanLimits l;

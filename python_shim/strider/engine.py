@@ -117,17 +117,13 @@ def architecture_of(model) -> str:
     return name
 
 
-def check_trainable(model, pnames=None, lora=""):
-    """Refuses a requires_grad flag that is not what the engine would do with the tensor: a plain model trains
+def check_trainable(model, pnames, trained):
+    """Refuses a requires_grad flag that is not what the engine does with the tensor: a plain model trains
     every parameter (freeze a base with PEFT's LoRA instead); a PEFT model its adapters and modules_to_save
-    (`pnames`: engine name -> the model's parameter name; `lora`: the EngineConfig.lora text)."""
-    if pnames is None:
-        frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-        wrong = []
-    else:
-        flags = {name: p.requires_grad for name, p in model.named_parameters()}
-        frozen = [pn for en, pn in pnames.items() if not flags[pn] and peft_lora.trains(en, lora)]
-        wrong = [pn for en, pn in pnames.items() if flags[pn] and not peft_lora.trains(en, lora)]
+    (`pnames`: engine name -> the model's parameter name; `trained`: the engine names the engine trains)."""
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    frozen = [pn for en, pn in pnames.items() if not flags[pn] and en in trained]
+    wrong = [pn for en, pn in pnames.items() if flags[pn] and en not in trained]
     for names, what, does in ((frozen, "requires_grad=False", "trains"), (wrong, "requires_grad=True", "freezes")):
         if names:
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
@@ -221,7 +217,6 @@ class Engine:
                              "the model with peft.get_peft_model(model, peft.LoraConfig(...)) and leave lora empty")
         arch = architecture_of(base)
         check_on_cpu(model)
-        check_trainable(model, pnames, config.lora)
         max_pos = getattr(base.config, "max_position_embeddings", None)
         if max_pos is not None and config.seq > max_pos:
             raise ValueError(f"EngineConfig.seq = {config.seq} is past the model's max_position_embeddings "
@@ -253,6 +248,7 @@ class Engine:
         if missing or extra:
             raise ValueError(f"strider.Engine: the model's parameters do not match what the engine trains for "
                              f"{arch}: the model lacks {missing[:5]}, the engine has no place for {extra[:5]}")
+        check_trainable(model, self._pnames, set(self._engine.trainable_names()))
         self.last_result: Optional[StepResult] = None
         self.resumed_extra = None
 

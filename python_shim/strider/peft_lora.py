@@ -116,12 +116,3 @@ def engine_view(model):
         n = n.replace(f".lora_A.{adapter}.", ".lora_A.").replace(f".lora_B.{adapter}.", ".lora_B.")
         names[n] = name
     return base, text, names
-
-
-def trains(engine_name: str, lora_text: str) -> bool:
-    """Whether the engine trains `engine_name` under the LoRA spec `lora_text` (engine/model_spec.cpp, layout)."""
-    if ".lora_A." in engine_name or ".lora_B." in engine_name:
-        return True
-    train = dict(f.split("=", 1) for f in lora_text.split(",")).get("train", "")
-    full = {"model.embed_tokens.weight": "embed_tokens", "lm_head.weight": "lm_head"}
-    return full.get(engine_name) in train.split("+")

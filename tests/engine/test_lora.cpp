@@ -21,10 +21,7 @@ namespace {
 
 constexpr const char* kAllLinear = "r=4,alpha=8,targets=all-linear";
 
-ModelSpec with_lora(ModelSpec s, const std::string& lora) {
-  s.set_lora(LoraSpec::parse(lora, "test"));
-  return s;
-}
+ModelSpec with_lora(const ModelSpec& s, const std::string& lora) { return s.with_lora(lora, "test"); }
 
 // The elements of block b outside its trained stretch (its frozen tensors).
 bool frozen_same(const ModelSpec& spec, const Result& a, const Result& b) {
@@ -60,7 +57,7 @@ TEST_CASE("LoRA: the spec parses PEFT's options and refuses others by name", "[l
   CHECK_THROWS_WITH(LoraSpec::parse("r=8,alpha=1", "cfg"), Catch::Contains("targets no module"));
   CHECK_THROWS_WITH(LoraSpec::parse("r=8,alpha=1,targets=q_proj,train=norm", "cfg"), Catch::Contains("train 'norm'"));
   ModelSpec tied = tiny(true);
-  CHECK_THROWS_WITH(tied.set_lora(LoraSpec::parse("r=8,alpha=1,targets=q_proj,train=lm_head", "t")),
+  CHECK_THROWS_WITH(tied.with_lora("r=8,alpha=1,targets=q_proj,train=lm_head", "t"),
                     Catch::Contains("ties its embedding"));
 }
 

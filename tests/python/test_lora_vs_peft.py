@@ -9,11 +9,10 @@ saves loads with PeftModel.from_pretrained into the same logits.
 """
 import copy
 
+import peft  # requirements.txt: a missing one fails here, not skips
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+import transformers
 
 import strider  # noqa: E402  (conftest puts python_shim/ on sys.path)
 from strider import _library  # noqa: E402
