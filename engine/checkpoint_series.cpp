@@ -68,12 +68,22 @@ std::vector<fs::path> CheckpointSeries::list() const {
 }
 
 uint64_t CheckpointSeries::bytes_needed(const Engine& engine, const TrainCheckpointOptions& options) {
-  uint64_t params = 0;
+  uint64_t params = 0, trained = 0;
   const ModelSpec& spec = engine.spec();
-  for (int64_t b = 0; b < spec.num_blocks(); ++b) params += spec.layout(b).total_elems();
-  const uint64_t model_bytes = options.write_model ? params * (options.model_dtype == DType::kF32 ? 4 : 2) : 0;
+  for (int64_t b = 0; b < spec.num_blocks(); ++b) {
+    const ParamLayout l = spec.layout(b);
+    params += l.total_elems();
+    for (const TensorSlot& t : l.slots())
+      if (t.trainable) trained += t.numel;
+  }
+  // LoRA: the trained tensors' state only, and the adapter (fp32) as the model.
+  const bool lora = spec.lora.enabled();
+  const uint64_t state = lora ? trained : params;
+  const uint64_t model_bytes = !options.write_model ? 0
+                               : lora               ? trained * 4
+                                                    : params * (options.model_dtype == DType::kF32 ? 4 : 2);
   // fp32 master, m and v, the model, and 1% + 1 MiB for headers, JSON and metadata.
-  const uint64_t raw = params * 12 + model_bytes;
+  const uint64_t raw = state * 12 + model_bytes;
   return raw + raw / 100 + (1ull << 20);
 }
 

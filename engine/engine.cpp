@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <random>
 
 #include "engine/collectives.h"
 #include "engine/sim_updater.h"
@@ -405,15 +404,8 @@ void EngineCore::set_steps_done(int64_t steps) {
 void EngineCore::init_params(uint64_t seed) {
   for (int64_t b = 0; b < place_.blocks; ++b) {
     std::vector<float> w(place_.layouts[b].total_elems(), 0.0f);
-    for (const TensorSlot& t : place_.layouts[b].slots()) {
-      const bool norm = t.name.ends_with("norm.weight"), bias = t.name.ends_with(".bias");
-      if (bias) continue;
-      // One generator per tensor, seeded by its name: the values do not depend
-      // on the block layout or on the order blocks are initialised in.
-      std::mt19937_64 rng(seed ^ std::hash<std::string>{}(t.name));
-      std::normal_distribution<float> nd(0.0f, 0.02f);
-      for (size_t i = 0; i < t.numel; ++i) w[t.offset_elems + i] = norm ? 1.0f : nd(rng);
-    }
+    for (const TensorSlot& t : place_.layouts[b].slots())
+      initial_values(t, seed, std::span(w).subspan(t.offset_elems, t.numel));
     write_state(b, ExtentKind::kMaster, w);
     std::fill(w.begin(), w.end(), 0.0f);
     write_state(b, ExtentKind::kAdamM, w);

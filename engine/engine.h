@@ -102,7 +102,7 @@ class Engine {
 
   // Parameters. Call before the first step (or between steps; they wait for
   // pending updates). `name` is a checkpoint tensor name.
-  void init_params(uint64_t seed);  // N(0, 0.02) weights, ones for norms, zero biases
+  void init_params(uint64_t seed);  // initial_values (engine/model_spec.h) of every tensor, zero moments
   void set_param(const std::string& name, std::span<const float> values);
   std::vector<float> param(const std::string& name);
   // A block's fp32 state (master, Adam m or v; total_elems long), from RAM or

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <random>
 #include <regex>
 
 #include <fmt/ranges.h>
@@ -26,6 +27,28 @@ std::string ModelSpec::block_name(int64_t i) const {
     case BlockKind::kLayer: break;
   }
   return fmt::format("layer.{}", b.layer);
+}
+
+void initial_values(const TensorSlot& t, uint64_t seed, std::span<float> out) {
+  STRIDER_CHECK(out.size() == t.numel, "initial_values: '{}' has {} elements, the buffer {}", t.name, t.numel,
+                out.size());
+  if (t.name.ends_with(".bias") || t.name.ends_with(".lora_B.weight")) {
+    std::fill(out.begin(), out.end(), 0.0f);
+    return;
+  }
+  if (t.name.ends_with("norm.weight")) {
+    std::fill(out.begin(), out.end(), 1.0f);
+    return;
+  }
+  std::mt19937_64 rng(seed ^ std::hash<std::string>{}(t.name));
+  if (t.name.ends_with(".lora_A.weight")) {
+    const float bound = 1.0f / std::sqrt(float(t.shape.back()));
+    std::uniform_real_distribution<float> u(-bound, bound);
+    for (float& x : out) x = u(rng);
+    return;
+  }
+  std::normal_distribution<float> nd(0.0f, 0.02f);
+  for (float& x : out) x = nd(rng);
 }
 
 namespace {

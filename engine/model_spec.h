@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -44,6 +45,15 @@ struct BlockCost {
 // or "*_norm" component), and so does strider unless told otherwise
 // (EngineConfig::decay_norms_and_biases).
 bool weight_decays(std::string_view name);
+
+// A tensor's values before training, as a model trained from scratch (and a
+// new adapter) starts: N(0, 0.02) weights, ones for norms, zero biases; a
+// LoRA adapter as PEFT's default init (init_lora_weights=True): lora_A
+// uniform on +-1/sqrt(in) (kaiming_uniform with a = sqrt(5)), lora_B zero,
+// so the adapted model starts as the base. One generator per tensor, seeded
+// by `seed` and its name: the values do not depend on the block layout or on
+// the order tensors are initialised in. Fills `out` (t.numel floats).
+void initial_values(const TensorSlot& t, uint64_t seed, std::span<float> out);
 
 struct ModelSpec {
   Arch arch = Arch::kLlama;

@@ -263,6 +263,18 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // activations only recomputes its forward).
   f = footprint(spec, p.engine_config(lim));
   // Move blocks' fp32 state to NVMe, largest first, until it fits.
+  if (arena_limit > 0 && f.host_bytes - f.optimizer_host_bytes > arena_limit && spec.lora.enabled()) {
+    // The frozen base is its compute copy, which stays in RAM: NVMe takes
+    // optimizer state, and a base has none.
+    const uint64_t base = uint64_t(spec.param_count()) * (l.dtype == at::kFloat ? 4 : 2);
+    p.feasible = false;
+    p.reason = fmt::format("needs {} of pinned host RAM, {} of it the frozen base's compute copy ({}: LoRA "
+                           "trains adapters over it, and NVMe holds optimizer state, not compute copies); the limit "
+                           "is {}; give more --ram (int8 and NF4 bases are not built yet)",
+                           format_bytes(f.host_bytes), format_bytes(base), l.dtype == at::kFloat ? "fp32" : "bf16",
+                           limit_text);
+    return p;
+  }
   if (arena_limit > 0 && f.host_bytes > arena_limit) {
     if (l.nvme_dir.empty()) {
       p.feasible = false;

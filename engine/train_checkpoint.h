@@ -11,6 +11,12 @@
 //                         shards state-0000i-of-0000n.safetensors + index
 //   config.json, model.safetensors   the model as transformers loads it
 //                         (bf16 by default; optional)
+// With LoRA (engine/lora.h) the state is the trained tensors' only (the
+// adapters, and the modules trained in full); the frozen base is the
+// engine's, from the model it was built on, and trainer_state.json keeps its
+// per-block fingerprint ("base_checksums"), so adapters never load over
+// another base. The model files are then the adapter as PEFT saves it
+// (adapter_config.json, adapter_model.safetensors; fp32).
 // Per-tensor names rather than flat per-block buffers: the file reads without
 // strider (safetensors.torch.load_file gives an optimizer state by name), and
 // it survives a change of the flat layout's alignment. The layout's padding is
@@ -50,6 +56,7 @@ struct TrainCheckpointOptions {
   DType model_dtype = DType::kBF16;          // kBF16 or kF32
   uint64_t model_shard_bytes = 0;            // 0: one model.safetensors
   uint64_t state_shard_bytes = uint64_t{4} << 30;  // 0: one state.safetensors
+  std::string base_model;                    // LoRA: the adapter's base_model_name_or_path
 };
 
 // Saves `engine`'s full training state into `dir` (waits for pending updates;
@@ -115,7 +122,9 @@ struct TrainLoadOptions {
 // dtype, shape and checksum); a failed load throws naming the file and field
 // (CheckpointMismatch for another model or other maths settings, Error for
 // damage) and leaves the engine untouched. Then write_state for every block and kind,
-// and set_steps_done.
+// and set_steps_done. With LoRA the engine must hold the base the adapters
+// were trained on (checked against its fingerprint, CheckpointMismatch
+// otherwise); its base stays as it is.
 nlohmann::json load_training_checkpoint(const std::filesystem::path& dir, Engine& engine,
                                         const TrainLoadOptions& options = {});
 

@@ -5,7 +5,7 @@
 //   e.set_param("model.embed_tokens.weight", w)       # or e.init_params(seed)
 //   report = json.loads(e.step(ids, labels))          # int64 [batch, seq] each
 //   w = e.compute_view("model.norm.weight")            # aliases the engine's compute copy
-//   e.save_checkpoint(dir, model_config_json, extra_json, write_model)
+//   e.save_checkpoint(dir, model_config_json, extra_json, write_model, base_model)
 //   extra = json.loads(e.load_checkpoint(dir, allow_changed, verify_checksums))
 //   info = json.loads(torch.ops.strider.inspect_training_checkpoint(dir))
 //
@@ -296,14 +296,16 @@ class EngineHolder : public torch::CustomClassHolder {
   // count, both configs and `extra_json` (the caller's own state), published
   // atomically into `dir`; with `write_model`, also config.json and
   // model.safetensors (in the compute dtype) that from_pretrained loads.
+  // With LoRA the model files are the adapter, naming `base_model` (its base_model_name_or_path).
   void save_checkpoint(const std::string& dir, const std::string& model_config_json, const std::string& extra_json,
-                       bool write_model) {
+                       bool write_model, const std::string& base_model) {
     std::lock_guard lk(mu_);
     const nlohmann::json extra = parse_json(extra_json, "extra_json");
     run("save_checkpoint", [&] { engine_->finish_updates(); });  // a failed update breaks the engine
     const TrainCheckpointOptions options{
         .write_model = write_model,
-        .model_dtype = engine_->config().compute.dtype == at::kFloat ? DType::kF32 : DType::kBF16};
+        .model_dtype = engine_->config().compute.dtype == at::kFloat ? DType::kF32 : DType::kBF16,
+        .base_model = base_model};
     // A failed save (a full disk, a path that is not ours) leaves the engine as it was.
     // Data parallel: rank 0 writes; the others send it their slices as it goes.
     translated("save_checkpoint", false, [&] {

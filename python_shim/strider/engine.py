@@ -182,7 +182,9 @@ class Engine:
         """An engine on `model` continuing the run saved by engine.save(path): masters, Adam m and v and the
         step count come from the checkpoint (the model's current weights are not used), and the model's
         parameters are rebound to the engine's compute copy, i.e. the checkpoint's weights. The next step
-        is bit-identical to the one the saved engine would have taken.
+        is bit-identical to the one the saved engine would have taken. A PEFT LoRA model (the run's
+        adapters, new ones) keeps its frozen base, which must be the one the run started from: the checkpoint
+        holds the trained tensors and the base's fingerprint, and a resume over another base is refused.
 
         config None: the checkpoint's engine config (device "auto"). A config whose maths fields (lr,
         schedule, betas, seq, batch, ...) differ from the saved run is refused unless they are named in
@@ -193,8 +195,17 @@ class Engine:
         info = inspect_checkpoint(path)
         if config is None:
             config = EngineConfig.from_engine_dict(info["engine_config"])
+            if peft_lora.is_peft_model(model):
+                config = config.replace(lora="")  # the PEFT model's own (the load refuses other adapters)
         engine = cls.__new__(cls)
         engine._build(model, config)
+        if engine.config.lora:
+            # A LoRA checkpoint holds the adapters (and the modules trained in full), not the frozen base: that is
+            # the model's own, which the load checks is the base the adapters were trained over.
+            params, trained = engine._params(), set(engine._engine.trainable_names())
+            for name in engine._names:
+                if name not in trained:
+                    engine._engine.set_param(name, params[name].detach())
         engine.resumed_extra = engine._load(path, allow_changed, verify_checksums)
         engine._alias()
         return engine
@@ -226,6 +237,7 @@ class Engine:
         model_config = base.config.to_dict()
         model_config["architectures"] = [arch]
         self._model_config_json = json.dumps(model_config, default=str)
+        self._base_model = str(getattr(base.config, "_name_or_path", "") or "")  # a LoRA checkpoint's adapter names it
         # Everything the engine builds is checked before anything is allocated, and nothing of the
         # model is written: a refusal here leaves `model` as it was.
         engine_json = config.engine_json()
@@ -386,16 +398,16 @@ class Engine:
         atomically; an existing checkpoint there is replaced): every fp32 master, Adam m and v, the step
         count, the model and engine configs and `extra` (any JSON-serialisable dict of your own, e.g. the
         data position; Engine.resume gives it back). With write_model, also config.json and
-        model.safetensors (the compute dtype) that from_pretrained loads. Waits for pending updates."""
+        model.safetensors (the compute dtype) that from_pretrained loads. A PEFT LoRA model's checkpoint holds
+        the trained tensors' state and the frozen base's fingerprint only, and with write_model the adapter
+        (adapter_config.json, adapter_model.safetensors: PeftModel.from_pretrained loads it). Waits for
+        pending updates."""
         path = os.fspath(path)
-        if self.config.lora:
-            raise ValueError(f"Engine.save({path}): training checkpoints of LoRA adapters are not supported yet; "
-                             "after engine.finish(), peft_model.save_pretrained(dir) saves the trained adapter")
         try:
             extra_json = json.dumps({} if extra is None else extra)
         except (TypeError, ValueError) as e:
             raise ValueError(f"Engine.save: extra must be JSON-serialisable: {e}") from e
-        self._engine.save_checkpoint(path, self._model_config_json, extra_json, bool(write_model))
+        self._engine.save_checkpoint(path, self._model_config_json, extra_json, bool(write_model), self._base_model)
         return path
 
     def load(self, path, allow_changed: Sequence[str] = (), verify_checksums: bool = True):

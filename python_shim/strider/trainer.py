@@ -42,6 +42,11 @@ replaced:
   --max-skipped-steps`) stop the run with the reason. A batch without
   targets is skipped without counting. save_only_model=True checkpoints hold no
   strider state and cannot be resumed.
+- A PEFT LoRA model (peft.get_peft_model) trains its adapters over its frozen
+  base (strider.Engine takes it in place): save_model() and checkpoint-N
+  folders hold the adapter PEFT saves, and checkpoint-N/strider/ the
+  adapters' state and the base's fingerprint; a resume over another base is
+  refused.
 
 Data: any dataset the Trainer takes whose rows hold input_ids (and labels,
 attention_mask), or a token file (`python -m strider.data` writes one): its

@@ -20,6 +20,20 @@ namespace strider::test {
 
 inline ModelSpec tiny(bool tied) { return ModelSpec::from_json(test::tiny_config(tied), "tiny"); }
 
+// LoRA: every lora_B off the zero it starts at (initial_values, as PEFT), so
+// that lora_A's gradients are not zero from the first step.
+inline void move_lora_b(Engine& e) {
+  for (int64_t b = 0; b < e.spec().num_blocks(); ++b) {
+    const ParamLayout l = e.spec().layout(b);
+    for (const TensorSlot& t : l.slots()) {
+      if (!t.name.ends_with(".lora_B.weight")) continue;
+      std::vector<float> v(t.numel);
+      for (size_t i = 0; i < v.size(); ++i) v[i] = 0.05f * float(int((i * 7919 + t.numel) % 17) - 8) / 8.0f;
+      e.set_param(t.name, v);
+    }
+  }
+}
+
 struct Case {
   std::string name;
   int64_t window = 2;
@@ -87,6 +101,7 @@ inline Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, do
   Engine e(spec, cfg, make_devices(dopt, std::to_string(c.devices)));
   REQUIRE(e.devices() == c.devices);
   e.init_params(7);
+  move_lora_b(e);
   Result r;
   for (int s = 0; s < steps; ++s) {
     Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100 + s);

@@ -1,5 +1,6 @@
 // What the engine tests compare: every block's fp32 state, bit for bit, and a
-// temporary directory removed when the test ends.
+// temporary directory removed when the test ends; and the tiny model's
+// engine on a CPU device, stepped on batches that depend on the step only.
 #pragma once
 
 #include <cstring>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "tests/engine/tiny_model.h"
 
 namespace strider::test {
 
@@ -46,5 +48,23 @@ struct TempDir {
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
 };
+
+// `model` (a config.json) on a CPU device with a 64 MiB budget.
+inline std::unique_ptr<Engine> engine(const nlohmann::json& model, const EngineConfig& cfg) {
+  DeviceOptions dopt;
+  dopt.spec = "cpu";
+  dopt.budget_bytes = size_t(64) << 20;
+  return std::make_unique<Engine>(ModelSpec::from_json(model, "tiny"), cfg, make_device(dopt));
+}
+
+// Steps `from` .. `to`-1; the data of step s is always the same batch. The losses.
+inline std::vector<double> train(Engine& e, int from, int to) {
+  std::vector<double> losses;
+  for (int s = from; s < to; ++s) {
+    Batch b = batch(e.config().batch(), e.config().seq, e.spec().dims.vocab, 100 + s);
+    losses.push_back(e.step(b.ids.data(), b.labels.data()).loss);
+  }
+  return losses;
+}
 
 }  // namespace strider::test

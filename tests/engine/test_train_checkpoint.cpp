@@ -39,6 +39,8 @@ namespace {
 
 using test::Batch;
 using test::batch;
+using test::engine;
+using test::train;
 using test::tiny_config;
 
 using test::read_all;
@@ -72,23 +74,6 @@ EngineConfig config(at::ScalarType dtype, double clip, const Placement& p = {}) 
   cfg.nvme_blocks = p.nvme;
   cfg.nvme_dir = p.nvme_dir;
   return cfg;
-}
-
-std::unique_ptr<Engine> engine(const nlohmann::json& model, const EngineConfig& cfg) {
-  DeviceOptions dopt;
-  dopt.spec = "cpu";
-  dopt.budget_bytes = size_t(64) << 20;
-  return std::make_unique<Engine>(ModelSpec::from_json(model, "tiny"), cfg, make_device(dopt));
-}
-
-// Steps `from` .. `to`-1; the data of step s is always the same batch.
-std::vector<double> train(Engine& e, int from, int to) {
-  std::vector<double> losses;
-  for (int s = from; s < to; ++s) {
-    Batch b = batch(e.config().batch(), e.config().seq, e.spec().dims.vocab, 100 + s);
-    losses.push_back(e.step(b.ids.data(), b.labels.data()).loss);
-  }
-  return losses;
 }
 
 std::vector<std::string> temp_dirs(const fs::path& parent) {

@@ -109,6 +109,44 @@ def test_peft_options_strider_does_not_implement_are_refused_by_name():
     model.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.requires_grad_(False)
     with pytest.raises(ValueError, match="requires_grad=False"):
         strider.Engine(model, config())
-    engine = strider.Engine(lora_model(base_model()), config())
-    with pytest.raises(ValueError, match="LoRA adapters"):
-        engine.save("/tmp/strider-lora-save-refused")
+
+
+
+def test_save_and_resume_a_peft_model_is_bit_identical_and_the_checkpoint_holds_the_adapter(tmp_path):
+    """Engine.save of a PEFT model: the adapters' state and the base's fingerprint, and the adapter PEFT loads;
+    Engine.resume into a PEFT model over the same base (with new adapters) continues bit for bit; over
+    another base it is refused by name and the model is untouched."""
+    data = batches(SMALL["vocab_size"])[:STEPS]
+    straight = lora_model(base_model())
+    engine = strider.Engine(straight, config())
+    for ids, labels in data:
+        engine.step(ids, labels)
+    engine.finish()
+
+    first = lora_model(base_model())
+    engine = strider.Engine(first, config())
+    for ids, labels in data[:2]:
+        engine.step(ids, labels)
+    engine.save(tmp_path / "ckpt", extra={"at": 2})
+    engine.finish()
+    loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "ckpt")  # the checkpoint's adapter
+    with torch.no_grad():
+        a, b = first(input_ids=data[0][0]).logits, loaded(input_ids=data[0][0]).logits
+    assert (a - b).abs().max().item() <= 1e-6 * max(1.0, a.abs().max().item())
+
+    fresh = peft.get_peft_model(base_model(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=ALL, lora_dropout=0.0,
+                                                               modules_to_save=["lm_head"], task_type="CAUSAL_LM"))
+    resumed = strider.Engine.resume(tmp_path / "ckpt", fresh)
+    assert resumed.resumed_extra == {"at": 2} and resumed.config.lora.startswith("r=4,alpha=8,")
+    for ids, labels in data[2:]:
+        resumed.step(ids, labels)
+    resumed.finish()
+    want = dict(straight.named_parameters())
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p.detach(), want[name].detach()), name
+
+    other = lora_model(base_model(seed=3))
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    with pytest.raises(ValueError, match="trained over another base"):
+        strider.Engine.resume(tmp_path / "ckpt", other)
+    assert all(torch.equal(p.detach(), before[n]) for n, p in other.named_parameters())

@@ -261,3 +261,45 @@ def test_skipped_steps_agree_with_the_command_line(tmp_path):
     with pytest.raises(ValueError, match="max_skipped_steps"):
         strider.StriderTrainer(model=make_model(), args=training_args(tmp_path / "d"), train_dataset=data,
                                strider_config=config(), max_skipped_steps=0)
+
+
+def test_a_peft_model_trains_saves_its_adapter_and_resumes_bit_identically(tmp_path):
+    """StriderTrainer over a PEFT LoRA model: checkpoint-N holds the adapter (PEFT's save) and strider's state
+    of the adapters only; a new trainer (the same base, new adapters) resumed from checkpoint-2 ends where the
+    first one did; save_model() writes the adapter PeftModel.from_pretrained loads."""
+    import peft  # requirements.txt: a missing one fails here, not skips
+
+    def lora(seed):
+        model = peft.get_peft_model(make_model(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                   lora_dropout=0.0, task_type="CAUSAL_LM"))
+        with torch.no_grad():  # adapters that differ between the trainers until the resume
+            torch.manual_seed(seed)
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.add_(torch.randn_like(p) * 0.05)
+        return model
+
+    steps = 4
+    data = rows(BATCH * steps, seed=1)
+    first = strider.StriderTrainer(model=lora(1), args=training_args(tmp_path / "a", max_steps=steps,
+                                   save_strategy="steps", save_steps=2), train_dataset=data,
+                                   strider_config=config())
+    first.train()
+    checkpoint = tmp_path / "a" / "run" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").exists() and (checkpoint / "strider" / "trainer_state.json").exists()
+    assert strider.inspect_checkpoint(checkpoint / "strider")["engine_config"]["lora"].startswith("r=4,alpha=8,")
+
+    second = strider.StriderTrainer(model=lora(2), args=training_args(tmp_path / "b", max_steps=steps),
+                                    train_dataset=data, strider_config=config())
+    second.train(resume_from_checkpoint=str(checkpoint))
+    assert second.engine.steps_done == steps
+    want = dict(first.model.named_parameters())
+    for name, p in second.model.named_parameters():
+        assert torch.equal(p.detach(), want[name].detach()), f"{name} after resuming"
+
+    second.save_model(str(tmp_path / "adapter"))
+    loaded = peft.PeftModel.from_pretrained(make_model(), tmp_path / "adapter")
+    ids = data[0]["input_ids"][None]
+    with torch.no_grad():
+        a, b = second.model(input_ids=ids).logits, loaded(input_ids=ids).logits
+    assert (a - b).abs().max().item() <= 1e-6 * max(1.0, a.abs().max().item())
