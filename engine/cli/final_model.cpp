@@ -3,8 +3,11 @@
 #include <cstdio>
 #include <filesystem>
 #include <fmt/format.h>
+#include <optional>
 
 #include "engine/checkpoint_series.h"
+#include "engine/hf_checkpoint.h"
+#include "engine/peft_adapter.h"
 #include "engine/config_fields.h"
 #include "engine/plan.h"  // format_bytes
 #include "host/error.h"
@@ -31,12 +34,67 @@ DType final_model_dtype(const std::string& save_dtype, DType source) {
   return source == DType::kBF16 ? DType::kBF16 : DType::kF32;
 }
 
-void check_room_for_final_model(const std::string& out, const ModelSpec& spec, DType dtype) {
-  const uint64_t bytes = uint64_t(spec.param_count()) * dtype_size(dtype);
-  const uint64_t need = bytes + bytes / 100 + (1ull << 20), avail = CheckpointSeries::free_bytes(out);
-  STRIDER_CHECK(need <= avail, "--out {}: the final model needs about {} ({}) but its file system has {} free; "
-                "free space there, or give --out on a larger disk", out, format_bytes(need), dtype_name(dtype),
-                format_bytes(avail));
+std::string FinalModel::merged_dir() const { return (std::filesystem::path(out) / "merged").string(); }
+
+void check_room_for_final_model(const FinalModel& what, const ModelSpec& spec) {
+  const ModelSpec base = spec.with_lora("", "--out");
+  uint64_t bytes = spec.lora.enabled() ? PeftAdapterWriter::bytes(spec, what.adapter_dtype()) : 0;
+  if (!spec.lora.enabled() || what.merge) bytes += uint64_t(base.param_count()) * dtype_size(what.dtype);
+  const uint64_t need = bytes + bytes / 100 + (1ull << 20), avail = CheckpointSeries::free_bytes(what.out);
+  STRIDER_CHECK(need <= avail, "--out {}: the final {} needs about {} ({}) but its file system has {} free; "
+                "free space there, or give --out on a larger disk", what.out,
+                !spec.lora.enabled() ? "model" : what.merge ? "adapter and merged model" : "adapter",
+                format_bytes(need), dtype_name(what.dtype), format_bytes(avail));
+}
+
+FinalSaveResult save_final_model(Engine& engine, const ModelSpec& base, const std::string& config_json,
+                                 const FinalModel& what, bool writes) {
+  const ModelSpec& spec = engine.spec();
+  const bool lora = spec.lora.enabled();
+  FinalSaveResult r;
+  std::optional<HfCheckpointWriter> model;      // the model, or with LoRA the merged one
+  std::optional<PeftAdapterWriter> adapter;     // with LoRA
+  bool any = false;
+  auto writing = [&](auto&& fn) {
+    if (!any || !r.error.empty()) return;
+    try {
+      fn();
+    } catch (const Error& e) {
+      r.error = e.what();
+    }
+  };
+  if (writes) {
+    any = true;
+    writing([&] {
+      if (lora) adapter.emplace(what.out, spec, PeftAdapterOptions{what.adapter_dtype(), what.base_model});
+      if (!lora || what.merge)
+        model.emplace(lora ? what.merged_dir() : what.out, base, config_json, HfWriteOptions{.dtype = what.dtype});
+    });
+  }
+  // Full training reads the weights as the file holds them (a bf16 compute
+  // copy exactly); LoRA the fp32 masters, which the adapter and the merge need.
+  const DType read_dtype = lora ? DType::kF32 : what.dtype;
+  std::vector<float> merged;
+  for (int64_t b = 0; b < spec.num_blocks(); ++b) {
+    std::vector<float> w(spec.layout(b).total_elems());
+    engine.model_weights(b, read_dtype, w);
+    writing([&] {
+      if (adapter) adapter->write_block(b, w);
+      if (!model) return;
+      if (!lora) return model->write_block(b, w);
+      merged.resize(base.layout(b).total_elems());
+      merge_lora_block(spec, b, w, merged);
+      model->write_block(b, merged);
+    });
+  }
+  writing([&] {
+    if (adapter) adapter->finish();
+    if (model) {
+      model->finish();
+      r.removed = model->removed();
+    }
+  });
+  return r;
 }
 
 std::vector<std::string> copy_model_companions(const std::string& model_dir, const std::string& out) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/engine.h"
 #include "engine/model_spec.h"
 #include "host/dtype.h"
 
@@ -19,9 +20,36 @@ namespace strider::cli {
 // copy); fp32 is the trained master.
 DType final_model_dtype(const std::string& save_dtype, DType source);
 
+// What the final save writes under --out. Full training: the model
+// (config.json, model.safetensors). LoRA (the engine's spec has adapters):
+// the PEFT adapter folder (engine/peft_adapter.h; fp32 unless `dtype` is bf16:
+// adapters are small and their masters are fp32), and with `merge` the
+// merged model in `dtype` under --out/merged.
+struct FinalModel {
+  std::string out;
+  DType dtype = DType::kBF16;  // final_model_dtype
+  bool merge = false;
+  std::string base_model;      // the adapter's base_model_name_or_path
+  DType adapter_dtype() const { return dtype == DType::kBF16 ? DType::kBF16 : DType::kF32; }
+  std::string merged_dir() const;  // --out/merged
+};
+
 // Throws, naming --out, the bytes and the free space, unless its file system
-// holds `spec`'s weights in `dtype` (with 1% and 1 MiB to spare).
-void check_room_for_final_model(const std::string& out, const ModelSpec& spec, DType dtype);
+// holds what `what` writes for `spec` (the engine's: with adapters, if any)
+// with 1% and 1 MiB to spare.
+void check_room_for_final_model(const FinalModel& what, const ModelSpec& spec);
+
+// The final save. Every rank calls it: each reads the weights (a sharded
+// state gathers them from every rank), rank 0 (`writes`) writes. `base`:
+// the model without adapters (config.json's); `config_json` its text.
+// A write that fails (a full disk) stops writing but not the gathering; its
+// error is returned ("" on success and on the ranks that do not write).
+struct FinalSaveResult {
+  std::string error;
+  std::vector<std::string> removed;  // an earlier model's files the save replaced
+};
+FinalSaveResult save_final_model(Engine& engine, const ModelSpec& base, const std::string& config_json,
+                                 const FinalModel& what, bool writes);
 
 // Copies the tokenizer, its chat template and the generation config that
 // `model_dir` holds into `out` (each file that is there; a copy that fails is

@@ -39,7 +39,7 @@ struct Options {
   int64_t checkpoint_every = 0, steps = 120, eval_every = 30, eval_batches = 2, keep_checkpoints = 2,
           max_skipped_steps = 3;
   std::vector<std::string> allow_changed;
-  bool resume = false;
+  bool resume = false, merge = false;
   int64_t dist_timeout_s = 300;
 };
 
@@ -75,13 +75,22 @@ int run(Options& o) {
   const nlohmann::json config_file = config_file_record(o.config_file);  // as the checkpoints record it
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
   STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  // An adapter names its base (base_model_name_or_path); the built-in model,
+  // initialised from the seed, is no checkpoint it could name.
+  STRIDER_CHECK(o.train.lora.empty() || o.train.model != "builtin",
+                "--lora {}: LoRA adapts a pretrained model; give --model (a Hugging Face checkpoint folder or Hub id)",
+                o.train.lora);
+  STRIDER_CHECK(!o.merge || !o.train.lora.empty(), "--merge folds LoRA adapters into their base: it needs --lora");
   std::optional<DirLock> out_lock;
   if (writes) {
     // A model already there is replaced by the final save, as transformers'
     // save_pretrained replaces one: said now, not found out at the end.
-    if (const auto there = model_files_in(o.out); !there.empty())
-      fmt::print(stderr, "warning: --out {} holds a model ({}); the final save replaces it\n", o.out,
-                 fmt::join(there, ", "));
+    const std::string model_out = o.train.lora.empty() ? o.out : o.merge ? (fs::path(o.out) / "merged").string() : "";
+    if (const auto there = model_out.empty() ? std::vector<std::string>{} : model_files_in(model_out); !there.empty())
+      fmt::print(stderr, "warning: {}{} holds a model ({}); the final save replaces it\n",
+                 o.train.lora.empty() ? "--out " : "--merge's ", model_out, fmt::join(there, ", "));
+    if (!o.train.lora.empty() && fs::exists(fs::path(o.out) / "adapter_model.safetensors"))
+      fmt::print(stderr, "warning: --out {} holds an adapter; the final save replaces it\n", o.out);
     check_output_dir(o.out, "--out");
     // One run per --out: two would both save there, and after a signal both
     // into OUT/strider-checkpoints, where a later --resume takes either's.
@@ -115,6 +124,9 @@ int run(Options& o) {
   Engine& engine = *tr.engine;
   const ModelSpec& spec = tr.spec;
   const DType save_dtype = final_model_dtype(o.save_dtype, tr.source_dtype);
+  const FinalModel final_model{.out = o.out, .dtype = save_dtype, .merge = o.merge,
+                               .base_model = fs::exists(o.train.model) ? fs::absolute(o.train.model).string()
+                                                                       : o.train.model};
   const EngineConfig& cfg = engine.config();
   const nlohmann::json& config = tr.config;
   TokenLoader& loader = *tr.loader;
@@ -126,7 +138,7 @@ int run(Options& o) {
   }
   if (writes) {
     warn_unlikely_settings(o.train.warmup, o.steps, o.train.lr, !tr.model_dir.empty());
-    check_room_for_final_model(o.out, spec, save_dtype);  // said now, not after the run
+    check_room_for_final_model(final_model, engine.spec());  // said now, not after the run
   }
   ranks->barrier();
   int64_t skipped_total = 0;
@@ -150,7 +162,7 @@ int run(Options& o) {
       check_output_dir(ckpt_root, "the checkpoint directory");
       ckpt_lock.emplace(ckpt_root, "the checkpoint directory");
     }
-    const fs::path dir = series.save(engine, config.dump(), extra_json());
+    const fs::path dir = series.save(engine, config.dump(), extra_json(), {.base_model = final_model.base_model});
     saved_step = engine.steps_done();
     fmt::print("  checkpoint: {} (step {})\n", dir.string(), saved_step);
   };
@@ -378,34 +390,13 @@ int run(Options& o) {
   if (!o.checkpoint_dir.empty()) save_checkpoint();
   write_trace();
 
-  // A checkpoint transformers loads, written by rank 0. Every rank reads the
-  // weights: from an fp32 compute copy they are the master, which a sharded
-  // state gathers from every rank.
+  // A checkpoint transformers loads (with LoRA, an adapter PEFT loads),
+  // written by rank 0. Every rank reads the weights: from an fp32 compute
+  // copy they are the master, which a sharded state gathers from every rank.
   // A write that fails (a full disk) stops writing, but every rank still
   // takes part in gathering the weights; then the trained state is kept.
-  std::optional<HfCheckpointWriter> writer;
-  std::string write_error;
-  auto writing = [&](auto&& fn) {
-    if (!writer || !write_error.empty()) return;
-    try {
-      fn();
-    } catch (const Error& e) {
-      write_error = e.what();
-    }
-  };
-  if (writes) {
-    try {
-      writer.emplace(o.out, spec, config.dump(2), HfWriteOptions{.dtype = save_dtype});
-    } catch (const Error& e) {
-      write_error = e.what();
-    }
-  }
-  for (int64_t b = 0; b < spec.num_blocks(); ++b) {
-    std::vector<float> w(spec.layout(b).total_elems());
-    engine.model_weights(b, save_dtype, w);
-    writing([&] { writer->write_block(b, w); });
-  }
-  writing([&] { writer->finish(); });
+  const FinalSaveResult saved = save_final_model(engine, spec, config.dump(2), final_model, writes);
+  const std::string& write_error = saved.error;
   if (ranks->any(!write_error.empty())) {
     std::string kept;
     try {
@@ -423,14 +414,21 @@ int run(Options& o) {
   if (!writes) return 0;
   // What from_pretrained, AutoTokenizer and generate() read besides the
   // weights, as the source checkpoint had it: copied, so the folder loads as is.
-  const std::vector<std::string> copied =
-      tr.model_dir.empty() ? std::vector<std::string>{} : copy_model_companions(tr.model_dir, o.out);
+  std::vector<std::string> copied;
+  if (!tr.model_dir.empty()) {
+    copied = copy_model_companions(tr.model_dir, o.out);
+    if (o.merge) copy_model_companions(tr.model_dir, final_model.merged_dir());
+  }
+  const std::string what = o.train.lora.empty() ? std::string(dtype_name(save_dtype))
+                           : fmt::format("a PEFT adapter, {}{}", dtype_name(final_model.adapter_dtype()),
+                                         o.merge ? fmt::format("; the merged model ({}) in {}", dtype_name(save_dtype),
+                                                               final_model.merged_dir())
+                                                 : "");
   fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{}; {}{})\n", o.out, start_step + 1, engine.steps_done(),
-             first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "",
-             dtype_name(save_dtype),
+             first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "", what,
              copied.empty() ? "" : fmt::format("; with {} from --model", fmt::join(copied, ", ")));
-  if (!writer->removed().empty())
-    fmt::print("  removed the earlier model's files this save does not have: {}\n", fmt::join(writer->removed(), ", "));
+  if (!saved.removed.empty())
+    fmt::print("  removed the earlier model's files this save does not have: {}\n", fmt::join(saved.removed, ", "));
   return 0;
 }
 
@@ -448,12 +446,16 @@ std::function<int()> add_finetune(CLI::App& app) {
   c->add_option("--eval-batches", o->eval_batches, "batches per evaluation (0: no evaluation)")
       ->capture_default_str()
       ->check(in_range<int64_t>(0, 1000000));
-  c->add_option("--out", o->out, "where the final transformers checkpoint goes")->capture_default_str();
+  c->add_option("--out", o->out, "where the final transformers checkpoint goes (with --lora: the PEFT adapter)")->capture_default_str();
   c->add_option("--save-dtype", o->save_dtype,
                 "the final checkpoint's dtype: auto (the --model checkpoint's own; fp16 is kept exactly in fp32; "
-                "the built-in model's bf16), bf16 (what the model computes with) or fp32 (the trained masters)")
+                "the built-in model's bf16), bf16 (what the model computes with) or fp32 (the trained masters); "
+                "a LoRA adapter is fp32 unless bf16 is asked")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "bf16", "fp32"}));
+  c->add_flag("--merge", o->merge,
+              "with --lora: also write the merged model (each adapted weight W + scale B A) under --out/merged, a "
+              "transformers checkpoint without adapters");
   add_placement_options(*c, o->train);
   c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str()->check(in_range<int64_t>(1, kMaxSteps));
   add_optimizer_options(*c, o->train);

@@ -61,6 +61,7 @@ void measure_cpu_rates(PlanLimits& lim) {
 void add_model_options(CLI::App& c, TrainOptions& o) {
   c.add_option("--model", o.model, "Hugging Face checkpoint directory, or 'builtin'")->capture_default_str();
   c.add_option("--data", o.data, "token file (python -m strider.data), or 'builtin'")->capture_default_str();
+  o.config.add(c, "lora", o.lora);
 }
 
 void add_placement_options(CLI::App& c, TrainOptions& o) {
@@ -238,6 +239,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
     STRIDER_CHECK(!run.config.is_discarded(), "{}: not valid JSON", p.string());
   }
   run.spec = ModelSpec::from_json(run.config, o.model == "builtin" ? "built-in model" : o.model);
+  const ModelSpec trained = run.spec.with_lora(o.lora, "--lora");  // what the engine trains (adapters, if any)
 
   // The plan, before anything is allocated.
   PlanLimits& lim = run.limits;
@@ -256,7 +258,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   lim.host_bytes = host_ram - os_ram_headroom_bytes(host_ram);
   uint64_t shared = 0;
   if (lim.shared_compute) {
-    shared = shared_compute_bytes(run.spec, o.dtype == "fp32" ? at::kFloat : at::kBFloat16);
+    shared = shared_compute_bytes(trained, o.dtype == "fp32" ? at::kFloat : at::kBFloat16);
     // A /dev/shm too small for it (a container's 64 MiB default) means a
     // compute copy per rank instead, decided together: every rank must
     // finish a piece's update the same way (a barrier, or a gather).
@@ -287,6 +289,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   lim.accumulation = o.accumulation;
   STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
+  lim.lora = o.lora;
   lim.vocab_chunk = o.vocab_chunk;
   lim.vocab_shard_rows = o.vocab_shard_rows;
   lim.layer_pieces = o.layer_pieces;
@@ -388,12 +391,12 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   if (!me.solo()) {
     // The machine's host memory: each rank its slice of the state and its own
     // staging and runtime; the compute copy once when shared.
-    const EngineFootprint f = footprint(run.spec, cfg);
+    const EngineFootprint f = footprint(trained, cfg);
     EngineConfig whole_cfg = cfg;
     whole_cfg.state_shards = 1;
     whole_cfg.state_shard = 0;
     whole_cfg.shared_compute_file.clear();
-    const EngineFootprint whole = footprint(run.spec, whole_cfg);
+    const EngineFootprint whole = footprint(trained, whole_cfg);
     const uint64_t peak = run.plan.host_peak_bytes, staging = peak - std::min(peak, f.optimizer_host_bytes);
     fmt::print(log,
                "  data parallel: {} ranks, each keeping 1/{} of master, m and v ({} here, of {} in all){}; a rank's "
@@ -412,6 +415,9 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   } else if (run.model_dir.empty()) {
     engine.init_params(o.seed);
   } else {
+    // The checkpoint holds the model without adapters (run.spec); the
+    // engine's blocks (engine.spec()) add them after each layer's base, new
+    // as PEFT makes them (initial_values): the adapted model starts as the base.
     HfCheckpointReader reader(run.model_dir, run.spec);
     run.source_dtype = reader.dtype();
     for (int64_t b = 0; b < run.spec.num_blocks(); ++b) {
@@ -423,6 +429,18 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
                         "{}: tensor '{}' holds {} at element {}: a model with a non-finite weight cannot train "
                         "(every loss would be NaN); repair or re-export the checkpoint",
                         run.model_dir, t.name, w[t.offset_elems + i], i);
+      if (trained.lora.enabled()) {
+        const ParamLayout base = reader.layout(b), with = trained.layout(b);
+        std::vector<float> a(with.total_elems(), 0.0f);
+        for (const TensorSlot& t : with.slots()) {
+          const std::span<float> to = std::span(a).subspan(t.offset_elems, t.numel);
+          if (const TensorSlot* from = base.find(t.name))
+            std::copy_n(w.begin() + ptrdiff_t(from->offset_elems), t.numel, to.begin());
+          else
+            initial_values(t, o.seed, to);
+        }
+        w = std::move(a);
+      }
       engine.write_state(b, ExtentKind::kMaster, w);
     }
     fmt::print(log, "  loaded {}\n", run.model_dir);
