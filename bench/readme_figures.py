@@ -104,10 +104,13 @@ PLAN_NVME = {  # (model tag, clip tag) -> command name
     ("123b", "clip1"): "plan-123b-nvme", ("123b", "clip0"): "plan-123b-nvme-clip0"}
 PLAN_REFUSED = {"70b": "plan-70b-ram-only", "123b": "plan-123b-ram-only"}
 PLAN_Q8 = {"8b": "plan-8b-q8", "70b": "plan-70b-nvme-q8"}  # the q8 optimizer-state format
+PLAN_LORA = {("8b", "lora"): "plan-8b-lora", ("8b", "full"): "plan-8b-full-128",  # batch 16, 128 / 256 GiB
+             ("70b", "lora"): "plan-70b-lora", ("70b", "full"): "plan-70b-full-b16"}
+PLAN_LORA_REFUSED = "plan-70b-lora-128"
 
 PARTS = {
     "plan": list(PLAN_8B.values()) + ["plan-8b-b8-clip0"] + list(PLAN_NVME.values()) + list(PLAN_REFUSED.values()) +
-            list(PLAN_Q8.values()),
+            list(PLAN_Q8.values()) + list(PLAN_LORA.values()) + [PLAN_LORA_REFUSED],
     "profile": ["profile"],
     "demo": ["demo"],
     "step": ["bench_step"],
@@ -191,6 +194,24 @@ def plan_figures(logs, f):
                 f.put(f"{p}.fp32_host_bytes_per_param", fp32["host_bytes"] / params, cmd)
         if fp32:
             f.put(f"{p}.fp32_nvme_blocks", fp32["nvme_blocks"], cmd)
+    for (model, kind), cmd in PLAN_LORA.items():
+        j = logs.last_json(cmd, "step_s")
+        if not j or j.get("step_s") is None:
+            continue
+        p = f"predict.{model}.{kind}"
+        f.put(f"{p}.tokens_per_s", j["tokens_per_s"], cmd)
+        f.put(f"{p}.step_s", j["step_s"], cmd)
+        f.put(f"{p}.host_gib", j["host_pinned_bytes"] / GIB, cmd)
+        f.put(f"{p}.saved_host_gib", j.get("saved_host_bytes", 0) / GIB, cmd)
+        f.put(f"{p}.unit_gib", j["unit_bytes"] / GIB, cmd)
+        f.put(f"{p}.nvme_gib", j["nvme_bytes"] / GIB, cmd)
+        f.put(f"{p}.critical_lane", j["critical_lane"], cmd)
+    j = logs.last_json(PLAN_LORA_REFUSED, "feasible")
+    if j and j.get("feasible") is False:
+        m = re.search(r"needs ([\d.]+) GiB of pinned host RAM, ([\d.]+) GiB of it the frozen base", j.get("reason", ""))
+        if m:
+            f.put("refused.70b.lora.ram_needed_gib", float(m.group(1)), PLAN_LORA_REFUSED)
+            f.put("refused.70b.lora.base_gib", float(m.group(2)), PLAN_LORA_REFUSED)
     for model, cmd in PLAN_REFUSED.items():
         j = logs.last_json(cmd, "feasible")
         # A refusal is the figure: infeasible, with the RAM it needs in its reason.
@@ -367,6 +388,10 @@ def expected_names():
                                                        "nvme_blocks", "nvme_gib", "nvme_write_s",
                                                        "host_bytes_per_param", "fp32_host_bytes_per_param",
                                                        "fp32_nvme_blocks")]
+    for (model, kind) in PLAN_LORA:
+        e["plan"] += [f"predict.{model}.{kind}.{k}" for k in ("tokens_per_s", "step_s", "host_gib", "saved_host_gib",
+                                                               "unit_gib", "nvme_gib", "critical_lane")]
+    e["plan"] += ["refused.70b.lora.ram_needed_gib", "refused.70b.lora.base_gib"]
     e["profile"] = [f"profile.{k}" for k in ("step_s", "tokens_per_s", "compute_pct", "h2d_pct", "d2h_pct",
                                              "optimizer_pct", "critical_lane", "overlap_efficiency",
                                              "model_gflops", "executed_gflops", "params")]
@@ -563,6 +588,28 @@ def block_predict_nvme(f, logs):
     return "\n".join(out)
 
 
+def block_predict_lora(f, logs):
+    out = ["| model, RAM (batch 16 x 1024, rtx4090 preset) | LoRA r=16, every linear module: tokens/s (s/step) | "
+           "host RAM (of it kept activations) | cache unit | full training: tokens/s (s/step) | host RAM (NVMe) |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for model, name, ram in (("8b", "Llama-3.1-8B", "128 GiB"), ("70b", "Llama-3.1-70B", "256 GiB")):
+        a, b = f"predict.{model}.lora", f"predict.{model}.full"
+        nvme = f" ({f[b + '.nvme_gib']:.0f} GiB)" if f[b + ".nvme_gib"] else ""
+        out.append(f"| {name}, {ram} | {f[a + '.tokens_per_s']:.0f} ({f[a + '.step_s']:.2f}) | "
+                   f"{f[a + '.host_gib']:.1f} GiB ({f[a + '.saved_host_gib']:.1f} GiB) | {f[a + '.unit_gib']:.2f} GiB | "
+                   f"{f[b + '.tokens_per_s']:.0f} ({f[b + '.step_s']:.2f}) | {f[b + '.host_gib']:.1f} GiB{nvme} |")
+    out.append("")
+    out.append(prose(
+        f"Predicted by `{cmd(logs, PLAN_LORA[('8b', 'lora')])}` and the same for the other rows (full training "
+        "without `--lora`, 70B with `--nvme`). A frozen base has no gradient to send, no optimizer state and a "
+        "backward of input gradients only, and its cache units carry fp32 gradients of the adapters alone; "
+        "the plan gives the RAM the base leaves to kept activations (`--activations auto`). "
+        "Llama-3.1-70B LoRA in 128 GiB of RAM is refused: it needs "
+        f"{f['refused.70b.lora.ram_needed_gib']:.0f} GiB, {f['refused.70b.lora.base_gib']:.0f} GiB of it the bf16 "
+        "base's compute copy (int8 and NF4 bases, about a half and a quarter of that, are not built yet)."))
+    return "\n".join(out)
+
+
 def block_formats(f, logs):
     p8, p70 = "predict.8b.q8", "predict.70b.q8"
     return "\n".join([
@@ -587,7 +634,8 @@ def block_ram_8b(f, logs):
 
 BLOCKS = {"machine": block_machine, "demo-model": block_demo_model, "demo-plan": block_demo_plan,
           "profile": block_profile, "measured": block_measured, "predict-8b": block_predict_8b,
-          "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b, "formats": block_formats}
+          "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b, "formats": block_formats,
+          "predict-lora": block_predict_lora}
 # Blocks the script knows and leaves alone: their figures come from elsewhere.
 # bench/gpu_check.sh's figures, quoted with that check's date; bench/quality_formats.py's (its runs take
 # half an hour: it writes its block itself, with --update-readme); bench/predict_dp.py's (data parallel).

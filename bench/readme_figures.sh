@@ -25,7 +25,7 @@
 #
 # Parts, in order, with their wall time on the 2-core development VM while two
 # other C++ builds ran on it (18m38s in all; a quiet machine takes less):
-#   plan       11 `strider plan --predict rtx4090 --json` runs (8B; 70B/123B on NVMe; refusals)  10 s
+#   plan       16 `strider plan --predict rtx4090 --json` runs (8B; 70B/123B on NVMe; LoRA; refusals) 12 s
 #   profile    `strider profile --json` on the built-in model                                    21 s
 #   step       bench_step                                                                        73 s
 #   torch      bench/bench_vs_torch.py: strider vs plain PyTorch, 135M Llama, 5 rounds x 2 steps  ~420 s
@@ -183,6 +183,19 @@ if has_part plan; then
       --optimizer-state q8 --predict rtx4090 --json
   run plan-70b-nvme-q8 0 "$S" plan --model llama-3.1-70b --gpu 24GiB --ram 256GiB --nvme "$work/nvme" --seq 1024 \
       --accumulation 32 --optimizer-state q8 --predict rtx4090 --json
+  # LoRA (r=16 on every linear module, bf16 base) next to full training, batch 16: 8B in 128 GiB of RAM,
+  # 70B in 256 GiB (full training with NVMe); 70B LoRA in 128 GiB is refused (status 1), naming its base.
+  lora=r=16,alpha=32,targets=all-linear
+  run plan-8b-lora 0 "$S" plan --model llama-3.1-8b --gpu 24GiB --ram 128GiB --seq 1024 --accumulation 16 \
+      --lora "$lora" --predict rtx4090 --json
+  run plan-8b-full-128 0 "$S" plan --model llama-3.1-8b --gpu 24GiB --ram 128GiB --seq 1024 --accumulation 16 \
+      --predict rtx4090 --json
+  run plan-70b-lora 0 "$S" plan --model llama-3.1-70b --gpu 24GiB --ram 256GiB --seq 1024 --accumulation 16 \
+      --lora "$lora" --predict rtx4090 --json
+  run plan-70b-full-b16 0 "$S" plan --model llama-3.1-70b --gpu 24GiB --ram 256GiB --nvme "$work/nvme" --seq 1024 \
+      --accumulation 16 --predict rtx4090 --json
+  run plan-70b-lora-128 1 "$S" plan --model llama-3.1-70b --gpu 24GiB --ram 128GiB --seq 1024 --accumulation 16 \
+      --lora "$lora" --json
 fi
 if has_part profile; then
   # Its trace and PNG stay with the logs.
