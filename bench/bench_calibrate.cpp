@@ -209,9 +209,9 @@ void measure_compute(Device& dev, const ModelSpec& spec, const EngineConfig& cfg
       // The whole vocabulary as one shard (the built-in model's).
       at::Tensor rows = params.slice(0, 0, V * H).view({V, H}), grad_rows = grads.slice(0, 0, V * H).view({V, H});
       if (key.name == "embedding shard")
-        fn = [rows, ids, out_act](const LaunchContext&) { embedding_shard_forward(rows, 0, ids, out_act); };
+        fn = [rows, ids, out_act](const LaunchContext&) { embedding_shard_forward(rows, 0, ids, out_act, 1.0); };
       else
-        fn = [ids, gout, grad_rows](const LaunchContext&) { embedding_shard_backward(ids, 0, gout, grad_rows); };
+        fn = [ids, gout, grad_rows](const LaunchContext&) { embedding_shard_backward(ids, 0, gout, grad_rows, 1.0); };
     } else if ((key.name == "head log-sum-exp" || key.name == "head backward" || key.name == "head norm backward") &&
                b == head && !spec.tie_embeddings) {
       // The streamed head over one shard of the whole vocabulary (gpu/chunked_loss.h), as the engine launches it.

@@ -31,8 +31,21 @@ TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& l
     std::string role = s.name;
     if (!prefix.empty() && role.rfind(prefix, 0) == 0) role = role.substr(prefix.size());
     else if (role.rfind("model.", 0) == 0) role = role.substr(6);  // head: model.norm.weight
-    out.emplace(std::move(role), flat.slice(0, int64_t(s.offset_elems - from), int64_t(s.offset_elems - from + s.numel))
-                                     .view(s.shape));
+    at::Tensor view = flat.slice(0, int64_t(s.offset_elems - from), int64_t(s.offset_elems - from + s.numel)).view(s.shape);
+    // Fused projections (Phi-3): the blocks read and accumulate each
+    // projection's rows, a contiguous slice of the fused tensor.
+    const BlockDims& d = spec.dims;
+    const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
+    if (role == "self_attn.qkv_proj.weight") {
+      out.emplace("self_attn.q_proj.weight", view.slice(0, 0, q));
+      out.emplace("self_attn.k_proj.weight", view.slice(0, q, q + kv));
+      out.emplace("self_attn.v_proj.weight", view.slice(0, q + kv, q + 2 * kv));
+    } else if (role == "mlp.gate_up_proj.weight") {
+      out.emplace("mlp.gate_proj.weight", view.slice(0, 0, d.intermediate));
+      out.emplace("mlp.up_proj.weight", view.slice(0, d.intermediate, 2 * d.intermediate));
+    } else {
+      out.emplace(std::move(role), std::move(view));
+    }
   }
   return out;
 }
@@ -50,7 +63,7 @@ at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::T
                                 const at::Tensor& save) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   switch (spec_.block(b).kind) {
-    case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input);
+    case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input, spec_.dims.embedding_multiplier);
     case BlockKind::kLayer: {
       if (!save.defined()) return layer_forward(spec_.dims, w, rope_, input, options_.token_tile);
       const LayerSaved s = layer_saved_views(spec_.dims, input.size(0) * input.size(1), save);
@@ -68,7 +81,8 @@ at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::
   TensorMap g = block_views(spec_, b, layouts_[b], grads, /*trainable_only=*/true, grads_from);
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding:
-      if (auto it = g.find("weight"); it != g.end()) embedding_backward(input, grad_out, it->second);
+      if (auto it = g.find("weight"); it != g.end())
+        embedding_backward(input, grad_out, it->second, spec_.dims.embedding_multiplier);
       return {};
     case BlockKind::kLayer: {
       if (!saved.defined()) return layer_backward(spec_.dims, w, rope_, input, grad_out, g, options_.token_tile);

@@ -23,7 +23,10 @@ struct ComputeOptions {
 // `trainable_only`: the trainable tensors' only (gradient accumulators: the
 // blocks compute no gradient of a tensor that has none), with `flat`
 // starting at block element `from` (a unit's gradient area starts at its
-// first trained element, Sharding::grad_base).
+// first trained element, Sharding::grad_base). A fused projection (Phi-3's
+// self_attn.qkv_proj, mlp.gate_up_proj) appears as its projections' row
+// slices under their own names (q/k/v_proj, gate/up_proj), so the blocks
+// compute and accumulate into it as into separate tensors.
 TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& layout,
                       const at::Tensor& flat, bool trainable_only = false, size_t from = 0);
 

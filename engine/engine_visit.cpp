@@ -204,8 +204,9 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
   if (b == 0) {
     at::Tensor rows = rows_view(params, 0, pc);
     const int64_t v0 = pc.row_begin;
+    const double scale = spec_.dims.embedding_multiplier;
     dev.launch(StreamId::kCompute, {"embedding shard", int32_t(b), flops},
-               [rows, v0, in, out](const LaunchContext&) { embedding_shard_forward(rows, v0, in, out); });
+               [rows, v0, in, out, scale](const LaunchContext&) { embedding_shard_forward(rows, v0, in, out, scale); });
     return;
   }
   if (op.keep) {
@@ -298,8 +299,11 @@ void EngineCore::backward_op(const StepOp& op) {
   if (b == 0) {
     at::Tensor grad_rows = rows_view(grads, 0, pc);
     const int64_t v0 = pc.row_begin;
+    const double scale = spec_.dims.embedding_multiplier;
     dev.launch(StreamId::kCompute, {"embedding shard backward", int32_t(b), flops},
-               [in, v0, gout, grad_rows](const LaunchContext&) { embedding_shard_backward(in, v0, gout, grad_rows); });
+               [in, v0, gout, grad_rows, scale](const LaunchContext&) {
+                 embedding_shard_backward(in, v0, gout, grad_rows, scale);
+               });
     return;
   }
   if (op.keep) {

@@ -81,10 +81,10 @@ void convert_to_f32(DType t, const std::byte* src, size_t count, float* dst) {
 int state_dict_rank(std::string_view name) {
   static constexpr std::string_view kOrder[] = {
       "self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
-      "self_attn.k_proj.bias",   "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+      "self_attn.k_proj.bias",   "self_attn.v_proj.weight", "self_attn.v_proj.bias", "self_attn.qkv_proj.weight",
       "self_attn.o_proj.weight", "self_attn.o_proj.bias", "self_attn.q_norm.weight",
       "self_attn.k_norm.weight", "mlp.gate_proj.weight",  "mlp.gate_proj.bias",
-      "mlp.up_proj.weight",      "mlp.up_proj.bias",      "mlp.down_proj.weight",
+      "mlp.up_proj.weight",      "mlp.up_proj.bias",      "mlp.gate_up_proj.weight", "mlp.down_proj.weight",
       "mlp.down_proj.bias",      "input_layernorm.weight", "post_attention_layernorm.weight",
   };
   for (size_t i = 0; i < std::size(kOrder); ++i)

@@ -37,6 +37,7 @@ struct RealRange { double lo, hi; bool lo_open; };
 constexpr RealRange kRopeThetaRange{0, 1e12, true};
 constexpr RealRange kRopeFactorRange{0, 1e6, true};  // factor, low and high freq factors
 constexpr RealRange kRmsEpsRange{0, 1, true};
+constexpr RealRange kMultiplierRange{0, 1e6, true};  // Granite's multipliers and logits_scaling
 
 // Field readers that name the file and the field in every error.
 struct Reader {
@@ -101,6 +102,8 @@ constexpr ArchInfo kArchs[] = {
     {Arch::kQwen2, "Qwen2ForCausalLM", "qwen2"},
     {Arch::kQwen3, "Qwen3ForCausalLM", "qwen3"},
     {Arch::kMistral, "MistralForCausalLM", "mistral"},
+    {Arch::kGranite, "GraniteForCausalLM", "granite"},
+    {Arch::kPhi3, "Phi3ForCausalLM", "phi3"},
 };
 
 const ArchInfo& arch_of(const Reader& r) {
@@ -118,7 +121,7 @@ const ArchInfo& arch_of(const Reader& r) {
     name = "model_type '" + mt + "'";
   }
   throw Error(fmt::format("{}: architecture {} is not supported; strider supports LlamaForCausalLM, "
-                          "Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM",
+                          "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, GraniteForCausalLM and Phi3ForCausalLM",
                           r.source, name));
 }
 
@@ -134,6 +137,10 @@ RopeDims parse_rope(const Reader& r) {
                 params ? "rope_parameters" : "rope_scaling");
   Reader pr{*p, r.source, params ? "rope_parameters." : "rope_scaling."};
   if (params) rope.theta = pr.number_or("rope_theta", rope.theta, kRopeThetaRange);
+  // transformers >= 5 keeps Phi-3's partial_rotary_factor here.
+  const double rotary = pr.number_or("partial_rotary_factor", 1.0, kMultiplierRange);
+  STRIDER_CHECK(rotary == 1.0, "{}: {}partial_rotary_factor {} is not supported (RoPE over the whole head, 1.0)",
+                r.source, pr.prefix, rotary);
   std::string type = pr.string_or("rope_type", pr.string_or("type", "default"));
   if (type == "default") {
     rope.type = RopeType::kDefault;
@@ -206,11 +213,27 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
       break;
     case Arch::kMistral:
       break;
+    case Arch::kGranite:  // Llama's layer with four multipliers (transformers' modeling_granite)
+      d.qkv_bias = d.o_bias = r.boolean_or("attention_bias", false);
+      d.mlp_bias = r.boolean_or("mlp_bias", false);
+      d.embedding_multiplier = r.number_or("embedding_multiplier", 1.0, kMultiplierRange);
+      d.attn_scale = r.number_or("attention_multiplier", 1.0, kMultiplierRange);
+      d.residual_multiplier = r.number_or("residual_multiplier", 1.0, kMultiplierRange);
+      d.logits_scaling = r.number_or("logits_scaling", 1.0, kMultiplierRange);
+      break;
+    case Arch::kPhi3: {  // Llama's layer with fused projections (transformers' modeling_phi3)
+      d.fused_projections = true;
+      const double rotary = r.number_or("partial_rotary_factor", 1.0, kMultiplierRange);
+      STRIDER_CHECK(rotary == 1.0, "{}: partial_rotary_factor {} is not supported (RoPE over the whole head, 1.0)",
+                    source, rotary);
+      break;
+    }
   }
-  // Sliding-window attention: only Mistral applies it to every layer; Qwen
-  // configs carry the field but leave use_sliding_window off.
-  if (s.arch == Arch::kMistral || r.boolean_or("use_sliding_window", false)) {
-    STRIDER_CHECK(s.arch == Arch::kMistral,
+  // Sliding-window attention: Mistral and Phi-3 apply it to every layer;
+  // Qwen configs carry the field but leave use_sliding_window off.
+  const bool every_layer_window = s.arch == Arch::kMistral || s.arch == Arch::kPhi3;
+  if (every_layer_window || r.boolean_or("use_sliding_window", false)) {
+    STRIDER_CHECK(every_layer_window,
                   "{}: use_sliding_window is not supported for {}", source, s.arch_name);
     d.sliding_window = r.integer_or("sliding_window", 0, kPositionsRange);
   }

@@ -173,6 +173,14 @@ ParamLayout ModelSpec::layout(int64_t i) const {
     case BlockKind::kLayer: {
       const std::string p = fmt::format("model.layers.{}.", b.layer);
       l.add(p + "input_layernorm.weight", {d.hidden});
+      if (d.fused_projections) {  // Phi-3: one tensor each for q/k/v and gate/up, no biases
+        l.add(p + "self_attn.qkv_proj.weight", {q + 2 * kv, d.hidden});
+        l.add(p + "self_attn.o_proj.weight", {d.hidden, q});
+        l.add(p + "post_attention_layernorm.weight", {d.hidden});
+        l.add(p + "mlp.gate_up_proj.weight", {2 * d.intermediate, d.hidden});
+        l.add(p + "mlp.down_proj.weight", {d.hidden, d.intermediate});
+        break;
+      }
       l.add(p + "self_attn.q_proj.weight", {q, d.hidden});
       if (d.qkv_bias) l.add(p + "self_attn.q_proj.bias", {q});
       l.add(p + "self_attn.k_proj.weight", {kv, d.hidden});
@@ -216,6 +224,8 @@ ModelSpec ModelSpec::with_lora(std::string_view text, std::string_view source) c
   STRIDER_CHECK(!s.lora.enabled() || !tie_embeddings || s.lora.train.empty(),
                 "{}: LoRA train={}: {} ties its embedding and LM head; training either in full beside adapters "
                 "is not supported for tied embeddings", source, fmt::join(s.lora.train, "+"), arch_name);
+  STRIDER_CHECK(!s.lora.enabled() || !dims.fused_projections,
+                "{}: LoRA on {}'s fused projections (qkv_proj, gate_up_proj) is not supported yet", source, arch_name);
   s.dims.lora_scale = s.lora.enabled() ? s.lora.scale() : 0;
   return s;
 }

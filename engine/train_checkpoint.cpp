@@ -63,6 +63,10 @@ std::vector<std::string> spec_differences(const ModelSpec& ckpt, const ModelSpec
   cmp("mlp_bias", a.mlp_bias, b.mlp_bias);
   cmp("qk norm", a.qk_norm, b.qk_norm);
   cmp("sliding_window", a.sliding_window, b.sliding_window);
+  cmp("embedding_multiplier", a.embedding_multiplier, b.embedding_multiplier);
+  cmp("attention_multiplier", a.attn_scale, b.attn_scale);
+  cmp("residual_multiplier", a.residual_multiplier, b.residual_multiplier);
+  cmp("logits_scaling", a.logits_scaling, b.logits_scaling);
   cmp("lora", ckpt.lora.text().empty() ? std::string("(none)") : ckpt.lora.text(),
       engine.lora.text().empty() ? std::string("(none)") : engine.lora.text());
   if (!d.empty()) return d;

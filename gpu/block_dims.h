@@ -31,7 +31,20 @@ struct BlockDims {
   bool o_bias = false;      // Llama with attention_bias
   bool mlp_bias = false;    // Llama with mlp_bias
   bool qk_norm = false;     // Qwen3: RMSNorm over head_dim on q and k
+  // Phi-3: q, k and v one tensor (self_attn.qkv_proj, their rows in that
+  // order), gate and up one (mlp.gate_up_proj); the blocks see their row
+  // slices under the separate projections' names (engine/block_runner.h).
+  bool fused_projections = false;
   int64_t sliding_window = 0;  // Mistral; 0: none. Sequences longer are refused.
+  // Granite's multipliers (1 and 0 elsewhere): the embedding's output is
+  // scaled by embedding_multiplier, the attention scores by attn_scale (0:
+  // 1/sqrt(head_dim)), each residual branch (attention, MLP) by
+  // residual_multiplier before it is added, and the logits divided by
+  // logits_scaling.
+  double embedding_multiplier = 1.0;
+  double attn_scale = 0.0;
+  double residual_multiplier = 1.0;
+  double logits_scaling = 1.0;
   // LoRA: a linear layer whose block holds "<proj>.lora_A.weight" and
   // "<proj>.lora_B.weight" adds lora_scale * (x A^T) B^T (engine/lora.h).
   double lora_scale = 0;

@@ -159,16 +159,28 @@ at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const RopeTabl
   // CUDA: flash wants 16 bits, memory-efficient equal heads), ATen would
   // fall back to math (S x S scores); repeated K/V let memory-efficient run.
   bool grouped = d.kv_heads != d.heads;
-  if (grouped && at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
+  const std::optional<double> scale = d.attn_scale > 0 ? std::optional<double>(d.attn_scale) : std::nullopt;
+  if (grouped && at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
                                        /*enable_gqa=*/true) == kSdpMath) {
     k = k.repeat_interleave(d.heads / d.kv_heads, 1);
     v = v.repeat_interleave(d.heads / d.kv_heads, 1);
     grouped = false;
   }
-  at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt,
+  at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
                                                   /*enable_gqa=*/grouped);
   q = k = v = at::Tensor();
   return a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
+}
+
+// A residual branch's output as it is added: scaled by Granite's
+// residual_multiplier (in place: the branch is a fresh tensor), else as is.
+at::Tensor branch(const BlockDims& d, at::Tensor y) {
+  return d.residual_multiplier == 1.0 ? y : y.mul_(d.residual_multiplier);
+}
+
+// The gradient a residual branch's output receives: the stream's, scaled as the branch was.
+at::Tensor branch_grad(const BlockDims& d, const at::Tensor& g) {
+  return d.residual_multiplier == 1.0 ? g : g * d.residual_multiplier;
 }
 
 // The MLP's projections of x1 (its rows: a tile of tokens): gate and up,
@@ -250,8 +262,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * (xf * at::rsqrt(var + eps)).to(x.scalar_type());
 }
 
-at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids) {
-  return at::embedding(weight, ids);
+at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, double scale) {
+  at::Tensor out = at::embedding(weight, ids);
+  return scale == 1.0 ? out : out.mul_(scale);
 }
 
 namespace {
@@ -261,33 +274,38 @@ namespace {
 // with M micro-batches adds ((g0 + g1) + g2) per row, exactly as M
 // data-parallel ranks with one micro-batch each sum theirs (rank order),
 // rather than folding each token's row into the running sum by itself.
-void add_rows_per_token(const at::Tensor& acc, const at::Tensor& at, const at::Tensor& from) {
+// `scale`: the embedding's output scale (BlockDims::embedding_multiplier),
+// applied to each row of `from` (in fp32) before it is summed.
+void add_rows_per_token(const at::Tensor& acc, const at::Tensor& at, const at::Tensor& from, double scale) {
   auto [tokens, slot] = at::_unique(at, /*sorted=*/true, /*return_inverse=*/true);
   at::Tensor sums = at::zeros({tokens.size(0), from.size(1)}, from.options().dtype(at::kFloat));
-  sums.index_add_(0, slot, from.to(at::kFloat));
+  sums.index_add_(0, slot, scale == 1.0 ? from.to(at::kFloat) : from.to(at::kFloat) * scale);
   acc.index_add_(0, tokens, sums);
 }
 }  // namespace
 
-void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight) {
+void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight, double scale) {
   const int64_t hidden = grad_weight.size(1);
-  add_rows_per_token(grad_weight, ids.reshape({-1}), grad_out.reshape({-1, hidden}));
+  add_rows_per_token(grad_weight, ids.reshape({-1}), grad_out.reshape({-1, hidden}), scale);
 }
 
-void embedding_shard_forward(const at::Tensor& rows, int64_t v0, const at::Tensor& ids, const at::Tensor& out) {
+void embedding_shard_forward(const at::Tensor& rows, int64_t v0, const at::Tensor& ids, const at::Tensor& out,
+                             double scale) {
   const int64_t n = rows.size(0), hidden = rows.size(1);
   at::Tensor flat_ids = ids.reshape({-1});
   at::Tensor sel = ((flat_ids >= v0) & (flat_ids < v0 + n)).nonzero().squeeze(1);  // token positions, in order
   at::Tensor flat_out = out.view({-1, hidden});
-  flat_out.index_copy_(0, sel, rows.index_select(0, flat_ids.index_select(0, sel) - v0));
+  at::Tensor picked = rows.index_select(0, flat_ids.index_select(0, sel) - v0);
+  flat_out.index_copy_(0, sel, scale == 1.0 ? picked : picked.mul_(scale));
 }
 
 void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tensor& grad_out,
-                              const at::Tensor& grad_rows) {
+                              const at::Tensor& grad_rows, double scale) {
   const int64_t n = grad_rows.size(0), hidden = grad_rows.size(1);
   at::Tensor flat_ids = ids.reshape({-1});
   at::Tensor sel = ((flat_ids >= v0) & (flat_ids < v0 + n)).nonzero().squeeze(1);
-  add_rows_per_token(grad_rows, flat_ids.index_select(0, sel) - v0, grad_out.reshape({-1, hidden}).index_select(0, sel));
+  add_rows_per_token(grad_rows, flat_ids.index_select(0, sel) - v0, grad_out.reshape({-1, hidden}).index_select(0, sel),
+                     scale);
 }
 
 int64_t layer_saved_elems(const BlockDims& d, int64_t tokens) {
@@ -329,7 +347,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
       save->v.copy_(p.v.view({n, -1}));
     }
     at::Tensor a = attention_core(d, w, rope, std::move(p.q), std::move(p.k), std::move(p.v));
-    x1 = x + linear(d, a, w, "self_attn.o_proj");
+    x1 = x + branch(d, linear(d, a, w, "self_attn.o_proj"));
   }
   if (save) save->x1.copy_(x1.view({n, d.hidden}));
   // x1 + mlp, tile by tile, in place: x1 is ours (a fresh sum), and the sum
@@ -349,7 +367,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
     at::silu_(m.gate);
     m.gate.mul_(m.up);
     m.up = at::Tensor();
-    t.add_(linear(d, m.gate, w, "mlp.down_proj"));
+    t.add_(branch(d, linear(d, m.gate, w, "mlp.down_proj")));
   }
   return flat.view(x1.sizes());
 }
@@ -401,7 +419,7 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     x1 = saved->x1.view({b, s, d.hidden});
   } else {
     at::NoGradGuard no_grad;
-    x1 = x + linear(d, a.detach(), w, "self_attn.o_proj");
+    x1 = x + branch(d, linear(d, a.detach(), w, "self_attn.o_proj"));
   }
 
   // 2. The MLP tile by tile (the forward's tiles): gate and up (kept, or
@@ -427,9 +445,10 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
       else m = mlp_projections(d, w, x1_t);
       at::Tensor silu = at::silu(m.gate);
       at::Tensor act = silu * m.up;
-      add_linear_grads(grads, "mlp.down_proj", gout_t, act);
+      const at::Tensor gdown = branch_grad(d, gout_t);
+      add_linear_grads(grads, "mlp.down_proj", gdown, act);
       if (w.find("mlp.down_proj.lora_A.weight") == w.end()) act = at::Tensor();  // gone before dact, as ever
-      at::Tensor dact = linears_input_grad(d, w, grads, {"mlp.down_proj"}, {gout_t}, act);
+      at::Tensor dact = linears_input_grad(d, w, grads, {"mlp.down_proj"}, {gdown}, act);
       act = at::Tensor();
       const at::Tensor du = dact * silu;
       silu = at::Tensor();
@@ -459,8 +478,9 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     at::Tensor da;
     {
       const at::Tensor a_flat = a.detach().reshape({n, qf});
-      add_linear_grads(grads, "self_attn.o_proj", gx1, a_flat);
-      da = linears_input_grad(d, w, grads, {"self_attn.o_proj"}, {gx1}, a_flat);
+      const at::Tensor go = branch_grad(d, gx1);
+      add_linear_grads(grads, "self_attn.o_proj", go, a_flat);
+      da = linears_input_grad(d, w, grads, {"self_attn.o_proj"}, {go}, a_flat);
     }
     at::AutoGradMode enable(true);
     g = torch::autograd::grad({a}, core_inputs, {da.view(a.sizes())});

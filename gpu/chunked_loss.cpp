@@ -67,6 +67,7 @@ void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
       const int64_t c1 = std::min(rows, c0 + chunk), a = v0 + c0, b = v0 + c1;
       at::Tensor logits = at::matmul(ht, w_rows.slice(0, c0, c1).t());  // [t, c]
+      if (d.logits_scaling != 1.0) logits.div_(d.logits_scaling);  // Granite's
       if (keep.defined()) keep.slice(0, t0, t1).slice(1, c0, c1).copy_(logits);
       logits = logits.to(at::kFloat);
       at::Tensor new_max = at::maximum(run_max, std::get<0>(logits.max(1)));
@@ -100,12 +101,19 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
     at::Tensor lab = labels.slice(0, t0, t1), lse_t = lse.slice(0, t0, t1);
     at::Tensor gh = grad_h.slice(0, t0, t1);
     // d(scale * sum_t (lse_t - logit_t[label]))/d(logit) = scale * (softmax - onehot), valid rows only.
-    at::Tensor row_scale = (lab != kIgnore).to(at::kFloat) * loss_scale;
+    // Granite's logits are the product's over logits_scaling: so are their gradients.
+    at::Tensor row_scale = (lab != kIgnore).to(at::kFloat) * (loss_scale / d.logits_scaling);
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
       const int64_t c1 = std::min(rows, c0 + chunk), a = v0 + c0, b = v0 + c1;
       at::Tensor wc = w_rows.slice(0, c0, c1);
-      at::Tensor logits =
-          (kept.defined() ? kept.slice(0, t0, t1).slice(1, c0, c1) : at::matmul(ht, wc.t())).to(at::kFloat);
+      at::Tensor logits;
+      if (kept.defined()) {
+        logits = kept.slice(0, t0, t1).slice(1, c0, c1).to(at::kFloat);  // pass 1's, scaled
+      } else {
+        logits = at::matmul(ht, wc.t());
+        if (d.logits_scaling != 1.0) logits.div_(d.logits_scaling);
+        logits = logits.to(at::kFloat);
+      }
       at::Tensor g = at::exp(logits - lse_t.unsqueeze(1));
       logits.reset();  // dead: one [tile, chunk] fp32 less at the peak
       at::Tensor in_chunk = (lab >= a) & (lab < b);

@@ -56,7 +56,8 @@ from strider._library import load_library
 from strider.config import EngineConfig
 
 # The decoder families the C++ ModelSpec implements (engine/model_spec.cpp).
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
+                           "GraniteForCausalLM", "Phi3ForCausalLM")
 IGNORE_INDEX = -100
 
 

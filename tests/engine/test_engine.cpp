@@ -100,6 +100,31 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
   }
 }
 
+TEST_CASE("Granite's multipliers: offload and pools still change nothing", "[engine]") {
+  // The embedding's scale (its shards', forward and backward), the
+  // attention scale, the scaled residual branches (recomputed and kept) and
+  // the divided logits (recomputed and kept) give the same bits however the
+  // model is placed.
+  nlohmann::json config = test::tiny_config(true);
+  config["architectures"] = {"GraniteForCausalLM"};
+  config.update({{"embedding_multiplier", 6.0}, {"attention_multiplier", 0.3}, {"residual_multiplier", 0.4},
+                 {"logits_scaling", 3.0}});
+  const ModelSpec spec = ModelSpec::from_json(config, "tiny granite");
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const Result ref = run(spec, {"all resident", spec.num_blocks()}, dtype, 0.5);
+    CHECK(ref.losses.back() < ref.losses.front());
+    for (Case c : {Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
+                   Case{"3 vocabulary shards, chaos, NVMe", 2, false, {0, 2, 4}, true, 7, 3, 40},
+                   Case{"kept activations and logits, 2 vocabulary shards, chaos", 2, true, {}, true, 13, 3, 80,
+                        {1, 2, 3}, true}})
+      for (int devices : {1, 2}) {
+        c.devices = devices;
+        INFO(c.name << ", " << devices << " device(s), " << (dtype == at::kFloat ? "fp32" : "bf16"));
+        CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
+      }
+  }
+}
+
 TEST_CASE("q8 optimizer state: offload changes nothing, and it trains as fp32 does", "[engine][q8]") {
   // The q8 format's stochastic rounding hashes (step, block, element), not
   // the piece or the thread: K, tiers, shards, ring and chaos change no bit.

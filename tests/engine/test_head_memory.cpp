@@ -89,11 +89,11 @@ TEST_CASE("the head's and the embedding's measured working memory is between 0.7
     // bound, min(tokens, vocab)) can fall.
     at::Tensor ids = at::randint(V, {1, s.tokens}, at::kLong), out = at::empty({1, s.tokens, d.hidden}, s.dtype);
     Peak p4;
-    embedding_shard_forward(w, 0, ids.remainder(rows), out);
+    embedding_shard_forward(w, 0, ids.remainder(rows), out, 1.0);
     const int64_t m_emb = p4.bytes();
     at::Tensor grad_all = at::zeros({V, d.hidden});
     Peak p5;
-    embedding_shard_backward(ids, 0, out, grad_all);
+    embedding_shard_backward(ids, 0, out, grad_all, 1.0);
     const int64_t m_emb_back = p5.bytes();
     const BlockCost emb = spec.cost(0, 1, s.tokens, s.chunk, e, s.tile);
     INFO("embedding measured " << m_emb << " / " << m_emb_back << ", predicted " << emb.forward_work_bytes << " / "

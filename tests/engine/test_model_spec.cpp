@@ -68,6 +68,49 @@ TEST_CASE("Qwen3 gets q/k norms, an explicit head_dim and a tied head", "[engine
   CHECK(ModelSpec::from_json(q2, "x").dims.qkv_bias);
 }
 
+TEST_CASE("Granite reads its four multipliers, each range-checked, and elsewhere they are the identity",
+          "[engine][spec]") {
+  json g = qwen3_tiny();
+  g.erase("head_dim");
+  g["architectures"] = {"GraniteForCausalLM"};
+  g.update({{"embedding_multiplier", 12.0}, {"attention_multiplier", 0.0078125}, {"residual_multiplier", 0.22},
+            {"logits_scaling", 16.0}});
+  const ModelSpec s = ModelSpec::from_json(g, "granite/config.json");
+  CHECK(s.arch_name == "GraniteForCausalLM");
+  CHECK(s.dims.embedding_multiplier == 12.0);
+  CHECK(s.dims.attn_scale == 0.0078125);
+  CHECK(s.dims.residual_multiplier == 0.22);
+  CHECK(s.dims.logits_scaling == 16.0);
+  CHECK_FALSE(s.dims.qk_norm);
+  g["logits_scaling"] = 0;
+  CHECK_THROWS_WITH(ModelSpec::from_json(g, "granite/config.json"),
+                    Catch::Contains("granite/config.json") && Catch::Contains("'logits_scaling' = 0 is outside (0"));
+  const ModelSpec q = ModelSpec::from_json(qwen3_tiny(), "qwen3/config.json");  // other architectures: the identity
+  CHECK((q.dims.embedding_multiplier == 1.0 && q.dims.attn_scale == 0.0 && q.dims.residual_multiplier == 1.0 &&
+         q.dims.logits_scaling == 1.0));
+}
+
+TEST_CASE("Phi-3 holds fused projections under its own names, and refuses what it cannot train",
+          "[engine][spec]") {
+  json p = qwen3_tiny();
+  p.erase("head_dim");
+  p["architectures"] = {"Phi3ForCausalLM"};
+  p["tie_word_embeddings"] = false;
+  const ModelSpec s = ModelSpec::from_json(p, "phi3/config.json");
+  CHECK(s.dims.fused_projections);
+  const ParamLayout l = s.layout(1);
+  const int64_t q = s.dims.heads * s.dims.head_dim, kv = s.dims.kv_heads * s.dims.head_dim;
+  CHECK(l.at("model.layers.0.self_attn.qkv_proj.weight").shape == std::vector<int64_t>{q + 2 * kv, s.dims.hidden});
+  CHECK(l.at("model.layers.0.mlp.gate_up_proj.weight").shape ==
+        std::vector<int64_t>{2 * s.dims.intermediate, s.dims.hidden});
+  CHECK(l.find("model.layers.0.self_attn.q_proj.weight") == nullptr);
+  CHECK_THROWS_WITH(s.with_lora("r=4,alpha=8,targets=all-linear", "--lora"),
+                    Catch::Contains("fused projections (qkv_proj, gate_up_proj) is not supported"));
+  p["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "default"}, {"partial_rotary_factor", 0.75}};
+  CHECK_THROWS_WITH(ModelSpec::from_json(p, "phi3/config.json"),
+                    Catch::Contains("rope_parameters.partial_rotary_factor 0.75 is not supported"));
+}
+
 TEST_CASE("bad configs fail naming the file and the field", "[engine][spec]") {
   auto fails = [](json j, const std::string& what) {
     CHECK_THROWS_WITH(ModelSpec::from_json(j, "m/config.json"),

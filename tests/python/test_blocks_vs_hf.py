@@ -23,7 +23,7 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_atte
 
 
 def configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
     llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     return {
@@ -32,6 +32,9 @@ def configs():
         "qwen2": Qwen2Config(**SMALL),
         "qwen3": Qwen3Config(**{**SMALL, "head_dim": 24}),
         "mistral": MistralConfig(**SMALL, sliding_window=128),
+        "granite": GraniteConfig(**SMALL, attention_bias=True, embedding_multiplier=12.0, attention_multiplier=0.0625,
+                                 residual_multiplier=0.22, logits_scaling=8.0),
+        "phi3": Phi3Config(**SMALL, pad_token_id=0, sliding_window=128),  # fused qkv_proj and gate_up_proj
     }
 
 
@@ -99,7 +102,7 @@ def test_fp32_matches_transformers(arch):
         assert rel_err(grads[name], g) < 1e-5, name
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "granite"])
 def test_bf16_within_bf16_tolerance(arch):
     # bf16 keeps 8 bits of mantissa; different but equally valid operation
     # orders differ by a few ulps per op. Stated tolerance: loss 1e-2 relative,

@@ -36,13 +36,18 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 
 
 def hf_config(arch):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, Phi3Config, Qwen2Config, Qwen3Config
     if arch == "llama":
         return LlamaConfig(**SMALL)
     if arch == "qwen2":  # q, k and v biases
         return Qwen2Config(**SMALL)
     if arch == "qwen3_tied":
         return Qwen3Config(**{**SMALL, "num_hidden_layers": 3, "head_dim": 24}, tie_word_embeddings=True)
+    if arch == "granite_tied":  # its four multipliers, none of them 1 (Granite 3 ties its embeddings)
+        return GraniteConfig(**SMALL, tie_word_embeddings=True, embedding_multiplier=3.0, attention_multiplier=0.09,
+                             residual_multiplier=0.7, logits_scaling=0.8)
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj
+        return Phi3Config(**SMALL, pad_token_id=0)
     raise KeyError(arch)
 
 
@@ -139,7 +144,8 @@ def rel_err(a, b):
     ("llama", False, False, "1"), ("qwen3_tied", False, False, "1"), ("qwen2", False, False, "1"),
     ("llama", True, False, "1"), ("qwen3_tied", False, True, "1"),
     # A pool of CPU devices in one process (engine/README.md, "A pool of devices"), chaos on each.
-    ("llama", True, False, "2"), ("qwen3_tied", True, False, "3")])
+    ("llama", True, False, "2"), ("qwen3_tied", True, False, "3"), ("granite_tied", True, False, "2"),
+    ("phi3", True, False, "2")])
 def test_fp32_steps_track_transformers_and_adamw(arch, chaos, decay_all, devices):
     model = make_model(arch)
     data = batches(model.config.vocab_size)
