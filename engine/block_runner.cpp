@@ -57,17 +57,21 @@ BlockRunner::BlockRunner(const ModelSpec& spec, ComputeOptions options, int64_t 
   STRIDER_CHECK(options.token_tile >= 0, "token tile {} must be >= 0 (0: untiled)", options.token_tile);
   for (int64_t b = 0; b < spec.num_blocks(); ++b) layouts_.push_back(spec.layout(b));
   rope_ = rope_tables(spec.dims.rope, spec.dims.head_dim, seq, options.dtype, device);
+  if (!spec.sliding_layers.empty())
+    local_rope_ = rope_tables(spec.local_rope, spec.dims.head_dim, seq, options.dtype, device);
 }
 
 at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
                                 const at::Tensor& save) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   switch (spec_.block(b).kind) {
-    case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input, spec_.dims.embedding_multiplier);
+    case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input, embedding_scale(spec_.dims, params.scalar_type()));
     case BlockKind::kLayer: {
-      if (!save.defined()) return layer_forward(spec_.dims, w, rope_, input, options_.token_tile);
-      const LayerSaved s = layer_saved_views(spec_.dims, input.size(0) * input.size(1), save);
-      return layer_forward(spec_.dims, w, rope_, input, options_.token_tile, &s);
+      const int64_t l = spec_.block(b).layer;
+      const BlockDims d = spec_.layer_dims(l);
+      if (!save.defined()) return layer_forward(d, w, rope_of(l), input, options_.token_tile);
+      const LayerSaved s = layer_saved_views(d, input.size(0) * input.size(1), save);
+      return layer_forward(d, w, rope_of(l), input, options_.token_tile, &s);
     }
     case BlockKind::kHead: break;
   }
@@ -82,12 +86,15 @@ at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding:
       if (auto it = g.find("weight"); it != g.end())
-        embedding_backward(input, grad_out, it->second, spec_.dims.embedding_multiplier);
+        embedding_backward(input, grad_out, it->second, embedding_scale(spec_.dims, params.scalar_type()),
+                           spec_.dims.pad_token);
       return {};
     case BlockKind::kLayer: {
-      if (!saved.defined()) return layer_backward(spec_.dims, w, rope_, input, grad_out, g, options_.token_tile);
-      const LayerSaved s = layer_saved_views(spec_.dims, input.size(0) * input.size(1), saved);
-      return layer_backward(spec_.dims, w, rope_, input, grad_out, g, options_.token_tile, &s);
+      const int64_t l = spec_.block(b).layer;
+      const BlockDims d = spec_.layer_dims(l);
+      if (!saved.defined()) return layer_backward(d, w, rope_of(l), input, grad_out, g, options_.token_tile);
+      const LayerSaved s = layer_saved_views(d, input.size(0) * input.size(1), saved);
+      return layer_backward(d, w, rope_of(l), input, grad_out, g, options_.token_tile, &s);
     }
     case BlockKind::kHead: break;
   }

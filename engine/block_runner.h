@@ -71,6 +71,8 @@ class BlockRunner {
   ComputeOptions options_;
   std::vector<ParamLayout> layouts_;
   RopeTables rope_;
+  RopeTables local_rope_;  // the sliding layers' (ModelSpec::local_rope), where the model has them
+  const RopeTables& rope_of(int64_t layer) const { return spec_.slides(layer) ? local_rope_ : rope_; }
 };
 
 }  // namespace strider

@@ -405,7 +405,7 @@ void EngineCore::init_params(uint64_t seed) {
   for (int64_t b = 0; b < place_.blocks; ++b) {
     std::vector<float> w(place_.layouts[b].total_elems(), 0.0f);
     for (const TensorSlot& t : place_.layouts[b].slots())
-      initial_values(t, seed, std::span(w).subspan(t.offset_elems, t.numel));
+      initial_values(t, seed, std::span(w).subspan(t.offset_elems, t.numel), spec_.dims.norm);
     write_state(b, ExtentKind::kMaster, w);
     std::fill(w.begin(), w.end(), 0.0f);
     write_state(b, ExtentKind::kAdamM, w);

@@ -204,7 +204,7 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
   if (b == 0) {
     at::Tensor rows = rows_view(params, 0, pc);
     const int64_t v0 = pc.row_begin;
-    const double scale = spec_.dims.embedding_multiplier;
+    const double scale = embedding_scale(spec_.dims, rows.scalar_type());
     dev.launch(StreamId::kCompute, {"embedding shard", int32_t(b), flops},
                [rows, v0, in, out, scale](const LaunchContext&) { embedding_shard_forward(rows, v0, in, out, scale); });
     return;
@@ -299,10 +299,11 @@ void EngineCore::backward_op(const StepOp& op) {
   if (b == 0) {
     at::Tensor grad_rows = rows_view(grads, 0, pc);
     const int64_t v0 = pc.row_begin;
-    const double scale = spec_.dims.embedding_multiplier;
+    const double scale = embedding_scale(spec_.dims, params.scalar_type());
+    const int64_t pad = spec_.dims.pad_token;
     dev.launch(StreamId::kCompute, {"embedding shard backward", int32_t(b), flops},
-               [in, v0, gout, grad_rows, scale](const LaunchContext&) {
-                 embedding_shard_backward(in, v0, gout, grad_rows, scale);
+               [in, v0, gout, grad_rows, scale, pad](const LaunchContext&) {
+                 embedding_shard_backward(in, v0, gout, grad_rows, scale, pad);
                });
     return;
   }

@@ -104,6 +104,8 @@ constexpr ArchInfo kArchs[] = {
     {Arch::kMistral, "MistralForCausalLM", "mistral"},
     {Arch::kGranite, "GraniteForCausalLM", "granite"},
     {Arch::kPhi3, "Phi3ForCausalLM", "phi3"},
+    {Arch::kOlmo2, "Olmo2ForCausalLM", "olmo2"},
+    {Arch::kGemma3, "Gemma3ForCausalLM", "gemma3_text"},
 };
 
 const ArchInfo& arch_of(const Reader& r) {
@@ -121,26 +123,17 @@ const ArchInfo& arch_of(const Reader& r) {
     name = "model_type '" + mt + "'";
   }
   throw Error(fmt::format("{}: architecture {} is not supported; strider supports LlamaForCausalLM, "
-                          "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, GraniteForCausalLM and Phi3ForCausalLM",
+                          "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, "
+                          "Olmo2ForCausalLM and Gemma3ForCausalLM",
                           r.source, name));
 }
 
-// rope_parameters (transformers >= 5) or rope_theta + rope_scaling (older files).
-RopeDims parse_rope(const Reader& r) {
-  RopeDims rope;
-  const json* params = r.find("rope_parameters");
-  const json* scaling = r.find("rope_scaling");
-  rope.theta = r.number_or("rope_theta", 10000.0, kRopeThetaRange);
-  const json* p = params ? params : scaling;
-  if (p == nullptr) return rope;
-  STRIDER_CHECK(p->is_object(), "{}: field '{}' must be an object", r.source,
-                params ? "rope_parameters" : "rope_scaling");
-  Reader pr{*p, r.source, params ? "rope_parameters." : "rope_scaling."};
-  if (params) rope.theta = pr.number_or("rope_theta", rope.theta, kRopeThetaRange);
+// The RoPE object `pr` reads (its rope_type and factors) over `rope`.
+RopeDims parse_rope_params(const Reader& pr, RopeDims rope) {
   // transformers >= 5 keeps Phi-3's partial_rotary_factor here.
   const double rotary = pr.number_or("partial_rotary_factor", 1.0, kMultiplierRange);
   STRIDER_CHECK(rotary == 1.0, "{}: {}partial_rotary_factor {} is not supported (RoPE over the whole head, 1.0)",
-                r.source, pr.prefix, rotary);
+                pr.source, pr.prefix, rotary);
   std::string type = pr.string_or("rope_type", pr.string_or("type", "default"));
   if (type == "default") {
     rope.type = RopeType::kDefault;
@@ -152,15 +145,94 @@ RopeDims parse_rope(const Reader& r) {
     rope.original_max_position =
         pr.integer_or("original_max_position_embeddings", 8192, kPositionsRange);
     STRIDER_CHECK(rope.high_freq_factor > rope.low_freq_factor,
-                  "{}: rope high_freq_factor {} must exceed low_freq_factor {}", r.source,
+                  "{}: rope high_freq_factor {} must exceed low_freq_factor {}", pr.source,
                   rope.high_freq_factor, rope.low_freq_factor);
   } else if (type == "linear") {
     rope.type = RopeType::kLinear;
     rope.factor = pr.number_or("factor", 1.0, kRopeFactorRange);
   } else {
-    throw Error(fmt::format("{}: rope_type '{}' is not supported (default, llama3, linear)", r.source, type));
+    throw Error(fmt::format("{}: rope_type '{}' is not supported (default, llama3, linear)", pr.source, type));
   }
   return rope;
+}
+
+// rope_parameters (transformers >= 5) or rope_theta + rope_scaling (older
+// files); `theta`: the architecture's default base.
+RopeDims parse_rope(const Reader& r, double theta = 10000.0) {
+  RopeDims rope;
+  const json* params = r.find("rope_parameters");
+  const json* scaling = r.find("rope_scaling");
+  rope.theta = r.number_or("rope_theta", theta, kRopeThetaRange);
+  const json* p = params ? params : scaling;
+  if (p == nullptr) return rope;
+  STRIDER_CHECK(p->is_object(), "{}: field '{}' must be an object", r.source,
+                params ? "rope_parameters" : "rope_scaling");
+  Reader pr{*p, r.source, params ? "rope_parameters." : "rope_scaling."};
+  if (params) rope.theta = pr.number_or("rope_theta", rope.theta, kRopeThetaRange);
+  return parse_rope_params(pr, rope);
+}
+
+// Gemma 3's text model (transformers' modeling_gemma3): Gemma's norms and
+// GELU-tanh MLP, its embedding scale and query_pre_attn_scalar, q/k norms,
+// and sliding and global layers, each kind with its own RoPE.
+void parse_gemma3(const Reader& r, ModelSpec& s) {
+  BlockDims& d = s.dims;
+  const std::string act = r.string_or("hidden_activation", r.string_or("hidden_act", "gelu_pytorch_tanh"));
+  STRIDER_CHECK(act == "gelu_pytorch_tanh", "{}: hidden_activation '{}' is not supported (gelu_pytorch_tanh)",
+                r.source, act);
+  d.act = Activation::kGeluTanh;
+  d.norm = NormKind::kGemma;
+  d.norm_placement = NormPlacement::kSandwich;
+  d.qk_norm = true;
+  d.qkv_bias = d.o_bias = r.boolean_or("attention_bias", false);
+  d.embedding_multiplier = std::sqrt(double(d.hidden));
+  d.embedding_multiplier_in_dtype = true;
+  d.attn_scale = 1.0 / std::sqrt(r.number_or("query_pre_attn_scalar", 256.0, kMultiplierRange));
+  s.tie_embeddings = r.boolean_or("tie_word_embeddings", true);
+  for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"})
+    if (const json* v = r.find(cap))
+      throw Error(fmt::format("{}: {} = {}: soft-capping is not supported (null)", r.source, cap, v->dump()));
+  STRIDER_CHECK(!r.boolean_or("use_bidirectional_attention", false),
+                "{}: use_bidirectional_attention is not supported (causal attention only)", r.source);
+  d.sliding_window = r.integer_or("sliding_window", 4096, kPositionsRange);
+  // The layers' kinds: layer_types, or every sliding_window_pattern-th layer global.
+  s.sliding_layers.assign(size_t(s.layers), 1);
+  if (const json* types = r.find("layer_types")) {
+    STRIDER_CHECK(types->is_array() && types->size() == size_t(s.layers),
+                  "{}: field 'layer_types' must list the {} layers' types", r.source, s.layers);
+    for (size_t l = 0; l < types->size(); ++l) {
+      const json& t = (*types)[l];
+      STRIDER_CHECK(t == "sliding_attention" || t == "full_attention",
+                    "{}: layer_types[{}] = {} is not supported (sliding_attention, full_attention)", r.source, l,
+                    t.dump());
+      s.sliding_layers[l] = t == "sliding_attention";
+    }
+  } else {
+    const int64_t pattern = r.integer_or("sliding_window_pattern", 6, kLayersRange);
+    for (int64_t l = 0; l < s.layers; ++l) s.sliding_layers[size_t(l)] = (l + 1) % pattern != 0;
+  }
+  // RoPE per layer kind under rope_parameters (transformers >= 5); else
+  // rope_theta and rope_scaling for the global layers and
+  // rope_local_base_freq for the sliding ones.
+  const json* params = r.find("rope_parameters");
+  if (params && params->is_object() && (params->contains("full_attention") || params->contains("sliding_attention"))) {
+    auto kind = [&](const char* key, double theta) {
+      RopeDims rope;
+      rope.theta = theta;
+      const auto it = params->find(key);
+      if (it == params->end() || it->is_null()) return rope;
+      STRIDER_CHECK(it->is_object(), "{}: field 'rope_parameters.{}' must be an object", r.source, key);
+      const std::string prefix = fmt::format("rope_parameters.{}.", key);
+      const Reader pr{*it, r.source, prefix};
+      rope.theta = pr.number_or("rope_theta", theta, kRopeThetaRange);
+      return parse_rope_params(pr, rope);
+    };
+    d.rope = kind("full_attention", 1e6);
+    s.local_rope = kind("sliding_attention", 1e4);
+  } else {
+    d.rope = parse_rope(r, 1e6);
+    s.local_rope.theta = r.number_or("rope_local_base_freq", 1e4, kRopeThetaRange);
+  }
 }
 
 }  // namespace
@@ -172,8 +244,10 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
   ModelSpec s;
   s.arch = ai.arch;
   s.arch_name = std::string(ai.name);
-  const std::string act = r.string_or("hidden_act", "silu");
-  STRIDER_CHECK(act == "silu", "{}: hidden_act '{}' is not supported (silu)", source, act);
+  if (s.arch != Arch::kGemma3) {
+    const std::string act = r.string_or("hidden_act", "silu");
+    STRIDER_CHECK(act == "silu", "{}: hidden_act '{}' is not supported (silu)", source, act);
+  }
 
   BlockDims& d = s.dims;
   d.hidden = r.integer("hidden_size", kHiddenRange);
@@ -182,6 +256,14 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
   d.kv_heads = r.integer_or("num_key_value_heads", d.heads, kHeadsRange);
   d.intermediate = r.integer("intermediate_size", kIntermediateRange);
   d.vocab = r.integer("vocab_size", kVocabRange);
+  // torch's nn.Embedding takes padding_idx in [-vocab, vocab) (a negative one
+  // counts from the end); transformers passes pad_token_id.
+  if (const json* pad = r.find("pad_token_id"); pad != nullptr && pad->is_number_integer()) {
+    const int64_t p = pad->get<int64_t>();
+    STRIDER_CHECK(p >= -d.vocab && p < d.vocab, "{}: field 'pad_token_id' = {} is outside [-{}, {}) (vocab_size)",
+                  source, p, d.vocab, d.vocab);
+    d.pad_token = p < 0 ? p + d.vocab : p;
+  }
   s.max_position = r.integer_or("max_position_embeddings", 4096, kPositionsRange);
   STRIDER_CHECK(d.heads % d.kv_heads == 0,
                 "{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", source,
@@ -228,11 +310,20 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
                     source, rotary);
       break;
     }
+    case Arch::kOlmo2:  // norms after each branch, q/k norms over the whole projections (modeling_olmo2)
+      d.qkv_bias = d.o_bias = r.boolean_or("attention_bias", false);
+      d.qk_norm = d.qk_norm_whole = true;
+      d.norm = NormKind::kFp32Weight;
+      d.norm_placement = NormPlacement::kPost;
+      break;
+    case Arch::kGemma3:
+      parse_gemma3(r, s);
+      break;
   }
   // Sliding-window attention: Mistral and Phi-3 apply it to every layer;
   // Qwen configs carry the field but leave use_sliding_window off.
   const bool every_layer_window = s.arch == Arch::kMistral || s.arch == Arch::kPhi3;
-  if (every_layer_window || r.boolean_or("use_sliding_window", false)) {
+  if (s.arch != Arch::kGemma3 && (every_layer_window || r.boolean_or("use_sliding_window", false))) {
     STRIDER_CHECK(every_layer_window,
                   "{}: use_sliding_window is not supported for {}", source, s.arch_name);
     d.sliding_window = r.integer_or("sliding_window", 0, kPositionsRange);

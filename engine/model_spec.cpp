@@ -19,6 +19,15 @@ BlockRef ModelSpec::block(int64_t i) const {
   return {BlockKind::kLayer, i - 1};
 }
 
+BlockDims ModelSpec::layer_dims(int64_t layer) const {
+  STRIDER_CHECK(layer >= 0 && layer < layers, "layer {} out of range (model has {} layers)", layer, layers);
+  BlockDims d = dims;
+  if (sliding_layers.empty()) return d;
+  if (slides(layer)) d.rope = local_rope;
+  else d.sliding_window = 0;
+  return d;
+}
+
 std::string ModelSpec::block_name(int64_t i) const {
   BlockRef b = block(i);
   switch (b.kind) {
@@ -29,7 +38,7 @@ std::string ModelSpec::block_name(int64_t i) const {
   return fmt::format("layer.{}", b.layer);
 }
 
-void initial_values(const TensorSlot& t, uint64_t seed, std::span<float> out) {
+void initial_values(const TensorSlot& t, uint64_t seed, std::span<float> out, NormKind norm) {
   STRIDER_CHECK(out.size() == t.numel, "initial_values: '{}' has {} elements, the buffer {}", t.name, t.numel,
                 out.size());
   if (t.name.ends_with(".bias") || t.name.ends_with(".lora_B.weight")) {
@@ -37,7 +46,7 @@ void initial_values(const TensorSlot& t, uint64_t seed, std::span<float> out) {
     return;
   }
   if (t.name.ends_with("norm.weight")) {
-    std::fill(out.begin(), out.end(), 1.0f);
+    std::fill(out.begin(), out.end(), norm == NormKind::kGemma ? 0.0f : 1.0f);
     return;
   }
   std::mt19937_64 rng(seed ^ std::hash<std::string>{}(t.name));
@@ -91,6 +100,18 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   const i128 q_blk = std::min<i128>(seq, 256), kv_blk = std::min<i128>(seq, 512);
   const i128 scores = 2 * q_blk * (kv_blk + d.head_dim + 2) * 4;
   const i128 small = 4096;  // scalars and shapes
+  // A sliding window below the sequence: its additive [seq, seq] mask in the
+  // compute dtype, alive through the attention core (and its autograd
+  // graph), built beside one of the boolean masks it comes from.
+  const bool windowed = d.sliding_window > 0 && seq > d.sliding_window;
+  const i128 mask = windowed ? i128{seq} * seq * e : 0, mask_build = windowed ? i128{seq} * seq * (e + 1) : 0;
+  // Post-norms (OLMo 2, Gemma): beside a branch's output, its norm's
+  // temporaries and the normed copy (before the sum); backward, the output
+  // recomputed, the norm's fp32 graph and its backward.
+  const bool post = d.norm_placement != NormPlacement::kPre;
+  // Granite's residual_multiplier: the backward scales each branch's gradient into a copy.
+  const i128 scaled = d.residual_multiplier != 1.0 ? h * e : 0;
+  const i128 post_fwd = post ? norm(h, 1) : 0, post_back = post ? h * (2 * e + 8 + 2 * f32_copy) : 0;
   // Headroom for what the count above does not see: a caching allocator's
   // rounding and fragmentation, other ATen versions' kernels. 1/8.
   auto headroom = [](i128 bytes) { return bytes + bytes / 8; };
@@ -100,10 +121,12 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   i128 attn = std::max({norm(h, 1),                                   // input norm
                         (h + q + 2 * kv) * e + gemm_f32(q),          // h, q, k, v
                         (5 * q / 2 + 2 * kv) * e,                     // RoPE: q, q * cos, a half, k, v
-                        q * e + h * e + std::max(gemm_f32(h), e * h)});  // o_proj, then x + o
+                        q * e + h * e + std::max({gemm_f32(h), e * h, post_fwd})});  // o_proj, then x + o
   if (d.qk_norm) attn = std::max(attn, (q + 2 * kv) * e + norm(q, heads));
-  attn = std::max(n * attn, n * ((2 * q + 2 * kv) * e + 4 * heads) + scores);  // SDPA, logsumexp
-  const i128 mlp = n * h * e + t * std::max(norm(h, 1), h * e + 2 * inter * e + gemm_f32(inter));  // gate, up
+  attn = std::max({n * attn, n * ((2 * q + 2 * kv) * e + 4 * heads) + scores + mask,  // SDPA, logsumexp
+                   n * (h + q + 2 * kv) * e + mask_build});
+  const i128 mlp = n * h * e + t * std::max({norm(h, 1), h * e + 2 * inter * e + gemm_f32(inter),  // gate, up
+                                             inter * e + h * e + post_fwd});                      // down, post-norm
   LayerWork w;
   w.forward = headroom(std::max(attn, mlp) + small);
 
@@ -114,20 +137,24 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // and normalised values), the recomputed projections q, k, v, x1 and
   // d(loss)/d(x1).
   i128 held = (3 * q + kv) * e + 4 * heads + (q + 2 * kv) * e + 2 * h * e;
-  if (d.qk_norm) held += (q + kv) * (e + 4) + 4 * (heads + d.kv_heads);
+  if (d.qk_norm) held += (q + kv) * (e + f32_copy) + 4 * (heads + d.kv_heads);
   // One MLP tile: gate, up, d(act), d(up), d(gate) and silu_backward's
   // scratch (fp32 below fp32), and d(h2) with a GEMM's output; one weight
   // gradient [intermediate, hidden] at a time.
-  const i128 tile = n * held + t * (inter * 4 * e + silu_f32_x2 * inter / 2 + 2 * h * e) + h * inter * e;
+  const i128 tile =
+      n * held + t * (inter * 4 * e + silu_f32_x2 * inter / 2 + 2 * h * e + post_back + scaled) + h * inter * e;
   // Attention's backward, x1 gone: d(a), its transposed copy, d(q), d(k),
   // d(v) (below fp32 the CPU kernel accumulates d(q) in fp32) and the
   // block scores' gradients.
-  const i128 attn_back = n * (held - h * e + 2 * q * e + (q + 2 * kv) * e + f32_copy * q) + 2 * scores;
+  const i128 attn_back = n * (held - h * e + 2 * q * e + (q + 2 * kv) * e + f32_copy * q + post_back + scaled) + 2 * scores;
   // Last, the input norm recomputed with autograd and back-propagated, the
   // rest freed: d(loss)/d(x1), d(h1), the norm's fp32 graph and its
   // backward's fp32 temporaries.
-  const i128 norm_back = n * (2 * h * e + h * (12 + 2 * e) + 12 * h);
-  w.backward = headroom(std::max({tile, attn_back, norm_back}) + small);
+  // (OLMo 2 has no input norm: d(loss)/dx is a sum.)
+  const i128 norm_back = d.norm_placement == NormPlacement::kPost ? n * 2 * h * e
+                                                                  : n * (2 * h * e + h * (12 + 2 * e) + 12 * h);
+  w.backward = headroom(std::max({tile + mask, attn_back + mask, norm_back, n * 2 * (q + 2 * kv) * e + mask_build}) +
+                        small);
   return w;
 }
 
@@ -172,7 +199,8 @@ ParamLayout ModelSpec::layout(int64_t i) const {
       break;
     case BlockKind::kLayer: {
       const std::string p = fmt::format("model.layers.{}.", b.layer);
-      l.add(p + "input_layernorm.weight", {d.hidden});
+      const bool pre = d.norm_placement != NormPlacement::kPost, post = d.norm_placement != NormPlacement::kPre;
+      if (pre) l.add(p + "input_layernorm.weight", {d.hidden});
       if (d.fused_projections) {  // Phi-3: one tensor each for q/k/v and gate/up, no biases
         l.add(p + "self_attn.qkv_proj.weight", {q + 2 * kv, d.hidden});
         l.add(p + "self_attn.o_proj.weight", {d.hidden, q});
@@ -190,10 +218,12 @@ ParamLayout ModelSpec::layout(int64_t i) const {
       l.add(p + "self_attn.o_proj.weight", {d.hidden, q});
       if (d.o_bias) l.add(p + "self_attn.o_proj.bias", {d.hidden});
       if (d.qk_norm) {
-        l.add(p + "self_attn.q_norm.weight", {d.head_dim});
-        l.add(p + "self_attn.k_norm.weight", {d.head_dim});
+        l.add(p + "self_attn.q_norm.weight", {d.qk_norm_whole ? q : d.head_dim});
+        l.add(p + "self_attn.k_norm.weight", {d.qk_norm_whole ? kv : d.head_dim});
       }
-      l.add(p + "post_attention_layernorm.weight", {d.hidden});
+      l.add(p + "post_attention_layernorm.weight", {d.hidden});  // the MLP's pre-norm where norms come first
+      if (pre && post) l.add(p + "pre_feedforward_layernorm.weight", {d.hidden});
+      if (post) l.add(p + "post_feedforward_layernorm.weight", {d.hidden});
       l.add(p + "mlp.gate_proj.weight", {d.intermediate, d.hidden});
       if (d.mlp_bias) l.add(p + "mlp.gate_proj.bias", {d.intermediate});
       l.add(p + "mlp.up_proj.weight", {d.intermediate, d.hidden});
@@ -270,8 +300,12 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       break;
     }
     case BlockKind::kLayer: {
+      const BlockDims ld = layer_dims(block(i).layer);
       const double proj = 2.0 * t * d.hidden * (2.0 * double(q) + 2.0 * double(kv));
-      const double attn = 2.0 * 2.0 * double(batch) * d.heads * d.head_dim * double(seq) * double(seq) / 2;
+      // Query-key pairs a sequence attends over: causal, or within the window.
+      const double s = double(seq), win = double(ld.sliding_window);
+      const double pairs = ld.sliding_window == 0 || seq <= ld.sliding_window ? s * s / 2 : s * win - win * win / 2;
+      const double attn = 2.0 * 2.0 * double(batch) * d.heads * d.head_dim * pairs;
       const double mlp = 2.0 * 3.0 * t * d.hidden * d.intermediate;
       // LoRA: each adapter's two thin GEMMs, x A^T and (x A^T) B^T.
       double adapters = 0;
@@ -286,7 +320,9 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       // the MLP's once, the attention core's twice), and the adapters' x A^T
       // again, dB, du, dA and du A (2.5x theirs).
       c.backward_flops = lora.enabled() ? proj + mlp + 2.0 * attn + 2.5 * adapters : 2.0 * c.forward_flops;
-      const LayerWork w = layer_work(d, batch, seq, token_tile, dtype_bytes, work);
+      // Post-norms: their backward recomputes o_proj's and down_proj's outputs.
+      if (d.norm_placement != NormPlacement::kPre) c.backward_flops += 2.0 * t * d.hidden * (double(q) + d.intermediate);
+      const LayerWork w = layer_work(ld, batch, seq, token_tile, dtype_bytes, work);
       c.forward_work_bytes = bytes(w.forward, "forward working memory");
       c.backward_work_bytes = bytes(w.backward, "backward working memory");
       break;

@@ -21,7 +21,7 @@
 
 namespace strider {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kMistral, kGranite, kPhi3 };
+enum class Arch { kLlama, kQwen2, kQwen3, kMistral, kGranite, kPhi3, kOlmo2, kGemma3 };
 
 enum class BlockKind { kEmbedding, kLayer, kHead };
 
@@ -47,13 +47,14 @@ struct BlockCost {
 bool weight_decays(std::string_view name);
 
 // A tensor's values before training, as a model trained from scratch (and a
-// new adapter) starts: N(0, 0.02) weights, ones for norms, zero biases; a
+// new adapter) starts: N(0, 0.02) weights, ones for norms (zeros for
+// Gemma's, whose weight is 1 + w: `norm`), zero biases; a
 // LoRA adapter as PEFT's default init (init_lora_weights=True): lora_A
 // uniform on +-1/sqrt(in) (kaiming_uniform with a = sqrt(5)), lora_B zero,
 // so the adapted model starts as the base. One generator per tensor, seeded
 // by `seed` and its name: the values do not depend on the block layout or on
 // the order tensors are initialised in. Fills `out` (t.numel floats).
-void initial_values(const TensorSlot& t, uint64_t seed, std::span<float> out);
+void initial_values(const TensorSlot& t, uint64_t seed, std::span<float> out, NormKind norm = NormKind::kLlama);
 
 struct ModelSpec {
   Arch arch = Arch::kLlama;
@@ -62,6 +63,15 @@ struct ModelSpec {
   int64_t max_position = 0;
   bool tie_embeddings = false;
   BlockDims dims;
+  // Layers of two kinds (Gemma 3): sliding_layers[l] != 0 where layer l
+  // attends within dims.sliding_window with the RoPE `local_rope`; the
+  // others attend to every earlier position with dims.rope. Empty: every
+  // layer as dims says.
+  std::vector<uint8_t> sliding_layers;
+  RopeDims local_rope;
+  bool slides(int64_t layer) const { return !sliding_layers.empty() && sliding_layers[size_t(layer)] != 0; }
+  // Layer `layer`'s BlockDims: dims, with its kind's window and RoPE.
+  BlockDims layer_dims(int64_t layer) const;
   // LoRA adapters over a frozen base (engine/lora.h); none by default. Set
   // by with_lora, which also gives the blocks their scale (dims.lora_scale).
   LoraSpec lora;

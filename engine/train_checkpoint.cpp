@@ -50,6 +50,7 @@ std::vector<std::string> spec_differences(const ModelSpec& ckpt, const ModelSpec
   cmp("head_dim", a.head_dim, b.head_dim);
   cmp("intermediate_size", a.intermediate, b.intermediate);
   cmp("vocab_size", a.vocab, b.vocab);
+  cmp("pad_token_id", a.pad_token, b.pad_token);
   cmp("rms_norm_eps", a.rms_eps, b.rms_eps);
   cmp("rope type", static_cast<int>(a.rope.type), static_cast<int>(b.rope.type));
   cmp("rope_theta", a.rope.theta, b.rope.theta);
@@ -63,6 +64,11 @@ std::vector<std::string> spec_differences(const ModelSpec& ckpt, const ModelSpec
   cmp("mlp_bias", a.mlp_bias, b.mlp_bias);
   cmp("qk norm", a.qk_norm, b.qk_norm);
   cmp("sliding_window", a.sliding_window, b.sliding_window);
+  cmp("sliding layers", fmt::format("{}", fmt::join(ckpt.sliding_layers, "")),
+      fmt::format("{}", fmt::join(engine.sliding_layers, "")));
+  cmp("sliding layers' rope_theta", ckpt.local_rope.theta, engine.local_rope.theta);
+  cmp("sliding layers' rope type", static_cast<int>(ckpt.local_rope.type), static_cast<int>(engine.local_rope.type));
+  cmp("sliding layers' rope factor", ckpt.local_rope.factor, engine.local_rope.factor);
   cmp("embedding_multiplier", a.embedding_multiplier, b.embedding_multiplier);
   cmp("attention_multiplier", a.attn_scale, b.attn_scale);
   cmp("residual_multiplier", a.residual_multiplier, b.residual_multiplier);

@@ -9,6 +9,22 @@ namespace strider {
 // RoPE frequency scaling, as Hugging Face's rope_type names it.
 enum class RopeType { kDefault, kLlama3, kLinear };
 
+// How an RMSNorm applies its weight w to the normalised fp32 value n of x:
+// Llama's w * cast(n); OLMo 2's cast(w * n), the product in fp32; Gemma's
+// cast(n * (1 + w)), in fp32 (its weights are stored as offsets from 1).
+enum class NormKind { kLlama, kFp32Weight, kGemma };
+
+// Where a decoder layer's norms sit around its two residual branches
+// (attention, MLP): before each (Llama: input_layernorm,
+// post_attention_layernorm), after each on the branch's output before it is
+// added (OLMo 2: post_attention_layernorm, post_feedforward_layernorm), or
+// both (Gemma: input_layernorm, post_attention_layernorm,
+// pre_feedforward_layernorm, post_feedforward_layernorm).
+enum class NormPlacement { kPre, kPost, kSandwich };
+
+// The MLP's gate activation: act(gate) * up.
+enum class Activation { kSilu, kGeluTanh };
+
 struct RopeDims {
   RopeType type = RopeType::kDefault;
   double theta = 10000.0;
@@ -25,23 +41,36 @@ struct BlockDims {
   int64_t head_dim = 0;
   int64_t intermediate = 0;
   int64_t vocab = 0;
+  // pad_token_id: torch's padding_idx of the embedding, whose row gets no
+  // gradient from its lookups (transformers builds every embedding so); -1: none.
+  int64_t pad_token = -1;
   double rms_eps = 1e-6;
   RopeDims rope;
   bool qkv_bias = false;    // Qwen2, Llama with attention_bias
   bool o_bias = false;      // Llama with attention_bias
   bool mlp_bias = false;    // Llama with mlp_bias
-  bool qk_norm = false;     // Qwen3: RMSNorm over head_dim on q and k
+  bool qk_norm = false;     // Qwen3, Gemma 3: RMSNorm over head_dim on q and k
+  bool qk_norm_whole = false;  // with qk_norm, OLMo 2's: over the whole projection (heads x head_dim)
+  NormKind norm = NormKind::kLlama;
+  NormPlacement norm_placement = NormPlacement::kPre;
+  Activation act = Activation::kSilu;
   // Phi-3: q, k and v one tensor (self_attn.qkv_proj, their rows in that
   // order), gate and up one (mlp.gate_up_proj); the blocks see their row
   // slices under the separate projections' names (engine/block_runner.h).
   bool fused_projections = false;
-  int64_t sliding_window = 0;  // Mistral; 0: none. Sequences longer are refused.
+  // Sliding-window attention: a token attends to itself and the
+  // sliding_window - 1 before it (transformers' window); 0: full causal.
+  // Per layer: Gemma's global layers have none (ModelSpec::layer_dims).
+  int64_t sliding_window = 0;
   // Granite's multipliers (1 and 0 elsewhere): the embedding's output is
   // scaled by embedding_multiplier, the attention scores by attn_scale (0:
   // 1/sqrt(head_dim)), each residual branch (attention, MLP) by
   // residual_multiplier before it is added, and the logits divided by
   // logits_scaling.
   double embedding_multiplier = 1.0;
+  // Gemma: the embedding's scale (sqrt(hidden)) is a tensor of the weights'
+  // dtype, so rounded to it first (embedding_scale in gpu/blocks.h).
+  bool embedding_multiplier_in_dtype = false;
   double attn_scale = 0.0;
   double residual_multiplier = 1.0;
   double logits_scaling = 1.0;

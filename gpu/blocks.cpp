@@ -95,26 +95,42 @@ at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
   return out;
 }
 
-// Inverse frequencies in fp32, including the rope_type's scaling.
-at::Tensor inv_freq(const RopeDims& r, int64_t head_dim) {
-  at::Tensor exps = at::arange(0, head_dim, 2, at::kLong).to(at::kFloat) / double(head_dim);
-  at::Tensor inv = at::pow(r.theta, exps).reciprocal();
-  switch (r.type) {
-    case RopeType::kDefault: return inv;
-    case RopeType::kLinear: return inv / r.factor;
-    case RopeType::kLlama3: {
-      const double old_ctx = double(r.original_max_position);
-      const double low_wavelen = old_ctx / r.low_freq_factor;
-      const double high_wavelen = old_ctx / r.high_freq_factor;
-      at::Tensor wavelen = 2 * M_PI / inv;
-      at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
-      at::Tensor smooth = (old_ctx / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
-      at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
-      at::Tensor medium = at::logical_not(wavelen < high_wavelen) & at::logical_not(wavelen > low_wavelen);
-      return at::where(medium, smoothed, scaled);
-    }
+// The model's RMSNorm (BlockDims::norm) of x by the weight `name`.
+at::Tensor norm(const BlockDims& d, const TensorMap& w, const char* name, const at::Tensor& x) {
+  return rms_norm(x, weight(w, name), d.rms_eps, d.norm);
+}
+
+// The norms around a layer's two residual branches (BlockDims::norm_placement),
+// by checkpoint name; nullptr where the layer has none.
+struct NormNames {
+  const char *attn_pre, *attn_post, *mlp_pre, *mlp_post;
+};
+NormNames norm_names(const BlockDims& d) {
+  switch (d.norm_placement) {
+    case NormPlacement::kPre: return {"input_layernorm.weight", nullptr, "post_attention_layernorm.weight", nullptr};
+    case NormPlacement::kPost:
+      return {nullptr, "post_attention_layernorm.weight", nullptr, "post_feedforward_layernorm.weight"};
+    case NormPlacement::kSandwich:
+      return {"input_layernorm.weight", "post_attention_layernorm.weight", "pre_feedforward_layernorm.weight",
+              "post_feedforward_layernorm.weight"};
   }
-  return inv;
+  return {};
+}
+// x through the norm `name`, or as it is where the layer has none there.
+at::Tensor maybe_norm(const BlockDims& d, const TensorMap& w, const char* name, const at::Tensor& x) {
+  return name ? norm(d, w, name, x) : x;
+}
+
+// Sliding-window attention over s positions: the additive mask (0 where
+// query i sees key j, i - window < j <= i; -inf elsewhere), in the compute
+// dtype, [s, s], that SDPA reads for every batch and head. Undefined where the
+// window covers the sequence (plain causal attention, is_causal). SDPA would
+// turn a boolean mask into this itself; built here, it is built once per call.
+at::Tensor window_mask(const BlockDims& d, int64_t s, const at::TensorOptions& options) {
+  if (d.sliding_window == 0 || s <= d.sliding_window) return {};
+  const at::Tensor i = at::arange(s, options.dtype(at::kLong)).unsqueeze(1), j = i.view({1, s});
+  const at::Tensor hidden = (j > i).logical_or_(j <= i - d.sliding_window);
+  return at::zeros({s, s}, options).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
 }
 
 // at::_fused_sdp_choice's answer for the math (unfused) backend
@@ -127,7 +143,7 @@ struct Projections {
   at::Tensor q, k, v;
 };
 Projections attention_projections(const TensorMap& w, const BlockDims& d, const at::Tensor& x) {
-  at::Tensor h = rms_norm(x, weight(w, "input_layernorm.weight"), d.rms_eps);
+  at::Tensor h = maybe_norm(d, w, norm_names(d).attn_pre, x);
   std::vector<at::Tensor> y = linears(d, h, w, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"});
   return {std::move(y[0]), std::move(y[1]), std::move(y[2])};
 }
@@ -138,16 +154,17 @@ Projections attention_projections(const TensorMap& w, const BlockDims& d, const 
 at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const RopeTables& rope, at::Tensor q_proj,
                           at::Tensor k_proj, at::Tensor v_proj) {
   const int64_t b = q_proj.size(0), s = q_proj.size(1);
-  STRIDER_CHECK(d.sliding_window == 0 || s <= d.sliding_window,
-                "sequence length {} exceeds the model's sliding window {}; strider computes full "
-                "causal attention only", s, d.sliding_window);
+  if (d.qk_norm && d.qk_norm_whole) {  // OLMo 2: over the whole projection, before the heads
+    q_proj = norm(d, w, "self_attn.q_norm.weight", q_proj);
+    k_proj = norm(d, w, "self_attn.k_norm.weight", k_proj);
+  }
   at::Tensor q = q_proj.view({b, s, d.heads, d.head_dim});
   at::Tensor k = k_proj.view({b, s, d.kv_heads, d.head_dim});
   at::Tensor v = v_proj.view({b, s, d.kv_heads, d.head_dim});
   q_proj = k_proj = v_proj = at::Tensor();  // the callers' own references go as the core replaces them
-  if (d.qk_norm) {
-    q = rms_norm(q, weight(w, "self_attn.q_norm.weight"), d.rms_eps);
-    k = rms_norm(k, weight(w, "self_attn.k_norm.weight"), d.rms_eps);
+  if (d.qk_norm && !d.qk_norm_whole) {
+    q = norm(d, w, "self_attn.q_norm.weight", q);
+    k = norm(d, w, "self_attn.k_norm.weight", k);
   }
   q = apply_rope(q, rope).transpose(1, 2);
   k = apply_rope(k, rope).transpose(1, 2);
@@ -158,29 +175,30 @@ at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const RopeTabl
   // does CUDA in 16 bits. Where no fused kernel takes grouped K/V (fp32 on
   // CUDA: flash wants 16 bits, memory-efficient equal heads), ATen would
   // fall back to math (S x S scores); repeated K/V let memory-efficient run.
+  // A sliding window below the sequence: the band as an additive mask
+  // (causality in it), which the CPU's flash kernel and CUDA's
+  // memory-efficient one read; O(s^2) bytes, in the working-memory model.
   bool grouped = d.kv_heads != d.heads;
   const std::optional<double> scale = d.attn_scale > 0 ? std::optional<double>(d.attn_scale) : std::nullopt;
-  if (grouped && at::_fused_sdp_choice(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
-                                       /*enable_gqa=*/true) == kSdpMath) {
+  const at::Tensor mask = window_mask(d, s, q.options());
+  const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+  const bool causal = !mask.defined();
+  if (grouped && at::_fused_sdp_choice(q, k, v, attn_mask, 0.0, causal, scale, /*enable_gqa=*/true) == kSdpMath) {
     k = k.repeat_interleave(d.heads / d.kv_heads, 1);
     v = v.repeat_interleave(d.heads / d.kv_heads, 1);
     grouped = false;
   }
-  at::Tensor a = at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, scale,
-                                                  /*enable_gqa=*/grouped);
+  at::Tensor a = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale, /*enable_gqa=*/grouped);
   q = k = v = at::Tensor();
   return a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
 }
 
-// A residual branch's output as it is added: scaled by Granite's
-// residual_multiplier (in place: the branch is a fresh tensor), else as is.
-at::Tensor branch(const BlockDims& d, at::Tensor y) {
+// A residual branch's output y as it is added to the stream: through its
+// post-norm `post` (OLMo 2, Gemma; nullptr: none), then scaled by Granite's
+// residual_multiplier (in place: the branch is a fresh tensor).
+at::Tensor branch(const BlockDims& d, const TensorMap& w, const char* post, at::Tensor y) {
+  if (post) y = norm(d, w, post, y);
   return d.residual_multiplier == 1.0 ? y : y.mul_(d.residual_multiplier);
-}
-
-// The gradient a residual branch's output receives: the stream's, scaled as the branch was.
-at::Tensor branch_grad(const BlockDims& d, const at::Tensor& g) {
-  return d.residual_multiplier == 1.0 ? g : g * d.residual_multiplier;
 }
 
 // The MLP's projections of x1 (its rows: a tile of tokens): gate and up,
@@ -189,7 +207,7 @@ struct MlpProjections {
   at::Tensor gate, up;
 };
 MlpProjections mlp_projections(const BlockDims& d, const TensorMap& w, const at::Tensor& x1) {
-  at::Tensor h = rms_norm(x1, weight(w, "post_attention_layernorm.weight"), d.rms_eps);
+  at::Tensor h = maybe_norm(d, w, norm_names(d).mlp_pre, x1);
   std::vector<at::Tensor> y = linears(d, h, w, {"mlp.gate_proj", "mlp.up_proj"});
   return {std::move(y[0]), std::move(y[1])};
 }
@@ -239,6 +257,45 @@ at::Tensor linears_input_grad(const BlockDims& d, const TensorMap& w, TensorMap&
 // A fresh leaf that aliases t: autograd reads it, never writes it.
 at::Tensor leaf(const at::Tensor& t) { return t.detach().requires_grad_(true); }
 
+// The gradient of a residual branch's output y (before its post-norm)
+// from the stream's gradient g: Granite's scale, then the post-norm `post`'s
+// backward through autograd, its weight's gradient added into `grads` (if it
+// trains). `y` computes the branch's output again (it is not kept): called
+// only where the branch has a post-norm.
+template <class Y>
+at::Tensor branch_grad(const BlockDims& d, const TensorMap& w, TensorMap& grads, const char* post,
+                       const at::Tensor& g, Y&& y) {
+  const at::Tensor gs = d.residual_multiplier == 1.0 ? g : g * d.residual_multiplier;
+  if (!post) return gs;
+  at::Tensor y_leaf;
+  {
+    at::NoGradGuard no_grad;
+    y_leaf = leaf(y());
+  }
+  at::AutoGradMode enable(true);
+  const auto it = grads.find(post);
+  const at::Tensor nw = it != grads.end() ? leaf(weight(w, post)) : weight(w, post);
+  std::vector<at::Tensor> leaves{y_leaf};
+  if (it != grads.end()) leaves.push_back(nw);
+  std::vector<at::Tensor> dg =
+      torch::autograd::grad({rms_norm(y_leaf, nw, d.rms_eps, d.norm)}, leaves, {gs.view(y_leaf.sizes())});
+  if (dg.size() > 1) it->second.add_(dg[1]);
+  return dg[0];
+}
+
+// The MLP's activation of gate, act(gate) (BlockDims::act), in place.
+void activate_(const BlockDims& d, at::Tensor& gate) {
+  if (d.act == Activation::kGeluTanh) at::gelu_(gate, "tanh");
+  else at::silu_(gate);
+}
+at::Tensor activate(const BlockDims& d, const at::Tensor& gate) {
+  return d.act == Activation::kGeluTanh ? at::gelu(gate, "tanh") : at::silu(gate);
+}
+// d(loss)/d(gate) from d(loss)/d(act(gate)), as autograd computes it.
+at::Tensor activate_backward(const BlockDims& d, const at::Tensor& grad, const at::Tensor& gate) {
+  return d.act == Activation::kGeluTanh ? at::gelu_backward(grad, gate, "tanh") : at::silu_backward(grad, gate);
+}
+
 // Tokens per MLP tile for n tokens: all of them when untiled.
 int64_t tile_tokens(int64_t token_tile, int64_t n) {
   STRIDER_CHECK(token_tile >= 0, "token tile {} must be >= 0 (0: untiled)", token_tile);
@@ -247,97 +304,11 @@ int64_t tile_tokens(int64_t token_tile, int64_t n) {
 
 }  // namespace
 
-RopeTables rope_tables(const RopeDims& rope, int64_t head_dim, int64_t seq, at::ScalarType dtype,
-                       at::Device device) {
-  at::Tensor inv = inv_freq(rope, head_dim);
-  at::Tensor pos = at::arange(seq, at::kLong).to(at::kFloat);
-  at::Tensor freqs = at::outer(pos, inv);           // [seq, head_dim / 2], fp32
-  at::Tensor emb = at::cat({freqs, freqs}, -1);     // [seq, head_dim]
-  return {emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)};
-}
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor xf = x.to(at::kFloat);
-  at::Tensor var = xf.pow(2).mean(-1, /*keepdim=*/true);
-  return weight * (xf * at::rsqrt(var + eps)).to(x.scalar_type());
-}
-
-at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, double scale) {
-  at::Tensor out = at::embedding(weight, ids);
-  return scale == 1.0 ? out : out.mul_(scale);
-}
-
-namespace {
-// Adds rows `from` ([tokens, hidden]) into the rows `at` of `acc`, a token's
-// rows summed first (in token order) and added to its accumulator row once:
-// the micro-batch's gradient, then the sum over micro-batches. So one process
-// with M micro-batches adds ((g0 + g1) + g2) per row, exactly as M
-// data-parallel ranks with one micro-batch each sum theirs (rank order),
-// rather than folding each token's row into the running sum by itself.
-// `scale`: the embedding's output scale (BlockDims::embedding_multiplier),
-// applied to each row of `from` (in fp32) before it is summed.
-void add_rows_per_token(const at::Tensor& acc, const at::Tensor& at, const at::Tensor& from, double scale) {
-  auto [tokens, slot] = at::_unique(at, /*sorted=*/true, /*return_inverse=*/true);
-  at::Tensor sums = at::zeros({tokens.size(0), from.size(1)}, from.options().dtype(at::kFloat));
-  sums.index_add_(0, slot, scale == 1.0 ? from.to(at::kFloat) : from.to(at::kFloat) * scale);
-  acc.index_add_(0, tokens, sums);
-}
-}  // namespace
-
-void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight, double scale) {
-  const int64_t hidden = grad_weight.size(1);
-  add_rows_per_token(grad_weight, ids.reshape({-1}), grad_out.reshape({-1, hidden}), scale);
-}
-
-void embedding_shard_forward(const at::Tensor& rows, int64_t v0, const at::Tensor& ids, const at::Tensor& out,
-                             double scale) {
-  const int64_t n = rows.size(0), hidden = rows.size(1);
-  at::Tensor flat_ids = ids.reshape({-1});
-  at::Tensor sel = ((flat_ids >= v0) & (flat_ids < v0 + n)).nonzero().squeeze(1);  // token positions, in order
-  at::Tensor flat_out = out.view({-1, hidden});
-  at::Tensor picked = rows.index_select(0, flat_ids.index_select(0, sel) - v0);
-  flat_out.index_copy_(0, sel, scale == 1.0 ? picked : picked.mul_(scale));
-}
-
-void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tensor& grad_out,
-                              const at::Tensor& grad_rows, double scale) {
-  const int64_t n = grad_rows.size(0), hidden = grad_rows.size(1);
-  at::Tensor flat_ids = ids.reshape({-1});
-  at::Tensor sel = ((flat_ids >= v0) & (flat_ids < v0 + n)).nonzero().squeeze(1);
-  add_rows_per_token(grad_rows, flat_ids.index_select(0, sel) - v0, grad_out.reshape({-1, hidden}).index_select(0, sel),
-                     scale);
-}
-
-int64_t layer_saved_elems(const BlockDims& d, int64_t tokens) {
-  const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
-  return tokens * (q + 2 * kv + d.hidden + 2 * d.intermediate);
-}
-
-LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tensor& flat) {
-  STRIDER_CHECK(flat.dim() == 1 && flat.numel() >= layer_saved_elems(d, tokens),
-                "saved activations: a flat buffer of {} elements is smaller than {} tokens need ({})",
-                flat.numel(), tokens, layer_saved_elems(d, tokens));
-  int64_t at = 0;
-  auto next = [&](int64_t features) {
-    at::Tensor v = flat.slice(0, at, at + tokens * features).view({tokens, features});
-    at += tokens * features;
-    return v;
-  };
-  const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
-  LayerSaved s;
-  s.q = next(q);
-  s.k = next(kv);
-  s.v = next(kv);
-  s.x1 = next(d.hidden);
-  s.gate = next(d.intermediate);
-  s.up = next(d.intermediate);
-  return s;
-}
-
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
                          const at::Tensor& x, int64_t token_tile, const LayerSaved* save) {
   at::NoGradGuard no_grad;
   const int64_t n = x.size(0) * x.size(1);
+  const NormNames names = norm_names(d);
   at::Tensor x1;
   {
     Projections p = attention_projections(w, d, x);
@@ -347,7 +318,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
       save->v.copy_(p.v.view({n, -1}));
     }
     at::Tensor a = attention_core(d, w, rope, std::move(p.q), std::move(p.k), std::move(p.v));
-    x1 = x + branch(d, linear(d, a, w, "self_attn.o_proj"));
+    x1 = x + branch(d, w, names.attn_post, linear(d, a, w, "self_attn.o_proj"));
   }
   if (save) save->x1.copy_(x1.view({n, d.hidden}));
   // x1 + mlp, tile by tile, in place: x1 is ours (a fresh sum), and the sum
@@ -363,11 +334,11 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
       save->up.slice(0, t0, t1).copy_(m.up);
     }
     // In place: two [tokens, intermediate] tensors alive, not three; the
-    // same bits as silu(gate) * up.
-    at::silu_(m.gate);
+    // same bits as act(gate) * up.
+    activate_(d, m.gate);
     m.gate.mul_(m.up);
     m.up = at::Tensor();
-    t.add_(branch(d, linear(d, m.gate, w, "mlp.down_proj")));
+    t.add_(branch(d, w, names.mlp_post, linear(d, m.gate, w, "mlp.down_proj")));
   }
   return flat.view(x1.sizes());
 }
@@ -376,6 +347,7 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
                           const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads,
                           int64_t token_tile, const LayerSaved* saved) {
   const int64_t b = x.size(0), s = x.size(1), n = b * s, qf = d.heads * d.head_dim;
+  const NormNames names = norm_names(d);
   // Leaves for the weights autograd differentiates (norms; the projections'
   // gradients are explicit GEMMs below). A frozen norm (no accumulator) is
   // no leaf: autograd computes no gradient for it.
@@ -419,20 +391,20 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     x1 = saved->x1.view({b, s, d.hidden});
   } else {
     at::NoGradGuard no_grad;
-    x1 = x + branch(d, linear(d, a.detach(), w, "self_attn.o_proj"));
+    x1 = x + branch(d, w, names.attn_post, linear(d, a.detach(), w, "self_attn.o_proj"));
   }
 
   // 2. The MLP tile by tile (the forward's tiles): gate and up (kept, or
-  // recomputed); silu(gate) * up's gradients written out (silu_backward, as
-  // autograd would), the projections' by GEMMs, the post-attention norm's by
+  // recomputed); a post-norm's backward (down_proj's output recomputed);
+  // act(gate) * up's gradients written out (silu_backward or gelu_backward,
+  // as autograd would), the projections' by GEMMs, the MLP's pre-norm's by
   // autograd, recomputed once the tile's [tile, intermediate] tensors are
   // gone; d(loss)/d(x1) adds the residual.
   const int64_t tile = tile_tokens(token_tile, n);
   at::Tensor x1_flat = x1.reshape({n, d.hidden});
   x1 = at::Tensor();
   const at::Tensor gout_flat = grad_out.reshape({n, d.hidden});
-  const at::Tensor& norm2 = weight(w, "post_attention_layernorm.weight");
-  const at::Tensor norm2_w = weight_leaf("post_attention_layernorm.weight");
+  const at::Tensor norm2_w = names.mlp_pre ? weight_leaf(names.mlp_pre) : at::Tensor();
   at::Tensor gx1 = at::empty({n, d.hidden}, x1_flat.options());
   for (int64_t t0 = 0; t0 < n; t0 += tile) {
     const int64_t t1 = std::min(n, t0 + tile);
@@ -443,42 +415,50 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
       MlpProjections m;
       if (saved) m = {saved->gate.slice(0, t0, t1), saved->up.slice(0, t0, t1)};
       else m = mlp_projections(d, w, x1_t);
-      at::Tensor silu = at::silu(m.gate);
-      at::Tensor act = silu * m.up;
-      const at::Tensor gdown = branch_grad(d, gout_t);
+      at::Tensor acted = activate(d, m.gate);
+      at::Tensor act = acted * m.up;
+      const at::Tensor gdown = branch_grad(d, w, grads, names.mlp_post, gout_t,
+                                           [&] { return linear(d, act, w, "mlp.down_proj"); });
       add_linear_grads(grads, "mlp.down_proj", gdown, act);
       if (w.find("mlp.down_proj.lora_A.weight") == w.end()) act = at::Tensor();  // gone before dact, as ever
       at::Tensor dact = linears_input_grad(d, w, grads, {"mlp.down_proj"}, {gdown}, act);
       act = at::Tensor();
-      const at::Tensor du = dact * silu;
-      silu = at::Tensor();
-      const at::Tensor dg = at::silu_backward(dact.mul_(m.up), m.gate);
+      const at::Tensor du = dact * acted;
+      acted = at::Tensor();
+      const at::Tensor dg = activate_backward(d, dact.mul_(m.up), m.gate);
       dact = at::Tensor();
       m = {};
-      const at::Tensor h2 = rms_norm(x1_t, norm2, d.rms_eps);
+      const at::Tensor h2 = maybe_norm(d, w, names.mlp_pre, x1_t);
       add_linear_grads(grads, "mlp.gate_proj", dg, h2);
       add_linear_grads(grads, "mlp.up_proj", du, h2);
       dh2 = linears_input_grad(d, w, grads, {"mlp.gate_proj", "mlp.up_proj"}, {dg, du}, h2);
     }
+    if (!names.mlp_pre) {  // OLMo 2: the MLP reads x1 itself
+      gx1.slice(0, t0, t1).copy_(dh2.add_(gout_t));
+      continue;
+    }
     at::AutoGradMode enable(true);
     at::Tensor x1_leaf = leaf(x1_t);
     std::vector<at::Tensor> leaves{x1_leaf};
-    if (trains("post_attention_layernorm.weight")) leaves.push_back(norm2_w);
-    std::vector<at::Tensor> g = torch::autograd::grad({rms_norm(x1_leaf, norm2_w, d.rms_eps)}, leaves, {dh2});
-    if (g.size() > 1) add_grad("post_attention_layernorm.weight", g[1]);
+    if (trains(names.mlp_pre)) leaves.push_back(norm2_w);
+    std::vector<at::Tensor> g =
+        torch::autograd::grad({rms_norm(x1_leaf, norm2_w, d.rms_eps, d.norm)}, leaves, {dh2});
+    if (g.size() > 1) add_grad(names.mlp_pre, g[1]);
     gx1.slice(0, t0, t1).copy_(g[0].add_(gout_t));
   }
   x1_flat = at::Tensor();
 
-  // 3. Attention: o_proj's gradients by GEMMs, the core's by autograd, the
-  // q/k/v projections' by GEMMs, the input norm's by autograd (recomputed
-  // once the projections' gradients are gone); d(loss)/dx adds the residual.
+  // 3. Attention: a post-norm's backward (o_proj's output recomputed),
+  // o_proj's gradients by GEMMs, the core's by autograd, the q/k/v
+  // projections' by GEMMs, the input norm's by autograd (recomputed once the
+  // projections' gradients are gone); d(loss)/dx adds the residual.
   std::vector<at::Tensor> g;
   {
     at::Tensor da;
     {
       const at::Tensor a_flat = a.detach().reshape({n, qf});
-      const at::Tensor go = branch_grad(d, gx1);
+      const at::Tensor go = branch_grad(d, w, grads, names.attn_post, gx1,
+                                        [&] { return linear(d, a_flat, w, "self_attn.o_proj"); });
       add_linear_grads(grads, "self_attn.o_proj", go, a_flat);
       da = linears_input_grad(d, w, grads, {"self_attn.o_proj"}, {go}, a_flat);
     }
@@ -492,11 +472,10 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     add_grad("self_attn.q_norm.weight", g[3]);
     add_grad("self_attn.k_norm.weight", g[4]);
   }
-  const at::Tensor& norm1 = weight(w, "input_layernorm.weight");
   at::Tensor dh1;
   {
     at::NoGradGuard no_grad;
-    const at::Tensor h1 = rms_norm(x, norm1, d.rms_eps).reshape({n, d.hidden});
+    const at::Tensor h1 = maybe_norm(d, w, names.attn_pre, x).reshape({n, d.hidden});
     const at::Tensor dq = g[0].reshape({n, -1}), dk = g[1].reshape({n, -1}), dv = g[2].reshape({n, -1});
     add_linear_grads(grads, "self_attn.q_proj", dq, h1);
     add_linear_grads(grads, "self_attn.k_proj", dk, h1);
@@ -504,13 +483,14 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
     dh1 = linears_input_grad(d, w, grads, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {dq, dk, dv}, h1);
   }
   g.clear();
+  if (!names.attn_pre) return dh1.view(x.sizes()).add_(gx1.view(x.sizes()));  // OLMo 2: attention reads x itself
   at::AutoGradMode enable(true);
-  at::Tensor x_leaf = leaf(x), norm1_w = weight_leaf("input_layernorm.weight");
-  at::Tensor h1 = rms_norm(x_leaf, norm1_w, d.rms_eps);
+  at::Tensor x_leaf = leaf(x), norm1_w = weight_leaf(names.attn_pre);
+  at::Tensor h1 = rms_norm(x_leaf, norm1_w, d.rms_eps, d.norm);
   std::vector<at::Tensor> leaves{x_leaf};
-  if (trains("input_layernorm.weight")) leaves.push_back(norm1_w);
+  if (trains(names.attn_pre)) leaves.push_back(norm1_w);
   g = torch::autograd::grad({h1}, leaves, {dh1.view(h1.sizes())});
-  if (g.size() > 1) add_grad("input_layernorm.weight", g[1]);
+  if (g.size() > 1) add_grad(names.attn_pre, g[1]);
   return g[0].add_(gx1.view(x.sizes()));
 }
 

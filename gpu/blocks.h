@@ -35,16 +35,23 @@ struct RopeTables {
 RopeTables rope_tables(const RopeDims& rope, int64_t head_dim, int64_t seq, at::ScalarType dtype,
                        at::Device device);
 
-// RMSNorm as transformers computes it: normalise in fp32, cast back, scale.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// RMSNorm as transformers computes it: normalise in fp32, then apply the
+// weight as `kind` says (BlockDims::norm; Llama's: cast back, then scale).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, NormKind kind = NormKind::kLlama);
+
+// The embedding's output scale for weights of `dtype`: BlockDims::
+// embedding_multiplier, rounded to `dtype` where the model says so (Gemma).
+double embedding_scale(const BlockDims& d, at::ScalarType dtype);
 
 // Embedding: ids [b, s] (int64) -> [b, s, hidden], times `scale`
-// (BlockDims::embedding_multiplier; 1: the rows as they are).
+// (embedding_scale; 1: the rows as they are).
 at::Tensor embedding_forward(const at::Tensor& weight, const at::Tensor& ids, double scale);
 // Adds d(loss)/d(weight) for this micro-batch into grad_weight (fp32): each
 // token's rows summed first, then added to its row once (so micro-batches add
-// as data-parallel ranks do).
-void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight, double scale);
+// as data-parallel ranks do). `pad` (>= 0): the padding token, whose row gets
+// no gradient (torch's padding_idx; BlockDims::pad_token).
+void embedding_backward(const at::Tensor& ids, const at::Tensor& grad_out, at::Tensor& grad_weight, double scale,
+                        int64_t pad = -1);
 // One vocabulary shard of the embedding, rows [v0, v0 + rows.size(0)): writes
 // the rows of `out` ([b, s, hidden]) whose ids fall in the shard and leaves the
 // others as they are; over all shards, out equals embedding_forward's.
@@ -53,7 +60,7 @@ void embedding_shard_forward(const at::Tensor& rows, int64_t v0, const at::Tenso
 // Adds d(loss)/d(rows) of the shard's ids into grad_rows (fp32), the tokens in
 // order, as embedding_backward sums them for these rows.
 void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tensor& grad_out,
-                              const at::Tensor& grad_rows, double scale);
+                              const at::Tensor& grad_rows, double scale, int64_t pad = -1);
 
 // What a decoder layer's backward needs of its forward besides the input x:
 // the outputs of its projections, one micro-batch's, as [tokens, features]

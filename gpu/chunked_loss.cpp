@@ -61,7 +61,7 @@ void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor
   at::NoGradGuard no_grad;
   const int64_t rows = w_rows.size(0);
   for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
-    at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps), lab = labels.slice(0, t0, t1);
+    at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps, d.norm), lab = labels.slice(0, t0, t1);
     at::Tensor run_max = st.run_max.slice(0, t0, t1), run_sum = st.run_sum.slice(0, t0, t1);
     at::Tensor target = st.target.slice(0, t0, t1);
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
@@ -97,7 +97,7 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
   at::NoGradGuard no_grad;
   const int64_t rows = w_rows.size(0);
   for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
-    at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps);
+    at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps, d.norm);
     at::Tensor lab = labels.slice(0, t0, t1), lse_t = lse.slice(0, t0, t1);
     at::Tensor gh = grad_h.slice(0, t0, t1);
     // d(scale * sum_t (lse_t - logit_t[label]))/d(logit) = scale * (softmax - onehot), valid rows only.
@@ -144,7 +144,7 @@ at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const 
   const int64_t tokens = x.size(0);
   if (token_tile <= 0 || token_tile >= tokens) {
     at::Tensor xin = x.detach().requires_grad_(true);
-    at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
+    at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps, d.norm);
     at::Tensor gx = grads_of(xin, normed, grad_h.to(normed.scalar_type()));
     if (!grad_x_out.defined()) return gx;
     grad_x_out.copy_(gx);
@@ -153,7 +153,7 @@ at::Tensor head_norm_backward(const BlockDims& d, const at::Tensor& norm, const 
   at::Tensor grad_x = grad_x_out.defined() ? grad_x_out : at::empty_like(x);
   for_tiles(tokens, token_tile, [&](int64_t t0, int64_t t1) {
     at::Tensor xin = x.slice(0, t0, t1).detach().requires_grad_(true);
-    at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps);
+    at::Tensor normed = rms_norm(xin, norm_w, d.rms_eps, d.norm);
     grad_x.slice(0, t0, t1).copy_(grads_of(xin, normed, grad_h.slice(0, t0, t1).to(normed.scalar_type())));
   });
   return grad_x;

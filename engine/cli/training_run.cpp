@@ -437,7 +437,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
           if (const TensorSlot* from = base.find(t.name))
             std::copy_n(w.begin() + ptrdiff_t(from->offset_elems), t.numel, to.begin());
           else
-            initial_values(t, o.seed, to);
+            initial_values(t, o.seed, to, trained.dims.norm);
         }
         w = std::move(a);
       }

@@ -100,6 +100,24 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
   }
 }
 
+namespace {
+// An architecture's own operations against the placements that must not
+// notice them: host checkpoints, NVMe, vocabulary shards, kept activations
+// and logits, chaos, one device or a pool of two; each run (clip 0.5) gives
+// the resident run `ref`'s bits.
+void placements_change_nothing(const ModelSpec& spec, at::ScalarType dtype, const Result& ref) {
+  for (Case c : {Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
+                 Case{"3 vocabulary shards, chaos, NVMe", 2, false, {0, 2, 4}, true, 7, 3, 40},
+                 Case{"kept activations and logits, 2 vocabulary shards, chaos", 2, true, {}, true, 13, 3, 80,
+                      {1, 2, 3}, true}})
+    for (int devices : {1, 2}) {
+      c.devices = devices;
+      INFO(c.name << ", " << devices << " device(s), " << (dtype == at::kFloat ? "fp32" : "bf16"));
+      CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
+    }
+}
+}  // namespace
+
 TEST_CASE("Granite's multipliers: offload and pools still change nothing", "[engine]") {
   // The embedding's scale (its shards', forward and backward), the
   // attention scale, the scaled residual branches (recomputed and kept) and
@@ -113,15 +131,33 @@ TEST_CASE("Granite's multipliers: offload and pools still change nothing", "[eng
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
     const Result ref = run(spec, {"all resident", spec.num_blocks()}, dtype, 0.5);
     CHECK(ref.losses.back() < ref.losses.front());
-    for (Case c : {Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
-                   Case{"3 vocabulary shards, chaos, NVMe", 2, false, {0, 2, 4}, true, 7, 3, 40},
-                   Case{"kept activations and logits, 2 vocabulary shards, chaos", 2, true, {}, true, 13, 3, 80,
-                        {1, 2, 3}, true}})
-      for (int devices : {1, 2}) {
-        c.devices = devices;
-        INFO(c.name << ", " << devices << " device(s), " << (dtype == at::kFloat ? "fp32" : "bf16"));
-        CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
-      }
+    placements_change_nothing(spec, dtype, ref);
+  }
+}
+
+TEST_CASE("Gemma 3 and OLMo 2: offload and pools still change nothing", "[engine]") {
+  // Gemma 3: sandwich norms as 1 + w, GELU-tanh, the embedding scale in the
+  // weights' dtype, q/k norms, a sliding window (4) below the sequence (9)
+  // on layers 0 and 2 with their own RoPE, a padding token. OLMo 2: norms
+  // after the branches (recomputed and kept), q/k norms over the whole
+  // projections. Every placement gives the resident run's bits.
+  nlohmann::json gemma = test::tiny_config(true);
+  gemma["architectures"] = {"Gemma3ForCausalLM"};
+  gemma.update({{"head_dim", 12}, {"query_pre_attn_scalar", 10}, {"sliding_window", 4}, {"pad_token_id", 3},
+                {"layer_types", {"sliding_attention", "full_attention", "sliding_attention"}},
+                {"rope_parameters", {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 100.0}}},
+                                     {"full_attention", {{"rope_type", "default"}, {"rope_theta", 5000.0}}}}}});
+  nlohmann::json olmo = test::tiny_config(false);
+  olmo["architectures"] = {"Olmo2ForCausalLM"};
+  for (const auto& [config, name] : {std::pair{gemma, "tiny gemma3"}, std::pair{olmo, "tiny olmo2"}}) {
+    const ModelSpec spec = ModelSpec::from_json(config, name);
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      // That they train as transformers + AdamW do is tests/python/test_engine_vs_torch.py's.
+      const Result ref = run(spec, {"all resident", spec.num_blocks()}, dtype, 0.5);
+      INFO(name);
+      CHECK(std::isfinite(ref.eval_loss));
+      placements_change_nothing(spec, dtype, ref);
+    }
   }
 }
 

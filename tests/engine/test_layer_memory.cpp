@@ -38,6 +38,17 @@ ModelSpec llama(int64_t kv_heads, bool qwen3 = false) {
   return ModelSpec::from_json(cfg, "test");
 }
 
+// Gemma 3 (layer 0 slides, window 512) and OLMo 2: their norms around the
+// branches, Gemma's GELU-tanh and the sliding window's mask.
+ModelSpec other(const char* arch) {
+  nlohmann::json cfg = {{"architectures", {arch}}, {"hidden_size", 256}, {"intermediate_size", 688},
+                        {"num_hidden_layers", 2}, {"num_attention_heads", 8}, {"num_key_value_heads", 4},
+                        {"vocab_size", 64}, {"max_position_embeddings", 8192}};
+  if (std::string(arch) == "Gemma3ForCausalLM")
+    cfg.update({{"head_dim", 48}, {"sliding_window", 512}, {"layer_types", {"sliding_attention", "full_attention"}}});
+  return ModelSpec::from_json(cfg, "test");
+}
+
 struct Shape {
   const char* model;
   ModelSpec spec;
@@ -109,6 +120,11 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   shapes.push_back({"mha", mha, 2, 1024, 500, at::kFloat});
   if (bf16) shapes.push_back({"qwen3", qwen3, 1, 2048, 0, at::kBFloat16});
   shapes.push_back({"qwen3", qwen3, 1, 2048, 256, at::kFloat});
+  const ModelSpec gemma3 = other("Gemma3ForCausalLM"), olmo2 = other("Olmo2ForCausalLM");
+  for (const auto& [name, spec] : {std::pair{"gemma3", &gemma3}, std::pair{"olmo2", &olmo2}}) {
+    if (bf16) shapes.push_back({name, *spec, 1, 2048, 0, at::kBFloat16});
+    shapes.push_back({name, *spec, 1, 2048, 256, at::kFloat});
+  }
 
   std::printf("%-6s %5s %5s %5s %5s  %12s %12s %6s  %12s %12s %6s\n", "model", "b", "s", "tile", "dtype",
               "fwd meas", "fwd pred", "ratio", "bwd meas", "bwd pred", "ratio");

@@ -2,6 +2,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -109,6 +110,86 @@ TEST_CASE("Phi-3 holds fused projections under its own names, and refuses what i
   p["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "default"}, {"partial_rotary_factor", 0.75}};
   CHECK_THROWS_WITH(ModelSpec::from_json(p, "phi3/config.json"),
                     Catch::Contains("rope_parameters.partial_rotary_factor 0.75 is not supported"));
+}
+
+TEST_CASE("Gemma 3 reads its layer kinds and their RoPE, old and new config forms, and refuses soft-capping",
+          "[engine][spec]") {
+  json g = qwen3_tiny();
+  g["architectures"] = {"Gemma3ForCausalLM"};
+  g.erase("tie_word_embeddings");  // Gemma ties by default
+  g.erase("rope_parameters");      // the older form: rope_theta and rope_local_base_freq
+  g.update({{"sliding_window", 512}, {"num_hidden_layers", 7}, {"query_pre_attn_scalar", 256},
+            {"rope_theta", 1000000.0}, {"rope_local_base_freq", 10000.0}, {"pad_token_id", 0}});
+  const ModelSpec s = ModelSpec::from_json(g, "gemma3/config.json");
+  CHECK(s.tie_embeddings);
+  CHECK(s.dims.norm == NormKind::kGemma);
+  CHECK(s.dims.norm_placement == NormPlacement::kSandwich);
+  CHECK(s.dims.act == Activation::kGeluTanh);
+  CHECK(s.dims.attn_scale == 1.0 / 16);
+  CHECK(s.dims.embedding_multiplier == std::sqrt(double(s.dims.hidden)));
+  CHECK(s.dims.pad_token == 0);
+  // sliding_window_pattern 6 by default: layer 5 is global.
+  CHECK(s.sliding_layers == std::vector<uint8_t>{1, 1, 1, 1, 1, 0, 1});
+  CHECK(s.layer_dims(0).sliding_window == 512);
+  CHECK(s.layer_dims(0).rope.theta == 10000.0);
+  CHECK(s.layer_dims(5).sliding_window == 0);
+  CHECK(s.layer_dims(5).rope.theta == 1000000.0);
+  const ParamLayout l = s.layout(1);
+  for (const char* t : {"input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                        "post_feedforward_layernorm"})
+    CHECK(l.find(fmt::format("model.layers.0.{}.weight", t)) != nullptr);
+  CHECK(l.at("model.layers.0.self_attn.q_norm.weight").shape == std::vector<int64_t>{s.dims.head_dim});
+  // transformers >= 5: rope_parameters per layer kind, and layer_types.
+  g.erase("rope_theta");
+  g.erase("rope_local_base_freq");
+  g["num_hidden_layers"] = 2;
+  g["layer_types"] = {"full_attention", "sliding_attention"};
+  g["rope_parameters"] = {{"full_attention", {{"rope_type", "linear"}, {"factor", 8.0}, {"rope_theta", 1e6}}},
+                          {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 1e4}}}};
+  const ModelSpec n = ModelSpec::from_json(g, "gemma3/config.json");
+  CHECK(n.sliding_layers == std::vector<uint8_t>{0, 1});
+  CHECK(n.layer_dims(0).rope.type == RopeType::kLinear);
+  CHECK(n.layer_dims(0).rope.factor == 8.0);
+  CHECK(n.layer_dims(1).rope.type == RopeType::kDefault);
+  CHECK(n.layer_dims(1).rope.theta == 1e4);
+  auto fails = [&](json j, const std::string& what) {
+    CHECK_THROWS_WITH(ModelSpec::from_json(j, "gemma3/config.json"),
+                      Catch::Contains("gemma3/config.json") && Catch::Contains(what));
+  };
+  json bad = g;
+  bad["layer_types"] = {"full_attention"};
+  fails(bad, "'layer_types' must list the 2 layers' types");
+  bad = g;
+  bad["attn_logit_softcapping"] = 50.0;
+  fails(bad, "attn_logit_softcapping = 50.0: soft-capping is not supported");
+  bad = g;
+  bad["final_logit_softcapping"] = 30.0;
+  fails(bad, "final_logit_softcapping = 30.0: soft-capping is not supported");
+  bad = g;
+  bad["hidden_activation"] = "gelu";
+  fails(bad, "hidden_activation 'gelu' is not supported");
+  bad = g;
+  bad["use_bidirectional_attention"] = true;
+  fails(bad, "use_bidirectional_attention is not supported");
+  bad = g;
+  bad["pad_token_id"] = 5000;
+  fails(bad, "'pad_token_id' = 5000 is outside");
+}
+
+TEST_CASE("OLMo 2 has norms after its branches and q/k norms over whole projections", "[engine][spec]") {
+  json o = qwen3_tiny();
+  o.erase("head_dim");
+  o["architectures"] = {"Olmo2ForCausalLM"};
+  const ModelSpec s = ModelSpec::from_json(o, "olmo2/config.json");
+  CHECK(s.dims.norm_placement == NormPlacement::kPost);
+  CHECK(s.dims.norm == NormKind::kFp32Weight);
+  const ParamLayout l = s.layout(1);
+  const int64_t q = s.dims.heads * s.dims.head_dim, kv = s.dims.kv_heads * s.dims.head_dim;
+  CHECK(l.find("model.layers.0.input_layernorm.weight") == nullptr);
+  CHECK(l.find("model.layers.0.post_feedforward_layernorm.weight") != nullptr);
+  CHECK(l.at("model.layers.0.self_attn.q_norm.weight").shape == std::vector<int64_t>{q});
+  CHECK(l.at("model.layers.0.self_attn.k_norm.weight").shape == std::vector<int64_t>{kv});
+  CHECK(s.sliding_layers.empty());
 }
 
 TEST_CASE("bad configs fail naming the file and the field", "[engine][spec]") {

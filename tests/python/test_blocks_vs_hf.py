@@ -23,7 +23,8 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_atte
 
 
 def configs():
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
+                              Qwen2Config, Qwen3Config)
     llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     return {
@@ -35,6 +36,16 @@ def configs():
         "granite": GraniteConfig(**SMALL, attention_bias=True, embedding_multiplier=12.0, attention_multiplier=0.0625,
                                  residual_multiplier=0.22, logits_scaling=8.0),
         "phi3": Phi3Config(**SMALL, pad_token_id=0, sliding_window=128),  # fused qkv_proj and gate_up_proj
+        "mistral_window": MistralConfig(**SMALL, sliding_window=16),  # a window below the sequence (37)
+        "olmo2": Olmo2Config(**SMALL, pad_token_id=0),  # post-norms, q/k norms over whole projections
+        # Gemma 3: sandwich norms as 1 + w, GELU-tanh, embedding scale, q/k norms, query_pre_attn_scalar,
+        # sliding (window 16 < 37) and global layers with their own RoPE bases.
+        "gemma3": Gemma3TextConfig(**{**SMALL, "head_dim": 24}, pad_token_id=0, sliding_window=16,
+                                   query_pre_attn_scalar=20,
+                                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+                                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                       "rope_theta": 50000.0}}),
     }
 
 
@@ -102,7 +113,7 @@ def test_fp32_matches_transformers(arch):
         assert rel_err(grads[name], g) < 1e-5, name
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "granite", "olmo2", "gemma3"])
 def test_bf16_within_bf16_tolerance(arch):
     # bf16 keeps 8 bits of mantissa; different but equally valid operation
     # orders differ by a few ulps per op. Stated tolerance: loss 1e-2 relative,
@@ -155,3 +166,17 @@ def test_unknown_architecture_and_bad_shapes_are_named():
     bad[3] = bad[3][:-1]
     with pytest.raises(RuntimeError, match=names[3].replace(".", r"\.") + ".*shape"):
         torch.ops.strider.resident_loss_and_grads(json.dumps(cfg, default=str), names, bad, ids, labels, 1, 100)
+
+
+def test_padding_token_row_gets_no_gradient():
+    """transformers builds the embedding with padding_idx = pad_token_id: a lookup of the padding
+    token adds nothing to its row's gradient, and strider's embedding does the same."""
+    model = make_model(configs()["olmo2"], torch.float32)  # pad_token_id 0, untied
+    ids, labels = batch(model.config.vocab_size)
+    ids[:, ::5] = 0
+    loss, _, grads = ours(model, ids, labels)
+    ref_loss, _, ref_grads = reference(model, ids, labels)
+    g = grads["model.embed_tokens.weight"]
+    assert torch.count_nonzero(g[0]) == 0
+    assert torch.count_nonzero(g[ids[0, 1]]) > 0
+    assert rel_err(g, ref_grads["model.embed_tokens.weight"]) < 1e-5

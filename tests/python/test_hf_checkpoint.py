@@ -25,6 +25,12 @@ def tiny_model(arch: str, dtype):
     if arch == "llama":
         config = transformers.LlamaConfig(tie_word_embeddings=False, **common)
         cls = transformers.LlamaForCausalLM
+    elif arch == "olmo2":  # post-norms, whole-projection q/k norms
+        config = transformers.Olmo2Config(pad_token_id=0, **common)
+        cls = transformers.Olmo2ForCausalLM
+    elif arch == "gemma3":  # four norms a layer, q/k norms, tied
+        config = transformers.Gemma3TextConfig(head_dim=16, pad_token_id=0, sliding_window=8, **common)
+        cls = transformers.Gemma3ForCausalLM
     else:
         config = transformers.Qwen3Config(tie_word_embeddings=True, head_dim=16, **common)
         cls = transformers.Qwen3ForCausalLM
@@ -60,7 +66,7 @@ def assert_same_tensors(got, want):
 DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2", "gemma3"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_roundtrip_through_param_store_is_exact(strider_binary, tmp_path, arch, sharded, dtype):
@@ -78,7 +84,7 @@ def test_roundtrip_through_param_store_is_exact(strider_binary, tmp_path, arch, 
     assert (out / "model.safetensors.index.json").exists() == sharded
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] == {"f32": "float32", "bf16": "bfloat16"}[dtype]
-    if arch == "qwen3":  # tied: transformers saves no lm_head, neither do we
+    if arch in ("qwen3", "gemma3"):  # tied: transformers saves no lm_head, neither do we
         names = safetensors_names(out)
         assert "lm_head.weight" not in names
 

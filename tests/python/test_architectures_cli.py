@@ -1,0 +1,50 @@
+"""`strider finetune` on transformers checkpoints of the newer architectures (issue 33): a folder written
+by `save_pretrained` loads, trains, and the output folder loads back with `AutoModelForCausalLM`, scoring
+the held-out batch as the engine did after its last step. Their steps' agreement with transformers +
+AdamW is tests/python/test_engine_vs_torch.py's.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from test_lora_cli import ACC, MICRO, SEQ, VOCAB, eval_batch, finetune, loss_of, strider  # noqa: F401 (fixture)
+from test_token_data import write_tokens
+
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)
+
+
+def config(arch):
+    if arch == "olmo2":
+        return transformers.Olmo2Config(**COMMON)
+    # Gemma 3: layers 0 and 2 slide over 8 positions (< SEQ), layer 1 is global; tied embeddings.
+    return transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3"])
+def test_finetune_a_saved_checkpoint_and_load_the_output_back(strider, tmp_path, arch):  # noqa: F811
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    transformers.AutoModelForCausalLM.from_config(config(arch), dtype=torch.float32).save_pretrained(src)
+    rng = np.random.default_rng(0)
+    write_tokens(tmp_path / "train.tokens", rng.integers(0, VOCAB, 20000), vocab=VOCAB)
+    write_tokens(tmp_path / "eval.tokens", rng.integers(0, VOCAB, 4000), vocab=VOCAB)
+    out = tmp_path / "out"
+    r = finetune(strider, tmp_path, "--model", str(src), "--data", str(tmp_path / "train.tokens"),
+                 "--eval-data", str(tmp_path / "eval.tokens"), "--eval-every", "3", "--eval-batches", "1",
+                 "--dtype", "fp32", "--lr", "1e-3", "--warmup", "0", "--steps", "3", "--window", "2",
+                 "--metrics", str(tmp_path / "m.jsonl"), "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    evals = [json.loads(line)["eval_loss"] for line in open(tmp_path / "m.jsonl") if "eval_loss" in line]
+    x, y = eval_batch(tmp_path / "eval.tokens")
+    before = loss_of(transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), x, y)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    after = loss_of(model, x, y)
+    assert abs(after - evals[-1]) <= 1e-5 * abs(evals[-1]), (after, evals)
+    assert after != before
