@@ -53,6 +53,13 @@ MODEL_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                   tie_word_embeddings=True, rope_theta=10000.0)
 
 
+# --arch: each architecture's config class, and what its shape adds to the Llama one (transformers'
+# defaults otherwise: Gemma 2's soft-capping at 50 and 30, Gemma's sliding windows of 4096).
+ARCHS = {"llama": ("LlamaConfig", {}), "olmo2": ("Olmo2Config", {}),
+         "gemma2": ("Gemma2Config", {"query_pre_attn_scalar": 64}),
+         "gemma3": ("Gemma3TextConfig", {"query_pre_attn_scalar": 64})}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 5 for a median worth quoting)")
@@ -72,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=MODEL_135M["hidden_size"])
     p.add_argument("--intermediate", type=int, default=MODEL_135M["intermediate_size"])
     p.add_argument("--vocab", type=int, default=MODEL_135M["vocab_size"])
+    p.add_argument("--arch", choices=sorted(ARCHS), default="llama",
+                   help="the architecture of the same shape (torch's attention: SDPA, or eager for gemma2)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--device-budget", default="8GiB", help="strider's device budget (the CPU device's memory)")
     p.add_argument("--lora", type=int, default=0,
@@ -87,11 +96,15 @@ def parse_args(argv=None):
 
 
 def model_config(a):
-    from transformers import LlamaConfig
+    import transformers
+    cls, extra = ARCHS[a.arch]
     cfg = dict(MODEL_135M, num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.intermediate,
-               vocab_size=a.vocab)
-    c = LlamaConfig(**cfg)
-    c._attn_implementation = "sdpa"
+               vocab_size=a.vocab, **extra)
+    if a.arch.startswith("gemma"):  # Gemma names its head size and takes no rope_theta of the Llama shape
+        cfg.update(head_dim=a.hidden // cfg["num_attention_heads"])
+        cfg.pop("rope_theta")
+    c = getattr(transformers, cls)(**cfg)
+    c._attn_implementation = "eager" if a.arch == "gemma2" else "sdpa"  # transformers: no SDPA soft-caps
     return c
 
 
@@ -174,7 +187,7 @@ def worker(side, a, conn):
     torch.set_num_threads(threads)
     a.threads = threads
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(model_config(a)).float()
+    model = transformers.AutoModelForCausalLM.from_config(model_config(a)).float()
     params = sum(p.numel() for p in model.parameters())
     if a.lora and side != "strider_full":
         import peft
@@ -216,7 +229,7 @@ def main(argv=None):
         procs[side], conns[side] = p, parent
     info = {side: conns[side].recv() for side in conns}
     tokens_per_step = a.micro_batch * a.accumulation * a.seq
-    print(f"model: Llama {info['torch']['params'] / 1e6:.1f}M parameters ({a.layers} layers, hidden {a.hidden}, "
+    print(f"model: {a.arch} {info['torch']['params'] / 1e6:.1f}M parameters ({a.layers} layers, hidden {a.hidden}, "
           f"vocabulary {a.vocab}); batch {a.micro_batch} x {a.accumulation} x seq {a.seq}, {a.dtype}, "
           f"{info['torch']['threads']} threads; strider K = {a.window}, activations "
           f"{a.activations or 'default'}, {'CPU device' if a.device == 'cpu' else 'on the GPU'}"
@@ -261,7 +274,7 @@ def main(argv=None):
                   strider_tokens_per_s=statistics.median(tps["strider"]),
                   strider_over_torch=statistics.median(ratios), ratios=[round(x, 4) for x in ratios],
                   torch_peak_rss_bytes=rss["torch"], strider_peak_rss_bytes=rss["strider"],
-                  loss_max_rel_diff=max(rel), steps=len(rel), lora=a.lora)
+                  loss_max_rel_diff=max(rel), steps=len(rel), lora=a.lora, arch=a.arch)
     if a.lora:
         result.update(strider_full_tokens_per_s=statistics.median(tps["strider_full"]),
                       lora_over_full=statistics.median(lora_full), lora_over_full_rounds=[round(x, 4) for x in lora_full],

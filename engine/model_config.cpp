@@ -105,6 +105,7 @@ constexpr ArchInfo kArchs[] = {
     {Arch::kGranite, "GraniteForCausalLM", "granite"},
     {Arch::kPhi3, "Phi3ForCausalLM", "phi3"},
     {Arch::kOlmo2, "Olmo2ForCausalLM", "olmo2"},
+    {Arch::kGemma2, "Gemma2ForCausalLM", "gemma2"},
     {Arch::kGemma3, "Gemma3ForCausalLM", "gemma3_text"},
 };
 
@@ -124,7 +125,7 @@ const ArchInfo& arch_of(const Reader& r) {
   }
   throw Error(fmt::format("{}: architecture {} is not supported; strider supports LlamaForCausalLM, "
                           "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, "
-                          "Olmo2ForCausalLM and Gemma3ForCausalLM",
+                          "Olmo2ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM",
                           r.source, name));
 }
 
@@ -172,10 +173,13 @@ RopeDims parse_rope(const Reader& r, double theta = 10000.0) {
   return parse_rope_params(pr, rope);
 }
 
-// Gemma 3's text model (transformers' modeling_gemma3): Gemma's norms and
-// GELU-tanh MLP, its embedding scale and query_pre_attn_scalar, q/k norms,
-// and sliding and global layers, each kind with its own RoPE.
-void parse_gemma3(const Reader& r, ModelSpec& s) {
+// Gemma 2 and Gemma 3's text model (transformers' modeling_gemma2,
+// modeling_gemma3): Gemma's norms and GELU-tanh MLP, its embedding scale and
+// query_pre_attn_scalar, sliding and global layers; Gemma 2's soft-capping
+// (of the attention scores and of the logits); Gemma 3's q/k norms and a RoPE
+// per layer kind.
+void parse_gemma(const Reader& r, ModelSpec& s) {
+  const bool gemma2 = s.arch == Arch::kGemma2;
   BlockDims& d = s.dims;
   const std::string act = r.string_or("hidden_activation", r.string_or("hidden_act", "gelu_pytorch_tanh"));
   STRIDER_CHECK(act == "gelu_pytorch_tanh", "{}: hidden_activation '{}' is not supported (gelu_pytorch_tanh)",
@@ -183,15 +187,22 @@ void parse_gemma3(const Reader& r, ModelSpec& s) {
   d.act = Activation::kGeluTanh;
   d.norm = NormKind::kGemma;
   d.norm_placement = NormPlacement::kSandwich;
-  d.qk_norm = true;
+  d.qk_norm = !gemma2;
   d.qkv_bias = d.o_bias = r.boolean_or("attention_bias", false);
   d.embedding_multiplier = std::sqrt(double(d.hidden));
   d.embedding_multiplier_in_dtype = true;
   d.attn_scale = 1.0 / std::sqrt(r.number_or("query_pre_attn_scalar", 256.0, kMultiplierRange));
   s.tie_embeddings = r.boolean_or("tie_word_embeddings", true);
-  for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"})
-    if (const json* v = r.find(cap))
-      throw Error(fmt::format("{}: {} = {}: soft-capping is not supported (null)", r.source, cap, v->dump()));
+  if (gemma2) {  // transformers' defaults: 50 and 30 (null: none)
+    d.attn_softcap = r.find("attn_logit_softcapping") ? r.number_or("attn_logit_softcapping", 0, kMultiplierRange) : 0;
+    d.final_softcap =
+        r.find("final_logit_softcapping") ? r.number_or("final_logit_softcapping", 0, kMultiplierRange) : 0;
+  } else {
+    for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"})
+      if (const json* v = r.find(cap))
+        throw Error(fmt::format("{}: {} = {}: soft-capping is not supported for Gemma 3 (null)", r.source, cap,
+                                v->dump()));
+  }
   STRIDER_CHECK(!r.boolean_or("use_bidirectional_attention", false),
                 "{}: use_bidirectional_attention is not supported (causal attention only)", r.source);
   d.sliding_window = r.integer_or("sliding_window", 4096, kPositionsRange);
@@ -208,14 +219,18 @@ void parse_gemma3(const Reader& r, ModelSpec& s) {
       s.sliding_layers[l] = t == "sliding_attention";
     }
   } else {
-    const int64_t pattern = r.integer_or("sliding_window_pattern", 6, kLayersRange);
+    const int64_t pattern = r.integer_or("sliding_window_pattern", gemma2 ? 2 : 6, kLayersRange);
     for (int64_t l = 0; l < s.layers; ++l) s.sliding_layers[size_t(l)] = (l + 1) % pattern != 0;
   }
   // RoPE per layer kind under rope_parameters (transformers >= 5); else
   // rope_theta and rope_scaling for the global layers and
   // rope_local_base_freq for the sliding ones.
   const json* params = r.find("rope_parameters");
-  if (params && params->is_object() && (params->contains("full_attention") || params->contains("sliding_attention"))) {
+  if (gemma2) {  // one RoPE for both kinds
+    d.rope = parse_rope(r);
+    s.local_rope = d.rope;
+  } else if (params && params->is_object() &&
+             (params->contains("full_attention") || params->contains("sliding_attention"))) {
     auto kind = [&](const char* key, double theta) {
       RopeDims rope;
       rope.theta = theta;
@@ -244,7 +259,8 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
   ModelSpec s;
   s.arch = ai.arch;
   s.arch_name = std::string(ai.name);
-  if (s.arch != Arch::kGemma3) {
+  const bool gemma = s.arch == Arch::kGemma2 || s.arch == Arch::kGemma3;  // parse_gemma reads these
+  if (!gemma) {
     const std::string act = r.string_or("hidden_act", "silu");
     STRIDER_CHECK(act == "silu", "{}: hidden_act '{}' is not supported (silu)", source, act);
   }
@@ -316,14 +332,15 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
       d.norm = NormKind::kFp32Weight;
       d.norm_placement = NormPlacement::kPost;
       break;
+    case Arch::kGemma2:
     case Arch::kGemma3:
-      parse_gemma3(r, s);
+      parse_gemma(r, s);
       break;
   }
   // Sliding-window attention: Mistral and Phi-3 apply it to every layer;
   // Qwen configs carry the field but leave use_sliding_window off.
   const bool every_layer_window = s.arch == Arch::kMistral || s.arch == Arch::kPhi3;
-  if (s.arch != Arch::kGemma3 && (every_layer_window || r.boolean_or("use_sliding_window", false))) {
+  if (!gemma && (every_layer_window || r.boolean_or("use_sliding_window", false))) {
     STRIDER_CHECK(every_layer_window,
                   "{}: use_sliding_window is not supported for {}", source, s.arch_name);
     d.sliding_window = r.integer_or("sliding_window", 0, kPositionsRange);

@@ -98,17 +98,28 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // CPU kernel allocates, per thread, a 256 x 512 fp32 block (and, backward,
   // one of their gradients). The model allows two threads (as the test runs).
   const i128 q_blk = std::min<i128>(seq, 256), kv_blk = std::min<i128>(seq, 512);
-  const i128 scores = 2 * q_blk * (kv_blk + d.head_dim + 2) * 4;
+  const i128 scores = d.attn_softcap > 0 ? 0 : 2 * q_blk * (kv_blk + d.head_dim + 2) * 4;
   const i128 small = 4096;  // scalars and shapes
   // A sliding window below the sequence: its additive [seq, seq] mask in the
   // compute dtype, alive through the attention core (and its autograd
   // graph), built beside one of the boolean masks it comes from.
-  const bool windowed = d.sliding_window > 0 && seq > d.sliding_window;
+  const bool windowed = d.sliding_window > 0 && seq > d.sliding_window && d.attn_softcap == 0;
   const i128 mask = windowed ? i128{seq} * seq * e : 0, mask_build = windowed ? i128{seq} * seq * (e + 1) : 0;
   // Post-norms (OLMo 2, Gemma): beside a branch's output, its norm's
   // temporaries and the normed copy (before the sum); backward, the output
   // recomputed, the norm's fp32 graph and its backward.
   const bool post = d.norm_placement != NormPlacement::kPre;
+  // Soft-capped attention (gpu/softcap_attention.h; no flash blocks, no
+  // whole mask), one query tile at a time: its S scores (the keys it reads:
+  // up to the tile's last query, from a window before its first) with their
+  // fp32 softmax and casts, and the tile's mask; backward, the tile's
+  // autograd graph (tanh's output, the softmax's, the cast probabilities)
+  // and its gradients.
+  const i128 tq = d.attn_softcap > 0 ? softcap_query_tile(batch, d.heads, seq) : 0;
+  const i128 keys = d.sliding_window > 0 ? std::min<i128>(seq, tq + d.sliding_window - 1) : seq;
+  const i128 S = i128{batch} * heads * tq * keys;
+  const i128 capped_fwd = S > 0 ? S * (4 + 3 * e) + tq * keys * (e + 1) : 0;
+  const i128 capped_back = S > 0 ? S * (4 + 4 * e) + tq * keys * (e + 1) : 0;
   // Granite's residual_multiplier: the backward scales each branch's gradient into a copy.
   const i128 scaled = d.residual_multiplier != 1.0 ? h * e : 0;
   const i128 post_fwd = post ? norm(h, 1) : 0, post_back = post ? h * (2 * e + 8 + 2 * f32_copy) : 0;
@@ -124,7 +135,7 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
                         q * e + h * e + std::max({gemm_f32(h), e * h, post_fwd})});  // o_proj, then x + o
   if (d.qk_norm) attn = std::max(attn, (q + 2 * kv) * e + norm(q, heads));
   attn = std::max({n * attn, n * ((2 * q + 2 * kv) * e + 4 * heads) + scores + mask,  // SDPA, logsumexp
-                   n * (h + q + 2 * kv) * e + mask_build});
+                   n * (h + q + 2 * kv) * e + mask_build, n * (2 * q + 2 * kv) * e + capped_fwd});
   const i128 mlp = n * h * e + t * std::max({norm(h, 1), h * e + 2 * inter * e + gemm_f32(inter),  // gate, up
                                              inter * e + h * e + post_fwd});                      // down, post-norm
   LayerWork w;
@@ -143,10 +154,13 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // gradient [intermediate, hidden] at a time.
   const i128 tile =
       n * held + t * (inter * 4 * e + silu_f32_x2 * inter / 2 + 2 * h * e + post_back + scaled) + h * inter * e;
-  // Attention's backward, x1 gone: d(a), its transposed copy, d(q), d(k),
-  // d(v) (below fp32 the CPU kernel accumulates d(q) in fp32) and the
-  // block scores' gradients.
-  const i128 attn_back = n * (held - h * e + 2 * q * e + (q + 2 * kv) * e + f32_copy * q + post_back + scaled) + 2 * scores;
+  // Attention's backward, x1 gone: first a post-norm's backward (beside
+  // d(loss)/d(x1)), then d(a), its transposed copy, d(q), d(k), d(v) (below
+  // fp32 the CPU kernel accumulates d(q) in fp32) and the block scores'
+  // gradients.
+  const i128 attn_back =
+      std::max(n * (held + post_back + scaled),
+               n * (held - h * e + 2 * q * e + (q + 2 * kv) * e + f32_copy * q + scaled) + 2 * scores + capped_back);
   // Last, the input norm recomputed with autograd and back-propagated, the
   // rest freed: d(loss)/d(x1), d(h1), the norm's fp32 graph and its
   // backward's fp32 temporaries.
@@ -346,8 +360,10 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       const i128 tt = token_tile > 0 && token_tile < tok ? i128{token_tile} : tok;
       const i128 normed = tt * H * e, norm_tmp = tt * H * (12 + 2 * e);
       const i128 lse = normed + 12 * tt * ch;
-      const i128 grad = normed + std::max<i128>(12 * tt * ch, (4 + below * e) * tt * ch +
-                                                                  std::max(tt, ch) * H * (e + below * 4));
+      // Gemma 2's soft-capped logits: pass 2 keeps the cap's derivative, [t, c] fp32, beside.
+      const i128 capped = d.final_softcap > 0 ? 4 * tt * ch : 0;
+      const i128 grad = normed + capped + std::max<i128>(12 * tt * ch, (4 + below * e) * tt * ch +
+                                                                           std::max(tt, ch) * H * (e + below * 4));
       const i128 norm_back = tt * H * (24 + below * 2 * e);
       auto headroom = [&](i128 x) { return x + x / 8 + 32 * tok + 4096; };
       c.forward_work_bytes = bytes(headroom(std::max(lse, norm_tmp)), "forward working memory");

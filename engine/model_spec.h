@@ -21,7 +21,7 @@
 
 namespace strider {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kMistral, kGranite, kPhi3, kOlmo2, kGemma3 };
+enum class Arch { kLlama, kQwen2, kQwen3, kMistral, kGranite, kPhi3, kOlmo2, kGemma2, kGemma3 };
 
 enum class BlockKind { kEmbedding, kLayer, kHead };
 

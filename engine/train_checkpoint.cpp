@@ -73,6 +73,8 @@ std::vector<std::string> spec_differences(const ModelSpec& ckpt, const ModelSpec
   cmp("attention_multiplier", a.attn_scale, b.attn_scale);
   cmp("residual_multiplier", a.residual_multiplier, b.residual_multiplier);
   cmp("logits_scaling", a.logits_scaling, b.logits_scaling);
+  cmp("attn_logit_softcapping", a.attn_softcap, b.attn_softcap);
+  cmp("final_logit_softcapping", a.final_softcap, b.final_softcap);
   cmp("lora", ckpt.lora.text().empty() ? std::string("(none)") : ckpt.lora.text(),
       engine.lora.text().empty() ? std::string("(none)") : engine.lora.text());
   if (!d.empty()) return d;

@@ -74,9 +74,20 @@ struct BlockDims {
   double attn_scale = 0.0;
   double residual_multiplier = 1.0;
   double logits_scaling = 1.0;
+  // Gemma 2's soft-capping (0: none): the attention scores become
+  // attn_softcap * tanh(scores / attn_softcap) before the mask
+  // (gpu/softcap_attention.h), and the logits final_softcap * tanh(logits /
+  // final_softcap) after logits_scaling.
+  double attn_softcap = 0;
+  double final_softcap = 0;
   // LoRA: a linear layer whose block holds "<proj>.lora_A.weight" and
   // "<proj>.lora_B.weight" adds lora_scale * (x A^T) B^T (engine/lora.h).
   double lora_scale = 0;
 };
+
+// Soft-capped attention's queries per tile (gpu/softcap_attention.h) for a
+// micro-batch of b sequences of s positions over `heads` heads: as many as
+// keep one tile's scores at or under 2^22 elements (at least 16, at most s).
+int64_t softcap_query_tile(int64_t b, int64_t heads, int64_t s);
 
 }  // namespace strider

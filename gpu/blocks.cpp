@@ -8,6 +8,7 @@
 #include <string_view>
 #include <vector>
 
+#include "gpu/softcap_attention.h"
 #include "host/error.h"
 
 namespace strider {
@@ -175,6 +176,12 @@ at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const RopeTabl
   // does CUDA in 16 bits. Where no fused kernel takes grouped K/V (fp32 on
   // CUDA: flash wants 16 bits, memory-efficient equal heads), ATen would
   // fall back to math (S x S scores); repeated K/V let memory-efficient run.
+  if (d.attn_softcap > 0) {  // Gemma 2: no SDPA kernel soft-caps the scores
+    const double scale = d.attn_scale > 0 ? d.attn_scale : 1.0 / std::sqrt(double(d.head_dim));
+    at::Tensor a = softcap_attention(q, k, v, scale, d.attn_softcap, d.sliding_window);
+    q = k = v = at::Tensor();
+    return a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
+  }
   // A sliding window below the sequence: the band as an additive mask
   // (causality in it), which the CPU's flash kernel and CUDA's
   // memory-efficient one read; O(s^2) bytes, in the working-memory model.

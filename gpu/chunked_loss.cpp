@@ -30,6 +30,12 @@ void for_tiles(int64_t tokens, int64_t token_tile, F&& f) {
   if (tokens == 0) f(0, 0);
 }
 
+// Gemma 2's final soft-capping of a chunk of logits, in place, with
+// transformers' ops (/ cap, tanh, * cap) in the logits' dtype.
+void softcap_(const BlockDims& d, at::Tensor& logits) {
+  if (d.final_softcap > 0) logits.div_(d.final_softcap).tanh_().mul_(d.final_softcap);
+}
+
 HeadState fresh_state(const at::Tensor& h) {
   auto f32 = h.options().dtype(at::kFloat);
   HeadState st{at::empty({h.size(0)}, f32), at::empty({h.size(0)}, f32), at::empty({h.size(0)}, f32)};
@@ -68,6 +74,7 @@ void head_lse_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor
       const int64_t c1 = std::min(rows, c0 + chunk), a = v0 + c0, b = v0 + c1;
       at::Tensor logits = at::matmul(ht, w_rows.slice(0, c0, c1).t());  // [t, c]
       if (d.logits_scaling != 1.0) logits.div_(d.logits_scaling);  // Granite's
+      softcap_(d, logits);
       if (keep.defined()) keep.slice(0, t0, t1).slice(1, c0, c1).copy_(logits);
       logits = logits.to(at::kFloat);
       at::Tensor new_max = at::maximum(run_max, std::get<0>(logits.max(1)));
@@ -108,18 +115,25 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
       at::Tensor wc = w_rows.slice(0, c0, c1);
       at::Tensor logits;
       if (kept.defined()) {
-        logits = kept.slice(0, t0, t1).slice(1, c0, c1).to(at::kFloat);  // pass 1's, scaled
+        logits = kept.slice(0, t0, t1).slice(1, c0, c1).to(at::kFloat);  // pass 1's, scaled and capped
       } else {
         logits = at::matmul(ht, wc.t());
         if (d.logits_scaling != 1.0) logits.div_(d.logits_scaling);
+        softcap_(d, logits);
         logits = logits.to(at::kFloat);
       }
       at::Tensor g = at::exp(logits - lse_t.unsqueeze(1));
-      logits.reset();  // dead: one [tile, chunk] fp32 less at the peak
+      // Soft-capped logits y = cap tanh(z / cap): dy/dz = 1 - (y / cap)^2 (out of
+      // place: `logits` may be the kept buffer). Then the logits are dead (one
+      // [tile, chunk] fp32 less at the peak).
+      at::Tensor capped_grad;
+      if (d.final_softcap > 0) capped_grad = (logits / d.final_softcap).square_().neg_().add_(1.0);
+      logits.reset();
       at::Tensor in_chunk = (lab >= a) & (lab < b);
       at::Tensor idx = (lab - a).clamp(0, c1 - c0 - 1).unsqueeze(1);
       g.scatter_add_(1, idx, -in_chunk.to(at::kFloat).unsqueeze(1));
       g.mul_(row_scale.unsqueeze(1));
+      if (capped_grad.defined()) g.mul_(capped_grad);
       at::Tensor gc = g.to(ht.scalar_type());
       gh.add_(at::matmul(gc, wc));
       if (grad_rows.defined()) grad_rows.slice(0, c0, c1).add_(at::matmul(gc.t(), ht));

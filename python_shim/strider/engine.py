@@ -57,7 +57,8 @@ from strider.config import EngineConfig
 
 # The decoder families the C++ ModelSpec implements (engine/model_spec.cpp).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "GraniteForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM", "Gemma3ForCausalLM")
+                           "GraniteForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 IGNORE_INDEX = -100
 
 

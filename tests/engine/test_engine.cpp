@@ -135,12 +135,13 @@ TEST_CASE("Granite's multipliers: offload and pools still change nothing", "[eng
   }
 }
 
-TEST_CASE("Gemma 3 and OLMo 2: offload and pools still change nothing", "[engine]") {
+TEST_CASE("Gemma 2, Gemma 3 and OLMo 2: offload and pools still change nothing", "[engine]") {
   // Gemma 3: sandwich norms as 1 + w, GELU-tanh, the embedding scale in the
   // weights' dtype, q/k norms, a sliding window (4) below the sequence (9)
   // on layers 0 and 2 with their own RoPE, a padding token. OLMo 2: norms
   // after the branches (recomputed and kept), q/k norms over the whole
-  // projections. Every placement gives the resident run's bits.
+  // projections. Gemma 2: soft-capped attention scores (tiled attention) and
+  // logits (recomputed and kept). Every placement gives the resident run's bits.
   nlohmann::json gemma = test::tiny_config(true);
   gemma["architectures"] = {"Gemma3ForCausalLM"};
   gemma.update({{"head_dim", 12}, {"query_pre_attn_scalar", 10}, {"sliding_window", 4}, {"pad_token_id", 3},
@@ -149,7 +150,11 @@ TEST_CASE("Gemma 3 and OLMo 2: offload and pools still change nothing", "[engine
                                      {"full_attention", {{"rope_type", "default"}, {"rope_theta", 5000.0}}}}}});
   nlohmann::json olmo = test::tiny_config(false);
   olmo["architectures"] = {"Olmo2ForCausalLM"};
-  for (const auto& [config, name] : {std::pair{gemma, "tiny gemma3"}, std::pair{olmo, "tiny olmo2"}}) {
+  nlohmann::json gemma2 = test::tiny_config(true);
+  gemma2["architectures"] = {"Gemma2ForCausalLM"};
+  gemma2.update({{"sliding_window", 4}, {"attn_logit_softcapping", 2.0}, {"final_logit_softcapping", 3.0}});
+  for (const auto& [config, name] : {std::pair{gemma, "tiny gemma3"}, std::pair{olmo, "tiny olmo2"},
+                                     std::pair{gemma2, "tiny gemma2"}}) {
     const ModelSpec spec = ModelSpec::from_json(config, name);
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
       // That they train as transformers + AdamW do is tests/python/test_engine_vs_torch.py's.

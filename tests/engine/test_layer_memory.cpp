@@ -38,14 +38,16 @@ ModelSpec llama(int64_t kv_heads, bool qwen3 = false) {
   return ModelSpec::from_json(cfg, "test");
 }
 
-// Gemma 3 (layer 0 slides, window 512) and OLMo 2: their norms around the
-// branches, Gemma's GELU-tanh and the sliding window's mask.
+// Gemma 3 and Gemma 2 (layer 0 slides, window 512) and OLMo 2: their norms
+// around the branches, Gemma's GELU-tanh, the sliding window's mask, Gemma
+// 2's soft-capped attention in query tiles.
 ModelSpec other(const char* arch) {
   nlohmann::json cfg = {{"architectures", {arch}}, {"hidden_size", 256}, {"intermediate_size", 688},
                         {"num_hidden_layers", 2}, {"num_attention_heads", 8}, {"num_key_value_heads", 4},
                         {"vocab_size", 64}, {"max_position_embeddings", 8192}};
-  if (std::string(arch) == "Gemma3ForCausalLM")
+  if (std::string(arch) != "Olmo2ForCausalLM")
     cfg.update({{"head_dim", 48}, {"sliding_window", 512}, {"layer_types", {"sliding_attention", "full_attention"}}});
+  if (std::string(arch) == "Gemma2ForCausalLM") cfg.update({{"attn_logit_softcapping", 50.0}});
   return ModelSpec::from_json(cfg, "test");
 }
 
@@ -120,8 +122,10 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   shapes.push_back({"mha", mha, 2, 1024, 500, at::kFloat});
   if (bf16) shapes.push_back({"qwen3", qwen3, 1, 2048, 0, at::kBFloat16});
   shapes.push_back({"qwen3", qwen3, 1, 2048, 256, at::kFloat});
-  const ModelSpec gemma3 = other("Gemma3ForCausalLM"), olmo2 = other("Olmo2ForCausalLM");
-  for (const auto& [name, spec] : {std::pair{"gemma3", &gemma3}, std::pair{"olmo2", &olmo2}}) {
+  const ModelSpec gemma3 = other("Gemma3ForCausalLM"), olmo2 = other("Olmo2ForCausalLM"),
+                  gemma2 = other("Gemma2ForCausalLM");
+  for (const auto& [name, spec] :
+       {std::pair{"gemma3", &gemma3}, std::pair{"olmo2", &olmo2}, std::pair{"gemma2", &gemma2}}) {
     if (bf16) shapes.push_back({name, *spec, 1, 2048, 0, at::kBFloat16});
     shapes.push_back({name, *spec, 1, 2048, 256, at::kFloat});
   }

@@ -161,7 +161,7 @@ TEST_CASE("Gemma 3 reads its layer kinds and their RoPE, old and new config form
   fails(bad, "'layer_types' must list the 2 layers' types");
   bad = g;
   bad["attn_logit_softcapping"] = 50.0;
-  fails(bad, "attn_logit_softcapping = 50.0: soft-capping is not supported");
+  fails(bad, "attn_logit_softcapping = 50.0: soft-capping is not supported for Gemma 3");
   bad = g;
   bad["final_logit_softcapping"] = 30.0;
   fails(bad, "final_logit_softcapping = 30.0: soft-capping is not supported");
@@ -174,6 +174,27 @@ TEST_CASE("Gemma 3 reads its layer kinds and their RoPE, old and new config form
   bad = g;
   bad["pad_token_id"] = 5000;
   fails(bad, "'pad_token_id' = 5000 is outside");
+}
+
+TEST_CASE("Gemma 2 soft-caps by default and alternates sliding and global layers with one RoPE",
+          "[engine][spec]") {
+  json g = qwen3_tiny();
+  g["architectures"] = {"Gemma2ForCausalLM"};
+  g.update({{"num_hidden_layers", 4}, {"sliding_window", 4096}, {"attn_logit_softcapping", 50.0},
+            {"final_logit_softcapping", 30.0}});
+  const ModelSpec s = ModelSpec::from_json(g, "gemma2/config.json");
+  CHECK(s.dims.attn_softcap == 50.0);
+  CHECK(s.dims.final_softcap == 30.0);
+  CHECK_FALSE(s.dims.qk_norm);
+  CHECK(s.dims.norm == NormKind::kGemma);
+  CHECK(s.sliding_layers == std::vector<uint8_t>{1, 0, 1, 0});  // every second layer global
+  CHECK(s.layer_dims(0).rope.theta == s.layer_dims(1).rope.theta);
+  CHECK(s.layout(1).find("model.layers.0.self_attn.q_norm.weight") == nullptr);
+  g["attn_logit_softcapping"] = nullptr;  // null: none
+  CHECK(ModelSpec::from_json(g, "gemma2/config.json").dims.attn_softcap == 0);
+  g["final_logit_softcapping"] = -1.0;
+  CHECK_THROWS_WITH(ModelSpec::from_json(g, "gemma2/config.json"),
+                    Catch::Contains("'final_logit_softcapping' = -1.0 is outside (0"));
 }
 
 TEST_CASE("OLMo 2 has norms after its branches and q/k norms over whole projections", "[engine][spec]") {

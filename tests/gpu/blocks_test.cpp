@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "gpu/blocks.h"
+#include "gpu/softcap_attention.h"
 #include "host/error.h"
 
 using namespace strider;
@@ -325,4 +326,42 @@ TEST_CASE("saved-activation views refuse a buffer too small for their tokens", "
   CHECK_THROWS_WITH(layer_saved_views(d, 10, flat), Catch::Contains("smaller than 10 tokens need"));
   // 4 x 12 + 2 x 2 x 12 + 48 + 2 x 80 = 304 elements a token.
   CHECK(layer_saved_elems(d, 10) == 3040);
+}
+
+TEST_CASE("soft-capped attention in query tiles is the whole-sequence formula, forward and backward",
+          "[blocks]") {
+  // The plain formula: every score at once, as transformers' eager attention
+  // (GQA by repeated K/V), differentiated by autograd; against it the tiled
+  // function with tiles that do not divide the sequence, with and without a
+  // window (whose first tiles read fewer keys).
+  at::manual_seed(5);
+  const int64_t b = 2, heads = 4, kv = 2, s = 23, hd = 8;
+  const double scale = 0.3, cap = 2.5;
+  const at::Tensor q0 = at::randn({b, heads, s, hd}), k0 = at::randn({b, kv, s, hd}), v0 = at::randn({b, kv, s, hd});
+  const at::Tensor gout = at::randn({b, heads, s, hd});
+  for (int64_t window : {int64_t{0}, int64_t{6}}) {
+    at::AutoGradMode enable(true);
+    auto leaves = [&] {
+      return std::vector<at::Tensor>{q0.clone().requires_grad_(true), k0.clone().requires_grad_(true),
+                                     v0.clone().requires_grad_(true)};
+    };
+    std::vector<at::Tensor> ref = leaves();
+    const at::Tensor i = at::arange(s).unsqueeze(1), j = at::arange(s).unsqueeze(0);
+    at::Tensor hidden = j > i;
+    if (window > 0) hidden.logical_or_(j <= i - window);
+    const at::Tensor mask = at::zeros({s, s}).masked_fill_(hidden, -INFINITY);
+    const at::Tensor kr = ref[1].repeat_interleave(heads / kv, 1), vr = ref[2].repeat_interleave(heads / kv, 1);
+    at::Tensor scores = at::matmul(ref[0], kr.transpose(2, 3)) * scale;
+    scores = at::tanh(scores / cap) * cap + mask;
+    const at::Tensor want = at::matmul(at::softmax(scores, -1, at::kFloat), vr);
+    const std::vector<at::Tensor> want_g = torch::autograd::grad({want}, ref, {gout});
+    for (int64_t tile : {int64_t{5}, int64_t{23}, int64_t{0}}) {
+      INFO("window " << window << " tile " << tile);
+      std::vector<at::Tensor> in = leaves();
+      const at::Tensor got = softcap_attention(in[0], in[1], in[2], scale, cap, window, tile);
+      CHECK(at::allclose(got, want, 1e-6, 1e-6));
+      const std::vector<at::Tensor> got_g = torch::autograd::grad({got}, in, {gout});
+      for (size_t x = 0; x < 3; ++x) CHECK(at::allclose(got_g[x], want_g[x], 1e-5, 1e-6));
+    }
+  }
 }

@@ -20,12 +20,15 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_att
 def config(arch):
     if arch == "olmo2":
         return transformers.Olmo2Config(**COMMON)
+    if arch == "gemma2":  # soft-capped attention and logits; layers 0 and 2 slide over 8 positions
+        return transformers.Gemma2Config(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                         attn_logit_softcapping=5.0, final_logit_softcapping=6.0)
     # Gemma 3: layers 0 and 2 slide over 8 positions (< SEQ), layer 1 is global; tied embeddings.
     return transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3", "gemma2"])
 def test_finetune_a_saved_checkpoint_and_load_the_output_back(strider, tmp_path, arch):  # noqa: F811
     torch.manual_seed(0)
     src = tmp_path / "src"

@@ -23,7 +23,7 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_atte
 
 
 def configs():
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
                               Qwen2Config, Qwen3Config)
     llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
@@ -46,6 +46,10 @@ def configs():
                                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
                                                     "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                        "rope_theta": 50000.0}}),
+        # Gemma 2: soft-capped attention scores (its own tiled attention) and logits, alternating
+        # sliding (16 < 37) and global layers.
+        "gemma2": Gemma2Config(**{**SMALL, "head_dim": 24}, pad_token_id=0, sliding_window=16,
+                               query_pre_attn_scalar=20, attn_logit_softcapping=3.0, final_logit_softcapping=4.0),
     }
 
 
@@ -113,7 +117,7 @@ def test_fp32_matches_transformers(arch):
         assert rel_err(grads[name], g) < 1e-5, name
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "granite", "olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "granite", "olmo2", "gemma3", "gemma2"])
 def test_bf16_within_bf16_tolerance(arch):
     # bf16 keeps 8 bits of mantissa; different but equally valid operation
     # orders differ by a few ulps per op. Stated tolerance: loss 1e-2 relative,

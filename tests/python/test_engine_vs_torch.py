@@ -36,7 +36,7 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 
 
 def hf_config(arch):
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, Olmo2Config, Phi3Config, Qwen2Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Olmo2Config, Phi3Config, Qwen2Config,
                               Qwen3Config)
     if arch == "llama":
         return LlamaConfig(**SMALL)
@@ -57,6 +57,9 @@ def hf_config(arch):
                                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
                                                  "full_attention": {"rope_type": "default", "rope_theta": 50000.0}})
+    if arch == "gemma2_tied":  # soft-capped attention scores and logits, sliding (window 8 < SEQ) and global layers
+        return Gemma2Config(**{**SMALL, "num_hidden_layers": 3, "head_dim": 24}, pad_token_id=0, sliding_window=8,
+                            query_pre_attn_scalar=20, attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
     raise KeyError(arch)
 
 
@@ -166,7 +169,7 @@ DATA_SEED = {"olmo2": 3}
     # A pool of CPU devices in one process (engine/README.md, "A pool of devices"), chaos on each.
     ("llama", True, False, "2"), ("qwen3_tied", True, False, "3"), ("granite_tied", True, False, "2"),
     ("phi3", True, False, "2"), ("olmo2", True, False, "2"), ("gemma3_tied", False, False, "1"),
-    ("gemma3_tied", True, False, "2")])
+    ("gemma3_tied", True, False, "2"), ("gemma2_tied", True, False, "2")])
 def test_fp32_steps_track_transformers_and_adamw(arch, chaos, decay_all, devices):
     model = make_model(arch)
     data = batches(model.config.vocab_size, seed=DATA_SEED.get(arch, 1))
