@@ -30,9 +30,18 @@ STEPS = 4
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def base_model(seed=0):
+def base_model(seed=0, arch="llama"):
+    """Llama; or OLMo 2 (norms after the branches, frozen) and Gemma 3 (sandwich norms, a window of 8 below
+    the sequence on its sliding layers), untied so that the LM head can train in full."""
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**SMALL)
+    if arch == "olmo2":
+        cfg = transformers.Olmo2Config(**SMALL, pad_token_id=0)
+    elif arch == "gemma3":
+        cfg = transformers.Gemma3TextConfig(**SMALL, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+                                            tie_word_embeddings=False, pad_token_id=0,
+                                            layer_types=["sliding_attention", "full_attention"])
+    else:
+        cfg = transformers.LlamaConfig(**SMALL)
     cfg._attn_implementation = "eager"
     return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
@@ -56,9 +65,10 @@ def config(**over):
                                           total_steps=TOTAL, clip_norm=CLIP, device="cpu"), **over})
 
 
-@pytest.mark.parametrize("chaos,devices", [(False, "1"), (True, "2")])
-def test_lora_tracks_peft_and_adamw_and_keeps_the_base(chaos, devices, tmp_path):
-    model = lora_model(base_model())
+@pytest.mark.parametrize("arch,chaos,devices", [("llama", False, "1"), ("llama", True, "2"), ("olmo2", True, "2"),
+                                                 ("gemma3", False, "1")])
+def test_lora_tracks_peft_and_adamw_and_keeps_the_base(arch, chaos, devices, tmp_path):
+    model = lora_model(base_model(arch=arch))
     reference = copy.deepcopy(model)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -86,7 +96,7 @@ def test_lora_tracks_peft_and_adamw_and_keeps_the_base(chaos, devices, tmp_path)
 
     # The trained adapter, saved by PEFT, loads into the same logits.
     model.save_pretrained(tmp_path / "adapter")
-    loaded = peft.PeftModel.from_pretrained(base_model(), tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(base_model(arch=arch), tmp_path / "adapter")
     ids = data[0][0]
     with torch.no_grad():
         a, b = model(input_ids=ids).logits, loaded(input_ids=ids).logits
