@@ -129,12 +129,31 @@ const ArchInfo& arch_of(const Reader& r) {
                           r.source, name));
 }
 
-// The RoPE object `pr` reads (its rope_type and factors) over `rope`.
-RopeDims parse_rope_params(const Reader& pr, RopeDims rope) {
+// A list of positive numbers, `count` of them.
+std::vector<double> factors(const Reader& r, std::string_view key, size_t count) {
+  const json* v = r.find(key);
+  STRIDER_CHECK(v != nullptr && v->is_array() && v->size() == count, "{}: field '{}' must list {} factors (half "
+                "the rotary dimension)", r.source, r.name(key), count);
+  std::vector<double> out;
+  for (const json& x : *v) {
+    STRIDER_CHECK(x.is_number() && x.get<double>() > 0 && x.get<double>() <= kRopeFactorRange.hi,
+                  "{}: field '{}' holds {}, not a factor in (0, {}]", r.source, r.name(key), x.dump(),
+                  kRopeFactorRange.hi);
+    out.push_back(x.get<double>());
+  }
+  return out;
+}
+
+// The RoPE object `pr` reads (its rope_type and factors) over `rope`; `top`:
+// the whole config (longrope's defaults come from its positions), whose
+// head_dim is `head_dim`.
+RopeDims parse_rope_params(const Reader& pr, RopeDims rope, const Reader& top, int64_t head_dim) {
   // transformers >= 5 keeps Phi-3's partial_rotary_factor here.
-  const double rotary = pr.number_or("partial_rotary_factor", 1.0, kMultiplierRange);
-  STRIDER_CHECK(rotary == 1.0, "{}: {}partial_rotary_factor {} is not supported (RoPE over the whole head, 1.0)",
-                pr.source, pr.prefix, rotary);
+  rope.partial_rotary = pr.number_or("partial_rotary_factor", rope.partial_rotary, kMultiplierRange);
+  const int64_t dim = rope.rotary_dim(head_dim);
+  STRIDER_CHECK(rope.partial_rotary <= 1.0 && dim >= 2 && dim % 2 == 0, "{}: {}partial_rotary_factor {} of head_dim "
+                "{} must leave an even rotary dimension of at least 2, at most the head", pr.source, pr.prefix,
+                rope.partial_rotary, head_dim);
   std::string type = pr.string_or("rope_type", pr.string_or("type", "default"));
   if (type == "default") {
     rope.type = RopeType::kDefault;
@@ -151,26 +170,42 @@ RopeDims parse_rope_params(const Reader& pr, RopeDims rope) {
   } else if (type == "linear") {
     rope.type = RopeType::kLinear;
     rope.factor = pr.number_or("factor", 1.0, kRopeFactorRange);
+  } else if (type == "longrope" || type == "su") {  // transformers' _compute_longrope_parameters
+    rope.type = RopeType::kLongrope;
+    rope.short_factor = factors(pr, "short_factor", size_t(dim / 2));
+    rope.long_factor = factors(pr, "long_factor", size_t(dim / 2));
+    const int64_t max_position = top.integer_or("max_position_embeddings", 4096, kPositionsRange);
+    rope.original_max_position = pr.integer_or(
+        "original_max_position_embeddings", top.integer_or("original_max_position_embeddings", max_position,
+                                                           kPositionsRange), kPositionsRange);
+    const double factor = pr.number_or("factor", double(max_position) / double(rope.original_max_position),
+                                       kRopeFactorRange);
+    const double dflt = factor <= 1.0 ? 1.0
+                                      : std::sqrt(1 + std::log(factor) / std::log(double(rope.original_max_position)));
+    rope.attention_factor = pr.number_or("attention_factor", dflt, kRopeFactorRange);
   } else {
-    throw Error(fmt::format("{}: rope_type '{}' is not supported (default, llama3, linear)", pr.source, type));
+    throw Error(fmt::format("{}: rope_type '{}' is not supported (default, llama3, linear, longrope)", pr.source,
+                            type));
   }
   return rope;
 }
 
 // rope_parameters (transformers >= 5) or rope_theta + rope_scaling (older
-// files); `theta`: the architecture's default base.
-RopeDims parse_rope(const Reader& r, double theta = 10000.0) {
+// files); `theta`: the architecture's default base, `partial`: its rotary
+// fraction where rope_parameters does not give one.
+RopeDims parse_rope(const Reader& r, int64_t head_dim, double theta = 10000.0, double partial = 1.0) {
   RopeDims rope;
+  rope.partial_rotary = partial;
   const json* params = r.find("rope_parameters");
   const json* scaling = r.find("rope_scaling");
   rope.theta = r.number_or("rope_theta", theta, kRopeThetaRange);
   const json* p = params ? params : scaling;
-  if (p == nullptr) return rope;
+  if (p == nullptr) return parse_rope_params(Reader{json::object(), r.source}, rope, r, head_dim);
   STRIDER_CHECK(p->is_object(), "{}: field '{}' must be an object", r.source,
                 params ? "rope_parameters" : "rope_scaling");
   Reader pr{*p, r.source, params ? "rope_parameters." : "rope_scaling."};
   if (params) rope.theta = pr.number_or("rope_theta", rope.theta, kRopeThetaRange);
-  return parse_rope_params(pr, rope);
+  return parse_rope_params(pr, rope, r, head_dim);
 }
 
 // Gemma 2 and Gemma 3's text model (transformers' modeling_gemma2,
@@ -227,7 +262,7 @@ void parse_gemma(const Reader& r, ModelSpec& s) {
   // rope_local_base_freq for the sliding ones.
   const json* params = r.find("rope_parameters");
   if (gemma2) {  // one RoPE for both kinds
-    d.rope = parse_rope(r);
+    d.rope = parse_rope(r, d.head_dim);
     s.local_rope = d.rope;
   } else if (params && params->is_object() &&
              (params->contains("full_attention") || params->contains("sliding_attention"))) {
@@ -240,12 +275,12 @@ void parse_gemma(const Reader& r, ModelSpec& s) {
       const std::string prefix = fmt::format("rope_parameters.{}.", key);
       const Reader pr{*it, r.source, prefix};
       rope.theta = pr.number_or("rope_theta", theta, kRopeThetaRange);
-      return parse_rope_params(pr, rope);
+      return parse_rope_params(pr, rope, r, d.head_dim);
     };
     d.rope = kind("full_attention", 1e6);
     s.local_rope = kind("sliding_attention", 1e4);
   } else {
-    d.rope = parse_rope(r, 1e6);
+    d.rope = parse_rope(r, d.head_dim, 1e6);
     s.local_rope.theta = r.number_or("rope_local_base_freq", 1e4, kRopeThetaRange);
   }
 }
@@ -294,7 +329,9 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
   }
   STRIDER_CHECK(d.head_dim % 2 == 0, "{}: head_dim {} must be even for RoPE", source, d.head_dim);
   d.rms_eps = r.number_or("rms_norm_eps", 1e-6, kRmsEpsRange);
-  d.rope = parse_rope(r);
+  // Phi-3's older files keep partial_rotary_factor beside the RoPE, not in it.
+  d.rope = parse_rope(r, d.head_dim, 10000.0,
+                      s.arch == Arch::kPhi3 ? r.number_or("partial_rotary_factor", 1.0, kMultiplierRange) : 1.0);
   s.tie_embeddings = r.boolean_or("tie_word_embeddings", false);
 
   switch (s.arch) {
@@ -321,9 +358,6 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
       break;
     case Arch::kPhi3: {  // Llama's layer with fused projections (transformers' modeling_phi3)
       d.fused_projections = true;
-      const double rotary = r.number_or("partial_rotary_factor", 1.0, kMultiplierRange);
-      STRIDER_CHECK(rotary == 1.0, "{}: partial_rotary_factor {} is not supported (RoPE over the whole head, 1.0)",
-                    source, rotary);
       break;
     }
     case Arch::kOlmo2:  // norms after each branch, q/k norms over the whole projections (modeling_olmo2)

@@ -59,6 +59,10 @@ std::vector<std::string> spec_differences(const ModelSpec& ckpt, const ModelSpec
   cmp("rope high_freq_factor", a.rope.high_freq_factor, b.rope.high_freq_factor);
   cmp("rope original_max_position_embeddings", a.rope.original_max_position,
       b.rope.original_max_position);
+  cmp("rope short_factor", a.rope.short_factor, b.rope.short_factor);
+  cmp("rope long_factor", a.rope.long_factor, b.rope.long_factor);
+  cmp("rope attention_factor", a.rope.attention_factor, b.rope.attention_factor);
+  cmp("partial_rotary_factor", a.rope.partial_rotary, b.rope.partial_rotary);
   cmp("qkv bias", a.qkv_bias, b.qkv_bias);
   cmp("o_proj bias", a.o_bias, b.o_bias);
   cmp("mlp_bias", a.mlp_bias, b.mlp_bias);

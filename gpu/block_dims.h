@@ -3,11 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace strider {
 
 // RoPE frequency scaling, as Hugging Face's rope_type names it.
-enum class RopeType { kDefault, kLlama3, kLinear };
+enum class RopeType { kDefault, kLlama3, kLinear, kLongrope };
 
 // How an RMSNorm applies its weight w to the normalised fp32 value n of x:
 // Llama's w * cast(n); OLMo 2's cast(w * n), the product in fp32; Gemma's
@@ -31,7 +32,16 @@ struct RopeDims {
   double factor = 1.0;              // kLlama3, kLinear
   double low_freq_factor = 1.0;     // kLlama3
   double high_freq_factor = 4.0;    // kLlama3
-  int64_t original_max_position = 8192;  // kLlama3
+  int64_t original_max_position = 8192;  // kLlama3, kLongrope
+  // kLongrope (Phi-3.5, Phi-4-mini): each frequency divided by its factor,
+  // short_factor's for sequences up to original_max_position, long_factor's
+  // past it; cos and sin times attention_factor.
+  std::vector<double> short_factor, long_factor;
+  double attention_factor = 1.0;
+  // RoPE rotates the first partial_rotary of each head's features (Phi-4-mini: 0.75); the rest pass.
+  double partial_rotary = 1.0;
+  // The features RoPE rotates of a head of head_dim (transformers' int(head_dim * factor)).
+  int64_t rotary_dim(int64_t head_dim) const { return int64_t(double(head_dim) * partial_rotary); }
 };
 
 struct BlockDims {

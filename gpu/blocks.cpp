@@ -88,6 +88,9 @@ at::Tensor linear(const BlockDims& d, const at::Tensor& x, const TensorMap& w, c
 // under autograd: x * cos saves cos, not its result. Applied before heads are
 // transposed, so that x's gradient keeps x's layout, as transformers' does.
 at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
+  const int64_t dim = rope.cos.size(-1);
+  if (dim < x.size(-1))  // partial rotary (Phi-4-mini): the first dim features rotate, the rest pass
+    return at::cat({apply_rope(x.narrow(-1, 0, dim), rope), x.narrow(-1, dim, x.size(-1) - dim)}, -1);
   const int64_t half = x.size(-1) / 2;
   const at::Tensor cos = rope.cos.unsqueeze(1), sin = rope.sin.unsqueeze(1);  // [s, 1, head_dim]
   at::Tensor out = x * cos;

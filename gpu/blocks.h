@@ -27,8 +27,9 @@ namespace strider {
 
 using TensorMap = std::map<std::string, at::Tensor, std::less<>>;
 
-// cos/sin tables for positions [0, seq), shape [seq, head_dim], in `dtype`,
-// computed as transformers computes them (fp32 frequencies, then cast).
+// cos/sin tables for positions [0, seq), shape [seq, rotary dim] (the head's
+// features RoPE rotates: RopeDims::rotary_dim), in `dtype`, computed as
+// transformers computes them (fp32 frequencies, then cast).
 struct RopeTables {
   at::Tensor cos, sin;
 };

@@ -13,6 +13,7 @@ at::Tensor inv_freq(const RopeDims& r, int64_t head_dim) {
   switch (r.type) {
     case RopeType::kDefault: return inv;
     case RopeType::kLinear: return inv / r.factor;
+    case RopeType::kLongrope: break;  // per sequence length: rope_tables
     case RopeType::kLlama3: {
       const double old_ctx = double(r.original_max_position);
       const double low_wavelen = old_ctx / r.low_freq_factor;
@@ -32,11 +33,24 @@ at::Tensor inv_freq(const RopeDims& r, int64_t head_dim) {
 
 RopeTables rope_tables(const RopeDims& rope, int64_t head_dim, int64_t seq, at::ScalarType dtype,
                        at::Device device) {
-  at::Tensor inv = inv_freq(rope, head_dim);
+  const int64_t dim = rope.rotary_dim(head_dim);
+  at::Tensor inv;
+  if (rope.type == RopeType::kLongrope) {  // transformers' 1 / (factors * base^(2i / dim))
+    const std::vector<double>& f = seq > rope.original_max_position ? rope.long_factor : rope.short_factor;
+    const at::Tensor ext = at::tensor(f, at::kDouble).to(at::kFloat);
+    inv = (ext * at::pow(rope.theta, at::arange(0, dim, 2, at::kLong).to(at::kFloat) / double(dim))).reciprocal();
+  } else {
+    inv = inv_freq(rope, dim);
+  }
   at::Tensor pos = at::arange(seq, at::kLong).to(at::kFloat);
-  at::Tensor freqs = at::outer(pos, inv);           // [seq, head_dim / 2], fp32
-  at::Tensor emb = at::cat({freqs, freqs}, -1);     // [seq, head_dim]
-  return {emb.cos().to(dtype).to(device), emb.sin().to(dtype).to(device)};
+  at::Tensor freqs = at::outer(pos, inv);           // [seq, dim / 2], fp32
+  at::Tensor emb = at::cat({freqs, freqs}, -1);     // [seq, dim]
+  at::Tensor cos = emb.cos(), sin = emb.sin();
+  if (rope.attention_factor != 1.0) {
+    cos = cos * rope.attention_factor;
+    sin = sin * rope.attention_factor;
+  }
+  return {cos.to(dtype).to(device), sin.to(dtype).to(device)};
 }
 
 

@@ -91,7 +91,7 @@ TEST_CASE("Granite reads its four multipliers, each range-checked, and elsewhere
          q.dims.logits_scaling == 1.0));
 }
 
-TEST_CASE("Phi-3 holds fused projections under its own names, and refuses what it cannot train",
+TEST_CASE("Phi-3 holds fused projections under its own names, reads longrope, and refuses what it cannot train",
           "[engine][spec]") {
   json p = qwen3_tiny();
   p.erase("head_dim");
@@ -107,9 +107,22 @@ TEST_CASE("Phi-3 holds fused projections under its own names, and refuses what i
   CHECK(l.find("model.layers.0.self_attn.q_proj.weight") == nullptr);
   CHECK_THROWS_WITH(s.with_lora("r=4,alpha=8,targets=all-linear", "--lora"),
                     Catch::Contains("fused projections (qkv_proj, gate_up_proj) is not supported"));
-  p["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "default"}, {"partial_rotary_factor", 0.75}};
+  // Phi-4-mini: a partial rotary factor and longrope, its factors one per rotated pair.
+  p["max_position_embeddings"] = 131072;
+  p["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "longrope"}, {"partial_rotary_factor", 0.75},
+                          {"original_max_position_embeddings", 4096},
+                          {"short_factor", std::vector<double>(6, 1.0)}, {"long_factor", std::vector<double>(6, 2.0)}};
+  const RopeDims r = ModelSpec::from_json(p, "phi3/config.json").dims.rope;
+  CHECK(r.type == RopeType::kLongrope);
+  CHECK(r.rotary_dim(16) == 12);
+  CHECK(r.long_factor == std::vector<double>(6, 2.0));
+  CHECK(r.attention_factor == Approx(std::sqrt(1 + std::log(32.0) / std::log(4096.0))));  // transformers' default
+  p["rope_parameters"]["long_factor"] = std::vector<double>(8, 2.0);
   CHECK_THROWS_WITH(ModelSpec::from_json(p, "phi3/config.json"),
-                    Catch::Contains("rope_parameters.partial_rotary_factor 0.75 is not supported"));
+                    Catch::Contains("'rope_parameters.long_factor' must list 6 factors"));
+  p["rope_parameters"] = {{"rope_theta", 10000.0}, {"rope_type", "default"}, {"partial_rotary_factor", 0.1}};
+  CHECK_THROWS_WITH(ModelSpec::from_json(p, "phi3/config.json"),
+                    Catch::Contains("rope_parameters.partial_rotary_factor 0.1 of head_dim 16 must leave an even"));
 }
 
 TEST_CASE("Gemma 3 reads its layer kinds and their RoPE, old and new config forms, and refuses soft-capping",

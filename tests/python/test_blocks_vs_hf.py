@@ -36,6 +36,17 @@ def configs():
         "granite": GraniteConfig(**SMALL, attention_bias=True, embedding_multiplier=12.0, attention_multiplier=0.0625,
                                  residual_multiplier=0.22, logits_scaling=8.0),
         "phi3": Phi3Config(**SMALL, pad_token_id=0, sliding_window=128),  # fused qkv_proj and gate_up_proj
+        # Phi-3.5 / Phi-4-mini: longrope, its short factors (37 <= 64 positions) and, past
+        # original_max_position_embeddings (37 > 32), its long ones with their attention factor (256 / 32
+        # positions: 1.25); Phi-4-mini's partial rotary 0.75.
+        "phi3_longrope": Phi3Config(**SMALL, pad_token_id=0, original_max_position_embeddings=64, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]}),
+        "phi3_partial_long": Phi3Config(**SMALL, pad_token_id=0, original_max_position_embeddings=32, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "partial_rotary_factor": 0.75, "short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0],
+            "long_factor": [1.0, 2.0, 3.0, 5.0, 7.0, 9.0]}),
         "mistral_window": MistralConfig(**SMALL, sliding_window=16),  # a window below the sequence (37)
         "olmo2": Olmo2Config(**SMALL, pad_token_id=0),  # post-norms, q/k norms over whole projections
         # Gemma 3: sandwich norms as 1 + w, GELU-tanh, embedding scale, q/k norms, query_pre_attn_scalar,

@@ -49,6 +49,10 @@ def hf_config(arch):
                              residual_multiplier=0.7, logits_scaling=0.8)
     if arch == "phi3":  # fused qkv_proj and gate_up_proj
         return Phi3Config(**SMALL, pad_token_id=0)
+    if arch == "phi4_mini":  # Phi-3's layer with partial rotary 0.75 and longrope past 8 positions (< SEQ)
+        return Phi3Config(**SMALL, pad_token_id=0, original_max_position_embeddings=8, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 8,
+            "partial_rotary_factor": 0.75, "short_factor": [1.0] * 6, "long_factor": [1.0, 1.5, 2.0, 3.0, 5.0, 8.0]})
     if arch == "olmo2":  # post-norms, q/k norms over the whole projections
         return Olmo2Config(**SMALL, pad_token_id=0)
     if arch == "gemma3_tied":  # sandwich norms, GELU-tanh, sliding (window 8 < SEQ) and global layers
@@ -168,7 +172,7 @@ DATA_SEED = {"olmo2": 3}
     ("llama", True, False, "1"), ("qwen3_tied", False, True, "1"),
     # A pool of CPU devices in one process (engine/README.md, "A pool of devices"), chaos on each.
     ("llama", True, False, "2"), ("qwen3_tied", True, False, "3"), ("granite_tied", True, False, "2"),
-    ("phi3", True, False, "2"), ("olmo2", True, False, "2"), ("gemma3_tied", False, False, "1"),
+    ("phi3", True, False, "2"), ("phi4_mini", False, False, "1"), ("olmo2", True, False, "2"), ("gemma3_tied", False, False, "1"),
     ("gemma3_tied", True, False, "2"), ("gemma2_tied", True, False, "2")])
 def test_fp32_steps_track_transformers_and_adamw(arch, chaos, decay_all, devices):
     model = make_model(arch)
