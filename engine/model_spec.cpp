@@ -109,6 +109,7 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // temporaries and the normed copy (before the sum); backward, the output
   // recomputed, the norm's fp32 graph and its backward.
   const bool post = d.norm_placement != NormPlacement::kPre;
+  const i128 post_fwd = post ? norm(h, 1) : 0, post_back = post ? h * (2 * e + 8 + 2 * f32_copy) : 0;
   // Soft-capped attention (gpu/softcap_attention.h; no flash blocks, no
   // whole mask), one query tile at a time: its S scores (the keys it reads:
   // up to the tile's last query, from a window before its first) with their
@@ -122,7 +123,6 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   const i128 capped_back = S > 0 ? S * (4 + 4 * e) + tq * keys * (e + 1) : 0;
   // Granite's residual_multiplier: the backward scales each branch's gradient into a copy.
   const i128 scaled = d.residual_multiplier != 1.0 ? h * e : 0;
-  const i128 post_fwd = post ? norm(h, 1) : 0, post_back = post ? h * (2 * e + 8 + 2 * f32_copy) : 0;
   // Headroom for what the count above does not see: a caching allocator's
   // rounding and fragmentation, other ATen versions' kernels. 1/8.
   auto headroom = [](i128 bytes) { return bytes + bytes / 8; };
