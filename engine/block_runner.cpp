@@ -59,19 +59,44 @@ BlockRunner::BlockRunner(const ModelSpec& spec, ComputeOptions options, int64_t 
   rope_ = rope_tables(spec.dims.rope, spec.dims.head_dim, seq, options.dtype, device);
   if (!spec.sliding_layers.empty())
     local_rope_ = rope_tables(spec.local_rope, spec.dims.head_dim, seq, options.dtype, device);
+  const RopeDims& r = spec.dims.rope;
+  if (r.type == RopeType::kLongrope && seq > r.original_max_position)
+    short_rope_ = rope_tables(r, spec.dims.head_dim, seq, options.dtype, device, r.original_max_position);
+}
+
+int64_t packed_longest(std::span<const int64_t> positions, int64_t seq, size_t first) {
+  int64_t longest = 0;
+  bool plain = true;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const int64_t p = positions[i];
+    STRIDER_CHECK(p >= 0 && p < seq, "position {} at token {} of the batch is outside [0, seq = {})", p, first + i,
+                  seq);
+    plain = plain && p == int64_t(i % size_t(seq));
+    longest = std::max(longest, p + 1);
+  }
+  return plain ? 0 : longest;
+}
+
+TokenLayout BlockRunner::layout_of(int64_t layer, const BatchPositions* positions) const {
+  const bool local = spec_.slides(layer);
+  if (!positions || !positions->ids.defined()) return local ? local_rope_ : rope_;
+  const bool short_factors = !local && short_rope_.cos.defined() &&
+                             positions->longest <= spec_.dims.rope.original_max_position;
+  return token_layout(local ? local_rope_ : short_factors ? short_rope_ : rope_, positions->ids);
 }
 
 at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
-                                const at::Tensor& save) const {
+                                const at::Tensor& save, const BatchPositions* positions) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input, embedding_scale(spec_.dims, params.scalar_type()));
     case BlockKind::kLayer: {
       const int64_t l = spec_.block(b).layer;
       const BlockDims d = spec_.layer_dims(l);
-      if (!save.defined()) return layer_forward(d, w, rope_of(l), input, options_.token_tile);
+      const TokenLayout layout = layout_of(l, positions);
+      if (!save.defined()) return layer_forward(d, w, layout, input, options_.token_tile);
       const LayerSaved s = layer_saved_views(d, input.size(0) * input.size(1), save);
-      return layer_forward(d, w, rope_of(l), input, options_.token_tile, &s);
+      return layer_forward(d, w, layout, input, options_.token_tile, &s);
     }
     case BlockKind::kHead: break;
   }
@@ -80,7 +105,7 @@ at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::T
 
 at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
                                  const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved,
-                                 size_t grads_from) const {
+                                 size_t grads_from, const BatchPositions* positions) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   TensorMap g = block_views(spec_, b, layouts_[b], grads, /*trainable_only=*/true, grads_from);
   switch (spec_.block(b).kind) {
@@ -92,9 +117,10 @@ at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::
     case BlockKind::kLayer: {
       const int64_t l = spec_.block(b).layer;
       const BlockDims d = spec_.layer_dims(l);
-      if (!saved.defined()) return layer_backward(d, w, rope_of(l), input, grad_out, g, options_.token_tile);
+      const TokenLayout layout = layout_of(l, positions);
+      if (!saved.defined()) return layer_backward(d, w, layout, input, grad_out, g, options_.token_tile);
       const LayerSaved s = layer_saved_views(d, input.size(0) * input.size(1), saved);
-      return layer_backward(d, w, rope_of(l), input, grad_out, g, options_.token_tile, &s);
+      return layer_backward(d, w, layout, input, grad_out, g, options_.token_tile, &s);
     }
     case BlockKind::kHead: break;
   }

@@ -6,6 +6,8 @@
 
 #include <ATen/ATen.h>
 
+#include <span>
+
 #include "engine/model_spec.h"
 #include "gpu/blocks.h"
 #include "gpu/chunked_loss.h"
@@ -30,6 +32,22 @@ struct ComputeOptions {
 TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& layout,
                       const at::Tensor& flat, bool trainable_only = false, size_t from = 0);
 
+// A micro-batch's token positions where its rows pack documents (engine:
+// EngineConfig::packed_documents): [mb, seq] int64 on the block's device,
+// each document's counting from 0, as packed position_ids do; `longest` is
+// the largest + 1 (what picks longrope's factors, as transformers'
+// max(position_ids) + 1 does). A null BatchPositions: positions 0..seq-1 in
+// every row, one document each.
+struct BatchPositions {
+  at::Tensor ids;
+  int64_t longest = 0;
+};
+// Of host positions for rows of `seq` tokens: 0 where every row is 0..seq-1
+// (no BatchPositions needed: plain causal attention), else the largest + 1.
+// Throws naming the first position outside [0, seq) and its token (counted
+// from `first`: where positions[0] is in the batch).
+int64_t packed_longest(std::span<const int64_t> positions, int64_t seq, size_t first = 0);
+
 class BlockRunner {
  public:
   BlockRunner(const ModelSpec& spec, ComputeOptions options, int64_t seq, at::Device device);
@@ -38,8 +56,9 @@ class BlockRunner {
   // the embedding and the previous block's output otherwise. Not for the head.
   // `save` (a layer only: a flat buffer of layer_saved_elems elements in the
   // compute dtype) receives what its backward needs (gpu/blocks.h, LayerSaved).
+  // `positions`: the rows' documents (a layer only; null: one per row).
   at::Tensor forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
-                     const at::Tensor& save = {}) const;
+                     const at::Tensor& save = {}, const BatchPositions* positions = nullptr) const;
 
   // Backward of a layer or the embedding: adds the trainable parameters'
   // gradients into `grads` (fp32 flat, same layout) and returns d(loss)/d(input) (undefined
@@ -48,7 +67,7 @@ class BlockRunner {
   // `grads` may start at block element `grads_from` (before it: frozen).
   at::Tensor backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
                       const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved = {},
-                      size_t grads_from = 0) const;
+                      size_t grads_from = 0, const BatchPositions* positions = nullptr) const;
 
   // The head: loss and gradients. With tied embeddings `tied_params` /
   // `tied_grads` are the embedding block's flat buffers (the LM head reads
@@ -66,13 +85,17 @@ class BlockRunner {
 
  private:
   HeadWeights head_weights(const at::Tensor& params, const at::Tensor& tied_params) const;
+  // Layer l's token layout: its RoPE rows, and its documents where `positions` has them.
+  TokenLayout layout_of(int64_t layer, const BatchPositions* positions) const;
 
   const ModelSpec& spec_;
   ComputeOptions options_;
   std::vector<ParamLayout> layouts_;
   RopeTables rope_;
   RopeTables local_rope_;  // the sliding layers' (ModelSpec::local_rope), where the model has them
-  const RopeTables& rope_of(int64_t layer) const { return spec_.slides(layer) ? local_rope_ : rope_; }
+  // longrope's short-factor tables, where seq picks the long ones: for packed
+  // rows whose positions stay within original_max_position.
+  RopeTables short_rope_;
 };
 
 }  // namespace strider

@@ -73,6 +73,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   store_ = std::make_unique<ParamStore>(place_.store_blocks, so, *arena_, shared_arena_.get());
   ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kHostAlign);
   labels_host_ = arena_->carve_as<int64_t>(tokens, "batch labels", kHostAlign);
+  if (config_.packed_documents) positions_host_ = arena_->carve_as<int64_t>(tokens, "batch positions", kHostAlign);
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kHostAlign);
   head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kHostAlign);
   // Per micro-batch: its host checkpoints (of blocks 1..head) and kept
@@ -211,10 +212,12 @@ void EngineCore::allocate_activations(int d) {
   st.ids = make({config_.batch(), S}, at::kLong, "batch ids");
   if (runs_head) st.head_stats = make({2, M}, at::kDouble, "head loss figures");
   st.labels = make({config_.batch(), S}, at::kLong, "batch labels");
+  if (config_.packed_documents) st.positions = make({config_.batch(), S}, at::kLong, "batch positions");
   st.mb.resize(size_t(M));
   for (int64_t m = 0; m < M; ++m) {
     MicroBatch& x = st.mb[size_t(m)];
     x.ids = st.ids.chunk(M, 0)[m];
+    if (config_.packed_documents) x.position_rows = st.positions.chunk(M, 0)[m];
     x.labels = st.labels.chunk(M, 0)[m].reshape({-1});
     if (!runs_head) continue;
     x.loss_sum = st.head_stats[0][m];
@@ -260,7 +263,7 @@ void EngineCore::settle_compute() {
   compute_pending_ = false;
 }
 
-StepReport EngineCore::step(const int64_t* ids, const int64_t* labels) {
+StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
   STRIDER_CHECK(dist_->ranks().world == config_.state_shards || !sharded() || simulated(),
                 "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
                 config_.state_shard, config_.state_shards, dist_->ranks().world);
@@ -271,7 +274,7 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels) {
   rep.tokens = config_.batch() * config_.seq;
   for (Seat& st : seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
   settle_compute();
-  upload_batch(ids, labels);
+  upload_batch(ids, labels, positions);
   if (batch_valid_ == 0 && !simulated()) {
     // Nothing to learn from: no pass, no update, no step count (the same on
     // every rank: the count is the global batch's).
@@ -347,10 +350,10 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels) {
   return rep;
 }
 
-double EngineCore::evaluate(const int64_t* ids, const int64_t* labels) {
+double EngineCore::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
   settle_compute();
-  upload_batch(ids, labels);
+  upload_batch(ids, labels, positions);
   run_pass(eval_program_);
   synchronize_devices(StreamId::kCompute);
   const auto [loss, valid] = pass_loss();

@@ -131,9 +131,14 @@ class Engine {
   // any update. Without clipping, updates overlap backward: a non-finite
   // gradient found after other blocks were updated throws (the step is partly
   // applied; the engine refuses further work, so nothing of it can be saved).
-  StepReport step(const int64_t* ids, const int64_t* labels);
+  // `positions` ([batch, seq] int64, or null: 0..seq-1 in every row): rows
+  // that pack documents, each document's positions counting from 0 where it
+  // starts (transformers' packed position_ids); a token attends only within
+  // its document. Needs EngineConfig::packed_documents unless every row is
+  // 0..seq-1. A micro-batch whose rows are all 0..seq-1 computes as without.
+  StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr);
   // Loss over a batch with the same window and no update (mean over valid tokens).
-  double evaluate(const int64_t* ids, const int64_t* labels);
+  double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr);
   // Waits for every pending update.
   void finish_updates();
   // On a SimDevice the engine runs its unchanged schedule on virtual clocks:

@@ -29,8 +29,12 @@ std::span<std::byte> Engine::compute_copy(int64_t block) { return core_->compute
 void Engine::model_weights(int64_t block, DType file_dtype, std::span<float> out) {
   core_->model_weights(block, file_dtype, out);
 }
-StepReport Engine::step(const int64_t* ids, const int64_t* labels) { return core_->step(ids, labels); }
-double Engine::evaluate(const int64_t* ids, const int64_t* labels) { return core_->evaluate(ids, labels); }
+StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
+  return core_->step(ids, labels, positions);
+}
+double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
+  return core_->evaluate(ids, labels, positions);
+}
 void Engine::finish_updates() { core_->finish_updates(); }
 bool Engine::simulated() const { return core_->simulated(); }
 const ModelSpec& Engine::spec() const { return core_->spec(); }

@@ -72,6 +72,13 @@ struct EngineConfig {
   // then computes two of the three logits GEMMs instead of three: the same
   // bits, at batch x seq x vocab x 2 bytes of device memory.
   bool keep_logits = false;
+  // Rows may pack several documents, each attending only to itself with its
+  // positions counting from its start (Engine::step's `positions`, as packed
+  // position_ids in transformers): a micro-batch whose positions are not
+  // 0..seq-1 in every row masks its attention per row, at batch x seq x seq
+  // bytes of the compute dtype in the working-memory model. false: every row
+  // is one sequence (a step given packed positions is refused).
+  bool packed_documents = false;
   at::ScalarType grad_dtype() const {
     return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
   }

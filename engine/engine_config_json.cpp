@@ -44,7 +44,8 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"nvme_blocks", c.nvme_blocks},
           {"grad_ring", c.grad_ring},
           {"saved_blocks", c.saved_blocks},
-          {"keep_logits", c.keep_logits}};
+          {"keep_logits", c.keep_logits},
+          {"packed_documents", c.packed_documents}};
 }
 
 EngineConfig engine_config_from_json(const nlohmann::json& given) {
@@ -90,6 +91,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   get("nvme_blocks", c.nvme_blocks);
   get("grad_ring", c.grad_ring);
   get("keep_logits", c.keep_logits);
+  get("packed_documents", c.packed_documents);
   // Decoder-layer blocks are 1..layers (the declaration's minimum is 1): the
   // upper bound needs the model, which whoever builds the Engine checks (the
   // Engine does too).

@@ -43,8 +43,8 @@ class EngineCore {
   void write_state(int64_t block, ExtentKind kind, std::span<const float> in);
   std::span<std::byte> compute_copy(int64_t block);
   void model_weights(int64_t block, DType file_dtype, std::span<float> out);
-  StepReport step(const int64_t* ids, const int64_t* labels);
-  double evaluate(const int64_t* ids, const int64_t* labels);
+  StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions);
+  double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions);
   void finish_updates();
   bool simulated() const { return sim_updater_ != nullptr; }
   const ModelSpec& spec() const { return spec_; }
@@ -76,6 +76,10 @@ class EngineCore {
   // Seat's; a pool's device has those of the blocks it runs).
   struct MicroBatch {
     at::Tensor ids, labels;                 // its rows of the batch ([micro_batch, seq]; labels flat)
+    // Its rows' documents this batch (EngineConfig::packed_documents): ids a
+    // view of the Seat's positions, or undefined when every row is 0..seq-1.
+    BatchPositions positions;
+    at::Tensor position_rows;               // that view, allocated once
     std::vector<at::Tensor> act;            // per set: block inputs (set b - 1 is block b's; undefined
                                             // where another device of the pool holds it), or the
                                             // 2-set ring with host checkpoints
@@ -106,6 +110,7 @@ class EngineCore {
     std::unique_ptr<BlockRunner> runner;
     std::vector<DeviceBuffer> buffers;       // beyond the pool, allocated once
     at::Tensor ids, labels;                  // the batch: [batch, seq] (every device)
+    at::Tensor positions;                    // its positions, with packed documents (else undefined)
     at::Tensor head_stats;                   // a head device: per micro-batch loss sum and valid tokens ([2, M] f64)
     std::vector<MicroBatch> mb;
     std::vector<std::unique_ptr<Event>> ring_free;  // per ring set: its last reader is done
@@ -147,7 +152,7 @@ class EngineCore {
   // Where its visit's gradient area starts in the unit: unit element x has its accumulator at x - grad_base.
   size_t grad_base(const StepOp& op) const { return loaded_[size_t(op.visit)].grad_base; }
   void allocate_activations(int d);
-  void upload_batch(const int64_t* ids, const int64_t* labels);
+  void upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions);
   std::vector<int64_t> visit_segments(const StepOp& v) const;
   // Acquire + H2D of its visit's pieces into loaded_[visit], laid out as `layout` says.
   void load_visit(const StepOp& load, const std::vector<UnitRun>& layout);
@@ -244,7 +249,7 @@ class EngineCore {
   Timeline timeline_;
 
   // Pinned host staging.
-  std::span<int64_t> ids_host_, labels_host_;
+  std::span<int64_t> ids_host_, labels_host_, positions_host_;  // positions: with packed documents
   std::span<float> tied_grad_host_;         // the head's gradient of a tied embedding
   std::vector<std::span<std::byte>> grad_ring_;  // fp32 gradient slots shared by the ring blocks
   std::vector<int64_t> ring_uses_;          // per slot: D2Hs issued into it (main thread)

@@ -84,9 +84,21 @@ void EngineCore::finish_updates() {
   for (int64_t p = 0; p < num_pieces(); ++p) wait_updated(p);
 }
 
-void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels) {
+void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
   for (Seat& st : seats_) st.data_ready->synchronize();  // the previous batch's copies have left the staging
   const size_t n = ids_host_.size();
+  // Each micro-batch's documents (0: every row 0..seq-1), checked before anything changes.
+  const int64_t M = config_.accumulation, S = config_.seq;
+  const size_t per_mb = n / size_t(M);
+  std::vector<int64_t> longest(size_t(M), 0);
+  if (positions != nullptr)
+    for (int64_t m = 0; m < M; ++m) {
+      longest[size_t(m)] = packed_longest({positions + size_t(m) * per_mb, per_mb}, S, size_t(m) * per_mb);
+      STRIDER_CHECK(longest[size_t(m)] == 0 || config_.packed_documents,
+                    "positions: micro-batch {} packs several documents in a row (positions that restart, or do not "
+                    "count 0..seq-1), but the engine was made without packed_documents; set packed_documents "
+                    "(--packed-documents) so that attention stays within each document", m);
+    }
   for (size_t i = 0; i < n; ++i) {
     STRIDER_CHECK(ids[i] >= 0 && ids[i] < spec_.dims.vocab, "token id {} at position {} is outside the vocabulary [0, {})",
                   ids[i], i, spec_.dims.vocab);
@@ -100,9 +112,19 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels) {
   dist_->all_reduce_sum(std::span<int64_t>(&batch_valid_, 1));
   std::memcpy(ids_host_.data(), ids, n * 8);
   std::memcpy(labels_host_.data(), labels, n * 8);
+  // Packed documents' positions go with every batch that has them (the same
+  // bytes each step), whether or not one of its micro-batches packs.
+  const bool packed = positions != nullptr && config_.packed_documents;
+  if (packed) std::memcpy(positions_host_.data(), positions, n * 8);
   for (Seat& st : seats_) {  // every device of a pool: the embedding needs the ids, the head the labels
     st.device->copy_h2d(StreamId::kH2D, st.ids.data_ptr(), ids_host_.data(), n * 8, {"h2d batch"});
     st.device->copy_h2d(StreamId::kH2D, st.labels.data_ptr(), labels_host_.data(), n * 8, {"h2d batch"});
+    if (packed)  // the layers' attention needs them
+      st.device->copy_h2d(StreamId::kH2D, st.positions.data_ptr(), positions_host_.data(), n * 8, {"h2d batch"});
+    for (int64_t m = 0; m < M; ++m) {
+      MicroBatch& x = st.mb[size_t(m)];
+      x.positions = longest[size_t(m)] > 0 ? BatchPositions{x.position_rows, longest[size_t(m)]} : BatchPositions{};
+    }
     st.device->record(*st.data_ready, StreamId::kH2D);
     st.device->wait(StreamId::kCompute, *st.data_ready);
   }

@@ -209,21 +209,25 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
                [rows, v0, in, out, scale](const LaunchContext&) { embedding_shard_forward(rows, v0, in, out, scale); });
     return;
   }
+  const BatchPositions pos = st.mb[size_t(m)].positions;  // its rows' documents, if they pack several
   if (op.keep) {
     // Keep what backward needs: written into a device slot (once its last
     // reader is done); kSaveOut copies it out to the layer's host copy.
     at.saved_slot = int(st.saved_uses++ % 2);
     at::Tensor save = st.saved_dev[size_t(at.saved_slot)];
     dev.wait(StreamId::kCompute, *st.saved_free[size_t(at.saved_slot)]);
-    dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops}, [runner, b, params, in, out, save](const LaunchContext&) {
-      out.copy_(runner->forward(b, params, in, save));
-    });
+    dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops},
+               [runner, b, params, in, out, save, pos](const LaunchContext&) {
+                 out.copy_(runner->forward(b, params, in, save, &pos));
+               });
     at.saved_done = dev.make_event();
     dev.record(*at.saved_done, StreamId::kCompute);
     return;
   }
   dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops},
-             [runner, b, params, in, out](const LaunchContext&) { out.copy_(runner->forward(b, params, in)); });
+             [runner, b, params, in, out, pos](const LaunchContext&) {
+               out.copy_(runner->forward(b, params, in, {}, &pos));
+             });
 }
 
 void EngineCore::head_op(const StepOp& op) {
@@ -307,6 +311,7 @@ void EngineCore::backward_op(const StepOp& op) {
                });
     return;
   }
+  const BatchPositions pos = st.mb[size_t(m)].positions;  // its rows' documents, if they pack several
   if (op.keep) {
     // Its kept activations came in ahead (kFetchSaved), in order.
     STRIDER_CHECK(!st.saved_in.empty(), "kept activations: block {} micro-batch {} expected, none came", b, m);
@@ -317,15 +322,15 @@ void EngineCore::backward_op(const StepOp& op) {
     dev.wait(StreamId::kCompute, *got.ready);
     at::Tensor saved = st.saved_dev[size_t(got.slot)];
     dev.launch(StreamId::kCompute, {"backward", int32_t(b), flops},
-               [runner, b, params, grads, in, gout, saved, base](const LaunchContext&) {
-                 gout.copy_(runner->backward(b, params, in, gout, grads, saved, base));
+               [runner, b, params, grads, in, gout, saved, base, pos](const LaunchContext&) {
+                 gout.copy_(runner->backward(b, params, in, gout, grads, saved, base, &pos));
                });
     dev.record(*st.saved_free[size_t(got.slot)], StreamId::kCompute);
     return;
   }
   dev.launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
-             [runner, b, params, grads, in, gout, base](const LaunchContext&) {
-               at::Tensor gin = runner->backward(b, params, in, gout, grads, {}, base);
+             [runner, b, params, grads, in, gout, base, pos](const LaunchContext&) {
+               at::Tensor gin = runner->backward(b, params, in, gout, grads, {}, base, &pos);
                if (gin.defined()) gout.copy_(gin);
              });
 }

@@ -76,7 +76,7 @@ struct LayerWork {
   __int128 forward = 0, backward = 0;
 };
 LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t token_tile, int dtype_bytes,
-                     const WorkCoefficients& k) {
+                     const WorkCoefficients& k, bool packed) {
   using i128 = __int128;
   const i128 n = i128{batch} * seq;
   const i128 t = token_tile == 0 || token_tile > n ? n : token_tile;
@@ -103,8 +103,19 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // A sliding window below the sequence: its additive [seq, seq] mask in the
   // compute dtype, alive through the attention core (and its autograd
   // graph), built beside one of the boolean masks it comes from.
+  // Packed documents (gpu/blocks.h, TokenLayout): one such mask per row,
+  // [batch, 1, seq, seq]; building it holds, at most, the [seq, seq] causal
+  // mask with two boolean ones per row (documents compared, or-ed), then one
+  // boolean with the mask. The rows' RoPE tables and documents are alive
+  // through the layer.
   const bool windowed = d.sliding_window > 0 && seq > d.sliding_window && d.attn_softcap == 0;
-  const i128 mask = windowed ? i128{seq} * seq * e : 0, mask_build = windowed ? i128{seq} * seq * (e + 1) : 0;
+  const bool sdpa_mask = (windowed || packed) && d.attn_softcap == 0;
+  const i128 rows = packed ? batch : 1, square = i128{seq} * seq;
+  const i128 mask = sdpa_mask ? rows * square * e : 0;
+  const i128 mask_build = !sdpa_mask ? 0
+                          : packed  ? std::max(2 * rows * square + square, rows * square * (e + 1))
+                                    : square * (e + 1);
+  const i128 layout = packed ? n * (2 * i128{d.rope.rotary_dim(d.head_dim)} * e + 16) : 0;
   // Post-norms (OLMo 2, Gemma): beside a branch's output, its norm's
   // temporaries and the normed copy (before the sum); backward, the output
   // recomputed, the norm's fp32 graph and its backward.
@@ -119,8 +130,9 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   const i128 tq = d.attn_softcap > 0 ? softcap_query_tile(batch, d.heads, seq) : 0;
   const i128 keys = d.sliding_window > 0 ? std::min<i128>(seq, tq + d.sliding_window - 1) : seq;
   const i128 S = i128{batch} * heads * tq * keys;
-  const i128 capped_fwd = S > 0 ? S * (4 + 3 * e) + tq * keys * (e + 1) : 0;
-  const i128 capped_back = S > 0 ? S * (4 + 4 * e) + tq * keys * (e + 1) : 0;
+  const i128 tile_mask = packed ? rows * tq * keys * (e + 2) + tq * keys : tq * keys * (e + 1);
+  const i128 capped_fwd = S > 0 ? S * (4 + 3 * e) + tile_mask : 0;
+  const i128 capped_back = S > 0 ? S * (4 + 4 * e) + tile_mask : 0;
   // Granite's residual_multiplier: the backward scales each branch's gradient into a copy.
   const i128 scaled = d.residual_multiplier != 1.0 ? h * e : 0;
   // Headroom for what the count above does not see: a caching allocator's
@@ -139,7 +151,7 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   const i128 mlp = n * h * e + t * std::max({norm(h, 1), h * e + 2 * inter * e + gemm_f32(inter),  // gate, up
                                              inter * e + h * e + post_fwd});                      // down, post-norm
   LayerWork w;
-  w.forward = headroom(std::max(attn, mlp) + small);
+  w.forward = headroom(std::max(attn, mlp) + layout + small);
 
   // Backward (gpu/blocks.cpp's layer_backward, recomputing: a layer whose
   // activations are kept holds less). Held through the MLP: the attention
@@ -168,7 +180,7 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   const i128 norm_back = d.norm_placement == NormPlacement::kPost ? n * 2 * h * e
                                                                   : n * (2 * h * e + h * (12 + 2 * e) + 12 * h);
   w.backward = headroom(std::max({tile + mask, attn_back + mask, norm_back, n * 2 * (q + 2 * kv) * e + mask_build}) +
-                        small);
+                        layout + small);
   return w;
 }
 
@@ -275,7 +287,7 @@ ModelSpec ModelSpec::with_lora(std::string_view text, std::string_view source) c
 }
 
 BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
-                          int64_t token_tile, const WorkCoefficients& work) const {
+                          int64_t token_tile, const WorkCoefficients& work, bool packed) const {
   // Byte counts in 128 bits, then checked: batch and seq come from the
   // caller, and their products with the model's dimensions must not wrap.
   using i128 = __int128;
@@ -336,7 +348,7 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       c.backward_flops = lora.enabled() ? proj + mlp + 2.0 * attn + 2.5 * adapters : 2.0 * c.forward_flops;
       // Post-norms: their backward recomputes o_proj's and down_proj's outputs.
       if (d.norm_placement != NormPlacement::kPre) c.backward_flops += 2.0 * t * d.hidden * (double(q) + d.intermediate);
-      const LayerWork w = layer_work(ld, batch, seq, token_tile, dtype_bytes, work);
+      const LayerWork w = layer_work(ld, batch, seq, token_tile, dtype_bytes, work, packed);
       c.forward_work_bytes = bytes(w.forward, "forward working memory");
       c.backward_work_bytes = bytes(w.backward, "backward working memory");
       break;

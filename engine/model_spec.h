@@ -102,8 +102,11 @@ struct ModelSpec {
   // token_tile: the decoder layers' MLP tile in tokens (ComputeOptions), 0 untiled.
   // `work`: the kernel-dependent terms of a layer's working memory, measured
   // on the device that runs it (gpu/work_calibration.h), or the analytic ones.
+  // `packed`: the rows pack documents (EngineConfig::packed_documents), each
+  // layer's attention masked per row.
   BlockCost cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
-                 int64_t token_tile = 0, const WorkCoefficients& work = WorkCoefficients::analytic()) const;
+                 int64_t token_tile = 0, const WorkCoefficients& work = WorkCoefficients::analytic(),
+                 bool packed = false) const;
   static constexpr int64_t kMaxTokens = int64_t{1} << 40;  // per micro-batch: 8 TiB of ids alone
   static constexpr int64_t kMaxBytes = int64_t{1} << 62;   // any one size: past every machine
 

@@ -28,6 +28,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.optimizer_state = l.optimizer_state;
   c.saved_blocks = saved_blocks;
   c.keep_logits = keep_logits;
+  c.packed_documents = l.packed_documents;
   c.state_shards = l.state_shards;
   if (l.shared_compute) c.shared_compute_file = "(shared memory)";  // its size is what counts here; the run names it
   return c;
@@ -171,7 +172,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   auto work_for = [&](int64_t tile) {
     uint64_t w = 0;
     for (int64_t b : {int64_t{0}, int64_t{1}, blocks - 1}) {
-      const BlockCost c = spec.cost(b, l.micro_batch, l.seq, sh.chunk, cbytes, tile, l.work);
+      const BlockCost c = spec.cost(b, l.micro_batch, l.seq, sh.chunk, cbytes, tile, l.work, l.packed_documents);
       w = std::max<uint64_t>(w, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
     }
     return w;

@@ -53,6 +53,7 @@ struct PlanLimits {
   std::string layer_pieces;      // EngineConfig::layer_pieces (empty: one piece per layer)
   std::string lora;              // EngineConfig::lora (empty: every parameter trains); Plan::make applies it
   int devices = 1;               // a pool's devices, each with device_bytes (EngineConfig::devices)
+  bool packed_documents = false; // rows pack documents: a mask per row (EngineConfig::packed_documents)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
   StateFormat optimizer_state = StateFormat::kFp32;  // how master, m and v are stored (host/state_format.h)
   ActivationMode activations = ActivationMode::kAuto;

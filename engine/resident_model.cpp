@@ -47,7 +47,7 @@ std::vector<std::string> ResidentModel::param_names() const {
 }
 
 StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::Tensor& labels,
-                                         int64_t micro_batches, bool keep_outputs) {
+                                         int64_t micro_batches, bool keep_outputs, const at::Tensor& positions) {
   STRIDER_CHECK(input_ids.dim() == 2 && labels.sizes() == input_ids.sizes(),
                 "input_ids and labels must both be [batch, seq]; got {} and {}",
                 fmt::join(input_ids.sizes(), "x"), fmt::join(labels.sizes(), "x"));
@@ -58,6 +58,18 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
   const int64_t nb = spec_.num_blocks(), head = nb - 1;
   std::vector<at::Tensor> ids = input_ids.to(device_).chunk(micro_batches, 0);
   std::vector<at::Tensor> labs = labels.to(device_).chunk(micro_batches, 0);
+  // Each micro-batch's documents, as the engine finds them (packed_longest).
+  std::vector<BatchPositions> pos(static_cast<size_t>(micro_batches));
+  if (positions.defined()) {
+    STRIDER_CHECK(positions.sizes() == input_ids.sizes() && positions.scalar_type() == at::kLong,
+                  "positions must be int64 [batch, seq] as input_ids");
+    const at::Tensor host = positions.cpu().contiguous();
+    const std::vector<at::Tensor> rows = host.chunk(micro_batches, 0);
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      const int64_t longest = packed_longest({rows[m].data_ptr<int64_t>(), size_t(rows[m].numel())}, seq);
+      if (longest > 0) pos[m] = {rows[m].to(device_), longest};
+    }
+  }
   for (auto& g : grads_) g.zero_();
 
   // The loss is a mean over the whole batch's valid tokens, so count them first.
@@ -69,7 +81,7 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
   inputs[0] = ids;
   for (int64_t b = 0; b < head; ++b)
     for (int64_t m = 0; m < micro_batches; ++m)
-      inputs[b + 1].push_back(run.forward(b, params_[b], inputs[b][m]));
+      inputs[b + 1].push_back(run.forward(b, params_[b], inputs[b][m], {}, &pos[m]));
 
   StepLoss out;
   const at::Tensor tied_p = spec_.tie_embeddings ? params_[0] : at::Tensor();
@@ -84,7 +96,7 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
   }
   for (int64_t b = head - 1; b >= 0; --b)
     for (int64_t m = 0; m < micro_batches; ++m)
-      grad_out[m] = run.backward(b, params_[b], inputs[b][m], grad_out[m], grads_[b]);
+      grad_out[m] = run.backward(b, params_[b], inputs[b][m], grad_out[m], grads_[b], {}, 0, &pos[m]);
 
   out.loss = loss_sum / double(valid);
   out.valid_tokens = valid;

@@ -37,9 +37,11 @@ class ResidentModel {
 
   // Zeroes gradients, then forward and backward over `input_ids` / `labels`
   // ([batch, seq], int64) split into `micro_batches`, accumulating gradients
-  // of the mean loss over all valid tokens.
+  // of the mean loss over all valid tokens. `positions` ([batch, seq] int64,
+  // or undefined): rows that pack documents (BatchPositions), per
+  // micro-batch as the engine takes them.
   StepLoss forward_backward(const at::Tensor& input_ids, const at::Tensor& labels,
-                            int64_t micro_batches, bool keep_outputs = false);
+                            int64_t micro_batches, bool keep_outputs = false, const at::Tensor& positions = {});
 
   const ModelSpec& spec() const { return spec_; }
   at::Tensor block_params(int64_t b) const { return params_[b]; }

@@ -86,7 +86,8 @@ TrainCheckpointInfo inspect_training_checkpoint(const fs::path& dir_in) {
 const std::vector<std::string>& maths_config_fields() {
   static const std::vector<std::string> kFields = {
       "seq", "micro_batch", "accumulation", "dtype", "vocab_chunk", "lr", "beta1", "beta2", "eps",
-      "weight_decay", "decay_norms_and_biases", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state"};
+      "weight_decay", "decay_norms_and_biases", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state",
+      "packed_documents"};
   return kFields;
 }
 
@@ -113,9 +114,10 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
   for (const std::string& f : fields) {
     // Checkpoints from before the optimizer-state formats hold fp32 state; from
     // before the decay rule, they decayed every tensor (which matters only
-    // with weight decay).
+    // with weight decay); from before packed documents, rows were one sequence.
     const nlohmann::json saved = f == "optimizer_state"          ? info.engine_config.value(f, nlohmann::json("fp32"))
                                  : f == "decay_norms_and_biases" ? info.engine_config.value(f, nlohmann::json(true))
+                                 : f == "packed_documents"       ? info.engine_config.value(f, nlohmann::json(false))
                                                                  : info.engine_config.value(f, nlohmann::json());
     if (f == "decay_norms_and_biases" && now["weight_decay"] == 0 && info.engine_config.value("weight_decay", 0.0) == 0)
       continue;
@@ -124,8 +126,12 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
                          options.allow_changed.end();
     if (saved != now[f] && !allowed)
       changed.push_back(fmt::format("{}: checkpoint {}, engine {}{}", f, saved.dump(), now[f].dump(),
-                                    f == "optimizer_state" ? " (converting the state between formats is done only "
-                                                             "when asked: allow_changed optimizer_state)" : ""));
+                                    f == "optimizer_state"    ? " (converting the state between formats is done only "
+                                                                "when asked: allow_changed optimizer_state)"
+                                    : f == "packed_documents" ? " (whether a row's documents attend to each other; "
+                                                                "the command line's --packed-documents=true or false "
+                                                                "says it)"
+                                                              : ""));
   }
   if (!changed.empty())
     throw CheckpointMismatch(fmt::format("{}: the engine config changes the maths of the saved run: {}; use the "

@@ -92,7 +92,7 @@ at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
   if (dim < x.size(-1))  // partial rotary (Phi-4-mini): the first dim features rotate, the rest pass
     return at::cat({apply_rope(x.narrow(-1, 0, dim), rope), x.narrow(-1, dim, x.size(-1) - dim)}, -1);
   const int64_t half = x.size(-1) / 2;
-  const at::Tensor cos = rope.cos.unsqueeze(1), sin = rope.sin.unsqueeze(1);  // [s, 1, head_dim]
+  const at::Tensor cos = rope.cos.unsqueeze(-2), sin = rope.sin.unsqueeze(-2);  // [(b,) s, 1, head_dim]
   at::Tensor out = x * cos;
   out.slice(-1, 0, half).sub_(x.slice(-1, half) * sin.slice(-1, 0, half));
   out.slice(-1, half).add_(x.slice(-1, 0, half) * sin.slice(-1, half));
@@ -125,16 +125,21 @@ at::Tensor maybe_norm(const BlockDims& d, const TensorMap& w, const char* name, 
   return name ? norm(d, w, name, x) : x;
 }
 
-// Sliding-window attention over s positions: the additive mask (0 where
-// query i sees key j, i - window < j <= i; -inf elsewhere), in the compute
-// dtype, [s, s], that SDPA reads for every batch and head. Undefined where the
-// window covers the sequence (plain causal attention, is_causal). SDPA would
-// turn a boolean mask into this itself; built here, it is built once per call.
-at::Tensor window_mask(const BlockDims& d, int64_t s, const at::TensorOptions& options) {
-  if (d.sliding_window == 0 || s <= d.sliding_window) return {};
+// Attention over s positions that plain causal attention does not give: a
+// sliding window below the sequence, or rows that pack documents. The
+// additive mask (0 where query i sees key j: j <= i, i - window < j, the
+// same document; -inf elsewhere) in the compute dtype, [s, s] for every row,
+// or [b, 1, s, s] with documents; SDPA reads it for every head. Undefined
+// where causal attention is all there is (is_causal). SDPA would turn a
+// boolean mask into this itself; built here, it is built once per call.
+at::Tensor attention_mask(const BlockDims& d, const at::Tensor& docs, int64_t s, const at::TensorOptions& options) {
+  const bool windowed = d.sliding_window > 0 && s > d.sliding_window;
+  if (!windowed && !docs.defined()) return {};
   const at::Tensor i = at::arange(s, options.dtype(at::kLong)).unsqueeze(1), j = i.view({1, s});
-  const at::Tensor hidden = (j > i).logical_or_(j <= i - d.sliding_window);
-  return at::zeros({s, s}, options).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+  at::Tensor hidden = j > i;
+  if (windowed) hidden.logical_or_(j <= i - d.sliding_window);
+  if (docs.defined()) hidden = hidden.logical_or(docs.unsqueeze(2) != docs.unsqueeze(1)).unsqueeze(1);
+  return at::zeros(hidden.sizes(), options).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
 }
 
 // at::_fused_sdp_choice's answer for the math (unfused) backend
@@ -155,7 +160,7 @@ Projections attention_projections(const TensorMap& w, const BlockDims& d, const 
 // The attention core from the projections: the q/k norms, RoPE and SDPA,
 // returning the heads' output as [b, s, heads * head_dim] (o_proj's input),
 // on tensors that may require grad (the forward, and the backward's graph).
-at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const RopeTables& rope, at::Tensor q_proj,
+at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const TokenLayout& layout, at::Tensor q_proj,
                           at::Tensor k_proj, at::Tensor v_proj) {
   const int64_t b = q_proj.size(0), s = q_proj.size(1);
   if (d.qk_norm && d.qk_norm_whole) {  // OLMo 2: over the whole projection, before the heads
@@ -170,8 +175,8 @@ at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const RopeTabl
     q = norm(d, w, "self_attn.q_norm.weight", q);
     k = norm(d, w, "self_attn.k_norm.weight", k);
   }
-  q = apply_rope(q, rope).transpose(1, 2);
-  k = apply_rope(k, rope).transpose(1, 2);
+  q = apply_rope(q, layout.rope).transpose(1, 2);
+  k = apply_rope(k, layout.rope).transpose(1, 2);
   v = v.transpose(1, 2);
   // enable_gqa: each group of heads / kv_heads query heads reads its K/V head
   // in place; no repeated K/V is materialised. The CPU picks its flash
@@ -181,16 +186,17 @@ at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const RopeTabl
   // fall back to math (S x S scores); repeated K/V let memory-efficient run.
   if (d.attn_softcap > 0) {  // Gemma 2: no SDPA kernel soft-caps the scores
     const double scale = d.attn_scale > 0 ? d.attn_scale : 1.0 / std::sqrt(double(d.head_dim));
-    at::Tensor a = softcap_attention(q, k, v, scale, d.attn_softcap, d.sliding_window);
+    at::Tensor a = softcap_attention(q, k, v, scale, d.attn_softcap, d.sliding_window, 0, layout.docs);
     q = k = v = at::Tensor();
     return a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
   }
-  // A sliding window below the sequence: the band as an additive mask
-  // (causality in it), which the CPU's flash kernel and CUDA's
-  // memory-efficient one read; O(s^2) bytes, in the working-memory model.
+  // A sliding window below the sequence, or packed documents: an additive
+  // mask (causality in it), which the CPU's flash kernel and CUDA's
+  // memory-efficient one read (CUDA's flash kernel takes no mask); O(s^2)
+  // bytes (per row with documents), in the working-memory model.
   bool grouped = d.kv_heads != d.heads;
   const std::optional<double> scale = d.attn_scale > 0 ? std::optional<double>(d.attn_scale) : std::nullopt;
-  const at::Tensor mask = window_mask(d, s, q.options());
+  const at::Tensor mask = attention_mask(d, layout.docs, s, q.options());
   const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
   const bool causal = !mask.defined();
   if (grouped && at::_fused_sdp_choice(q, k, v, attn_mask, 0.0, causal, scale, /*enable_gqa=*/true) == kSdpMath) {
@@ -314,7 +320,7 @@ int64_t tile_tokens(int64_t token_tile, int64_t n) {
 
 }  // namespace
 
-at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
+at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
                          const at::Tensor& x, int64_t token_tile, const LayerSaved* save) {
   at::NoGradGuard no_grad;
   const int64_t n = x.size(0) * x.size(1);
@@ -327,7 +333,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
       save->k.copy_(p.k.view({n, -1}));
       save->v.copy_(p.v.view({n, -1}));
     }
-    at::Tensor a = attention_core(d, w, rope, std::move(p.q), std::move(p.k), std::move(p.v));
+    at::Tensor a = attention_core(d, w, layout, std::move(p.q), std::move(p.k), std::move(p.v));
     x1 = x + branch(d, w, names.attn_post, linear(d, a, w, "self_attn.o_proj"));
   }
   if (save) save->x1.copy_(x1.view({n, d.hidden}));
@@ -353,7 +359,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
   return flat.view(x1.sizes());
 }
 
-at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
+at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
                           const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads,
                           int64_t token_tile, const LayerSaved* saved) {
   const int64_t b = x.size(0), s = x.size(1), n = b * s, qf = d.heads * d.head_dim;
@@ -395,7 +401,7 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTabl
   at::Tensor a;
   {
     at::AutoGradMode enable(true);
-    a = attention_core(d, core_w, rope, core_inputs[0], core_inputs[1], core_inputs[2]);
+    a = attention_core(d, core_w, layout, core_inputs[0], core_inputs[1], core_inputs[2]);
   }
   if (saved) {
     x1 = saved->x1.view({b, s, d.hidden});

@@ -33,8 +33,26 @@ using TensorMap = std::map<std::string, at::Tensor, std::less<>>;
 struct RopeTables {
   at::Tensor cos, sin;
 };
+// `longest`: the sequence length that picks longrope's factors (transformers:
+// the largest position + 1); -1 for seq.
 RopeTables rope_tables(const RopeDims& rope, int64_t head_dim, int64_t seq, at::ScalarType dtype,
-                       at::Device device);
+                       at::Device device, int64_t longest = -1);
+
+// Where a micro-batch's tokens sit: the RoPE rows of their positions and,
+// where a row packs several documents, the document of each token. Attention
+// stays within a document (block-diagonal, causal inside), as transformers'
+// masks do for packed position_ids.
+struct TokenLayout {
+  TokenLayout(RopeTables r, at::Tensor d = {}) : rope(std::move(r)), docs(std::move(d)) {}  // NOLINT: implicit
+  RopeTables rope;  // [s, rotary dim] (every row at positions 0..s-1) or [b, s, rotary dim]
+  at::Tensor docs;  // [b, s] int64, each token's document in its row; undefined: one document per row
+};
+// The layout of rows at `positions` ([b, s] int64 on the tables' device, each
+// below the tables' length; each document's positions count from where it
+// starts, as packed position_ids do): the tables' rows at those positions,
+// and a new document wherever a position is not its predecessor's + 1
+// (transformers' find_packed_sequence_indices).
+TokenLayout token_layout(const RopeTables& tables, const at::Tensor& positions);
 
 // RMSNorm as transformers computes it: normalise in fp32, then apply the
 // weight as `kind` says (BlockDims::norm; Llama's: cast back, then scale).
@@ -91,7 +109,7 @@ LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tenso
 //
 // `save` (views from layer_saved_views) receives what the backward needs;
 // the output is the same bits with or without it.
-at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
+at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
                          const at::Tensor& x, int64_t token_tile, const LayerSaved* save = nullptr);
 // Back-propagates grad_out through the layer whose input was x, adds every
 // parameter gradient into `grads` (fp32, same names as `w`) and returns
@@ -102,7 +120,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const RopeTable
 // as above) is back-propagated and its weight gradients added, then
 // attention. Matmul gradients are explicit GEMMs; autograd differentiates
 // only the element-wise parts and the attention core.
-at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const RopeTables& rope,
+at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
                           const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads,
                           int64_t token_tile, const LayerSaved* saved = nullptr);
 

@@ -32,11 +32,12 @@ at::Tensor inv_freq(const RopeDims& r, int64_t head_dim) {
 }  // namespace
 
 RopeTables rope_tables(const RopeDims& rope, int64_t head_dim, int64_t seq, at::ScalarType dtype,
-                       at::Device device) {
+                       at::Device device, int64_t longest) {
+  if (longest < 0) longest = seq;
   const int64_t dim = rope.rotary_dim(head_dim);
   at::Tensor inv;
   if (rope.type == RopeType::kLongrope) {  // transformers' 1 / (factors * base^(2i / dim))
-    const std::vector<double>& f = seq > rope.original_max_position ? rope.long_factor : rope.short_factor;
+    const std::vector<double>& f = longest > rope.original_max_position ? rope.long_factor : rope.short_factor;
     const at::Tensor ext = at::tensor(f, at::kDouble).to(at::kFloat);
     inv = (ext * at::pow(rope.theta, at::arange(0, dim, 2, at::kLong).to(at::kFloat) / double(dim))).reciprocal();
   } else {
@@ -51,6 +52,16 @@ RopeTables rope_tables(const RopeDims& rope, int64_t head_dim, int64_t seq, at::
     sin = sin * rope.attention_factor;
   }
   return {cos.to(dtype).to(device), sin.to(dtype).to(device)};
+}
+
+TokenLayout token_layout(const RopeTables& tables, const at::Tensor& positions) {
+  const int64_t b = positions.size(0), s = positions.size(1), dim = tables.cos.size(-1);
+  const at::Tensor flat = positions.reshape({-1});
+  RopeTables rows{tables.cos.index_select(0, flat).view({b, s, dim}), tables.sin.index_select(0, flat).view({b, s, dim})};
+  const at::Tensor starts = positions.slice(1, 1).sub(positions.slice(1, 0, s - 1)).ne_(1);  // [b, s - 1]
+  at::Tensor docs = at::zeros({b, s}, positions.options());
+  docs.slice(1, 1).copy_(starts.cumsum(1));
+  return {std::move(rows), std::move(docs)};
 }
 
 

@@ -16,14 +16,20 @@ namespace {
 // key, the window every key at or before t0 - window.
 int64_t first_key(int64_t t0, int64_t window) { return window > 0 ? std::max<int64_t>(0, t0 - window + 1) : 0; }
 
-// The tile's additive mask [t1 - t0, t1 - k0] in `options`' dtype: 0 where
-// query i sees key j (j <= i, i - j < window), -inf elsewhere.
-at::Tensor tile_mask(int64_t t0, int64_t t1, int64_t k0, int64_t window, const at::TensorOptions& options) {
+// The tile's additive mask in `options`' dtype: 0 where query i sees key j
+// (j <= i, i - j < window, the same document), -inf elsewhere;
+// [t1 - t0, t1 - k0], or [b, 1, 1, t1 - t0, t1 - k0] with documents (docs
+// [b, s]: each token's document; empty: one per row).
+at::Tensor tile_mask(int64_t t0, int64_t t1, int64_t k0, int64_t window, const at::Tensor& docs,
+                     const at::TensorOptions& options) {
   const at::Tensor i = at::arange(t0, t1, options.dtype(at::kLong)).unsqueeze(1);
   const at::Tensor j = at::arange(k0, t1, options.dtype(at::kLong)).unsqueeze(0);
   at::Tensor hidden = j > i;
   if (window > 0) hidden.logical_or_(j <= i - window);
-  return at::zeros({t1 - t0, t1 - k0}, options).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
+  if (docs.numel() > 0)
+    hidden = hidden.logical_or(docs.slice(1, t0, t1).unsqueeze(2) != docs.slice(1, k0, t1).unsqueeze(1))
+                 .view({docs.size(0), 1, 1, t1 - t0, t1 - k0});
+  return at::zeros(hidden.sizes(), options).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
 }
 
 // One tile's output [b, heads, tq, hd] from its queries qt [b, heads, tq, hd]
@@ -44,8 +50,10 @@ at::Tensor tile_attention(const at::Tensor& qt, const at::Tensor& kt, const at::
 
 struct SoftcapAttention : public torch::autograd::Function<SoftcapAttention> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                            const at::Tensor& v, double scale, double cap, int64_t window, int64_t tile) {
+                            const at::Tensor& v, const at::Tensor& docs, double scale, double cap, int64_t window,
+                            int64_t tile) {
     ctx->save_for_backward({q, k, v});
+    ctx->saved_data["docs"] = docs;  // empty: one document per row
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["cap"] = cap;
     ctx->saved_data["window"] = window;
@@ -54,7 +62,7 @@ struct SoftcapAttention : public torch::autograd::Function<SoftcapAttention> {
     at::Tensor out = at::empty(q.sizes(), q.options());
     for (int64_t t0 = 0; t0 < s; t0 += tile) {
       const int64_t t1 = std::min(s, t0 + tile), k0 = first_key(t0, window);
-      const at::Tensor mask = tile_mask(t0, t1, k0, window, q.options());
+      const at::Tensor mask = tile_mask(t0, t1, k0, window, docs, q.options());
       out.narrow(2, t0, t1 - t0)
           .copy_(tile_attention(q.narrow(2, t0, t1 - t0), k.narrow(2, k0, t1 - k0), v.narrow(2, k0, t1 - k0), mask,
                                 scale, cap));
@@ -71,13 +79,14 @@ struct SoftcapAttention : public torch::autograd::Function<SoftcapAttention> {
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
     const double scale = ctx->saved_data["scale"].toDouble(), cap = ctx->saved_data["cap"].toDouble();
     const int64_t window = ctx->saved_data["window"].toInt(), tile = ctx->saved_data["tile"].toInt();
+    const at::Tensor docs = ctx->saved_data["docs"].toTensor();
     const int64_t s = q.size(2);
     at::Tensor dq = at::empty(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options()),
                dv = at::zeros(v.sizes(), v.options());
     at::AutoGradMode enable(true);
     for (int64_t t0 = 0; t0 < s; t0 += tile) {
       const int64_t t1 = std::min(s, t0 + tile), k0 = first_key(t0, window);
-      const at::Tensor mask = tile_mask(t0, t1, k0, window, q.options());
+      const at::Tensor mask = tile_mask(t0, t1, k0, window, docs, q.options());
       at::Tensor qt = q.narrow(2, t0, t1 - t0).detach().requires_grad_(true);
       at::Tensor kt = k.narrow(2, k0, t1 - k0).detach().requires_grad_(true);
       at::Tensor vt = v.narrow(2, k0, t1 - k0).detach().requires_grad_(true);
@@ -88,7 +97,7 @@ struct SoftcapAttention : public torch::autograd::Function<SoftcapAttention> {
       dk.narrow(2, k0, t1 - k0).add_(g[1]);
       dv.narrow(2, k0, t1 - k0).add_(g[2]);
     }
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -100,11 +109,13 @@ int64_t softcap_query_tile(int64_t b, int64_t heads, int64_t s) {
 }
 
 at::Tensor softcap_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, double cap,
-                             int64_t window, int64_t tile) {
+                             int64_t window, int64_t tile, const at::Tensor& docs) {
   STRIDER_CHECK(cap > 0 && q.size(1) % k.size(1) == 0 && tile >= 0, "softcap attention: cap {} must be > 0, {} "
                 "heads a multiple of {} K/V heads and the tile {} >= 0", cap, q.size(1), k.size(1), tile);
   if (tile == 0) tile = softcap_query_tile(q.size(0), q.size(1), q.size(2));
-  return SoftcapAttention::apply(q, k, v, scale, cap, window, tile);
+  // An autograd Function takes no undefined tensor: no documents travel as an empty one.
+  const at::Tensor d = docs.defined() ? docs : at::empty({0}, q.options().dtype(at::kLong));
+  return SoftcapAttention::apply(q, k, v, d, scale, cap, window, tile);
 }
 
 }  // namespace strider

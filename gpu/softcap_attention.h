@@ -19,10 +19,11 @@ namespace strider {
 // multiple of kv_heads; query head h reads key/value head h / (heads /
 // kv_heads)) -> [b, heads, s, head_dim], as transformers' eager attention
 // computes it: scores = (q k^T) * scale, then / cap, tanh, * cap, plus the
-// mask (causal; within `window` positions, itself included, when window > 0),
-// softmax in fp32 cast back, times v. Differentiable in q, k and v. `tile`:
-// queries per tile, 0 for softcap_query_tile's.
+// mask (causal; within `window` positions, itself included, when window > 0;
+// within a document where `docs` [b, s] numbers each token's, as TokenLayout
+// does), softmax in fp32 cast back, times v. Differentiable in q, k and v.
+// `tile`: queries per tile, 0 for softcap_query_tile's.
 at::Tensor softcap_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, double cap,
-                             int64_t window, int64_t tile = 0);
+                             int64_t window, int64_t tile = 0, const at::Tensor& docs = {});
 
 }  // namespace strider

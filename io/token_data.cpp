@@ -376,24 +376,24 @@ TokenLoader::TokenLoader(const TokenFile& file, TokenLoaderOptions options)
   restore(TokenLoaderState{0, 0, options_.seed, num_windows_, options_.seq});
 }
 
-void TokenLoader::next(std::span<int64_t> inputs, std::span<int64_t> labels) {
+void TokenLoader::next(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions) {
   const uint64_t seq = options_.seq, n = options_.batch * seq;
-  STRIDER_CHECK(inputs.size() == n && labels.size() == n, "{}: next() needs inputs and labels of "
-                "batch * seq = {} values, got {} and {}", file_.path(), n, inputs.size(),
-                labels.size());
+  STRIDER_CHECK(inputs.size() == n && labels.size() == n && (positions.empty() || positions.size() == n),
+                "{}: next() needs inputs and labels (and positions, if any) of batch * seq = {} values, got {}, {} "
+                "and {}", file_.path(), n, inputs.size(), labels.size(), positions.size());
   file_.check_unchanged();
   // A read that fails leaves the position where it was: state() never
   // counts a batch that was not handed out.
   const TokenLoaderState before = state();
   try {
-    fill(inputs, labels);
+    fill(inputs, labels, positions);
   } catch (...) {
     restore(before);
     throw;
   }
 }
 
-void TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels) {
+void TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions) {
   const uint64_t seq = options_.seq;
   const auto docs = file_.doc_starts();
   for (uint64_t b = 0; b < options_.batch; ++b) {
@@ -404,12 +404,15 @@ void TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels) {
     file_.read_mask(start + 1, window_mask_);       // the targets' mask bytes
     // First document start after `start`: boundaries are walked, not searched per token.
     auto doc = std::upper_bound(docs.begin(), docs.end(), start);
+    uint64_t first = 0;  // where the window's current document starts in it
     for (uint64_t t = 0; t < seq; ++t) {
       const uint64_t target = start + t + 1;
       inputs[b * seq + t] = window_ids_[t];
+      if (!positions.empty()) positions[b * seq + t] = int64_t(t - first);
       bool ignore = window_mask_[t] == 0;
       if (doc != docs.end() && *doc == target) {
         ignore = true;
+        first = t + 1;
         ++doc;
       }
       labels[b * seq + t] = ignore ? kIgnoreLabel : int64_t{window_ids_[t + 1]};

@@ -211,12 +211,17 @@ class TokenLoader {
   uint64_t num_windows() const { return num_windows_; }
   // Fills inputs and labels, each batch * seq values, row-major [batch, seq].
   // Throws an Error naming the file if it changed since it was opened.
-  void next(std::span<int64_t> inputs, std::span<int64_t> labels);
+  // `positions` (empty, or batch * seq values): each token's position in its
+  // document within the window, 0 where a document starts (or runs in from
+  // the previous window), as packed position_ids (EngineConfig::
+  // packed_documents). The last token of a document never predicts the
+  // next one's first (its label is -100) either way.
+  void next(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions = {});
   TokenLoaderState state() const;
   void restore(const TokenLoaderState& state);
 
  private:
-  void fill(std::span<int64_t> inputs, std::span<int64_t> labels);
+  void fill(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions);
 
   const TokenFile& file_;
   TokenLoaderOptions options_;

@@ -133,6 +133,7 @@ void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device
   l.vocab_shard_rows = config.vocab_shard_rows;
   l.layer_pieces = config.layer_pieces;
   l.lora = config.lora;
+  l.packed_documents = config.packed_documents;
   l.devices = config.devices;
   l.fp32_grad_transfer = config.fp32_grad_transfer;
   l.optimizer_state = config.optimizer_state;
@@ -352,10 +353,13 @@ class EngineHolder : public torch::CustomClassHolder {
     });
   }
 
-  std::string step(const at::Tensor& ids, const at::Tensor& labels) {
+  std::string step(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions) {
     std::lock_guard lk(mu_);
     auto [i, l] = checked_batch("step", ids, labels);
-    StepReport r = run("step", [&] { return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>()); });
+    const at::Tensor p = checked_positions("step", positions);
+    StepReport r = run("step", [&] {
+      return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr);
+    });
     nlohmann::json busy = nlohmann::json::object();
     for (int k = 0; k < kNumLanes; ++k)
       busy[std::string(lane_name(static_cast<Lane>(k)))] = r.stats.lanes[size_t(k)].busy_fraction;
@@ -382,10 +386,13 @@ class EngineHolder : public torch::CustomClassHolder {
         .dump();
   }
 
-  double evaluate(const at::Tensor& ids, const at::Tensor& labels) {
+  double evaluate(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions) {
     std::lock_guard lk(mu_);
     auto [i, l] = checked_batch("evaluate", ids, labels);
-    return run("evaluate", [&] { return engine_->evaluate(i.data_ptr<int64_t>(), l.data_ptr<int64_t>()); });
+    const at::Tensor p = checked_positions("evaluate", positions);
+    return run("evaluate", [&] {
+      return engine_->evaluate(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr);
+    });
   }
 
   void finish() {
@@ -444,6 +451,18 @@ class EngineHolder : public torch::CustomClassHolder {
     return {i, l};
   }
 
+  // Packed documents' positions ([batch, seq] int64, on the CPU), or undefined;
+  // their range and the engine's packed_documents are the engine's to check.
+  at::Tensor checked_positions(const char* what, const std::optional<at::Tensor>& positions) const {
+    if (!positions.has_value() || !positions->defined()) return {};
+    const EngineConfig& c = engine_->config();
+    TORCH_CHECK_VALUE(positions->sizes() == at::IntArrayRef({c.batch(), c.seq}) &&
+                          positions->scalar_type() == at::kLong,
+                      what, ": positions must be int64 of shape [batch, seq] = [", c.batch(), ", ", c.seq, "], got ",
+                      positions->scalar_type(), " ", positions->sizes());
+    return positions->to(at::kCPU).contiguous();
+  }
+
   void usable() const {
     STRIDER_CHECK(failed_.empty(), "this Engine failed earlier ({}); its state is unknown: make a new one", failed_);
   }
@@ -499,8 +518,10 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("param", &EngineHolder::param)
       .def("param_names", &EngineHolder::param_names)
       .def("trainable_names", &EngineHolder::trainable_names)
-      .def("step", &EngineHolder::step)
-      .def("evaluate", &EngineHolder::evaluate)
+      .def("step", &EngineHolder::step, "",
+           {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue()})
+      .def("evaluate", &EngineHolder::evaluate, "",
+           {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue()})
       .def("finish", &EngineHolder::finish)
       .def("init_params", &EngineHolder::init_params)
       .def("write_trace", &EngineHolder::write_trace)

@@ -237,7 +237,9 @@ int run(Options& o) {
     eval_file = std::make_unique<TokenFile>(eval_data, uint64_t(spec.dims.vocab));
   // The global batch; this rank steps on its share of the rows.
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq * me.world)), labels(ids.size());
+  std::vector<int64_t> positions(tr.packed ? ids.size() : 0);  // packed documents' (TrainingRun::packed)
   const size_t mine = size_t(me.rank * cfg.batch() * cfg.seq);
+  const auto my_positions = [&]() -> const int64_t* { return tr.packed ? positions.data() + mine : nullptr; };
   auto evaluate = [&] {
     TokenLoader el(*eval_file, {.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq), .seed = 0,
                                 .shuffle = false});
@@ -249,8 +251,8 @@ int run(Options& o) {
         fmt::print("  evaluation interrupted after {} of {} batches\n", i, o.eval_batches);
         return std::numeric_limits<double>::quiet_NaN();
       }
-      el.next(ids, labels);
-      sum += engine.evaluate(ids.data() + mine, labels.data() + mine);
+      el.next(ids, labels, positions);
+      sum += engine.evaluate(ids.data() + mine, labels.data() + mine, my_positions());
     }
     return sum / double(o.eval_batches);
   };
@@ -275,12 +277,12 @@ int run(Options& o) {
   std::string data_error;  // the training data failed (changed or cut under the run): stop, keeping the state
   while (engine.steps_done() < o.steps && !(stop = ranks->any(signals.requested() || !data_error.empty()))) {
     try {
-      loader.next(ids, labels);
+      loader.next(ids, labels, positions);
     } catch (const Error& e) {
       data_error = e.what();
       continue;  // every rank stops after the same step, through the check above
     }
-    StepReport r = engine.step(ids.data() + mine, labels.data() + mine);
+    StepReport r = engine.step(ids.data() + mine, labels.data() + mine, my_positions());
     if (r.no_targets) {
       // Sparse targets (chat data masked to the assistant's turns): this batch
       // has none. Nothing changed; the data moves on; not a fault, so it does

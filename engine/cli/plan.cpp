@@ -26,6 +26,7 @@ struct Options {
   int64_t steps = 3;
   bool json = false;
   bool schedule = false;
+  bool packed_documents = false;
   // From the configuration's declaration (engine/config_fields.json).
   std::string nvme, dtype, activations, optimizer_state, layer_pieces, devices, lora;
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0;
@@ -153,6 +154,7 @@ int run(Options& o) {
   l.layer_pieces = o.layer_pieces;
   l.lora = o.lora;
   l.vocab_shard_rows = o.vocab_shard_rows;
+  l.packed_documents = o.packed_documents;
   l.devices = int(pool_specs("cpu", o.devices).size());
   // host_peak_bytes counts this binary's own footprint (no run allocated yet)
   // and, for a checkpoint on disk, the load's staging; the GPU's memory is its own.
@@ -287,6 +289,9 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "lora", o->lora);
   f.add(*c, "devices", o->devices);
   f.add(*c, "vocab_shard_rows", o->vocab_shard_rows);
+  f.add(*c, "packed_documents", o->packed_documents,
+        "rows pack several documents: each layer's attention takes a [micro-batch, seq, seq] mask (what "
+        "`strider finetune` does for a token file whose documents start inside its --seq windows)");
   c->add_option("--predict", o->predict,
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")

@@ -36,6 +36,10 @@ struct TrainOptions {
           vocab_shard_rows = 0, token_tile = 0;
   double lr = 0, weight_decay = 0, clip = 0 /* clip_norm */, beta1 = 0, beta2 = 0, eps = 0;
   bool decay_norms_and_biases = false;
+  // Packed documents (EngineConfig::packed_documents): as given, or, where
+  // the option is absent, on when the data's documents start inside windows.
+  bool packed_documents = false;
+  CLI::Option* packed_documents_option = nullptr;
   int optimizer_threads = 0;
   ConfigOptions config;  // what registered them: the demo's values for what was left unset
 };
@@ -46,7 +50,7 @@ inline constexpr int64_t kMaxSteps = int64_t{1000000000000};
 
 // Registers TrainOptions' flags on `c` (CLI11 keeps pointers into `o`, which
 // must outlive parsing). The steps option is each command's own.
-void add_model_options(CLI::App& c, TrainOptions& o);     // --model, --data, --lora
+void add_model_options(CLI::App& c, TrainOptions& o);     // --model, --data, --lora, --packed-documents
 void add_placement_options(CLI::App& c, TrainOptions& o);  // device, budgets, NVMe, shapes, dtype
 void add_optimizer_options(CLI::App& c, TrainOptions& o);  // lr, schedule, warm-up, decay, clip, seed, threads
 void add_work_dir_option(CLI::App& c, TrainOptions& o);
@@ -77,7 +81,13 @@ struct TrainingRun {
   std::string data;        // the training token file (built-in: generated under work_dir)
   std::unique_ptr<TokenFile> train_file;
   std::unique_ptr<TokenLoader> loader;
+  bool packed = false;     // the loader gives positions (EngineConfig::packed_documents)
 };
+
+// Whether a token file's documents start inside the windows of `seq` tokens
+// the loader cuts it into (a document start off a window's first token):
+// there, without packed documents, a window's attention crosses documents.
+bool documents_inside_windows(const TokenFile& file, int64_t seq);
 
 // Refuses, naming the variable, a run started as one of several processes
 // (WORLD_SIZE > 1, as torchrun sets it): call before anything touches disk.

@@ -12,8 +12,10 @@ Inputs (--format, default from the file name: .jsonl/.json -> chat, else lines):
 
 Layout (--mode):
   packed   the documents back to back, one stream that the loader cuts into
-           --seq windows: no padding, but a window's attention crosses the
-           documents in it and a document may run across two windows
+           --seq windows: no padding; each document attends only to itself,
+           its positions counting from its start (the engine's
+           packed_documents, which `strider finetune` turns on for such a
+           file), and a document may run across two windows
   example  each document alone in a window of exactly --seq tokens: cut to
            --seq, or padded after its end (padding is masked out of the loss);
            what one example per sequence means in transformers' SFT recipes
@@ -299,11 +301,13 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
 
 class TokenDataset:
     """A token file as a map-style dataset (torch.utils.data.Dataset's protocol): item i is window i of seq
-    tokens, dict(input_ids, labels), int64 tensors in transformers' convention (labels not shifted), so
-    transformers.Trainer's default collator batches it. A label is -100 where the loss mask is 0 and where a
-    document starts (never predict a document's first token from the one before). The tokens past the last
-    whole window are not used. strider.StriderTrainer takes one, or a token file's path, as train_dataset or
-    eval_dataset."""
+    tokens, dict(input_ids, labels, position_ids), int64 tensors in transformers' convention (labels not
+    shifted), so transformers.Trainer's default collator batches it. A label is -100 where the loss mask is 0
+    and where a document starts (never predict a document's first token from the one before). position_ids
+    count from 0 at each document start in the window (and at the window's start): packed position_ids, with
+    which strider (EngineConfig.packed_documents) and transformers keep each document's attention to itself.
+    The tokens past the last whole window are not used. strider.StriderTrainer takes one, or a token file's
+    path, as train_dataset or eval_dataset."""
 
     def __init__(self, path, seq):
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
@@ -319,39 +323,50 @@ class TokenDataset:
         self.num_windows = len(self.ids) // seq
         if self.num_windows == 0:
             raise ValueError(f"{path}: {len(self.ids)} tokens, fewer than one sequence of {seq}")
+        # A document starting off a window's first token: windows pack documents.
+        used = self.starts[:self.num_windows * seq].reshape(self.num_windows, seq)
+        self.packs_documents = bool(used[:, 1:].any())
 
     def __len__(self):
         return self.num_windows
 
     def window(self, w):
         """(input_ids, labels) of window w, int64 tensors of seq values."""
+        return self.window_positions(w)[:2]
+
+    def window_positions(self, w):
+        """(input_ids, labels, position_ids) of window w, int64 tensors of seq values."""
         import torch
         s = w * self.seq
         ids = np.asarray(self.ids[s:s + self.seq], np.int64)
         labels = ids.copy()
-        drop = self.starts[s:s + self.seq].copy()
+        starts = self.starts[s:s + self.seq]
+        drop = starts.copy()
         if self.mask is not None:
             drop |= np.asarray(self.mask[s:s + self.seq]) == 0
         labels[drop] = IGNORE_INDEX
-        return torch.from_numpy(ids), torch.from_numpy(labels)
+        at = np.arange(self.seq, dtype=np.int64)
+        positions = at - np.maximum.accumulate(np.where(starts, at, 0))
+        return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(positions)
 
     def __getitem__(self, i):
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
             raise TypeError(f"TokenDataset: index {i!r} is not an int")
         if not -self.num_windows <= i < self.num_windows:
             raise IndexError(f"TokenDataset: window {i} of {self.num_windows} ({self.path})")
-        ids, labels = self.window(int(i) % self.num_windows)
-        return {"input_ids": ids, "labels": labels}
+        ids, labels, positions = self.window_positions(int(i) % self.num_windows)
+        return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
 class TokenBatches:
     """[batch, seq] (input_ids, labels) from a token file, TokenDataset's windows stacked (labels not
-    shifted). With shuffle, each epoch visits the windows in an order drawn from (seed, epoch); without, in
-    file order. Endless: iterate with zip or itertools.islice."""
+    shifted); with positions=True, (input_ids, labels, position_ids), for Engine.step with
+    EngineConfig.packed_documents. With shuffle, each epoch visits the windows in an order drawn from
+    (seed, epoch); without, in file order. Endless: iterate with zip or itertools.islice."""
 
-    def __init__(self, path, batch, seq, seed=0, shuffle=True):
+    def __init__(self, path, batch, seq, seed=0, shuffle=True, positions=False):
         self.data = TokenDataset(path, seq)
-        self.batch, self.seq, self.seed, self.shuffle = batch, seq, seed, shuffle
+        self.batch, self.seq, self.seed, self.shuffle, self.positions = batch, seq, seed, shuffle, positions
         self.num_windows = len(self.data)
 
     def window(self, w):
@@ -365,8 +380,8 @@ class TokenBatches:
             order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_windows) if self.shuffle
                      else np.arange(self.num_windows))
             for i in range(0, len(order) - self.batch + 1, self.batch):
-                rows = [self.window(int(w)) for w in order[i:i + self.batch]]
-                yield torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+                rows = [self.data.window_positions(int(w)) for w in order[i:i + self.batch]]
+                yield tuple(torch.stack([r[k] for r in rows]) for k in range(3 if self.positions else 2))
             epoch += 1
 
 

@@ -299,12 +299,14 @@ class Engine:
             p.data = views[name]  # the Parameter object stays: ties, hooks and references hold
 
     # -- batches ---------------------------------------------------------------------------------------
-    def _prepare(self, what, input_ids, labels, attention_mask):
-        """[rows, length] HF batch -> the engine's [batch, seq] int64 ids and shifted labels.
+    def _prepare(self, what, input_ids, labels, attention_mask, position_ids=None):
+        """[rows, length] HF batch -> the engine's [batch, seq] int64 ids, shifted labels and positions (None
+        without position_ids).
 
         Fewer rows or a shorter length than the config's are padded (ids 0, labels -100): padding on the
         right of a causal model changes no real token's output, and rows with no valid label add nothing
-        to the loss, which is a mean over valid tokens."""
+        to the loss, which is a mean over valid tokens. A padded row's positions count from 0; a row's
+        padding continues its last document's."""
         c = self.config
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
@@ -344,20 +346,35 @@ class Engine:
         # The engine's labels are aligned with its inputs: position t predicts labels[t + 1].
         out_lab = torch.full((c.batch, c.seq), IGNORE_INDEX, dtype=torch.int64)
         out_lab[:rows, :length - 1] = lab[:, 1:]
-        return out_ids, out_lab
+        if position_ids is None:
+            return out_ids, out_lab, None
+        pos = torch.as_tensor(position_ids)
+        if pos.dim() == 1:
+            pos = pos.unsqueeze(0)
+        if pos.shape != ids.shape or pos.dtype.is_floating_point or pos.dtype == torch.bool:
+            raise ValueError(f"{what}: position_ids must be integers of input_ids' shape {tuple(ids.shape)}, got "
+                             f"{tuple(pos.shape)} {pos.dtype}")
+        out_pos = torch.arange(c.seq, dtype=torch.int64).repeat(c.batch, 1)
+        out_pos[:rows, :length] = pos.to(torch.int64)
+        if length < c.seq:
+            out_pos[:rows, length:] = out_pos[:rows, length - 1:length] + torch.arange(1, c.seq - length + 1)
+        return out_ids, out_lab, out_pos
 
     # -- training ------------------------------------------------------------------------------------------
-    def step(self, input_ids, labels=None, attention_mask=None) -> StepResult:
+    def step(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> StepResult:
         """One optimizer step over [batch, seq] (micro_batch x accumulation sequences); labels default to
-        input_ids. The loss is the mean over every valid token of the batch."""
-        ids, lab = self._prepare("step", input_ids, labels, attention_mask)
-        self.last_result = StepResult.from_report(json.loads(self._engine.step(ids, lab)))
+        input_ids. The loss is the mean over every valid token of the batch. position_ids: rows that pack
+        documents, each counting from 0 where it starts (transformers' packed position_ids,
+        DataCollatorWithFlattening's): a token attends only within its document; needs
+        EngineConfig.packed_documents."""
+        ids, lab, pos = self._prepare("step", input_ids, labels, attention_mask, position_ids)
+        self.last_result = StepResult.from_report(json.loads(self._engine.step(ids, lab, pos)))
         return self.last_result
 
-    def evaluate(self, input_ids, labels=None, attention_mask=None) -> float:
+    def evaluate(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> float:
         """The loss of the current weights on one batch, without a gradient or an update."""
-        ids, lab = self._prepare("evaluate", input_ids, labels, attention_mask)
-        return float(self._engine.evaluate(ids, lab))
+        ids, lab, pos = self._prepare("evaluate", input_ids, labels, attention_mask, position_ids)
+        return float(self._engine.evaluate(ids, lab, pos))
 
     # -- weights ---------------------------------------------------------------------------------------------
     def param_names(self):

@@ -49,9 +49,13 @@ replaced:
   refused.
 
 Data: any dataset the Trainer takes whose rows hold input_ids (and labels,
-attention_mask), or a token file (`python -m strider.data` writes one): its
-path as train_dataset or eval_dataset is read as strider.data.TokenDataset,
-windows of the engine's seq tokens.
+attention_mask, position_ids), or a token file (`python -m strider.data`
+writes one): its path as train_dataset or eval_dataset is read as
+strider.data.TokenDataset, windows of the engine's seq tokens. Rows that
+pack documents (position_ids restarting, as TokenDataset's and
+DataCollatorWithFlattening's do) keep each document's attention to itself;
+the config the trainer builds sets packed_documents for them (a TokenDataset
+whose documents start inside windows, or that collator).
 
 The engine's config: pass `strider_config` (an EngineConfig), or let the
 trainer build one from TrainingArguments (learning_rate, lr_scheduler_type
@@ -81,7 +85,7 @@ from strider.engine import IGNORE_INDEX, Engine, inspect_checkpoint
 _SCHEDULES = {"linear": ("linear", True), "cosine": ("cosine", True), "constant": ("constant", False),
               "constant_with_warmup": ("constant", True)}
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
-_BATCH_KEYS = ("input_ids", "labels", "attention_mask")
+_BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 STATE_DIR = "strider"  # strider's training state inside a checkpoint-N folder
 # Resuming may extend or shorten the run (the Trainer rebuilds its schedule from max_steps too).
 _RESUME_MAY_CHANGE = ("total_steps",)
@@ -193,8 +197,13 @@ class StriderTrainer(transformers.Trainer):
                                 total_steps=total if schedule != "constant" else 0,
                                 weight_decay=args.weight_decay, clip_norm=args.max_grad_norm,
                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                device="cpu" if args.use_cpu else "auto")
+                                packed_documents=self._packs_documents(), device="cpu" if args.use_cpu else "auto")
         given.validate()
+        if not given.packed_documents and self._packs_documents():
+            raise ValueError("StriderTrainer: the data packs several documents in a sequence (a token file's "
+                             "documents start inside its windows, or DataCollatorWithFlattening), but "
+                             "strider_config.packed_documents is False; set it to True so that each document "
+                             "attends only to itself (as transformers does with packed position_ids)")
         if seq is not None and seq != given.seq:
             raise ValueError(f"StriderTrainer: seq = {seq} but strider_config.seq = {given.seq}; give one")
         if args.per_device_train_batch_size != given.batch:
@@ -222,6 +231,14 @@ class StriderTrainer(transformers.Trainer):
             raise ValueError(f"StriderTrainer: warmup_steps = {args.warmup_steps} but strider_config."
                              f"warmup_steps = {given.warmup_steps}; the config decides")
         return given
+
+    def _packs_documents(self) -> bool:
+        """Whether the batches will pack documents in rows (position_ids that restart): a TokenDataset whose
+        documents start inside its windows, or transformers' DataCollatorWithFlattening."""
+        data = [d for d in (self.train_dataset, self.eval_dataset) if isinstance(d, TokenDataset)]
+        flattening = getattr(transformers, "DataCollatorWithFlattening", None)
+        return any(d.packs_documents for d in data) or (
+            flattening is not None and isinstance(self.data_collator, flattening))
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole run, as the Trainer will count them (0: unknown)."""
@@ -306,13 +323,13 @@ class StriderTrainer(transformers.Trainer):
             eval_dataset = TokenDataset(eval_dataset, self.engine.config.seq)
         total, valid = 0.0, 0
         for inputs in self.get_eval_dataloader(eval_dataset):
-            ids, labels, mask = self._batch(inputs, "evaluate")
+            ids, labels, mask, positions = self._batch(inputs, "evaluate")
             lab = (ids if labels is None else labels).clone()
             if mask is not None:
                 lab[mask == 0] = IGNORE_INDEX
             n = int((lab[..., 1:] != IGNORE_INDEX).sum())
             if n:
-                total += self.engine.evaluate(ids, labels, mask) * n
+                total += self.engine.evaluate(ids, labels, mask, positions) * n
                 valid += n
         metrics = {f"{metric_key_prefix}_loss": total / valid if valid else float("nan")}
         self.log(metrics)

@@ -48,7 +48,21 @@ struct Case {
   std::string layer_pieces;    // EngineConfig::layer_pieces
   int devices = 1;             // a pool of CPU devices (make_devices), each with its own chaos seed
   std::string lora;            // EngineConfig::lora: adapters over a frozen base
+  bool packed = false;         // rows that pack documents (packed_positions; EngineConfig::packed_documents)
 };
+
+// Positions of `rows` rows of 9 tokens, 2 micro-batches of 2 rows: the
+// first micro-batch packs documents (4 + 5 tokens, and 2 + 3 + 4: positions
+// restart at each), the second is one sequence a row (0..8: the plain path).
+inline std::vector<int64_t> packed_positions(int64_t rows, int64_t seq) {
+  const std::vector<std::vector<int64_t>> docs = {{4, 5}, {2, 3, 4}, {9}, {9}};
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n : docs[size_t(r) % docs.size()])
+      for (int64_t t = 0; t < n; ++t) out.push_back(t);
+  REQUIRE(out.size() == size_t(rows * seq));
+  return out;
+}
 
 struct Result {
   std::vector<std::vector<float>> state;  // per block: master, m, v
@@ -95,6 +109,7 @@ inline Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, do
   cfg.keep_logits = c.keep_logits;
   cfg.layer_pieces = c.layer_pieces;
   cfg.lora = c.lora;
+  cfg.packed_documents = c.packed;
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,
                      .chaos = {.enabled = c.chaos, .seed = c.seed, .max_delay_us = 300}};
@@ -103,12 +118,14 @@ inline Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, do
   e.init_params(7);
   move_lora_b(e);
   Result r;
+  const std::vector<int64_t> pos = packed_positions(cfg.batch(), cfg.seq);
+  const int64_t* positions = c.packed ? pos.data() : nullptr;
   for (int s = 0; s < steps; ++s) {
     Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100 + s);
-    r.losses.push_back(e.step(b.ids.data(), b.labels.data()).loss);
+    r.losses.push_back(e.step(b.ids.data(), b.labels.data(), positions).loss);
   }
   const Batch held_out = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 999);
-  r.eval_loss = e.evaluate(held_out.ids.data(), held_out.labels.data());
+  r.eval_loss = e.evaluate(held_out.ids.data(), held_out.labels.data(), positions);
   for (int64_t b = 0; b < spec.num_blocks(); ++b)
     for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
       std::vector<float> x(e.spec().layout(b).total_elems());  // with the adapters, if any
@@ -174,6 +191,23 @@ inline std::vector<Case> cases(int64_t blocks) {
       {"kept logits and activations, 3 vocabulary shards, chaos seed 10, host checkpoints", 2, true, {0, 4}, true,
        10, 3, 40, {1, 2, 3}, true},
   };
+}
+
+// An architecture's own operations against the placements that must not
+// notice them: host checkpoints, NVMe, vocabulary shards, kept activations
+// and logits, chaos, one device or a pool of two; each run (clip 0.5) gives
+// the resident run `ref`'s bits.
+inline void placements_change_nothing(const ModelSpec& spec, at::ScalarType dtype, const Result& ref, bool packed = false) {
+  for (Case c : {Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
+                 Case{"3 vocabulary shards, chaos, NVMe", 2, false, {0, 2, 4}, true, 7, 3, 40},
+                 Case{"kept activations and logits, 2 vocabulary shards, chaos", 2, true, {}, true, 13, 3, 80,
+                      {1, 2, 3}, true}})
+    for (int devices : {1, 2}) {
+      c.devices = devices;
+      c.packed = packed;
+      INFO(c.name << ", " << devices << " device(s), " << (dtype == at::kFloat ? "fp32" : "bf16"));
+      CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
+    }
 }
 
 }  // namespace strider::test

@@ -100,23 +100,6 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
   }
 }
 
-namespace {
-// An architecture's own operations against the placements that must not
-// notice them: host checkpoints, NVMe, vocabulary shards, kept activations
-// and logits, chaos, one device or a pool of two; each run (clip 0.5) gives
-// the resident run `ref`'s bits.
-void placements_change_nothing(const ModelSpec& spec, at::ScalarType dtype, const Result& ref) {
-  for (Case c : {Case{"chaos, host ckpt, NVMe", 2, true, {1, 2}, true, 5},
-                 Case{"3 vocabulary shards, chaos, NVMe", 2, false, {0, 2, 4}, true, 7, 3, 40},
-                 Case{"kept activations and logits, 2 vocabulary shards, chaos", 2, true, {}, true, 13, 3, 80,
-                      {1, 2, 3}, true}})
-    for (int devices : {1, 2}) {
-      c.devices = devices;
-      INFO(c.name << ", " << devices << " device(s), " << (dtype == at::kFloat ? "fp32" : "bf16"));
-      CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
-    }
-}
-}  // namespace
 
 TEST_CASE("Granite's multipliers: offload and pools still change nothing", "[engine]") {
   // The embedding's scale (its shards', forward and backward), the

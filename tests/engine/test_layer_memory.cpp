@@ -56,6 +56,7 @@ struct Shape {
   ModelSpec spec;
   int64_t batch, seq, tile;
   at::ScalarType dtype;
+  bool packed = false;  // rows of three documents (EngineConfig::packed_documents): a mask per row
 };
 
 struct Measured {
@@ -72,6 +73,12 @@ Measured measure(const Shape& s) {
   at::Tensor grads = at::zeros({n});
   at::Tensor x = at::randn({s.batch, s.seq, s.spec.dims.hidden}).to(s.dtype);
   at::Tensor gout = at::randn({s.batch, s.seq, s.spec.dims.hidden}).to(s.dtype);
+  BatchPositions pos;
+  if (s.packed) {  // documents of a fifth, two fifths and the rest of each row
+    const int64_t a = s.seq / 5, b = 2 * s.seq / 5;
+    const at::Tensor row = at::cat({at::arange(a), at::arange(b), at::arange(s.seq - a - b)});
+    pos = {row.repeat({s.batch, 1}), s.seq - a - b};
+  }
   // The peak above what is live when it is reset.
   auto start = [] {
     reset_aten_cpu_peak();
@@ -80,11 +87,11 @@ Measured measure(const Shape& s) {
   auto peak_since = [](uint64_t base) { return int64_t(aten_cpu_counts().peak_bytes - base); };
   Measured m;
   uint64_t base = start();
-  at::Tensor out = run.forward(layer, params, x);
+  at::Tensor out = run.forward(layer, params, x, {}, &pos);
   m.forward = peak_since(base);
   out.reset();
   base = start();
-  at::Tensor dx = run.backward(layer, params, x, gout, grads);
+  at::Tensor dx = run.backward(layer, params, x, gout, grads, {}, 0, &pos);
   m.backward = peak_since(base);
   return m;
 }
@@ -129,14 +136,18 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
     if (bf16) shapes.push_back({name, *spec, 1, 2048, 0, at::kBFloat16});
     shapes.push_back({name, *spec, 1, 2048, 256, at::kFloat});
   }
+  // Packed documents: the attention mask per row (and Gemma 2's per tile).
+  for (at::ScalarType dtype : dtypes) shapes.push_back({"gqa+docs", gqa, 2, 1024, 0, dtype, true});
+  if (bf16) shapes.push_back({"gemma3+docs", gemma3, 1, 2048, 0, at::kBFloat16, true});
+  shapes.push_back({"gemma2+docs", gemma2, 2, 1024, 256, at::kFloat, true});
 
-  std::printf("%-6s %5s %5s %5s %5s  %12s %12s %6s  %12s %12s %6s\n", "model", "b", "s", "tile", "dtype",
+  std::printf("%-11s %5s %5s %5s %5s  %12s %12s %6s  %12s %12s %6s\n", "model", "b", "s", "tile", "dtype",
               "fwd meas", "fwd pred", "ratio", "bwd meas", "bwd pred", "ratio");
   for (const Shape& s : shapes) {
     const int dtype_bytes = s.dtype == at::kFloat ? 4 : 2;
-    const BlockCost c = s.spec.cost(1, s.batch, s.seq, 8192, dtype_bytes, s.tile, work);
+    const BlockCost c = s.spec.cost(1, s.batch, s.seq, 8192, dtype_bytes, s.tile, work, s.packed);
     const Measured m = measure(s);
-    std::printf("%-6s %5lld %5lld %5lld %5s  %12lld %12lld %6.3f  %12lld %12lld %6.3f\n", s.model,
+    std::printf("%-11s %5lld %5lld %5lld %5s  %12lld %12lld %6.3f  %12lld %12lld %6.3f\n", s.model,
                 (long long)s.batch, (long long)s.seq, (long long)s.tile, s.dtype == at::kFloat ? "fp32" : "bf16",
                 (long long)m.forward, (long long)c.forward_work_bytes,
                 double(m.forward) / double(c.forward_work_bytes), (long long)m.backward,

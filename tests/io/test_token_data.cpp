@@ -127,6 +127,35 @@ TEST_CASE("token data: labels shift by one, -100 on masked targets and document 
   CHECK(lab == std::vector<int64_t>{-100, 12, 13, 14, -100, 21, 22, -100});
 }
 
+TEST_CASE("token data: positions restart at each document start inside a window", "[token_data]") {
+  TempDir dir;
+  const std::string path = (dir.path / "docs.tok").string();
+  TokenWriterOptions opts;
+  opts.with_docs = true;
+  TokenFileWriter w(path, opts);
+  w.append_document(std::vector<uint32_t>{10, 11, 12});
+  w.append_document(std::vector<uint32_t>{20, 21, 22, 23, 24, 25});
+  w.append_document(std::vector<uint32_t>{30});
+  w.append_document(std::vector<uint32_t>{40, 41, 42});
+  w.finish();
+  TokenFile f(path);
+  TokenLoader loader(f, {.batch = 3, .seq = 4, .seed = 0, .shuffle = false});
+  std::vector<int64_t> in(12), lab(12), pos(12);
+  loader.next(in, lab, pos);
+  CHECK(in == std::vector<int64_t>{10, 11, 12, 20, 21, 22, 23, 24, 25, 30, 40, 41});
+  // Window 0: document 1 (3 tokens), then document 2 from 0; window 1 starts
+  // inside document 2 (positions from the window's start); window 2 holds
+  // document 2's end, document 3 (one token) and document 4's start.
+  CHECK(pos == std::vector<int64_t>{0, 1, 2, 0, 0, 1, 2, 3, 0, 0, 0, 1});
+  CHECK(lab == std::vector<int64_t>{11, 12, -100, 21, 22, 23, 24, 25, -100, -100, 41, 42});
+  // Without positions the same ids and labels.
+  TokenLoader again(f, {.batch = 3, .seq = 4, .seed = 0, .shuffle = false});
+  auto [in2, lab2] = next_batch(again, 3, 4);
+  CHECK((in2 == in && lab2 == lab));
+  std::vector<int64_t> short_pos(5);
+  CHECK_THROWS_WITH(again.next(in, lab, short_pos), Catch::Contains("and 5"));
+}
+
 TEST_CASE("token data: same seed same batches and every epoch visits each window once",
           "[token_data]") {
   TempDir dir;

@@ -67,6 +67,34 @@ def test_weight_decay_spares_norms_unless_told(strider, tmp_path):
         assert same == (k not in norms), k
 
 
+def test_packed_documents_follow_the_data_unless_told(strider, tmp_path):
+    """Documents of 5 to 20 tokens start inside 32-token windows: packed documents are on (said, recorded,
+    and they change what a token sees), --packed-documents=false turns them off, and a resume across the
+    change is refused naming the field."""
+    from strider.data import write_token_file
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(5, 21, (400,), generator=g)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+    data = tmp_path / "docs.tokens"
+    write_token_file(data, torch.randint(0, 2048, (int(lengths.sum()),), generator=g).numpy(),
+                     doc_starts=starts.numpy(), vocab_size=2048)
+    runs = {}
+    for name, flag in [("on", []), ("off", ["--packed-documents=false"])]:
+        out = finetune(strider, tmp_path, "--data", str(data), "--steps", "1", "--warmup", "0", *flag, "--checkpoint-dir",
+                       str(tmp_path / f"ck-{name}"), "--out", str(tmp_path / name))
+        assert ("packed documents: each attends only to itself" in out) == (name == "on")
+        assert ("the data's documents start inside --seq windows" in out) == (name == "on")
+        state = json.loads((tmp_path / f"ck-{name}" / "step-00000001" / "trainer_state.json").read_text())
+        assert state["engine_config"]["packed_documents"] == (name == "on")
+        runs[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    assert any(not torch.equal(runs["on"][k], runs["off"][k]) for k in runs["on"])
+    with pytest.raises(subprocess.CalledProcessError) as e:
+        finetune(strider, tmp_path, "--data", str(data), "--steps", "2", "--warmup", "0", "--allow-changed",
+                 "total_steps", "--packed-documents=false",
+                 "--checkpoint-dir", str(tmp_path / "ck-on"), "--resume", "--out", str(tmp_path / "x"))
+    assert "packed_documents: checkpoint true, engine false" in e.value.stderr
+
+
 def test_a_config_file_holds_options_the_command_line_wins_and_the_run_records_it(strider, tmp_path):
     cfg = tmp_path / "run.toml"
     cfg.write_text('steps = 2\nseq = 64\nwarmup = 0\nweight-decay = 0.5\ndecay-norms-and-biases = true\n'

@@ -156,7 +156,7 @@ def test_example_mode_gives_each_document_a_window_of_its_own(tmp_path, tokenize
     assert out.returncode == 1 and "give seq (--seq)" in out.stderr
 
 
-def test_packed_mode_reports_documents_split_across_windows(tmp_path, tokenizer):
+def test_packed_mode_reports_documents_split_across_windows(tmp_path, tokenizer, strider_binary):
     docs = ["the cat sat on the mat", "sure", "hello how are you", "be brief please"]
     (tmp_path / "corpus.txt").write_text("\n".join(docs) + "\n")
     summary = sd.prepare(tokenizer, tmp_path / "corpus.txt", tmp_path / "p.tokens", seq=6, progress=False)
@@ -165,6 +165,15 @@ def test_packed_mode_reports_documents_split_across_windows(tmp_path, tokenizer)
     assert summary["mode"] == "packed" and summary["tokens"] == 22 and summary["windows"] == 3
     assert summary["split"] == 3 and summary["tokens_unused"] == 4
     assert "target_fraction" not in summary  # plain text: every token counts, no mask written
+    # Each document's positions count from its start (or from the window's, for one that runs in), in
+    # TokenDataset's windows and the C++ loader's alike: what keeps documents apart in attention.
+    data = sd.TokenDataset(tmp_path / "p.tokens", 6)
+    assert [data[k]["position_ids"].tolist() for k in range(3)] == [[0, 1, 2, 3, 4, 5], [0, 1, 0, 1, 2, 0],
+                                                                     [0, 1, 2, 3, 4, 0]]
+    assert data.packs_documents
+    b = st_json(strider_binary("st_tool"), "tok-batches", tmp_path / "p.tokens", "--batch", 3, "--seq", 6,
+                "--no-shuffle")[0]
+    assert b["positions"] == [p for k in range(3) for p in data[k]["position_ids"].tolist()]
     with pytest.raises(ValueError, match="mode 'sliced' is not packed or example"):
         sd.prepare(tokenizer, tmp_path / "corpus.txt", tmp_path / "x.tokens", mode="sliced", progress=False)
 

@@ -125,19 +125,22 @@ def load_into(engine, model):
 
 def reference_run(model, data, decay_all=False):
     """transformers + torch.optim.AdamW: per-step (loss, grad norm before clipping). Weight decay of the
-    parameters transformers' Trainer decays (not norms and biases), or of all of them."""
+    parameters transformers' Trainer decays (not norms and biases), or of all of them. A batch (ids, labels,
+    position_ids) packs documents: each micro-batch gets its position_ids, without a cache (with one,
+    transformers does not look for packed sequences)."""
     groups = model.parameters() if decay_all else adamw_param_groups(model, WEIGHT_DECAY)
     opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
     sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
     out = []
-    for ids, labels in data:
+    for ids, labels, *pos in data:
         valid = int((shifted(labels) != -100).sum())
         opt.zero_grad()
         loss = 0.0
         for m in range(ACCUMULATION):
             rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
+            packed = dict(position_ids=pos[0][rows], use_cache=False) if pos else {}
             # HF's loss with num_items_in_batch: sum of token losses / the batch's valid tokens.
-            part = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid).loss
+            part = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid, **packed).loss
             part.backward()
             loss += part.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)

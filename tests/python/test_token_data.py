@@ -51,19 +51,23 @@ def reference_batches(ids, mask, docs, batch, seq, seed, steps, shuffle=True):
     order = splitmix_order(windows, seed, 0) if shuffle else list(range(windows))
     out = []
     for _ in range(steps):
-        inputs, labels = [], []
+        inputs, labels, positions = [], [], []
         for _ in range(batch):
             if cursor == windows:
                 epoch, cursor = epoch + 1, 0
                 order = splitmix_order(windows, seed, epoch) if shuffle else list(range(windows))
             s = order[cursor] * seq
             cursor += 1
+            first = 0  # a position counts from its document's start in the window (or the window's)
             for t in range(seq):
                 tgt = s + t + 1
                 inputs.append(int(ids[s + t]))
+                if t > 0 and s + t in doc_set:
+                    first = t
+                positions.append(t - first)
                 ignore = (mask is not None and mask[tgt] == 0) or tgt in doc_set
                 labels.append(-100 if ignore else int(ids[tgt]))
-        out.append({"inputs": inputs, "labels": labels, "epoch": epoch, "cursor": cursor})
+        out.append({"inputs": inputs, "labels": labels, "positions": positions, "epoch": epoch, "cursor": cursor})
     return out
 
 

@@ -118,7 +118,8 @@ def test_train_steps_the_engine_like_the_engine_itself(tmp_path):
 
 def test_a_token_file_is_a_dataset(tmp_path):
     """A token file from `python -m strider.data`, by its path: the Trainer trains on its windows (in order,
-    with sequential sampling) as the engine does on the same windows, and evaluates on one."""
+    with sequential sampling) as the engine does on the same windows, and evaluates on one. Its documents
+    start inside windows: each attends only to itself (packed_documents, position_ids)."""
     from strider.data import TokenDataset, write_token_file
     g = torch.Generator().manual_seed(5)
     n = SEQ * BATCH * STEPS + 7  # the last 7 tokens make no whole window
@@ -127,14 +128,21 @@ def test_a_token_file_is_a_dataset(tmp_path):
     path = tmp_path / "train.tokens"
     write_token_file(path, ids, mask=mask, doc_starts=[0, 40, 41], vocab_size=SMALL["vocab_size"])
     args = training_args(tmp_path)
-    trainer = strider.StriderTrainer(model=make_model(), args=args, train_dataset=str(path), strider_config=config())
+    with pytest.raises(ValueError, match="set it to True so that each document attends only to itself"):
+        strider.StriderTrainer(model=make_model(), args=args, train_dataset=str(path), strider_config=config())
+    built = strider.StriderTrainer(model=make_model(), args=args, train_dataset=str(path), seq=SEQ)
+    assert built.engine.config.packed_documents
+    trainer = strider.StriderTrainer(model=make_model(), args=args, train_dataset=str(path),
+                                     strider_config=config(packed_documents=True))
     assert isinstance(trainer.train_dataset, TokenDataset) and len(trainer.train_dataset) == BATCH * STEPS
+    # Window 2 holds tokens 34..50: documents start at 40 (one token) and 41.
+    assert trainer.train_dataset[2]["position_ids"].tolist() == list(range(6)) + [0] + list(range(10))
     trainer.train()
-    direct = strider.Engine(make_model(), config())
+    direct = strider.Engine(make_model(), config(packed_documents=True))
     windows = TokenDataset(path, SEQ)
     for s in range(STEPS):
         batch = transformers.default_data_collator([windows[i] for i in range(s * BATCH, (s + 1) * BATCH)])
-        direct.step(batch["input_ids"], batch["labels"])
+        direct.step(batch["input_ids"], batch["labels"], position_ids=batch["position_ids"])
     for name in direct.param_names():
         assert torch.equal(trainer.engine.param(name), direct.param(name)), name
     # evaluate(path): the token-mean loss over its windows, batch by batch (the engines' weights are equal).
@@ -142,7 +150,8 @@ def test_a_token_file_is_a_dataset(tmp_path):
     for k in range(0, len(windows), BATCH):
         b = transformers.default_data_collator([windows[i] for i in range(k, min(k + BATCH, len(windows)))])
         n = int((b["labels"][:, 1:] != -100).sum())
-        total, valid = total + direct.evaluate(b["input_ids"], b["labels"]) * n, valid + n
+        total, valid = total + direct.evaluate(b["input_ids"], b["labels"], position_ids=b["position_ids"]) * n, \
+            valid + n
     assert trainer.evaluate(path)["eval_loss"] == pytest.approx(total / valid, rel=1e-9)
     with pytest.raises(ValueError, match="is a token file; pass seq="):
         strider.StriderTrainer(model=make_model(), args=args, train_dataset=str(path))
