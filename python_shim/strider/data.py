@@ -3,12 +3,18 @@
     python -m strider.data --tokenizer <dir> --input corpus.txt --output train.tokens
     python -m strider.data --tokenizer <dir> --input chats.jsonl --output sft.tokens   # chat: loss mask
 
-Inputs (--format, default from the file name: .jsonl/.json -> chat, else lines):
-  lines  one document per line (blank lines skipped)
-  text   the whole file is one document
-  chat   JSON lines, each {"messages": [{"role": ..., "content": ...}, ...]}, rendered with the
-         tokenizer's chat template; the loss mask is 1 on assistant turns (their content and the
-         template's end-of-turn tokens) and 0 on system, user and template prompt tokens.
+Inputs (--format, default from the name: .jsonl/.json -> chat, .parquet -> parquet, .arrow or a
+folder -> arrow, else lines):
+  lines    one document per line (blank lines skipped)
+  text     the whole file is one document
+  chat     JSON lines, one row each
+  parquet  a Hugging Face dataset's parquet file (pyarrow), one row each
+  arrow    a datasets Arrow file, or a save_to_disk folder, one row each
+A row (strider/records.py) is {"messages": [{"role": ..., "content": ...}, ...]}, rendered with the
+tokenizer's chat template: the loss mask is 1 on assistant turns (their content and the template's
+end-of-turn tokens) and 0 on system, user and template prompt tokens; or ShareGPT's "conversations",
+the same; or "prompt" and "completion" (the completion and EOS are the targets); or "text" (a plain
+document).
 
 Layout (--mode):
   packed   the documents back to back, one stream that the loader cuts into
@@ -39,6 +45,8 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+
+from strider import records
 
 MAGIC = int.from_bytes(b"STRDTOKN", "little")
 VERSION = 1
@@ -178,8 +186,26 @@ def encode_chat(tokenizer, messages):
     return ids, mask
 
 
+def encode_completion(tokenizer, prompt, completion):
+    """(ids, mask) of a prompt-completion row: the prompt's tokens (with the tokenizer's special tokens,
+    e.g. BOS) then the completion's and EOS; mask 1 on the completion and EOS. Each part is tokenized
+    alone, so no token straddles the two."""
+    head = list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    tail = list(tokenizer(completion, add_special_tokens=False)["input_ids"])
+    eos = tokenizer.eos_token_id
+    if eos is not None and (not tail or tail[-1] != eos):
+        tail.append(eos)
+    return head + tail, [0] * len(head) + [1] * len(tail)
+
+
 def _documents(path, fmt):
-    """(item, bytes consumed) for each document of the input: text for lines/text, messages for chat."""
+    """((kind, item), progress) for each document of the input (records.document's kinds; None for a
+    blank line); progress in bytes for lines, text and chat, in rows for parquet and arrow."""
+    if fmt in ("parquet", "arrow"):
+        for row, where in records.rows(path, fmt):
+            yield records.document(row, where), 1
+        return
+
     def utf8(raw, where):
         try:
             return raw.decode("utf-8")
@@ -190,7 +216,7 @@ def _documents(path, fmt):
     if fmt == "text":
         raw = Path(path).read_bytes()
         text = utf8(raw, str(path))
-        yield text, len(raw)
+        yield ("text", text), len(raw)
         return
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -199,15 +225,13 @@ def _documents(path, fmt):
                 yield None, len(raw)
                 continue
             if fmt == "lines":
-                yield line, len(raw)
+                yield ("text", line), len(raw)
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("messages"), list) or not record["messages"]:
-                raise ValueError(f"{path}:{lineno}: expected {{\"messages\": [...]}} with at least one message")
-            yield record["messages"], len(raw)
+            yield records.document(record, f"{path}:{lineno}"), len(raw)
 
 
 def _pad_id(tokenizer):
@@ -224,9 +248,11 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
     from tqdm.auto import tqdm
 
     if fmt == "auto":
-        fmt = "chat" if str(input_path).endswith((".jsonl", ".json")) else "lines"
-    if fmt not in ("lines", "text", "chat"):
-        raise ValueError(f"format {fmt!r} is not lines, text or chat")
+        fmt = records.record_format(input_path) or "lines"
+    if fmt not in ("lines", "text", "chat", "parquet", "arrow"):
+        raise ValueError(f"format {fmt!r} is not lines, text, chat, parquet or arrow")
+    if Path(input_path).is_dir() and fmt != "arrow":
+        raise ValueError(f"{input_path} is a folder: only a datasets.save_to_disk folder is read (format arrow)")
     if mode not in ("packed", "example"):
         raise ValueError(f"mode {mode!r} is not packed or example")
     if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < 2):
@@ -235,16 +261,23 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
         raise ValueError("mode example pads or cuts each document to one sequence: give seq (--seq), the "
                          "engine's sequence length")
     docs, masks = [], []
-    with tqdm(total=os.path.getsize(input_path), unit="B", unit_scale=True, disable=not progress,
+    by_rows = fmt in ("parquet", "arrow")
+    total = records.row_count(input_path, fmt) if by_rows else os.path.getsize(input_path)
+    write_mask = False  # a chat or prompt-completion row: the file gets a loss mask
+    with tqdm(total=total, unit="rows" if by_rows else "B", unit_scale=not by_rows, disable=not progress,
               desc=f"tokenizing {Path(input_path).name}") as bar:
         for item, consumed in _documents(input_path, fmt):
             bar.update(consumed)
             if item is None:
                 continue
-            if fmt == "chat":
-                doc, doc_mask = encode_chat(tokenizer, item)
+            kind, value = item
+            if kind == "chat":
+                doc, doc_mask = encode_chat(tokenizer, value)
+            elif kind == "completion":
+                doc, doc_mask = encode_completion(tokenizer, *value)
             else:
-                doc, doc_mask = encode_document(tokenizer, item, append_eos), None
+                doc, doc_mask = encode_document(tokenizer, value, append_eos), None
+            write_mask = write_mask or doc_mask is not None
             if not doc:
                 continue
             docs.append(np.asarray(doc, np.int64))
@@ -270,12 +303,11 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
         report.update(seq=seq, windows=len(docs), cut=int((lengths > seq).sum()),
                       tokens_cut=int(np.maximum(lengths - seq, 0).sum()),
                       padding_fraction=float(np.maximum(seq - lengths, 0).sum() / (len(docs) * seq)))
-        write_mask = True
+        write_mask = True  # the padding is no target
     else:
         all_ids = np.concatenate(docs)
         all_mask = np.concatenate(masks)
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).tolist()
-        write_mask = fmt == "chat"
         if seq is not None:
             ends = np.cumsum(lengths)
             # A document split across windows: its first and last token fall in different windows.
@@ -289,9 +321,9 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
         summary["target_fraction"] = float(all_mask.sum() / (len(docs) * seq if mode == "example" else all_mask.size))
         if not all_mask.any():
             # Every batch would be skipped for want of a target: said now, not after a run that learns nothing.
-            warnings.warn(f"{input_path}: no assistant turn in any conversation, so {output_path} has no target "
-                          "token: a run on it trains nothing (every batch is skipped). Chat data needs assistant "
-                          "messages; for plain text use --format lines or text")
+            warnings.warn(f"{input_path}: no assistant turn in any conversation (nor a completion), so {output_path} "
+                          "has no target token: a run on it trains nothing (every batch is skipped). Chat data needs "
+                          "assistant messages; for plain text use --format lines or text")
             summary["warning"] = "no target tokens"
     return summary
 
@@ -392,10 +424,12 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m strider.data", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer directory (AutoTokenizer)")
-    p.add_argument("--input", required=True, help="text file, or JSON lines of {\"messages\": [...]}")
+    p.add_argument("--input", required=True,
+                   help="text file; JSON lines, parquet or arrow rows of a Hugging Face dataset (messages, "
+                        "conversations, prompt and completion, or text); or a datasets.save_to_disk folder")
     p.add_argument("--output", required=True, help="the token file to write")
-    p.add_argument("--format", default="auto", choices=["auto", "lines", "text", "chat"],
-                   help="auto: chat for .jsonl/.json, else lines")
+    p.add_argument("--format", default="auto", choices=["auto", "lines", "text", "chat", "parquet", "arrow"],
+                   help="auto: chat for .jsonl/.json, parquet for .parquet, arrow for .arrow or a folder, else lines")
     p.add_argument("--no-eos", action="store_true", help="do not end text documents with the EOS token")
     p.add_argument("--mode", default="packed", choices=["packed", "example"],
                    help="packed: documents back to back, cut into --seq windows by the loader; example: each "
