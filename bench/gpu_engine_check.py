@@ -15,6 +15,9 @@ weight decay; 3 optimizer steps, in fp32 and in bf16. Three runs per dtype on th
           losses / the batch's valid tokens (HF's num_items_in_batch), clip, AdamW, scheduler
   pool    strider.Engine on a pool of two devices on the same card (devices "cuda,cuda"; on the CPU
           "cpu,cpu" with chaos, which must be bit-identical to `engine`): the cross-device path
+In fp32, also `packed`: rows of 2 or 3 documents (packed_documents, position_ids restarting at each), the
+engine on --device against transformers given the same position_ids (block-diagonal attention; on CUDA
+SDPA's memory-efficient kernel reads the engine's mask).
 
 Tolerances (relative; a tensor's error is its largest absolute difference over its largest magnitude):
   fp32  each step's loss and gradient norm, and every fp32 master after 3 steps: 1e-5. TF32 is off.
@@ -71,6 +74,21 @@ def batches(vocab, seed=1):
     return out
 
 
+# Document lengths of each row of a packed batch (SEQ tokens a row).
+PACKED_ROWS = [[6, 6, 5], [3, 8, 6], [12, 5], [1, 16]]
+
+
+def packed(data):
+    """The batches with rows that pack documents: (ids, labels, position_ids), a document's first label -100."""
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED_ROWS])
+    out = []
+    for ids, labels in data:
+        labels = labels.clone()
+        labels[pos == 0] = -100
+        out.append((ids, labels, pos))
+    return out
+
+
 def valid_count(labels):
     return int((labels[:, 1:] != -100).sum())
 
@@ -82,9 +100,10 @@ def engine_run(model, data, dtype, device, chaos=False, devices="1"):
                                schedule="linear",
                                warmup_steps=WARMUP, total_steps=TOTAL, weight_decay=WEIGHT_DECAY, clip_norm=CLIP,
                                betas=BETAS, eps=EPS, device=device, chaos=chaos, chaos_seed=7, devices=devices,
-                               device_budget="auto" if devices == "1" else "1GiB")
+                               device_budget="auto" if devices == "1" else "1GiB",
+                               packed_documents=len(data[0]) == 3)
     engine = strider.Engine(model, cfg)
-    steps = [engine.step(ids, labels) for ids, labels in data]
+    steps = [engine.step(ids, labels, position_ids=pos[0] if pos else None) for ids, labels, *pos in data]
     engine.finish()
     params = {n: engine.param(n) for n in engine.param_names()}
     return dict(loss=[r.loss for r in steps], grad_norm=[r.grad_norm for r in steps], params=params,
@@ -101,7 +120,7 @@ def reference_run(model, data, dtype, device):
     sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
     pairs = list(zip(master.parameters(), compute.parameters()))
     losses, norms = [], []
-    for ids, labels in data:
+    for ids, labels, *pos in data:
         ids, labels = ids.to(device), labels.to(device)
         valid = valid_count(labels)
         opt.zero_grad(set_to_none=False)
@@ -113,7 +132,9 @@ def reference_run(model, data, dtype, device):
         loss = 0.0
         for k in range(ACCUMULATION):
             rows = slice(k * MICRO_BATCH, (k + 1) * MICRO_BATCH)
-            part = compute(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid).loss
+            # Packed rows: position_ids without a cache (with one transformers does not look for documents).
+            docs = dict(position_ids=pos[0][rows].to(device), use_cache=False) if pos else {}
+            part = compute(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid, **docs).loss
             part.backward()
             loss += part.item()
             if compute is not master:  # accumulate in fp32, as the engine's units do
@@ -185,8 +206,13 @@ def check_dtype(dtype, device):
         res["chaos_bit_identical"] = same
         print(f"  chaos delays bit-identical to the plain CPU device: {same}")
     print(f"  pool of 2 bit-identical to one device: {res['pool_bit_identical_to_one_device']}")
+    if dtype == "fp32":  # packed documents: the masked attention path on this device
+        docs = packed(data)
+        res["packed_vs_torch"] = compare(f"packed documents on {device} vs transformers + AdamW",
+                                         engine_run(copy.deepcopy(base), docs, dtype, device, chaos=chaos),
+                                         reference_run(copy.deepcopy(base), docs, dtype, device), TOL[dtype])
     res["ok"] = (res["engine_vs_torch"]["ok"] and res["engine_vs_cpu_engine"]["ok"] and res["pool_vs_torch"]["ok"]
-                 and clipped > 0
+                 and res.get("packed_vs_torch", {"ok": True})["ok"] and clipped > 0
                  and res.get("chaos_bit_identical", True) and (res["pool_bit_identical_to_one_device"] or not chaos))
     if clipped == 0:
         print("  no step was clipped: the clipping path went untested")
