@@ -34,6 +34,11 @@ over the adapters, strider is strider.Engine on the same PEFT model. A third
 side, strider training every parameter of the same model on the same batches,
 runs in the same rounds: lora_over_full is the median over rounds of the LoRA
 step's time divided by the full step's.
+
+With --docs N each row packs N documents (random cuts; position_ids restart at
+each, a document's first token is no target): strider trains with
+packed_documents, transformers with the same packed position_ids (its SDPA
+path then gets a block-diagonal mask), so both keep documents apart.
 """
 import argparse
 import json
@@ -86,6 +91,10 @@ def parse_args(argv=None):
     p.add_argument("--lora", type=int, default=0,
                    help="rank of LoRA adapters on every linear module of the decoder layers (PEFT on both sides), "
                         "and a third side training the full model; 0: full training only")
+    p.add_argument("--docs", type=int, default=0,
+                   help="rows pack this many documents of random lengths (position_ids restarting at each): "
+                        "strider with packed_documents, transformers with the same packed position_ids; 0: one "
+                        "sequence a row")
     p.add_argument("--json-out", default="", help="also write the JSON line to this file")
     p.add_argument("--toy", action="store_true",
                    help="a 1-layer, 78K-parameter cut (seq 32, 1 step per round): checks the bench itself in seconds")
@@ -115,7 +124,18 @@ def make_batches(a, count):
     out = []
     for _ in range(count):
         ids = torch.randint(0, a.vocab, (batch, a.seq), generator=g)
-        out.append((ids, ids.clone()))
+        labels = ids.clone()
+        if not a.docs:
+            out.append((ids, labels, None))
+            continue
+        # a.docs documents a row, cut at random points; a document's first token is no target.
+        pos = torch.empty_like(ids)
+        for r in range(batch):
+            cuts = sorted(torch.randperm(a.seq - 1, generator=g)[:a.docs - 1].add(1).tolist())
+            for s, e in zip([0] + cuts, cuts + [a.seq]):
+                pos[r, s:e] = torch.arange(e - s)
+        labels[pos == 0] = -100
+        out.append((ids, labels, pos))
     return out
 
 
@@ -136,7 +156,7 @@ class TorchSide:
         self.opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95), eps=1e-8, fused=True)
         self.dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
 
-    def step(self, ids, labels):
+    def step(self, ids, labels, pos):
         torch, a = self.torch, self.a
         ids, labels = ids.to(a.device), labels.to(a.device)
         mb = a.micro_batch
@@ -145,8 +165,10 @@ class TorchSide:
         total = 0.0
         for m in range(a.accumulation):
             i, l = ids[m * mb:(m + 1) * mb], labels[m * mb:(m + 1) * mb]
+            # Packed rows: position_ids without a cache, so that transformers masks per document.
+            docs = {} if pos is None else dict(position_ids=pos[m * mb:(m + 1) * mb].to(a.device), use_cache=False)
             with torch.autocast(a.device, dtype=self.dtype, enabled=self.dtype != torch.float32):
-                logits = self.model(input_ids=i).logits
+                logits = self.model(input_ids=i, **docs).logits
             loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)),
                                                          l[:, 1:].reshape(-1), ignore_index=-100, reduction="sum")
             (loss_sum / valid).backward()
@@ -169,11 +191,11 @@ class StriderSide:
         cfg = strider.EngineConfig(seq=a.seq, micro_batch=a.micro_batch, accumulation=a.accumulation,
                                    window=a.window, dtype=a.dtype, lr=a.lr, betas=(0.9, 0.95), eps=1e-8,
                                    weight_decay=0.1, clip_norm=1.0, optimizer_threads=a.threads, device=a.device,
-                                   device_budget=a.device_budget, **over)
+                                   device_budget=a.device_budget, packed_documents=a.docs > 0, **over)
         self.engine = strider.Engine(model, cfg)
 
-    def step(self, ids, labels):
-        return self.engine.step(ids, labels).loss
+    def step(self, ids, labels, pos):
+        return self.engine.step(ids, labels, position_ids=pos).loss
 
     def finish(self):
         self.engine.finish()
@@ -208,8 +230,7 @@ def worker(side, a, conn):
         losses = []
         t0 = time.perf_counter()
         for _ in range(n):
-            ids, labels = batches[done]
-            losses.append(runner.step(ids, labels))
+            losses.append(runner.step(*batches[done]))
             done += 1
         runner.finish()  # the step's updates belong to its time
         elapsed = time.perf_counter() - t0
@@ -233,7 +254,8 @@ def main(argv=None):
           f"vocabulary {a.vocab}); batch {a.micro_batch} x {a.accumulation} x seq {a.seq}, {a.dtype}, "
           f"{info['torch']['threads']} threads; strider K = {a.window}, activations "
           f"{a.activations or 'default'}, {'CPU device' if a.device == 'cpu' else 'on the GPU'}"
-          + (f"; LoRA rank {a.lora} (torch: PEFT), strider_full: every parameter" if a.lora else ""), flush=True)
+          + (f"; LoRA rank {a.lora} (torch: PEFT), strider_full: every parameter" if a.lora else "")
+          + (f"; {a.docs} documents a row (packed position_ids)" if a.docs else ""), flush=True)
 
     def run(side, n):
         conns[side].send(n)
@@ -274,7 +296,7 @@ def main(argv=None):
                   strider_tokens_per_s=statistics.median(tps["strider"]),
                   strider_over_torch=statistics.median(ratios), ratios=[round(x, 4) for x in ratios],
                   torch_peak_rss_bytes=rss["torch"], strider_peak_rss_bytes=rss["strider"],
-                  loss_max_rel_diff=max(rel), steps=len(rel), lora=a.lora, arch=a.arch)
+                  loss_max_rel_diff=max(rel), steps=len(rel), lora=a.lora, arch=a.arch, docs=a.docs)
     if a.lora:
         result.update(strider_full_tokens_per_s=statistics.median(tps["strider_full"]),
                       lora_over_full=statistics.median(lora_full), lora_over_full_rounds=[round(x, 4) for x in lora_full],
