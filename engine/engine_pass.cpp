@@ -8,7 +8,6 @@
 
 #include "engine/engine_core.h"
 #include "engine/collectives.h"
-#include "engine/plan.h"  // attention_core_flops
 #include "engine/sim_updater.h"
 #include "host/error.h"
 

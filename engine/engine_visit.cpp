@@ -5,7 +5,6 @@
 // what order, is the program's.
 #include "engine/collectives.h"
 #include "engine/engine_core.h"
-#include "engine/plan.h"  // attention_core_flops
 #include "host/error.h"
 
 namespace strider {
@@ -44,11 +43,14 @@ double EngineCore::op_flops(const StepOp& op) const {
     case StepOpKind::kBackward: {
       const int64_t b = piece(op.piece).block;
       if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
-      const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk, int(place_.compute_bytes));
+      const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk,
+                                     int(place_.compute_bytes), 0, WorkCoefficients::analytic(),
+                                     config_.packed_documents);
       if (op.kind == StepOpKind::kForward) return c.forward_flops;
       if (!op.keep) return c.forward_flops + c.backward_flops;  // recompute + backward
       // Kept activations: backward, and the attention core recomputed.
-      return c.backward_flops + attention_core_flops(spec_, config_.micro_batch, config_.seq);
+      return c.backward_flops +
+             spec_.attention_flops(spec_.block(b).layer, config_.micro_batch, config_.seq, config_.packed_documents);
     }
     default:
       return 0;

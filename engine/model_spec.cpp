@@ -286,6 +286,24 @@ ModelSpec ModelSpec::with_lora(std::string_view text, std::string_view source) c
   return s;
 }
 
+double ModelSpec::attention_flops(int64_t layer, int64_t batch, int64_t seq, bool packed) const {
+  const BlockDims ld = layer_dims(layer);
+  const double s = double(seq);
+  double pairs = s * s / 2;  // causal: is_causal's kernels skip the blocks above the diagonal
+  if (ld.attn_softcap > 0) {
+    const int64_t tile = softcap_query_tile(batch, ld.heads, seq);
+    pairs = 0;
+    for (int64_t t0 = 0; t0 < seq; t0 += tile) {
+      const int64_t t1 = std::min(seq, t0 + tile);
+      const int64_t k0 = ld.sliding_window > 0 ? std::max<int64_t>(0, t0 - ld.sliding_window + 1) : 0;
+      pairs += double(t1 - t0) * double(t1 - k0);
+    }
+  } else if (packed || (ld.sliding_window > 0 && seq > ld.sliding_window)) {
+    pairs = s * s;  // a mask: every block computed
+  }
+  return 2.0 * 2.0 * double(batch) * double(ld.heads) * double(ld.head_dim) * pairs;
+}
+
 BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
                           int64_t token_tile, const WorkCoefficients& work, bool packed) const {
   // Byte counts in 128 bits, then checked: batch and seq come from the
@@ -328,10 +346,7 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
     case BlockKind::kLayer: {
       const BlockDims ld = layer_dims(block(i).layer);
       const double proj = 2.0 * t * d.hidden * (2.0 * double(q) + 2.0 * double(kv));
-      // Query-key pairs a sequence attends over: causal, or within the window.
-      const double s = double(seq), win = double(ld.sliding_window);
-      const double pairs = ld.sliding_window == 0 || seq <= ld.sliding_window ? s * s / 2 : s * win - win * win / 2;
-      const double attn = 2.0 * 2.0 * double(batch) * d.heads * d.head_dim * pairs;
+      const double attn = attention_flops(block(i).layer, batch, seq, packed);
       const double mlp = 2.0 * 3.0 * t * d.hidden * d.intermediate;
       // LoRA: each adapter's two thin GEMMs, x A^T and (x A^T) B^T.
       double adapters = 0;

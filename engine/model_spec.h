@@ -107,6 +107,14 @@ struct ModelSpec {
   BlockCost cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_chunk, int dtype_bytes,
                  int64_t token_tile = 0, const WorkCoefficients& work = WorkCoefficients::analytic(),
                  bool packed = false) const;
+  // FLOPs of decoder layer `layer`'s attention core (QK^T and PV) for
+  // `batch` sequences of `seq`, over the query-key pairs its kernel
+  // computes: half the square for causal attention alone; the whole square
+  // where SDPA reads a mask (a window below seq, or `packed` documents),
+  // which skips no block; soft-capped attention (gpu/softcap_attention.h):
+  // each query tile's keys, up to its last query from a window before its
+  // first. What cost() counts in forward_flops.
+  double attention_flops(int64_t layer, int64_t batch, int64_t seq, bool packed = false) const;
   static constexpr int64_t kMaxTokens = int64_t{1} << 40;  // per micro-batch: 8 TiB of ids alone
   static constexpr int64_t kMaxBytes = int64_t{1} << 62;   // any one size: past every machine
 

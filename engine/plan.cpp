@@ -34,11 +34,8 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   return c;
 }
 
-double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq) {
-  // QK^T and PV: 2 matmuls of 2 FLOPs per multiply-add over heads x head_dim
-  // x seq^2, of which a causal mask computes half (ModelSpec::cost's `attn`).
-  const BlockDims& d = spec.dims;
-  return 2.0 * 2.0 * double(batch) * double(d.heads) * double(d.head_dim) * double(seq) * double(seq) / 2;
+double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq, bool packed) {
+  return spec.attention_flops(0, batch, seq, packed);  // the first layer's (ModelSpec::cost's `attn`)
 }
 
 ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint64_t saved_bytes_per_layer) {
@@ -47,10 +44,10 @@ ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint6
   ActivationCost c;
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
   const double m = double(l.accumulation);
-  const BlockCost layer = spec.cost(1, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0);
+  const BlockCost layer = spec.cost(1, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0, l.work, l.packed_documents);
   c.forward_flops = layer.forward_flops * m;
   c.backward_flops = layer.backward_flops * m;
-  c.attention_flops = attention_core_flops(spec, l.micro_batch, l.seq) * m;
+  c.attention_flops = attention_core_flops(spec, l.micro_batch, l.seq, l.packed_documents) * m;
   c.param_bytes = uint64_t(spec.layout(1).total_elems()) * uint64_t(cbytes);
   c.saved_bytes = saved_bytes_per_layer;
   const double f = c.forward_flops / l.compute_flops_per_s, b = c.backward_flops / l.compute_flops_per_s,

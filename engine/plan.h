@@ -126,7 +126,7 @@ ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& limits, 
 // FLOPs of one decoder layer's attention core (QK^T and PV, causal: half the
 // square) for `batch` sequences of `seq`: what a kept layer's backward still
 // recomputes. The same count ModelSpec::cost includes in forward_flops.
-double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq);
+double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq, bool packed = false);
 
 struct Plan;
 // The plan's line that says which layers keep their activations, and why

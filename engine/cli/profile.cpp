@@ -69,11 +69,14 @@ StepFlops step_flops(const ModelSpec& spec, const EngineConfig& c) {
   StepFlops f;
   const int dtype_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   const int64_t head = spec.num_blocks() - 1;
-  const double attention = attention_core_flops(spec, c.micro_batch, c.seq);
   for (int64_t b = 0; b <= head; ++b) {
-    const BlockCost k =
-        spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes, c.compute.token_tile);
+    const BlockCost k = spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes, c.compute.token_tile,
+                                  WorkCoefficients::analytic(), c.packed_documents);
     const bool kept = std::find(c.saved_blocks.begin(), c.saved_blocks.end(), b) != c.saved_blocks.end();
+    const double attention =
+        spec.block(b).kind == BlockKind::kLayer
+            ? spec.attention_flops(spec.block(b).layer, c.micro_batch, c.seq, c.packed_documents)
+            : 0.0;
     const double recompute = b == head ? 0.0 : kept ? attention : k.forward_flops;
     const double backward = b == head && c.keep_logits ? k.backward_flops * 2 / 3 : k.backward_flops;
     f.executed += (k.forward_flops + recompute + backward) * double(c.accumulation);

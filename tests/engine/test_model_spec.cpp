@@ -390,3 +390,23 @@ TEST_CASE("weight decay spares norms and biases by name, as transformers' Traine
   CHECK((cut[0].begin == q.offset_elems + 5 && cut[0].end == qb.offset_elems && cut[0].decay));
   CHECK((cut[1].begin == qb.offset_elems && cut[1].end == qb.offset_elems + 3 && !cut[1].decay));
 }
+
+TEST_CASE("attention FLOPs count the query-key pairs the kernel computes", "[engine][spec]") {
+  // 4 heads of 16: 2 matmuls x 2 FLOPs x 64 features a pair.
+  nlohmann::json j = {{"architectures", {"MistralForCausalLM"}}, {"hidden_size", 64}, {"intermediate_size", 96},
+                      {"num_hidden_layers", 1}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+                      {"vocab_size", 100}, {"max_position_embeddings", 4096}, {"sliding_window", 256}};
+  const double per_pair = 4.0 * 64;
+  const ModelSpec window = ModelSpec::from_json(j, "mistral");
+  CHECK(window.attention_flops(0, 2, 256) == 2 * per_pair * 256.0 * 256 / 2);    // the window covers it: causal
+  CHECK(window.attention_flops(0, 2, 1024) == 2 * per_pair * 1024.0 * 1024);     // a mask: every block
+  CHECK(window.attention_flops(0, 2, 256, true) == 2 * per_pair * 256.0 * 256);  // packed documents: a mask too
+  // Soft-capped tiles (Gemma 2): 512 queries a tile at b 2, 4 heads, seq 1024 (softcap_query_tile's
+  // 2^22 / (b h s)); each tile reads the keys up to its last query (the window, 4096, covers the sequence).
+  j["architectures"] = {"Gemma2ForCausalLM"};
+  j.update({{"head_dim", 16}, {"attn_logit_softcapping", 50.0}, {"sliding_window", 4096}});
+  const ModelSpec capped = ModelSpec::from_json(j, "gemma2");
+  REQUIRE(softcap_query_tile(2, 4, 1024) == 512);
+  CHECK(capped.attention_flops(0, 2, 1024) == 2 * per_pair * (512.0 * 512 + 512.0 * 1024));
+  CHECK(capped.cost(1, 2, 1024, 64, 2).forward_flops > capped.attention_flops(0, 2, 1024));
+}
