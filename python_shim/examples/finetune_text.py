@@ -26,7 +26,7 @@ except ImportError:  # run from a source checkout: the package is in python_shim
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import strider
 import torch
-from strider.data import TokenBatches, prepare
+from strider.data import TokenBatches, TokenDataset, prepare
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,13 +73,17 @@ def main(argv=None):
                                   window=a.window, dtype=a.dtype, lr=a.lr, schedule=a.schedule,
                                   warmup_steps=a.warmup, total_steps=a.steps if a.schedule != "constant" else 0,
                                   weight_decay=a.weight_decay, clip_norm=a.clip, device=a.device,
-                                  device_budget=a.device_budget)
+                                  device_budget=a.device_budget,
+                                  # Lines are documents: where they start inside a window, each attends only to
+                                  # itself (the batches' position_ids restart at each).
+                                  packed_documents=any(TokenDataset(f, a.seq).packs_documents
+                                                       for f in (train_file, eval_file)))
     engine = strider.Engine(model, config)
-    train = iter(TokenBatches(train_file, config.batch, a.seq, seed=a.seed))
+    train = iter(TokenBatches(train_file, config.batch, a.seq, seed=a.seed, positions=True))
 
     def evaluate():
-        batches = TokenBatches(eval_file, config.batch, a.seq, shuffle=False)
-        losses = [engine.evaluate(x, y) for x, y in itertools.islice(batches, a.eval_batches)]
+        batches = TokenBatches(eval_file, config.batch, a.seq, shuffle=False, positions=True)
+        losses = [engine.evaluate(x, y, position_ids=p) for x, y, p in itertools.islice(batches, a.eval_batches)]
         return sum(losses) / len(losses)
 
     evals = [(0, evaluate())]
@@ -88,8 +92,8 @@ def main(argv=None):
     start = time.perf_counter()
     with tqdm(total=a.steps, desc="fine-tuning", unit="step") as bar:
         for _ in range(a.steps):
-            x, y = next(train)
-            r = engine.step(x, y)
+            x, y, p = next(train)
+            r = engine.step(x, y, position_ids=p)
             losses.append(r.loss)
             bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{r.lr:.2e}", tok_s=f"{r.tokens_per_s:.0f}")
             bar.update(1)
