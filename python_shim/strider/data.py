@@ -432,8 +432,9 @@ def main(argv=None):
                    help="auto: chat for .jsonl/.json, parquet for .parquet, arrow for .arrow or a folder, else lines")
     p.add_argument("--no-eos", action="store_true", help="do not end text documents with the EOS token")
     p.add_argument("--mode", default="packed", choices=["packed", "example"],
-                   help="packed: documents back to back, cut into --seq windows by the loader; example: each "
-                        "document alone in a window of --seq tokens, cut or padded")
+                   help="packed: documents back to back, cut into --seq windows by the loader, each document "
+                        "attending only to itself (the engine's packed_documents); example: each document alone "
+                        "in a window of --seq tokens, cut or padded")
     p.add_argument("--seq", type=int, default=None,
                    help="the engine's sequence length: needed by --mode example; with packed, the report says "
                         "how many documents run across two windows")
