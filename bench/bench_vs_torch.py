@@ -129,11 +129,12 @@ def make_batches(a, count):
             out.append((ids, labels, None))
             continue
         # a.docs documents a row, cut at random points; a document's first token is no target.
-        pos = torch.empty_like(ids)
-        for r in range(batch):
+        from strider.torch_reference import packed_position_ids
+        rows = []
+        for _ in range(batch):
             cuts = sorted(torch.randperm(a.seq - 1, generator=g)[:a.docs - 1].add(1).tolist())
-            for s, e in zip([0] + cuts, cuts + [a.seq]):
-                pos[r, s:e] = torch.arange(e - s)
+            rows.append([e - s for s, e in zip([0] + cuts, cuts + [a.seq])])
+        pos = packed_position_ids(rows)
         labels[pos == 0] = -100
         out.append((ids, labels, pos))
     return out

@@ -80,7 +80,8 @@ PACKED_ROWS = [[6, 6, 5], [3, 8, 6], [12, 5], [1, 16]]
 
 def packed(data):
     """The batches with rows that pack documents: (ids, labels, position_ids), a document's first label -100."""
-    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKED_ROWS])
+    from strider.torch_reference import packed_position_ids
+    pos = packed_position_ids(PACKED_ROWS)
     out = []
     for ids, labels in data:
         labels = labels.clone()

@@ -6,6 +6,9 @@ groups the Trainer would (transformers' own Trainer.get_decay_parameter_names
 decides), so a torch run with them is the reference a strider run tracks:
 
     opt = torch.optim.AdamW(adamw_param_groups(model, 0.1), lr=1e-4)
+
+`packed_position_ids(rows)` gives the position_ids of rows that pack documents, as
+transformers (and strider's packed_documents) read them.
 """
 
 
@@ -17,3 +20,11 @@ def adamw_param_groups(model, weight_decay):
     params = list(model.named_parameters())
     return [{"params": [p for n, p in params if n in decayed], "weight_decay": weight_decay},
             {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0}]
+
+
+def packed_position_ids(rows):
+    """Rows of documents by their lengths ([[6, 6, 5], [12, 5], ...], each row the same total) -> their
+    packed position_ids, an int64 tensor [rows, total]: each document's positions count from 0."""
+    import torch
+
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])

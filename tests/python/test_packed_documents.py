@@ -15,6 +15,7 @@ import torch
 
 from test_engine_vs_torch import (ACCUMULATION, BATCH, MICRO_BATCH, SEQ, STEPS, batches, load_into, make_model,
                                   new_engine, reference_run, rel_err, shifted)
+from strider.torch_reference import packed_position_ids
 
 # Document lengths per row (SEQ = 17 tokens each). Micro-batch 0's documents
 # stay within 8 positions (phi4_mini's original_max_position_embeddings: its
@@ -23,7 +24,7 @@ ROWS = [[6, 6, 5], [3, 8, 6], [12, 5], [1, 16]]
 
 
 def positions(rows=ROWS):
-    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    return packed_position_ids(rows)
 
 
 def packed_batches(vocab):
