@@ -228,10 +228,14 @@ void parse_gemma(const Reader& r, ModelSpec& s) {
   d.embedding_multiplier_in_dtype = true;
   d.attn_scale = 1.0 / std::sqrt(r.number_or("query_pre_attn_scalar", 256.0, kMultiplierRange));
   s.tie_embeddings = r.boolean_or("tie_word_embeddings", true);
-  if (gemma2) {  // transformers' defaults: 50 and 30 (null: none)
-    d.attn_softcap = r.find("attn_logit_softcapping") ? r.number_or("attn_logit_softcapping", 0, kMultiplierRange) : 0;
-    d.final_softcap =
-        r.find("final_logit_softcapping") ? r.number_or("final_logit_softcapping", 0, kMultiplierRange) : 0;
+  if (gemma2) {
+    // Absent: Gemma2Config's defaults, 50 and 30, as transformers reads the
+    // file; null: no soft-capping.
+    auto cap = [&](const char* key, double absent) {
+      return r.j.contains(key) ? r.number_or(key, 0, kMultiplierRange) : absent;
+    };
+    d.attn_softcap = cap("attn_logit_softcapping", 50.0);
+    d.final_softcap = cap("final_logit_softcapping", 30.0);
   } else {
     for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"})
       if (const json* v = r.find(cap))

@@ -193,11 +193,14 @@ TEST_CASE("Gemma 2 soft-caps by default and alternates sliding and global layers
           "[engine][spec]") {
   json g = qwen3_tiny();
   g["architectures"] = {"Gemma2ForCausalLM"};
-  g.update({{"num_hidden_layers", 4}, {"sliding_window", 4096}, {"attn_logit_softcapping", 50.0},
-            {"final_logit_softcapping", 30.0}});
+  g.update({{"num_hidden_layers", 4}, {"sliding_window", 4096}});
+  // Neither field given: Gemma2Config's defaults (transformers reads such a file with them).
   const ModelSpec s = ModelSpec::from_json(g, "gemma2/config.json");
   CHECK(s.dims.attn_softcap == 50.0);
   CHECK(s.dims.final_softcap == 30.0);
+  g.update({{"attn_logit_softcapping", 20.0}, {"final_logit_softcapping", 10.0}});
+  CHECK(ModelSpec::from_json(g, "gemma2/config.json").dims.attn_softcap == 20.0);
+  CHECK(ModelSpec::from_json(g, "gemma2/config.json").dims.final_softcap == 10.0);
   CHECK_FALSE(s.dims.qk_norm);
   CHECK(s.dims.norm == NormKind::kGemma);
   CHECK(s.sliding_layers == std::vector<uint8_t>{1, 0, 1, 0});  // every second layer global
