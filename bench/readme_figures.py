@@ -105,7 +105,8 @@ PLAN_NVME = {  # (model tag, clip tag) -> command name
 PLAN_REFUSED = {"70b": "plan-70b-ram-only", "123b": "plan-123b-ram-only"}
 PLAN_Q8 = {"8b": "plan-8b-q8", "70b": "plan-70b-nvme-q8"}  # the q8 optimizer-state format
 PLAN_LORA = {("8b", "lora"): "plan-8b-lora", ("8b", "full"): "plan-8b-full-128",  # batch 16, 128 / 256 GiB
-             ("70b", "lora"): "plan-70b-lora", ("70b", "full"): "plan-70b-full-b16"}
+             ("70b", "lora"): "plan-70b-lora", ("70b", "full"): "plan-70b-full-b16",
+             ("8b", "lora-nf4"): "plan-8b-lora-nf4", ("70b", "lora-nf4"): "plan-70b-lora-nf4-128"}  # 128 GiB
 PLAN_LORA_REFUSED = "plan-70b-lora-128"
 
 PARTS = {
@@ -592,21 +593,32 @@ def block_predict_lora(f, logs):
     out = ["| model, RAM (batch 16 x 1024, rtx4090 preset) | LoRA r=16, every linear module: tokens/s (s/step) | "
            "host RAM (of it kept activations) | cache unit | full training: tokens/s (s/step) | host RAM (NVMe) |",
            "| --- | --- | --- | --- | --- | --- |"]
-    for model, name, ram in (("8b", "Llama-3.1-8B", "128 GiB"), ("70b", "Llama-3.1-70B", "256 GiB")):
-        a, b = f"predict.{model}.lora", f"predict.{model}.full"
+    rows = (("8b", "lora", "Llama-3.1-8B, 128 GiB, bf16 base", True),
+            ("8b", "lora-nf4", "Llama-3.1-8B, 128 GiB, NF4 base (`--base-format nf4`)", False),
+            ("70b", "lora", "Llama-3.1-70B, 256 GiB, bf16 base", True),
+            ("70b", "lora-nf4", "Llama-3.1-70B, 128 GiB, NF4 base (`--base-format nf4`)", False))
+    for model, kind, name, full in rows:
+        a, b = f"predict.{model}.{kind}", f"predict.{model}.full"
         nvme = f" ({f[b + '.nvme_gib']:.0f} GiB)" if f[b + ".nvme_gib"] else ""
-        out.append(f"| {name}, {ram} | {f[a + '.tokens_per_s']:.0f} ({f[a + '.step_s']:.2f}) | "
+        whole = (f"{f[b + '.tokens_per_s']:.0f} ({f[b + '.step_s']:.2f}) | {f[b + '.host_gib']:.1f} GiB{nvme}" if full
+                 else "— | —")
+        out.append(f"| {name} | {f[a + '.tokens_per_s']:.0f} ({f[a + '.step_s']:.2f}) | "
                    f"{f[a + '.host_gib']:.1f} GiB ({f[a + '.saved_host_gib']:.1f} GiB) | {f[a + '.unit_gib']:.2f} GiB | "
-                   f"{f[b + '.tokens_per_s']:.0f} ({f[b + '.step_s']:.2f}) | {f[b + '.host_gib']:.1f} GiB{nvme} |")
+                   f"{whole} |")
     out.append("")
     out.append(prose(
         f"Predicted by `{cmd(logs, PLAN_LORA[('8b', 'lora')])}` and the same for the other rows (full training "
-        "without `--lora`, 70B with `--nvme`). A frozen base has no gradient to send, no optimizer state and a "
-        "backward of input gradients only, and its cache units carry fp32 gradients of the adapters alone; "
-        "the plan gives the RAM the base leaves to kept activations (`--activations auto`). "
-        "Llama-3.1-70B LoRA in 128 GiB of RAM is refused: it needs "
+        "without `--lora`, 70B with `--nvme`, NF4 with `--base-format nf4`). A frozen base has no gradient to "
+        "send, no optimizer state and a backward of input gradients only, and its cache units carry fp32 "
+        "gradients of the adapters alone; the plan gives the RAM the base leaves to kept activations "
+        "(`--activations auto`). With a bf16 base, Llama-3.1-70B LoRA in 128 GiB of RAM is refused: it needs "
         f"{f['refused.70b.lora.ram_needed_gib']:.0f} GiB, {f['refused.70b.lora.base_gib']:.0f} GiB of it the bf16 "
-        "base's compute copy (int8 and NF4 bases, about a half and a quarter of that, are not built yet)."))
+        "base's compute copy. An NF4 base holds the layers' weight matrices in 0.5625 bytes per parameter and "
+        "sends those bytes to the GPU, which dequantizes them at each forward and backward visit with ATen ops. "
+        "The simulator prices that at 2 FLOPs per element and leaves its memory traffic out: unfused, the ops "
+        "move about 37 bytes per element (indices widened to int64, fp32 values looked up, scaled, rounded), some "
+        "8 ms per Llama-3.1-8B layer at 1 TB/s: about 0.5 s of the 8B step above and 5 s of the 70B one "
+        "(32 ms per layer), unmeasured until a GPU runs it."))
     return "\n".join(out)
 
 

@@ -196,6 +196,11 @@ if has_part plan; then
       --accumulation 16 --predict rtx4090 --json
   run plan-70b-lora-128 1 "$S" plan --model llama-3.1-70b --gpu 24GiB --ram 128GiB --seq 1024 --accumulation 16 \
       --lora "$lora" --json
+  # The same LoRA over an NF4 base (--base-format nf4): 8B, and 70B in the 128 GiB a bf16 base is refused.
+  run plan-8b-lora-nf4 0 "$S" plan --model llama-3.1-8b --gpu 24GiB --ram 128GiB --seq 1024 --accumulation 16 \
+      --lora "$lora" --base-format nf4 --predict rtx4090 --json
+  run plan-70b-lora-nf4-128 0 "$S" plan --model llama-3.1-70b --gpu 24GiB --ram 128GiB --seq 1024 \
+      --accumulation 16 --lora "$lora" --base-format nf4 --predict rtx4090 --json
 fi
 if has_part profile; then
   # Its trace and PNG stay with the logs.

@@ -142,7 +142,8 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     st.pool = std::make_unique<CacheUnitPool>(
         *st.device, size_t(config_.window), fp.unit_elems,
         CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = place_.compute_bytes,
-                             .grad_capacity_elems = place_.shards.unit_grad_elems});
+                             .grad_capacity_elems = place_.shards.unit_grad_elems,
+                             .staging_bytes = place_.base_staging_bytes});
     allocate_activations(d);
     st.runner = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, st.aten);
     st.data_ready = st.device->make_event();
@@ -437,11 +438,18 @@ std::span<std::byte> EngineCore::compute_copy(int64_t b) {
   return store_->block(size_t(b)).compute_bytes();
 }
 
+size_t EngineCore::compute_begin(int64_t b) const {
+  STRIDER_CHECK(!simulated(), "compute_begin: a simulated engine holds no parameters");
+  STRIDER_CHECK(b >= 0 && b < place_.blocks, "compute_begin: block {} out of range (the model has {} blocks)", b,
+                place_.blocks);
+  return store_->block(size_t(b)).compute_begin;
+}
+
 void EngineCore::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
   STRIDER_CHECK(!simulated(), "model_weights: a simulated engine holds no state");
   STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
                 "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
-  if (file_dtype != DType::kBF16 || place_.compute_bytes != 2) {
+  if (file_dtype != DType::kBF16 || place_.compute_bytes != 2 || store_->block(size_t(b)).compute_begin > 0) {
     read_state(b, ExtentKind::kMaster, out);
     return;
   }

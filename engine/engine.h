@@ -115,8 +115,12 @@ class Engine {
   // updater rewrites it from the master after each update, so read it between
   // steps after finish_updates(); a write to it lasts only until the block's
   // next update (set_param / write_state change the master). Valid while the
-  // Engine lives. This is what a wrapped model's parameters alias.
+  // Engine lives. This is what a wrapped model's parameters alias. A block
+  // whose frozen base is held quantized (EngineConfig::base_format) has a
+  // compute copy of its elements from compute_begin(block) on only: the span
+  // starts there.
   std::span<std::byte> compute_copy(int64_t block);
+  size_t compute_begin(int64_t block) const;
   // Block b's weights as a model file in `file_dtype` should hold them
   // (total_elems floats): for a bf16 file with a bf16 compute copy, the
   // compute copy's values (what the model computes with; the q8 format rounds

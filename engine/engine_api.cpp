@@ -26,6 +26,7 @@ std::vector<float> Engine::param(const std::string& name) { return core_->param(
 void Engine::read_state(int64_t block, ExtentKind kind, std::span<float> out) { core_->read_state(block, kind, out); }
 void Engine::write_state(int64_t block, ExtentKind kind, std::span<const float> in) { core_->write_state(block, kind, in); }
 std::span<std::byte> Engine::compute_copy(int64_t block) { return core_->compute_copy(block); }
+size_t Engine::compute_begin(int64_t block) const { return core_->compute_begin(block); }
 void Engine::model_weights(int64_t block, DType file_dtype, std::span<float> out) {
   core_->model_weights(block, file_dtype, out);
 }

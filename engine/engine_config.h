@@ -10,6 +10,7 @@
 
 #include "engine/block_runner.h"   // ComputeOptions
 #include "engine/lr_schedule.h"
+#include "host/base_format.h"
 #include "host/cpu_adam.h"         // AdamHyper
 #include "host/pinned_arena.h"     // LockPolicy
 #include "host/state_format.h"
@@ -55,6 +56,10 @@ struct EngineConfig {
   // text); empty: every parameter trains. The Engine gives it to its
   // ModelSpec (ModelSpec::with_lora), whose layouts then hold the adapters.
   std::string lora;
+  // How a LoRA base's frozen weight matrices are held on the host and sent
+  // to the device (host/base_format.h): the compute dtype, or int8 or NF4,
+  // quantized once at load and dequantized on the device at each visit.
+  BaseFormat base_format = BaseFormat::kCompute;
   // Gradients are summed in fp32 on the device over the micro-batches, then
   // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
   // keeps them exact (the exactness tests; an fp32 compute dtype always does).

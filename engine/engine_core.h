@@ -42,6 +42,7 @@ class EngineCore {
   void read_state(int64_t block, ExtentKind kind, std::span<float> out);
   void write_state(int64_t block, ExtentKind kind, std::span<const float> in);
   std::span<std::byte> compute_copy(int64_t block);
+  size_t compute_begin(int64_t block) const;
   void model_weights(int64_t block, DType file_dtype, std::span<float> out);
   StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions);
   double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions);

@@ -143,12 +143,20 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
   for (size_t i = 0; i < layout.size();) {
     const int64_t block = piece(layout[i].piece).block;
     const size_t unit_at = layout[i].unit_at, from = layout[i].run.block;
+    const bool quantized = piece(layout[i].piece).quantized;
     size_t n = layout[i].run.n;
-    for (++i; i < layout.size() && piece(layout[i].piece).block == block && layout[i].unit_at == unit_at + n &&
-              layout[i].run.block == from + n;
+    for (++i; !quantized && i < layout.size() && piece(layout[i].piece).block == block &&
+              !piece(layout[i].piece).quantized && layout[i].unit_at == unit_at + n && layout[i].run.block == from + n;
          ++i)
       n += layout[i].run.n;
-    auto bytes = store_->block(size_t(block)).compute_bytes().subspan(from * place_.compute_bytes, n * place_.compute_bytes);
+    const BlockState& s = store_->block(size_t(block));
+    if (quantized) {  // its base bytes, dequantized by the visit's first operation
+      STRIDER_CHECK(u.staging_bytes >= s.base.size(), "internal: {} base bytes of block {} and {} of unit staging",
+                    s.base.size(), block, u.staging_bytes);
+      dev.copy_h2d(StreamId::kH2D, u.staging, s.base.data(), s.base.size(), {"h2d base", int32_t(block)});
+      continue;
+    }
+    auto bytes = s.compute_range(from, n);
     dev.copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + unit_at * place_.compute_bytes, bytes.data(),
                  bytes.size(), {"h2d params", int32_t(block)});
   }

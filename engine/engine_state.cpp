@@ -6,6 +6,7 @@
 #include "engine/collectives.h"
 #include "engine/engine_core.h"
 #include "host/adam_q8.h"
+#include "host/base_format.h"
 #include "host/bf16.h"
 #include "host/error.h"
 
@@ -64,17 +65,27 @@ void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
         if (config_.optimizer_state == StateFormat::kFp32)
           std::memcpy(to, bytes + r.at * sizeof(float), r.n * sizeof(float));
         else if (kind == ExtentKind::kMaster)
-          q8_decode_master(s.compute.data() + r.block, codes + r.at, to, r.n);
+          q8_decode_master(s.compute_at(r.block), codes + r.at, to, r.n);
         else
           q8_decode_moment(state_kind(kind), codes + r.at, scales_after(bytes, n) + r.at / kQ8GroupElems, to, r.n);
       }
     }
   }
   if (sharded()) gather_state(b, out);
-  for (const auto& [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
-    if (kind != ExtentKind::kMaster) std::fill(out.begin() + lo, out.begin() + hi, 0.0f);
-    else if (!s.compute.empty()) bf16_to_float(s.compute.subspan(lo, hi - lo), out.subspan(lo, hi - lo));
-    else std::copy(s.compute_f32.begin() + lo, s.compute_f32.begin() + hi, out.begin() + lo);
+  for (auto [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
+    if (kind != ExtentKind::kMaster) {
+      std::fill(out.begin() + lo, out.begin() + hi, 0.0f);
+      continue;
+    }
+    if (lo < s.compute_begin) {  // a quantized base: what the device computes with
+      dequantize_base(*s.base_layout, s.base, out.first(s.compute_begin));
+      lo = s.compute_begin;
+    }
+    const std::span<const std::byte> c = s.compute_range(lo, hi - lo);
+    if (!s.compute.empty())
+      bf16_to_float({reinterpret_cast<const uint16_t*>(c.data()), hi - lo}, out.subspan(lo, hi - lo));
+    else
+      std::memcpy(out.data() + lo, c.data(), c.size());
   }
 }
 
@@ -96,29 +107,41 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
   const bool q8 = config_.optimizer_state == StateFormat::kQ8;
   // Frozen tensors: the master is the compute copy (a shared one: rank 0 writes it).
   if (kind == ExtentKind::kMaster && (!shared_arena_ || config_.state_shard == 0))
-    for (const auto& [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
-      if (!s.compute.empty()) float_to_bf16(in.subspan(lo, hi - lo), s.compute.subspan(lo, hi - lo));
-      else std::copy(in.begin() + lo, in.begin() + hi, s.compute_f32.begin() + lo);
+    for (auto [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
+      if (lo < s.compute_begin) {  // a quantized base: quantized once, here (host/base_format.h)
+        // Only the tensors given other values than read_state gives: a
+        // block written whole to set one tensor keeps the others' bytes.
+        requantize_changed(*s.base_layout, in.first(s.compute_begin), s.base);
+        lo = s.compute_begin;
+      }
+      const std::span<std::byte> c = s.compute_range(lo, hi - lo);
+      if (!s.compute.empty())
+        float_to_bf16(in.subspan(lo, hi - lo), {reinterpret_cast<uint16_t*>(c.data()), hi - lo});
+      else
+        std::memcpy(c.data(), in.data() + lo, c.size());
     }
   if (kind == ExtentKind::kMaster && shared_arena_) {
     // A compute copy shared with the other ranks: this rank writes its slice
     // (below, or here for an NVMe-tier fp32 state), the others theirs.
     compute_pending_ = true;
     const Range own{s.state_begin, s.state_end};
+    const std::span<std::byte> c = s.compute_range(own.begin, own.elems());
     if (place_.nvme_block[size_t(b)] && !q8 && !s.compute.empty())
-      float_to_bf16(in.subspan(own.begin, own.elems()), s.compute.subspan(own.begin, own.elems()));
+      float_to_bf16(in.subspan(own.begin, own.elems()), {reinterpret_cast<uint16_t*>(c.data()), own.elems()});
     else if (place_.nvme_block[size_t(b)] && !q8)
-      std::copy(in.begin() + own.begin, in.begin() + own.end, s.compute_f32.begin() + own.begin);
+      std::memcpy(c.data(), in.data() + own.begin, c.size());
   } else if (kind == ExtentKind::kMaster && (place_.nvme_block[size_t(b)] || sharded())) {
     // The compute copy follows the master, all of it: the slices other ranks
     // keep get the bits their ranks write (every rank is given the same `in`).
+    // (A quantized base's elements were written above.)
+    const std::span<const float> tail = in.subspan(s.compute_begin);
     if (q8) {
-      std::vector<uint8_t> ext(in.size());  // the q8 master's low bytes, kept only for this rank's slice below
-      q8_encode_master(in.data(), s.compute.data(), ext.data(), in.size());
+      std::vector<uint8_t> ext(tail.size());  // the q8 master's low bytes, kept only for this rank's slice below
+      q8_encode_master(tail.data(), s.compute.data(), ext.data(), tail.size());
     } else if (!s.compute.empty()) {
-      float_to_bf16(in, s.compute);
+      float_to_bf16(tail, s.compute);
     } else {
-      std::copy(in.begin(), in.end(), s.compute_f32.begin());
+      std::copy(tail.begin(), tail.end(), s.compute_f32.begin());
     }
   }
   if (!place_.nvme_block[size_t(b)]) {
@@ -138,7 +161,7 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
       if (!q8)
         std::memcpy(bytes + r.at * sizeof(float), from, r.n * sizeof(float));
       else if (kind == ExtentKind::kMaster)
-        q8_encode_master(from, s.compute.data() + r.block, codes + r.at, r.n);
+        q8_encode_master(from, s.compute_at(r.block), codes + r.at, r.n);
       else
         q8_encode_moment(state_kind(kind), from, codes + r.at, scales_after(bytes, n) + r.at / kQ8GroupElems, r.n);
     }

@@ -128,12 +128,11 @@ void EngineCore::gather_compute(int64_t p, bool shared) {
   }
   // Range by range: each is contiguous in the block's compute copy, the ranks' slices cut to it.
   const std::vector<size_t>& bounds = place_.block_slices[size_t(piece(p).block)];
-  const std::span<std::byte> c = store_->block(size_t(piece(p).block)).compute_bytes();
+  const BlockState& c = store_->block(size_t(piece(p).block));
   for (const ElemRange& range : piece(p).ranges) {
     for (size_t r = 0; r < bounds.size(); ++r)
       slice_bytes_[r] = (std::clamp(bounds[r], range.begin, range.end) - range.begin) * place_.compute_bytes;
-    dist_update_->all_gather(c.subspan(range.begin * place_.compute_bytes, range.elems() * place_.compute_bytes),
-                             slice_bytes_);
+    dist_update_->all_gather(c.compute_range(range.begin, range.elems()), slice_bytes_);
   }
 }
 
@@ -414,11 +413,11 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
       Q8View q;
       if (slot) {
         std::byte *m = slot->m.data(), *v = slot->v.data();
-        q = q8_view(s.compute.data() + at, slot->master.data() + k, m + k, scales_after(m, n) + k / kQ8GroupElems,
+        q = q8_view(s.compute_at(at), slot->master.data() + k, m + k, scales_after(m, n) + k / kQ8GroupElems,
                     v + k, scales_after(v, n) + k / kQ8GroupElems);
       } else {
         const size_t gi = st_at / kQ8GroupElems;
-        q = {s.compute.data() + at, s.ext.data() + st_at, s.m_codes.data() + st_at, s.m_scale.data() + gi,
+        q = {s.compute_at(at), s.ext.data() + st_at, s.m_codes.data() + st_at, s.m_scale.data() + gi,
              s.v_codes.data() + st_at, s.v_scale.data() + gi};
       }
       adam_->step_q8(st, Q8Args{q, g, grad_dtype, len, uint32_t(at), q8_salt(job.step, pc.block)});
@@ -436,12 +435,12 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
     }
     if (fp32) {
       // fp32 compute: the compute copy is the master itself, chunk by chunk.
-      float* out = s.compute_f32.data() + at;
+      float* out = s.compute_f32.data() + (at - s.compute_begin);
       adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, nullptr, len}, [&](size_t begin, size_t end) {
         std::memcpy(out + begin, p + begin, (end - begin) * sizeof(float));
       });
     } else {
-      adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, s.compute.data() + at, len});
+      adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, s.compute_at(at), len});
     }
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,

@@ -5,6 +5,7 @@
 // what order, is the program's.
 #include "engine/collectives.h"
 #include "engine/engine_core.h"
+#include "gpu/base_dequant.h"
 #include "host/error.h"
 
 namespace strider {
@@ -52,6 +53,8 @@ double EngineCore::op_flops(const StepOp& op) const {
       return c.backward_flops +
              spec_.attention_flops(spec_.block(b).layer, config_.micro_batch, config_.seq, config_.packed_documents);
     }
+    case StepOpKind::kDequantize:  // a multiply per element (and a level's lookup for NF4): memory-bound
+      return 2.0 * double(piece(op.piece).elems());
     default:
       return 0;
   }
@@ -142,6 +145,23 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       dev.copy_d2h(StreamId::kD2H, head_stats_host_.data(), st.head_stats.data_ptr(), head_stats_host_.size_bytes(),
                    {"d2h loss", int32_t(place_.head)});
       dev.record(*head_stats_ready_, StreamId::kD2H);
+      return;
+    }
+    case StepOpKind::kDequantize: {
+      // The base's bytes came with the load into the unit's staging; the
+      // layer's parameters from them, where the piece lies in the unit.
+      const BlockState& s = store_->block(size_t(op.block));
+      const CacheUnit& u = unit(op);
+      size_t at = 0;
+      for (const UnitRun& r : *loaded_[size_t(op.visit)].layout)
+        if (r.piece == op.piece) at = r.unit_at;
+      const BaseLayout* l = s.base_layout;
+      const std::byte* src = u.staging;
+      void* dst = static_cast<std::byte*>(u.params_bf16) + at * place_.compute_bytes;
+      const at::ScalarType dtype = config_.compute.dtype;
+      const c10::Device aten = st.aten;
+      dev.launch(StreamId::kCompute, {"dequantize base", int32_t(op.block), op_flops(op)},
+                 [l, src, dst, dtype, aten](const LaunchContext&) { dequantize_base_on_device(*l, src, dst, dtype, aten); });
       return;
     }
     case StepOpKind::kZeroGrads: {

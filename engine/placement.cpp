@@ -114,6 +114,12 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(!state_uses_compute_copy(c.optimizer_state) || c.compute.dtype == at::kBFloat16,
                 "the {} optimizer state keeps the master's high half in the bf16 compute copy: it needs the bf16 "
                 "compute dtype, not fp32", state_format_name(c.optimizer_state));
+  STRIDER_CHECK(c.base_format == BaseFormat::kCompute || spec.lora.enabled(),
+                "base_format {}: only a frozen LoRA base is quantized; give lora too, or base_format compute",
+                base_format_name(c.base_format));
+  STRIDER_CHECK(c.base_format == BaseFormat::kCompute || c.layer_pieces.empty(),
+                "base_format {} with layer_pieces '{}': a quantized base is one piece of its layer; leave "
+                "layer_pieces empty", base_format_name(c.base_format), c.layer_pieces);
   // grad_ring and the state shard: place() checks them (it indexes by them).
   STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
                 "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",
@@ -137,6 +143,13 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;
   pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces, c.devices);
+  // A quantized base: each decoder layer's frozen piece before its trained
+  // stretch (host/base_format.h).
+  const bool quantize = c.base_format != BaseFormat::kCompute && spec.lora.enabled();
+  if (quantize)
+    for (Piece& pc : pl.shards.pieces)
+      pc.quantized = pc.frozen && spec.block(pc.block).kind == BlockKind::kLayer && pc.ranges.size() == 1 &&
+                     pc.ranges[0].begin == 0 && pc.ranges[0].end == pl.layouts[size_t(pc.block)].trainable_span().first;
   const Sharding& sh = pl.shards;
   const int64_t P = int64_t(sh.pieces.size());
   const bool clip = c.clip_norm > 0;
@@ -170,6 +183,12 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
       if (!sh.pieces[size_t(p)].frozen) trained += sh.pieces[size_t(p)].elems();
     pl.store_blocks.push_back({pl.layouts[size_t(b)], !nvme, !grads_in_ring(nvme, c) && trained > 0,
                                pl.block_slices.back()[rank], pl.block_slices.back()[rank + 1], trained});
+    for (int64_t p = sh.first_of(b); p < sh.end_of(b); ++p)
+      if (sh.pieces[size_t(p)].quantized) {
+        pl.store_blocks.back().base = base_layout(pl.layouts[size_t(b)], sh.pieces[size_t(p)].ranges[0].end,
+                                                  c.base_format, pl.compute_bytes == 4 ? DType::kF32 : DType::kBF16);
+        pl.base_staging_bytes = std::max(pl.base_staging_bytes, pl.store_blocks.back().base.bytes);
+      }
   }
   pl.store = {.grad_dtype = pl.grad_bytes == 4 ? DType::kF32 : DType::kBF16,
               .compute_dtype = pl.compute_bytes == 4 ? DType::kF32 : DType::kBF16,
@@ -242,7 +261,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   f.unit_grad_elems = sh.unit_grad_elems;
   f.vocab_shards = sh.shards;
   f.shard_rows = sh.rows;
-  f.unit_bytes = CacheUnitPool::unit_bytes_for(f.unit_elems, pl.compute_bytes, sh.unit_grad_elems);
+  f.unit_bytes = CacheUnitPool::unit_bytes_for(f.unit_elems, pl.compute_bytes, sh.unit_grad_elems, pl.base_staging_bytes);
   f.pool_bytes = f.unit_bytes * uint64_t(c.window);
   f.saved_layers = kept;
   count_device(spec, c, pl);

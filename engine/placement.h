@@ -101,6 +101,9 @@ struct Placement {
   size_t nvme_slot_bytes = 0;           // one NVMe staging buffer (of master, m, v, spilled gradients)
   size_t act_bytes = 0;                 // one micro-batch's hidden states [micro_batch, seq, hidden]
   size_t saved_bytes = 0;               // one micro-batch's kept activations of one layer
+  // The largest quantized base's bytes (EngineConfig::base_format): each
+  // cache unit's staging for them (0: none).
+  size_t base_staging_bytes = 0;
   EngineFootprint footprint;
 
   int devices = 1;                      // the pool's devices (EngineConfig::devices)

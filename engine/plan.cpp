@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fmt/ranges.h>
 
+#include "gpu/base_dequant.h"  // kDequantWorkBytes
 #include "host/error.h"
 
 namespace strider {
@@ -17,6 +18,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.vocab_shard_rows = l.vocab_shard_rows;
   c.layer_pieces = l.layer_pieces;
   c.lora = l.lora;
+  c.base_format = l.base_format;
   c.devices = l.devices;
   c.fp32_grad_transfer = l.fp32_grad_transfer;
   c.window = window;
@@ -172,6 +174,8 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
       const BlockCost c = spec.cost(b, l.micro_batch, l.seq, sh.chunk, cbytes, tile, l.work, l.packed_documents);
       w = std::max<uint64_t>(w, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
     }
+    // A quantized base's dequantization, an operation of its own, by chunks.
+    if (l.base_format != BaseFormat::kCompute && spec.lora.enabled()) w = std::max<uint64_t>(w, kDequantWorkBytes);
     return w;
   };
 
@@ -233,9 +237,13 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head; the embedding and the LM head move in {} "
                               "vocabulary shard{} of {} rows, no larger than a layer", blocks, spec.layers,
                               f.vocab_shards, f.vocab_shards == 1 ? "" : "s", f.shard_rows));
-  p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients{}) {}", k, k,
+  const bool quantized_base = spec.lora.enabled() && l.base_format != BaseFormat::kCompute;
+  p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients{}{}) {}", k, k,
                               format_bytes(f.unit_bytes), f.unit_elems,
                               f.unit_grad_elems < f.unit_elems ? fmt::format(" of the {} trained", f.unit_grad_elems) : "",
+                              quantized_base ? fmt::format(" + the {} base's bytes, dequantized at each visit",
+                                                           base_format_name(l.base_format))
+                                             : "",
                               l.window > 0 ? "(as asked)" : k == blocks ? "(the whole model fits)"
                                              : k == kMaxAutoWindow ? "(more hides no more transfer time)"
                                                                    : "(the most that fits)"));
@@ -259,18 +267,26 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   // push a block's state to NVMe (an NVMe-tier block costs a read and a
   // write of 12 bytes per parameter every step; a layer that cannot keep its
   // activations only recomputes its forward).
-  f = footprint(spec, p.engine_config(lim));
+  const Placement placed = place(spec, p.engine_config(lim));
+  f = placed.footprint;
   // Move blocks' fp32 state to NVMe, largest first, until it fits.
   if (arena_limit > 0 && f.host_bytes - f.optimizer_host_bytes > arena_limit && spec.lora.enabled()) {
-    // The frozen base is its compute copy, which stays in RAM: NVMe takes
-    // optimizer state, and a base has none.
-    const uint64_t base = uint64_t(spec.param_count()) * (l.dtype == at::kFloat ? 4 : 2);
+    // The frozen base stays in RAM: NVMe takes optimizer state, and a base has none.
     p.feasible = false;
-    p.reason = fmt::format("needs {} of pinned host RAM, {} of it the frozen base's compute copy ({}: LoRA "
-                           "trains adapters over it, and NVMe holds optimizer state, not compute copies); the limit "
-                           "is {}; give more --ram (int8 and NF4 bases are not built yet)",
-                           format_bytes(f.host_bytes), format_bytes(base), l.dtype == at::kFloat ? "fp32" : "bf16",
-                           limit_text);
+    if (l.base_format == BaseFormat::kCompute) {
+      const uint64_t base = uint64_t(spec.param_count()) * (l.dtype == at::kFloat ? 4 : 2);
+      p.reason = fmt::format("needs {} of pinned host RAM, {} of it the frozen base's compute copy ({}: LoRA "
+                             "trains adapters over it, and NVMe holds optimizer state, not compute copies); the "
+                             "limit is {}; give more --ram, or hold the base in int8 or NF4 (--base-format)",
+                             format_bytes(f.host_bytes), format_bytes(base), l.dtype == at::kFloat ? "fp32" : "bf16",
+                             limit_text);
+    } else {
+      const uint64_t base = ParamStore::compute_bytes_needed(placed.store_blocks, placed.store);
+      p.reason = fmt::format("needs {} of pinned host RAM, {} of it the frozen base ({} layers, the rest in {}: "
+                             "NVMe holds optimizer state, not the base); the limit is {}; give more --ram",
+                             format_bytes(f.host_bytes), format_bytes(base), base_format_name(l.base_format),
+                             l.dtype == at::kFloat ? "fp32" : "bf16", limit_text);
+    }
     return p;
   }
   if (arena_limit > 0 && f.host_bytes > arena_limit) {
@@ -400,10 +416,13 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
                          format_bytes(on_device));
   if (staging > 0) parts += fmt::format(" + {} staging a block to load or save", format_bytes(staging));
   const double params = double(spec.param_count());
+  const bool quantized = spec.lora.enabled() && l.base_format != BaseFormat::kCompute;
   p.why.push_back(fmt::format("host: {} pinned, {} of it the training state ({:.2f} bytes per parameter: {} "
-                              "optimizer state, the compute copy, gradient staging); at its peak the process holds "
+                              "optimizer state, the compute copy{}, gradient staging); at its peak the process holds "
                               "~{} ({})", format_bytes(f.host_bytes), format_bytes(p.host_bytes),
                               double(p.host_bytes) / params, state_format_name(l.optimizer_state),
+                              quantized ? fmt::format(" (the layers' frozen base in {})", base_format_name(l.base_format))
+                                        : "",
                               format_bytes(p.host_peak_bytes), parts));
   return p;
 }

@@ -52,6 +52,7 @@ struct PlanLimits {
   int64_t vocab_shard_rows = 0;  // 0: shards no larger than a layer (engine/shards.h)
   std::string layer_pieces;      // EngineConfig::layer_pieces (empty: one piece per layer)
   std::string lora;              // EngineConfig::lora (empty: every parameter trains); Plan::make applies it
+  BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how a LoRA base is held
   int devices = 1;               // a pool's devices, each with device_bytes (EngineConfig::devices)
   bool packed_documents = false; // rows pack documents: a mask per row (EngineConfig::packed_documents)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype

@@ -70,6 +70,10 @@ struct Piece {
   // Every tensor it holds is frozen (a LoRA base, engine/lora.h): its
   // program has no gradient, landing, update or state operations.
   bool frozen = false;
+  // A frozen base held in a quantized format (EngineConfig::base_format):
+  // its visit's load sends its block's base bytes, and the visit's first
+  // operation dequantizes them into the unit (Placement sets it).
+  bool quantized = false;
   size_t elems() const;
   bool rows() const { return row_end > row_begin; }
   // Piece coordinates [lo, hi) as runs contiguous in the block, in order.

@@ -91,6 +91,14 @@ class DeviceBuilder {
     int32_t last = -1;  // the latest compute operation of the visit
     std::vector<int32_t> out;  // what the release waits for on the d2h stream
     bool grads = false;
+    // Pass "base format": a quantized base, landed with the load, becomes
+    // the unit's parameters before anything computes with them.
+    if (vis.kind != Visit::kHead)
+      for (int64_t q : visit_pieces(pl_, vis))
+        if (pl_.piece(q).quantized) {
+          last = add(StepOpKind::kDequantize, Lane::kCompute, v, pl_.piece(q).block, {load});
+          op(last).piece = q;
+        }
     if (vis.kind == Visit::kForward) {
       const std::vector<int64_t> loads = visit_pieces(pl_, vis);
       const int64_t p = vis.piece, b = pl_.piece(p).block;

@@ -11,6 +11,7 @@
 //   visits            forward, head, backward: the base program
 //   micro-batches     each visit's compute per micro-batch, its gradients out
 //   prefetch          each visit's load K-1 visits ahead (a pool: just before it)
+//   base format       a layer visit whose base is quantized starts by dequantizing it
 //   host checkpoints  a layer's input out after the forward, in before the backward
 //   devices           a pool: each visit on its block's device (the head's
 //                     shards continuing the round robin); a block's input and
@@ -51,6 +52,7 @@ enum class StepOpKind : uint8_t {
   // visit's operations hold its unit from its kLoad to its kRelease; the
   // first of them on the compute stream waits for the load.
   kLoad,               // h2d: a visit's pieces into a cache unit (after their previous pass's kUpdated)
+  kDequantize,         // compute: a quantized base's bytes, landed with the load, into the unit's parameters
   kZeroGrads,          // compute: the unit's gradient accumulators zeroed
   kTiedGradIn,         // h2d: a tied embedding shard's gradient starts from the head's share
   kCheckpointIn,       // h2d: a layer's input for one micro-batch back from the host

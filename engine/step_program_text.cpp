@@ -12,6 +12,7 @@ namespace strider {
 const char* op_name(StepOpKind k) {
   switch (k) {
     case StepOpKind::kLoad: return "load";
+    case StepOpKind::kDequantize: return "dequantize base";
     case StepOpKind::kZeroGrads: return "zero grads";
     case StepOpKind::kTiedGradIn: return "tied grads in";
     case StepOpKind::kCheckpointIn: return "checkpoint in";

@@ -87,7 +87,7 @@ const std::vector<std::string>& maths_config_fields() {
   static const std::vector<std::string> kFields = {
       "seq", "micro_batch", "accumulation", "dtype", "vocab_chunk", "lr", "beta1", "beta2", "eps",
       "weight_decay", "decay_norms_and_biases", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state",
-      "packed_documents"};
+      "packed_documents", "base_format"};
   return kFields;
 }
 
@@ -114,10 +114,12 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
   for (const std::string& f : fields) {
     // Checkpoints from before the optimizer-state formats hold fp32 state; from
     // before the decay rule, they decayed every tensor (which matters only
-    // with weight decay); from before packed documents, rows were one sequence.
+    // with weight decay); from before packed documents, rows were one sequence;
+    // from before base formats, a LoRA base was held in the compute dtype.
     const nlohmann::json saved = f == "optimizer_state"          ? info.engine_config.value(f, nlohmann::json("fp32"))
                                  : f == "decay_norms_and_biases" ? info.engine_config.value(f, nlohmann::json(true))
                                  : f == "packed_documents"       ? info.engine_config.value(f, nlohmann::json(false))
+                                 : f == "base_format"            ? info.engine_config.value(f, nlohmann::json("compute"))
                                                                  : info.engine_config.value(f, nlohmann::json());
     if (f == "decay_norms_and_biases" && now["weight_decay"] == 0 && info.engine_config.value("weight_decay", 0.0) == 0)
       continue;

@@ -11,9 +11,11 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 constexpr size_t kGradBytes = 4;   // fp32 accumulators
 }  // namespace
 
-size_t CacheUnitPool::unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes, size_t grad_capacity_elems) {
+size_t CacheUnitPool::unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes, size_t grad_capacity_elems,
+                                     size_t staging_bytes) {
   return round_up(capacity_elems * param_elem_bytes, kAlignBytes) +
-         round_up(std::min(grad_capacity_elems, capacity_elems) * kGradBytes, kAlignBytes);
+         round_up(std::min(grad_capacity_elems, capacity_elems) * kGradBytes, kAlignBytes) +
+         round_up(staging_bytes, kAlignBytes);
 }
 
 CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, const ParamLayout& largest_block,
@@ -29,7 +31,7 @@ CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, size_t capacity_e
                 "{}: parameters are 2 (bf16) or 4 (fp32) bytes, not {}", options_.what,
                 options_.param_elem_bytes);
   const size_t grad_elems = std::min(options_.grad_capacity_elems, capacity_elems);
-  unit_bytes_ = unit_bytes_for(capacity_elems, options_.param_elem_bytes, grad_elems);
+  unit_bytes_ = unit_bytes_for(capacity_elems, options_.param_elem_bytes, grad_elems, options_.staging_bytes);
   // One allocation for all units: no fragmentation, and the budget check is one number.
   buffer_ = device_.allocate(unit_bytes_ * num_units,
                              fmt::format("{} ({} x {} bytes)", options_.what, num_units, unit_bytes_));
@@ -46,6 +48,10 @@ CacheUnitPool::CacheUnitPool(Device& device, size_t num_units, size_t capacity_e
     u.capacity_elems = capacity_elems;
     u.grad_capacity_elems = grad_elems;
     u.param_elem_bytes = options_.param_elem_bytes;
+    if (options_.staging_bytes > 0) {
+      u.staging = reinterpret_cast<std::byte*>(u.grads_fp32) + round_up(grad_elems * kGradBytes, kAlignBytes);
+      u.staging_bytes = options_.staging_bytes;
+    }
     for (auto& e : slots_[i].released) e = device_.make_event();
     free_.push_back(static_cast<int>(i));
   }

@@ -37,12 +37,18 @@ struct CacheUnit {
   size_t capacity_elems = 0;
   size_t grad_capacity_elems = 0;
   size_t param_elem_bytes = 2;
+  // A quantized LoRA base's bytes land here and are dequantized into the
+  // parameters at the visit (host/base_format.h); staging_bytes long, after
+  // the gradients (nullptr when 0).
+  std::byte* staging = nullptr;
+  size_t staging_bytes = 0;
 };
 
 struct CacheUnitPoolOptions {
   std::string what = "cache units";  // for messages
   size_t param_elem_bytes = 2;       // 2: bf16 parameters; 4: fp32
   size_t grad_capacity_elems = SIZE_MAX;  // fp32 gradients per unit; SIZE_MAX: capacity_elems
+  size_t staging_bytes = 0;               // per unit: a quantized base's bytes before dequantization
   // Tests only: acquire() skips the wait on this stream's release event, to
   // prove that the ring test catches a missing wait. -1: skip nothing.
   int test_skip_release_wait = -1;
@@ -52,10 +58,10 @@ class CacheUnitPool {
  public:
   static constexpr size_t kAlignBytes = 256;
 
-  // Bytes of one unit holding `capacity_elems` parameters and
-  // `grad_capacity_elems` gradients (SIZE_MAX: as many).
+  // Bytes of one unit holding `capacity_elems` parameters,
+  // `grad_capacity_elems` gradients (SIZE_MAX: as many) and `staging_bytes`.
   static size_t unit_bytes_for(size_t capacity_elems, size_t param_elem_bytes = 2,
-                               size_t grad_capacity_elems = SIZE_MAX);
+                               size_t grad_capacity_elems = SIZE_MAX, size_t staging_bytes = 0);
 
   // K units of `capacity_elems` each, in one device allocation. Throws (from
   // the device) naming the budget when it does not fit; K must be >= 1.

@@ -31,7 +31,8 @@ KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
       state = 3 * aligned(ns) + 2 * scales;
     }
   }
-  return {state, aligned(n * dtype_size(o.compute_dtype)),
+  const size_t compute = aligned((n - std::min(b.base.elems, n)) * dtype_size(o.compute_dtype)) + aligned(b.base.bytes);
+  return {state, compute,
           b.grad_staging ? aligned(std::min(b.grad_elems, n) * dtype_size(o.grad_dtype)) : 0};
 }
 
@@ -111,10 +112,19 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
       s.v_scale = arena.carve_as<float>(ns / kQ8GroupElems, name + " adam v scales", kAlignBytes, ArenaUse::kHostOnly);
     }
     PinnedArena& carrier = compute_arena ? *compute_arena : arena;
+    STRIDER_CHECK(spec.base.elems <= s.state_begin || spec.base.empty(),
+                  "ParamStore: block '{}' quantizes its elements [0, {}) but keeps state from {}", name,
+                  spec.base.elems, s.state_begin);
+    s.compute_begin = spec.base.elems;
+    if (!spec.base.empty()) {
+      s.base = carrier.carve(spec.base.bytes, kAlignBytes, name + " " + std::string(base_format_name(spec.base.format)) +
+                                                                " base");
+      s.base_layout = &spec.base;
+    }
     if (options_.compute_dtype == DType::kBF16)
-      s.compute = carrier.carve_as<uint16_t>(n, name + " bf16 compute copy", kAlignBytes);
+      s.compute = carrier.carve_as<uint16_t>(n - s.compute_begin, name + " bf16 compute copy", kAlignBytes);
     else
-      s.compute_f32 = carrier.carve_as<float>(n, name + " fp32 compute copy", kAlignBytes);
+      s.compute_f32 = carrier.carve_as<float>(n - s.compute_begin, name + " fp32 compute copy", kAlignBytes);
     if (spec.grad_staging)
       s.grad = arena.carve(std::min(spec.grad_elems, n) * dtype_size(options_.grad_dtype), kAlignBytes,
                            name + " grad staging");
@@ -129,10 +139,21 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
     std::memset(s.v.data(), 0, s.v.size_bytes());
     for (auto q : {s.ext, s.m_codes, s.v_codes}) std::memset(q.data(), 0, q.size_bytes());
     for (auto q : {s.m_scale, s.v_scale}) std::memset(q.data(), 0, q.size_bytes());
-    if (!compute_arena) std::memset(s.compute_bytes().data(), 0, s.compute_bytes().size());
+    if (!compute_arena) {
+      std::memset(s.compute_bytes().data(), 0, s.compute_bytes().size());
+      std::memset(s.base.data(), 0, s.base.size());
+    }
     std::memset(s.grad.data(), 0, s.grad.size_bytes());
     blocks_.push_back(s);
   }
+}
+
+std::span<std::byte> BlockState::compute_range(size_t begin, size_t n) const {
+  STRIDER_CHECK(begin >= compute_begin && begin + n <= elems(),
+                "block '{}': elements [{}, {}) of its compute copy, which holds [{}, {}) (a quantized base before)",
+                layout->block_name(), begin, begin + n, compute_begin, elems());
+  const size_t e = compute.empty() ? sizeof(float) : sizeof(uint16_t);
+  return compute_bytes().subspan((begin - compute_begin) * e, n * e);
 }
 
 BlockState& ParamStore::block(size_t i) {
@@ -174,7 +195,9 @@ std::span<uint16_t> ParamStore::compute_of(size_t b, std::string_view tensor) {
   STRIDER_CHECK(!s.compute.empty(), "ParamStore: compute_of('{}') asks for bf16 but the compute copy is {}",
                 tensor, dtype_name(options_.compute_dtype));
   const TensorSlot& t = s.layout->at(tensor);
-  return s.compute.subspan(t.offset_elems, t.numel);
+  STRIDER_CHECK(t.offset_elems >= s.compute_begin, "ParamStore: '{}' is part of block '{}''s {} base; it has no "
+                "compute copy", tensor, s.layout->block_name(), base_format_name(s.base_layout->format));
+  return s.compute.subspan(t.offset_elems - s.compute_begin, t.numel);
 }
 
 void ParamStore::refresh_compute(size_t b, size_t begin, size_t end) {
@@ -185,8 +208,8 @@ void ParamStore::refresh_compute(size_t b, size_t begin, size_t end) {
   end = std::min(end, s.state_end);
   if (begin >= end) return;
   auto src = std::span<const float>(s.master).subspan(begin - s.state_begin, end - begin);
-  if (!s.compute.empty()) float_to_bf16(src, s.compute.subspan(begin, end - begin));
-  else std::copy(src.begin(), src.end(), s.compute_f32.begin() + begin);
+  if (!s.compute.empty()) float_to_bf16(src, s.compute.subspan(begin - s.compute_begin, end - begin));
+  else std::copy(src.begin(), src.end(), s.compute_f32.begin() + ptrdiff_t(begin - s.compute_begin));
 }
 
 void ParamStore::refresh_compute_from_master() {
@@ -204,7 +227,7 @@ void ParamStore::read_kind(size_t b, StateKind kind, std::span<float> out) const
     std::span<const float> src = kind == StateKind::kMaster ? s.master : kind == StateKind::kAdamM ? s.m : s.v;
     std::copy(src.begin(), src.end(), out.begin());
   } else if (kind == StateKind::kMaster) {
-    q8_decode_master(s.compute.data() + s.state_begin, s.ext.data(), out.data(), out.size());
+    q8_decode_master(s.compute_at(s.state_begin), s.ext.data(), out.data(), out.size());
   } else {
     const bool m = kind == StateKind::kAdamM;
     q8_decode_moment(kind, (m ? s.m_codes : s.v_codes).data(), (m ? s.m_scale : s.v_scale).data(), out.data(),
@@ -222,7 +245,7 @@ void ParamStore::write_kind(size_t b, StateKind kind, std::span<const float> in)
     std::copy(in.begin(), in.end(), dst.begin());
     if (kind == StateKind::kMaster) refresh_compute(b);
   } else if (kind == StateKind::kMaster) {
-    q8_encode_master(in.data(), s.compute.data() + s.state_begin, s.ext.data(), in.size());
+    q8_encode_master(in.data(), s.compute_at(s.state_begin), s.ext.data(), in.size());
   } else {
     const bool m = kind == StateKind::kAdamM;
     q8_encode_moment(kind, in.data(), (m ? s.m_codes : s.v_codes).data(), (m ? s.m_scale : s.v_scale).data(),

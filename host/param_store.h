@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "host/base_format.h"
 #include "host/dtype.h"
 #include "host/param_layout.h"
 #include "host/pinned_arena.h"
@@ -35,6 +36,10 @@ struct BlockSpec {
   // The gradient staging's elements (its trained pieces' back to back, when
   // some are frozen); SIZE_MAX: the block's.
   size_t grad_elems = SIZE_MAX;
+  // A frozen base held in a quantized format (host/base_format.h): its
+  // elements [0, base.elems) have no compute copy, only these base bytes.
+  // Empty: the compute copy covers the whole block.
+  BaseLayout base;
 };
 
 struct StoreOptions {
@@ -54,8 +59,14 @@ struct BlockState {
   std::span<uint8_t> ext, m_codes, v_codes;
   std::span<float> m_scale, v_scale;
   StateFormat format = StateFormat::kFp32;
+  // The compute copy of elements [compute_begin, elems()): element i at
+  // compute[i - compute_begin]. compute_begin is 0 unless a quantized base
+  // holds the block's first elements (base, base_layout).
   std::span<uint16_t> compute;       // bf16 bits (compute_dtype kBF16), else empty
   std::span<float> compute_f32;      // compute_dtype kF32, else empty
+  size_t compute_begin = 0;
+  std::span<std::byte> base;         // a quantized base's bytes (BlockSpec::base), else empty
+  const BaseLayout* base_layout = nullptr;
   std::span<std::byte> grad;         // grad_dtype elements, BlockSpec::grad_elems of them (or empty)
   DType grad_dtype = DType::kBF16;
   bool state_on_host = true;
@@ -67,6 +78,11 @@ struct BlockState {
   std::span<std::byte> compute_bytes() const {
     return compute.empty() ? std::as_writable_bytes(compute_f32) : std::as_writable_bytes(compute);
   }
+  // Block elements [begin, begin + n) of the compute copy, as bytes; throws
+  // where they reach into a quantized base.
+  std::span<std::byte> compute_range(size_t begin, size_t n) const;
+  // The bf16 compute copy from block element `at` on (the q8 master's high half).
+  uint16_t* compute_at(size_t at) const { return compute.data() + (at - compute_begin); }
 };
 
 class ParamStore {

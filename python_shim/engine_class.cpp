@@ -270,15 +270,28 @@ class EngineHolder : public torch::CustomClassHolder {
       usable();
       return engine_->compute_copy(block);
     });
+    const size_t begin = engine_->compute_begin(block);
+    TORCH_CHECK(slot.offset_elems >= begin, "compute_view('", name, "'): it is part of a frozen base held in ",
+                std::string(base_format_name(engine_->config().base_format)), ", which has no compute copy to alias");
     const at::ScalarType dtype = engine_->config().compute.dtype;
     const size_t elem_bytes = at::elementSize(dtype);
-    TORCH_CHECK((slot.offset_elems + slot.numel) * elem_bytes <= copy.size(), "compute_view('", name,
+    TORCH_CHECK((slot.offset_elems - begin + slot.numel) * elem_bytes <= copy.size(), "compute_view('", name,
                 "'): the slot [", slot.offset_elems, ", +", slot.numel, ") elements of ", elem_bytes,
                 " bytes lies outside block ", block, "'s compute copy of ", copy.size(), " bytes");
     c10::intrusive_ptr<EngineHolder> keep = c10::intrusive_ptr<EngineHolder>::reclaim_copy(this);
-    return at::from_blob(copy.data() + slot.offset_elems * elem_bytes, slot.shape,
+    return at::from_blob(copy.data() + (slot.offset_elems - begin) * elem_bytes, slot.shape,
                          [keep](void*) {},  // the capture is the point: released with the storage
                          at::TensorOptions().dtype(dtype).device(at::kCPU));
+  }
+
+  // The parameter is part of a frozen base held quantized (EngineConfig::base_format): no compute copy.
+  bool held_quantized(const std::string& name) {
+    std::lock_guard lk(mu_);
+    const auto& [block, slot] = slot_of(name);
+    return translated("held_quantized", false, [&] {
+      usable();
+      return slot.offset_elems < engine_->compute_begin(block);
+    });
   }
 
   int64_t steps_done() {
@@ -526,6 +539,7 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("init_params", &EngineHolder::init_params)
       .def("write_trace", &EngineHolder::write_trace)
       .def("compute_view", &EngineHolder::compute_view)
+      .def("held_quantized", &EngineHolder::held_quantized)
       .def("steps_done", &EngineHolder::steps_done)
       .def("engine_config_json", &EngineHolder::engine_config_json)
       .def("save_checkpoint", &EngineHolder::save_checkpoint)

@@ -28,7 +28,7 @@ struct Options {
   bool schedule = false;
   bool packed_documents = false;
   // From the configuration's declaration (engine/config_fields.json).
-  std::string nvme, dtype, activations, optimizer_state, layer_pieces, devices, lora;
+  std::string nvme, dtype, activations, optimizer_state, layer_pieces, devices, lora, base_format = "compute";
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0;
   double clip = 0;
   ConfigOptions config;
@@ -153,6 +153,9 @@ int run(Options& o) {
   l.optimizer_state = parse_state_format(o.optimizer_state);
   l.layer_pieces = o.layer_pieces;
   l.lora = o.lora;
+  l.base_format = parse_base_format(o.base_format, "--base-format");
+  STRIDER_CHECK(l.base_format == BaseFormat::kCompute || !o.lora.empty(),
+                "--base-format {}: only a frozen LoRA base is held quantized; it needs --lora", o.base_format);
   l.vocab_shard_rows = o.vocab_shard_rows;
   l.packed_documents = o.packed_documents;
   l.devices = int(pool_specs("cpu", o.devices).size());
@@ -287,6 +290,7 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "optimizer_state", o->optimizer_state);
   f.add(*c, "layer_pieces", o->layer_pieces);
   f.add(*c, "lora", o->lora);
+  f.add(*c, "base_format", o->base_format);
   f.add(*c, "devices", o->devices);
   f.add(*c, "vocab_shard_rows", o->vocab_shard_rows);
   f.add(*c, "packed_documents", o->packed_documents,

@@ -62,6 +62,7 @@ void add_model_options(CLI::App& c, TrainOptions& o) {
   c.add_option("--model", o.model, "Hugging Face checkpoint directory, or 'builtin'")->capture_default_str();
   c.add_option("--data", o.data, "token file (python -m strider.data), or 'builtin'")->capture_default_str();
   o.config.add(c, "lora", o.lora);
+  o.config.add(c, "base_format", o.base_format);
   o.packed_documents_option = o.config.add(c, "packed_documents", o.packed_documents);
 }
 
@@ -311,6 +312,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   lim.lora = o.lora;
+  lim.base_format = parse_base_format(o.base_format, "--base-format");
   lim.vocab_chunk = o.vocab_chunk;
   lim.vocab_shard_rows = o.vocab_shard_rows;
   lim.layer_pieces = o.layer_pieces;

@@ -31,7 +31,7 @@ struct TrainOptions {
   uint64_t seed = 1234;
   // From the declaration (the field's name where it differs).
   std::string device, devices, device_budget, nvme /* nvme_dir */, dtype, schedule, grad_transfer, activations,
-      optimizer, optimizer_state, layer_pieces, lora;
+      optimizer, optimizer_state, layer_pieces, lora, base_format = "compute";
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, warmup = 0 /* warmup_steps */, vocab_chunk = 0,
           vocab_shard_rows = 0, token_tile = 0;
   double lr = 0, weight_decay = 0, clip = 0 /* clip_norm */, beta1 = 0, beta2 = 0, eps = 0;
@@ -50,7 +50,7 @@ inline constexpr int64_t kMaxSteps = int64_t{1000000000000};
 
 // Registers TrainOptions' flags on `c` (CLI11 keeps pointers into `o`, which
 // must outlive parsing). The steps option is each command's own.
-void add_model_options(CLI::App& c, TrainOptions& o);     // --model, --data, --lora, --packed-documents
+void add_model_options(CLI::App& c, TrainOptions& o);     // --model, --data, --lora, --base-format, --packed-documents
 void add_placement_options(CLI::App& c, TrainOptions& o);  // device, budgets, NVMe, shapes, dtype
 void add_optimizer_options(CLI::App& c, TrainOptions& o);  // lr, schedule, warm-up, decay, clip, seed, threads
 void add_work_dir_option(CLI::App& c, TrainOptions& o);

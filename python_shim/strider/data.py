@@ -146,6 +146,23 @@ def read_token_file(path):
 # -- tokenizing ---------------------------------------------------------------------------------------
 
 
+def window_order(num_windows, seed, epoch):
+    """The order in which `strider finetune --seed seed` visits a token file's windows in one epoch
+    (io/token_data.h's window_order): Fisher-Yates driven by splitmix64 seeded with seed ^ (epoch *
+    0xD1B54A32D192ED03), j = next() % (i + 1) for i from the last window down."""
+    m64 = (1 << 64) - 1
+    order = list(range(num_windows))
+    x = (seed ^ (epoch * 0xD1B54A32D192ED03)) & m64
+    for i in range(num_windows, 1, -1):
+        x = (x + 0x9E3779B97F4A7C15) & m64
+        z = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m64
+        z ^= z >> 31
+        j = z % i
+        order[i - 1], order[j] = order[j], order[i - 1]
+    return order
+
+
 def encode_document(tokenizer, text, append_eos=True):
     """A document's ids: the tokenizer's own special tokens (e.g. BOS) and, with append_eos, EOS at the
     end, so that the model learns where a document stops."""

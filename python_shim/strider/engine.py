@@ -218,6 +218,9 @@ class Engine:
             raise TypeError(f"strider.Engine: config must be a strider.EngineConfig, got {type(config).__name__}")
         config.validate()
         ranks = distributed_ranks()
+        if config.base_format != "compute" and not peft_lora.is_peft_model(model):
+            raise ValueError(f"strider.Engine: EngineConfig.base_format = {config.base_format!r} holds a frozen LoRA "
+                             "base quantized; wrap the model with peft.get_peft_model(model, peft.LoraConfig(...))")
         base, pnames = model, None
         if peft_lora.is_peft_model(model):
             # LoRA over a frozen base: the adapters' options become the engine's (engine/lora.h).
@@ -254,6 +257,7 @@ class Engine:
         self.model = model
         self.config = config
         self._names = list(self._engine.param_names())
+        self._released = {}  # a base held quantized: name -> the model's dtype, while its tensors are empty
         params = dict(model.named_parameters())  # a tied weight appears once
         # Engine name -> the model's parameter name (a PEFT model's differ; a plain one's are the same).
         self._pnames = {n: n for n in params} if pnames is None else pnames
@@ -291,12 +295,20 @@ class Engine:
     def _alias(self):
         """Rebinds every parameter's data to its slot of the engine's compute copy. Every view is made
         first, so a failure leaves the model as it was; the rebinding itself cannot fail half-way."""
-        views = {name: self._engine.compute_view(name) for name in self._names}
+        # A base held quantized (EngineConfig.base_format int8 or nf4) has no copy in the model's dtype to
+        # alias: its tensors are released (empty) while the engine trains, and restore() puts back their
+        # dequantized values, what the layers computed with.
+        held = {name for name in self._names if self._engine.held_quantized(name)}
+        views = {name: self._engine.compute_view(name) for name in self._names if name not in held}
         params = self._params()
+        for name in held:
+            if name not in self._released:
+                self._released[name] = params[name].dtype
         for name in self._names:
             p = params[name]
             p.grad = None  # a gradient of the old data means nothing to the engine's weights
-            p.data = views[name]  # the Parameter object stays: ties, hooks and references hold
+            # The Parameter object stays: ties, hooks and references hold.
+            p.data = views[name] if name in views else torch.empty(0, dtype=self._released[name])
 
     # -- batches ---------------------------------------------------------------------------------------
     def _prepare(self, what, input_ids, labels, attention_mask, position_ids=None):
@@ -391,7 +403,10 @@ class Engine:
         return int(self._engine.steps_done())
 
     def is_aliased(self, name: str) -> bool:
-        """Whether the model's parameter `name` is (still) a view of the engine's compute copy."""
+        """Whether the model's parameter `name` is (still) a view of the engine's compute copy (never for a
+        base held quantized)."""
+        if self._engine.held_quantized(name):
+            return False
         p = self._params()[name]
         return p.data_ptr() == self._engine.compute_view(name).data_ptr() and \
             p.dtype == self.compute_dtype
@@ -407,7 +422,9 @@ class Engine:
         model.to(dtype)) gets the trained fp32 master copied in, cast to its dtype."""
         self._engine.finish()
         for name, p in self._params().items():
-            if not self.is_aliased(name):
+            if name in self._released and p.numel() == 0:
+                p.data = self._engine.param(name).to(self._released[name])
+            elif not self.is_aliased(name):
                 p.copy_(self._engine.param(name).to(p.dtype))
         return self.model
 
@@ -453,5 +470,8 @@ class Engine:
         return str(path)
 
     def finish(self):
-        """Waits for every pending optimizer update."""
+        """Waits for every pending optimizer update. A base held quantized (EngineConfig.base_format) is put
+        back into the model: its released tensors get their dequantized values, in their own dtype."""
         self._engine.finish()
+        if self._released:
+            self.sync_to_model()

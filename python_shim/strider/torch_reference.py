@@ -9,7 +9,17 @@ decides), so a torch run with them is the reference a strider run tracks:
 
 `packed_position_ids(rows)` gives the position_ids of rows that pack documents, as
 transformers (and strider's packed_documents) read them.
+
+`quantized_round_trip(w, fmt)` is a weight matrix quantized to int8 (per row, scale
+absmax / 127) or QLoRA's NF4 (blocks of 64 with an absmax) and back, in numpy, by those
+formats' definitions: what a LoRA base in `--base-format int8|nf4` computes with.
 """
+
+# QLoRA's NF4 levels (arXiv 2305.14314, appendix E), ascending.
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
 
 
 def adamw_param_groups(model, weight_decay):
@@ -28,3 +38,25 @@ def packed_position_ids(rows):
     import torch
 
     return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+
+def quantized_round_trip(w, fmt):
+    """w (a float32 numpy array [out, in]) quantized in `fmt` ("int8" or "nf4") and dequantized, in fp32."""
+    import numpy as np
+
+    w = np.asarray(w, dtype=np.float32)
+    if fmt == "int8":
+        scale = (np.abs(w).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+        codes = np.clip(np.rint(np.divide(w, scale, out=np.zeros_like(w), where=scale > 0)), -127, 127)
+        return (codes.astype(np.float32) * scale).astype(np.float32)
+    if fmt != "nf4":
+        raise ValueError(f"quantized_round_trip: format {fmt!r} is not int8 or nf4")
+    levels = np.array(NF4_LEVELS, dtype=np.float32)
+    flat = w.reshape(-1)
+    blocks = np.concatenate([flat, np.zeros((-flat.size) % 64, np.float32)]).reshape(-1, 64)
+    amax = np.abs(blocks).max(axis=1, keepdims=True).astype(np.float32)
+    x = np.divide(blocks, amax, out=np.zeros_like(blocks), where=amax > 0)
+    # The nearest level, the lower one on a tie: how many midpoints lie strictly below x.
+    mids = (levels[:-1] + levels[1:]) * np.float32(0.5)
+    idx = (x[..., None] > mids).sum(axis=-1)
+    return (levels[idx] * amax).astype(np.float32).reshape(-1)[: flat.size].reshape(w.shape)

@@ -48,6 +48,7 @@ struct Case {
   std::string layer_pieces;    // EngineConfig::layer_pieces
   int devices = 1;             // a pool of CPU devices (make_devices), each with its own chaos seed
   std::string lora;            // EngineConfig::lora: adapters over a frozen base
+  BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how that base is held
   bool packed = false;         // rows that pack documents (packed_positions; EngineConfig::packed_documents)
 };
 
@@ -109,6 +110,7 @@ inline Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, do
   cfg.keep_logits = c.keep_logits;
   cfg.layer_pieces = c.layer_pieces;
   cfg.lora = c.lora;
+  cfg.base_format = c.base_format;
   cfg.packed_documents = c.packed;
   cfg.optimizer_threads = 2;
   DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .record_spans = true,

@@ -178,6 +178,9 @@ TEST_CASE("LoRA: offload changes nothing, and the frozen base keeps its bits", "
 }
 
 TEST_CASE("LoRA: one engine step equals the resident reference's adapter gradients plus AdamW", "[lora][engine]") {
+  // With a quantized base (test_lora_base.cpp) the reference computes with its dequantized values, which
+  // the engine's param() gives.
+  for (BaseFormat f : {BaseFormat::kCompute, BaseFormat::kInt8, BaseFormat::kNf4})
   for (bool tied : {false, true}) {
     EngineConfig cfg;
     cfg.seq = 9;
@@ -186,6 +189,7 @@ TEST_CASE("LoRA: one engine step equals the resident reference's adapter gradien
     cfg.compute = {at::kFloat, 40};
     cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
     cfg.lora = tied ? kAllLinear : "r=4,alpha=8,targets=all-linear,train=lm_head";
+    cfg.base_format = f;
     const ModelSpec spec = with_lora(tiny(tied), cfg.lora);
     Engine e(tiny(tied), cfg, make_device({.spec = "cpu", .chaos = {.enabled = true, .seed = 4}}));
     e.init_params(5);
@@ -201,7 +205,7 @@ TEST_CASE("LoRA: one engine step equals the resident reference's adapter gradien
     at::Tensor ids = at::from_blob(b.ids.data(), {cfg.batch(), cfg.seq}, at::kLong);
     at::Tensor labels = at::from_blob(b.labels.data(), {cfg.batch(), cfg.seq}, at::kLong);
     StepLoss rl = ref.forward_backward(ids, labels, cfg.accumulation);
-    INFO("tied " << tied);
+    INFO("tied " << tied << ", base " << base_format_name(f));
     CHECK(rep.loss == rl.loss);
     size_t i = 0, trained = 0;
     for (int64_t blk = 0; blk < spec.num_blocks(); ++blk) {

@@ -53,7 +53,8 @@ def loss_of(model, x, y):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item()
 
 
-def test_finetune_lora_writes_an_adapter_peft_loads_and_a_merged_model(strider, tmp_path):
+def write_base_and_tokens(tmp_path):
+    """An fp32 base under tmp_path/base, train.tokens and eval.tokens; returns the base's folder."""
     torch.manual_seed(0)
     base_dir = tmp_path / "base"
     transformers.LlamaForCausalLM(base_config()).save_pretrained(base_dir)  # fp32
@@ -61,6 +62,11 @@ def test_finetune_lora_writes_an_adapter_peft_loads_and_a_merged_model(strider, 
     write_tokens(tmp_path / "train.tokens", rng.integers(0, VOCAB, 20000), vocab=VOCAB)
     # Windows of SEQ + 1 tokens overlap by one: the first eval batch needs MICRO x ACC x SEQ + 1 tokens.
     write_tokens(tmp_path / "eval.tokens", rng.integers(0, VOCAB, 4000), vocab=VOCAB)
+    return base_dir
+
+
+def test_finetune_lora_writes_an_adapter_peft_loads_and_a_merged_model(strider, tmp_path):
+    base_dir = write_base_and_tokens(tmp_path)
     out = tmp_path / "out"
     r = finetune(strider, tmp_path, "--model", str(base_dir), "--data", str(tmp_path / "train.tokens"),
                  "--eval-data", str(tmp_path / "eval.tokens"), "--eval-every", "3", "--eval-batches", "1",

@@ -1,16 +1,18 @@
 """io/token_data against an independent Python reading of its documented
 format and batch rule (io/token_data.h): numpy writes the files, st_tool
 reads them (and rewrites them byte for byte), and the batches, shuffle order
-and resume match a reference written here from the header comment alone.
+and resume match a reference written from the header comment alone: here, and
+for the shuffle order strider.data.window_order (what benches use to replay a
+run's batches).
 """
 import json
 import subprocess
 
 import numpy as np
 import pytest
+from strider.data import window_order
 
 MAGIC = int.from_bytes(b"STRDTOKN", "little")
-M64 = (1 << 64) - 1
 
 
 def write_tokens(path, ids, token_bytes=2, mask=None, docs=None, vocab=0, magic=MAGIC, version=1):
@@ -29,33 +31,19 @@ def write_tokens(path, ids, token_bytes=2, mask=None, docs=None, vocab=0, magic=
             f.write(np.asarray(docs, "<u8").tobytes())
 
 
-def splitmix_order(num_windows, seed, epoch):
-    order = list(range(num_windows))
-    x = (seed ^ (epoch * 0xD1B54A32D192ED03)) & M64
-    for i in range(num_windows, 1, -1):
-        x = (x + 0x9E3779B97F4A7C15) & M64
-        z = x
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-        z ^= z >> 31
-        j = z % i
-        order[i - 1], order[j] = order[j], order[i - 1]
-    return order
-
-
 def reference_batches(ids, mask, docs, batch, seq, seed, steps, shuffle=True):
     ids = np.asarray(ids, np.int64)
     doc_set = set(docs or [])
     windows = (len(ids) - 1) // seq
     epoch, cursor = 0, 0
-    order = splitmix_order(windows, seed, 0) if shuffle else list(range(windows))
+    order = window_order(windows, seed, 0) if shuffle else list(range(windows))
     out = []
     for _ in range(steps):
         inputs, labels, positions = [], [], []
         for _ in range(batch):
             if cursor == windows:
                 epoch, cursor = epoch + 1, 0
-                order = splitmix_order(windows, seed, epoch) if shuffle else list(range(windows))
+                order = window_order(windows, seed, epoch) if shuffle else list(range(windows))
             s = order[cursor] * seq
             cursor += 1
             first = 0  # a position counts from its document's start in the window (or the window's)
