@@ -15,7 +15,9 @@ weight decay; 3 optimizer steps, in fp32 and in bf16. Three runs per dtype on th
           losses / the batch's valid tokens (HF's num_items_in_batch), clip, AdamW, scheduler
   pool    strider.Engine on a pool of two devices on the same card (devices "cuda,cuda"; on the CPU
           "cpu,cpu" with chaos, which must be bit-identical to `engine`): the cross-device path
-In fp32, also `packed`: rows of 2 or 3 documents (packed_documents, position_ids restarting at each), the
+In fp32, also `lora nf4`: a PEFT LoRA model (r=4 on every linear module) whose base the engine holds in NF4
+(base_format "nf4": dequantized on the device at each visit), on --device against the same on the CPU
+device (the dequantization gives the host's bits on both; the rest within fp32's 1e-5). And `packed`: rows of 2 or 3 documents (packed_documents, position_ids restarting at each), the
 engine on --device against transformers given the same position_ids (block-diagonal attention; on CUDA
 SDPA's memory-efficient kernel reads the engine's mask).
 
@@ -109,6 +111,23 @@ def engine_run(model, data, dtype, device, chaos=False, devices="1"):
     params = {n: engine.param(n) for n in engine.param_names()}
     return dict(loss=[r.loss for r in steps], grad_norm=[r.grad_norm for r in steps], params=params,
                 peak_device_bytes=max(r.peak_device_bytes for r in steps))
+
+
+def lora_run(model, data, device, base_format):
+    """A PEFT LoRA model over a base held in `base_format`, fp32: losses, gradient norms, the adapters."""
+    import peft
+    import strider
+    torch.manual_seed(3)  # the adapters' start: the same in every run
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                      lora_dropout=0.0))
+    cfg = strider.EngineConfig(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, window=2, dtype="fp32",
+                               vocab_chunk=300, lr=LR, weight_decay=WEIGHT_DECAY, clip_norm=CLIP, device=device,
+                               base_format=base_format)
+    engine = strider.Engine(lora, cfg)
+    steps = [engine.step(ids, labels) for ids, labels, *_ in data]
+    engine.finish()
+    params = {n: engine.param(n) for n in engine.param_names() if ".lora_" in n}
+    return dict(loss=[r.loss for r in steps], grad_norm=[r.grad_norm for r in steps], params=params)
 
 
 def reference_run(model, data, dtype, device):
@@ -212,8 +231,12 @@ def check_dtype(dtype, device):
         res["packed_vs_torch"] = compare(f"packed documents on {device} vs transformers + AdamW",
                                          engine_run(copy.deepcopy(base), docs, dtype, device, chaos=chaos),
                                          reference_run(copy.deepcopy(base), docs, dtype, device), TOL[dtype])
+        res["lora_nf4_vs_cpu"] = compare(f"LoRA over an NF4 base on {device} vs on cpu",
+                                         lora_run(copy.deepcopy(base), data, device, "nf4"),
+                                         lora_run(copy.deepcopy(base), data, "cpu", "nf4"), TOL[dtype])
     res["ok"] = (res["engine_vs_torch"]["ok"] and res["engine_vs_cpu_engine"]["ok"] and res["pool_vs_torch"]["ok"]
                  and res.get("packed_vs_torch", {"ok": True})["ok"] and clipped > 0
+                 and res.get("lora_nf4_vs_cpu", {"ok": True})["ok"]
                  and res.get("chaos_bit_identical", True) and (res["pool_bit_identical_to_one_device"] or not chaos))
     if clipped == 0:
         print("  no step was clipped: the clipping path went untested")

@@ -396,6 +396,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.pinned_bytes = f.host_bytes;
   p.registered_bytes = f.registered_host_bytes;
   p.optimizer_state = l.optimizer_state;
+  p.base_format = l.base_format;
   p.nvme_bytes = f.nvme_bytes;
   p.why.push_back(fmt::format("device{}: {} allocated at start + ~{} ATen working memory = {} of {}",
                               l.devices > 1 ? fmt::format(" (each of {}; the largest's share)", l.devices) : "",

@@ -157,6 +157,7 @@ struct Plan {
   uint64_t pinned_bytes = 0;
   uint64_t registered_bytes = 0;  // of the pinned bytes, what the GPU page-locks (EngineFootprint)
   StateFormat optimizer_state = StateFormat::kFp32;
+  BaseFormat base_format = BaseFormat::kCompute;  // how a LoRA base is held (PlanLimits::base_format)
   // The same limits with each other format: what its state takes in RAM and
   // how many blocks it puts on NVMe (a line of `why` says it too).
   struct FormatFit {

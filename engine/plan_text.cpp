@@ -72,7 +72,7 @@ nlohmann::json Plan::to_json() const {
           {"host_bytes", host_bytes}, {"host_pinned_bytes", pinned_bytes},
           {"host_registered_bytes", registered_bytes}, {"host_peak_bytes", host_peak_bytes},
           {"nvme_bytes", nvme_bytes}, {"optimizer_state", state_format_name(optimizer_state)},
-          {"other_formats", other_formats_json(other_formats)},
+          {"base_format", base_format_name(base_format)}, {"other_formats", other_formats_json(other_formats)},
           {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
           {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
           {"saved_host_bytes", saved_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},
