@@ -616,9 +616,9 @@ def block_predict_lora(f, logs):
         "base's compute copy. An NF4 base holds the layers' weight matrices in 0.5625 bytes per parameter and "
         "sends those bytes to the GPU, which dequantizes them at each forward and backward visit with ATen ops. "
         "The simulator prices that at 2 FLOPs per element and leaves its memory traffic out: unfused, the ops "
-        "move about 37 bytes per element (indices widened to int64, fp32 values looked up, scaled, rounded), some "
-        "8 ms per Llama-3.1-8B layer at 1 TB/s: about 0.5 s of the 8B step above and 5 s of the 70B one "
-        "(32 ms per layer), unmeasured until a GPU runs it."))
+        "move about 23 bytes per element (code bytes widened to int32, fp32 level pairs looked up, scaled, "
+        "rounded), some 5 ms per Llama-3.1-8B layer at 1 TB/s: about 0.3 s of the 8B step above and 3 s of the "
+        "70B one (19 ms per layer), unmeasured until a GPU runs it."))
     return "\n".join(out)
 
 

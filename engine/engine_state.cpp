@@ -93,9 +93,14 @@ void EngineCore::gather_state(int64_t b, std::span<float> out) {
   STRIDER_CHECK(dist_->ranks().world == config_.state_shards,
                 "block {}'s state is sharded over {} ranks; reading all of it needs them (set_collectives)", b,
                 config_.state_shards);
-  std::vector<size_t> bytes(place_.block_slices[size_t(b)]);
-  for (size_t& x : bytes) x *= sizeof(float);
-  dist_->all_gather(std::as_writable_bytes(out), bytes);
+  // The ranks' slices cut the block's trained stretch (all of it unless
+  // some tensors are frozen, none of a frozen block): that is what they gather.
+  const std::vector<size_t>& bounds = place_.block_slices[size_t(b)];
+  const size_t lo = bounds.front(), hi = bounds.back();
+  if (hi == lo) return;
+  std::vector<size_t> bytes(bounds);
+  for (size_t& x : bytes) x = (x - lo) * sizeof(float);
+  dist_->all_gather(std::as_writable_bytes(out.subspan(lo, hi - lo)), bytes);
 }
 
 void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {

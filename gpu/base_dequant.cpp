@@ -9,9 +9,18 @@ void dequantize_base_on_device(const BaseLayout& l, const std::byte* staging, vo
   const auto on = [&](at::ScalarType t) { return at::TensorOptions().dtype(t).device(device); };
   auto* base = const_cast<std::byte*>(staging);  // from_blob takes a mutable pointer; nothing writes it
   at::Tensor out = at::from_blob(params, {int64_t(l.elems)}, on(dtype));
-  at::Tensor levels;
-  if (l.format == BaseFormat::kNf4)
-    levels = at::from_blob(const_cast<float*>(kNf4Levels), {16}, at::TensorOptions().dtype(at::kFloat)).to(device);
+  // NF4: a byte holds two codes (element 2j in its low nibble); a table of the 256 bytes' level pairs
+  // gives both at once.
+  at::Tensor pairs;
+  if (l.format == BaseFormat::kNf4) {
+    pairs = at::empty({256, 2}, at::TensorOptions().dtype(at::kFloat));
+    float* p = pairs.data_ptr<float>();
+    for (int b = 0; b < 256; ++b) {
+      p[2 * b] = kNf4Levels[b & 15];
+      p[2 * b + 1] = kNf4Levels[b >> 4];
+    }
+    pairs = pairs.to(device);
+  }
   size_t gap = 0;  // the end of the last tensor: what lies between tensors is padding, zero
   for (const BaseTensor& t : l.tensors) {
     if (t.elem_at > gap) out.slice(0, int64_t(gap), int64_t(t.elem_at)).zero_();
@@ -33,14 +42,13 @@ void dequantize_base_on_device(const BaseLayout& l, const std::byte* staging, vo
       }
       continue;
     }
-    // NF4: whole blocks of 64 per call; element 2j in byte j's low nibble.
+    // NF4: whole blocks of 64 per call.
     const int64_t blocks = int64_t(t.scales), per = kDequantChunkElems / int64_t(kNf4BlockElems);
-    at::Tensor codes = at::from_blob(base + t.codes_at, {blocks, int64_t(kNf4BlockElems) / 2}, on(at::kByte));
+    at::Tensor codes = at::from_blob(base + t.codes_at, {blocks * int64_t(kNf4BlockElems) / 2}, on(at::kByte));
     for (int64_t k = 0; k < blocks; k += per) {
-      const int64_t e = std::min(blocks, k + per);
-      at::Tensor c = codes.slice(0, k, e);
-      at::Tensor idx = at::stack({at::bitwise_and(c, 15), at::bitwise_right_shift(c, 4)}, 2).to(at::kLong);
-      at::Tensor v = levels.index_select(0, idx.view({-1})).view({e - k, int64_t(kNf4BlockElems)});
+      const int64_t e = std::min(blocks, k + per), half = int64_t(kNf4BlockElems) / 2;
+      at::Tensor idx = codes.slice(0, k * half, e * half).to(at::kInt);
+      at::Tensor v = pairs.index_select(0, idx).view({e - k, int64_t(kNf4BlockElems)});
       v.mul_(scales.slice(0, k, e).unsqueeze(1));
       const int64_t lo = k * int64_t(kNf4BlockElems), hi = std::min(int64_t(t.numel), e * int64_t(kNf4BlockElems));
       dst.slice(0, lo, hi).copy_(v.view({-1}).slice(0, 0, hi - lo));

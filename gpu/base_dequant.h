@@ -14,12 +14,13 @@
 
 namespace strider {
 
-// Elements dequantized per ATen call: the temporaries (codes widened to
-// indices, the looked-up fp32 values) are about 14 bytes per element, so at
-// most ~14 MiB of working memory whatever the layer's size.
+// Elements dequantized per ATen call: the temporaries (NF4's code bytes
+// widened to int32 indices, the looked-up fp32 values; int8's codes as fp32)
+// are at most 6 bytes per element, so 6 MiB of working memory whatever the
+// layer's size. Unfused, the ops move about 23 bytes per element.
 inline constexpr int64_t kDequantChunkElems = int64_t{1} << 20;
 // The most working memory dequantize_base_on_device takes (ModelSpec::cost counts it).
-inline constexpr int64_t kDequantWorkBytes = 16 * kDequantChunkElems;
+inline constexpr int64_t kDequantWorkBytes = 8 * kDequantChunkElems;
 
 // Writes block elements [0, layout.elems) into `params` (compute dtype
 // `dtype`, on `device`) from the base bytes at `staging` (layout.bytes, on

@@ -42,6 +42,8 @@ struct Setup {
   std::string shared;    // sharded: the ranks' one compute copy in this shared memory file
   StateFormat format = StateFormat::kFp32;
   std::string layer_pieces;  // EngineConfig::layer_pieces: pieces of several ranges, cut by the ranks' slices
+  std::string lora;          // EngineConfig::lora: adapters over a frozen base
+  BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: that base held quantized
 };
 
 EngineConfig config(const Setup& s, int64_t accumulation, const std::string& nvme_dir, int world = 1, int rank = 0) {
@@ -61,6 +63,8 @@ EngineConfig config(const Setup& s, int64_t accumulation, const std::string& nvm
   cfg.fp32_grad_transfer = s.fp32_grads;
   cfg.optimizer_threads = 1;
   cfg.layer_pieces = s.layer_pieces;
+  cfg.lora = s.lora;
+  cfg.base_format = s.base_format;
   if (s.nvme) {
     cfg.nvme_blocks = {1, 3};
     cfg.nvme_dir = nvme_dir;
@@ -285,6 +289,8 @@ TEST_CASE("sharded state gives the bits of replicated state", "[engine][dist]") 
         Variant{"2 ranks, q8, bf16, layers in pieces of two ranges, NVMe tiers", 2,
                 {.dtype = at::kBFloat16, .fp32_grads = false, .nvme = true, .format = StateFormat::kQ8,
                  .layer_pieces = "layernorm,self_attn+mlp"}},
+        Variant{"2 ranks, LoRA over an NF4 base, chaos, NVMe tiers", 2,
+                {.chaos = true, .nvme = true, .lora = "r=4,alpha=8,targets=all-linear", .base_format = BaseFormat::kNf4}},
         Variant{"3 ranks, clipping, chaos, NVMe tiers, tied", 3,
                 {.clip = 0.5, .chaos = true, .nvme = true, .tied = true}, false}}) {
     INFO(v.name);
