@@ -1,26 +1,40 @@
 #include "gpu/base_dequant.h"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
 
 namespace strider {
+namespace {
+
+// NF4: a byte holds two codes (element 2j in its low nibble); a table of the
+// 256 bytes' level pairs gives both at once. Made once per device: copied from
+// host memory at every visit, it would make the launching thread wait for the
+// stream's work so far.
+at::Tensor nf4_pairs(c10::Device device) {
+  static std::mutex mu;
+  static auto* tables = new std::map<std::string, at::Tensor>();  // never destroyed: CUDA may be gone at exit
+  std::lock_guard lk(mu);
+  const std::string key = device.str();
+  if (const auto it = tables->find(key); it != tables->end()) return it->second;
+  at::Tensor pairs = at::empty({256, 2}, at::TensorOptions().dtype(at::kFloat));
+  float* p = pairs.data_ptr<float>();
+  for (int b = 0; b < 256; ++b) {
+    p[2 * b] = kNf4Levels[b & 15];
+    p[2 * b + 1] = kNf4Levels[b >> 4];
+  }
+  return tables->emplace(key, pairs.to(device)).first->second;
+}
+
+}  // namespace
 
 void dequantize_base_on_device(const BaseLayout& l, const std::byte* staging, void* params, at::ScalarType dtype,
                                c10::Device device) {
   const auto on = [&](at::ScalarType t) { return at::TensorOptions().dtype(t).device(device); };
   auto* base = const_cast<std::byte*>(staging);  // from_blob takes a mutable pointer; nothing writes it
   at::Tensor out = at::from_blob(params, {int64_t(l.elems)}, on(dtype));
-  // NF4: a byte holds two codes (element 2j in its low nibble); a table of the 256 bytes' level pairs
-  // gives both at once.
-  at::Tensor pairs;
-  if (l.format == BaseFormat::kNf4) {
-    pairs = at::empty({256, 2}, at::TensorOptions().dtype(at::kFloat));
-    float* p = pairs.data_ptr<float>();
-    for (int b = 0; b < 256; ++b) {
-      p[2 * b] = kNf4Levels[b & 15];
-      p[2 * b + 1] = kNf4Levels[b >> 4];
-    }
-    pairs = pairs.to(device);
-  }
+  const at::Tensor pairs = l.format == BaseFormat::kNf4 ? nf4_pairs(device) : at::Tensor();
   size_t gap = 0;  // the end of the last tensor: what lies between tensors is padding, zero
   for (const BaseTensor& t : l.tensors) {
     if (t.elem_at > gap) out.slice(0, int64_t(gap), int64_t(t.elem_at)).zero_();
