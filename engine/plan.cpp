@@ -159,6 +159,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
                                       rest_parts);
   const int64_t blocks = spec.num_blocks();
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
+  const bool quantized = spec.lora.enabled() && l.base_format != BaseFormat::kCompute;  // a LoRA base in int8 or NF4
   // ATen's working memory: the largest visit's backward (recompute + autograd)
   // or the head's streamed loss, for one micro-batch, as ModelSpec::cost
   // models it from what tests/engine/test_layer_memory and test_head_memory
@@ -174,8 +175,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
       const BlockCost c = spec.cost(b, l.micro_batch, l.seq, sh.chunk, cbytes, tile, l.work, l.packed_documents);
       w = std::max<uint64_t>(w, uint64_t(std::max(c.forward_work_bytes, c.backward_work_bytes)));
     }
-    // A quantized base's dequantization, an operation of its own, by chunks.
-    if (l.base_format != BaseFormat::kCompute && spec.lora.enabled()) w = std::max<uint64_t>(w, kDequantWorkBytes);
+    if (quantized) w = std::max<uint64_t>(w, kDequantWorkBytes);  // the dequantization, an operation of its own
     return w;
   };
 
@@ -237,11 +237,10 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head; the embedding and the LM head move in {} "
                               "vocabulary shard{} of {} rows, no larger than a layer", blocks, spec.layers,
                               f.vocab_shards, f.vocab_shards == 1 ? "" : "s", f.shard_rows));
-  const bool quantized_base = spec.lora.enabled() && l.base_format != BaseFormat::kCompute;
   p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients{}{}) {}", k, k,
                               format_bytes(f.unit_bytes), f.unit_elems,
                               f.unit_grad_elems < f.unit_elems ? fmt::format(" of the {} trained", f.unit_grad_elems) : "",
-                              quantized_base ? fmt::format(" + the {} base's bytes, dequantized at each visit",
+                              quantized ? fmt::format(" + the {} base's bytes, dequantized at each visit",
                                                            base_format_name(l.base_format))
                                              : "",
                               l.window > 0 ? "(as asked)" : k == blocks ? "(the whole model fits)"
@@ -273,7 +272,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   if (arena_limit > 0 && f.host_bytes - f.optimizer_host_bytes > arena_limit && spec.lora.enabled()) {
     // The frozen base stays in RAM: NVMe takes optimizer state, and a base has none.
     p.feasible = false;
-    if (l.base_format == BaseFormat::kCompute) {
+    if (!quantized) {
       const uint64_t base = uint64_t(spec.param_count()) * (l.dtype == at::kFloat ? 4 : 2);
       p.reason = fmt::format("needs {} of pinned host RAM, {} of it the frozen base's compute copy ({}: LoRA "
                              "trains adapters over it, and NVMe holds optimizer state, not compute copies); the "
@@ -417,7 +416,6 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
                          format_bytes(on_device));
   if (staging > 0) parts += fmt::format(" + {} staging a block to load or save", format_bytes(staging));
   const double params = double(spec.param_count());
-  const bool quantized = spec.lora.enabled() && l.base_format != BaseFormat::kCompute;
   p.why.push_back(fmt::format("host: {} pinned, {} of it the training state ({:.2f} bytes per parameter: {} "
                               "optimizer state, the compute copy{}, gradient staging); at its peak the process holds "
                               "~{} ({})", format_bytes(f.host_bytes), format_bytes(p.host_bytes),

@@ -81,8 +81,7 @@ int run(Options& o) {
                 "--lora {}: LoRA adapts a pretrained model; give --model (a Hugging Face checkpoint folder or Hub id)",
                 o.train.lora);
   STRIDER_CHECK(!o.merge || !o.train.lora.empty(), "--merge folds LoRA adapters into their base: it needs --lora");
-  STRIDER_CHECK(o.train.base_format == "compute" || !o.train.lora.empty(),
-                "--base-format {}: only a frozen LoRA base is held quantized; it needs --lora", o.train.base_format);
+  base_format_option(o.train.base_format, o.train.lora);
   std::optional<DirLock> out_lock;
   if (writes) {
     // A model already there is replaced by the final save, as transformers'

@@ -153,9 +153,7 @@ int run(Options& o) {
   l.optimizer_state = parse_state_format(o.optimizer_state);
   l.layer_pieces = o.layer_pieces;
   l.lora = o.lora;
-  l.base_format = parse_base_format(o.base_format, "--base-format");
-  STRIDER_CHECK(l.base_format == BaseFormat::kCompute || !o.lora.empty(),
-                "--base-format {}: only a frozen LoRA base is held quantized; it needs --lora", o.base_format);
+  l.base_format = base_format_option(o.base_format, o.lora);
   l.vocab_shard_rows = o.vocab_shard_rows;
   l.packed_documents = o.packed_documents;
   l.devices = int(pool_specs("cpu", o.devices).size());

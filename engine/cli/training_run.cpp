@@ -66,6 +66,13 @@ void add_model_options(CLI::App& c, TrainOptions& o) {
   o.packed_documents_option = o.config.add(c, "packed_documents", o.packed_documents);
 }
 
+BaseFormat base_format_option(const std::string& base_format, const std::string& lora) {
+  const BaseFormat f = parse_base_format(base_format, "--base-format");
+  STRIDER_CHECK(f == BaseFormat::kCompute || !lora.empty(),
+                "--base-format {}: only a frozen LoRA base is held quantized; it needs --lora", base_format);
+  return f;
+}
+
 bool documents_inside_windows(const TokenFile& file, int64_t seq) {
   for (const uint64_t start : file.doc_starts())
     if (start % uint64_t(seq) != 0) return true;
@@ -312,7 +319,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
   lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
   lim.lora = o.lora;
-  lim.base_format = parse_base_format(o.base_format, "--base-format");
+  lim.base_format = base_format_option(o.base_format, o.lora);
   lim.vocab_chunk = o.vocab_chunk;
   lim.vocab_shard_rows = o.vocab_shard_rows;
   lim.layer_pieces = o.layer_pieces;

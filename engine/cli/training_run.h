@@ -54,6 +54,9 @@ void add_model_options(CLI::App& c, TrainOptions& o);     // --model, --data, --
 void add_placement_options(CLI::App& c, TrainOptions& o);  // device, budgets, NVMe, shapes, dtype
 void add_optimizer_options(CLI::App& c, TrainOptions& o);  // lr, schedule, warm-up, decay, clip, seed, threads
 void add_work_dir_option(CLI::App& c, TrainOptions& o);
+// --base-format's value, refused (naming the flag) unless it is "compute" or
+// --lora is given: only a frozen LoRA base is held quantized.
+BaseFormat base_format_option(const std::string& base_format, const std::string& lora);
 
 // --device-budget "auto": on a CUDA device, its free memory at start less a
 // margin for what strider does not allocate itself (the CUDA context's

@@ -6,6 +6,7 @@
 // base: test_lora.cpp.
 #include "tests/catch_torch.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -161,7 +162,9 @@ TEST_CASE("base formats: a quantized base's pieces load its bytes and dequantize
       CHECK(prog.ops[i + 1].visit == o.visit);
     }
     CHECK(dequant == 2 * spec.layers);  // forward and backward
-    CHECK(compile_eval(pl, program_inputs(cfg, 1)).ops.size() > 0);
+    const StepProgram eval = compile_eval(pl, program_inputs(cfg, 1));
+    CHECK(std::count_if(eval.ops.begin(), eval.ops.end(),
+                        [](const StepOp& o) { return o.kind == StepOpKind::kDequantize; }) == spec.layers);  // forward
   }
   cfg.lora.clear();
   CHECK_THROWS_WITH(check_config(tiny(false), cfg), Catch::Contains("only a frozen LoRA base is quantized"));
