@@ -86,7 +86,8 @@ TokenLayout BlockRunner::layout_of(int64_t layer, const BatchPositions* position
 }
 
 at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
-                                const at::Tensor& save, const BatchPositions* positions) const {
+                                const at::Tensor& save, const BatchPositions* positions,
+                                const MoeStep* moe) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input, embedding_scale(spec_.dims, params.scalar_type()));
@@ -94,9 +95,9 @@ at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::T
       const int64_t l = spec_.block(b).layer;
       const BlockDims d = spec_.layer_dims(l);
       const TokenLayout layout = layout_of(l, positions);
-      if (!save.defined()) return layer_forward(d, w, layout, input, options_.token_tile);
+      if (!save.defined()) return layer_forward(d, w, layout, input, options_.token_tile, nullptr, moe);
       const LayerSaved s = layer_saved_views(d, input.size(0) * input.size(1), save);
-      return layer_forward(d, w, layout, input, options_.token_tile, &s);
+      return layer_forward(d, w, layout, input, options_.token_tile, &s, moe);
     }
     case BlockKind::kHead: break;
   }
@@ -105,7 +106,7 @@ at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::T
 
 at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
                                  const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved,
-                                 size_t grads_from, const BatchPositions* positions) const {
+                                 size_t grads_from, const BatchPositions* positions, const MoeStep* moe) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
   TensorMap g = block_views(spec_, b, layouts_[b], grads, /*trainable_only=*/true, grads_from);
   switch (spec_.block(b).kind) {
@@ -118,9 +119,9 @@ at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::
       const int64_t l = spec_.block(b).layer;
       const BlockDims d = spec_.layer_dims(l);
       const TokenLayout layout = layout_of(l, positions);
-      if (!saved.defined()) return layer_backward(d, w, layout, input, grad_out, g, options_.token_tile);
+      if (!saved.defined()) return layer_backward(d, w, layout, input, grad_out, g, options_.token_tile, nullptr, moe);
       const LayerSaved s = layer_saved_views(d, input.size(0) * input.size(1), saved);
-      return layer_backward(d, w, layout, input, grad_out, g, options_.token_tile, &s);
+      return layer_backward(d, w, layout, input, grad_out, g, options_.token_tile, &s, moe);
     }
     case BlockKind::kHead: break;
   }

@@ -11,6 +11,7 @@
 #include "engine/model_spec.h"
 #include "gpu/blocks.h"
 #include "gpu/chunked_loss.h"
+#include "gpu/moe.h"
 
 namespace strider {
 
@@ -57,17 +58,21 @@ class BlockRunner {
   // `save` (a layer only: a flat buffer of layer_saved_elems elements in the
   // compute dtype) receives what its backward needs (gpu/blocks.h, LayerSaved).
   // `positions`: the rows' documents (a layer only; null: one per row).
+  // `moe`: a layer with experts adds its routing statistics there (gpu/moe.h).
   at::Tensor forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
-                     const at::Tensor& save = {}, const BatchPositions* positions = nullptr) const;
+                     const at::Tensor& save = {}, const BatchPositions* positions = nullptr,
+                     const MoeStep* moe = nullptr) const;
 
   // Backward of a layer or the embedding: adds the trainable parameters'
   // gradients into `grads` (fp32 flat, same layout) and returns d(loss)/d(input) (undefined
   // for the embedding). A layer recomputes its forward's projections, or
   // takes them from `saved` (what forward wrote into `save`): the same bits.
   // `grads` may start at block element `grads_from` (before it: frozen).
+  // `moe`: the load-balancing loss's gradient for a layer with experts.
   at::Tensor backward(int64_t b, const at::Tensor& params, const at::Tensor& input,
                       const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved = {},
-                      size_t grads_from = 0, const BatchPositions* positions = nullptr) const;
+                      size_t grads_from = 0, const BatchPositions* positions = nullptr,
+                      const MoeStep* moe = nullptr) const;
 
   // The head: loss and gradients. With tied embeddings `tied_params` /
   // `tied_grads` are the embedding block's flat buffers (the LM head reads

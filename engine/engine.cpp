@@ -212,6 +212,8 @@ void EngineCore::allocate_activations(int d) {
   };
   st.ids = make({config_.batch(), S}, at::kLong, "batch ids");
   if (runs_head) st.head_stats = make({2, M}, at::kDouble, "head loss figures");
+  if (spec_.router_aux_coef > 0)
+    st.moe_stats = make({M, 2, spec_.dims.moe.experts}, at::kFloat, "routing statistics");
   st.labels = make({config_.batch(), S}, at::kLong, "batch labels");
   if (config_.packed_documents) st.positions = make({config_.batch(), S}, at::kLong, "batch positions");
   st.mb.resize(size_t(M));
@@ -245,7 +247,7 @@ void EngineCore::allocate_activations(int d) {
   if (config_.keep_logits && runs_head)
     for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].logits = make({mb * S, spec_.dims.vocab}, cdt, "kept logits");
   if (place_.runs_kept_layer(d)) {
-    const int64_t elems = layer_saved_elems(spec_.dims, mb * S);
+    const int64_t elems = layer_saved_elems(spec_.saved_dims(), mb * S);
     for (int s = 0; s < 2; ++s) {
       st.saved_dev.push_back(make({elems}, cdt, "kept activations"));
       st.saved_free.push_back(st.device->make_event());
@@ -336,7 +338,7 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   if (!rep.skipped) ++steps_;
   const auto [loss, valid] = pass_loss();
   rep.valid_tokens = valid;
-  rep.loss = loss / double(valid);
+  rep.loss = loss;
   const double t1 = Timeline::now_us();
   // Every copy of the step has finished: the gradients landed (the norm is
   // known), the loss figures too; nothing of the next step is issued yet.
@@ -360,7 +362,7 @@ double EngineCore::evaluate(const int64_t* ids, const int64_t* labels, const int
   const auto [loss, valid] = pass_loss();
   collect_device_spans();
   STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");
-  return loss / double(valid);
+  return loss;
 }
 
 std::pair<double, int64_t> EngineCore::pass_loss() {
@@ -371,8 +373,31 @@ std::pair<double, int64_t> EngineCore::pass_loss() {
     sums[0] += head_stats_host_[m];
     sums[1] += head_stats_host_[M + m];
   }
-  dist_->all_reduce_sum(sums);  // the global batch's (rank order: the same bits on every rank)
-  return {sums[0], int64_t(sums[1])};
+  // The load-balancing loss, a mean over every rank's micro-batches (engine/README.md, "Mixture of experts").
+  double aux = 0;
+  if (spec_.router_aux_coef > 0) {
+    const at::Tensor stats = seats_[0].moe_stats.cpu();
+    for (size_t m = 0; m < M; ++m) aux += moe_aux_loss(stats[int64_t(m)], moe_rows()).item<double>();
+  }
+  double all[3] = {sums[0], sums[1], aux};
+  dist_->all_reduce_sum(all);  // the global batch's (rank order: the same bits on every rank)
+  const double world_mbs = double(M) * double(dist_->ranks().world);
+  return {all[0] / all[1] + spec_.router_aux_coef * all[2] / world_mbs, int64_t(all[1])};
+}
+
+double EngineCore::moe_rows() const {
+  return double(config_.micro_batch) * double(config_.seq) * double(spec_.sparse_layer_count());
+}
+
+MoeStep EngineCore::moe_step(const Seat& s, int64_t b, int64_t m, bool backward) const {
+  MoeStep st;
+  if (!s.moe_stats.defined() || b == 0 || b >= place_.head || !spec_.sparse(b - 1)) return st;
+  st.stats = s.moe_stats[m];
+  if (!backward) return st;
+  // Every rank's micro-batches count alike: their gradients sum over the ranks.
+  st.aux_scale = spec_.router_aux_coef / (double(config_.accumulation) * double(dist_->ranks().world));
+  st.rows = moe_rows();
+  return st;
 }
 
 void EngineCore::set_collectives(std::unique_ptr<Collectives> ranks) {

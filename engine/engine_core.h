@@ -113,6 +113,9 @@ class EngineCore {
     at::Tensor ids, labels;                  // the batch: [batch, seq] (every device)
     at::Tensor positions;                    // its positions, with packed documents (else undefined)
     at::Tensor head_stats;                   // a head device: per micro-batch loss sum and valid tokens ([2, M] f64)
+    // With the load-balancing loss: each micro-batch's routing statistics
+    // over its sparse layers (gpu/moe.h, MoeStep; fp32 [M, 2, experts]).
+    at::Tensor moe_stats;
     std::vector<MicroBatch> mb;
     std::vector<std::unique_ptr<Event>> ring_free;  // per ring set: its last reader is done
     // Kept activations: two device slots (flat, compute dtype) that forward
@@ -305,9 +308,15 @@ class EngineCore {
   // The other ranks' updated compute copies of piece p's slices, or (shared)
   // a barrier: every rank has written its slice of the shared copy (updater thread).
   void gather_compute(int64_t p, bool shared);
-  // The pass's loss summed over its valid tokens, and their count, over every
-  // rank (waits for the loss figures' D2H).
+  // The pass's loss over every rank (the mean over its valid tokens, plus the
+  // load-balancing loss where it is on), and the valid tokens' count (waits
+  // for the loss figures' D2H).
   std::pair<double, int64_t> pass_loss();
+  // Layer block b's share of the load-balancing loss for micro-batch m on s:
+  // its statistics to add to (forward) or its gradient (backward); empty
+  // where b has no experts or the loss is off.
+  MoeStep moe_step(const Seat& s, int64_t b, int64_t m, bool backward) const;
+  double moe_rows() const;  // router rows of one micro-batch: its tokens x the sparse layers
 
   // Updater thread.
   std::thread updater_;

@@ -126,6 +126,11 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
     }
     st.device->record(*st.data_ready, StreamId::kH2D);
     st.device->wait(StreamId::kCompute, *st.data_ready);
+    if (st.moe_stats.defined()) {  // this batch's routing statistics start from 0, before its first forward
+      at::Tensor stats = st.moe_stats;
+      st.device->launch(StreamId::kCompute, {"routing statistics reset", -1, 0.0},
+                        [stats](const LaunchContext&) { stats.zero_(); });
+    }
   }
 }
 

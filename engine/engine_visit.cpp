@@ -49,8 +49,8 @@ double EngineCore::op_flops(const StepOp& op) const {
                                      config_.packed_documents);
       if (op.kind == StepOpKind::kForward) return c.forward_flops;
       if (!op.keep) return c.forward_flops + c.backward_flops;  // recompute + backward
-      // Kept activations: backward, and the attention core recomputed.
-      return c.backward_flops +
+      // Kept activations: backward, the attention core recomputed (and a layer's experts).
+      return c.backward_flops + c.backward_recompute_flops +
              spec_.attention_flops(spec_.block(b).layer, config_.micro_batch, config_.seq, config_.packed_documents);
     }
     case StepOpKind::kDequantize:  // a multiply per element (and a level's lookup for NF4): memory-bound
@@ -232,6 +232,7 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
     return;
   }
   const BatchPositions pos = st.mb[size_t(m)].positions;  // its rows' documents, if they pack several
+  const MoeStep moe = moe_step(st, b, m, /*backward=*/false);
   if (op.keep) {
     // Keep what backward needs: written into a device slot (once its last
     // reader is done); kSaveOut copies it out to the layer's host copy.
@@ -239,16 +240,16 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
     at::Tensor save = st.saved_dev[size_t(at.saved_slot)];
     dev.wait(StreamId::kCompute, *st.saved_free[size_t(at.saved_slot)]);
     dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops},
-               [runner, b, params, in, out, save, pos](const LaunchContext&) {
-                 out.copy_(runner->forward(b, params, in, save, &pos));
+               [runner, b, params, in, out, save, pos, moe](const LaunchContext&) {
+                 out.copy_(runner->forward(b, params, in, save, &pos, &moe));
                });
     at.saved_done = dev.make_event();
     dev.record(*at.saved_done, StreamId::kCompute);
     return;
   }
   dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops},
-             [runner, b, params, in, out, pos](const LaunchContext&) {
-               out.copy_(runner->forward(b, params, in, {}, &pos));
+             [runner, b, params, in, out, pos, moe](const LaunchContext&) {
+               out.copy_(runner->forward(b, params, in, {}, &pos, &moe));
              });
 }
 
@@ -334,6 +335,7 @@ void EngineCore::backward_op(const StepOp& op) {
     return;
   }
   const BatchPositions pos = st.mb[size_t(m)].positions;  // its rows' documents, if they pack several
+  const MoeStep moe = moe_step(st, b, m, /*backward=*/true);
   if (op.keep) {
     // Its kept activations came in ahead (kFetchSaved), in order.
     STRIDER_CHECK(!st.saved_in.empty(), "kept activations: block {} micro-batch {} expected, none came", b, m);
@@ -344,15 +346,15 @@ void EngineCore::backward_op(const StepOp& op) {
     dev.wait(StreamId::kCompute, *got.ready);
     at::Tensor saved = st.saved_dev[size_t(got.slot)];
     dev.launch(StreamId::kCompute, {"backward", int32_t(b), flops},
-               [runner, b, params, grads, in, gout, saved, base, pos](const LaunchContext&) {
-                 gout.copy_(runner->backward(b, params, in, gout, grads, saved, base, &pos));
+               [runner, b, params, grads, in, gout, saved, base, pos, moe](const LaunchContext&) {
+                 gout.copy_(runner->backward(b, params, in, gout, grads, saved, base, &pos, &moe));
                });
     dev.record(*st.saved_free[size_t(got.slot)], StreamId::kCompute);
     return;
   }
   dev.launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
-             [runner, b, params, grads, in, gout, base, pos](const LaunchContext&) {
-               at::Tensor gin = runner->backward(b, params, in, gout, grads, {}, base, &pos);
+             [runner, b, params, grads, in, gout, base, pos, moe](const LaunchContext&) {
+               at::Tensor gin = runner->backward(b, params, in, gout, grads, {}, base, &pos, &moe);
                if (gin.defined()) gout.copy_(gin);
              });
 }

@@ -111,32 +111,65 @@ std::vector<ParamLayout> layouts_of(const ModelSpec& spec) {
 
 }  // namespace
 
+std::vector<FilePart> hub_parts(const ModelSpec& spec, const TensorSlot& slot) {
+  const std::string_view name = slot.name;
+  static constexpr std::string_view kRouter = "mlp.gate.weight", kGateUp = "mlp.experts.gate_up_proj",
+                                    kDown = "mlp.experts.down_proj";
+  const bool mixtral = spec.arch == Arch::kMixtral;
+  auto prefix_of = [&](std::string_view tail) { return std::string(name.substr(0, name.size() - tail.size())); };
+  if (!spec.dims.moe.sparse() || !(name.ends_with(kRouter) || name.ends_with(kGateUp) || name.ends_with(kDown)))
+    return {FilePart{slot.name, slot.shape, 0}};
+  if (name.ends_with(kRouter))
+    return {FilePart{mixtral ? prefix_of(kRouter) + "block_sparse_moe.gate.weight" : slot.name, slot.shape, 0}};
+  const bool gate_up = name.ends_with(kGateUp);
+  const std::string p = prefix_of(gate_up ? kGateUp : kDown) + (mixtral ? "block_sparse_moe.experts." : "mlp.experts.");
+  const int64_t E = slot.shape[0], rows = slot.shape[1], cols = slot.shape[2];
+  std::vector<FilePart> out;
+  for (int64_t e = 0; e < E; ++e) {
+    const size_t at = size_t(e * rows * cols);
+    if (!gate_up) {
+      out.push_back({fmt::format("{}{}.{}", p, e, mixtral ? "w2.weight" : "down_proj.weight"), {rows, cols}, at});
+      continue;
+    }
+    const int64_t I = rows / 2;  // gate's rows, then up's
+    out.push_back({fmt::format("{}{}.{}", p, e, mixtral ? "w1.weight" : "gate_proj.weight"), {I, cols}, at});
+    out.push_back({fmt::format("{}{}.{}", p, e, mixtral ? "w3.weight" : "up_proj.weight"), {I, cols},
+                   at + size_t(I * cols)});
+  }
+  return out;
+}
+
 // ---- HfCheckpointReader ----------------------------------------------------
 
 HfCheckpointReader::HfCheckpointReader(const std::string& path, const ModelSpec& spec)
     : path_(path), checkpoint_(path), layouts_(layouts_of(spec)) {
   std::vector<std::string> problems;
-  std::unordered_set<std::string_view> expected;
+  std::unordered_set<std::string> expected;  // owned: a slot's Hub parts are made here
   views_.resize(layouts_.size());
   for (size_t b = 0; b < layouts_.size(); ++b) {
     for (const TensorSlot& slot : layouts_[b].slots()) {
-      expected.insert(slot.name);
-      auto view = checkpoint_.find(slot.name);
-      if (!view) {
-        problems.push_back(fmt::format("tensor '{}' (block {}, shape {}) is missing", slot.name,
-                                       layouts_[b].block_name(), shape_text(slot.shape)));
-        continue;
+      // The slot as one tensor (strider's layout, transformers' in memory), else the Hub's parts.
+      std::vector<FilePart> parts{FilePart{slot.name, slot.shape, 0}};
+      if (!checkpoint_.find(slot.name)) parts = hub_parts(spec, slot);
+      std::vector<Part> found;
+      for (const FilePart& part : parts) {
+        expected.insert(part.name);
+        auto view = checkpoint_.find(part.name);
+        if (!view) {
+          problems.push_back(fmt::format("tensor '{}' (block {}, shape {}) is missing", part.name,
+                                         layouts_[b].block_name(), shape_text(part.shape)));
+          continue;
+        }
+        const bool shape_ok = std::equal(view->shape.begin(), view->shape.end(), part.shape.begin(), part.shape.end());
+        if (!shape_ok)
+          problems.push_back(fmt::format("tensor '{}' has shape {} in the checkpoint; the model "
+                                         "needs {}", part.name, shape_text(view->shape), shape_text(part.shape)));
+        if (!convertible(view->dtype))
+          problems.push_back(fmt::format("tensor '{}' has dtype {}, which strider does not load "
+                                         "(F32, BF16, F16)", part.name, dtype_name(view->dtype)));
+        found.push_back(Part{part.offset_elems, *view});
       }
-      const bool shape_ok = std::equal(view->shape.begin(), view->shape.end(),
-                                       slot.shape.begin(), slot.shape.end());
-      if (!shape_ok)
-        problems.push_back(fmt::format("tensor '{}' has shape {} in the checkpoint; the model "
-                                       "needs {}", slot.name, shape_text(view->shape),
-                                       shape_text(slot.shape)));
-      if (!convertible(view->dtype))
-        problems.push_back(fmt::format("tensor '{}' has dtype {}, which strider does not load "
-                                       "(F32, BF16, F16)", slot.name, dtype_name(view->dtype)));
-      views_[b].push_back(*view);
+      views_[b].push_back(std::move(found));
     }
   }
   for (const std::string& name : checkpoint_.names()) {
@@ -167,8 +200,9 @@ const ParamLayout& HfCheckpointReader::layout(int64_t block) const {
 DType HfCheckpointReader::dtype() const {
   uint64_t f32 = 0, bf16 = 0, f16 = 0;
   for (const auto& block : views_)
-    for (const TensorView& v : block)
-      (v.dtype == DType::kF32 ? f32 : v.dtype == DType::kBF16 ? bf16 : f16) += v.numel();
+    for (const auto& slot : block)
+      for (const Part& p : slot)
+        (p.view.dtype == DType::kF32 ? f32 : p.view.dtype == DType::kBF16 ? bf16 : f16) += p.view.numel();
   return f32 >= bf16 && f32 >= f16 ? DType::kF32 : bf16 >= f16 ? DType::kBF16 : DType::kF16;
 }
 
@@ -181,9 +215,10 @@ void HfCheckpointReader::read_block(int64_t block, std::span<float> master) cons
   for (size_t i = 0; i < l.slots().size(); ++i) {
     const TensorSlot& slot = l.slots()[i];
     std::fill(master.begin() + cursor, master.begin() + slot.offset_elems, 0.0f);
-    convert_to_f32(views[i].dtype, views[i].bytes.data(), slot.numel,
-                   master.data() + slot.offset_elems);
-    checkpoint_.release_pages(views[i]);
+    for (const Part& p : views[i]) {  // they cover the slot
+      convert_to_f32(p.view.dtype, p.view.bytes.data(), p.view.numel(), master.data() + slot.offset_elems + p.offset_elems);
+      checkpoint_.release_pages(p.view);
+    }
     cursor = slot.offset_elems + slot.numel;
   }
   std::fill(master.begin() + cursor, master.end(), 0.0f);
@@ -250,10 +285,11 @@ HfCheckpointWriter::HfCheckpointWriter(std::string out_dir, const ModelSpec& spe
     for (size_t i : slots) order.emplace_back(b, i);
   }
   std::vector<TensorSpec> specs;
-  for (auto [b, i] : order) {
-    const TensorSlot& slot = layouts_[b].slots()[i];
-    specs.push_back(TensorSpec{slot.name, options_.dtype, slot.shape});
-  }
+  parts_.resize(layouts_.size());
+  for (size_t b = 0; b < layouts_.size(); ++b)
+    for (const TensorSlot& slot : layouts_[b].slots()) parts_[b].push_back(hub_parts(spec, slot));
+  for (auto [b, i] : order)
+    for (const FilePart& part : parts_[b][i]) specs.push_back(TensorSpec{part.name, options_.dtype, part.shape});
   written_.assign(layouts_.size(), false);
   fs::create_directories(out_dir_);
   SafetensorsWriteOptions wo;
@@ -272,18 +308,22 @@ void HfCheckpointWriter::write_block(int64_t block, std::span<const float> maste
                 l.block_name(), l.total_elems(), master.size());
   constexpr size_t kChunkElems = size_t{1} << 16;
   std::vector<uint16_t> tmp;
-  for (const TensorSlot& slot : l.slots()) {
-    auto src = master.subspan(slot.offset_elems, slot.numel);
-    if (options_.dtype == DType::kF32) {
-      writer_->write(slot.name, std::as_bytes(src));
-      continue;
-    }
-    tmp.resize(std::min(kChunkElems, slot.numel));
-    for (size_t done = 0; done < slot.numel; done += kChunkElems) {
-      const size_t n = std::min(kChunkElems, slot.numel - done);
-      float_to_bf16(src.subspan(done, n), std::span<uint16_t>(tmp.data(), n));
-      writer_->write(slot.name, std::as_bytes(std::span<const uint16_t>(tmp.data(), n)),
-                     done * sizeof(uint16_t));
+  for (size_t i = 0; i < l.slots().size(); ++i) {
+    const TensorSlot& slot = l.slots()[i];
+    for (const FilePart& part : parts_[b][i]) {
+      size_t numel = 1;
+      for (int64_t x : part.shape) numel *= size_t(x);
+      auto src = master.subspan(slot.offset_elems + part.offset_elems, numel);
+      if (options_.dtype == DType::kF32) {
+        writer_->write(part.name, std::as_bytes(src));
+        continue;
+      }
+      tmp.resize(std::min(kChunkElems, numel));
+      for (size_t done = 0; done < numel; done += kChunkElems) {
+        const size_t n = std::min(kChunkElems, numel - done);
+        float_to_bf16(src.subspan(done, n), std::span<uint16_t>(tmp.data(), n));
+        writer_->write(part.name, std::as_bytes(std::span<const uint16_t>(tmp.data(), n)), done * sizeof(uint16_t));
+      }
     }
   }
   written_[b] = true;

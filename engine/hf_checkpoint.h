@@ -8,6 +8,14 @@
 // silently). Then read_block() fills one block's flat fp32 buffer, into host
 // memory or into a staging buffer bound for NVMe.
 //
+// A mixture-of-experts layer's experts are one fused tensor each in strider's
+// layout, as transformers holds them in memory (mlp.experts.gate_up_proj
+// [E, 2I, H], mlp.experts.down_proj [E, H, I]); on the Hub, and in what
+// save_pretrained writes, they are a tensor per expert and projection
+// (Qwen3-MoE: mlp.experts.<e>.gate_proj/up_proj/down_proj.weight; Mixtral:
+// block_sparse_moe.experts.<e>.w1/w3/w2.weight and block_sparse_moe.gate.weight).
+// The reader takes either; the writer writes the Hub's (hub_parts).
+//
 // HfCheckpointWriter streams blocks, in any order, into a checkpoint that
 // transformers' from_pretrained loads: tensors in state_dict order, bf16 or
 // fp32, sharded like save_pretrained's max_shard_size, config.json last.
@@ -36,6 +44,17 @@ class ParamStore;
 // IEEE binary16 bits -> float, exact (every half is a float): subnormals
 // kept, Inf stays Inf, NaN keeps its sign and payload.
 float f16_to_float(uint16_t h);
+
+// One tensor of a checkpoint file that holds part of a layout slot: its
+// name, shape, and first element within the slot.
+struct FilePart {
+  std::string name;
+  std::vector<int64_t> shape;
+  size_t offset_elems = 0;
+};
+// How the Hub's checkpoints hold slot `slot` of `spec`'s layouts: the slot
+// itself, or a mixture-of-experts tensor's parts per expert.
+std::vector<FilePart> hub_parts(const ModelSpec& spec, const TensorSlot& slot);
 
 class HfCheckpointReader {
  public:
@@ -72,7 +91,11 @@ class HfCheckpointReader {
   std::string path_;
   SafetensorsCheckpoint checkpoint_;
   std::vector<ParamLayout> layouts_;
-  std::vector<std::vector<TensorView>> views_;  // per block, per layout slot
+  struct Part {
+    size_t offset_elems;  // within the slot
+    TensorView view;
+  };
+  std::vector<std::vector<std::vector<Part>>> views_;  // per block, per layout slot: the tensors it reads
   std::vector<std::string> ignored_;
 };
 
@@ -111,6 +134,7 @@ class HfCheckpointWriter {
   std::vector<ParamLayout> layouts_;
   std::vector<std::string> block_names_;
   std::vector<bool> written_;
+  std::vector<std::vector<std::vector<FilePart>>> parts_;  // per block, per slot: the tensors it writes (hub_parts)
   std::optional<SafetensorsWriter> writer_;
   std::vector<std::string> removed_;
   bool finished_ = false;

@@ -9,93 +9,14 @@
 #include <nlohmann/json.hpp>
 #include <tuple>
 
+#include "engine/model_config_reader.h"
 #include "host/error.h"
 
 namespace strider {
+using namespace config_json;
 namespace {
 
 using nlohmann::json;
-
-// Bounds of every number read from a config.json. Each is far past any
-// published model (the largest we know: hidden 16384, 126 layers, 128 heads
-// and intermediate 53248 in Llama 3.1 405B; a vocab of about 262k in Gemma 3;
-// 10M positions in Llama 4 Scout; rope_theta 1e7 in Qwen2.5-1M), so no real
-// config is refused. What they stop is a typo or a hostile file
-// (num_hidden_layers 10^12) that would otherwise reach loops and allocations
-// sized by it, or overflow the 64-bit sizes computed from it.
-struct IntRange { int64_t lo, hi; };
-constexpr IntRange kLayersRange{1, 100'000};
-constexpr IntRange kHiddenRange{1, int64_t{1} << 20};
-constexpr IntRange kHeadsRange{1, int64_t{1} << 16};  // attention and KV heads
-constexpr IntRange kHeadDimRange{2, int64_t{1} << 20};  // given, or hidden / heads
-constexpr IntRange kIntermediateRange{1, int64_t{1} << 22};
-constexpr IntRange kVocabRange{1, int64_t{1} << 24};
-constexpr IntRange kPositionsRange{1, int64_t{1} << 30};  // positions, sliding window
-
-// A real-valued field's bounds; `lo_open`: lo itself is outside.
-struct RealRange { double lo, hi; bool lo_open; };
-constexpr RealRange kRopeThetaRange{0, 1e12, true};
-constexpr RealRange kRopeFactorRange{0, 1e6, true};  // factor, low and high freq factors
-constexpr RealRange kRmsEpsRange{0, 1, true};
-constexpr RealRange kMultiplierRange{0, 1e6, true};  // Granite's multipliers and logits_scaling
-
-// Field readers that name the file and the field in every error.
-struct Reader {
-  const json& j;
-  std::string_view source;
-  std::string_view prefix = {};  // "rope_scaling." inside that object
-
-  std::string name(std::string_view key) const { return fmt::format("{}{}", prefix, key); }
-
-  const json* find(std::string_view key) const {
-    auto it = j.find(key);
-    return (it == j.end() || it->is_null()) ? nullptr : &*it;
-  }
-  // An integer within `r`. JSON's 1e12 or 32.0 is a floating-point number, not
-  // an integer: refused with the range, rather than rounded.
-  int64_t integer(std::string_view key, IntRange r) const {
-    const json* v = find(key);
-    STRIDER_CHECK(v != nullptr, "{}: missing field '{}'", source, name(key));
-    STRIDER_CHECK(!v->is_number_float(), "{}: field '{}' = {} is a floating-point number; it must be "
-                  "an integer in [{}, {}], written without a decimal point or exponent", source, name(key),
-                  v->dump(), r.lo, r.hi);
-    STRIDER_CHECK(v->is_number_integer(), "{}: field '{}' must be an integer in [{}, {}], got {}",
-                  source, name(key), r.lo, r.hi, v->dump());
-    // The parser stores a non-negative integer as unsigned; past int64 it
-    // would wrap in get<int64_t>(), so compare it as unsigned first.
-    const bool in = v->is_number_unsigned()
-                        ? v->get<uint64_t>() <= uint64_t(r.hi) && v->get<int64_t>() >= r.lo
-                        : v->get<int64_t>() >= r.lo && v->get<int64_t>() <= r.hi;
-    STRIDER_CHECK(in, "{}: field '{}' = {} is outside [{}, {}]", source, name(key), v->dump(), r.lo, r.hi);
-    return v->get<int64_t>();
-  }
-  int64_t integer_or(std::string_view key, int64_t dflt, IntRange r) const {
-    return find(key) ? integer(key, r) : dflt;
-  }
-  double number_or(std::string_view key, double dflt, RealRange r) const {
-    const json* v = find(key);
-    if (!v) return dflt;
-    STRIDER_CHECK(v->is_number(), "{}: field '{}' must be a number, got {}", source, name(key), v->dump());
-    const double x = v->get<double>();
-    const bool in = (r.lo_open ? x > r.lo : x >= r.lo) && x <= r.hi;  // false for NaN
-    STRIDER_CHECK(in, "{}: field '{}' = {} is outside {}{}, {}]", source, name(key), v->dump(),
-                  r.lo_open ? "(" : "[", r.lo, r.hi);
-    return x;
-  }
-  bool boolean_or(std::string_view key, bool dflt) const {
-    const json* v = find(key);
-    if (!v) return dflt;
-    STRIDER_CHECK(v->is_boolean(), "{}: field '{}' must be true or false, got {}", source, name(key), v->dump());
-    return v->get<bool>();
-  }
-  std::string string_or(std::string_view key, std::string dflt) const {
-    const json* v = find(key);
-    if (!v) return dflt;
-    STRIDER_CHECK(v->is_string(), "{}: field '{}' must be a string, got {}", source, name(key), v->dump());
-    return v->get<std::string>();
-  }
-};
-
 struct ArchInfo { Arch arch; std::string_view name, model_type; };
 constexpr ArchInfo kArchs[] = {
     {Arch::kLlama, "LlamaForCausalLM", "llama"},
@@ -107,6 +28,19 @@ constexpr ArchInfo kArchs[] = {
     {Arch::kOlmo2, "Olmo2ForCausalLM", "olmo2"},
     {Arch::kGemma2, "Gemma2ForCausalLM", "gemma2"},
     {Arch::kGemma3, "Gemma3ForCausalLM", "gemma3_text"},
+    {Arch::kQwen3Moe, "Qwen3MoeForCausalLM", "qwen3_moe"},
+    {Arch::kMixtral, "MixtralForCausalLM", "mixtral"},
+};
+
+// Mixture-of-experts architectures strider does not train yet, and what of
+// theirs is missing.
+struct Unsupported { std::string_view name, model_type, missing; };
+constexpr Unsupported kUnsupported[] = {
+    {"Qwen2MoeForCausalLM", "qwen2_moe", "its shared expert (shared_expert, shared_expert_gate)"},
+    {"DeepseekV3ForCausalLM", "deepseek_v3", "multi-head latent attention and bias-corrected (noaux_tc) routing"},
+    {"DeepseekV2ForCausalLM", "deepseek_v2", "multi-head latent attention and its shared experts"},
+    {"GptOssForCausalLM", "gpt_oss", "attention sinks and its clamped SwiGLU experts with biases"},
+    {"OlmoeForCausalLM", "olmoe", "OLMoE's whole-projection q/k norms over experts"},
 };
 
 const ArchInfo& arch_of(const Reader& r) {
@@ -117,15 +51,22 @@ const ArchInfo& arch_of(const Reader& r) {
     name = (*a)[0].get<std::string>();
     for (const auto& i : kArchs)
       if (i.name == name) return i;
+    for (const auto& u : kUnsupported)
+      if (u.name == name)
+        throw Error(fmt::format("{}: {} is not supported: strider does not build {}", r.source, name, u.missing));
   } else {
     std::string mt = r.string_or("model_type", "");
     for (const auto& i : kArchs)
       if (i.model_type == mt) return i;
+    for (const auto& u : kUnsupported)
+      if (u.model_type == mt)
+        throw Error(fmt::format("{}: model_type '{}' ({}) is not supported: strider does not build {}", r.source,
+                                mt, u.name, u.missing));
     name = "model_type '" + mt + "'";
   }
   throw Error(fmt::format("{}: architecture {} is not supported; strider supports LlamaForCausalLM, "
                           "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, "
-                          "Olmo2ForCausalLM, Gemma2ForCausalLM and Gemma3ForCausalLM",
+                          "Olmo2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM",
                           r.source, name));
 }
 
@@ -143,6 +84,10 @@ std::vector<double> factors(const Reader& r, std::string_view key, size_t count)
   }
   return out;
 }
+
+}  // namespace
+
+namespace config_json {
 
 // The RoPE object `pr` reads (its rope_type and factors) over `rope`; `top`:
 // the whole config (longrope's defaults come from its positions), whose
@@ -193,7 +138,7 @@ RopeDims parse_rope_params(const Reader& pr, RopeDims rope, const Reader& top, i
 // rope_parameters (transformers >= 5) or rope_theta + rope_scaling (older
 // files); `theta`: the architecture's default base, `partial`: its rotary
 // fraction where rope_parameters does not give one.
-RopeDims parse_rope(const Reader& r, int64_t head_dim, double theta = 10000.0, double partial = 1.0) {
+RopeDims parse_rope(const Reader& r, int64_t head_dim, double theta, double partial) {
   RopeDims rope;
   rope.partial_rotary = partial;
   const json* params = r.find("rope_parameters");
@@ -208,88 +153,7 @@ RopeDims parse_rope(const Reader& r, int64_t head_dim, double theta = 10000.0, d
   return parse_rope_params(pr, rope, r, head_dim);
 }
 
-// Gemma 2 and Gemma 3's text model (transformers' modeling_gemma2,
-// modeling_gemma3): Gemma's norms and GELU-tanh MLP, its embedding scale and
-// query_pre_attn_scalar, sliding and global layers; Gemma 2's soft-capping
-// (of the attention scores and of the logits); Gemma 3's q/k norms and a RoPE
-// per layer kind.
-void parse_gemma(const Reader& r, ModelSpec& s) {
-  const bool gemma2 = s.arch == Arch::kGemma2;
-  BlockDims& d = s.dims;
-  const std::string act = r.string_or("hidden_activation", r.string_or("hidden_act", "gelu_pytorch_tanh"));
-  STRIDER_CHECK(act == "gelu_pytorch_tanh", "{}: hidden_activation '{}' is not supported (gelu_pytorch_tanh)",
-                r.source, act);
-  d.act = Activation::kGeluTanh;
-  d.norm = NormKind::kGemma;
-  d.norm_placement = NormPlacement::kSandwich;
-  d.qk_norm = !gemma2;
-  d.qkv_bias = d.o_bias = r.boolean_or("attention_bias", false);
-  d.embedding_multiplier = std::sqrt(double(d.hidden));
-  d.embedding_multiplier_in_dtype = true;
-  d.attn_scale = 1.0 / std::sqrt(r.number_or("query_pre_attn_scalar", 256.0, kMultiplierRange));
-  s.tie_embeddings = r.boolean_or("tie_word_embeddings", true);
-  if (gemma2) {
-    // Absent: Gemma2Config's defaults, 50 and 30, as transformers reads the
-    // file; null: no soft-capping.
-    auto cap = [&](const char* key, double absent) {
-      return r.j.contains(key) ? r.number_or(key, 0, kMultiplierRange) : absent;
-    };
-    d.attn_softcap = cap("attn_logit_softcapping", 50.0);
-    d.final_softcap = cap("final_logit_softcapping", 30.0);
-  } else {
-    for (const char* cap : {"final_logit_softcapping", "attn_logit_softcapping"})
-      if (const json* v = r.find(cap))
-        throw Error(fmt::format("{}: {} = {}: soft-capping is not supported for Gemma 3 (null)", r.source, cap,
-                                v->dump()));
-  }
-  STRIDER_CHECK(!r.boolean_or("use_bidirectional_attention", false),
-                "{}: use_bidirectional_attention is not supported (causal attention only)", r.source);
-  d.sliding_window = r.integer_or("sliding_window", 4096, kPositionsRange);
-  // The layers' kinds: layer_types, or every sliding_window_pattern-th layer global.
-  s.sliding_layers.assign(size_t(s.layers), 1);
-  if (const json* types = r.find("layer_types")) {
-    STRIDER_CHECK(types->is_array() && types->size() == size_t(s.layers),
-                  "{}: field 'layer_types' must list the {} layers' types", r.source, s.layers);
-    for (size_t l = 0; l < types->size(); ++l) {
-      const json& t = (*types)[l];
-      STRIDER_CHECK(t == "sliding_attention" || t == "full_attention",
-                    "{}: layer_types[{}] = {} is not supported (sliding_attention, full_attention)", r.source, l,
-                    t.dump());
-      s.sliding_layers[l] = t == "sliding_attention";
-    }
-  } else {
-    const int64_t pattern = r.integer_or("sliding_window_pattern", gemma2 ? 2 : 6, kLayersRange);
-    for (int64_t l = 0; l < s.layers; ++l) s.sliding_layers[size_t(l)] = (l + 1) % pattern != 0;
-  }
-  // RoPE per layer kind under rope_parameters (transformers >= 5); else
-  // rope_theta and rope_scaling for the global layers and
-  // rope_local_base_freq for the sliding ones.
-  const json* params = r.find("rope_parameters");
-  if (gemma2) {  // one RoPE for both kinds
-    d.rope = parse_rope(r, d.head_dim);
-    s.local_rope = d.rope;
-  } else if (params && params->is_object() &&
-             (params->contains("full_attention") || params->contains("sliding_attention"))) {
-    auto kind = [&](const char* key, double theta) {
-      RopeDims rope;
-      rope.theta = theta;
-      const auto it = params->find(key);
-      if (it == params->end() || it->is_null()) return rope;
-      STRIDER_CHECK(it->is_object(), "{}: field 'rope_parameters.{}' must be an object", r.source, key);
-      const std::string prefix = fmt::format("rope_parameters.{}.", key);
-      const Reader pr{*it, r.source, prefix};
-      rope.theta = pr.number_or("rope_theta", theta, kRopeThetaRange);
-      return parse_rope_params(pr, rope, r, d.head_dim);
-    };
-    d.rope = kind("full_attention", 1e6);
-    s.local_rope = kind("sliding_attention", 1e4);
-  } else {
-    d.rope = parse_rope(r, d.head_dim, 1e6);
-    s.local_rope.theta = r.number_or("rope_local_base_freq", 1e4, kRopeThetaRange);
-  }
-}
-
-}  // namespace
+}  // namespace config_json
 
 ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
   STRIDER_CHECK(config.is_object(), "{}: a config must be a JSON object", source);
@@ -374,10 +238,14 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
     case Arch::kGemma3:
       parse_gemma(r, s);
       break;
+    case Arch::kQwen3Moe:
+    case Arch::kMixtral:
+      parse_moe(r, s);
+      break;
   }
   // Sliding-window attention: Mistral and Phi-3 apply it to every layer;
   // Qwen configs carry the field but leave use_sliding_window off.
-  const bool every_layer_window = s.arch == Arch::kMistral || s.arch == Arch::kPhi3;
+  const bool every_layer_window = s.arch == Arch::kMistral || s.arch == Arch::kPhi3 || s.arch == Arch::kMixtral;
   if (!gemma && (every_layer_window || r.boolean_or("use_sliding_window", false))) {
     STRIDER_CHECK(every_layer_window,
                   "{}: use_sliding_window is not supported for {}", source, s.arch_name);
@@ -396,12 +264,36 @@ ModelSpec ModelSpec::from_file(const std::filesystem::path& path) {
   return from_json(j, file.string());
 }
 
+int64_t ModelSpec::sparse_layer_count() const {
+  if (!dims.moe.sparse()) return 0;
+  if (dense_layers.empty()) return layers;
+  return layers - std::count_if(dense_layers.begin(), dense_layers.end(), [](uint8_t x) { return x != 0; });
+}
+
+int64_t ModelSpec::largest_layer_block() const {
+  if (dense_layers.empty()) return 1;
+  int64_t best = 1;
+  for (int64_t l = 1; l < layers; ++l)
+    if (sparse(l) != sparse(0)) {
+      if (layout(l + 1).total_elems() > layout(1).total_elems()) best = l + 1;
+      break;
+    }
+  return best;
+}
+
 namespace {
-// Embedding, one layer (every layer has the same tensors), head: O(1) however
-// many layers, and no sum that can overflow.
+// Embedding, one layer of each kind (layers of a kind have the same tensors),
+// head: no loop over the blocks, and no sum that can overflow.
 long double param_estimate(const ModelSpec& s) {
+  const int64_t sparse = s.sparse_layer_count(), dense = s.layers - sparse;
+  auto layer_of = [&](bool want_sparse) {
+    for (int64_t l = 0; l < s.layers; ++l)
+      if (s.sparse(l) == want_sparse) return static_cast<long double>(s.layout(l + 1).param_elems());
+    return 0.0L;
+  };
   return static_cast<long double>(s.layout(0).param_elems()) +
-         static_cast<long double>(s.layers) * static_cast<long double>(s.layout(1).param_elems()) +
+         (sparse > 0 ? static_cast<long double>(sparse) * layer_of(true) : 0.0L) +
+         (dense > 0 ? static_cast<long double>(dense) * layer_of(false) : 0.0L) +
          static_cast<long double>(s.layout(s.num_blocks() - 1).param_elems());
 }
 }  // namespace
@@ -429,15 +321,18 @@ void ModelSpec::check_size(std::string_view source) const {
 
 int64_t ModelSpec::param_count() const {
   check_size(arch_name.empty() ? "model" : arch_name);
-  return static_cast<int64_t>(layout(0).param_elems()) + layers * static_cast<int64_t>(layout(1).param_elems()) +
-         static_cast<int64_t>(layout(num_blocks() - 1).param_elems());
+  return static_cast<int64_t>(param_estimate(*this));
 }
 
 std::string ModelSpec::summary() const {
   return fmt::format("{}: {} layers, hidden {}, heads {}/{} (head dim {}), intermediate {}, vocab {}, "
-                     "{:.3f}B parameters{}{}",
+                     "{:.3f}B parameters{}{}{}",
                      arch_name, layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim,
                      dims.intermediate, dims.vocab, param_count() / 1e9,
+                     dims.moe.sparse() ? fmt::format(", {} of {} layers with {} experts (top {}, intermediate {})",
+                                                     sparse_layer_count(), layers, dims.moe.experts, dims.moe.top_k,
+                                                     dims.moe.intermediate)
+                                       : std::string(),
                      tie_embeddings ? ", tied embeddings" : "",
                      lora.enabled() ? ", LoRA " + lora.text() + " over a frozen base" : "");
 }

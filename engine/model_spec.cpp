@@ -22,6 +22,7 @@ BlockRef ModelSpec::block(int64_t i) const {
 BlockDims ModelSpec::layer_dims(int64_t layer) const {
   STRIDER_CHECK(layer >= 0 && layer < layers, "layer {} out of range (model has {} layers)", layer, layers);
   BlockDims d = dims;
+  if (!sparse(layer)) d.moe = MoeDims{};
   if (sliding_layers.empty()) return d;
   if (slides(layer)) d.rope = local_rope;
   else d.sliding_window = 0;
@@ -148,8 +149,22 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   if (d.qk_norm) attn = std::max(attn, (q + 2 * kv) * e + norm(q, heads));
   attn = std::max({n * attn, n * ((2 * q + 2 * kv) * e + 4 * heads) + scores + mask,  // SDPA, logsumexp
                    n * (h + q + 2 * kv) * e + mask_build, n * (2 * q + 2 * kv) * e + capped_fwd});
-  const i128 mlp = n * h * e + t * std::max({norm(h, 1), h * e + 2 * inter * e + gemm_f32(inter),  // gate, up
-                                             inter * e + h * e + post_fwd});                      // down, post-norm
+  i128 mlp = n * h * e + t * std::max({norm(h, 1), h * e + 2 * inter * e + gemm_f32(inter),  // gate, up
+                                       inter * e + h * e + post_fwd});                      // down, post-norm
+  // Experts (gpu/moe.h), a tile of t tokens: the normed input and the
+  // output; the router's fp32 probabilities, each token's choices, scores
+  // and the (token, slot) groups with their sort (about 40 bytes a choice).
+  // Then one expert at a time on its tokens, at most all t of them (a token
+  // goes to an expert once): its rows gathered, gate and up, the product;
+  // then (the rows gone) the output and its weighting (fp32 for Mixtral's
+  // scores, then cast).
+  const MoeDims& moe = d.moe;
+  const i128 ek = moe.top_k, ei = moe.intermediate, E = moe.experts;
+  const i128 route = t * (4 * E + 40 * ek);
+  if (moe.sparse())
+    mlp = n * h * e + std::max(t * norm(h, 1), t * 2 * h * e + route +
+                                                   t * std::max(h * e + 4 * ei * e,  // rows, gate/up, act
+                                                                3 * ei * e + 2 * h * e + (moe.scores_fp32 ? 4 * h : 0)));
   LayerWork w;
   w.forward = headroom(std::max(attn, mlp) + layout + small);
 
@@ -164,8 +179,17 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // One MLP tile: gate, up, d(act), d(up), d(gate) and silu_backward's
   // scratch (fp32 below fp32), and d(h2) with a GEMM's output; one weight
   // gradient [intermediate, hidden] at a time.
-  const i128 tile =
+  i128 tile =
       n * held + t * (inter * 4 * e + silu_f32_x2 * inter / 2 + 2 * h * e + post_back + scaled) + h * inter * e;
+  // Experts' backward: the normed input, d(input) and the routing again with
+  // its autograd graph (the logits, fp32 probabilities and their gradient);
+  // per expert (at most t tokens) its rows and their output gradients, gate
+  // and up, the product and the output recomputed, then either d(score)'s
+  // fp32 products or the gradients of the product, act and gate/up; one
+  // weight gradient [2I, hidden] at a time.
+  if (moe.sparse())
+    tile = n * held + t * (4 * h * e + scaled) + route + t * E * (e + 12) +
+           t * (2 * h * e + 3 * ei * e + std::max(3 * h * 4 + h * e, h * e + 6 * ei * e)) + 2 * ei * h * e;
   // Attention's backward, x1 gone: first a post-norm's backward (beside
   // d(loss)/d(x1)), then d(a), its transposed copy, d(q), d(k), d(v) (below
   // fp32 the CPU kernel accumulates d(q) in fp32) and the block scores'
@@ -250,6 +274,13 @@ ParamLayout ModelSpec::layout(int64_t i) const {
       l.add(p + "post_attention_layernorm.weight", {d.hidden});  // the MLP's pre-norm where norms come first
       if (pre && post) l.add(p + "pre_feedforward_layernorm.weight", {d.hidden});
       if (post) l.add(p + "post_feedforward_layernorm.weight", {d.hidden});
+      if (sparse(b.layer)) {  // the router, then the experts (gpu/block_dims.h, MoeDims)
+        const MoeDims& e = d.moe;
+        l.add(p + "mlp.gate.weight", {e.experts, d.hidden});
+        l.add(p + "mlp.experts.gate_up_proj", {e.experts, 2 * e.intermediate, d.hidden});
+        l.add(p + "mlp.experts.down_proj", {e.experts, d.hidden, e.intermediate});
+        break;
+      }
       l.add(p + "mlp.gate_proj.weight", {d.intermediate, d.hidden});
       if (d.mlp_bias) l.add(p + "mlp.gate_proj.bias", {d.intermediate});
       l.add(p + "mlp.up_proj.weight", {d.intermediate, d.hidden});
@@ -280,6 +311,9 @@ ModelSpec ModelSpec::with_lora(std::string_view text, std::string_view source) c
   STRIDER_CHECK(!s.lora.enabled() || !tie_embeddings || s.lora.train.empty(),
                 "{}: LoRA train={}: {} ties its embedding and LM head; training either in full beside adapters "
                 "is not supported for tied embeddings", source, fmt::join(s.lora.train, "+"), arch_name);
+  STRIDER_CHECK(!s.lora.enabled() || !dims.moe.sparse(),
+                "{}: LoRA on {}, a mixture-of-experts model, is not supported yet (its experts are trained in full)",
+                source, arch_name);
   STRIDER_CHECK(!s.lora.enabled() || !dims.fused_projections,
                 "{}: LoRA on {}'s fused projections (qkv_proj, gate_up_proj) is not supported yet", source, arch_name);
   s.dims.lora_scale = s.lora.enabled() ? s.lora.scale() : 0;
@@ -347,7 +381,13 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       const BlockDims ld = layer_dims(block(i).layer);
       const double proj = 2.0 * t * d.hidden * (2.0 * double(q) + 2.0 * double(kv));
       const double attn = attention_flops(block(i).layer, batch, seq, packed);
-      const double mlp = 2.0 * 3.0 * t * d.hidden * d.intermediate;
+      // A layer with experts: the router, and top_k experts' SwiGLU per token
+      // (FLOPs by the active parameters; bytes and the optimizer's work are
+      // by all of them).
+      const MoeDims& moe = ld.moe;
+      const double mlp = moe.sparse() ? 2.0 * t * d.hidden * double(moe.experts) +
+                                            2.0 * 3.0 * t * d.hidden * double(moe.intermediate) * double(moe.top_k)
+                                      : 2.0 * 3.0 * t * d.hidden * d.intermediate;
       // LoRA: each adapter's two thin GEMMs, x A^T and (x A^T) B^T.
       double adapters = 0;
       const double in_out[] = {double(d.hidden + q), double(d.hidden + kv), double(d.hidden + kv),
@@ -363,6 +403,8 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       c.backward_flops = lora.enabled() ? proj + mlp + 2.0 * attn + 2.5 * adapters : 2.0 * c.forward_flops;
       // Post-norms: their backward recomputes o_proj's and down_proj's outputs.
       if (d.norm_placement != NormPlacement::kPre) c.backward_flops += 2.0 * t * d.hidden * (double(q) + d.intermediate);
+      // Experts: their backward computes their forward again (gpu/moe.h), kept activations or not.
+      if (moe.sparse()) c.backward_recompute_flops = mlp;
       const LayerWork w = layer_work(ld, batch, seq, token_tile, dtype_bytes, work, packed);
       c.forward_work_bytes = bytes(w.forward, "forward working memory");
       c.backward_work_bytes = bytes(w.backward, "backward working memory");

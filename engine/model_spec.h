@@ -21,7 +21,7 @@
 
 namespace strider {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kMistral, kGranite, kPhi3, kOlmo2, kGemma2, kGemma3 };
+enum class Arch { kLlama, kQwen2, kQwen3, kMistral, kGranite, kPhi3, kOlmo2, kGemma2, kGemma3, kQwen3Moe, kMixtral };
 
 enum class BlockKind { kEmbedding, kLayer, kHead };
 
@@ -34,6 +34,10 @@ struct BlockRef {
 struct BlockCost {
   double forward_flops = 0;        // matmuls and attention, multiply-add = 2
   double backward_flops = 0;       // input and weight gradients (2x forward)
+  // Forward work the backward does again even where the layer keeps its
+  // activations: a layer with experts recomputes its MLP (gpu/moe.h). Not in
+  // backward_flops: a recomputing backward counts it in forward_flops.
+  double backward_recompute_flops = 0;
   int64_t forward_work_bytes = 0;  // peak transient device bytes, no autograd
   int64_t backward_work_bytes = 0; // recompute with autograd + backward
   int64_t output_bytes = 0;        // the block's output (next block's checkpoint)
@@ -70,7 +74,31 @@ struct ModelSpec {
   std::vector<uint8_t> sliding_layers;
   RopeDims local_rope;
   bool slides(int64_t layer) const { return !sliding_layers.empty() && sliding_layers[size_t(layer)] != 0; }
-  // Layer `layer`'s BlockDims: dims, with its kind's window and RoPE.
+  // Mixture of experts (dims.moe.experts > 0): dense_layers[l] != 0 where
+  // layer l's MLP is dense all the same (Qwen3-MoE's mlp_only_layers and
+  // decoder_sparse_step), with dims.intermediate; the others route over
+  // dims.moe's experts. Empty: every layer as dims says.
+  std::vector<uint8_t> dense_layers;
+  bool sparse(int64_t layer) const {
+    return dims.moe.sparse() && (dense_layers.empty() || dense_layers[size_t(layer)] == 0);
+  }
+  int64_t sparse_layer_count() const;
+  // The block of a layer with the most parameters (layers of one kind hold
+  // the same tensors): block 1 unless some layers are sparse and some dense.
+  int64_t largest_layer_block() const;
+  // The BlockDims whose kept activations (gpu/blocks.h, LayerSaved) are the
+  // largest of its layers': a dense layer's where it has one.
+  BlockDims saved_dims() const {
+    BlockDims d = dims;
+    if (!dense_layers.empty()) d.moe = MoeDims{};
+    return d;
+  }
+  // The load-balancing loss's weight: router_aux_loss_coef where the
+  // config's output_router_logits is set (transformers adds the loss then),
+  // else 0 (engine/README.md, "Mixture of experts").
+  double router_aux_coef = 0;
+  // Layer `layer`'s BlockDims: dims, with its kind's window and RoPE, and
+  // no experts where its MLP is dense.
   BlockDims layer_dims(int64_t layer) const;
   // LoRA adapters over a frozen base (engine/lora.h); none by default. Set
   // by with_lora, which also gives the blocks their scale (dims.lora_scale).

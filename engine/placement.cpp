@@ -120,6 +120,10 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.base_format == BaseFormat::kCompute || c.layer_pieces.empty(),
                 "base_format {} with layer_pieces '{}': a quantized base is one piece of its layer; leave "
                 "layer_pieces empty", base_format_name(c.base_format), c.layer_pieces);
+  STRIDER_CHECK(spec.router_aux_coef == 0 || c.devices == 1,
+                "{}'s load-balancing loss (output_router_logits) over a pool of {} devices is not supported yet: "
+                "its routing statistics are summed on one device; run one device per process (data parallel), or "
+                "turn output_router_logits off", spec.arch_name, c.devices);
   // grad_ring and the state shard: place() checks them (it indexes by them).
   STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
                 "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",
@@ -254,7 +258,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   }
 
   pl.act_bytes = size_t(c.micro_batch * c.seq * spec.dims.hidden) * pl.compute_bytes;
-  pl.saved_bytes = size_t(layer_saved_elems(spec.dims, c.micro_batch * c.seq)) * pl.compute_bytes;
+  pl.saved_bytes = size_t(layer_saved_elems(spec.saved_dims(), c.micro_batch * c.seq)) * pl.compute_bytes;
 
   EngineFootprint& f = pl.footprint;
   f.unit_elems = sh.unit_elems;

@@ -46,17 +46,19 @@ ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint6
   ActivationCost c;
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
   const double m = double(l.accumulation);
-  const BlockCost layer = spec.cost(1, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0, l.work, l.packed_documents);
+  const int64_t widest = spec.largest_layer_block();
+  const BlockCost layer = spec.cost(widest, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0, l.work, l.packed_documents);
   c.forward_flops = layer.forward_flops * m;
   c.backward_flops = layer.backward_flops * m;
   c.attention_flops = attention_core_flops(spec, l.micro_batch, l.seq, l.packed_documents) * m;
-  c.param_bytes = uint64_t(spec.layout(1).total_elems()) * uint64_t(cbytes);
+  c.param_bytes = uint64_t(spec.layout(widest).total_elems()) * uint64_t(cbytes);
   c.saved_bytes = saved_bytes_per_layer;
   const double f = c.forward_flops / l.compute_flops_per_s, b = c.backward_flops / l.compute_flops_per_s,
-               a = c.attention_flops / l.compute_flops_per_s;
+               a = c.attention_flops / l.compute_flops_per_s,
+               r = layer.backward_recompute_flops * m / l.compute_flops_per_s;  // experts: recomputed either way
   const double p = double(c.param_bytes) / l.link_bytes_per_s, s = double(c.saved_bytes) / l.link_bytes_per_s;
   c.recompute_s = std::max(f, p) + std::max(f + b, p);
-  c.saved_s = std::max({f, p, s}) + std::max(b + a, p + s);
+  c.saved_s = std::max({f, p, s}) + std::max(b + a + r, p + s);
   return c;
 }
 
@@ -93,7 +95,7 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
                 "shorten seq or the batch", blocks, l.accumulation, l.micro_batch, l.seq,
                 spec.dims.hidden, double(ckpt));
   const ld emb = ld(spec.layout(0).total_elems()), head = ld(spec.layout(blocks - 1).total_elems());
-  const ld largest = std::max({emb, ld(spec.layout(1).total_elems()), head + emb});
+  const ld largest = std::max({emb, ld(spec.layout(spec.largest_layer_block()).total_elems()), head + emb});
   const int64_t slots = std::max<int64_t>({l.window, Plan::kMaxAutoWindow, l.grad_ring});
   const ld units = ld(slots) * largest * 8;
   STRIDER_CHECK(units <= ld(ModelSpec::kMaxBytes), "plan: {} cache units or gradient ring slots of "

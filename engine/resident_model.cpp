@@ -76,12 +76,30 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
   const int64_t valid = (labels != -100).sum().item<int64_t>();
   STRIDER_CHECK(valid > 0, "the batch has no label other than -100: nothing to train on");
 
+  // The load-balancing loss (engine/README.md, "Mixture of experts"): each
+  // micro-batch's routing statistics over its sparse layers, then each
+  // sparse layer's backward adds its gradient, a mean over the micro-batches.
+  const bool aux = spec_.router_aux_coef > 0;
+  const at::Tensor stats = aux ? at::zeros({micro_batches, 2, spec_.dims.moe.experts},
+                                           at::TensorOptions().dtype(at::kFloat).device(device_))
+                               : at::Tensor();
+  const double rows = double(batch / micro_batches) * double(seq) * double(spec_.sparse_layer_count());
+  auto moe = [&](int64_t b, int64_t m, bool backward) {
+    MoeStep st;
+    if (!aux || b == 0 || b == head || !spec_.sparse(b - 1)) return st;
+    st.stats = stats[m];
+    if (backward) st.aux_scale = spec_.router_aux_coef / double(micro_batches), st.rows = rows;
+    return st;
+  };
+
   // Forward, block-major; inputs[b][m] is block b's input for micro-batch m.
   std::vector<std::vector<at::Tensor>> inputs(nb);
   inputs[0] = ids;
   for (int64_t b = 0; b < head; ++b)
-    for (int64_t m = 0; m < micro_batches; ++m)
-      inputs[b + 1].push_back(run.forward(b, params_[b], inputs[b][m], {}, &pos[m]));
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      const MoeStep st = moe(b, m, false);
+      inputs[b + 1].push_back(run.forward(b, params_[b], inputs[b][m], {}, &pos[m], &st));
+    }
 
   StepLoss out;
   const at::Tensor tied_p = spec_.tie_embeddings ? params_[0] : at::Tensor();
@@ -95,10 +113,14 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
     grad_out[m] = r.grad_input;
   }
   for (int64_t b = head - 1; b >= 0; --b)
-    for (int64_t m = 0; m < micro_batches; ++m)
-      grad_out[m] = run.backward(b, params_[b], inputs[b][m], grad_out[m], grads_[b], {}, 0, &pos[m]);
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      const MoeStep st = moe(b, m, true);
+      grad_out[m] = run.backward(b, params_[b], inputs[b][m], grad_out[m], grads_[b], {}, 0, &pos[m], &st);
+    }
 
   out.loss = loss_sum / double(valid);
+  for (int64_t m = 0; aux && m < micro_batches; ++m)
+    out.loss += spec_.router_aux_coef / double(micro_batches) * moe_aux_loss(stats[m], rows).item<double>();
   out.valid_tokens = valid;
   if (keep_outputs)
     for (int64_t b = 1; b <= head; ++b) out.block_outputs.push_back(at::cat(inputs[b], 0));

@@ -44,6 +44,25 @@ struct RopeDims {
   int64_t rotary_dim(int64_t head_dim) const { return int64_t(double(head_dim) * partial_rotary); }
 };
 
+// A mixture-of-experts MLP (Qwen3-MoE, Mixtral): `experts` SwiGLU experts of
+// `intermediate` each, held fused as transformers holds them in memory
+// (mlp.experts.gate_up_proj [experts, 2 x intermediate, hidden], gate rows
+// first; mlp.experts.down_proj [experts, hidden, intermediate]), and a router
+// (mlp.gate.weight [experts, hidden]) whose softmax, in fp32, picks each
+// token's top_k. 0 experts: the layer's MLP is dense.
+struct MoeDims {
+  int64_t experts = 0;
+  int64_t top_k = 0;
+  int64_t intermediate = 0;
+  // The top-k probabilities divided by their sum (Mixtral always;
+  // Qwen3-MoE's norm_topk_prob).
+  bool norm_topk = false;
+  // The experts' outputs are weighted by the fp32 scores (Mixtral); false:
+  // by the scores cast to the compute dtype first (Qwen3-MoE).
+  bool scores_fp32 = false;
+  bool sparse() const { return experts > 0; }
+};
+
 struct BlockDims {
   int64_t hidden = 0;
   int64_t heads = 0;
@@ -93,6 +112,9 @@ struct BlockDims {
   // LoRA: a linear layer whose block holds "<proj>.lora_A.weight" and
   // "<proj>.lora_B.weight" adds lora_scale * (x A^T) B^T (engine/lora.h).
   double lora_scale = 0;
+  // This layer's experts (ModelSpec::layer_dims: none in a dense layer of a
+  // mixture-of-experts model).
+  MoeDims moe;
 };
 
 // Soft-capped attention's queries per tile (gpu/softcap_attention.h) for a

@@ -8,17 +8,19 @@
 #include <string_view>
 #include <vector>
 
+#include "gpu/block_parts.h"
+#include "gpu/moe.h"
 #include "gpu/softcap_attention.h"
 #include "host/error.h"
 
 namespace strider {
 namespace {
 
-const at::Tensor& weight(const TensorMap& w, std::string_view name) {
-  auto it = w.find(name);
-  STRIDER_CHECK(it != w.end(), "model block: weight '{}' is missing", name);
-  return it->second;
-}
+using block_parts::activate;
+using block_parts::activate_;
+using block_parts::activate_backward;
+using block_parts::weight;
+
 at::Tensor optional_weight(const TensorMap& w, std::string_view name) {
   auto it = w.find(name);
   return it == w.end() ? at::Tensor() : it->second;
@@ -299,19 +301,6 @@ at::Tensor branch_grad(const BlockDims& d, const TensorMap& w, TensorMap& grads,
   return dg[0];
 }
 
-// The MLP's activation of gate, act(gate) (BlockDims::act), in place.
-void activate_(const BlockDims& d, at::Tensor& gate) {
-  if (d.act == Activation::kGeluTanh) at::gelu_(gate, "tanh");
-  else at::silu_(gate);
-}
-at::Tensor activate(const BlockDims& d, const at::Tensor& gate) {
-  return d.act == Activation::kGeluTanh ? at::gelu(gate, "tanh") : at::silu(gate);
-}
-// d(loss)/d(gate) from d(loss)/d(act(gate)), as autograd computes it.
-at::Tensor activate_backward(const BlockDims& d, const at::Tensor& grad, const at::Tensor& gate) {
-  return d.act == Activation::kGeluTanh ? at::gelu_backward(grad, gate, "tanh") : at::silu_backward(grad, gate);
-}
-
 // Tokens per MLP tile for n tokens: all of them when untiled.
 int64_t tile_tokens(int64_t token_tile, int64_t n) {
   STRIDER_CHECK(token_tile >= 0, "token tile {} must be >= 0 (0: untiled)", token_tile);
@@ -321,7 +310,7 @@ int64_t tile_tokens(int64_t token_tile, int64_t n) {
 }  // namespace
 
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
-                         const at::Tensor& x, int64_t token_tile, const LayerSaved* save) {
+                         const at::Tensor& x, int64_t token_tile, const LayerSaved* save, const MoeStep* moe) {
   at::NoGradGuard no_grad;
   const int64_t n = x.size(0) * x.size(1);
   const NormNames names = norm_names(d);
@@ -344,6 +333,10 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayo
   for (int64_t t0 = 0; t0 < n; t0 += tile) {
     const int64_t t1 = std::min(n, t0 + tile);
     at::Tensor t = flat.slice(0, t0, t1);
+    if (d.moe.sparse()) {
+      t.add_(branch(d, w, names.mlp_post, moe_forward(d, w, maybe_norm(d, w, names.mlp_pre, t), moe)));
+      continue;
+    }
     MlpProjections m = mlp_projections(d, w, t);
     if (save) {
       save->gate.slice(0, t0, t1).copy_(m.gate);
@@ -361,7 +354,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayo
 
 at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
                           const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads,
-                          int64_t token_tile, const LayerSaved* saved) {
+                          int64_t token_tile, const LayerSaved* saved, const MoeStep* moe) {
   const int64_t b = x.size(0), s = x.size(1), n = b * s, qf = d.heads * d.head_dim;
   const NormNames names = norm_names(d);
   // Leaves for the weights autograd differentiates (norms; the projections'
@@ -426,7 +419,13 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
     const int64_t t1 = std::min(n, t0 + tile);
     const at::Tensor x1_t = x1_flat.slice(0, t0, t1), gout_t = gout_flat.slice(0, t0, t1);
     at::Tensor dh2;
-    {
+    if (d.moe.sparse()) {
+      at::NoGradGuard no_grad;
+      const at::Tensor h2 = maybe_norm(d, w, names.mlp_pre, x1_t);
+      const at::Tensor gy =
+          branch_grad(d, w, grads, names.mlp_post, gout_t, [&] { return moe_forward(d, w, h2); });
+      dh2 = moe_backward(d, w, grads, h2, gy, moe);
+    } else {
       at::NoGradGuard no_grad;
       MlpProjections m;
       if (saved) m = {saved->gate.slice(0, t0, t1), saved->up.slice(0, t0, t1)};

@@ -109,8 +109,14 @@ LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tenso
 //
 // `save` (views from layer_saved_views) receives what the backward needs;
 // the output is the same bits with or without it.
+//
+// A layer with experts (d.moe, gpu/moe.h) runs its MLP through moe_forward;
+// its LayerSaved keeps no gate or up (its backward recomputes the MLP), and
+// `moe` receives the layer's routing statistics.
+struct MoeStep;
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
-                         const at::Tensor& x, int64_t token_tile, const LayerSaved* save = nullptr);
+                         const at::Tensor& x, int64_t token_tile, const LayerSaved* save = nullptr,
+                         const MoeStep* moe = nullptr);
 // Back-propagates grad_out through the layer whose input was x, adds every
 // parameter gradient into `grads` (fp32, same names as `w`) and returns
 // d(loss)/dx. `saved` (what layer_forward saved for this x) spares the
@@ -120,8 +126,10 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayo
 // as above) is back-propagated and its weight gradients added, then
 // attention. Matmul gradients are explicit GEMMs; autograd differentiates
 // only the element-wise parts and the attention core.
+// A layer with experts back-propagates its MLP through moe_backward, with
+// the load-balancing loss's gradient `moe` gives.
 at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
                           const at::Tensor& x, const at::Tensor& grad_out, TensorMap& grads,
-                          int64_t token_tile, const LayerSaved* saved = nullptr);
+                          int64_t token_tile, const LayerSaved* saved = nullptr, const MoeStep* moe = nullptr);
 
 }  // namespace strider

@@ -6,7 +6,8 @@ namespace strider {
 
 int64_t layer_saved_elems(const BlockDims& d, int64_t tokens) {
   const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
-  return tokens * (q + 2 * kv + d.hidden + 2 * d.intermediate);
+  const int64_t mlp = d.moe.sparse() ? 0 : d.intermediate;  // a layer with experts recomputes its MLP
+  return tokens * (q + 2 * kv + d.hidden + 2 * mlp);
 }
 
 LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tensor& flat) {
@@ -25,8 +26,9 @@ LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tenso
   s.k = next(kv);
   s.v = next(kv);
   s.x1 = next(d.hidden);
-  s.gate = next(d.intermediate);
-  s.up = next(d.intermediate);
+  const int64_t mlp = d.moe.sparse() ? 0 : d.intermediate;
+  s.gate = next(mlp);
+  s.up = next(mlp);
   return s;
 }
 

@@ -58,7 +58,7 @@ from strider.config import EngineConfig
 # The decoder families the C++ ModelSpec implements (engine/model_spec.cpp).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "GraniteForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 IGNORE_INDEX = -100
 
 
@@ -241,6 +241,9 @@ class Engine:
 
         model_config = base.config.to_dict()
         model_config["architectures"] = [arch]
+        # A mixture-of-experts model whose forward adds the load-balancing loss: every token counts in it.
+        self._router_aux = bool(model_config.get("output_router_logits")) and bool(
+            model_config.get("router_aux_loss_coef"))
         self._model_config_json = json.dumps(model_config, default=str)
         self._base_model = str(getattr(base.config, "_name_or_path", "") or "")  # a LoRA checkpoint's adapter names it
         # Everything the engine builds is checked before anything is allocated, and nothing of the
@@ -353,6 +356,13 @@ class Engine:
                                  "causal attention without a padding mask, so pad on the right: "
                                  "tokenizer.padding_side = 'right'")
             lab[~keep] = IGNORE_INDEX
+        if getattr(self, "_router_aux", False) and (rows < c.batch or length < c.seq or
+                                                    (attention_mask is not None and not bool(keep.all()))):
+            raise ValueError(f"{what}: the batch has padding (input_ids {tuple(ids.shape)} of [batch, seq] = "
+                             f"[{c.batch}, {c.seq}], or attention_mask zeros), and the model's load-balancing loss "
+                             "(output_router_logits) would count the padded tokens: transformers leaves them out "
+                             "of it, strider does not yet. Give full rows (python -m strider.data packs them), or "
+                             "set output_router_logits off")
         out_ids = torch.zeros(c.batch, c.seq, dtype=torch.int64)
         out_ids[:rows, :length] = ids.to(torch.int64)
         # The engine's labels are aligned with its inputs: position t predicts labels[t + 1].

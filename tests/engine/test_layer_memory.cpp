@@ -51,6 +51,19 @@ ModelSpec other(const char* arch) {
   return ModelSpec::from_json(cfg, "test");
 }
 
+// Qwen3-MoE: 8 experts of 128, top 2, in a layer of hidden 256. The model
+// bounds an expert's rows by the tile's tokens (a token goes to an expert
+// once); measure() zeroes the router, so that every token ties on every
+// expert and all go to the same two: the bound's case.
+ModelSpec moe() {
+  nlohmann::json cfg = {{"architectures", {"Qwen3MoeForCausalLM"}}, {"hidden_size", 256}, {"intermediate_size", 688},
+                        {"moe_intermediate_size", 128}, {"num_experts", 8}, {"num_experts_per_tok", 2},
+                        {"norm_topk_prob", true}, {"num_hidden_layers", 1}, {"num_attention_heads", 8},
+                        {"num_key_value_heads", 4}, {"head_dim", 32}, {"vocab_size", 64},
+                        {"max_position_embeddings", 8192}};
+  return ModelSpec::from_json(cfg, "test");
+}
+
 struct Shape {
   const char* model;
   ModelSpec spec;
@@ -70,6 +83,8 @@ Measured measure(const Shape& s) {
   const int64_t n = int64_t(s.spec.layout(layer).total_elems());
   at::manual_seed(1);
   at::Tensor params = (at::randn({n}) * 0.05 + 0.1).to(s.dtype);
+  if (const TensorSlot* router = s.spec.layout(layer).find("model.layers.0.mlp.gate.weight"))
+    params.slice(0, int64_t(router->offset_elems), int64_t(router->offset_elems + router->numel)).zero_();
   at::Tensor grads = at::zeros({n});
   at::Tensor x = at::randn({s.batch, s.seq, s.spec.dims.hidden}).to(s.dtype);
   at::Tensor gout = at::randn({s.batch, s.seq, s.spec.dims.hidden}).to(s.dtype);
@@ -136,6 +151,9 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
     if (bf16) shapes.push_back({name, *spec, 1, 2048, 0, at::kBFloat16});
     shapes.push_back({name, *spec, 1, 2048, 256, at::kFloat});
   }
+  const ModelSpec experts = moe();
+  for (at::ScalarType dtype : dtypes)
+    for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"qwen3-moe", experts, 1, 2048, tile, dtype});
   // Packed documents: the attention mask per row (and Gemma 2's per tile).
   for (at::ScalarType dtype : dtypes) shapes.push_back({"gqa+docs", gqa, 2, 1024, 0, dtype, true});
   if (bf16) shapes.push_back({"gemma3+docs", gemma3, 1, 2048, 0, at::kBFloat16, true});

@@ -1,7 +1,7 @@
 """`strider finetune` on transformers checkpoints of the newer architectures (issue 33): a folder written
 by `save_pretrained` loads, trains, and the output folder loads back with `AutoModelForCausalLM`, scoring
 the held-out batch as the engine did after its last step. Their steps' agreement with transformers +
-AdamW is tests/python/test_engine_vs_torch.py's.
+AdamW is tests/python/test_engine_vs_torch.py's (test_moe_vs_transformers.py's for the mixtures of experts).
 """
 import json
 
@@ -18,6 +18,14 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_att
 
 
 def config(arch):
+    # Mixtures of experts, saved in the Hub's layout (a tensor per expert and projection): Qwen3-MoE with a
+    # dense layer 1, Mixtral's block_sparse_moe names.
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=6,
+                                           num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**{**COMMON, "intermediate_size": 48}, num_local_experts=4,
+                                          num_experts_per_tok=2)
     if arch == "olmo2":
         return transformers.Olmo2Config(**COMMON)
     if arch == "gemma2":  # soft-capped attention and logits; layers 0 and 2 slide over 8 positions
@@ -28,7 +36,7 @@ def config(arch):
                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "gemma3", "gemma2"])
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3", "gemma2", "qwen3_moe", "mixtral"])
 def test_finetune_a_saved_checkpoint_and_load_the_output_back(strider, tmp_path, arch):  # noqa: F811
     torch.manual_seed(0)
     src = tmp_path / "src"

@@ -1,0 +1,54 @@
+// A mixture-of-experts MLP (gpu/block_dims.h, MoeDims) with ATen: the
+// router, the experts over the tokens routed to each, and its backward, as
+// transformers' Qwen3-MoE and Mixtral compute them. Called by the decoder
+// layer (gpu/blocks.cpp) on the post-attention norm's output, tile by tile.
+//
+// Routing is fp32: the router's logits (a GEMM in the compute dtype) go
+// through softmax in fp32, and each token's top_k experts are picked from
+// those probabilities (so a bf16 run routes as an fp32 one, ties aside).
+// Tokens are grouped by expert, each expert's in token order, and its two
+// GEMMs run on its group; an expert no token of the tile routes to is not
+// computed and gets no gradient. The experts' outputs are added into each
+// token's row in expert order, whatever order they were computed in.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "gpu/blocks.h"
+
+namespace strider {
+
+// What a micro-batch's sparse layers share for the load-balancing loss
+// (engine/README.md, "Mixture of experts"): `stats`, fp32 [2, experts], row 0
+// each expert's top-k assignments, row 1 its router probabilities summed over
+// the tokens. Each forward adds its tokens' into it; each backward, given the
+// loss's weight `aux_scale` (0: it is not in this step) and the micro-batch's
+// router rows (its tokens x its sparse layers), adds the loss's gradient
+// (moe_aux_grad) to the router's. An undefined `stats`: no such loss.
+struct MoeStep {
+  at::Tensor stats;
+  double aux_scale = 0;
+  double rows = 0;
+};
+
+// The MLP's output for h ([tokens, hidden], the normed residual stream), in
+// h's dtype. Adds the routing statistics into step->stats where given.
+at::Tensor moe_forward(const BlockDims& d, const TensorMap& w, const at::Tensor& h, const MoeStep* step = nullptr);
+
+// Back-propagates gy = d(loss)/d(output) through moe_forward(h): adds the
+// router's and the experts' gradients into `grads` (fp32 accumulators under
+// the weights' names; one that is missing is not computed) and returns
+// d(loss)/dh. The routing is recomputed from h (the forward's bits).
+at::Tensor moe_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, const at::Tensor& h,
+                        const at::Tensor& gy, const MoeStep* step = nullptr);
+
+// The load-balancing loss of one micro-batch from its statistics over
+// `rows` router rows (its tokens times its sparse layers), as transformers'
+// load_balancing_loss_func computes it: experts x sum over e of
+// (assignments_e / rows) x (probabilities_e / rows). A 0-dim fp32 tensor.
+at::Tensor moe_aux_loss(const at::Tensor& stats, double rows);
+// Its gradient with respect to each token's probability of expert e, times
+// `scale` (the loss's weight in the step): fp32 [experts].
+at::Tensor moe_aux_grad(const at::Tensor& stats, double rows, double scale);
+
+}  // namespace strider

@@ -1,0 +1,133 @@
+// Mixture-of-experts models on CpuDevice: offload changes nothing with
+// experts (every placement of engine_cases.h, chaos, tied and untied,
+// fp32 and bf16, bit for bit), the resident reference computes the same
+// loss, and the load-balancing loss is in it. That they train as
+// transformers does is tests/python/test_moe_vs_transformers.py's.
+#include "tests/catch_torch.h"
+#include <nlohmann/json.hpp>
+
+#include "engine/engine.h"
+#include "engine/resident_model.h"
+#include "gpu/moe.h"
+#include "tests/engine/engine_cases.h"
+
+using namespace strider;
+using namespace strider::test;
+
+namespace {
+
+// The tiny Llama's dimensions with experts: Qwen3-MoE with layer 1 dense
+// (mlp_only_layers), top 2 of 6 renormalised; Mixtral top 2 of 4.
+nlohmann::json tiny_moe(const char* arch, bool tied, bool aux) {
+  nlohmann::json c = test::tiny_config(tied);
+  c["architectures"] = {arch};
+  c["output_router_logits"] = aux;
+  c["router_aux_loss_coef"] = 0.05;
+  if (std::string(arch) == "Qwen3MoeForCausalLM")
+    c.update({{"num_experts", 6}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 16}, {"norm_topk_prob", true},
+              {"mlp_only_layers", {1}}, {"head_dim", 8}});
+  else
+    c.update({{"num_local_experts", 4}, {"num_experts_per_tok", 2}, {"intermediate_size", 24}});
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("mixture of experts: the spec reads the experts, the dense layers and the loss's weight", "[engine]") {
+  const ModelSpec q = ModelSpec::from_json(tiny_moe("Qwen3MoeForCausalLM", false, true), "q");
+  CHECK(q.dims.moe.experts == 6);
+  CHECK(q.sparse(0));
+  CHECK_FALSE(q.sparse(1));
+  CHECK(q.sparse(2));
+  CHECK(q.sparse_layer_count() == 2);
+  CHECK(q.router_aux_coef == 0.05);
+  CHECK(q.layer_dims(1).moe.experts == 0);
+  const ParamLayout l0 = q.layout(1), l1 = q.layout(2);
+  CHECK(l0.find("model.layers.0.mlp.experts.gate_up_proj")->shape == std::vector<int64_t>{6, 32, 32});
+  CHECK(l0.find("model.layers.0.mlp.experts.down_proj")->shape == std::vector<int64_t>{6, 32, 16});
+  CHECK(l0.find("model.layers.0.mlp.gate.weight")->shape == std::vector<int64_t>{6, 32});
+  CHECK(l1.find("model.layers.1.mlp.gate_proj.weight") != nullptr);
+  // Parameters: the two kinds of layer counted as they are.
+  int64_t n = 0;
+  for (int64_t b = 0; b < q.num_blocks(); ++b) n += int64_t(q.layout(b).param_elems());
+  CHECK(q.param_count() == n);
+  CHECK(q.largest_layer_block() == 1);  // a sparse layer: 6 experts outweigh the dense MLP
+  const ModelSpec m = ModelSpec::from_json(tiny_moe("MixtralForCausalLM", false, false), "m");
+  CHECK(m.router_aux_coef == 0);  // output_router_logits off: transformers adds no such loss
+  CHECK(m.dims.moe.norm_topk);
+  CHECK(m.dims.moe.scores_fp32);
+  CHECK(m.sparse_layer_count() == 3);
+  nlohmann::json bad = tiny_moe("MixtralForCausalLM", false, true);
+  bad["router_jitter_noise"] = 0.01;
+  CHECK_THROWS_WITH(ModelSpec::from_json(bad, "bad.json"), Catch::Contains("router_jitter_noise"));
+  bad = tiny_moe("Qwen3MoeForCausalLM", false, true);
+  bad["num_experts_per_tok"] = 7;
+  CHECK_THROWS_WITH(ModelSpec::from_json(bad, "bad.json"), Catch::Contains("num_experts_per_tok 7"));
+  bad["architectures"] = {"DeepseekV3ForCausalLM"};
+  CHECK_THROWS_WITH(ModelSpec::from_json(bad, "bad.json"), Catch::Contains("latent attention"));
+  CHECK_THROWS_WITH(q.with_lora("r=4,alpha=8,targets=q_proj", "--lora"), Catch::Contains("mixture-of-experts"));
+}
+
+TEST_CASE("mixture of experts: offload changes nothing, and the resident reference agrees", "[engine]") {
+  for (const auto& [arch, tied, aux] : {std::tuple{"Qwen3MoeForCausalLM", false, true},
+                                        std::tuple{"MixtralForCausalLM", true, true},
+                                        std::tuple{"MixtralForCausalLM", false, false}}) {
+    const ModelSpec spec = ModelSpec::from_json(tiny_moe(arch, tied, aux), arch);
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      INFO(arch << (tied ? " tied" : "") << (aux ? " with" : " without") << " the load-balancing loss, "
+                << (dtype == at::kFloat ? "fp32" : "bf16"));
+      const Result ref = run(spec, Case{"all resident", spec.num_blocks()}, dtype, 0.5);
+      for (Case c : cases(spec.num_blocks())) {
+        INFO(c.name);
+        CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
+      }
+      if (!aux) {  // a pool of two devices (with the loss on, refused: its statistics live on one device)
+        Case pool{"chaos, host ckpt, NVMe, 2 devices", 2, true, {1, 2}, true, 5};
+        pool.devices = 2;
+        CHECK(same_bits(run(spec, pool, dtype, 0.5), ref));
+      }
+
+      // The first step's loss is the resident model's (with its load-balancing term).
+      EngineConfig cfg = small_bf16();
+      cfg.compute.dtype = dtype;
+      Engine e(spec, cfg, make_device({.spec = "cpu"}));
+      e.init_params(7);
+      ResidentModel rm(spec, cfg.compute);
+      for (const std::string& n : rm.param_names()) {
+        std::vector<float> v = e.param(n);
+        rm.set_param(n, at::from_blob(v.data(), rm.param(n).sizes(), at::kFloat));
+      }
+      Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100);
+      const double loss = e.step(b.ids.data(), b.labels.data()).loss;
+      const auto t = [&](std::vector<int64_t>& v) { return at::from_blob(v.data(), {cfg.batch(), cfg.seq}, at::kLong); };
+      CHECK(loss == rm.forward_backward(t(b.ids), t(b.labels), cfg.accumulation).loss);
+    }
+  }
+}
+
+TEST_CASE("mixture of experts: the load-balancing loss and its gradient", "[engine]") {
+  // 2 experts, 4 rows: expert 0 chosen 3 times, expert 1 once (top 1);
+  // probabilities summed 2.5 and 1.5. transformers' formula: E x sum over e
+  // of (count_e / rows) x (prob_e / rows) = 2 x (3/4 x 2.5/4 + 1/4 x 1.5/4).
+  const at::Tensor stats = at::tensor({3.0f, 1.0f, 2.5f, 1.5f}).view({2, 2});
+  CHECK(moe_aux_loss(stats, 4).item<double>() == Approx(2 * (0.75 * 0.625 + 0.25 * 0.375)).epsilon(1e-6));
+  // d/d(p[t, e]) = E x count_e / rows^2, times the weight.
+  const at::Tensor g = moe_aux_grad(stats, 4, 0.5);
+  CHECK(g[0].item<double>() == Approx(0.5 * 2 * 3 / 16.0));
+  CHECK(g[1].item<double>() == Approx(0.5 * 2 * 1 / 16.0));
+
+  // In the engine: the same model with and without it differs by its weight x the micro-batches' mean.
+  EngineConfig cfg = small_bf16();
+  cfg.compute.dtype = at::kFloat;
+  Batch b = batch(cfg.batch(), cfg.seq, 96, 5);
+  double loss[2];
+  for (bool aux : {false, true}) {
+    const ModelSpec spec = ModelSpec::from_json(tiny_moe("MixtralForCausalLM", false, aux), "m");
+    Engine e(spec, cfg, make_device({.spec = "cpu"}));
+    e.init_params(3);
+    loss[aux] = e.evaluate(b.ids.data(), b.labels.data());
+  }
+  // Near-uniform routing at init: each micro-batch's loss is about top_k = 2 (its minimum: the
+  // assignments per token sum to top_k), so the term is about 0.05 x 2.
+  CHECK(loss[1] - loss[0] == Approx(0.1).epsilon(0.1));
+}
