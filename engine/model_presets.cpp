@@ -31,6 +31,18 @@ json qwen25(int64_t hidden, int64_t inter, int64_t layers, int64_t heads, int64_
           {"rope_theta", 1000000.0}, {"tie_word_embeddings", false}};
 }
 
+// Qwen3-MoE (Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B): 128 experts, top 8
+// renormalised, every layer sparse.
+json qwen3_moe(int64_t hidden, int64_t inter, int64_t moe_inter, int64_t layers, int64_t heads, int64_t kv) {
+  return {{"architectures", {"Qwen3MoeForCausalLM"}}, {"hidden_size", hidden}, {"intermediate_size", inter},
+          {"moe_intermediate_size", moe_inter}, {"num_experts", 128}, {"num_experts_per_tok", 8},
+          {"norm_topk_prob", true}, {"decoder_sparse_step", 1}, {"mlp_only_layers", json::array()},
+          {"num_hidden_layers", layers}, {"num_attention_heads", heads}, {"num_key_value_heads", kv},
+          {"head_dim", 128}, {"vocab_size", 151936}, {"max_position_embeddings", 40960}, {"rms_norm_eps", 1e-6},
+          {"rope_theta", 1000000.0}, {"tie_word_embeddings", false}, {"output_router_logits", false},
+          {"router_aux_loss_coef", 0.001}};
+}
+
 const std::vector<std::pair<std::string, json>>& presets() {
   static const std::vector<std::pair<std::string, json>> p = {
       {"builtin", builtin_model_config()},
@@ -45,6 +57,16 @@ const std::vector<std::pair<std::string, json>>& presets() {
         {"num_hidden_layers", 88}, {"num_attention_heads", 96}, {"num_key_value_heads", 8}, {"head_dim", 128},
         {"vocab_size", 32768}, {"max_position_embeddings", 131072}, {"rms_norm_eps", 1e-5},
         {"rope_theta", 1000000.0}, {"sliding_window", nullptr}, {"tie_word_embeddings", false}}},
+      {"qwen3-30b-a3b", qwen3_moe(2048, 6144, 768, 48, 32, 4)},
+      {"qwen3-235b-a22b", qwen3_moe(4096, 12288, 1536, 94, 64, 4)},
+      // mistralai/Mixtral-8x7B-v0.1: 8 experts, top 2.
+      {"mixtral-8x7b",
+       {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 4096}, {"intermediate_size", 14336},
+        {"num_local_experts", 8}, {"num_experts_per_tok", 2}, {"num_hidden_layers", 32},
+        {"num_attention_heads", 32}, {"num_key_value_heads", 8}, {"vocab_size", 32000},
+        {"max_position_embeddings", 32768}, {"rms_norm_eps", 1e-5}, {"rope_theta", 1000000.0},
+        {"sliding_window", nullptr}, {"tie_word_embeddings", false}, {"output_router_logits", false},
+        {"router_aux_loss_coef", 0.02}, {"router_jitter_noise", 0.0}}},
   };
   return p;
 }

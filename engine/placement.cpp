@@ -43,7 +43,8 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   if (c.keep_logits) f.logits_bytes = M * round_up(mb_tokens * size_t(spec.dims.vocab) * cbytes, 256);
   // Each device of a pool: the batch and output gradients; the sets of the
   // block inputs it holds (placement.h, holds_input; the 2-set ring with host
-  // checkpoints); kept-activation slots if it runs a kept layer; the head's
+  // checkpoints); kept-activation slots if it runs a kept layer; the routing
+  // statistics of a load-balancing loss; the head's
   // loss figures, per-token state, hidden gradient and kept logits (all the
   // vocabulary's) if it runs one of the head's shards.
   f.activation_bytes = 0;
@@ -53,6 +54,8 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     if (c.checkpoints_on_host) sets = 2;
     uint64_t bytes = 2 * round_up(tokens * 8, 256) + sets * M * act + M * act;
     if (pl.runs_kept_layer(d)) bytes += 2 * round_up(pl.saved_bytes, 256);
+    // The load-balancing loss's routing statistics (engine_core.h, Seat::moe_stats).
+    if (spec.router_aux_coef > 0) bytes += round_up(M * 2 * size_t(spec.dims.moe.experts) * 4, 256);
     if (pl.runs_head(d))
       bytes += round_up(2 * M * 8, 256) +
                M * (round_up(3 * mb_tokens * 4, 256) + round_up(mb_tokens * 4, 256) +
