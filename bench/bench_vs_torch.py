@@ -27,6 +27,7 @@ largest relative difference of a step's loss. A figure, never pass/fail.
     bench/bench_vs_torch.py                        # the default: ~135M Llama, 49152 vocabulary
     bench/bench_vs_torch.py --rounds 5 --window 2 --activations auto
     bench/bench_vs_torch.py --device cuda          # on a GPU (bench/gpu_check.sh runs it there)
+    bench/bench_vs_torch.py --arch qwen3_moe --layers 8                # a ~92M mixture of experts
 
 With --lora R both sides train LoRA adapters of rank R (alpha 2R, every decoder
 layer's linear modules) over a frozen base: torch is PEFT + torch.optim.AdamW
@@ -59,10 +60,17 @@ MODEL_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
 
 
 # --arch: each architecture's config class, and what its shape adds to the Llama one (transformers'
-# defaults otherwise: Gemma 2's soft-capping at 50 and 30, Gemma's sliding windows of 4096).
+# defaults otherwise: Gemma 2's soft-capping at 50 and 30, Gemma's sliding windows of 4096). The
+# mixtures of experts route without the load-balancing loss (output_router_logits off, their
+# default): Qwen3-MoE 16 experts of intermediate 256, top 4 renormalised (--layers 8: ~92M
+# parameters, 35M active); Mixtral 8 experts of --intermediate, top 2 (--layers 4: ~113M).
 ARCHS = {"llama": ("LlamaConfig", {}), "olmo2": ("Olmo2Config", {}),
          "gemma2": ("Gemma2Config", {"query_pre_attn_scalar": 64}),
-         "gemma3": ("Gemma3TextConfig", {"query_pre_attn_scalar": 64})}
+         "gemma3": ("Gemma3TextConfig", {"query_pre_attn_scalar": 64}),
+         "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+                                          "norm_topk_prob": True, "output_router_logits": False}),
+         "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2,
+                                       "output_router_logits": False})}
 
 
 def parse_args(argv=None):
@@ -112,6 +120,8 @@ def model_config(a):
     if a.arch.startswith("gemma"):  # Gemma names its head size and takes no rope_theta of the Llama shape
         cfg.update(head_dim=a.hidden // cfg["num_attention_heads"])
         cfg.pop("rope_theta")
+    if a.arch == "qwen3_moe":  # Qwen3 names its head size (its default is 128)
+        cfg.update(head_dim=a.hidden // cfg["num_attention_heads"])
     c = getattr(transformers, cls)(**cfg)
     c._attn_implementation = "eager" if a.arch == "gemma2" else "sdpa"  # transformers: no SDPA soft-caps
     return c

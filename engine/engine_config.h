@@ -52,6 +52,11 @@ struct EngineConfig {
   // piece per layer (clipping aside: the norm adds its parts per range). Empty:
   // one piece per layer.
   std::string layer_pieces;
+  // A mixture-of-experts layer's experts in pieces of this many
+  // (engine/shards.h, expert_piece_ranges), taken out of the pieces
+  // layer_pieces makes; its attention and router stay there. Placement, as
+  // layer_pieces is. 0: the experts stay in the layer's pieces.
+  int64_t expert_pieces = 0;
   // LoRA adapters over a frozen base (engine/lora.h, LoraSpec::parse's
   // text); empty: every parameter trains. The Engine gives it to its
   // ModelSpec (ModelSpec::with_lora), whose layouts then hold the adapters.

@@ -23,6 +23,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"token_tile", c.compute.token_tile},
           {"vocab_shard_rows", c.vocab_shard_rows},
           {"layer_pieces", c.layer_pieces},
+          {"expert_pieces", c.expert_pieces},
           {"lora", c.lora},
           {"base_format", std::string(base_format_name(c.base_format))},
           {"grad_transfer", c.fp32_grad_transfer ? "fp32" : "bf16"},
@@ -71,6 +72,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   get("token_tile", c.compute.token_tile);
   get("vocab_shard_rows", c.vocab_shard_rows);
   get("layer_pieces", c.layer_pieces);
+  get("expert_pieces", c.expert_pieces);
   get("lora", c.lora);
   c.base_format = parse_base_format(j["base_format"].get<std::string>(), "engine config base_format");
   c.fp32_grad_transfer = j["grad_transfer"] == "fp32";

@@ -123,6 +123,9 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.base_format == BaseFormat::kCompute || c.layer_pieces.empty(),
                 "base_format {} with layer_pieces '{}': a quantized base is one piece of its layer; leave "
                 "layer_pieces empty", base_format_name(c.base_format), c.layer_pieces);
+  STRIDER_CHECK(c.expert_pieces == 0 || spec.sparse_layer_count() > 0,
+                "expert_pieces {}: {} has no mixture-of-experts layers to cut; leave expert_pieces 0", c.expert_pieces,
+                spec.arch_name);
   STRIDER_CHECK(spec.router_aux_coef == 0 || c.devices == 1,
                 "{}'s load-balancing loss (output_router_logits) over a pool of {} devices is not supported yet: "
                 "its routing statistics are summed on one device; run one device per process (data parallel), or "
@@ -149,7 +152,8 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   for (int64_t b = 0; b < pl.blocks; ++b) pl.layouts.push_back(spec.layout(b));
   pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;
-  pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces, c.devices);
+  pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces, c.devices,
+                            c.expert_pieces);
   // A quantized base: each decoder layer's frozen piece before its trained
   // stretch (host/base_format.h).
   const bool quantize = c.base_format != BaseFormat::kCompute && spec.lora.enabled();

@@ -17,6 +17,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.compute = {l.dtype, l.vocab_chunk, token_tile};
   c.vocab_shard_rows = l.vocab_shard_rows;
   c.layer_pieces = l.layer_pieces;
+  c.expert_pieces = l.expert_pieces;
   c.lora = l.lora;
   c.base_format = l.base_format;
   c.devices = l.devices;
@@ -494,6 +495,11 @@ Plan Plan::make(const ModelSpec& model, const PlanLimits& l) {
     const auto at = std::find_if(p.why.begin(), p.why.end(),
                                  [](const std::string& w) { return w.rfind("checkpoints", 0) == 0; });
     p.why.insert(at == p.why.end() ? at : at + 1, activations_line(spec, l, p, wanted.size(), device_fallback));
+    if (p.window < spec.num_blocks() && p.base_format == BaseFormat::kCompute) {
+      const LinkBalance link = link_balance(spec, l, p.saved_blocks);
+      p.link_hide_tokens = link.hide_tokens;
+      p.why.push_back(link_line(l, link));
+    }
   }
   return p;
 }

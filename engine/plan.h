@@ -51,6 +51,7 @@ struct PlanLimits {
   int64_t token_tile = -1;       // tokens per tile in the head and the MLP; -1: the plan chooses, 0: untiled
   int64_t vocab_shard_rows = 0;  // 0: shards no larger than a layer (engine/shards.h)
   std::string layer_pieces;      // EngineConfig::layer_pieces (empty: one piece per layer)
+  int64_t expert_pieces = 0;     // EngineConfig::expert_pieces (0: experts stay in the layer's pieces)
   std::string lora;              // EngineConfig::lora (empty: every parameter trains); Plan::make applies it
   BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how a LoRA base is held
   int devices = 1;               // a pool's devices, each with device_bytes (EngineConfig::devices)
@@ -130,6 +131,25 @@ ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& limits, 
 double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq, bool packed = false);
 
 struct Plan;
+// Whether a step's tokens hide the link: each step sends every block's
+// compute copy to the device twice (forward, then backward), over one
+// direction of the link, while the device computes the step's FLOPs
+// (forward, backward, and the forward again where a layer recomputes). Bytes
+// grow with the parameters (a mixture of experts': all of them), FLOPs with
+// the tokens and the *active* parameters: below `hide_tokens` tokens per step
+// the link, not the device, sets the pace. At the PlanLimits' machine rates.
+// Not counted: the gradients' D2H (the other direction), blocks that stay in
+// the window between forward and backward.
+struct LinkBalance {
+  uint64_t bytes = 0;       // compute copies sent per step
+  double link_s = 0, compute_s = 0;
+  int64_t tokens = 0;       // per step
+  int64_t hide_tokens = 0;  // tokens per step at which compute_s reaches link_s
+};
+LinkBalance link_balance(const ModelSpec& spec, const PlanLimits& l, const std::vector<int64_t>& saved_blocks);
+// The plan's line for it; `below` when the step's tokens fall short.
+std::string link_line(const PlanLimits& l, const LinkBalance& b);
+
 // The plan's line that says which layers keep their activations, and why
 // (engine/plan_text.cpp): `wanted` layers asked for, `device_fallback` the
 // reason all recompute when their device slots did not fit (or empty).
@@ -186,6 +206,9 @@ struct Plan {
   // (EngineConfig::keep_logits), and their bytes (counted whether kept or not).
   bool keep_logits = false;
   uint64_t logits_bytes = 0;
+  // Tokens per step that hide the link (link_balance; 0: not computed, as
+  // where every block stays on the device or a LoRA base is quantized).
+  int64_t link_hide_tokens = 0;
   std::vector<std::string> why;      // the decisions, one line each
 
   static Plan make(const ModelSpec& spec, const PlanLimits& limits);

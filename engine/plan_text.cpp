@@ -76,6 +76,7 @@ nlohmann::json Plan::to_json() const {
           {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
           {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
           {"saved_host_bytes", saved_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},
+          {"link_hide_tokens", link_hide_tokens},
           {"activation_cost", {{"recompute_s", layer_cost.recompute_s}, {"saved_s", layer_cost.saved_s},
                                {"pays", layer_cost.pays()}}},
           {"why", why}};
@@ -86,6 +87,37 @@ namespace {
 std::string seconds_text(double s) { return s >= 1 ? fmt::format("{:.2f} s", s) : fmt::format("{:.1f} ms", s * 1e3); }
 
 }  // namespace
+
+LinkBalance link_balance(const ModelSpec& spec, const PlanLimits& l, const std::vector<int64_t>& saved_blocks) {
+  const int cbytes = l.dtype == at::kFloat ? 4 : 2;
+  LinkBalance out;
+  double flops = 0;
+  for (int64_t b = 0; b < spec.num_blocks(); ++b) {
+    const BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0, l.work, l.packed_documents);
+    const bool kept = std::find(saved_blocks.begin(), saved_blocks.end(), b) != saved_blocks.end();
+    flops += c.forward_flops + c.backward_flops +
+             (kept ? attention_core_flops(spec, l.micro_batch, l.seq, l.packed_documents) + c.backward_recompute_flops
+                   : c.forward_flops);
+    out.bytes += 2 * uint64_t(spec.layout(b).total_elems()) * uint64_t(cbytes);
+  }
+  out.tokens = l.seq * l.micro_batch * l.accumulation;
+  out.compute_s = flops * double(l.accumulation) / l.compute_flops_per_s;
+  out.link_s = double(out.bytes) / l.link_bytes_per_s;
+  out.hide_tokens = int64_t(std::ceil(double(out.tokens) * out.link_s / out.compute_s));
+  return out;
+}
+
+std::string link_line(const PlanLimits& l, const LinkBalance& b) {
+  std::string line = fmt::format(
+      "link: a step sends {} of compute copies to the device (forward and backward), ~{} at {:.4g} GB/s, against "
+      "~{} of compute for its {} tokens at {:.4g} TFLOP/s: about {} tokens per step hide the link",
+      format_bytes(b.bytes), seconds_text(b.link_s), l.link_bytes_per_s * 1e-9, seconds_text(b.compute_s), b.tokens,
+      l.compute_flops_per_s * 1e-12, b.hide_tokens);
+  if (b.tokens < b.hide_tokens)
+    line += fmt::format("; warning: {} do not, so the link sets the step's pace (raise --accumulation to ~{})",
+                        b.tokens, (b.hide_tokens + l.seq * l.micro_batch - 1) / (l.seq * l.micro_batch));
+  return line;
+}
 
 std::string activations_line(const ModelSpec& spec, const PlanLimits& l, const Plan& p, size_t wanted,
                              const std::string& device_fallback) {

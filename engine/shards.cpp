@@ -129,6 +129,59 @@ std::vector<std::vector<ElemRange>> layer_piece_ranges(const ParamLayout& layer,
   return out;
 }
 
+namespace {
+
+// Where the experts' fused tensors lie in a sparse layer: each from its start
+// to the next tensor's (its alignment padding with it).
+std::vector<ElemRange> expert_tensor_ranges(const ParamLayout& layer) {
+  const std::vector<TensorSlot>& slots = layer.slots();
+  std::vector<ElemRange> out;
+  for (size_t t = 0; t < slots.size(); ++t)
+    if (slots[t].name.find(".mlp.experts.") != std::string::npos)
+      out.push_back({slots[t].offset_elems, t + 1 < slots.size() ? slots[t + 1].offset_elems : layer.total_elems()});
+  return out;
+}
+
+// `ranges` less `cut` (both ascending and disjoint).
+std::vector<ElemRange> subtract(const std::vector<ElemRange>& ranges, const std::vector<ElemRange>& cut) {
+  std::vector<ElemRange> out;
+  for (ElemRange r : ranges) {
+    for (const ElemRange& c : cut) {
+      if (c.end <= r.begin || c.begin >= r.end) continue;
+      if (c.begin > r.begin) out.push_back({r.begin, c.begin});
+      r.begin = std::min(r.end, c.end);
+    }
+    if (r.end > r.begin) out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<ExpertGroup> expert_piece_ranges(const ParamLayout& layer, int64_t experts, int64_t per_piece) {
+  STRIDER_CHECK(per_piece >= 1 && experts >= 1, "expert_pieces {} must be >= 1 ({} experts)", per_piece, experts);
+  const std::vector<TensorSlot>& slots = layer.slots();
+  const std::vector<ElemRange> whole = expert_tensor_ranges(layer);
+  STRIDER_CHECK(!whole.empty(), "expert_pieces: {} has no expert tensors (mlp.experts.*)", layer.block_name());
+  std::vector<ExpertGroup> out;
+  for (int64_t e0 = 0; e0 < experts; e0 += per_piece) {
+    const int64_t e1 = std::min(experts, e0 + per_piece);
+    ExpertGroup g{fmt::format("experts[{}:{})", e0, e1), {}};
+    size_t k = 0;
+    for (const TensorSlot& t : slots) {
+      if (t.name.find(".mlp.experts.") == std::string::npos) continue;
+      STRIDER_CHECK(!t.shape.empty() && t.shape[0] == experts, "expert_pieces: {} has shape[0] {}, not the {} experts",
+                    t.name, t.shape.empty() ? 0 : t.shape[0], experts);
+      const size_t per = t.numel / size_t(experts);
+      // The last group reaches to the tensor's range end (its padding).
+      g.ranges.push_back({t.offset_elems + size_t(e0) * per, e1 == experts ? whole[k].end : t.offset_elems + size_t(e1) * per});
+      ++k;
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
 std::string Sharding::name(const ModelSpec& spec, int64_t i) const {
   const Piece& p = pieces[size_t(i)];
   const BlockKind kind = spec.block(p.block).kind;
@@ -138,7 +191,9 @@ std::string Sharding::name(const ModelSpec& spec, int64_t i) const {
 }
 
 Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows, int64_t align_elems,
-                       const std::string& layer_pieces, int64_t min_shards) {
+                       const std::string& layer_pieces, int64_t min_shards, int64_t expert_pieces) {
+  STRIDER_CHECK(expert_pieces >= 0, "expert_pieces {} must be >= 0 (0: a layer's experts stay in its pieces)",
+                expert_pieces);
   STRIDER_CHECK(vocab_chunk >= 0 && shard_rows >= 0, "vocab chunk {} and shard rows {} must be >= 0", vocab_chunk,
                 shard_rows);
   Sharding s;
@@ -213,14 +268,37 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
       continue;
     }
     std::vector<std::vector<ElemRange>> cut = layer_piece_ranges(layer, layer_pieces);
-    for (size_t g = 0, at = 0; g < cut.size(); ++g) {
-      for (const ElemRange& r : cut[g])  // tensors start on whole groups (ParamLayout::kAlignElems)
-        STRIDER_CHECK(r.begin % size_t(align_elems) == 0, "layer_pieces: a piece of {} starts at element {}, not a "
-                      "multiple of {} (the optimizer state's groups)", spec.block_name(b), r.begin, align_elems);
-      // Its label: its group's text.
+    std::vector<std::string> labels;
+    for (size_t g = 0, at = 0; g < cut.size(); ++g) {  // each piece's label: its group's text
       const size_t end = std::min(layer_pieces.find(',', at), layer_pieces.size());
-      add({b, std::move(cut[g]), 0, 0, cut.size() > 1 ? layer_pieces.substr(at, end - at) : std::string()});
+      labels.push_back(cut.size() > 1 ? layer_pieces.substr(at, end - at) : std::string());
       at = end + 1;
+    }
+    if (expert_pieces > 0 && spec.sparse(spec.block(b).layer)) {
+      // The experts leave whichever pieces held them, in groups of their own.
+      std::vector<ExpertGroup> groups = expert_piece_ranges(layer, spec.dims.moe.experts, expert_pieces);
+      const std::vector<ElemRange> experts = groups.empty() ? std::vector<ElemRange>{} : expert_tensor_ranges(layer);
+      std::vector<std::vector<ElemRange>> rest;
+      std::vector<std::string> rest_labels;
+      for (size_t g = 0; g < cut.size(); ++g) {
+        std::vector<ElemRange> left = subtract(cut[g], experts);
+        if (left.empty()) continue;
+        rest.push_back(std::move(left));
+        rest_labels.push_back(labels[g].empty() ? "attention+router" : labels[g]);
+      }
+      for (ExpertGroup& e : groups) {
+        rest.push_back(std::move(e.ranges));
+        rest_labels.push_back(std::move(e.label));
+      }
+      cut = std::move(rest);
+      labels = std::move(rest_labels);
+    }
+    for (size_t g = 0; g < cut.size(); ++g) {
+      for (const ElemRange& r : cut[g])  // tensors start on whole groups (ParamLayout::kAlignElems)
+        STRIDER_CHECK(r.begin % size_t(align_elems) == 0, "{}: a piece of {} starts at element {}, not a "
+                      "multiple of {} (the optimizer state's groups)", expert_pieces > 0 ? "expert_pieces" : "layer_pieces",
+                      spec.block_name(b), r.begin, align_elems);
+      add({b, std::move(cut[g]), 0, 0, std::move(labels[g])});
     }
   }
   s.first.push_back(int64_t(s.pieces.size()));

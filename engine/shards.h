@@ -12,7 +12,9 @@
 //   - the head is one piece for the final norm, and (untied) one per shard of
 //     LM-head rows. Tied, the LM head's rows are the embedding's pieces.
 //   - a layer with LoRA adapters (engine/lora.h) is two: its frozen base and
-//     its adapters ("layer.3[base]", "layer.3[lora]").
+//     its adapters ("layer.3[base]", "layer.3[lora]");
+//   - a layer with experts may be its attention and router, and groups of
+//     experts ("layer.3[attention+router]", "layer.3[experts[0:16)]").
 // Each piece has its own gradient D2H, AdamW job, NVMe extents and update
 // wait; each visit of the sliding window loads a few pieces' compute copies
 // into one cache unit. Storage (ParamStore, checkpoints, the Python aliasing)
@@ -20,8 +22,9 @@
 //
 // A piece of several ranges (EngineConfig::layer_pieces cuts a layer by
 // tensor names: its norms are two ranges, input_layernorm and
-// post_attention_layernorm; an expert group of a fused tensor or an MLP slice
-// along the intermediate dimension will be more) has two coordinates:
+// post_attention_layernorm; a group of experts (EngineConfig::expert_pieces)
+// is a range of each fused expert tensor; an MLP slice along the intermediate
+// dimension will be more) has two coordinates:
 //   - the piece's own: its ranges back to back, in block order. Its gradients
 //     on the host, its NVMe extents, its AdamW runs' offsets and the ranks'
 //     slices of it are in these; the piece's part of a rank's slice of the
@@ -139,8 +142,11 @@ struct Sharding {
 // `min_shards` > 1 (a pool's devices) makes chosen shards no larger than
 // needed for that many, in whole chunks, so the head's shards spread over
 // the pool (Placement::head_device); given rows are kept.
+// `expert_pieces` > 0 (EngineConfig::expert_pieces) takes a sparse layer's
+// experts out of the pieces `layer_pieces` made: groups of that many experts,
+// each a piece of one range per fused expert tensor (expert_piece_ranges).
 Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows = 0, int64_t align_elems = 1,
-                       const std::string& layer_pieces = "", int64_t min_shards = 1);
+                       const std::string& layer_pieces = "", int64_t min_shards = 1, int64_t expert_pieces = 0);
 
 // A decoder layer's pieces by tensor name: `groups` is comma-separated
 // groups, each of '+'-joined fragments of the name after the layer's prefix
@@ -150,6 +156,18 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
 // piece. Throws, naming the tensor or the group, where a tensor matches no
 // group or two, or a group matches no tensor.
 std::vector<std::vector<ElemRange>> layer_piece_ranges(const ParamLayout& layer, const std::string& groups);
+
+// A sparse layer's experts in groups of `per_piece` (the last may hold
+// fewer): group g is experts [g * per_piece, ...) of each fused expert tensor
+// (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]), one
+// range in each, since an expert's rows are contiguous. Labelled
+// "experts[0:4)". The compute does not see the cut: the layer's visit loads
+// every piece, in the block's layout.
+struct ExpertGroup {
+  std::string label;
+  std::vector<ElemRange> ranges;
+};
+std::vector<ExpertGroup> expert_piece_ranges(const ParamLayout& layer, int64_t experts, int64_t per_piece);
 
 // Data parallel with sharded state: which elements of a block of `elems`
 // each of `world` ranks keeps the master and Adam state of. world + 1 bounds,

@@ -132,6 +132,7 @@ void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device
   l.token_tile = config.compute.token_tile;
   l.vocab_shard_rows = config.vocab_shard_rows;
   l.layer_pieces = config.layer_pieces;
+  l.expert_pieces = config.expert_pieces;
   l.lora = config.lora;
   l.packed_documents = config.packed_documents;
   l.devices = config.devices;

@@ -46,6 +46,7 @@ struct Case {
   std::vector<int64_t> saved;  // layers that keep their activations (EngineConfig::saved_blocks)
   bool keep_logits = false;    // the head's pass 2 takes pass 1's logits (EngineConfig::keep_logits)
   std::string layer_pieces;    // EngineConfig::layer_pieces
+  int64_t expert_pieces = 0;   // EngineConfig::expert_pieces
   int devices = 1;             // a pool of CPU devices (make_devices), each with its own chaos seed
   std::string lora;            // EngineConfig::lora: adapters over a frozen base
   BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how that base is held
@@ -109,6 +110,7 @@ inline Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, do
   cfg.saved_blocks = c.saved;
   cfg.keep_logits = c.keep_logits;
   cfg.layer_pieces = c.layer_pieces;
+  cfg.expert_pieces = c.expert_pieces;
   cfg.lora = c.lora;
   cfg.base_format = c.base_format;
   cfg.packed_documents = c.packed;

@@ -9,7 +9,11 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "engine/engine.h"
+#include "engine/train_checkpoint.h"
+#include "tests/catch_torch.h"
 #include "tests/engine/tiny_model.h"
 
 namespace strider::test {
@@ -65,6 +69,23 @@ inline std::vector<double> train(Engine& e, int from, int to) {
     losses.push_back(e.step(b.ids.data(), b.labels.data()).loss);
   }
   return losses;
+}
+
+// Resumes `e` (whatever it held: init_params first) from the checkpoint in
+// `dir`, saved after step 2 with state `at_two`, and trains steps 2 and 3: the
+// state, both losses and the end state must be the uninterrupted run's
+// (`ref_losses` of steps 0..3, `ref_state` after them). The checkpoint's extra.
+inline nlohmann::json check_resume(Engine& e, const std::filesystem::path& dir, const State& at_two,
+                                   const std::vector<double>& ref_losses, const State& ref_state) {
+  e.init_params(99);
+  const nlohmann::json extra = load_training_checkpoint(dir, e);
+  CHECK(e.steps_done() == 2);
+  CHECK(same_bits(read_all(e), at_two));
+  const std::vector<double> losses = train(e, 2, 4);
+  CHECK(losses[0] == ref_losses[2]);
+  CHECK(losses[1] == ref_losses[3]);
+  CHECK(same_bits(read_all(e), ref_state));
+  return extra;
 }
 
 }  // namespace strider::test

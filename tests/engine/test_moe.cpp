@@ -8,8 +8,10 @@
 
 #include "engine/engine.h"
 #include "engine/resident_model.h"
+#include "engine/train_checkpoint.h"
 #include "gpu/moe.h"
 #include "tests/engine/engine_cases.h"
+#include "tests/engine/engine_state.h"
 
 using namespace strider;
 using namespace strider::test;
@@ -103,6 +105,104 @@ TEST_CASE("mixture of experts: offload changes nothing, and the resident referen
       CHECK(loss == rm.forward_backward(t(b.ids), t(b.labels), cfg.accumulation).loss);
     }
   }
+}
+
+TEST_CASE("mixture of experts: experts in pieces of any size train to the same bits", "[engine][pieces]") {
+  // Qwen3-MoE's 6 experts in pieces of 1, 4 (4 + 2) and 6; with layer_pieces
+  // too, the norms apart. Each piece lands, sums, spills and updates on its
+  // own; the layer's visit still loads them all in the block's layout. Without
+  // clipping: the bits of one piece per layer. With it the norm adds its parts
+  // range by range, so a cut is held to its own bits, as layer_pieces are.
+  const ModelSpec spec = ModelSpec::from_json(tiny_moe("Qwen3MoeForCausalLM", false, true), "q");
+  const int64_t B = spec.num_blocks();
+  {
+    EngineConfig cfg = small_bf16();
+    cfg.expert_pieces = 4;
+    Engine e(spec, cfg, make_device({.spec = "cpu"}));
+    const Sharding& sh = e.sharding();
+    REQUIRE(sh.end_of(1) - sh.first_of(1) == 3);  // layer 0: attention and router, experts 0-3, experts 4-5
+    CHECK(sh.name(spec, sh.first_of(1)) == "layer.0[attention+router]");
+    CHECK(sh.name(spec, sh.first_of(1) + 2) == "layer.0[experts[4:6)]");
+    const Piece& p = sh.pieces[size_t(sh.first_of(1) + 1)];
+    const ParamLayout l = spec.layout(1);
+    const TensorSlot* gu = l.find("model.layers.0.mlp.experts.gate_up_proj");
+    const TensorSlot* dn = l.find("model.layers.0.mlp.experts.down_proj");
+    REQUIRE(p.ranges.size() == 2);  // one range of each fused tensor
+    CHECK(p.ranges[0].begin == gu->offset_elems);
+    CHECK(p.ranges[0].elems() == gu->numel / 6 * 4);
+    CHECK(p.ranges[1].begin == dn->offset_elems);
+    CHECK(p.ranges[1].elems() == dn->numel / 6 * 4);
+    CHECK(sh.end_of(2) - sh.first_of(2) == 1);  // layer 1 is dense: one piece
+    cfg.layer_pieces = "layernorm,self_attn+mlp";
+    Engine cut(spec, cfg, make_device({.spec = "cpu"}));
+    CHECK(cut.sharding().name(spec, cut.sharding().first_of(1) + 1) == "layer.0[self_attn+mlp]");  // its router
+    CHECK(cut.sharding().end_of(1) - cut.sharding().first_of(1) == 4);
+    const ModelSpec dense = ModelSpec::from_json(test::tiny_config(false), "dense");
+    CHECK_THROWS_WITH(Engine(dense, cfg, make_device({.spec = "cpu"})), Catch::Contains("no mixture-of-experts layers"));
+  }
+  for (double clip : {0.0, 0.5}) {
+    const Result whole = run(spec, {"all resident", B}, at::kFloat, clip);
+    for (const auto& [per, norms] : {std::pair<int64_t, const char*>{1, ""}, {4, ""}, {4, "layernorm,self_attn+mlp"},
+                                     {6, ""}}) {
+      Case own{"all resident", B};
+      own.expert_pieces = per;
+      own.layer_pieces = norms;
+      const Result same_cut = run(spec, own, at::kFloat, clip);
+      for (Case c : {Case{"chaos, host checkpoints, NVMe layers, ring of 1", 2, true, {1, 3}, true, 3, 1},
+                     Case{"kept activations, K=3, chaos", 3, false, {2}, true, 5, 2, 0, {1, 3}}}) {
+        INFO("clip=" << clip << " experts per piece " << per << " layer pieces '" << norms << "' case: " << c.name);
+        c.expert_pieces = per;
+        c.layer_pieces = norms;
+        const Result r = run(spec, c, at::kFloat, clip);
+        CHECK(same_bits(r, same_cut));
+        if (clip == 0) CHECK(same_bits(r, whole));
+        else CHECK(r.losses.back() == Approx(whole.losses.back()).epsilon(1e-6));
+      }
+    }
+  }
+  // q8 state: the groups and their scales, piece by piece, in RAM and on NVMe.
+  Case q{"q8, NVMe layers, chaos", 2, false, {1, 3}, true, 6};
+  const Result whole_q8 = run(spec, q, at::kBFloat16, 0.0, 3, StateFormat::kQ8);
+  q.expert_pieces = 2;
+  CHECK(same_bits(run(spec, q, at::kBFloat16, 0.0, 3, StateFormat::kQ8), whole_q8));
+}
+
+TEST_CASE("mixture of experts: resume is bit-identical, across window, tiers and expert pieces", "[engine][train_checkpoint]") {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+    for (const char* arch : {"Qwen3MoeForCausalLM", "MixtralForCausalLM"}) {
+      INFO(arch << (dtype == at::kFloat ? " fp32" : " bf16"));
+      const nlohmann::json model = tiny_moe(arch, false, true);
+      const int64_t B = ModelSpec::from_json(model, arch).num_blocks();
+      TempDir tmp;
+      const std::filesystem::path dir = tmp.path / "ckpt";
+      // Clipping off: a change of expert pieces keeps the bits (with it, the norm's parts change).
+      EngineConfig cfg = small_bf16();
+      cfg.compute.dtype = dtype;
+      cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
+      cfg.schedule = {.shape = LrShape::kCosine, .warmup_steps = 1, .total_steps = 10};
+      cfg.window = B;
+      auto ref = engine(model, cfg);
+      ref->init_params(7);
+      const std::vector<double> ref_losses = train(*ref, 0, 4);
+      const State ref_state = read_all(*ref);
+      State at_two;
+      {
+        cfg.window = 2;
+        cfg.expert_pieces = 1;
+        auto first = engine(model, cfg);
+        first->init_params(7);
+        train(*first, 0, 2);
+        at_two = read_all(*first);
+        save_training_checkpoint(dir, *first, model.dump(), {{"seed", 7}});
+      }
+      CHECK_FALSE(same_bits(at_two, ref_state));
+      cfg.window = 3;
+      cfg.expert_pieces = 3;
+      cfg.checkpoints_on_host = true;
+      cfg.nvme_blocks = {1, 3};
+      cfg.nvme_dir = tmp.path.string();
+      check_resume(*engine(model, cfg), dir, at_two, ref_losses, ref_state);
+    }
 }
 
 TEST_CASE("mixture of experts: the load-balancing loss and its gradient", "[engine]") {

@@ -39,6 +39,7 @@ namespace {
 
 using test::Batch;
 using test::batch;
+using test::check_resume;
 using test::engine;
 using test::train;
 using test::tiny_config;
@@ -110,15 +111,8 @@ TEST_CASE("resume is bit-identical to an uninterrupted run, across window and ti
 
       // Another window, host checkpoints, and three blocks' state on NVMe.
       auto second = engine(model, config(dtype, 0.5, {3, true, {0, 2, 4}, tmp.path.string()}));
-      second->init_params(99);  // whatever it held before must not matter
-      const nlohmann::json extra = load_training_checkpoint(dir, *second);
-      CHECK(extra == nlohmann::json{{"loader", {{"cursor", 2}}}, {"seed", 7}});
-      CHECK(second->steps_done() == 2);
-      CHECK(same_bits(read_all(*second), at_two));
-      const std::vector<double> losses = train(*second, 2, 4);
-      CHECK(losses[0] == ref_losses[2]);
-      CHECK(losses[1] == ref_losses[3]);
-      CHECK(same_bits(read_all(*second), ref_state));
+      CHECK(check_resume(*second, dir, at_two, ref_losses, ref_state) ==
+            nlohmann::json{{"loader", {{"cursor", 2}}}, {"seed", 7}});
 
       // The same directory is a Hugging Face checkpoint of the step-2 weights (bf16).
       const ModelSpec spec = ModelSpec::from_json(model, "tiny");
@@ -199,14 +193,8 @@ TEST_CASE("q8 state: resume is bit-identical across window and tiers, and anothe
   const nlohmann::json saved = inspect_training_checkpoint(dir).engine_config;
   CHECK(saved["optimizer_state"] == "q8");
   // The state went out as floats and comes back to the same codes, on NVMe too.
-  auto second = engine(model, q8(config(at::kBFloat16, 0.5, {3, true, {0, 2, 4}, tmp.path.string()})));
-  second->init_params(99);
-  load_training_checkpoint(dir, *second);
-  CHECK(same_bits(read_all(*second), at_two));
-  const std::vector<double> losses = train(*second, 2, 4);
-  CHECK(losses[0] == ref_losses[2]);
-  CHECK(losses[1] == ref_losses[3]);
-  CHECK(same_bits(read_all(*second), ref_state));
+  check_resume(*engine(model, q8(config(at::kBFloat16, 0.5, {3, true, {0, 2, 4}, tmp.path.string()}))), dir, at_two,
+               ref_losses, ref_state);
 
   // An fp32 engine refuses the q8 checkpoint, naming the format, and is left untouched...
   auto fp32 = engine(model, config(at::kBFloat16, 0.5));
