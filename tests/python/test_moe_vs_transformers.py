@@ -2,7 +2,8 @@
 
 fp32 on the CPU device, a window of 2 cache units (fewer than the blocks), accumulation 2, clipping and weight
 decay, with the load-balancing loss on: every step's loss and gradient norm, and every parameter after the steps,
-to 1e-5 relative of transformers' model trained by torch.optim.AdamW.
+to 1e-5 relative of transformers' model trained by torch.optim.AdamW; from Python (torch.classes.strider.Engine)
+and from the command line (`strider finetune` on a checkpoint transformers saved, its output loaded back).
 
 The loss both sides compute (engine/README.md, "Mixture of experts"): the cross-entropy's mean over the batch's
 valid tokens, plus router_aux_loss_coef times the mean over the micro-batches of each micro-batch's load-balancing
@@ -11,7 +12,9 @@ transformers' own forward per micro-batch: its loss with num_items_in_batch is t
 coef x that micro-batch's aux loss, of which it keeps 1/M.
 """
 import json
+import subprocess
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,23 +102,37 @@ def new_engine(model, chaos=False, **over):
     return engine
 
 
-def reference_run(model, data):
-    """transformers + torch.optim.AdamW, micro-batch by micro-batch: (loss, grad norm before clipping) per step."""
+def transformers_loss(model, ids, labels, valid, coef):
+    """A micro-batch's share of the step's loss by transformers' own loss (labels as transformers takes them)."""
+    r = model(input_ids=ids, labels=labels, num_items_in_batch=valid)
+    # transformers adds coef x this forward's aux loss; the step's mean keeps 1/M of it.
+    return r.loss - coef * r.aux_loss * (1 - 1 / ACCUMULATION) if coef else r.loss
+
+
+def aligned_loss(model, ids, targets, valid, coef):
+    """The same share for targets aligned with the inputs (a token file's windows: seq + 1 tokens, so the last
+    position has a target too, which transformers' shifted labels cannot say): its cross-entropy on its logits."""
+    r = model(input_ids=ids)
+    ce = torch.nn.functional.cross_entropy(r.logits.reshape(-1, r.logits.size(-1)), targets.reshape(-1),
+                                           ignore_index=-100, reduction="sum") / valid
+    return ce + coef * r.aux_loss / ACCUMULATION if coef else ce
+
+
+def reference_run(model, data, total=TOTAL, loss_of=transformers_loss):
+    """transformers + torch.optim.AdamW, micro-batch by micro-batch: (loss, grad norm before clipping) per step.
+    `data`: (ids, labels) as `loss_of` takes them."""
     opt = torch.optim.AdamW(adamw_param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS,
                             weight_decay=WEIGHT_DECAY, foreach=False)
-    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
+    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, total)
     coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
     out = []
     for ids, labels in data:
-        valid = int((shifted(labels) != -100).sum())
+        valid = int(((shifted(labels) if loss_of is transformers_loss else labels) != -100).sum())
         opt.zero_grad()
         loss = 0.0
         for m in range(ACCUMULATION):
             rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
-            r = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid)
-            part = r.loss
-            if coef:  # transformers adds coef x this forward's aux loss; the step's mean keeps 1/M of it
-                part = part - coef * r.aux_loss * (1 - 1 / ACCUMULATION)
+            part = loss_of(model, ids[rows], labels[rows], valid, coef)
             part.backward()
             loss += part.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -198,6 +215,48 @@ def test_experts_without_tokens_and_one_expert_for_all(arch):
             used = [e for e in range(p.shape[0]) if bool((p.grad[e] != 0).any())]
             assert len(used) == k, f"{name}: transformers' tokens went to experts {used}"
             assert [e for e in range(p.shape[0]) if bool((ours[name][e] != 0).any())] == used, name
+
+
+def test_the_command_line_trains_as_transformers_does(strider_binary, tmp_path):
+    """`strider finetune` on a Qwen3-MoE checkpoint transformers saved (the Hub's layout): 4 fp32 steps with the
+    load-balancing loss, accumulation 2, clipping and weight decay, a window of 2 and experts in pieces of 3, on
+    a token file's windows in the command line's order (strider.data.window_order). Its steps' losses and the
+    model it writes (loaded back with from_pretrained) against transformers + AdamW on the same batches, to
+    1e-5."""
+    from strider.data import window_order, write_token_file
+    model = make_model("qwen3_moe")
+    src, out = tmp_path / "src", tmp_path / "out"
+    model.save_pretrained(src)
+    vocab = model.config.vocab_size
+    tokens = np.random.default_rng(0).integers(0, vocab, 40 * SEQ + 1)
+    write_token_file(tmp_path / "train.tokens", tokens, vocab_size=vocab)
+    seed = 5
+    cmd = [str(strider_binary("strider")), "finetune", "--device", "cpu", "--model", str(src),
+           "--data", str(tmp_path / "train.tokens"), "--seq", str(SEQ), "--micro-batch", str(MICRO_BATCH),
+           "--accumulation", str(ACCUMULATION), "--dtype", "fp32", "--vocab-chunk", "300", "--window", "2",
+           "--expert-pieces", "3", "--lr", str(LR), "--beta1", str(BETAS[0]), "--beta2", str(BETAS[1]),
+           "--eps", str(EPS), "--weight-decay", str(WEIGHT_DECAY), "--clip", str(CLIP), "--schedule", "linear",
+           "--warmup", str(WARMUP), "--steps", str(STEPS), "--seed", str(seed), "--eval-batches", "0",
+           "--metrics", str(tmp_path / "m.jsonl"), "--work-dir", str(tmp_path / "work"), "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    steps = [json.loads(line) for line in open(tmp_path / "m.jsonl") if '"loss"' in line]
+    assert len(steps) == STEPS
+    order = window_order((len(tokens) - 1) // SEQ, seed, 0)
+    data = []
+    for s in range(STEPS):
+        w = order[s * BATCH:(s + 1) * BATCH]
+        ids = torch.tensor(np.stack([tokens[i * SEQ:i * SEQ + SEQ] for i in w]))
+        targets = torch.tensor(np.stack([tokens[i * SEQ + 1:i * SEQ + SEQ + 1] for i in w]))
+        data.append((ids, targets))
+    ref = reference_run(model, data, total=STEPS, loss_of=aligned_loss)
+    assert any(n > CLIP for _, n in ref), "no step was clipped: the clipping path went untested"
+    for s, (step, (ref_loss, ref_norm)) in enumerate(zip(steps, ref)):
+        assert abs(step["loss"] - ref_loss) <= 1e-5 * abs(ref_loss), f"step {s + 1}: {step['loss']} vs {ref_loss}"
+        assert abs(step["grad_norm"] - ref_norm) <= 1e-5 * ref_norm, f"step {s + 1}: {step['grad_norm']} vs {ref_norm}"
+    trained = dict(transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
+    for name, p in model.named_parameters():
+        assert rel_err(trained[name].detach(), p.detach()) <= 1e-5, f"{name} after {STEPS} steps"
 
 
 def test_bad_moe_configs_are_named():
