@@ -334,8 +334,11 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     }
     if (f.host_bytes > arena_limit) {
       p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (the compute "
-                             "copy, {} gradient ring slots and the NVMe staging stay in RAM); the limit is {}",
-                             format_bytes(f.host_bytes), l.grad_ring, limit_text);
+                             "copy, {} gradient ring slots and the NVMe staging stay in RAM); the limit is {}{}",
+                             format_bytes(f.host_bytes), l.grad_ring, limit_text,
+                             spec.sparse_layer_count() > 0 && l.expert_pieces == 0
+                                 ? "; --expert-pieces N makes each ring slot a group of N experts, not a layer"
+                                 : "");
       return p;
     }
     std::sort(p.nvme_blocks.begin(), p.nvme_blocks.end());
