@@ -151,20 +151,25 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
                    n * (h + q + 2 * kv) * e + mask_build, n * (2 * q + 2 * kv) * e + capped_fwd});
   i128 mlp = n * h * e + t * std::max({norm(h, 1), h * e + 2 * inter * e + gemm_f32(inter),  // gate, up
                                        inter * e + h * e + post_fwd});                      // down, post-norm
-  // Experts (gpu/moe.h), a tile of t tokens: the normed input and the
-  // output; the router's fp32 probabilities, each token's choices, scores
-  // and the (token, slot) groups with their sort (about 40 bytes a choice).
-  // Then one expert at a time on its tokens, at most all t of them (a token
-  // goes to an expert once): its rows gathered, gate and up, the product;
-  // then (the rows gone) the output and its weighting (fp32 for Mixtral's
-  // scores, then cast).
+  // Experts (gpu/moe.h), a tile of t tokens: the normed input; the router's
+  // fp32 probabilities, each token's choices, scores and the (token, slot)
+  // groups with their sort and places (about 48 bytes a choice). The P = t x
+  // top_k (token, expert) pairs' rows go through grouped GEMMs in group
+  // space, G rows: P, or on the CPU below fp32 each expert's rows padded to
+  // its bucket (at most 1/8 more, or 15 rows). Then, in turn: the rows
+  // gathered and moved to group space; gate and up with the product; the
+  // output and its move back; its weighting (fp32 for Mixtral's scores), the
+  // k places per token and the output.
   const MoeDims& moe = d.moe;
   const i128 ek = moe.top_k, ei = moe.intermediate, E = moe.experts;
-  const i128 route = t * (4 * E + 40 * ek);
+  const i128 route = t * (4 * E + 48 * ek);
+  const i128 P = t * ek, G = e < 4 ? P + P / 8 + 15 * E : P;
+  const i128 f32_scores = moe.scores_fp32 ? 4 * P * h : 0;
   if (moe.sparse())
-    mlp = n * h * e + std::max(t * norm(h, 1), t * 2 * h * e + route +
-                                                   t * std::max(h * e + 4 * ei * e,  // rows, gate/up, act
-                                                                3 * ei * e + 2 * h * e + (moe.scores_fp32 ? 4 * h : 0)));
+    mlp = n * h * e + std::max(t * norm(h, 1),
+                               t * h * e + route +
+                                   std::max({(P + G) * h * e, G * (h + 4 * ei) * e, G * (ei + h) * e + P * h * e,
+                                             3 * P * h * e + f32_scores + t * h * e}));
   LayerWork w;
   w.forward = headroom(std::max(attn, mlp) + layout + small);
 
@@ -183,13 +188,18 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
       n * held + t * (inter * 4 * e + silu_f32_x2 * inter / 2 + 2 * h * e + post_back + scaled) + h * inter * e;
   // Experts' backward: the normed input, d(input) and the routing again with
   // its autograd graph (the logits, fp32 probabilities and their gradient);
-  // per expert (at most t tokens) its rows and their output gradients, gate
-  // and up, the product and the output recomputed, then either d(score)'s
-  // fp32 products or the gradients of the product, act and gate/up; one
-  // weight gradient [2I, hidden] at a time.
+  // the pairs' rows (group space) and output gradients, gate and up and the
+  // product recomputed, then in turn: the output recomputed and d(score)'s
+  // fp32 products; the weighted gradients moved to group space; the
+  // gradients of the product, act and gate/up; d(rows) and its move back to
+  // the k places per token. One expert's weight gradient at a time.
+  // (Below fp32, d(score)'s products are three fp32 copies; in fp32 one.)
+  const i128 rows_back = G * h * e + P * h * e + 3 * G * ei * e;  // the rows, their output gradients, gate/up, act
   if (moe.sparse())
-    tile = n * held + t * (4 * h * e + scaled) + route + t * E * (e + 12) +
-           t * (2 * h * e + 3 * ei * e + std::max(3 * h * 4 + h * e, h * e + 6 * ei * e)) + 2 * ei * h * e;
+    tile = n * held + t * (4 * h * e + scaled) + route + t * E * (e + 12) + 2 * ei * h * e +
+           std::max({rows_back + P * h * e + std::max(G * h * e, (e < 4 ? 3 : 1) * P * h * 4),
+                     rows_back + P * h * e + G * h * e + f32_scores, 2 * G * h * e + 9 * G * ei * e,
+                     3 * G * h * e + 2 * G * ei * e + 2 * P * h * e});
   // Attention's backward, x1 gone: first a post-norm's backward (beside
   // d(loss)/d(x1)), then d(a), its transposed copy, d(q), d(k), d(v) (below
   // fp32 the CPU kernel accumulates d(q) in fp32) and the block scores'

@@ -47,38 +47,127 @@ Routing route(const MoeDims& m, const at::Tensor& logits) {
 }
 
 // The (token, slot) pairs grouped by expert: slot = token * k + j for the
-// token's j-th choice; within an expert, tokens ascend. offsets[e] is expert
-// e's first pair (E + 1 of them, on the host: the loop over experts needs
-// them, as transformers' does).
+// token's j-th choice; within an expert, tokens ascend. The GEMMs run on the
+// groups' rows in "group space": offsets[e] is expert e's first row there
+// (E + 1 of them, on the host: a loop over experts needs them), ends the same
+// as ATen's grouped GEMM takes them (int32 [E], each expert's end), on the
+// device.
+//
+// On the CPU in bf16, group space pads each expert's rows with zero rows up
+// to a bucket (padded_rows): oneDNN compiles a GEMM kernel for every shape it
+// meets and keeps 1024, and an expert's row count changes with every
+// micro-batch, so unpadded counts (six GEMM shapes per count) evict each
+// other and the experts spend their time compiling. Buckets of at least 16
+// and at most 1/8 of the rows keep the shapes few: about 8 per octave.
+// pos[i] is the pair i's row in group space (undefined: no padding).
 struct Groups {
-  at::Tensor token, slot;
+  at::Tensor token, slot, ends, pos;
   std::vector<int64_t> offsets;
+  int64_t rows = 0;  // in group space
 };
-Groups group_by_expert(const at::Tensor& top, int64_t experts) {
+int64_t padded_rows(int64_t m) {
+  if (m == 0) return 0;
+  int64_t step = 16;
+  while (step * 16 <= m) step *= 2;  // from 256 rows on, step <= m / 8
+  return (m + step - 1) / step * step;
+}
+Groups group_by_expert(const at::Tensor& top, int64_t experts, bool pad) {
   at::NoGradGuard no_grad;
   Groups g;
   const at::Tensor flat = top.reshape({-1});
   g.slot = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
   g.token = at::div(g.slot, top.size(1), "floor");
   const at::Tensor counts = at::bincount(flat, {}, experts).to(at::kCPU, at::kLong);
-  g.offsets.assign(size_t(experts) + 1, 0);
   const int64_t* c = counts.data_ptr<int64_t>();
-  for (int64_t e = 0; e < experts; ++e) g.offsets[size_t(e) + 1] = g.offsets[size_t(e)] + c[e];
+  g.offsets.assign(size_t(experts) + 1, 0);
+  std::vector<int64_t> pos;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = pad ? padded_rows(c[e]) : c[e];
+    for (int64_t i = 0; pad && i < c[e]; ++i) pos.push_back(g.offsets[size_t(e)] + i);
+    g.offsets[size_t(e) + 1] = g.offsets[size_t(e)] + rows;
+  }
+  g.rows = g.offsets.back();
+  const at::TensorOptions on = top.options().dtype(at::kLong);
+  g.ends = at::tensor(std::vector<int64_t>(g.offsets.begin() + 1, g.offsets.end()), on.device(at::kCPU))
+               .to(top.device(), at::kInt);
+  if (pad) g.pos = at::tensor(pos, on.device(at::kCPU)).to(top.device());
   return g;
 }
+// Pairs' rows [pairs, X] into group space (zero rows between), and back.
+at::Tensor to_groups(const at::Tensor& rows, const Groups& g) {
+  if (!g.pos.defined()) return rows;
+  return at::zeros({g.rows, rows.size(1)}, rows.options()).index_copy_(0, g.pos, rows);
+}
+at::Tensor from_groups(const at::Tensor& rows, const Groups& g) {
+  return g.pos.defined() ? rows.index_select(0, g.pos) : rows;
+}
+// Where the pairs' GEMMs pad (see Groups): the CPU, below fp32.
+bool pads(const at::Tensor& h) { return h.is_cpu() && h.scalar_type() != at::kFloat; }
 
-// One expert's computation on its tokens' rows x [m, hidden].
+// ATen's grouped GEMM takes rows whose strides are multiples of 16 bytes; on
+// CUDA, bf16 only (torch 2.9 - 2.15).
+bool groupable(const at::Tensor& t) {
+  if (t.is_cuda() && t.scalar_type() != at::kBFloat16) return false;
+  for (int64_t i = 0; i < t.dim(); ++i)
+    if (t.size(i) > 1 && (t.stride(i) * int64_t(t.element_size())) % 16 != 0 && t.stride(i) != 1) return false;
+  return true;
+}
+
+// Rows x [S, K] grouped by expert (g), times each group's w[e] ([E, K, N],
+// any strides): [S, N]. ATen's grouped GEMM where it takes the operands (one
+// call for every expert: the per-expert loop of small ops is what made the
+// experts slow on the CPU), else a GEMM per expert with rows; an expert with
+// none is not computed. Both compute each row from its expert's GEMM alone.
+at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const Groups& g) {
+  if (groupable(x) && groupable(w)) return at::_grouped_mm(x, w, g.ends);
+  at::Tensor out = at::empty({x.size(0), w.size(2)}, x.options());
+  for (int64_t e = 0; e + 1 < int64_t(g.offsets.size()); ++e) {
+    const int64_t a = g.offsets[size_t(e)], b = g.offsets[size_t(e) + 1];
+    if (a == b) continue;
+    at::Tensor rows = out.slice(0, a, b);
+    at::mm_out(rows, x.slice(0, a, b), w[e]);
+  }
+  return out;
+}
+
+// Adds the grouped rows [S, hidden] into out [tokens, hidden], each token's
+// in its experts' order: a token's rows are copied to k places of its own
+// (distinct indices: deterministic on every device, where one index_add_ of
+// rows that share tokens is not on CUDA), then added one choice rank at a
+// time, so out[t] = ((out[t] + y_e1) + y_e2) ... for its experts e1 < e2 < ...
+void add_by_token(at::Tensor& out, const at::Tensor& rows, const at::Tensor& top, const Groups& g) {
+  const int64_t n = top.size(0), k = top.size(1);
+  const at::Tensor order = std::get<1>(top.sort(/*stable=*/true, 1, false));
+  at::Tensor rank = at::empty_like(order);
+  rank.scatter_(1, order, at::arange(k, order.options()).expand_as(order).contiguous());
+  const at::Tensor place = g.token * k + rank.reshape({-1}).index_select(0, g.slot);
+  at::Tensor buf = at::empty({n * k, out.size(1)}, rows.options());
+  buf.index_copy_(0, place, rows);
+  const at::Tensor v = buf.view({n, k, out.size(1)});
+  for (int64_t j = 0; j < k; ++j) out.add_(v.select(1, j));
+}
+
+// Each expert's weight gradient from its rows: acc[e] += a_e^T b_e (a [S, M],
+// b [S, N] grouped by g; acc fp32 [E, M, N]), one expert at a time so that
+// only one [M, N] product is alive.
+void add_weight_grads(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, const Groups& g) {
+  for (int64_t e = 0; e + 1 < int64_t(g.offsets.size()); ++e) {
+    const int64_t lo = g.offsets[size_t(e)], hi = g.offsets[size_t(e) + 1];
+    if (lo < hi) acc[e].add_(at::mm(a.slice(0, lo, hi).t(), b.slice(0, lo, hi)));
+  }
+}
+
+// The experts on their grouped rows xs [S, hidden]: gate and up, act(gate) x up.
 struct ExpertPass {
-  at::Tensor gate, up, act, y;  // [m, I] x3 (act = act(gate) * up), y = act down_proj^T [m, hidden]
+  at::Tensor gate, up, act;  // [S, I] x3
 };
-ExpertPass expert_forward(const BlockDims& d, const at::Tensor& gate_up, const at::Tensor& down, const at::Tensor& x) {
+ExpertPass experts_up(const BlockDims& d, const at::Tensor& gate_up, const at::Tensor& xs, const Groups& g) {
   const int64_t I = d.moe.intermediate;
   ExpertPass p;
-  const at::Tensor gu = at::mm(x, gate_up.t());
+  const at::Tensor gu = grouped_mm(xs, gate_up.transpose(1, 2), g);
   p.gate = gu.narrow(1, 0, I);
   p.up = gu.narrow(1, I, I);
   p.act = activate(d, p.gate) * p.up;
-  p.y = at::mm(p.act, down.t());
   return p;
 }
 
@@ -102,16 +191,14 @@ at::Tensor moe_forward(const BlockDims& d, const TensorMap& w, const at::Tensor&
     step->stats[0].add_(at::bincount(r.top.reshape({-1}), {}, m.experts).to(at::kFloat));
     step->stats[1].add_(r.probs.sum(0));
   }
-  const Groups g = group_by_expert(r.top, m.experts);
-  const at::Tensor scores = r.scores.reshape({-1});
+  const Groups g = group_by_expert(r.top, m.experts, pads(h));
+  at::Tensor xs = to_groups(h.index_select(0, g.token), g);
+  at::Tensor act = experts_up(d, gate_up, xs, g).act;
+  xs = at::Tensor();
+  const at::Tensor y = from_groups(grouped_mm(act, down.transpose(1, 2), g), g);
+  act = at::Tensor();
   at::Tensor out = at::zeros_like(h);
-  for (int64_t e = 0; e < m.experts; ++e) {
-    const int64_t a = g.offsets[size_t(e)], b = g.offsets[size_t(e) + 1];
-    if (a == b) continue;
-    const at::Tensor tok = g.token.slice(0, a, b);
-    const ExpertPass p = expert_forward(d, gate_up[e], down[e], h.index_select(0, tok));
-    out.index_add_(0, tok, weighted(p.y, scores.index_select(0, g.slot.slice(0, a, b))));
-  }
+  add_by_token(out, weighted(y, r.scores.reshape({-1}).index_select(0, g.slot)), r.top, g);
   return out;
 }
 
@@ -141,26 +228,27 @@ at::Tensor moe_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads
   at::Tensor dscores = at::zeros({n * m.top_k}, h.options().dtype(at::kFloat));
   {
     at::NoGradGuard no_grad;
-    const Groups g = group_by_expert(r.top, m.experts);
-    const at::Tensor scores = r.scores.detach().reshape({-1});
-    // 2. Each expert with tokens: its output again, d(loss)/d(score), and its
-    // weights' and inputs' gradients.
-    for (int64_t e = 0; e < m.experts; ++e) {
-      const int64_t a = g.offsets[size_t(e)], b = g.offsets[size_t(e) + 1];
-      if (a == b) continue;
-      const at::Tensor tok = g.token.slice(0, a, b), slot = g.slot.slice(0, a, b);
-      const at::Tensor x = h.index_select(0, tok), gyt = gy.index_select(0, tok);
-      const at::Tensor s = scores.index_select(0, slot);
-      const ExpertPass p = expert_forward(d, gate_up[e], down[e], x);
-      dscores.index_copy_(0, slot, (gyt.to(at::kFloat) * p.y.to(at::kFloat)).sum(1));
-      const at::Tensor dy = weighted(gyt, s);
-      if (g_down) (*g_down)[e].add_(at::mm(dy.t(), p.act));
-      const at::Tensor dact = at::mm(dy, down[e]);
-      const at::Tensor acted = activate(d, p.gate);
-      const at::Tensor dgu = at::cat({activate_backward(d, dact * p.up, p.gate), dact * acted}, 1);
-      if (g_gate_up) (*g_gate_up)[e].add_(at::mm(dgu.t(), x));
-      dh.index_add_(0, tok, at::mm(dgu, gate_up[e]));
+    // 2. The experts on their grouped rows: the output again, d(loss)/d(score),
+    // and the weights' and inputs' gradients.
+    const Groups g = group_by_expert(r.top, m.experts, pads(h));
+    const at::Tensor xs = to_groups(h.index_select(0, g.token), g);
+    at::Tensor gys = gy.index_select(0, g.token);
+    ExpertPass p = experts_up(d, gate_up, xs, g);
+    {
+      const at::Tensor y = from_groups(grouped_mm(p.act, down.transpose(1, 2), g), g);
+      dscores.index_copy_(0, g.slot, (gys.to(at::kFloat) * y.to(at::kFloat)).sum(1));
     }
+    const at::Tensor dy = to_groups(weighted(gys, r.scores.detach().reshape({-1}).index_select(0, g.slot)), g);
+    gys = at::Tensor();
+    if (g_down) add_weight_grads(*g_down, dy, p.act, g);
+    p.act = at::Tensor();
+    at::Tensor dact = grouped_mm(dy, down, g);
+    const at::Tensor acted = activate(d, p.gate);
+    at::Tensor dgu = at::cat({activate_backward(d, dact * p.up, p.gate), dact * acted}, 1);
+    dact = at::Tensor();
+    p = {};
+    if (g_gate_up) add_weight_grads(*g_gate_up, dgu, xs, g);
+    add_by_token(dh, from_groups(grouped_mm(dgu, gate_up, g), g), r.top, g);
   }
   // 3. The router: the scores' gradients (and the load-balancing loss's, on
   // every probability) back through top-k's normalisation and the softmax.

@@ -6,10 +6,16 @@
 // Routing is fp32: the router's logits (a GEMM in the compute dtype) go
 // through softmax in fp32, and each token's top_k experts are picked from
 // those probabilities (so a bf16 run routes as an fp32 one, ties aside).
-// Tokens are grouped by expert, each expert's in token order, and its two
-// GEMMs run on its group; an expert no token of the tile routes to is not
-// computed and gets no gradient. The experts' outputs are added into each
-// token's row in expert order, whatever order they were computed in.
+// Tokens are grouped by expert, each expert's in token order, and the
+// experts' GEMMs run on their groups in one call of ATen's grouped GEMM
+// (at::_grouped_mm; a GEMM per expert where it does not take the operands:
+// fp32 on CUDA, rows that are not 16-byte multiples). An expert no token of
+// the tile routes to is not computed and gets no gradient; each expert's
+// weight gradient is its own GEMM. On the CPU below fp32 each expert's rows
+// are padded with zero rows to a bucket, so that oneDNN meets few GEMM
+// shapes (moe.cpp, Groups). The experts' outputs are added into each token's
+// row in expert order, through k places per token, not an index_add_ of rows
+// that share tokens: the same bits on every run, CUDA's atomics included.
 #pragma once
 
 #include <ATen/ATen.h>
