@@ -117,9 +117,9 @@ bool groupable(const at::Tensor& t) {
 
 // Rows x [S, K] grouped by expert (g), times each group's w[e] ([E, K, N],
 // any strides): [S, N]. ATen's grouped GEMM where it takes the operands (one
-// call for every expert: the per-expert loop of small ops is what made the
-// experts slow on the CPU), else a GEMM per expert with rows; an expert with
-// none is not computed. Both compute each row from its expert's GEMM alone.
+// call for every expert, as transformers' grouped_mm experts make), else a
+// GEMM per expert with rows; an expert with none is not computed. Both
+// compute each row from its expert's GEMM alone.
 at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const Groups& g) {
   // CUDA's grouped GEMM has layout rules of its own by version and card, not
   // yet run here (no GPU has run this): one it refuses is said once, and the
