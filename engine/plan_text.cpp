@@ -88,25 +88,6 @@ std::string seconds_text(double s) { return s >= 1 ? fmt::format("{:.2f} s", s) 
 
 }  // namespace
 
-LinkBalance link_balance(const ModelSpec& spec, const PlanLimits& l, const std::vector<int64_t>& saved_blocks) {
-  const int cbytes = l.dtype == at::kFloat ? 4 : 2;
-  LinkBalance out;
-  double flops = 0;
-  for (int64_t b = 0; b < spec.num_blocks(); ++b) {
-    const BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0, l.work, l.packed_documents);
-    const bool kept = std::find(saved_blocks.begin(), saved_blocks.end(), b) != saved_blocks.end();
-    flops += c.forward_flops + c.backward_flops +
-             (kept ? attention_core_flops(spec, l.micro_batch, l.seq, l.packed_documents) + c.backward_recompute_flops
-                   : c.forward_flops);
-    out.bytes += 2 * uint64_t(spec.layout(b).total_elems()) * uint64_t(cbytes);
-  }
-  out.tokens = l.seq * l.micro_batch * l.accumulation;
-  out.compute_s = flops * double(l.accumulation) / l.compute_flops_per_s;
-  out.link_s = double(out.bytes) / l.link_bytes_per_s;
-  out.hide_tokens = int64_t(std::ceil(double(out.tokens) * out.link_s / out.compute_s));
-  return out;
-}
-
 std::string link_line(const PlanLimits& l, const LinkBalance& b) {
   std::string line = fmt::format(
       "link: a step sends {} of compute copies to the device (forward and backward), ~{} at {:.4g} GB/s, against "
