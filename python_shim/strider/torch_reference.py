@@ -7,6 +7,10 @@ decides), so a torch run with them is the reference a strider run tracks:
 
     opt = torch.optim.AdamW(adamw_param_groups(model, 0.1), lr=1e-4)
 
+`adamw_steps(model, batches, micro_loss, ...)` trains a model with torch.optim.AdamW
+micro-batch by micro-batch (clipping, a linear warm-up and decay): the reference
+run the tests set a strider run against.
+
 `packed_position_ids(rows)` gives the position_ids of rows that pack documents, as
 transformers (and strider's packed_documents) read them.
 
@@ -30,6 +34,34 @@ def adamw_param_groups(model, weight_decay):
     params = list(model.named_parameters())
     return [{"params": [p for n, p in params if n in decayed], "weight_decay": weight_decay},
             {"params": [p for n, p in params if n not in decayed], "weight_decay": 0.0}]
+
+
+def adamw_steps(model, batches, micro_loss, *, micro_batch, accumulation, lr, betas, eps, weight_decay, clip,
+                warmup, total, param_groups=None):
+    """transformers + torch.optim.AdamW over `batches`, each `accumulation` micro-batches of `micro_batch` rows:
+    per step (loss, gradient norm before clipping). micro_loss(model, batch, rows) is one micro-batch's share of
+    the step's loss (a tensor to back-propagate; `rows` the slice of the batch's rows). AdamW on
+    `param_groups` (default: adamw_param_groups, the Trainer's decay), clipping at `clip`, transformers'
+    linear schedule with `warmup` steps to 0 at `total`."""
+    import torch
+    import transformers
+
+    groups = adamw_param_groups(model, weight_decay) if param_groups is None else param_groups
+    opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+    sched = transformers.get_linear_schedule_with_warmup(opt, warmup, total)
+    out = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = 0.0
+        for m in range(accumulation):
+            part = micro_loss(model, batch, slice(m * micro_batch, (m + 1) * micro_batch))
+            part.backward()
+            loss += part.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        out.append((loss, norm.item()))
+    return out
 
 
 def packed_position_ids(rows):

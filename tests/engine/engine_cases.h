@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/resident_model.h"
 #include "host/error.h"
 #include "tests/engine/tiny_model.h"
 
@@ -212,6 +213,24 @@ inline void placements_change_nothing(const ModelSpec& spec, at::ScalarType dtyp
       INFO(c.name << ", " << devices << " device(s), " << (dtype == at::kFloat ? "fp32" : "bf16"));
       CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
     }
+}
+
+// The engine's first step's loss (parameters init_params(7), batch seed 100;
+// packed_positions where cfg.packed_documents) and the resident model's on the
+// same parameters and batch.
+inline std::pair<double, double> first_step_losses(const ModelSpec& spec, const EngineConfig& cfg) {
+  Engine e(spec, cfg, make_device({.spec = "cpu"}));
+  e.init_params(7);
+  ResidentModel rm(spec, cfg.compute);
+  for (const std::string& n : rm.param_names()) {
+    std::vector<float> v = e.param(n);
+    rm.set_param(n, at::from_blob(v.data(), rm.param(n).sizes(), at::kFloat));
+  }
+  Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100);
+  std::vector<int64_t> pos = cfg.packed_documents ? packed_positions(cfg.batch(), cfg.seq) : std::vector<int64_t>{};
+  const auto t = [&](std::vector<int64_t>& v) { return at::from_blob(v.data(), {cfg.batch(), cfg.seq}, at::kLong); };
+  const double loss = e.step(b.ids.data(), b.labels.data(), pos.empty() ? nullptr : pos.data()).loss;
+  return {loss, rm.forward_backward(t(b.ids), t(b.labels), cfg.accumulation, false, pos.empty() ? at::Tensor() : t(pos)).loss};
 }
 
 }  // namespace strider::test

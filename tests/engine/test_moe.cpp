@@ -7,7 +7,6 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
-#include "engine/resident_model.h"
 #include "engine/train_checkpoint.h"
 #include "gpu/moe.h"
 #include "tests/engine/engine_cases.h"
@@ -92,17 +91,8 @@ TEST_CASE("mixture of experts: offload changes nothing, and the resident referen
       // The first step's loss is the resident model's (with its load-balancing term).
       EngineConfig cfg = small_bf16();
       cfg.compute.dtype = dtype;
-      Engine e(spec, cfg, make_device({.spec = "cpu"}));
-      e.init_params(7);
-      ResidentModel rm(spec, cfg.compute);
-      for (const std::string& n : rm.param_names()) {
-        std::vector<float> v = e.param(n);
-        rm.set_param(n, at::from_blob(v.data(), rm.param(n).sizes(), at::kFloat));
-      }
-      Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100);
-      const double loss = e.step(b.ids.data(), b.labels.data()).loss;
-      const auto t = [&](std::vector<int64_t>& v) { return at::from_blob(v.data(), {cfg.batch(), cfg.seq}, at::kLong); };
-      CHECK(loss == rm.forward_backward(t(b.ids), t(b.labels), cfg.accumulation).loss);
+      const auto [engine_loss, resident_loss] = first_step_losses(spec, cfg);
+      CHECK(engine_loss == resident_loss);
     }
   }
 }

@@ -5,7 +5,6 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
-#include "engine/resident_model.h"
 #include "tests/engine/engine_cases.h"
 
 using namespace strider;
@@ -40,18 +39,8 @@ TEST_CASE("packed documents: offload and pools change nothing, and the resident 
       EngineConfig cfg = small_bf16();
       cfg.compute.dtype = dtype;
       cfg.packed_documents = true;
-      Engine e(spec, cfg, make_device({.spec = "cpu"}));
-      e.init_params(7);
-      ResidentModel rm(spec, cfg.compute);
-      for (const std::string& n : rm.param_names()) {
-        std::vector<float> v = e.param(n);
-        rm.set_param(n, at::from_blob(v.data(), rm.param(n).sizes(), at::kFloat));
-      }
-      Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100);
-      std::vector<int64_t> pos = packed_positions(cfg.batch(), cfg.seq);
-      const double loss = e.step(b.ids.data(), b.labels.data(), pos.data()).loss;
-      const auto t = [&](std::vector<int64_t>& v) { return at::from_blob(v.data(), {cfg.batch(), cfg.seq}, at::kLong); };
-      CHECK(loss == rm.forward_backward(t(b.ids), t(b.labels), cfg.accumulation, false, t(pos)).loss);
+      const auto [engine_loss, resident_loss] = first_step_losses(spec, cfg);
+      CHECK(engine_loss == resident_loss);
     }
   }
 }

@@ -19,7 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from strider import _library  # the package's own loader (conftest puts python_shim/ on sys.path)
-from strider.torch_reference import adamw_param_groups
+from strider.torch_reference import adamw_steps
 
 try:
     _library.load_library()
@@ -128,26 +128,16 @@ def reference_run(model, data, decay_all=False):
     parameters transformers' Trainer decays (not norms and biases), or of all of them. A batch (ids, labels,
     position_ids) packs documents: each micro-batch gets its position_ids, without a cache (with one,
     transformers does not look for packed sequences)."""
-    groups = model.parameters() if decay_all else adamw_param_groups(model, WEIGHT_DECAY)
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, foreach=False)
-    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
-    out = []
-    for ids, labels, *pos in data:
+    def micro_loss(model, batch, rows):
+        ids, labels, *pos = batch
+        packed = dict(position_ids=pos[0][rows], use_cache=False) if pos else {}
+        # HF's loss with num_items_in_batch: sum of token losses / the batch's valid tokens.
         valid = int((shifted(labels) != -100).sum())
-        opt.zero_grad()
-        loss = 0.0
-        for m in range(ACCUMULATION):
-            rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
-            packed = dict(position_ids=pos[0][rows], use_cache=False) if pos else {}
-            # HF's loss with num_items_in_batch: sum of token losses / the batch's valid tokens.
-            part = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid, **packed).loss
-            part.backward()
-            loss += part.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-        out.append((loss, norm.item()))
-    return out
+        return model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid, **packed).loss
+
+    return adamw_steps(model, data, micro_loss, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, lr=LR,
+                       betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, clip=CLIP, warmup=WARMUP, total=TOTAL,
+                       param_groups=list(model.parameters()) if decay_all else None)
 
 
 def engine_run(engine, data):

@@ -21,7 +21,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from strider import _library
-from strider.torch_reference import adamw_param_groups
+from strider.torch_reference import adamw_steps
 from test_engine_vs_torch import model_json, rel_err, shifted
 
 try:
@@ -102,44 +102,33 @@ def new_engine(model, chaos=False, **over):
     return engine
 
 
-def transformers_loss(model, ids, labels, valid, coef):
+def aux_coef(model):
+    return model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
+
+
+def transformers_loss(model, batch, rows):
     """A micro-batch's share of the step's loss by transformers' own loss (labels as transformers takes them)."""
-    r = model(input_ids=ids, labels=labels, num_items_in_batch=valid)
+    ids, labels = batch
+    r = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=int((shifted(labels) != -100).sum()))
     # transformers adds coef x this forward's aux loss; the step's mean keeps 1/M of it.
-    return r.loss - coef * r.aux_loss * (1 - 1 / ACCUMULATION) if coef else r.loss
+    return r.loss - aux_coef(model) * r.aux_loss * (1 - 1 / ACCUMULATION) if aux_coef(model) else r.loss
 
 
-def aligned_loss(model, ids, targets, valid, coef):
+def aligned_loss(model, batch, rows):
     """The same share for targets aligned with the inputs (a token file's windows: seq + 1 tokens, so the last
     position has a target too, which transformers' shifted labels cannot say): its cross-entropy on its logits."""
-    r = model(input_ids=ids)
-    ce = torch.nn.functional.cross_entropy(r.logits.reshape(-1, r.logits.size(-1)), targets.reshape(-1),
-                                           ignore_index=-100, reduction="sum") / valid
-    return ce + coef * r.aux_loss / ACCUMULATION if coef else ce
+    ids, targets = batch
+    r = model(input_ids=ids[rows])
+    ce = torch.nn.functional.cross_entropy(r.logits.reshape(-1, r.logits.size(-1)), targets[rows].reshape(-1),
+                                           ignore_index=-100, reduction="sum") / int((targets != -100).sum())
+    return ce + aux_coef(model) * r.aux_loss / ACCUMULATION if aux_coef(model) else ce
 
 
 def reference_run(model, data, total=TOTAL, loss_of=transformers_loss):
     """transformers + torch.optim.AdamW, micro-batch by micro-batch: (loss, grad norm before clipping) per step.
     `data`: (ids, labels) as `loss_of` takes them."""
-    opt = torch.optim.AdamW(adamw_param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS,
-                            weight_decay=WEIGHT_DECAY, foreach=False)
-    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, total)
-    coef = model.config.router_aux_loss_coef if model.config.output_router_logits else 0.0
-    out = []
-    for ids, labels in data:
-        valid = int(((shifted(labels) if loss_of is transformers_loss else labels) != -100).sum())
-        opt.zero_grad()
-        loss = 0.0
-        for m in range(ACCUMULATION):
-            rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
-            part = loss_of(model, ids[rows], labels[rows], valid, coef)
-            part.backward()
-            loss += part.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-        out.append((loss, norm.item()))
-    return out
+    return adamw_steps(model, data, loss_of, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, lr=LR,
+                       betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, clip=CLIP, warmup=WARMUP, total=total)
 
 
 def check_against_reference(model, engine, data):
@@ -206,12 +195,8 @@ def test_experts_without_tokens_and_one_expert_for_all(arch):
         model_json(model), names, [params[n].detach() for n in names], ids, shifted(labels), ACCUMULATION, 300)
     ours = dict(zip(names, ours))
     model.zero_grad()
-    valid = int((shifted(labels) != -100).sum())
-    coef = model.config.router_aux_loss_coef
     for m in range(ACCUMULATION):
-        rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
-        r = model(input_ids=ids[rows], labels=labels[rows], num_items_in_batch=valid)
-        (r.loss - coef * r.aux_loss * (1 - 1 / ACCUMULATION)).backward()
+        transformers_loss(model, (ids, labels), slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)).backward()
     k = model.config.num_experts_per_tok
     for name, p in params.items():
         assert rel_err(ours[name], p.grad) <= 1e-5, name

@@ -20,7 +20,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
-from strider.torch_reference import adamw_param_groups  # noqa: E402
+from strider.torch_reference import adamw_steps  # noqa: E402
 
 try:
     strider.load_library()
@@ -76,25 +76,15 @@ def hf_batches(vocab, steps, seed=1):
 
 def reference_steps(model, data):
     """transformers + torch.optim.AdamW on the same batches: per-step (loss, grad norm)."""
-    opt = torch.optim.AdamW(adamw_param_groups(model, WEIGHT_DECAY), lr=LR, betas=BETAS, eps=EPS, foreach=False)
-    sched = transformers.get_linear_schedule_with_warmup(opt, WARMUP, TOTAL)
-    out = []
-    for ids, labels, mask in data:
+    def micro_loss(model, batch, rows):
+        ids, labels, mask = batch
         labels = labels.masked_fill(mask == 0, -100)
         valid = int((labels[:, 1:] != -100).sum())
-        opt.zero_grad()
-        loss = 0.0
-        for m in range(ACCUMULATION):
-            rows = slice(m * MICRO_BATCH, (m + 1) * MICRO_BATCH)
-            part = model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows],
-                         num_items_in_batch=valid).loss
-            part.backward()
-            loss += part.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        sched.step()
-        out.append((loss, norm.item()))
-    return out
+        return model(input_ids=ids[rows], attention_mask=mask[rows], labels=labels[rows],
+                     num_items_in_batch=valid).loss
+
+    return adamw_steps(model, data, micro_loss, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, lr=LR,
+                       betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, clip=CLIP, warmup=WARMUP, total=TOTAL)
 
 
 def rel_err(a, b):
