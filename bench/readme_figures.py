@@ -235,9 +235,9 @@ def block_predict_8b(f, logs):
     out.append("")
     out.append(prose(
         "Kept activations: with `--activations auto` (the default) the plan prices, per layer, recomputing its "
-        "forward in backward against keeping its projections' outputs (q, k, v, the residual between the "
-        "halves, the MLP's gate and up) in pinned host RAM, copied out in forward and back in backward on the "
-        "otherwise idle link; a kept layer's backward recomputes no matmul, only its attention core. The "
+        "forward in backward against keeping its projections' outputs (q, k, v, the attention core's output "
+        "and log-sum-exp, the residual between the halves, the MLP's gate and up) in pinned host RAM, copied "
+        "out in forward and back in backward on the otherwise idle link; a kept layer's backward recomputes no matmul and no attention core. The "
         "column says what it chose; the host RAM they take grows with the batch, and a `--ram` limit keeps "
         "as many layers as fit after the optimizer state (never pushing state to NVMe). SlideFormer's "
         "2398 tokens/s is Qwen3-8B at batch 64, quoted from its paper, not run here."))

@@ -247,7 +247,7 @@ void EngineCore::allocate_activations(int d) {
   if (config_.keep_logits && runs_head)
     for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].logits = make({mb * S, spec_.dims.vocab}, cdt, "kept logits");
   if (place_.runs_kept_layer(d)) {
-    const int64_t elems = layer_saved_elems(spec_.saved_dims(), mb * S);
+    const int64_t elems = layer_saved_elems(spec_.saved_dims(), mb * S, int64_t(place_.compute_bytes));
     for (int s = 0; s < 2; ++s) {
       st.saved_dev.push_back(make({elems}, cdt, "kept activations"));
       st.saved_free.push_back(st.device->make_event());

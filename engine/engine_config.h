@@ -71,7 +71,8 @@ struct EngineConfig {
   bool fp32_grad_transfer = false;
   // Decoder-layer blocks (1..layers) whose backward does not recompute their
   // forward's matmuls: forward keeps their outputs (gpu/blocks.h's
-  // LayerSaved: q, k, v, x1, gate, up) and copies them out to pinned host
+  // LayerSaved: q, k, v, the attention core's output and log-sum-exp, x1,
+  // gate, up) and copies them out to pinned host
   // memory on the d2h stream; they come back on the h2d stream, prefetched,
   // before the layer's backward. Every other layer recomputes its forward
   // from its checkpoint. The two are bit-identical (the same ops in the same

@@ -49,9 +49,8 @@ double EngineCore::op_flops(const StepOp& op) const {
                                      config_.packed_documents);
       if (op.kind == StepOpKind::kForward) return c.forward_flops;
       if (!op.keep) return c.forward_flops + c.backward_flops;  // recompute + backward
-      // Kept activations: backward, the attention core recomputed (and a layer's experts).
-      return c.backward_flops + c.backward_recompute_flops +
-             spec_.attention_flops(spec_.block(b).layer, config_.micro_batch, config_.seq, config_.packed_documents);
+      // Kept activations: backward, and what it computes again (a layer's experts, a soft-capped core).
+      return c.backward_flops + c.backward_recompute_flops;
     }
     case StepOpKind::kDequantize:  // a multiply per element (and a level's lookup for NF4): memory-bound
       return 2.0 * double(piece(op.piece).elems());

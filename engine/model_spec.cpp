@@ -413,8 +413,11 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       c.backward_flops = lora.enabled() ? proj + mlp + 2.0 * attn + 2.5 * adapters : 2.0 * c.forward_flops;
       // Post-norms: their backward recomputes o_proj's and down_proj's outputs.
       if (d.norm_placement != NormPlacement::kPre) c.backward_flops += 2.0 * t * d.hidden * (double(q) + d.intermediate);
-      // Experts: their backward computes their forward again (gpu/moe.h), kept activations or not.
-      if (moe.sparse()) c.backward_recompute_flops = mlp;
+      // What a kept layer's backward computes again: the experts' forward
+      // (gpu/moe.h), and soft-capped attention's core (gpu/attention.h;
+      // any other core's backward runs from its kept output and log-sum-exp).
+      if (moe.sparse()) c.backward_recompute_flops += mlp;
+      if (ld.attn_softcap > 0) c.backward_recompute_flops += attn;
       const LayerWork w = layer_work(ld, batch, seq, token_tile, dtype_bytes, work, packed);
       c.forward_work_bytes = bytes(w.forward, "forward working memory");
       c.backward_work_bytes = bytes(w.backward, "backward working memory");

@@ -35,7 +35,8 @@ struct BlockCost {
   double forward_flops = 0;        // matmuls and attention, multiply-add = 2
   double backward_flops = 0;       // input and weight gradients (2x forward)
   // Forward work the backward does again even where the layer keeps its
-  // activations: a layer with experts recomputes its MLP (gpu/moe.h). Not in
+  // activations: a layer with experts recomputes its MLP (gpu/moe.h), one
+  // with soft-capped attention its attention core (gpu/attention.h). Not in
   // backward_flops: a recomputing backward counts it in forward_flops.
   double backward_recompute_flops = 0;
   int64_t forward_work_bytes = 0;  // peak transient device bytes, no autograd

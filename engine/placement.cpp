@@ -265,7 +265,8 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   }
 
   pl.act_bytes = size_t(c.micro_batch * c.seq * spec.dims.hidden) * pl.compute_bytes;
-  pl.saved_bytes = size_t(layer_saved_elems(spec.saved_dims(), c.micro_batch * c.seq)) * pl.compute_bytes;
+  pl.saved_bytes =
+      size_t(layer_saved_elems(spec.saved_dims(), c.micro_batch * c.seq, int64_t(pl.compute_bytes))) * pl.compute_bytes;
 
   EngineFootprint& f = pl.footprint;
   f.unit_elems = sh.unit_elems;

@@ -112,23 +112,20 @@ struct PlanLimits {
 //              training, the input gradients only under LoRA; the
 //              parameters cross the link once per sweep, twice in all);
 //   saved:     forward max(F, P/link, S/link) (S goes out on the d2h lane
-//              while P comes in on h2d) + backward max(B + A, (P + S)/link)
-//              (no matmul recomputed, the attention core is; P and S both
-//              come in on h2d).
+//              while P comes in on h2d) + backward max(B + R, (P + S)/link)
+//              (no matmul and no attention core recomputed; R: what is,
+//              BlockCost::backward_recompute_flops; P and S both come in
+//              on h2d).
 // The gradients' D2H is the same either way and left out. A rough, one-layer
 // model: the whole schedule, with its overlaps, is what --predict simulates.
 struct ActivationCost {
-  double forward_flops = 0, attention_flops = 0;  // the layer's, one step
+  double forward_flops = 0, recompute_flops = 0;  // the layer's, one step (recompute: a kept backward's)
   double backward_flops = 0;  // its backward's, one step: 2x the forward, or input gradients only under LoRA
   uint64_t param_bytes = 0, saved_bytes = 0;
   double recompute_s = 0, saved_s = 0;
   bool pays() const { return saved_s < recompute_s; }
 };
 ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& limits, uint64_t saved_bytes_per_layer);
-// FLOPs of one decoder layer's attention core (QK^T and PV, causal: half the
-// square) for `batch` sequences of `seq`: what a kept layer's backward still
-// recomputes. The same count ModelSpec::cost includes in forward_flops.
-double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq, bool packed = false);
 
 struct Plan;
 // Whether a step's tokens hide the link: each step sends every block's

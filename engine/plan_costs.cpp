@@ -9,10 +9,6 @@
 
 namespace strider {
 
-double attention_core_flops(const ModelSpec& spec, int64_t batch, int64_t seq, bool packed) {
-  return spec.attention_flops(0, batch, seq, packed);  // the first layer's (ModelSpec::cost's `attn`)
-}
-
 ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint64_t saved_bytes_per_layer) {
   STRIDER_CHECK(l.compute_flops_per_s > 0 && l.link_bytes_per_s > 0, "plan: compute rate {} FLOP/s and link rate {} "
                 "bytes/s must be > 0", l.compute_flops_per_s, l.link_bytes_per_s);
@@ -23,15 +19,14 @@ ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint6
   const BlockCost layer = spec.cost(widest, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0, l.work, l.packed_documents);
   c.forward_flops = layer.forward_flops * m;
   c.backward_flops = layer.backward_flops * m;
-  c.attention_flops = attention_core_flops(spec, l.micro_batch, l.seq, l.packed_documents) * m;
+  c.recompute_flops = layer.backward_recompute_flops * m;
   c.param_bytes = uint64_t(spec.layout(widest).total_elems()) * uint64_t(cbytes);
   c.saved_bytes = saved_bytes_per_layer;
   const double f = c.forward_flops / l.compute_flops_per_s, b = c.backward_flops / l.compute_flops_per_s,
-               a = c.attention_flops / l.compute_flops_per_s,
-               r = layer.backward_recompute_flops * m / l.compute_flops_per_s;  // experts: recomputed either way
+               r = c.recompute_flops / l.compute_flops_per_s;
   const double p = double(c.param_bytes) / l.link_bytes_per_s, s = double(c.saved_bytes) / l.link_bytes_per_s;
   c.recompute_s = std::max(f, p) + std::max(f + b, p);
-  c.saved_s = std::max({f, p, s}) + std::max(b + a + r, p + s);
+  c.saved_s = std::max({f, p, s}) + std::max(b + r, p + s);
   return c;
 }
 
@@ -42,9 +37,7 @@ LinkBalance link_balance(const ModelSpec& spec, const PlanLimits& l, const std::
   for (int64_t b = 0; b < spec.num_blocks(); ++b) {
     const BlockCost c = spec.cost(b, l.micro_batch, l.seq, l.vocab_chunk, cbytes, 0, l.work, l.packed_documents);
     const bool kept = std::find(saved_blocks.begin(), saved_blocks.end(), b) != saved_blocks.end();
-    flops += c.forward_flops + c.backward_flops +
-             (kept ? attention_core_flops(spec, l.micro_batch, l.seq, l.packed_documents) + c.backward_recompute_flops
-                   : c.forward_flops);
+    flops += c.forward_flops + c.backward_flops + (kept ? c.backward_recompute_flops : c.forward_flops);
     out.bytes += 2 * uint64_t(spec.layout(b).total_elems()) * uint64_t(cbytes);
   }
   out.tokens = l.seq * l.micro_batch * l.accumulation;

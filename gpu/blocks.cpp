@@ -8,9 +8,9 @@
 #include <string_view>
 #include <vector>
 
+#include "gpu/attention.h"
 #include "gpu/block_parts.h"
 #include "gpu/moe.h"
-#include "gpu/softcap_attention.h"
 #include "host/error.h"
 
 namespace strider {
@@ -82,25 +82,6 @@ at::Tensor linear(const BlockDims& d, const at::Tensor& x, const TensorMap& w, c
   return linears(d, x, w, {proj})[0];
 }
 
-// x * cos + rotate_half(x) * sin for x [b, s, heads, head_dim], as
-// transformers computes it, without materialising rotate_half (a
-// concatenation the size of x): the products of the halves are subtracted
-// from / added to x * cos in place. Each element sees the same roundings (a
-// product, a product, a sum), so the same bits. In place on `out` is safe
-// under autograd: x * cos saves cos, not its result. Applied before heads are
-// transposed, so that x's gradient keeps x's layout, as transformers' does.
-at::Tensor apply_rope(const at::Tensor& x, const RopeTables& rope) {
-  const int64_t dim = rope.cos.size(-1);
-  if (dim < x.size(-1))  // partial rotary (Phi-4-mini): the first dim features rotate, the rest pass
-    return at::cat({apply_rope(x.narrow(-1, 0, dim), rope), x.narrow(-1, dim, x.size(-1) - dim)}, -1);
-  const int64_t half = x.size(-1) / 2;
-  const at::Tensor cos = rope.cos.unsqueeze(-2), sin = rope.sin.unsqueeze(-2);  // [(b,) s, 1, head_dim]
-  at::Tensor out = x * cos;
-  out.slice(-1, 0, half).sub_(x.slice(-1, half) * sin.slice(-1, 0, half));
-  out.slice(-1, half).add_(x.slice(-1, 0, half) * sin.slice(-1, half));
-  return out;
-}
-
 // The model's RMSNorm (BlockDims::norm) of x by the weight `name`.
 at::Tensor norm(const BlockDims& d, const TensorMap& w, const char* name, const at::Tensor& x) {
   return rms_norm(x, weight(w, name), d.rms_eps, d.norm);
@@ -127,27 +108,6 @@ at::Tensor maybe_norm(const BlockDims& d, const TensorMap& w, const char* name, 
   return name ? norm(d, w, name, x) : x;
 }
 
-// Attention over s positions that plain causal attention does not give: a
-// sliding window below the sequence, or rows that pack documents. The
-// additive mask (0 where query i sees key j: j <= i, i - window < j, the
-// same document; -inf elsewhere) in the compute dtype, [s, s] for every row,
-// or [b, 1, s, s] with documents; SDPA reads it for every head. Undefined
-// where causal attention is all there is (is_causal). SDPA would turn a
-// boolean mask into this itself; built here, it is built once per call.
-at::Tensor attention_mask(const BlockDims& d, const at::Tensor& docs, int64_t s, const at::TensorOptions& options) {
-  const bool windowed = d.sliding_window > 0 && s > d.sliding_window;
-  if (!windowed && !docs.defined()) return {};
-  const at::Tensor i = at::arange(s, options.dtype(at::kLong)).unsqueeze(1), j = i.view({1, s});
-  at::Tensor hidden = j > i;
-  if (windowed) hidden.logical_or_(j <= i - d.sliding_window);
-  if (docs.defined()) hidden = hidden.logical_or(docs.unsqueeze(2) != docs.unsqueeze(1)).unsqueeze(1);
-  return at::zeros(hidden.sizes(), options).masked_fill_(hidden, -std::numeric_limits<double>::infinity());
-}
-
-// at::_fused_sdp_choice's answer for the math (unfused) backend
-// (sdp::SDPBackend::math in ATen's internal sdp_utils_cpp.h).
-constexpr int64_t kSdpMath = 0;
-
 // The attention half's projections of x: q, k, v ([b, s, features], before
 // the q/k norms and RoPE), from the input norm. What LayerSaved keeps.
 struct Projections {
@@ -157,58 +117,6 @@ Projections attention_projections(const TensorMap& w, const BlockDims& d, const 
   at::Tensor h = maybe_norm(d, w, norm_names(d).attn_pre, x);
   std::vector<at::Tensor> y = linears(d, h, w, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"});
   return {std::move(y[0]), std::move(y[1]), std::move(y[2])};
-}
-
-// The attention core from the projections: the q/k norms, RoPE and SDPA,
-// returning the heads' output as [b, s, heads * head_dim] (o_proj's input),
-// on tensors that may require grad (the forward, and the backward's graph).
-at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const TokenLayout& layout, at::Tensor q_proj,
-                          at::Tensor k_proj, at::Tensor v_proj) {
-  const int64_t b = q_proj.size(0), s = q_proj.size(1);
-  if (d.qk_norm && d.qk_norm_whole) {  // OLMo 2: over the whole projection, before the heads
-    q_proj = norm(d, w, "self_attn.q_norm.weight", q_proj);
-    k_proj = norm(d, w, "self_attn.k_norm.weight", k_proj);
-  }
-  at::Tensor q = q_proj.view({b, s, d.heads, d.head_dim});
-  at::Tensor k = k_proj.view({b, s, d.kv_heads, d.head_dim});
-  at::Tensor v = v_proj.view({b, s, d.kv_heads, d.head_dim});
-  q_proj = k_proj = v_proj = at::Tensor();  // the callers' own references go as the core replaces them
-  if (d.qk_norm && !d.qk_norm_whole) {
-    q = norm(d, w, "self_attn.q_norm.weight", q);
-    k = norm(d, w, "self_attn.k_norm.weight", k);
-  }
-  q = apply_rope(q, layout.rope).transpose(1, 2);
-  k = apply_rope(k, layout.rope).transpose(1, 2);
-  v = v.transpose(1, 2);
-  // enable_gqa: each group of heads / kv_heads query heads reads its K/V head
-  // in place; no repeated K/V is materialised. The CPU picks its flash
-  // kernel (no S x S scores) for grouped K/V with and without grad, and so
-  // does CUDA in 16 bits. Where no fused kernel takes grouped K/V (fp32 on
-  // CUDA: flash wants 16 bits, memory-efficient equal heads), ATen would
-  // fall back to math (S x S scores); repeated K/V let memory-efficient run.
-  if (d.attn_softcap > 0) {  // Gemma 2: no SDPA kernel soft-caps the scores
-    const double scale = d.attn_scale > 0 ? d.attn_scale : 1.0 / std::sqrt(double(d.head_dim));
-    at::Tensor a = softcap_attention(q, k, v, scale, d.attn_softcap, d.sliding_window, 0, layout.docs);
-    q = k = v = at::Tensor();
-    return a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
-  }
-  // A sliding window below the sequence, or packed documents: an additive
-  // mask (causality in it), which the CPU's flash kernel and CUDA's
-  // memory-efficient one read (CUDA's flash kernel takes no mask); O(s^2)
-  // bytes (per row with documents), in the working-memory model.
-  bool grouped = d.kv_heads != d.heads;
-  const std::optional<double> scale = d.attn_scale > 0 ? std::optional<double>(d.attn_scale) : std::nullopt;
-  const at::Tensor mask = attention_mask(d, layout.docs, s, q.options());
-  const std::optional<at::Tensor> attn_mask = mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
-  const bool causal = !mask.defined();
-  if (grouped && at::_fused_sdp_choice(q, k, v, attn_mask, 0.0, causal, scale, /*enable_gqa=*/true) == kSdpMath) {
-    k = k.repeat_interleave(d.heads / d.kv_heads, 1);
-    v = v.repeat_interleave(d.heads / d.kv_heads, 1);
-    grouped = false;
-  }
-  at::Tensor a = at::scaled_dot_product_attention(q, k, v, attn_mask, 0.0, causal, scale, /*enable_gqa=*/grouped);
-  q = k = v = at::Tensor();
-  return a.transpose(1, 2).reshape({b, s, d.heads * d.head_dim});
 }
 
 // A residual branch's output y as it is added to the stream: through its
@@ -322,7 +230,7 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayo
       save->k.copy_(p.k.view({n, -1}));
       save->v.copy_(p.v.view({n, -1}));
     }
-    at::Tensor a = attention_core(d, w, layout, std::move(p.q), std::move(p.k), std::move(p.v));
+    at::Tensor a = attention_core(d, w, layout, std::move(p.q), std::move(p.k), std::move(p.v), save);
     x1 = x + branch(d, w, names.attn_post, linear(d, a, w, "self_attn.o_proj"));
   }
   if (save) save->x1.copy_(x1.view({n, d.hidden}));
@@ -366,8 +274,9 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
     if (auto it = grads.find(name); it != grads.end()) it->second.add_(g);
   };
 
-  // 1. The attention core rebuilt with autograd from the projections (kept,
-  // or recomputed from x by the forward's own ops), and x1: kept, or x +
+  // 1. The attention core: its inputs rebuilt with autograd from the
+  // projections (kept, or recomputed from x by the forward's own ops), and
+  // its output kept or recomputed (gpu/attention.h); x1: kept, or x +
   // o_proj of the core's output (SDPA computes the same bits with and
   // without grad, so this is the forward's x1).
   at::Tensor q_proj, k_proj, v_proj, x1;
@@ -391,16 +300,12 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
     core_inputs.push_back(core_w.at("self_attn.q_norm.weight"));
     core_inputs.push_back(core_w.at("self_attn.k_norm.weight"));
   }
-  at::Tensor a;
-  {
-    at::AutoGradMode enable(true);
-    a = attention_core(d, core_w, layout, core_inputs[0], core_inputs[1], core_inputs[2]);
-  }
+  AttentionGraph core = attention_graph(d, core_w, layout, core_inputs, saved);
   if (saved) {
     x1 = saved->x1.view({b, s, d.hidden});
   } else {
     at::NoGradGuard no_grad;
-    x1 = x + branch(d, w, names.attn_post, linear(d, a.detach(), w, "self_attn.o_proj"));
+    x1 = x + branch(d, w, names.attn_post, linear(d, core.out, w, "self_attn.o_proj"));
   }
 
   // 2. The MLP tile by tile (the forward's tiles): gate and up (kept, or
@@ -471,16 +376,14 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
   {
     at::Tensor da;
     {
-      const at::Tensor a_flat = a.detach().reshape({n, qf});
+      const at::Tensor a_flat = core.out.reshape({n, qf});
       const at::Tensor go = branch_grad(d, w, grads, names.attn_post, gx1,
                                         [&] { return linear(d, a_flat, w, "self_attn.o_proj"); });
       add_linear_grads(grads, "self_attn.o_proj", go, a_flat);
       da = linears_input_grad(d, w, grads, {"self_attn.o_proj"}, {go}, a_flat);
     }
-    at::AutoGradMode enable(true);
-    g = torch::autograd::grad({a}, core_inputs, {da.view(a.sizes())});
+    g = attention_grads(core, core_inputs, da);
   }
-  a = at::Tensor();
   core_inputs.clear();
   q_proj = k_proj = v_proj = at::Tensor();
   if (qk_norm_grads) {

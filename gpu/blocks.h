@@ -83,18 +83,25 @@ void embedding_shard_backward(const at::Tensor& ids, int64_t v0, const at::Tenso
 
 // What a decoder layer's backward needs of its forward besides the input x:
 // the outputs of its projections, one micro-batch's, as [tokens, features]
-// views in the compute dtype: q, k, v before the q/k norms and RoPE, x1 = x +
-// attention (the residual stream between the halves), and the MLP's gate and
-// up projections. With them a backward recomputes no matmul: only the norms,
-// RoPE, the attention core (SDPA, to rebuild its output for o_proj's
-// gradient and its autograd graph) and silu(gate) * up.
+// views in the compute dtype: q, k, v before the q/k norms and RoPE, the
+// attention core's output (o_proj's input), x1 = x + attention (the residual
+// stream between the halves), and the MLP's gate and up projections; and
+// the attention kernel's log-sum-exp, fp32 (tokens x heads values, first in
+// the buffer). With them a backward recomputes no matmul and no attention
+// core: only the norms, RoPE and silu(gate) * up; it calls the attention
+// kernel's backward itself (gpu/attention.h, where that kernel has one:
+// elsewhere it rebuilds the core). A layer with soft-capped attention
+// (Gemma 2) keeps no core output or log-sum-exp (undefined): its backward
+// rebuilds the core.
 struct LayerSaved {
-  at::Tensor q, k, v, x1, gate, up;
+  at::Tensor lse, q, k, v, attn, x1, gate, up;
 };
-// Elements of one micro-batch's LayerSaved for `tokens` tokens (b * s).
-int64_t layer_saved_elems(const BlockDims& d, int64_t tokens);
-// Views of a flat 1-D tensor of at least layer_saved_elems elements, in the
-// order q, k, v, x1, gate, up (one copy moves them all).
+// Elements of one micro-batch's LayerSaved for `tokens` tokens (b * s) in a
+// compute dtype of `dtype_bytes` bytes.
+int64_t layer_saved_elems(const BlockDims& d, int64_t tokens, int64_t dtype_bytes);
+// Views of a flat 1-D tensor of at least layer_saved_elems elements (its
+// first element 4-byte aligned), in the order lse, q, k, v, attn, x1, gate,
+// up (one copy moves them all).
 LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tensor& flat);
 
 // Decoder layer: x [b, s, hidden] -> [b, s, hidden], no autograd.

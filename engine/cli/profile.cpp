@@ -4,8 +4,9 @@
 // (busiest lane / step time), tokens/s and model FLOP/s, counted two ways:
 //   6·N·tokens     the usual convention (N: every parameter, embeddings too);
 //   executed       what the engine computes: forward, the backward's recompute
-//                  of each block's forward (only the attention core, for a
-//                  layer that keeps its activations), and backward
+//                  of each block's forward (none for a layer that keeps its
+//                  activations, experts and soft-capped attention aside),
+//                  and backward
 //                  (ModelSpec::cost).
 // Per step, too, what crossed the bus each way (bytes, and bytes per model
 // parameter: 2 in for each bf16 visit of a parameter, 4 out for its fp32
@@ -55,9 +56,9 @@ struct Options {
 // block but the head runs forward, then recompute + backward (the engine's
 // "recompute+backward" op: 1.5 x backward = forward again + backward); a
 // layer that keeps its activations (EngineConfig::saved_blocks, the op
-// "backward") recomputes only its attention core (ModelSpec's attention
-// FLOPs; its norms, RoPE and element-wise ops are not counted, as nowhere in
-// ModelSpec::cost); the head runs its loss forward and backward once (its
+// "backward") recomputes only BlockCost::backward_recompute_flops (its
+// experts, a soft-capped attention core; its norms, RoPE and element-wise
+// ops are not counted, as nowhere in ModelSpec::cost); the head runs its loss forward and backward once (its
 // backward recomputes the logits chunk by chunk, which ModelSpec counts in
 // backward_flops, unless they were kept: EngineConfig::keep_logits).
 struct StepFlops {
@@ -73,11 +74,7 @@ StepFlops step_flops(const ModelSpec& spec, const EngineConfig& c) {
     const BlockCost k = spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes, c.compute.token_tile,
                                   WorkCoefficients::analytic(), c.packed_documents);
     const bool kept = std::find(c.saved_blocks.begin(), c.saved_blocks.end(), b) != c.saved_blocks.end();
-    const double attention =
-        spec.block(b).kind == BlockKind::kLayer
-            ? spec.attention_flops(spec.block(b).layer, c.micro_batch, c.seq, c.packed_documents)
-            : 0.0;
-    const double recompute = b == head ? 0.0 : kept ? attention : k.forward_flops;
+    const double recompute = b == head ? 0.0 : kept ? k.backward_recompute_flops : k.forward_flops;
     const double backward = b == head && c.keep_logits ? k.backward_flops * 2 / 3 : k.backward_flops;
     f.executed += (k.forward_flops + recompute + backward) * double(c.accumulation);
   }
@@ -333,8 +330,8 @@ int run(Options& o) {
   fmt::print(log, "  executed FLOP/s (forward + recompute + backward): {:.4g} GFLOP/s ({:.4g} GFLOP per step){}\n",
              flops.executed / step_s * 1e-9, flops.executed * 1e-9,
              cfg.saved_blocks.empty() ? ""
-                                      : fmt::format("; {} of {} layers keep their activations and recompute only "
-                                                    "their attention core",
+                                      : fmt::format("; {} of {} layers keep their activations and recompute "
+                                                    "no matmul and no attention core",
                                                     cfg.saved_blocks.size(), tr.spec.layers));
   fmt::print(log, "  moved per step: h2d {} ({:.2f} B/param), d2h {} ({:.2f} B/param)\n",
              format_bytes(measured.back().h2d_bytes), double(measured.back().h2d_bytes) / params,

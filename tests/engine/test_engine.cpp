@@ -408,7 +408,7 @@ TEST_CASE("kept activations cross once each way per layer and micro-batch, and s
     e.step(b.ids.data(), b.labels.data());
   }
   e.finish_updates();
-  const uint64_t per_mb = uint64_t(layer_saved_elems(spec.dims, cfg.micro_batch * cfg.seq)) * 2;
+  const uint64_t per_mb = uint64_t(layer_saved_elems(spec.dims, cfg.micro_batch * cfg.seq, 2)) * 2;
   std::map<std::string, uint64_t> bytes;
   std::map<std::string, std::set<int32_t>> blocks;
   for (const Span& sp : e.timeline().spans()) {

@@ -165,7 +165,7 @@ TEST_CASE("the simulator prices kept activations: less compute, their bytes on b
     return r;
   };
   const StepReport recompute = run(false, "sim:rtx4090"), kept = run(true, "sim:rtx4090");
-  const uint64_t moved = uint64_t(layer_saved_elems(spec.dims, 1024)) * 2 * 8 * uint64_t(spec.layers);
+  const uint64_t moved = uint64_t(layer_saved_elems(spec.dims, 1024, 2)) * 2 * 8 * uint64_t(spec.layers);
   CHECK(kept.d2h_bytes == recompute.d2h_bytes + moved);
   CHECK(kept.h2d_bytes == recompute.h2d_bytes + moved);
   const double c_re = recompute.stats.lanes[size_t(Lane::kCompute)].busy_s;

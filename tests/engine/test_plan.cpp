@@ -273,13 +273,19 @@ TEST_CASE("vocabulary shards: no cache unit is larger than the largest layer's",
   CHECK(p.unit_bytes <= 1.32e9);
   // 64K tokens of context, batch 1, on the same 24 GiB: the working memory
   // grows with seq x hidden (no seq^2 scores; the head and the MLP in token
-  // tiles), so it fits; 128K untiled would not.
+  // tiles where that is what fits), so it fits; 128K untiled would not.
   const PlanLimits long_ctx{.device_bytes = 24ull << 30, .host_bytes = 256ull << 30, .seq = 65536};
   const Plan lc = Plan::make(llama, long_ctx);
   INFO(lc.reason);
   REQUIRE(lc.feasible);
-  CHECK(lc.token_tile > 0);
   CHECK(lc.device_peak_bytes <= long_ctx.device_bytes);
+  PlanLimits smaller = long_ctx;  // 20 GiB: untiled working memory (~16.9 GiB) leaves no room for the buffers
+  smaller.device_bytes = 20ull << 30;
+  const Plan tiled = Plan::make(llama, smaller);
+  INFO(tiled.reason);
+  REQUIRE(tiled.feasible);
+  CHECK(tiled.token_tile > 0);
+  CHECK(tiled.device_peak_bytes <= smaller.device_bytes);
   PlanLimits untiled = long_ctx;
   untiled.seq = 131072;
   untiled.token_tile = 0;

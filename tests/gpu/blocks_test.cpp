@@ -18,6 +18,7 @@
 #include "gpu/blocks.h"
 #include "gpu/softcap_attention.h"
 #include "host/error.h"
+#include "tests/gpu/random_layer.h"
 
 using namespace strider;
 
@@ -36,47 +37,6 @@ BlockDims dims(bool gqa, bool qwen3 = false) {
   d.qk_norm = qwen3;
   d.qkv_bias = d.o_bias = d.mlp_bias = qwen3;
   return d;
-}
-
-// Random weights in `dtype` (norm weights near 1), and zeroed fp32 accumulators.
-struct Layer {
-  TensorMap w, grads;
-};
-Layer random_layer(const BlockDims& d, at::ScalarType dtype, uint64_t seed) {
-  at::manual_seed(seed);
-  const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
-  Layer l;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
-    at::Tensor t = at::randn(shape) * (norm ? 0.1 : 0.2);
-    if (norm) t += 1;
-    l.w.emplace(name, t.to(dtype));
-    l.grads.emplace(name, at::zeros(shape));
-  };
-  add("input_layernorm.weight", {d.hidden}, true);
-  add("self_attn.q_proj.weight", {q, d.hidden});
-  add("self_attn.k_proj.weight", {kv, d.hidden});
-  add("self_attn.v_proj.weight", {kv, d.hidden});
-  add("self_attn.o_proj.weight", {d.hidden, q});
-  if (d.qkv_bias) {
-    add("self_attn.q_proj.bias", {q});
-    add("self_attn.k_proj.bias", {kv});
-    add("self_attn.v_proj.bias", {kv});
-  }
-  if (d.o_bias) add("self_attn.o_proj.bias", {d.hidden});
-  if (d.qk_norm) {
-    add("self_attn.q_norm.weight", {d.head_dim}, true);
-    add("self_attn.k_norm.weight", {d.head_dim}, true);
-  }
-  add("post_attention_layernorm.weight", {d.hidden}, true);
-  add("mlp.gate_proj.weight", {d.intermediate, d.hidden});
-  add("mlp.up_proj.weight", {d.intermediate, d.hidden});
-  add("mlp.down_proj.weight", {d.hidden, d.intermediate});
-  if (d.mlp_bias) {
-    add("mlp.gate_proj.bias", {d.intermediate});
-    add("mlp.up_proj.bias", {d.intermediate});
-    add("mlp.down_proj.bias", {d.hidden});
-  }
-  return l;
 }
 
 // The plain formula, as gpu/blocks computed it before SDPA's grouped K/V,
@@ -301,11 +261,15 @@ TEST_CASE("a backward from the kept projections is the recomputing backward bit 
           const Pass want = strider_pass(d, random_layer(d, dtype, 3), in.rope, in.x, in.gout, tile);
           Layer l = random_layer(d, dtype, 3);
           // Poisoned first: every element of the buffer must be written by the forward.
-          at::Tensor flat = at::full({layer_saved_elems(d, 26) + 7}, NAN, at::TensorOptions(dtype));
+          const int64_t e = int64_t(c10::elementSize(dtype));
+          at::Tensor flat = at::full({layer_saved_elems(d, 26, e) + 7}, NAN, at::TensorOptions(dtype));
           const LayerSaved saved = layer_saved_views(d, 26, flat);
           Pass got;
           got.out = layer_forward(d, l.w, in.rope, in.x, tile, &saved);
-          CHECK(flat.slice(0, 0, layer_saved_elems(d, 26)).isfinite().all().item<bool>());
+          for (const at::Tensor& t : {saved.lse, saved.q, saved.k, saved.v, saved.attn, saved.x1, saved.gate, saved.up})
+            CHECK(t.isfinite().all().item<bool>());
+          CHECK(saved.lse.numel() == 26 * d.heads);
+          CHECK(saved.attn.numel() == 26 * d.heads * d.head_dim);
           got.dx = layer_backward(d, l.w, in.rope, in.x, in.gout, l.grads, tile, &saved);
           got.grads = l.grads;
           CHECK(same_bits(got.out, want.out));
@@ -322,10 +286,12 @@ TEST_CASE("a backward from the kept projections is the recomputing backward bit 
 
 TEST_CASE("saved-activation views refuse a buffer too small for their tokens", "[blocks]") {
   const BlockDims d = dims(true);
-  const at::Tensor flat = at::zeros({layer_saved_elems(d, 10) - 1}, at::kBFloat16);
+  const at::Tensor flat = at::zeros({layer_saved_elems(d, 10, 2) - 1}, at::kBFloat16);
   CHECK_THROWS_WITH(layer_saved_views(d, 10, flat), Catch::Contains("smaller than 10 tokens need"));
-  // 4 x 12 + 2 x 2 x 12 + 48 + 2 x 80 = 304 elements a token.
-  CHECK(layer_saved_elems(d, 10) == 3040);
+  // q, k, v, the core's output, x1, gate and up: 4 x 12 + 2 x 2 x 12 + 4 x 12 + 48 + 2 x 80 = 352 elements
+  // a token; the log-sum-exp: 10 x 4 fp32 values, 160 bytes (a multiple of 16), 80 bf16 or 40 fp32 elements.
+  CHECK(layer_saved_elems(d, 10, 2) == 3600);
+  CHECK(layer_saved_elems(d, 10, 4) == 3560);
 }
 
 TEST_CASE("soft-capped attention in query tiles is the whole-sequence formula, forward and backward",
