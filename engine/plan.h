@@ -95,18 +95,32 @@ struct PlanLimits {
   bool work_measured = false;
   double compute_flops_per_s = CostModel::preset("rtx4090").sustained_tflops() * 1e12;
   double link_bytes_per_s = link_rate(CostModel::preset("rtx4090"));
+  // The host's memory bus, which every device's copies cross (gpu/sim_device.h,
+  // SimHostMemory): the CostModel's, or twice a CPU device's measured memcpy
+  // rate (a copy there reads and writes host memory).
+  double host_memory_bytes_per_s = CostModel::preset("rtx4090").host_memory_gbps() * 1e9;
 
   static double link_rate(const CostModel& m) { return std::min(m.h2d_gbps, m.d2h_gbps) * 1e9; }
   void set_machine_rates(const CostModel& m) {
     compute_flops_per_s = m.sustained_tflops() * 1e12;
     link_bytes_per_s = link_rate(m);
+    host_memory_bytes_per_s = m.host_memory_gbps() * 1e9;
+  }
+  // What one device's copies get each way: its link, or, where every device
+  // of the pool copies both ways at once, its share of the host's memory bus
+  // (what the simulator's shared bus gives them then). One device on the
+  // rtx4090 preset: its link (25 GB/s against 70 / 2).
+  double copy_bytes_per_s() const {
+    return std::min(link_bytes_per_s, host_memory_bytes_per_s / (2.0 * double(std::max(devices, 1))));
   }
 };
 
 // kAuto's cost model for one decoder layer over one step (all micro-batches),
 // in seconds; Plan::make keeps a layer's activations when saved_s < recompute_s.
-//   F, B = forward, backward FLOPs (ModelSpec::cost) / compute rate, A = attention-core FLOPs / compute rate,
+//   F, B = forward, backward FLOPs (ModelSpec::cost) / compute rate,
 //   P = the layer's parameter bytes (compute dtype), S = its kept bytes, link:
+//   PlanLimits::copy_bytes_per_s (a pool's device: its share of the host's
+//   memory bus, where that is less than its link):
 //   recompute: forward max(F, P/link) + backward max(F + B, P/link)
 //              (backward runs the forward again: F + B, B = 2F in full
 //              training, the input gradients only under LoRA; the

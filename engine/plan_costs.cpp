@@ -10,8 +10,8 @@
 namespace strider {
 
 ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint64_t saved_bytes_per_layer) {
-  STRIDER_CHECK(l.compute_flops_per_s > 0 && l.link_bytes_per_s > 0, "plan: compute rate {} FLOP/s and link rate {} "
-                "bytes/s must be > 0", l.compute_flops_per_s, l.link_bytes_per_s);
+  STRIDER_CHECK(l.compute_flops_per_s > 0 && l.copy_bytes_per_s() > 0, "plan: compute rate {} FLOP/s and copy rate {} "
+                "bytes/s must be > 0", l.compute_flops_per_s, l.copy_bytes_per_s());
   ActivationCost c;
   const int cbytes = l.dtype == at::kFloat ? 4 : 2;
   const double m = double(l.accumulation);
@@ -24,7 +24,9 @@ ActivationCost activation_cost(const ModelSpec& spec, const PlanLimits& l, uint6
   c.saved_bytes = saved_bytes_per_layer;
   const double f = c.forward_flops / l.compute_flops_per_s, b = c.backward_flops / l.compute_flops_per_s,
                r = c.recompute_flops / l.compute_flops_per_s;
-  const double p = double(c.param_bytes) / l.link_bytes_per_s, s = double(c.saved_bytes) / l.link_bytes_per_s;
+  // A pool's devices share the host's memory bus: the copies of each go at its share (copy_bytes_per_s).
+  const double link = l.copy_bytes_per_s();
+  const double p = double(c.param_bytes) / link, s = double(c.saved_bytes) / link;
   c.recompute_s = std::max(f, p) + std::max(f + b, p);
   c.saved_s = std::max({f, p, s}) + std::max(b + r, p + s);
   return c;

@@ -103,8 +103,12 @@ std::string link_line(const PlanLimits& l, const LinkBalance& b) {
 std::string activations_line(const ModelSpec& spec, const PlanLimits& l, const Plan& p, size_t wanted,
                              const std::string& device_fallback) {
   const ActivationCost& c = p.layer_cost;
-  const std::string rates = fmt::format("at {:.4g} TFLOP/s and {:.4g} GB/s", l.compute_flops_per_s * 1e-12,
-                                        l.link_bytes_per_s * 1e-9);
+  const std::string rates = fmt::format("at {:.4g} TFLOP/s and {:.4g} GB/s{}", l.compute_flops_per_s * 1e-12,
+                                        l.copy_bytes_per_s() * 1e-9,
+                                        l.copy_bytes_per_s() < l.link_bytes_per_s
+                                            ? fmt::format(" (each of {} devices' share of the host's {:.4g} GB/s memory "
+                                                          "bus, both ways)", l.devices, l.host_memory_bytes_per_s * 1e-9)
+                                            : std::string());
   const std::string costs = fmt::format("per layer and step: recompute ~{}, kept ~{} {}", seconds_text(c.recompute_s),
                                         seconds_text(c.saved_s), rates);
   if (l.activations == ActivationMode::kRecompute)

@@ -54,6 +54,7 @@ void measure_cpu_rates(PlanLimits& lim) {
   const double copy_s = best_of_3([&] { std::memcpy(dst.data(), src.data(), src.size()); });
   lim.compute_flops_per_s = 2.0 * double(n) * double(k) * double(k) / std::max(gemm_s, 1e-9);
   lim.link_bytes_per_s = double(src.size()) / std::max(copy_s, 1e-9);
+  lim.host_memory_bytes_per_s = 2 * lim.link_bytes_per_s;  // a memcpy reads and writes host memory
 }
 
 }  // namespace

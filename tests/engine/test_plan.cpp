@@ -429,6 +429,33 @@ TEST_CASE("activations auto: kept on a fast link, recomputed on a slow one", "[e
   CHECK_THAT(slow.explain(), Catch::Contains("would not pay"));
 }
 
+TEST_CASE("a pool's kept activations are priced on its share of the host's memory bus",
+          "[engine][plan][activations]") {
+  // Llama-3.1-8B, 16 sequences per device: one device keeps every layer's
+  // activations on its own 25 GB/s link; eight on the workstation preset's
+  // 70 GB/s bus get 70 / 16 GB/s each way, where recomputing costs less (the
+  // simulator agrees: engine/README.md's pool table, 9888 tokens/s
+  // recomputing against 8289 keeping).
+  const ModelSpec spec = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  PlanLimits l{.device_bytes = 24ull << 30, .host_bytes = 512ull << 30, .seq = 1024, .accumulation = 16};
+  l.set_machine_rates(CostModel::preset("rtx4090"));
+  CHECK(l.copy_bytes_per_s() == l.link_bytes_per_s);
+  const Plan one = Plan::make(spec, l);
+  REQUIRE(one.feasible);
+  CHECK(one.saved_layers == spec.layers);
+  l.devices = 8;
+  l.accumulation = 128;
+  CHECK(l.copy_bytes_per_s() == Approx(l.host_memory_bytes_per_s / 16));
+  const Plan pool = Plan::make(spec, l);
+  REQUIRE(pool.feasible);
+  CHECK_FALSE(pool.layer_cost.pays());
+  CHECK(pool.saved_layers == 0);
+  CHECK_THAT(pool.explain(), Catch::Contains("would not pay") && Catch::Contains("each of 8 devices' share"));
+  // On a server host's 300 GB/s bus the same pool keeps them.
+  l.set_machine_rates(CostModel::parse("rtx4090,cpu_mem_gbps=300"));
+  CHECK(Plan::make(spec, l).saved_layers == spec.layers);
+}
+
 TEST_CASE("the plan's JSON names the activations asked and chosen", "[engine][plan][activations]") {
   const ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
   const Plan p = Plan::make(spec, activation_limits(ActivationMode::kSaved));
