@@ -178,6 +178,9 @@ struct Plan {
   uint64_t unit_elems = 0, unit_bytes = 0;
   int64_t vocab_shards = 1, shard_rows = 0;  // the embedding's and LM head's vocabulary shards (engine/shards.h)
   int64_t token_tile = 0;                    // tokens per tile in the head and the MLP (0: untiled)
+  // EngineConfig::expert_pieces: PlanLimits', or, where a mixture of experts
+  // does not fit with whole layers, the group size the plan chose (Plan::make).
+  int64_t expert_pieces = 0;
   uint64_t device_buffer_bytes = 0;  // what the engine allocates on the device (units, activations)
   uint64_t device_work_bytes = 0;    // ATen's working memory, estimated from the block costs
   uint64_t device_peak_bytes = 0;    // the two together

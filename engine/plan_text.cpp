@@ -1,5 +1,6 @@
 // The plan's words: activation modes parsed from the command line, byte
-// counts and the process's own size, the plan printed as text and JSON.
+// counts and the process's own size, the plan printed as text and JSON and
+// written as the engine's configuration.
 // (The plan's search, engine/plan.cpp, computes; this file reads and writes.)
 #include <algorithm>
 #include <cctype>
@@ -62,11 +63,39 @@ nlohmann::json other_formats_json(const std::vector<Plan::FormatFit>& fits) {
 }
 }  // namespace
 
+EngineConfig Plan::engine_config(const PlanLimits& l) const {
+  EngineConfig c;
+  c.seq = l.seq;
+  c.micro_batch = l.micro_batch;
+  c.accumulation = l.accumulation;
+  c.compute = {l.dtype, l.vocab_chunk, token_tile};
+  c.vocab_shard_rows = l.vocab_shard_rows;
+  c.layer_pieces = l.layer_pieces;
+  c.expert_pieces = expert_pieces;
+  c.lora = l.lora;
+  c.base_format = l.base_format;
+  c.devices = l.devices;
+  c.fp32_grad_transfer = l.fp32_grad_transfer;
+  c.window = window;
+  c.checkpoints_on_host = checkpoints_on_host;
+  c.nvme_dir = l.nvme_dir;
+  c.nvme_blocks = nvme_blocks;
+  c.clip_norm = l.clip_norm;
+  c.grad_ring = l.grad_ring;
+  c.optimizer_state = l.optimizer_state;
+  c.saved_blocks = saved_blocks;
+  c.keep_logits = keep_logits;
+  c.packed_documents = l.packed_documents;
+  c.state_shards = l.state_shards;
+  if (l.shared_compute) c.shared_compute_file = "(shared memory)";  // its size is what counts here; the run names it
+  return c;
+}
+
 nlohmann::json Plan::to_json() const {
   return {{"feasible", feasible}, {"reason", reason}, {"window", window},
           {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
           {"unit_bytes", unit_bytes}, {"vocab_shards", vocab_shards}, {"shard_rows", shard_rows},
-          {"token_tile", token_tile},
+          {"token_tile", token_tile}, {"expert_pieces", expert_pieces},
           {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
           {"host_bytes", host_bytes}, {"host_pinned_bytes", pinned_bytes},

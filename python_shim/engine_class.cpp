@@ -146,6 +146,7 @@ void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device
                     device_budget, "-byte budget: ", p.reason);
   if (config.window == 0) config.window = p.window;
   if (config.compute.token_tile < 0) config.compute.token_tile = p.token_tile;
+  config.expert_pieces = p.expert_pieces;  // the config's own, unless only experts in groups fit
 }
 
 nlohmann::json parse_json(const std::string& text, const char* what) {
