@@ -89,7 +89,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
       saved_host_[size_t(m)].push_back(arena_->carve(place_.saved_bytes, kHostAlign, "kept activations"));
   if (fp.hand_off_bytes > 0) {  // placement.cpp's count_host counts these
     const size_t tokens_mb = size_t(config_.micro_batch * config_.seq);
-    const size_t bytes[kHandKinds] = {place_.act_bytes, 3 * tokens_mb * 4, tokens_mb * 4,
+    const size_t bytes[kHandKinds] = {place_.hand_block_bytes, 3 * tokens_mb * 4, tokens_mb * 4,
                                       tokens_mb * size_t(spec_.dims.hidden) * 4};
     for (int k = 0; k < (place_.head_spread() ? kHandKinds : 1); ++k)
       for (int64_t m = 0; m < M; ++m) hand_host_[k].push_back(arena_->carve(bytes[k], kHostAlign, "hand-off"));
@@ -376,7 +376,8 @@ std::pair<double, int64_t> EngineCore::pass_loss() {
   // The load-balancing loss, a mean over every rank's micro-batches (engine/README.md, "Mixture of experts").
   double aux = 0;
   if (spec_.router_aux_coef > 0) {
-    const at::Tensor stats = seats_[0].moe_stats.cpu();
+    // The last layer's device holds the whole sum (a pool hands it on, engine_visit.cpp).
+    const at::Tensor stats = seats_[size_t(place_.block_device(place_.head - 1))].moe_stats.cpu();
     for (size_t m = 0; m < M; ++m) aux += moe_aux_loss(stats[int64_t(m)], moe_rows()).item<double>();
   }
   double all[3] = {sums[0], sums[1], aux};

@@ -110,8 +110,11 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // device's compute waited for.
       stream_after(st, StreamId::kD2H, StreamId::kCompute);
       at::Tensor a = handed(st, op);
-      dev.copy_d2h(StreamId::kD2H, hand_host_[size_t(op.hand)][size_t(m)].data(), a.data_ptr(), a.nbytes(),
-                   {hand_name(op, true), int32_t(op.block)});
+      std::byte* host = hand_host_[size_t(op.hand)][size_t(m)].data();
+      dev.copy_d2h(StreamId::kD2H, host, a.data_ptr(), a.nbytes(), {hand_name(op, true), int32_t(op.block)});
+      if (op.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // the routing statistics ride along
+        dev.copy_d2h(StreamId::kD2H, host + place_.hand_stats_at, st.moe_stats[m].data_ptr(), place_.hand_stats_bytes,
+                     {"d2h hand-off routing statistics", int32_t(op.block)});
       dev.record(*st.handed[size_t(op.hand)][size_t(m)], StreamId::kD2H);
       return;
     }
@@ -127,8 +130,11 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       }
       dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].handed[size_t(op.hand)][size_t(m)]);
       at::Tensor a = handed(st, op);
-      dev.copy_h2d(StreamId::kH2D, a.data_ptr(), hand_host_[size_t(op.hand)][size_t(m)].data(), a.nbytes(),
-                   {hand_name(op, false), int32_t(op.block)});
+      const std::byte* host = hand_host_[size_t(op.hand)][size_t(m)].data();
+      dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host, a.nbytes(), {hand_name(op, false), int32_t(op.block)});
+      if (op.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // this device's running sum becomes the sender's
+        dev.copy_h2d(StreamId::kH2D, st.moe_stats[m].data_ptr(), host + place_.hand_stats_at, place_.hand_stats_bytes,
+                     {"h2d hand-off routing statistics", int32_t(op.block)});
       stream_after(st, StreamId::kCompute, StreamId::kH2D);
       return;
     }

@@ -87,7 +87,7 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   // A pool's hand-off buffers, per micro-batch: a block's input or output
   // gradient; with the head spread, its per-token state (3 fp32 per token),
   // its log-sum-exp and its hidden gradient (fp32) too (EngineCore::Hand).
-  if (pl.devices > 1) f.hand_off_bytes = M * round_up(pl.act_bytes, kHostAlign);
+  if (pl.devices > 1) f.hand_off_bytes = M * round_up(pl.hand_block_bytes, kHostAlign);
   if (pl.head_spread()) {
     const size_t mb_tokens = size_t(c.micro_batch * c.seq);
     f.hand_off_bytes += M * (round_up(3 * mb_tokens * 4, kHostAlign) + round_up(mb_tokens * 4, kHostAlign) +
@@ -126,10 +126,11 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.expert_pieces == 0 || spec.sparse_layer_count() > 0,
                 "expert_pieces {}: {} has no mixture-of-experts layers to cut; leave expert_pieces 0", c.expert_pieces,
                 spec.arch_name);
-  STRIDER_CHECK(spec.router_aux_coef == 0 || c.devices == 1,
-                "{}'s load-balancing loss (output_router_logits) over a pool of {} devices is not supported yet: "
-                "its routing statistics are summed on one device; run one device per process (data parallel), or "
-                "turn output_router_logits off", spec.arch_name, c.devices);
+  STRIDER_CHECK(spec.router_aux_coef == 0 || c.devices == 1 || !c.checkpoints_on_host,
+                "{}'s load-balancing loss (output_router_logits) over a pool of {} devices with checkpoints on the "
+                "host is not supported yet: its routing statistics ride the devices' hand-offs, which host "
+                "checkpoints replace; keep the checkpoints on the device, or turn output_router_logits off",
+                spec.arch_name, c.devices);
   // grad_ring and the state shard: place() checks them (it indexes by them).
   STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
                 "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",
@@ -265,6 +266,12 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   }
 
   pl.act_bytes = size_t(c.micro_batch * c.seq * spec.dims.hidden) * pl.compute_bytes;
+  pl.hand_block_bytes = pl.act_bytes;
+  if (spec.router_aux_coef > 0) {
+    pl.hand_stats_at = round_up(pl.act_bytes, 64);
+    pl.hand_stats_bytes = 2 * size_t(spec.dims.moe.experts) * 4;
+    pl.hand_block_bytes = pl.hand_stats_at + pl.hand_stats_bytes;
+  }
   pl.saved_bytes =
       size_t(layer_saved_elems(spec.saved_dims(), c.micro_batch * c.seq, int64_t(pl.compute_bytes))) * pl.compute_bytes;
 

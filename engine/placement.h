@@ -100,6 +100,12 @@ struct Placement {
   size_t ring_slot_bytes = 0;           // one gradient ring slot (0: no piece lands in the ring)
   size_t nvme_slot_bytes = 0;           // one NVMe staging buffer (of master, m, v, spilled gradients)
   size_t act_bytes = 0;                 // one micro-batch's hidden states [micro_batch, seq, hidden]
+  // A pool's hand-off of a block's input (or output gradient) for one
+  // micro-batch: act_bytes, then, with the load-balancing loss, the
+  // micro-batch's routing statistics so far (fp32 [2, experts], at
+  // hand_stats_at), so that every layer adds its own into one running sum in
+  // layer order, as on one device, and each backward reads the whole sum.
+  size_t hand_block_bytes = 0, hand_stats_at = 0, hand_stats_bytes = 0;
   size_t saved_bytes = 0;               // one micro-batch's kept activations of one layer
   // The largest quantized base's bytes (EngineConfig::base_format): each
   // cache unit's staging for them (0: none).

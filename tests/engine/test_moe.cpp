@@ -7,6 +7,8 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/engine.h"
+#include "engine/placement.h"
+#include "engine/plan.h"
 #include "engine/train_checkpoint.h"
 #include "gpu/moe.h"
 #include "tests/engine/engine_cases.h"
@@ -82,9 +84,14 @@ TEST_CASE("mixture of experts: offload changes nothing, and the resident referen
         INFO(c.name);
         CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
       }
-      if (!aux) {  // a pool of two devices (with the loss on, refused: its statistics live on one device)
-        Case pool{"chaos, host ckpt, NVMe, 2 devices", 2, true, {1, 2}, true, 5};
-        pool.devices = 2;
+      // Pools of two and three devices. With the load-balancing loss the
+      // routing statistics ride the hand-offs (their sum in layer order, as
+      // on one device), so its checkpoints stay on the device.
+      for (int devices : {2, 3}) {
+        Case pool{"chaos, NVMe, kept activations, a pool", 2, !aux, {1, 2}, true, 5};
+        pool.devices = devices;
+        pool.saved = {2};
+        INFO(devices << " devices" << (aux ? "" : ", host checkpoints"));
         CHECK(same_bits(run(spec, pool, dtype, 0.5), ref));
       }
 
@@ -220,4 +227,25 @@ TEST_CASE("mixture of experts: the load-balancing loss and its gradient", "[engi
   // Near-uniform routing at init: each micro-batch's loss is about top_k = 2 (its minimum: the
   // assignments per token sum to top_k), so the term is about 0.05 x 2.
   CHECK(loss[1] - loss[0] == Approx(0.1).epsilon(0.1));
+}
+
+TEST_CASE("mixture of experts: a pool with the load-balancing loss keeps its checkpoints on the device",
+          "[engine][plan]") {
+  const ModelSpec spec = ModelSpec::from_json(tiny_moe("Qwen3MoeForCausalLM", false, true), "qwen3_moe");
+  EngineConfig cfg = small_bf16();
+  cfg.devices = 2;
+  cfg.checkpoints_on_host = true;
+  CHECK_THROWS_WITH(check_config(spec, cfg), Catch::Contains("over a pool of 2 devices with checkpoints on the host"));
+  // The plan does not choose them on the host for such a pool, even at a
+  // budget where one device fits only with them there.
+  PlanLimits l{.seq = cfg.seq, .micro_batch = cfg.micro_batch, .accumulation = 256};  // checkpoints outweigh units
+  Plan one;
+  for (l.device_bytes = 64 << 10; l.device_bytes < (64ull << 20) && !one.feasible; l.device_bytes += 16 << 10)
+    one = Plan::make(spec, l);
+  REQUIRE(one.feasible);
+  CHECK(one.checkpoints_on_host);
+  l.device_bytes -= 16 << 10;
+  l.devices = 2;
+  const Plan pool = Plan::make(spec, l);
+  CHECK_FALSE(pool.checkpoints_on_host);
 }
