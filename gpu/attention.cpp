@@ -85,12 +85,19 @@ Sdpa sdpa_operands(const BlockDims& d, const TensorMap& w, const TokenLayout& la
   op.scale = d.attn_scale > 0 ? std::optional<double>(d.attn_scale) : std::nullopt;
   op.mask = attention_mask(d, layout.docs, s, op.q.options());
   op.causal = !op.mask.defined();
-  op.choice = at::_fused_sdp_choice(op.q, op.k, op.v, op.attn_mask(), 0.0, op.causal, op.scale, op.grouped);
+  // The kernel, asked for tensors without grad, so that a kept layer's
+  // forward (no grad) and its backward (grad) agree on it: whether the
+  // forward kept a log-sum-exp is what the backward reads from this.
+  auto choice = [&] {
+    return at::_fused_sdp_choice(op.q.detach(), op.k.detach(), op.v.detach(), op.attn_mask(), 0.0, op.causal,
+                                 op.scale, op.grouped);
+  };
+  op.choice = choice();
   if (op.grouped && op.choice == kSdpMath) {
     op.k = op.k.repeat_interleave(d.heads / d.kv_heads, 1);
     op.v = op.v.repeat_interleave(d.heads / d.kv_heads, 1);
     op.grouped = false;
-    op.choice = at::_fused_sdp_choice(op.q, op.k, op.v, op.attn_mask(), 0.0, op.causal, op.scale, false);
+    op.choice = choice();
   }
   return op;
 }
