@@ -284,11 +284,8 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     }
     if (f.host_bytes > arena_limit) {
       p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (the compute "
-                             "copy, {} gradient ring slots and the NVMe staging stay in RAM); the limit is {}{}",
-                             format_bytes(f.host_bytes), l.grad_ring, limit_text,
-                             spec.sparse_layer_count() > 0 && l.expert_pieces == 0
-                                 ? "; --expert-pieces N makes each ring slot a group of N experts, not a layer"
-                                 : "");
+                             "copy, {} gradient ring slots and the NVMe staging stay in RAM); the limit is {}",
+                             format_bytes(f.host_bytes), l.grad_ring, limit_text);
       return p;
     }
     std::sort(p.nvme_blocks.begin(), p.nvme_blocks.end());
@@ -474,8 +471,8 @@ Plan Plan::make(const ModelSpec& model, const PlanLimits& l) {
   cut.expert_pieces = 1;
   Plan p = make_as_given(model, cut);
   if (!p.feasible) return whole;
-  const std::string why = whole.reason.substr(0, whole.reason.find("; --expert-pieces"));
-  p.why.push_back(fmt::format("expert pieces: one expert per piece (chosen: with whole layers the plan {})", why));
+  p.why.push_back(fmt::format("expert pieces: one expert per piece (chosen: with whole layers the plan {})",
+                              whole.reason));
   return p;
 }
 
