@@ -146,8 +146,9 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     return l.checkpoints == CheckpointPlace::kHost ||
            (l.checkpoints == CheckpointPlace::kAuto && !device_ckpt_only && !fits(2, false, nullptr));
   };
-  // The token tile (head and MLP): untiled unless the working memory does not
-  // fit, then the largest tile that makes it fit (long context).
+  // The token tile (the head; the layers' projections and MLP, their
+  // attention's queries): untiled unless the working memory does not fit,
+  // then the largest tile that makes it fit (long context).
   std::vector<int64_t> tiles;
   const int64_t mb_tokens = l.micro_batch * l.seq;
   if (l.token_tile >= 0) {
@@ -202,10 +203,12 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.why.push_back(fmt::format("checkpoints (block inputs) on the {}: {} of activations on the device", host_ckpt ? "host" : "device",
                               format_bytes(f.activation_bytes)));
   if (p.token_tile == 0)
-    p.why.push_back(fmt::format("head and MLP untiled: ~{} of ATen working memory per visit", format_bytes(work)));
+    p.why.push_back(fmt::format("head and layers untiled: ~{} of ATen working memory per visit", format_bytes(work)));
   else
-    p.why.push_back(fmt::format("head and MLP in tiles of {} tokens{}: ~{} of ATen working memory per visit{}",
-                                p.token_tile, l.token_tile >= 0 ? " (as asked)" : "", format_bytes(work),
+    p.why.push_back(fmt::format("head and layers in tiles of {} tokens{} (attention in query tiles of {} positions): "
+                                "~{} of ATen working memory per visit{}", p.token_tile,
+                                l.token_tile >= 0 ? " (as asked)" : "",
+                                attention_query_tile(spec.dims, l.micro_batch, l.seq, p.token_tile), format_bytes(work),
                                 l.token_tile >= 0 ? "" : fmt::format(" (untiled: {})", format_bytes(untiled_work))));
   if (l.work_measured && cbytes < 4)
     p.why.push_back(fmt::format("working memory as measured on this device: a bf16 GEMM stages {:.1f} bytes per "

@@ -122,4 +122,12 @@ struct BlockDims {
 // keep one tile's scores at or under 2^22 elements (at least 16, at most s).
 int64_t softcap_query_tile(int64_t b, int64_t heads, int64_t s);
 
+// Positions per query tile of a decoder layer's attention core
+// (gpu/attention.h) for b sequences of s positions under a token tile of
+// `token_tile` tokens (ComputeOptions; 0: untiled): s (one tile) where the
+// layer is untiled (token_tile 0, or at least b * s) or its attention is
+// soft-capped (it tiles its scores itself); else token_tile / b, at least 1,
+// so that one tile's queries are at most token_tile tokens.
+int64_t attention_query_tile(const BlockDims& d, int64_t b, int64_t s, int64_t token_tile);
+
 }  // namespace strider

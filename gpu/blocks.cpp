@@ -82,6 +82,12 @@ at::Tensor linear(const BlockDims& d, const at::Tensor& x, const TensorMap& w, c
   return linears(d, x, w, {proj})[0];
 }
 
+// Tokens per tile (the MLP's, the attention half's projections') for n tokens: all of them when untiled.
+int64_t tile_tokens(int64_t token_tile, int64_t n) {
+  STRIDER_CHECK(token_tile >= 0, "token tile {} must be >= 0 (0: untiled)", token_tile);
+  return token_tile == 0 || token_tile > n ? n : token_tile;
+}
+
 // The model's RMSNorm (BlockDims::norm) of x by the weight `name`.
 at::Tensor norm(const BlockDims& d, const TensorMap& w, const char* name, const at::Tensor& x) {
   return rms_norm(x, weight(w, name), d.rms_eps, d.norm);
@@ -109,14 +115,33 @@ at::Tensor maybe_norm(const BlockDims& d, const TensorMap& w, const char* name, 
 }
 
 // The attention half's projections of x: q, k, v ([b, s, features], before
-// the q/k norms and RoPE), from the input norm. What LayerSaved keeps.
+// the q/k norms and RoPE), from the input norm, `tile` tokens at a time (of
+// the b * s, in order; tile_tokens), so that the norm's and the GEMMs'
+// temporaries are one tile's. What LayerSaved keeps.
 struct Projections {
   at::Tensor q, k, v;
 };
-Projections attention_projections(const TensorMap& w, const BlockDims& d, const at::Tensor& x) {
-  at::Tensor h = maybe_norm(d, w, norm_names(d).attn_pre, x);
-  std::vector<at::Tensor> y = linears(d, h, w, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"});
-  return {std::move(y[0]), std::move(y[1]), std::move(y[2])};
+Projections attention_projections(const TensorMap& w, const BlockDims& d, const at::Tensor& x, int64_t tile) {
+  const char* names[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"};
+  auto of = [&](const at::Tensor& rows) {
+    return linears(d, maybe_norm(d, w, norm_names(d).attn_pre, rows), w, {names[0], names[1], names[2]});
+  };
+  const int64_t b = x.size(0), s = x.size(1), n = b * s;
+  if (tile >= n) {
+    std::vector<at::Tensor> y = of(x);
+    return {std::move(y[0]), std::move(y[1]), std::move(y[2])};
+  }
+  const at::Tensor flat = x.reshape({n, d.hidden});
+  std::vector<at::Tensor> out;
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t t1 = std::min(n, t0 + tile);
+    std::vector<at::Tensor> y = of(flat.slice(0, t0, t1));
+    for (size_t i = 0; i < y.size(); ++i) {
+      if (out.size() <= i) out.push_back(at::empty({n, y[i].size(1)}, y[i].options()));
+      out[i].slice(0, t0, t1).copy_(y[i]);
+    }
+  }
+  return {out[0].view({b, s, -1}), out[1].view({b, s, -1}), out[2].view({b, s, -1})};
 }
 
 // A residual branch's output y as it is added to the stream: through its
@@ -125,6 +150,24 @@ Projections attention_projections(const TensorMap& w, const BlockDims& d, const 
 at::Tensor branch(const BlockDims& d, const TensorMap& w, const char* post, at::Tensor y) {
   if (post) y = norm(d, w, post, y);
   return d.residual_multiplier == 1.0 ? y : y.mul_(d.residual_multiplier);
+}
+
+// x1 = x + the attention branch of the core's output a ([b * s, heads *
+// head_dim]): o_proj (and a post-norm) `tile` tokens at a time into one
+// buffer; one tile: the sum itself.
+at::Tensor attention_residual(const BlockDims& d, const TensorMap& w, const at::Tensor& x, const at::Tensor& a,
+                              int64_t tile) {
+  const int64_t n = a.size(0);
+  const char* post = norm_names(d).attn_post;
+  if (tile >= n) return x + branch(d, w, post, linear(d, a, w, "self_attn.o_proj")).view(x.sizes());
+  at::Tensor x1 = at::empty({n, d.hidden}, x.options());
+  const at::Tensor xf = x.reshape({n, d.hidden});
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t t1 = std::min(n, t0 + tile);
+    at::Tensor rows = x1.slice(0, t0, t1);
+    at::add_out(rows, xf.slice(0, t0, t1), branch(d, w, post, linear(d, a.slice(0, t0, t1), w, "self_attn.o_proj")));
+  }
+  return x1.view(x.sizes());
 }
 
 // The MLP's projections of x1 (its rows: a tile of tokens): gate and up,
@@ -209,34 +252,30 @@ at::Tensor branch_grad(const BlockDims& d, const TensorMap& w, TensorMap& grads,
   return dg[0];
 }
 
-// Tokens per MLP tile for n tokens: all of them when untiled.
-int64_t tile_tokens(int64_t token_tile, int64_t n) {
-  STRIDER_CHECK(token_tile >= 0, "token tile {} must be >= 0 (0: untiled)", token_tile);
-  return token_tile == 0 || token_tile > n ? n : token_tile;
-}
-
 }  // namespace
 
 at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayout& layout,
                          const at::Tensor& x, int64_t token_tile, const LayerSaved* save, const MoeStep* moe) {
   at::NoGradGuard no_grad;
-  const int64_t n = x.size(0) * x.size(1);
+  const int64_t b = x.size(0), s = x.size(1), n = b * s;
   const NormNames names = norm_names(d);
+  const int64_t tile = tile_tokens(token_tile, n);
   at::Tensor x1;
   {
-    Projections p = attention_projections(w, d, x);
+    Projections p = attention_projections(w, d, x, tile);
     if (save) {
       save->q.copy_(p.q.view({n, -1}));
       save->k.copy_(p.k.view({n, -1}));
       save->v.copy_(p.v.view({n, -1}));
     }
-    at::Tensor a = attention_core(d, w, layout, std::move(p.q), std::move(p.k), std::move(p.v), save);
-    x1 = x + branch(d, w, names.attn_post, linear(d, a, w, "self_attn.o_proj"));
+    const at::Tensor a = attention_core(d, w, layout, std::move(p.q), std::move(p.k), std::move(p.v),
+                                        attention_query_tile(d, b, s, token_tile), save)
+                             .view({n, -1});
+    x1 = attention_residual(d, w, x, a, tile);
   }
   if (save) save->x1.copy_(x1.view({n, d.hidden}));
   // x1 + mlp, tile by tile, in place: x1 is ours (a fresh sum), and the sum
   // rounds the same in place as out of place.
-  const int64_t tile = tile_tokens(token_tile, n);
   at::Tensor flat = x1.contiguous().view({n, d.hidden});
   for (int64_t t0 = 0; t0 < n; t0 += tile) {
     const int64_t t1 = std::min(n, t0 + tile);
@@ -274,11 +313,12 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
     if (auto it = grads.find(name); it != grads.end()) it->second.add_(g);
   };
 
-  // 1. The attention core: its inputs rebuilt with autograd from the
-  // projections (kept, or recomputed from x by the forward's own ops), and
-  // its output kept or recomputed (gpu/attention.h); x1: kept, or x +
-  // o_proj of the core's output (SDPA computes the same bits with and
-  // without grad, so this is the forward's x1).
+  // 1. The attention core from the projections (kept, or recomputed from x
+  // by the forward's own ops), its output kept or recomputed
+  // (gpu/attention.h); x1: kept, or x + o_proj of the core's output (SDPA
+  // computes the same bits with and without grad, so this is the forward's
+  // x1).
+  const int64_t tile = tile_tokens(token_tile, n);
   at::Tensor q_proj, k_proj, v_proj, x1;
   if (saved) {
     q_proj = saved->q.view({b, s, -1});
@@ -286,26 +326,24 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
     v_proj = saved->v.view({b, s, -1});
   } else {
     at::NoGradGuard no_grad;
-    Projections p = attention_projections(w, d, x);
+    Projections p = attention_projections(w, d, x, tile);
     q_proj = p.q, k_proj = p.k, v_proj = p.v;
   }
-  std::vector<at::Tensor> core_inputs = {leaf(q_proj), leaf(k_proj), leaf(v_proj)};
   TensorMap core_w;
   const bool qk_norm_grads = d.qk_norm && trains("self_attn.q_norm.weight");
   if (d.qk_norm) {
     core_w.emplace("self_attn.q_norm.weight", weight_leaf("self_attn.q_norm.weight"));
     core_w.emplace("self_attn.k_norm.weight", weight_leaf("self_attn.k_norm.weight"));
   }
-  if (qk_norm_grads) {
-    core_inputs.push_back(core_w.at("self_attn.q_norm.weight"));
-    core_inputs.push_back(core_w.at("self_attn.k_norm.weight"));
-  }
-  AttentionGraph core = attention_graph(d, core_w, layout, core_inputs, saved);
+  AttentionGraph core = attention_graph(d, core_w, qk_norm_grads, layout, q_proj, k_proj, v_proj,
+                                        attention_query_tile(d, b, s, token_tile), saved);
+  q_proj = k_proj = v_proj = at::Tensor();
+  at::Tensor a_flat = core.out.reshape({n, qf});
   if (saved) {
     x1 = saved->x1.view({b, s, d.hidden});
   } else {
     at::NoGradGuard no_grad;
-    x1 = x + branch(d, w, names.attn_post, linear(d, core.out, w, "self_attn.o_proj"));
+    x1 = attention_residual(d, w, x, a_flat, tile);
   }
 
   // 2. The MLP tile by tile (the forward's tiles): gate and up (kept, or
@@ -314,7 +352,6 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
   // as autograd would), the projections' by GEMMs, the MLP's pre-norm's by
   // autograd, recomputed once the tile's [tile, intermediate] tensors are
   // gone; d(loss)/d(x1) adds the residual.
-  const int64_t tile = tile_tokens(token_tile, n);
   at::Tensor x1_flat = x1.reshape({n, d.hidden});
   x1 = at::Tensor();
   const at::Tensor gout_flat = grad_out.reshape({n, d.hidden});
@@ -368,48 +405,61 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
   }
   x1_flat = at::Tensor();
 
-  // 3. Attention: a post-norm's backward (o_proj's output recomputed),
-  // o_proj's gradients by GEMMs, the core's by autograd, the q/k/v
-  // projections' by GEMMs, the input norm's by autograd (recomputed once the
-  // projections' gradients are gone); d(loss)/dx adds the residual.
-  std::vector<at::Tensor> g;
-  {
-    at::Tensor da;
-    {
-      const at::Tensor a_flat = core.out.reshape({n, qf});
-      const at::Tensor go = branch_grad(d, w, grads, names.attn_post, gx1,
-                                        [&] { return linear(d, a_flat, w, "self_attn.o_proj"); });
-      add_linear_grads(grads, "self_attn.o_proj", go, a_flat);
-      da = linears_input_grad(d, w, grads, {"self_attn.o_proj"}, {go}, a_flat);
-    }
-    g = attention_grads(core, core_inputs, da);
+  // 3. Attention, tile by tile: a post-norm's backward (o_proj's output
+  // recomputed), o_proj's gradients by GEMMs; then the core's
+  // (gpu/attention.h); then, tile by tile again, the q/k/v projections' by
+  // GEMMs and the input norm's by autograd (recomputed), d(loss)/dx adding
+  // the residual (into gx1, ours, in place).
+  at::Tensor da = tile < n ? at::empty({n, qf}, a_flat.options()) : at::Tensor();
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t t1 = std::min(n, t0 + tile);
+    const at::Tensor a_t = a_flat.slice(0, t0, t1);
+    const at::Tensor go = branch_grad(d, w, grads, names.attn_post, gx1.slice(0, t0, t1),
+                                      [&] { return linear(d, a_t, w, "self_attn.o_proj"); });
+    add_linear_grads(grads, "self_attn.o_proj", go, a_t);
+    at::Tensor da_t = linears_input_grad(d, w, grads, {"self_attn.o_proj"}, {go}, a_t);
+    if (da.defined()) da.slice(0, t0, t1).copy_(da_t);
+    else da = std::move(da_t);  // one tile
   }
-  core_inputs.clear();
-  q_proj = k_proj = v_proj = at::Tensor();
+  a_flat = at::Tensor();
+  AttentionGrads g = attention_grads(core, da);
+  da = at::Tensor();
   if (qk_norm_grads) {
-    add_grad("self_attn.q_norm.weight", g[3]);
-    add_grad("self_attn.k_norm.weight", g[4]);
+    add_grad("self_attn.q_norm.weight", g.q_norm);
+    add_grad("self_attn.k_norm.weight", g.k_norm);
   }
-  at::Tensor dh1;
-  {
-    at::NoGradGuard no_grad;
-    const at::Tensor h1 = maybe_norm(d, w, names.attn_pre, x).reshape({n, d.hidden});
-    const at::Tensor dq = g[0].reshape({n, -1}), dk = g[1].reshape({n, -1}), dv = g[2].reshape({n, -1});
-    add_linear_grads(grads, "self_attn.q_proj", dq, h1);
-    add_linear_grads(grads, "self_attn.k_proj", dk, h1);
-    add_linear_grads(grads, "self_attn.v_proj", dv, h1);
-    dh1 = linears_input_grad(d, w, grads, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {dq, dk, dv}, h1);
+  const at::Tensor xf = x.reshape({n, d.hidden});
+  at::Tensor dqf = g.q.reshape({n, -1}), dkf = g.k.reshape({n, -1}), dvf = g.v.reshape({n, -1});
+  g = {};
+  const at::Tensor norm1_w = names.attn_pre ? weight_leaf(names.attn_pre) : at::Tensor();
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t t1 = std::min(n, t0 + tile);
+    const at::Tensor x_t = xf.slice(0, t0, t1);
+    at::Tensor dh1;
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor h1 = maybe_norm(d, w, names.attn_pre, x_t);
+      const at::Tensor dq = dqf.slice(0, t0, t1), dk = dkf.slice(0, t0, t1), dv = dvf.slice(0, t0, t1);
+      add_linear_grads(grads, "self_attn.q_proj", dq, h1);
+      add_linear_grads(grads, "self_attn.k_proj", dk, h1);
+      add_linear_grads(grads, "self_attn.v_proj", dv, h1);
+      dh1 = linears_input_grad(d, w, grads, {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"},
+                               {dq, dk, dv}, h1);
+    }
+    if (tile >= n) dqf = dkf = dvf = at::Tensor();  // one tile: gone before the norm's backward
+    if (!names.attn_pre) {  // OLMo 2: attention reads x itself
+      gx1.slice(0, t0, t1).add_(dh1);
+      continue;
+    }
+    at::AutoGradMode enable(true);
+    at::Tensor x_leaf = leaf(x_t);
+    std::vector<at::Tensor> leaves{x_leaf};
+    if (trains(names.attn_pre)) leaves.push_back(norm1_w);
+    std::vector<at::Tensor> dx = torch::autograd::grad({rms_norm(x_leaf, norm1_w, d.rms_eps, d.norm)}, leaves, {dh1});
+    if (dx.size() > 1) add_grad(names.attn_pre, dx[1]);
+    gx1.slice(0, t0, t1).add_(dx[0]);
   }
-  g.clear();
-  if (!names.attn_pre) return dh1.view(x.sizes()).add_(gx1.view(x.sizes()));  // OLMo 2: attention reads x itself
-  at::AutoGradMode enable(true);
-  at::Tensor x_leaf = leaf(x), norm1_w = weight_leaf(names.attn_pre);
-  at::Tensor h1 = rms_norm(x_leaf, norm1_w, d.rms_eps, d.norm);
-  std::vector<at::Tensor> leaves{x_leaf};
-  if (trains(names.attn_pre)) leaves.push_back(norm1_w);
-  g = torch::autograd::grad({h1}, leaves, {dh1.view(h1.sizes())});
-  if (g.size() > 1) add_grad(names.attn_pre, g[1]);
-  return g[0].add_(gx1.view(x.sizes()));
+  return gx1.view(x.sizes());
 }
 
 }  // namespace strider

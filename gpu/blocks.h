@@ -106,13 +106,17 @@ LayerSaved layer_saved_views(const BlockDims& d, int64_t tokens, const at::Tenso
 
 // Decoder layer: x [b, s, hidden] -> [b, s, hidden], no autograd.
 //
-// token_tile > 0 runs the post-attention norm and the MLP over tiles of that
-// many tokens (of the b * s, in order), so that one tile's [tile,
-// intermediate] intermediates are alive at a time; 0 (or a tile of at least
-// b * s tokens) runs them on all tokens at once. Attention (SDPA, grouped K/V
-// read in place) keeps O(b * s * hidden) working memory either way. A tiled
-// layer equals the untiled one up to summation order (its GEMMs see fewer
-// rows).
+// token_tile > 0 runs the layer over tiles of that many tokens (of the b *
+// s, in order): the input norm and the q/k/v projections, o_proj and the
+// residual, the post-attention norm and the MLP, so that one tile's [tile,
+// intermediate] intermediates are alive at a time; and the attention core
+// in query tiles of token_tile / b positions (attention_query_tile; K and V
+// whole, gpu/attention.h). 0 (or a tile of at least b * s tokens) runs them
+// on all tokens at once. Either way the working memory is O(b * s * hidden)
+// (SDPA's flash kernels, grouped K/V read in place), with smaller
+// coefficients tiled. A tiled layer equals the untiled one up to summation
+// order (its GEMMs see fewer rows, a tile's attention is merged from two
+// kernel calls).
 //
 // `save` (views from layer_saved_views) receives what the backward needs;
 // the output is the same bits with or without it.

@@ -155,7 +155,8 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   for (at::ScalarType dtype : dtypes)
     for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"qwen3-moe", experts, 1, 2048, tile, dtype});
   // Packed documents: the attention mask per row (and Gemma 2's per tile).
-  for (at::ScalarType dtype : dtypes) shapes.push_back({"gqa+docs", gqa, 2, 1024, 0, dtype, true});
+  for (at::ScalarType dtype : dtypes)
+    for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"gqa+docs", gqa, 2, 1024, tile, dtype, true});
   if (bf16) shapes.push_back({"gemma3+docs", gemma3, 1, 2048, 0, at::kBFloat16, true});
   shapes.push_back({"gemma2+docs", gemma2, 2, 1024, 256, at::kFloat, true});
 

@@ -272,8 +272,8 @@ TEST_CASE("vocabulary shards: no cache unit is larger than the largest layer's",
   REQUIRE(p.feasible);
   CHECK(p.unit_bytes <= 1.32e9);
   // 64K tokens of context, batch 1, on the same 24 GiB: the working memory
-  // grows with seq x hidden (no seq^2 scores; the head and the MLP in token
-  // tiles where that is what fits), so it fits; 128K untiled would not.
+  // grows with seq x hidden (no seq^2 scores; the head and the layers in
+  // token tiles where that is what fits), so it fits; 128K untiled would not.
   const PlanLimits long_ctx{.device_bytes = 24ull << 30, .host_bytes = 256ull << 30, .seq = 65536};
   const Plan lc = Plan::make(llama, long_ctx);
   INFO(lc.reason);
@@ -292,6 +292,16 @@ TEST_CASE("vocabulary shards: no cache unit is larger than the largest layer's",
   const Plan refused = Plan::make(llama, untiled);
   CHECK_FALSE(refused.feasible);
   CHECK_THAT(refused.reason, Catch::Contains("working memory") && Catch::Contains("budget is 24.00 GiB"));
+  // 128K on 24 GiB: the layers in token tiles, their attention in query
+  // tiles (K and V whole), fit where untiled they would not.
+  PlanLimits longest = long_ctx;
+  longest.seq = 131072;
+  const Plan p128 = Plan::make(llama, longest);
+  INFO(p128.explain());
+  REQUIRE(p128.feasible);
+  CHECK(p128.token_tile > 0);
+  CHECK(p128.device_peak_bytes <= longest.device_bytes);
+  CHECK_THAT(p128.explain(), Catch::Contains("attention in query tiles of"));
   // Asked-for shards must fall on the chunks.
   CHECK_THROWS_WITH(make_sharding(llama, 8192, 10000), Catch::Contains("10000") && Catch::Contains("8192"));
 }

@@ -4,13 +4,16 @@
 // the masks SDPA reads (a sliding window, packed documents) as without; and
 // it really reads what was kept (a kept log-sum-exp changed changes the
 // gradients), so no silent fallback passes for it. On CUDA ([cuda], skipped
-// without a GPU) the same in bf16, where the flash kernel runs.
+// without a GPU) the same in bf16, where the flash kernel runs. Query tiles
+// (long context) equal one tile to fp32 rounding, through the kernel's
+// backward and through the autograd rebuild CUDA's other kernels take.
 #include "tests/catch_torch.h"
 
 #include <ATen/ATen.h>
 
 #include <string>
 
+#include "gpu/attention.h"
 #include "gpu/blocks.h"
 #include "gpu/cuda_device.h"
 #include "tests/gpu/random_layer.h"
@@ -102,23 +105,25 @@ TEST_CASE("a kept layer's attention backward holds with a sliding window and wit
           "[gpu][attention]") {
   const int64_t b = 2, s = 13;
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
-    {
-      INFO("window 5, " << c10::toString(dtype));
-      const BlockDims d = dims(true, false, 5);
-      const Runs r = run(d, dtype, at::kCPU, tables(d, s, dtype, at::kCPU), b, s, 0);
-      CHECK(same(r.kept, r.recomputed));
-    }
-    {
-      INFO("packed documents, " << c10::toString(dtype));
-      const BlockDims d = dims(true, true);
-      // Row 0: documents of 5 and 8 tokens; row 1: 13.
-      std::vector<int64_t> pos;
-      for (int64_t i = 0; i < s; ++i) pos.push_back(i < 5 ? i : i - 5);
-      for (int64_t i = 0; i < s; ++i) pos.push_back(i);
-      const at::Tensor positions = at::tensor(pos, at::kLong).view({b, s});
-      const TokenLayout layout = token_layout(tables(d, s, dtype, at::kCPU), positions);
-      const Runs r = run(d, dtype, at::kCPU, layout, b, s, 0);
-      CHECK(same(r.kept, r.recomputed));
+    for (int64_t tile : {int64_t{0}, int64_t{7}}) {  // 7 tokens: query tiles of 3 positions
+      {
+        INFO("window 5, " << c10::toString(dtype) << ", tile " << tile);
+        const BlockDims d = dims(true, false, 5);
+        const Runs r = run(d, dtype, at::kCPU, tables(d, s, dtype, at::kCPU), b, s, tile);
+        CHECK(same(r.kept, r.recomputed));
+      }
+      {
+        INFO("packed documents, " << c10::toString(dtype) << ", tile " << tile);
+        const BlockDims d = dims(true, true);
+        // Row 0: documents of 5 and 8 tokens; row 1: 13.
+        std::vector<int64_t> pos;
+        for (int64_t i = 0; i < s; ++i) pos.push_back(i < 5 ? i : i - 5);
+        for (int64_t i = 0; i < s; ++i) pos.push_back(i);
+        const at::Tensor positions = at::tensor(pos, at::kLong).view({b, s});
+        const TokenLayout layout = token_layout(tables(d, s, dtype, at::kCPU), positions);
+        const Runs r = run(d, dtype, at::kCPU, layout, b, s, tile);
+        CHECK(same(r.kept, r.recomputed));
+      }
     }
   }
 }
@@ -141,10 +146,12 @@ TEST_CASE("cuda: a kept layer's attention backward is the recomputing one in bf1
   const at::Device cuda(at::kCUDA, 0);
   for (bool gqa : {false, true}) {
     for (bool qwen3 : {false, true}) {
-      INFO("gqa " << gqa << " qwen3 " << qwen3);
-      const BlockDims d = dims(gqa, qwen3);
-      const Runs r = run(d, at::kBFloat16, cuda, tables(d, 64, at::kBFloat16, cuda), 2, 64, 0);
-      CHECK(same(r.kept, r.recomputed));
+      for (int64_t tile : {int64_t{0}, int64_t{48}}) {  // 48 tokens: query tiles of 24 positions
+        INFO("gqa " << gqa << " qwen3 " << qwen3 << " tile " << tile);
+        const BlockDims d = dims(gqa, qwen3);
+        const Runs r = run(d, at::kBFloat16, cuda, tables(d, 64, at::kBFloat16, cuda), 2, 64, tile);
+        CHECK(same(r.kept, r.recomputed));
+      }
     }
   }
   // Where the flash kernel runs, the kept log-sum-exp is what the backward reads.
@@ -152,4 +159,87 @@ TEST_CASE("cuda: a kept layer's attention backward is the recomputing one in bf1
   const Runs poked = run(d, at::kBFloat16, cuda, tables(d, 64, at::kBFloat16, cuda), 2, 64, 0, /*poke=*/true);
   CHECK_FALSE(at::equal(poked.kept.grads.at("self_attn.q_proj.weight"),
                         poked.recomputed.grads.at("self_attn.q_proj.weight")));
+}
+
+namespace {
+
+double rel(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).abs().max().item<double>() / std::max(b.abs().max().item<double>(), 1e-30);
+}
+
+// The core's output and gradients for random projections, in query tiles of `tile`.
+struct Core {
+  at::Tensor out;
+  AttentionGrads g;
+};
+Core core(const BlockDims& d, const TensorMap& w, const TokenLayout& layout, int64_t b, int64_t s, int64_t tile,
+          AttentionPath path, at::Device device = at::kCPU) {
+  at::manual_seed(3);
+  const int64_t q = d.heads * d.head_dim, kv = d.kv_heads * d.head_dim;
+  auto randn = [&](int64_t f) { return at::randn({b, s, f}).to(device); };
+  const at::Tensor qp = randn(q), kp = randn(kv), vp = randn(kv), da = randn(q);
+  Core c;
+  c.out = attention_core(d, w, layout, qp, kp, vp, tile, nullptr, path);
+  TensorMap leaves;
+  for (const auto& [name, t] : w) leaves.emplace(name, t.detach().requires_grad_(true));
+  AttentionGraph g = attention_graph(d, leaves, d.qk_norm, layout, qp, kp, vp, tile, nullptr, path);
+  CHECK(at::equal(g.out, c.out));
+  c.g = attention_grads(g, da);
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("attention in query tiles equals one tile to fp32 rounding, by either backward", "[gpu][attention]") {
+  const int64_t b = 2, s = 13;
+  struct Case {
+    const char* name;
+    BlockDims d;
+    bool packed;
+  };
+  const Case cases[] = {{"plain", dims(false, false), false}, {"gqa", dims(true, false), false},
+                        {"qwen3", dims(true, true), false},   {"window 5", dims(true, false, 5), false},
+                        {"packed", dims(true, true), true}};
+  for (const Case& c : cases) {
+    const TensorMap w = random_layer(c.d, at::kFloat, 11).w;
+    // Row 0: documents of 5 and 8 tokens; row 1: 13.
+    std::vector<int64_t> pos;
+    for (int64_t i = 0; i < 2 * s; ++i) pos.push_back(i < 5 ? i : i < s ? i - 5 : i - s);
+    const RopeTables t = tables(c.d, s, at::kFloat, at::kCPU);
+    const TokenLayout layout = c.packed ? token_layout(t, at::tensor(pos, at::kLong).view({b, s})) : TokenLayout(t);
+    const Core one = core(c.d, w, layout, b, s, s, AttentionPath::kAuto);
+    for (AttentionPath path : {AttentionPath::kAuto, AttentionPath::kRebuilt}) {
+      for (int64_t tile : {int64_t{1}, int64_t{4}, int64_t{5}, s}) {
+        INFO(c.name << ", tile " << tile << (path == AttentionPath::kAuto ? ", the kernel's backward" : ", rebuilt"));
+        const Core tiled = core(c.d, w, layout, b, s, tile, path);
+        CHECK(rel(tiled.out, one.out) < 1e-6);
+        CHECK(rel(tiled.g.q, one.g.q) < 1e-6);
+        CHECK(rel(tiled.g.k, one.g.k) < 1e-6);
+        CHECK(rel(tiled.g.v, one.g.v) < 1e-6);
+        if (c.d.qk_norm) {
+          CHECK(rel(tiled.g.q_norm, one.g.q_norm) < 1e-6);
+          CHECK(rel(tiled.g.k_norm, one.g.k_norm) < 1e-6);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda: attention in query tiles equals one tile in fp32", "[cuda][gpu][attention]") {
+  const CudaProbe probe = probe_cuda();
+  if (probe.device_count == 0) {
+    WARN("skipped: no GPU (" << probe.reason << ")");
+    return;
+  }
+  // fp32 on CUDA: no flash kernel, so each tile is rebuilt with autograd.
+  const at::Device cuda(at::kCUDA, 0);
+  const BlockDims d = dims(true, true, 40);
+  const TensorMap w = random_layer(d, at::kFloat, 11, cuda).w;
+  const TokenLayout layout(tables(d, 64, at::kFloat, cuda));
+  const Core one = core(d, w, layout, 2, 64, 64, AttentionPath::kAuto, cuda);
+  const Core tiled = core(d, w, layout, 2, 64, 24, AttentionPath::kAuto, cuda);
+  CHECK(rel(tiled.out, one.out) < 1e-5);
+  CHECK(rel(tiled.g.q, one.g.q) < 1e-5);
+  CHECK(rel(tiled.g.k, one.g.k) < 1e-5);
+  CHECK(rel(tiled.g.v, one.g.v) < 1e-5);
 }

@@ -191,6 +191,10 @@ TEST_CASE("without a fused kernel for grouped K/V the layer repeats them as the 
     const Pass got = strider_pass(d, random_layer(d, dtype, 6), in.rope, in.x, in.gout, 0);
     CHECK(same_bits(got.out, want.out));
     check_close(got, want, dtype == at::kFloat ? 2e-6 : 2e-2);
+    // In query tiles (10 tokens of 2 rows: 5 positions a tile), each tile one
+    // SDPA call with its mask, rebuilt with autograd in the backward.
+    check_close(strider_pass(d, random_layer(d, dtype, 6), in.rope, in.x, in.gout, 10), want,
+                dtype == at::kFloat ? 2e-6 : 2e-2);
   }
 }
 
