@@ -15,10 +15,13 @@
 //   q8      CpuAdam::step_q8, the q8 optimizer-state format (host/adam_q8.h):
 //           12.1 B per parameter (bf16 compute copy, 8-bit extension, m and v
 //           codes read and written, their groups' scales, 2 B gradient read);
-//           its roofline fraction uses the same roof. The q8 kernel (one
-//           source vectorized per ISA) is compute-bound on a CPU where the
-//           fp32 kernels are memory-bound: each element is decoded, updated,
-//           re-encoded and gets a hash for its stochastic rounding.
+//           its roofline fraction uses the same roof. The q8 kernel is
+//           compute-bound on a CPU where the fp32 kernels are memory-bound:
+//           each element is decoded, updated, re-encoded and gets a hash for
+//           its stochastic rounding.
+//   q8-loops  the same update by the kernel the hand-written one replaced
+//           (Q8Build::kLoops: adam_q8_kernel.h's loops as the compiler
+//           vectorizes them), the baseline of q8's speedup column x
 //   ds      DeepSpeed's CPUAdam (DeepSpeedCPUAdam) on torch's work exactly, run
 //           by bench/adam_deepspeed.py in its own process before our figures
 //           (it is a Python extension DeepSpeed builds on first use), with the
@@ -185,7 +188,7 @@ OursResult ours(size_t n, int threads, int reps, DType grad_dtype, Isa isa) {
 }
 
 // The q8 format's update over n parameters (n rounded up to whole groups).
-OursResult ours_q8(size_t n, int threads, int reps) {
+OursResult ours_q8(size_t n, int threads, int reps, Q8Build build) {
   n = (n + kQ8GroupElems - 1) / kQ8GroupElems * kQ8GroupElems;
   const size_t groups = n / kQ8GroupElems;
   PinnedArena arena(n * 7 + groups * 8 + 8 * 4096, {.lock = LockPolicy::kPrefer, .name = "q8 state"});
@@ -201,7 +204,7 @@ OursResult ours_q8(size_t n, int threads, int reps) {
   std::fill(ms.begin(), ms.end(), 0.0f);
   std::fill(vs.begin(), vs.end(), 0.0f);
   for (size_t i = 0; i < n; ++i) g[i] = float_to_bf16(1e-3f * float(i % 1000));
-  CpuAdam adam({.threads = threads});
+  CpuAdam adam({.threads = threads, .q8_build = build});
   AdamHyper h;
   int64_t step = 0;
   double t = best_seconds(reps, [&] {
@@ -302,10 +305,11 @@ int main(int argc, char** argv) {
              std::thread::hardware_concurrency(), at::get_num_threads());
   if (ds.why.empty()) fmt::print("DeepSpeed {} CPUAdam: ds columns (its process, the same fp32 work as torch)\n", ds.version);
   else fmt::print("DeepSpeed CPUAdam not run: {}\n", ds.why);
-  fmt::print("{:>8} {:>3} | {:>9} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>7} | {:>9} {:>7} | {:>9} {:>6} | {:>9} {:>7}\n",
+  fmt::print("{:>8} {:>3} | {:>9} | {:>9} {:>9} {:>6} | {:>9} {:>9} {:>7} | {:>9} {:>7} | {:>9} {:>6} {:>9} {:>5} | "
+             "{:>9} {:>7}\n",
              "params", "thr", "roofline", "ours", "Mparam/s", "roof", "torch", "ours-f32g", "vs", "ours-bf16g", "vs",
-             "q8 Mp/s", "roof", "ds", "vs");
-  double min_roof = 1e9, min_vs = 1e9, min_vs_bf16 = 1e9, min_q8_roof = 1e9, min_vs_ds = 1e9;
+             "q8 Mp/s", "roof", "q8-loops", "x", "ds", "vs");
+  double min_roof = 1e9, min_vs = 1e9, min_vs_bf16 = 1e9, min_q8_roof = 1e9, min_vs_ds = 1e9, min_q8_x = 1e9;
   nlohmann::json rows = nlohmann::json::array();
   for (double sm : sizes_m) {
     const size_t n = static_cast<size_t>(sm * 1e6);
@@ -315,7 +319,9 @@ int main(int argc, char** argv) {
       const OursResult o = ours(n, t, r, DType::kBF16, isa);
       const double roof = std::max(rl.best(), o.pattern_gbps);
       const OursResult of = ours(n, t, r, DType::kF32, isa);
-      const OursResult q8 = ours_q8(n, t, r);
+      const OursResult q8 = ours_q8(n, t, r, Q8Build::kSimd), q8_loops = ours_q8(n, t, r, Q8Build::kLoops);
+      const double q8_x = q8.params_per_s / q8_loops.params_per_s;
+      min_q8_x = std::min(min_q8_x, q8_x);
       const double ts = torch_seconds(n, t, r);
       const double our_s = n / o.params_per_s, our_f_s = n / of.params_per_s;
       const double ratio = o.gbps / roof, vs_b = ts / our_s, vs = ts / our_f_s, q8_roof = q8.gbps / roof;
@@ -327,21 +333,22 @@ int main(int argc, char** argv) {
       const double ds_s = dsi == ds.seconds.end() ? 0 : dsi->second, vs_ds = ds_s / our_f_s;
       if (ds_s > 0) min_vs_ds = std::min(min_vs_ds, vs_ds);
       fmt::print("{:>7.0f}M {:>3} | {:>6.2f}GB/s | {:>6.2f}GB/s {:>9.1f} {:>6.3f} | {:>7.2f}ms {:>7.2f}ms {:>6.2f}x | "
-                 "{:>7.2f}ms {:>6.2f}x | {:>9.1f} {:>6.3f} | {:>9} {:>7}\n",
+                 "{:>7.2f}ms {:>6.2f}x | {:>9.1f} {:>6.3f} {:>9.1f} {:>4.2f}x | {:>9} {:>7}\n",
                  sm, t, roof, o.gbps, o.params_per_s / 1e6, ratio, ts * 1e3, our_f_s * 1e3, vs, our_s * 1e3, vs_b,
-                 q8.params_per_s / 1e6, q8_roof, ds_s > 0 ? fmt::format("{:.2f}ms", ds_s * 1e3) : "-",
+                 q8.params_per_s / 1e6, q8_roof, q8_loops.params_per_s / 1e6, q8_x, ds_s > 0 ? fmt::format("{:.2f}ms", ds_s * 1e3) : "-",
                  ds_s > 0 ? fmt::format("{:.2f}x", vs_ds) : "-");
       rows.push_back({{"params", n}, {"threads", t}, {"triad_gbps", rl.triad_gbps}, {"inplace_gbps", rl.inplace_gbps}, {"pattern_gbps", o.pattern_gbps}, {"roofline_gbps", roof}, {"ours_gbps", o.gbps},
                       {"ours_params_per_s", o.params_per_s}, {"roofline_ratio", ratio},
                       {"torch_ms", ts * 1e3}, {"ours_bf16grad_ms", our_s * 1e3}, {"vs_torch_bf16grad", vs_b},
                       {"ours_f32grad_ms", our_f_s * 1e3}, {"vs_torch", vs},
-                      {"q8_params_per_s", q8.params_per_s}, {"q8_gbps", q8.gbps}, {"q8_roofline_ratio", q8_roof}});
+                      {"q8_params_per_s", q8.params_per_s}, {"q8_gbps", q8.gbps}, {"q8_roofline_ratio", q8_roof},
+                      {"q8_loops_params_per_s", q8_loops.params_per_s}, {"q8_speedup", q8_x}});
       if (ds_s > 0) rows.back().update({{"deepspeed_ms", ds_s * 1e3}, {"vs_deepspeed", vs_ds}});
     }
   }
   nlohmann::json out = {{"bench", "adam"}, {"isa", isa_name(isa)}, {"roofline_ratio", min_roof},
                         {"vs_torch", min_vs}, {"vs_torch_bf16grad", min_vs_bf16},
-                        {"q8_roofline_ratio", min_q8_roof}, {"runs", rows}};
+                        {"q8_roofline_ratio", min_q8_roof}, {"q8_speedup", min_q8_x}, {"runs", rows}};
   if (ds.why.empty()) out.update({{"deepspeed", ds.version}, {"vs_deepspeed", min_vs_ds}});
   else out["deepspeed_error"] = ds.why;
   fmt::print("{}\n", out.dump());

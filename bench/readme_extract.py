@@ -234,6 +234,10 @@ def adam_figures(logs, f):
     f.put("adam.fp32_mparams_max", max(r["ours_params_per_s"] for r in runs) / 1e6, c)
     f.put("adam.q8_roofline_min", j["q8_roofline_ratio"], c)
     f.put("adam.q8_roofline_max", max(r["q8_roofline_ratio"] for r in runs), c)
+    f.put("adam.q8_speedup_min", j["q8_speedup"], c)
+    f.put("adam.q8_speedup_max", max(r["q8_speedup"] for r in runs), c)
+    f.put("adam.q8_loops_mparams_min", min(r["q8_loops_params_per_s"] for r in runs) / 1e6, c)
+    f.put("adam.q8_loops_mparams_max", max(r["q8_loops_params_per_s"] for r in runs) / 1e6, c)
     f.put("adam.params_m", sorted({round(r["params"] / 1e6) for r in runs}), c)
     f.put("adam.threads", sorted({r["threads"] for r in runs}), c)
     if "deepspeed" in j:
@@ -325,7 +329,8 @@ def expected_names():
     e["adam"] = [f"adam.{k}" for k in ("isa", "roofline_ratio_min", "roofline_ratio_max", "vs_torch_min",
                                        "vs_torch_max", "params_m", "threads", "q8_mparams_min", "q8_mparams_max",
                                        "fp32_mparams_min", "fp32_mparams_max", "q8_roofline_min",
-                                       "q8_roofline_max")]
+                                       "q8_roofline_max", "q8_speedup_min", "q8_speedup_max",
+                                       "q8_loops_mparams_min", "q8_loops_mparams_max")]
     e["nvme"] = [f"nvme.{k}" for k in ("write_vs_fio", "read_vs_fio", "write_median_max", "read_median_max",
                                        "fio_write_max_over_min", "fio_read_max_over_min", "size_gib", "pairs",
                                        "configs", "chunks_mib", "depths")]

@@ -154,7 +154,10 @@ def block_measured(f, logs):
          "bench_adam",
          f"{f['adam.q8_mparams_min']:.0f}-{f['adam.q8_mparams_max']:.0f} M params/s (fp32 format: "
          f"{f['adam.fp32_mparams_min']:.0f}-{f['adam.fp32_mparams_max']:.0f}), {f['adam.q8_roofline_min']:.2f}-"
-         f"{f['adam.q8_roofline_max']:.2f} of the roofline: compute-bound on this CPU"),
+         f"{f['adam.q8_roofline_max']:.2f} of the roofline: compute-bound on this CPU; "
+         f"{f['adam.q8_speedup_min']:.2f}-{f['adam.q8_speedup_max']:.2f}x the kernel it replaced (its loops as the "
+         f"compiler vectorizes them: {f['adam.q8_loops_mparams_min']:.0f}-{f['adam.q8_loops_mparams_max']:.0f} M "
+         f"params/s), {f['adam.isa']}"),
         ("NvmeStore vs fio (io_uring, O_DIRECT, fixed buffers, both on huge pages with fio-sized buffer memory, "
          "the store's caller resubmitting from completion callbacks as fio does), "
          f"{f['nvme.size_gib']:g} GiB, chunks {slash(f['nvme.chunks_mib'])} MiB x depths "

@@ -17,7 +17,8 @@
 // before truncating: 8 bits of the element's hash for the master, 12 for m,
 // 12 for v. Nearest rounding adds half of it. The element operations and the
 // group update are in adam_q8_kernel.h, built here for the scalar ISA and in
-// adam_q8_avx2.cpp / adam_q8_avx512.cpp for those.
+// adam_q8_avx2.cpp / adam_q8_avx512.cpp for those, which also hold the
+// hand-written kernels (adam_q8_simd.h).
 #include "host/adam_q8.h"
 
 #include <algorithm>
@@ -28,9 +29,11 @@
 
 namespace strider {
 namespace detail {
-// The ISA builds (adam_q8_avx2.cpp, adam_q8_avx512.cpp).
+// The ISA builds (adam_q8_avx2.cpp, adam_q8_avx512.cpp): hand-written, and the loops.
 void adam_q8_avx2(const AdamStep& s, const Q8Args& a);
 void adam_q8_avx512(const AdamStep& s, const Q8Args& a);
+void adam_q8_avx2_loops(const AdamStep& s, const Q8Args& a);
+void adam_q8_avx512_loops(const AdamStep& s, const Q8Args& a);
 }  // namespace detail
 
 namespace {
@@ -52,7 +55,7 @@ uint32_t q8_salt(int64_t step, int64_t block) {
   return mix32(uint32_t(step) * 0x85EBCA6Bu ^ mix32(uint32_t(block) + 0x5BD1E995u) ^ uint32_t(uint64_t(step) >> 32));
 }
 
-void adam_q8_update(Isa isa, const AdamStep& step, const Q8Args& a) {
+void adam_q8_update(Isa isa, const AdamStep& step, const Q8Args& a, Q8Build build) {
   check_groups(a.n, "AdamW");
   STRIDER_CHECK(a.grad_dtype == DType::kBF16 || a.grad_dtype == DType::kF32,
                 "no q8 AdamW kernel for gradient dtype {} (gradients must be BF16 or F32)", dtype_name(a.grad_dtype));
@@ -62,8 +65,14 @@ void adam_q8_update(Isa isa, const AdamStep& step, const Q8Args& a) {
   STRIDER_CHECK(q.hi && q.ext && q.m && q.m_scale && q.v && q.v_scale && a.grad,
                 "q8 AdamW over {} elements given a null pointer", a.n);
   switch (isa) {
-    case Isa::kAvx512: detail::adam_q8_avx512(step, a); break;
-    case Isa::kAvx2: detail::adam_q8_avx2(step, a); break;
+    case Isa::kAvx512:
+      if (build == Q8Build::kSimd) detail::adam_q8_avx512(step, a);
+      else detail::adam_q8_avx512_loops(step, a);
+      break;
+    case Isa::kAvx2:
+      if (build == Q8Build::kSimd) detail::adam_q8_avx2(step, a);
+      else detail::adam_q8_avx2_loops(step, a);
+      break;
     case Isa::kScalar: adam_q8_scalar(step, a); break;
   }
 }

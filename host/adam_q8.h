@@ -5,9 +5,11 @@
 //
 // The update decodes a group's master, m and v to float, runs exactly the
 // fp32 kernel's arithmetic on them (host/adam_kernel.h, same order), then
-// encodes the group's new values with stochastic rounding. One source
-// (adam_q8_kernel.h) built per ISA (scalar, AVX2, AVX-512; the compiler
-// vectorizes it): every ISA gives the same bits, which a test checks.
+// encodes the group's new values with stochastic rounding. The reference is
+// adam_q8_kernel.h's loops, built per ISA (scalar, AVX2, AVX-512; the
+// compiler vectorizes them); AVX2 and AVX-512 also have a hand-written
+// kernel (adam_q8_simd.h), the default. Every build gives the same bits,
+// which a test checks.
 #pragma once
 
 #include <cstddef>
@@ -43,8 +45,8 @@ struct Q8Args {
 
 uint32_t q8_salt(int64_t step, int64_t block);
 
-// Elements [0, n) on this thread, with `isa`'s build of the kernel.
-void adam_q8_update(Isa isa, const AdamStep& step, const Q8Args& args);
+// Elements [0, n) on this thread, with `isa`'s `build` of the kernel (Q8Build: host/cpu_adam.h).
+void adam_q8_update(Isa isa, const AdamStep& step, const Q8Args& args, Q8Build build = Q8Build::kSimd);
 
 // Caller-facing conversions (checkpoint loads, tests): to nearest.
 void q8_encode_master(const float* in, uint16_t* hi, uint8_t* ext, size_t n);

@@ -174,7 +174,7 @@ void CpuAdam::step_q8(const AdamStep& step, const Q8Args& args) {
       a.grad = static_cast<const std::byte*>(args.grad) + begin * gbytes;
       a.n = end - begin;
       a.first_elem = args.first_elem + uint32_t(begin);
-      adam_q8_update(options_.isa, step, a);
+      adam_q8_update(options_.isa, step, a, options_.q8_build);
     }
   };
   if (threads_ == 1 || chunks <= 1) {

@@ -69,6 +69,11 @@ Isa detect_isa();
 const char* isa_name(Isa isa);
 // Whether this CPU can run `isa`.
 bool isa_supported(Isa isa);
+// Which build of the q8 kernel (host/adam_q8.h): kSimd, hand-written for AVX2
+// and AVX-512 (the scalar ISA has only the loops); kLoops, adam_q8_kernel.h's
+// loops as the compiler vectorizes them, the kernel before the hand-written
+// one, kept as bench_adam's baseline. Both give the same bits.
+enum class Q8Build { kSimd, kLoops };
 
 // One thread, elements [0, args.n): the kernel itself. Throws naming both
 // dtypes for an unsupported (gradient, output) pair or an ISA this CPU lacks.
@@ -80,6 +85,7 @@ class CpuAdam {
     int threads = 0;                  // 0: all hardware threads
     size_t chunk_elems = size_t{1} << 16;  // 64 Ki elements = 1.75 MiB of traffic
     Isa isa = detect_isa();
+    Q8Build q8_build = Q8Build::kSimd;
   };
   // Called once per finished chunk, from the worker that ran it: [begin, end).
   using ChunkDone = std::function<void(size_t begin, size_t end)>;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <xmmintrin.h>
 #include <vector>
 
 #include "host/adam_q8.h"
@@ -193,34 +194,75 @@ TEST_CASE("q8 AdamW tracks the fp32 kernel, keeps padding zero, and is independe
   CHECK_FALSE(d.same_bits(e));
 }
 
-TEST_CASE("q8 AdamW: every ISA's build gives the scalar build's bits", "[host][q8]") {
+TEST_CASE("q8 AdamW: every ISA's builds give the scalar build's bits", "[host][q8]") {
+  // The hand-written AVX2 and AVX-512 kernels and the compiler-vectorized
+  // loops they replaced, over groups that hit every code path: zero groups,
+  // subnormal-range codes, Adam and AdamW, with and without decay, fp32
+  // gradients that bf16 cannot represent, and a first element that is not 0.
   const size_t n = 128 * 300;
   for (DType gd : {DType::kBF16, DType::kF32}) {
     Twin ref(n, 9);
     std::vector<float> g32(n);
     for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-      if (!isa_supported(isa)) {
-        WARN("this CPU lacks " << isa_name(isa) << ": its q8 kernel is not compared here");
-        continue;
-      }
-      INFO("isa " << isa_name(isa) << " gradients " << dtype_name(gd));
-      Twin t(n, 9);
-      for (int64_t step = 1; step <= 6; ++step) {
-        t.grads(uint32_t(step) * 7);
-        for (size_t i = 0; i < n; ++i) g32[i] = bf16_to_float(t.g16[i]) * 1.37f;  // not bf16-representable
-        Q8Args a = t.args(step);
-        if (gd == DType::kF32) {
-          a.grad = g32.data();
-          a.grad_dtype = DType::kF32;
+      for (Q8Build build : {Q8Build::kLoops, Q8Build::kSimd}) {
+        if (isa == Isa::kScalar && build == Q8Build::kSimd) continue;  // the scalar ISA has only the loops
+        if (!isa_supported(isa)) {
+          WARN("this CPU lacks " << isa_name(isa) << ": its q8 kernels are not compared here");
+          continue;
         }
-        const AdamHyper h{.lr = 3e-3, .weight_decay = step % 2 ? 0.1 : 0.0,
-                          .mode = step % 3 ? AdamMode::kAdamW : AdamMode::kAdam};
-        adam_q8_update(isa, AdamStep::make(h, step, 0.7), a);
+        INFO("isa " << isa_name(isa) << (build == Q8Build::kSimd ? " hand-written" : " loops") << " gradients "
+                    << dtype_name(gd));
+        Twin t(n, 9);
+        for (int64_t step = 1; step <= 6; ++step) {
+          t.grads(uint32_t(step) * 7);
+          for (size_t i = 0; i < n; ++i) g32[i] = bf16_to_float(t.g16[i]) * 1.37f;  // not bf16-representable
+          Q8Args a = t.args(step);
+          a.first_elem = 1000 * uint32_t(step);
+          if (gd == DType::kF32) {
+            a.grad = g32.data();
+            a.grad_dtype = DType::kF32;
+          }
+          const AdamHyper h{.lr = 3e-3, .weight_decay = step % 2 ? 0.1 : 0.0,
+                            .mode = step % 3 ? AdamMode::kAdamW : AdamMode::kAdam};
+          adam_q8_update(isa, AdamStep::make(h, step, 0.7), a, build);
+        }
+        if (isa == Isa::kScalar) ref = t;
+        else CHECK(t.same_bits(ref));
       }
-      if (isa == Isa::kScalar) ref = t;
-      else CHECK(t.same_bits(ref));
     }
   }
+}
+
+TEST_CASE("q8 AdamW: with denormals-are-zero and flush-to-zero set, every build still agrees", "[host][q8]") {
+  // torch.set_flush_denormal(True) sets both MXCSR bits in the process; the
+  // hand-written kernels decode codes through fp16 subnormals, which must not
+  // read as zero then. Tiny gradients put moments in the codes' subnormal steps.
+  const unsigned saved = _mm_getcsr();
+  _mm_setcsr(saved | 0x8040);  // FTZ | DAZ
+  const size_t n = 128 * 64;
+  std::vector<Twin> runs;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    for (Q8Build build : {Q8Build::kLoops, Q8Build::kSimd}) {
+      if ((isa == Isa::kScalar && build == Q8Build::kSimd) || !isa_supported(isa)) continue;
+      Twin t(n, 4);
+      for (int64_t step = 1; step <= 4; ++step) {
+        t.grads(uint32_t(step));
+        for (size_t i = 0; i < n; ++i)
+          if (i % 3 == 0) t.g16[i] = float_to_bf16(bf16_to_float(t.g16[i]) * 1e-6f);
+        adam_q8_update(isa, AdamStep::make(AdamHyper{.lr = 1e-3}, step), t.args(step), build);
+      }
+      runs.push_back(t);
+    }
+  }
+  _mm_setcsr(saved);
+  for (const Twin& t : runs) CHECK(t.same_bits(runs.front()));
+  size_t small_m = 0, small_v = 0;  // codes in the subnormal steps: the case under test happened
+  for (size_t i = 0; i < n; ++i) {
+    small_m += (runs.front().m[i] & 0x7F) > 0 && (runs.front().m[i] & 0x7F) < 8;
+    small_v += runs.front().v[i] > 0 && runs.front().v[i] < 16;
+  }
+  CHECK(small_m > 0);
+  CHECK(small_v > 0);
 }
 
 TEST_CASE("q8 AdamW: updates far below the master's last bit still move it, without bias", "[host][q8]") {

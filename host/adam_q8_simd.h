@@ -1,0 +1,212 @@
+// Internal to host/: the q8 update of adam_q8_kernel.h written once over a
+// vector type V, for the hand-written AVX2 and AVX-512 builds
+// (adam_q8_avx2.cpp and adam_q8_avx512.cpp define V from intrinsics and
+// instantiate it). Every lane gets exactly the floats the loops give each
+// element, in the same order, so the bits are the scalar build's. What
+// differs is the instructions, and that is where the time went: the update
+// is bound by its count of vector instructions (with both divisions replaced
+// by multiplies it ran only 6% faster, and it moves well under the memory
+// roofline), so each item below saves instructions:
+//   - One pass decodes, updates, hashes and encodes the master with
+//     everything in registers, keeping the groups' maxima as a running
+//     integer max; only the moments' re-encodings go back over the group
+//     (their scale is the group's maximum).
+//   - A moment code is a half-precision float: m's sign << 15 | c << 7 and
+//     v's c << 6 are exactly the fp16 bits of the values the format defines
+//     (c >= 8 or 16: exponent and mantissa; below: fp16's subnormal steps,
+//     2^-17 and 2^-18 apart), so the hardware's fp16 conversion (exact, and
+//     it ignores denormals-are-zero: a test sets it) decodes them in one
+//     instruction. m's
+//     bits are its code sign-extended, shifted by 7, with bit 14 cleared.
+//   - The master's carry: (hi - (ext >> 7)) << 16 | ext << 8 is
+//     hi << 16 + (ext as a signed byte) << 8.
+//   - Codes and the master's halves are narrowed several vectors at a
+//     time, by packs (V::store_u8x4, store_u16x2, store_byte1_x4); a
+//     vector's two moments' codes are widened and decoded together.
+//   - The hash's first multiply, of consecutive indices, is an add.
+//   - The codes below 2^-14 of the scale (a subnormal step, rare) are
+//     computed only in a block of four vectors that has one.
+//   - |m| is kept from the group's maximum for the encode.
+//
+// V provides, with F a vector of floats, I of 32-bit integers, H of twice as
+// many 16-bit integers (two vectors' codes), and M a mask:
+//   kLanes; F set(float); I iset(uint32_t); H hset(uint16_t); I iota() (0, 1, ...)
+//   I load_s8(const int8_t*) (sign-extended), load_u16(const uint16_t*):
+//   widened to lanes; H load_u8_h2(const uint8_t*), load_s8_h2(const int8_t*);
+//   F load_bf16(const uint16_t*), load_f32(const float*)
+//   I load(const uint32_t*), store(uint32_t*, I): aligned
+//   store_u16x2(uint16_t*, I, I): two vectors of lanes of 0..0xFFFF;
+//   store_u8x4(uint8_t*, I, I, I, I): four vectors of lanes of 0..0xFF;
+//   store_byte1_x4(uint8_t*, I, I, I, I): bits 15..8 of four vectors' lanes
+//   F arithmetic: add mul div sqrt min cvt (int -> float) cvtt (float -> int,
+//   truncating); I: iadd isub imul (low 32 bits) and_ or_ xor_ srl<n> sll<n>
+//   max_u (unsigned), reduce_max_u2(I, I, uint32_t&, uint32_t&) (each one's
+//   largest lane); H: hand hsll<n>; F from_f16_lo(H),
+//   from_f16_hi(H) (the first and second vector's halves)
+//   as_f, as_i (bit casts); M lt_f, gt_f (ordered), eq_i, mand; bool any(M);
+//   select(M, t, f) for F and I: t where the mask is set
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "host/adam_q8_kernel.h"
+
+namespace strider::detail {
+namespace {
+
+// mix32 of adam_q8_kernel.h after element_hash's multiply-add (x0).
+template <class V>
+inline typename V::I simd_mix(typename V::I x) {
+  x = V::xor_(x, V::template srl<16>(x));
+  x = V::imul(x, V::iset(0x7FEB352Du));
+  x = V::xor_(x, V::template srl<15>(x));
+  x = V::imul(x, V::iset(0x846CA68Bu));
+  return V::xor_(x, V::template srl<16>(x));
+}
+
+// The group's scale and the inputs of unit(): as encode_group_m / _v.
+struct GroupScale {
+  float scale, inv;
+  uint32_t amax_bits;
+};
+inline GroupScale group_scale(uint32_t max_abs_bits) {
+  const float amax = std::bit_cast<float>(max_abs_bits);
+  return {amax, 1.0f / (amax > 0.0f ? amax : 1.0f), amax > 0.0f ? max_abs_bits : ~0u};
+}
+
+template <class V, bool kAdamW, class G>
+void q8_update_simd(const AdamStep& s, const Q8Args& a, const G* g) {
+  using F = typename V::F;
+  using I = typename V::I;
+  constexpr size_t L = V::kLanes;
+  static_assert(kN % (4 * L) == 0);  // the narrowing goes four vectors at a time
+  constexpr uint32_t kHashMul = 0x9E3779B1u;  // element_hash's
+  const F scale = V::set(s.grad_scale), decay = V::set(s.decay), l2 = V::set(s.l2), b1 = V::set(s.beta1),
+          omb1 = V::set(s.one_minus_beta1), b2 = V::set(s.beta2), omb2 = V::set(s.one_minus_beta2),
+          nstep = V::set(s.neg_step_size), bc2 = V::set(s.bc2_sqrt), eps = V::set(s.eps);
+  const I lane_mul = V::imul(V::iota(), V::iset(kHashMul)), abs_mask = V::iset(0x7FFFFFFFu),
+          low8 = V::iset(0xFFu), rebias = V::iset(kRebias);
+  const F one = V::set(1.0f), tiny = V::set(kTwoToMinus14), r_unit = V::set(0x1p-12f);
+  alignas(64) uint32_t m[kN], m_abs[kN], sv[kN], rnd[kN], mv[kN];
+  // Locals: a byte store may alias anything, so fields read through `a`
+  // would be reloaded after every store.
+  uint16_t* const hi = a.state.hi;
+  uint8_t *const ext = a.state.ext, *const mq = a.state.m, *const vq = a.state.v;
+  float *const m_scale = a.state.m_scale, *const v_scale = a.state.v_scale;
+  const uint32_t first = a.first_elem, salt = a.salt;
+  for (size_t base = 0; base < a.n; base += kN) {
+    const size_t grp = base / kN;
+    const F ms = V::set(m_scale[grp]), vs = V::set(v_scale[grp]);
+    I m_max = V::iset(0), v_max = V::iset(0);
+    // element_hash's multiply-add of the vector's indices, advanced by an add.
+    I hash_in = V::iadd(V::iset((first + uint32_t(base)) * kHashMul + salt), lane_mul);
+    // One vector's update from its decoded m and sqrt(v) (mi, si).
+    const auto update = [&](size_t j, F mi, F si) {
+      const size_t e = base + j;
+      F p = V::as_f(V::iadd(V::template sll<16>(V::load_u16(hi + e)),
+                            V::template sll<8>(V::load_s8(reinterpret_cast<const int8_t*>(ext + e)))));
+      F vi = V::mul(si, si);
+      F gi;
+      if constexpr (std::is_same_v<G, uint16_t>) gi = V::mul(V::load_bf16(g + e), scale);
+      else gi = V::mul(V::load_f32(g + e), scale);
+      if constexpr (kAdamW) p = V::mul(p, decay);
+      else gi = V::add(gi, V::mul(l2, p));
+      mi = V::add(V::mul(b1, mi), V::mul(omb1, gi));
+      vi = V::add(V::mul(b2, vi), V::mul(omb2, V::mul(gi, gi)));
+      const F root = V::sqrt(vi);
+      const F denom = V::add(V::div(root, bc2), eps);
+      p = V::add(p, V::mul(nstep, V::div(mi, denom)));
+      const I r = simd_mix<V>(hash_in);
+      hash_in = V::iadd(hash_in, V::iset(uint32_t(L) * kHashMul));
+      // encode_master, narrowed below: the low byte need not be cleared
+      // before the carry add (0x8000 cannot carry out of it).
+      V::store(mv + j, V::iadd(V::as_i(p), V::and_(r, low8)));
+      const I abs = V::and_(V::as_i(mi), abs_mask);
+      V::store(m + j, V::as_i(mi));
+      V::store(m_abs + j, abs);
+      V::store(sv + j, V::as_i(root));
+      V::store(rnd + j, r);
+      m_max = V::max_u(m_max, abs);
+      v_max = V::max_u(v_max, V::and_(V::as_i(root), abs_mask));
+    };
+    for (size_t j = 0; j < kN; j += 2 * L) {
+      const auto mcode = V::load_s8_h2(reinterpret_cast<const int8_t*>(mq + base + j));
+      const auto vcode = V::template hsll<6>(V::load_u8_h2(vq + base + j));
+      const auto mhalf = V::hand(V::template hsll<7>(mcode), V::hset(0xBFFFu));
+      update(j, V::mul(V::from_f16_lo(mhalf), ms), V::mul(V::from_f16_lo(vcode), vs));
+      update(j + L, V::mul(V::from_f16_hi(mhalf), ms), V::mul(V::from_f16_hi(vcode), vs));
+    }
+    for (size_t j = 0; j < kN; j += 4 * L) {
+      const I w[4] = {V::load(mv + j), V::load(mv + j + L), V::load(mv + j + 2 * L), V::load(mv + j + 3 * L)};
+      const I carry = V::iset(0x8000u);
+      V::store_u16x2(hi + base + j, V::template srl<16>(V::iadd(w[0], carry)), V::template srl<16>(V::iadd(w[1], carry)));
+      V::store_u16x2(hi + base + j + 2 * L, V::template srl<16>(V::iadd(w[2], carry)),
+                     V::template srl<16>(V::iadd(w[3], carry)));
+      V::store_byte1_x4(ext + base + j, w[0], w[1], w[2], w[3]);  // bits 15..8
+    }
+    uint32_t m_top, v_top;
+    V::reduce_max_u2(m_max, v_max, m_top, v_top);
+    const GroupScale gm = group_scale(m_top), gv = group_scale(v_top);
+    m_scale[grp] = gm.scale;
+    v_scale[grp] = gv.scale;
+    const F m_inv = V::set(gm.inv), v_inv = V::set(gv.inv);
+    const I m_amax = V::iset(gm.amax_bits), v_amax = V::iset(gv.amax_bits);
+    // m: sign | magnitude (encode_group_m); v: magnitude, never 0 for a
+    // nonzero sqrt(v) (encode_group_v). Four vectors at a time, with one test
+    // for a code below 2^-14 of the scale among them (y is never NaN: unit()
+    // clamps it, so the minimum sees every lane).
+    for (size_t j = 0; j < kN; j += 4 * L) {
+      F y[4];
+      I c[4];
+      for (size_t k = 0; k < 4; ++k) {
+        const I abs = V::load(m_abs + j + k * L);
+        y[k] = V::select(V::eq_i(abs, m_amax), one, V::min(V::mul(V::as_f(abs), m_inv), one));  // unit()
+        c[k] = V::template srl<20>(
+            V::iadd(V::isub(V::as_i(y[k]), rebias), V::and_(V::load(rnd + j + k * L), V::iset(0xFFF00u))));
+      }
+      if (V::any(V::lt_f(V::min(V::min(y[0], y[1]), V::min(y[2], y[3])), tiny))) [[unlikely]] {
+        for (size_t k = 0; k < 4; ++k) {
+          const I r12 = V::and_(V::template srl<8>(V::load(rnd + j + k * L)), V::iset(0xFFFu));
+          c[k] = V::select(V::lt_f(y[k], tiny),
+                           V::cvtt(V::add(V::mul(y[k], V::set(131072.0f)), V::mul(V::cvt(r12), r_unit))), c[k]);
+        }
+      }
+      for (size_t k = 0; k < 4; ++k)
+        c[k] = V::or_(c[k], V::and_(V::template srl<24>(V::load(m + j + k * L)), V::iset(0x80u)));
+      V::store_u8x4(mq + base + j, c[0], c[1], c[2], c[3]);
+    }
+    for (size_t j = 0; j < kN; j += 4 * L) {
+      F y[4];
+      I c[4];
+      for (size_t k = 0; k < 4; ++k) {
+        const I bits = V::load(sv + j + k * L);
+        y[k] = V::select(V::eq_i(bits, v_amax), one, V::min(V::mul(V::as_f(bits), v_inv), one));  // unit()
+        c[k] = V::template srl<19>(V::iadd(V::isub(V::as_i(y[k]), rebias),
+                                           V::template sll<7>(V::template srl<20>(V::load(rnd + j + k * L)))));
+      }
+      if (V::any(V::lt_f(V::min(V::min(y[0], y[1]), V::min(y[2], y[3])), tiny))) [[unlikely]] {
+        for (size_t k = 0; k < 4; ++k) {
+          const I r12 = V::template srl<20>(V::load(rnd + j + k * L));
+          const I small = V::cvtt(V::add(V::mul(y[k], V::set(262144.0f)), V::mul(V::cvt(r12), r_unit)));
+          c[k] = V::select(V::lt_f(y[k], tiny), small, c[k]);
+          const I bump = V::select(V::mand(V::eq_i(c[k], V::iset(0)), V::gt_f(y[k], V::set(0.0f))), V::iset(1),
+                                   V::iset(0));
+          c[k] = V::or_(c[k], bump);
+        }
+      }
+      V::store_u8x4(vq + base + j, c[0], c[1], c[2], c[3]);
+    }
+  }
+}
+
+template <class V, class G>
+void q8_update_simd(const AdamStep& s, const Q8Args& a, const G* g) {
+  if (s.adamw) q8_update_simd<V, true>(s, a, g);
+  else q8_update_simd<V, false>(s, a, g);
+}
+
+}  // namespace
+}  // namespace strider::detail
