@@ -371,12 +371,12 @@ CostModel calibrated_model(const OpMix& mix, const Measured& m, const std::strin
   cm.h2d_gbps = rate_with(h2d) * 1e-3;  // bytes per µs -> GB/s
   cm.d2h_gbps = rate_with(d2h) * 1e-3;
   cm.shared_bus = false;
-  cm.cpu_adam_params_per_s = adam_params / adam_us * 1e6;
+  cm.set_adam_params_per_s(adam_params / adam_us * 1e6);
   cm.device_memory_bytes = kBudgetBytes;
   fits = {{"compute_tflops", cm.peak_tflops}, {"compute_latency_us", cm.compute_latency_us},
           {"h2d_gbps", cm.h2d_gbps}, {"d2h_gbps", cm.d2h_gbps}, {"copy_latency_us", cm.copy_latency_us},
           {"h2d_latency_fit_us", hf.latency_us}, {"d2h_latency_fit_us", df.latency_us},
-          {"cpu_adam_params_per_s", cm.cpu_adam_params_per_s}};
+          {"cpu_adam_params_per_s", cm.adam_params_per_s(StateFormat::kFp32)}};
   return cm;
 }
 

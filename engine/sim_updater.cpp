@@ -5,17 +5,6 @@
 #include "host/error.h"
 
 namespace strider {
-namespace {
-
-// The simulator's price of a q8 update against an fp32 one on the same CPU:
-// the q8 kernel is compute-bound where the fp32 one is memory-bound.
-// Measured by build/bench/bench_adam --sizes 16 --reps 3 (16M parameters, bf16
-// gradients, AVX-512, 2 threads of the 2-core development machine): fp32
-// 1566 M parameters/s, q8 903 M/s, so 1.73 times the time. A CPU with more
-// cores per memory channel narrows the gap; no such machine has been measured.
-constexpr double kQ8AdamTimeRatio = 1566.0 / 903.0;
-
-}  // namespace
 
 SimUpdater::SimUpdater(SimDevice& device, const Placement& place, StateFormat format, int64_t ring_slots,
                        Timeline& timeline)
@@ -97,8 +86,8 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       return;
     }
     case StepOpKind::kSumSquares: {
-      // One read of the gradients: their 2 or 4 of the 28 bytes per parameter AdamW moves.
-      const SimInterval t = optimizer_.run(ready, cm.adam_us(n) * double(place_.grad_bytes) / 28.0);
+      // One read of the gradients over the memory bus.
+      const SimInterval t = optimizer_.run(ready, cm.host_memory_us(grad_bytes));
       span(Lane::kOptimizer, "grad norm", p, t, grad_bytes);
       end = thread_us_ = t.end_us;
       return;
@@ -123,10 +112,11 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       // what the whole piece would, so each rank's lane is busy that long.
       // Ranks on machines of their own each take their slice's time.
       const uint64_t updated = op.over_slices && !op.shared_copy ? place_.at(p).owned.elems() : n;
-      const double ratio = format_ == StateFormat::kQ8 ? kQ8AdamTimeRatio : 1.0;
-      // (Its memory traffic is not put on a pool's shared host bus: one
-      // device's prediction has no bus, and the two must compare.)
-      const SimInterval t = optimizer_.run(ready, cm.adam_us(updated) * ratio);
+      // Each format's kernel at its rate (CostModel::adam_params_per_s: its
+      // cores or the memory bus). (Its memory traffic is not put on a pool's
+      // shared host bus: one device's prediction has no bus, and the two
+      // must compare.)
+      const SimInterval t = optimizer_.run(ready, cm.adam_us(updated, format_));
       span(Lane::kOptimizer, "adamw", p, t, adam_bytes(format_, n, place_.grad_bytes));
       if (place_.at(p).ring_slot >= 0 && !place_.at(p).spills_grads)
         sim_.record_at(ring_free(place_.at(p).ring_slot), t.end_us);

@@ -23,6 +23,17 @@ constexpr double kGiB = double(size_t{1} << 30);
 // Each number says where it comes from. "Assumption" marks a judgement that a
 // measurement on the real machine should replace (override it with key=value).
 
+// The AdamW kernels' rates per core: measured on the development machine's
+// Xeon core (AVX-512), data in cache so that memory does not bound them, by
+// build/bench/bench_adam --sizes 0.03 --threads 1 --reps 20: fp32 1797 M
+// parameters/s, q8 1100 (with --sizes 0.25: 1733 and 1135). Assumption: a
+// preset's cores run them as fast (a different clock or core scales both;
+// override cpu_adam_core_params_per_s / cpu_q8_core_params_per_s).
+void set_core_rates(CostModel& m) {
+  m.cpu_adam_core_params_per_s = 1.8e9;
+  m.cpu_q8_core_params_per_s = 1.1e9;
+}
+
 CostModel rtx4090() {
   CostModel m;
   m.name = "rtx4090";
@@ -48,10 +59,13 @@ CostModel rtx4090() {
   // byte (the flat part of a bandwidthTest size sweep).
   m.copy_latency_us = 10;
   m.shared_bus = false;
-  // A workstation CPU: dual-channel DDR5-5600 = 89.6 GB/s theoretical, ~70 GB/s
-  // sustained (STREAM triad). AdamW is memory-bound at kAdamBytesPerParam = 28
-  // bytes per parameter: 70e9 / 28 = 2.5e9 parameters/s.
-  m.cpu_adam_params_per_s = 70e9 / CostModel::kAdamBytesPerParam;
+  // A workstation CPU: a 16-core desktop part (AMD Ryzen 9 7950X class, AVX-512)
+  // on dual-channel DDR5-5600 = 89.6 GB/s theoretical, ~70 GB/s sustained
+  // (STREAM triad).
+  m.cpu = "16-core workstation CPU (Ryzen 9 7950X class), dual-channel DDR5-5600";
+  m.cpu_cores = 16;
+  m.cpu_mem_gbps = 70;
+  set_core_rates(m);
   // One PCIe 4.0 x4 NVMe (e.g. Samsung 990 PRO datasheet: 7.45 GB/s read,
   // 6.9 GB/s write sequential). Writes past the SLC cache sustain less: 5.
   m.nvme_read_gbps = 7;
@@ -79,10 +93,13 @@ CostModel h200() {
   m.d2h_gbps = 50;
   m.copy_latency_us = 10;  // assumption, as for the 4090
   m.shared_bus = false;
-  // A server CPU socket: 8-12 channels DDR5-4800 = 307-461 GB/s theoretical;
-  // assume ~280 GB/s sustained with NUMA-local pinned memory. 280e9 / 28 =
-  // 1e10 parameters/s.
-  m.cpu_adam_params_per_s = 280e9 / CostModel::kAdamBytesPerParam;
+  // A server CPU socket: 48 cores (Xeon Platinum 8468 class), 8-12 channels
+  // DDR5-4800 = 307-461 GB/s theoretical; assume ~280 GB/s sustained with
+  // NUMA-local pinned memory.
+  m.cpu = "48-core server socket (Xeon Platinum 8468 class), 8-12 channels DDR5-4800";
+  m.cpu_cores = 48;
+  m.cpu_mem_gbps = 280;
+  set_core_rates(m);
   // One PCIe 5.0 x4 enterprise NVMe: datasheets list ~14 GB/s read, ~10 GB/s
   // write sequential; assume ~85% of that for our O_DIRECT I/O: 12 / 8.
   m.nvme_read_gbps = 12;
@@ -150,7 +167,7 @@ std::string preset_list() {
 
 // ---- overrides ----------------------------------------------------------------
 
-enum class ValueKind { kRate, kLatency, kFraction, kBool };
+enum class ValueKind { kRate, kLatency, kFraction, kBool, kCount };
 
 struct Key {
   const char* name;
@@ -171,10 +188,16 @@ constexpr Key kKeys[] = {
     {"copy_latency_us", ValueKind::kLatency, "fixed µs per copy", [](CostModel& m, double v) { m.copy_latency_us = v; }},
     {"shared_bus", ValueKind::kBool, "1: H2D and D2H share one half-duplex bus; 0: full duplex (PCIe)",
      [](CostModel& m, double v) { m.shared_bus = v != 0; }},
-    {"cpu_adam_params_per_s", ValueKind::kRate, "CPU AdamW parameters/s",
-     [](CostModel& m, double v) { m.cpu_adam_params_per_s = v; }},
-    {"cpu_mem_gbps", ValueKind::kRate, "sets cpu_adam_params_per_s from memory GB/s (28 bytes/parameter)",
-     [](CostModel& m, double v) { m.cpu_adam_params_per_s = v * 1e9 / CostModel::kAdamBytesPerParam; }},
+    {"cpu_cores", ValueKind::kCount, "cores the CPU AdamW runs on", [](CostModel& m, double v) { m.cpu_cores = v; }},
+    {"cpu_mem_gbps", ValueKind::kRate, "host memory GB/s (sustained): bounds the CPU AdamW and what GPUs' copies share",
+     [](CostModel& m, double v) { m.cpu_mem_gbps = v; }},
+    {"cpu_adam_core_params_per_s", ValueKind::kRate, "the fp32 AdamW kernel's parameters/s on one core",
+     [](CostModel& m, double v) { m.cpu_adam_core_params_per_s = v; }},
+    {"cpu_q8_core_params_per_s", ValueKind::kRate, "the q8 AdamW kernel's parameters/s on one core",
+     [](CostModel& m, double v) { m.cpu_q8_core_params_per_s = v; }},
+    {"cpu_adam_params_per_s", ValueKind::kRate,
+     "sets the fp32 AdamW's parameters/s: cpu_mem_gbps to 28 bytes each, cores unbounded",
+     [](CostModel& m, double v) { m.set_adam_params_per_s(v); }},
     {"nvme_read_gbps", ValueKind::kRate, "NVMe read GB/s", [](CostModel& m, double v) { m.nvme_read_gbps = v; }},
     {"nvme_write_gbps", ValueKind::kRate, "NVMe write GB/s", [](CostModel& m, double v) { m.nvme_write_gbps = v; }},
     {"collective_gbps", ValueKind::kRate, "GB/s of one data-parallel rank's part of a collective",
@@ -208,6 +231,10 @@ double parse_value(const Key& key, std::string_view text) {
       break;
     case ValueKind::kFraction:
       STRIDER_CHECK(v > 0 && v <= 1, "cost model: {}={} must be in (0, 1] ({})", key.name, text, key.help);
+      break;
+    case ValueKind::kCount:
+      STRIDER_CHECK(v >= 1 && v == std::floor(v), "cost model: {}={} must be a whole number >= 1 ({})", key.name,
+                    text, key.help);
       break;
     case ValueKind::kBool:
       break;
@@ -318,7 +345,11 @@ void CostModel::validate() const {
   positive("h2d_gbps", h2d_gbps);
   positive("d2h_gbps", d2h_gbps);
   latency("copy_latency_us", copy_latency_us);
-  positive("cpu_adam_params_per_s", cpu_adam_params_per_s);
+  STRIDER_CHECK(std::isfinite(cpu_cores) && cpu_cores >= 1, "cost model \"{}\": cpu_cores = {} must be >= 1", name,
+                cpu_cores);
+  positive("cpu_mem_gbps", cpu_mem_gbps);
+  positive("cpu_adam_core_params_per_s", cpu_adam_core_params_per_s);
+  positive("cpu_q8_core_params_per_s", cpu_q8_core_params_per_s);
   positive("nvme_read_gbps", nvme_read_gbps);
   positive("nvme_write_gbps", nvme_write_gbps);
   positive("collective_gbps", collective_gbps);
@@ -331,18 +362,30 @@ std::string CostModel::describe() const {
       "  compute  {:.1f} TFLOP/s peak x {:.2f} = {:.1f} TFLOP/s sustained, +{} us per op\n"
       "  memory   {:.1f} GiB usable\n"
       "  PCIe     h2d {} GB/s, d2h {} GB/s, +{} us per copy, {}\n"
-      "  host     AdamW {:.3g} params/s, NVMe read {} GB/s, write {} GB/s\n"
+      "  host     {}: {:g} cores, memory {:g} GB/s; AdamW fp32 {:.3g} params/s, q8 {:.3g}\n"
+      "  NVMe     read {} GB/s, write {} GB/s\n"
       "  ranks    collectives {} GB/s per rank, +{} us each",
       name, peak_tflops, mfu, sustained_tflops(), compute_latency_us, device_memory_bytes / kGiB, h2d_gbps,
-      d2h_gbps, copy_latency_us, shared_bus ? "one shared bus" : "full duplex", cpu_adam_params_per_s,
-      nvme_read_gbps, nvme_write_gbps, collective_gbps, collective_latency_us);
+      d2h_gbps, copy_latency_us, shared_bus ? "one shared bus" : "full duplex", cpu, cpu_cores, cpu_mem_gbps,
+      adam_params_per_s(StateFormat::kFp32), adam_params_per_s(StateFormat::kQ8), nvme_read_gbps, nvme_write_gbps, collective_gbps, collective_latency_us);
 }
 
 // 1 TFLOP/s = 1e6 FLOP per µs; 1 GB/s = 1e3 bytes per µs.
 double CostModel::compute_us(double flops) const { return compute_latency_us + flops / (sustained_tflops() * 1e6); }
 double CostModel::h2d_us(uint64_t bytes) const { return copy_latency_us + static_cast<double>(bytes) / (h2d_gbps * 1e3); }
 double CostModel::d2h_us(uint64_t bytes) const { return copy_latency_us + static_cast<double>(bytes) / (d2h_gbps * 1e3); }
-double CostModel::adam_us(uint64_t params) const { return static_cast<double>(params) / cpu_adam_params_per_s * 1e6; }
+double CostModel::adam_params_per_s(StateFormat format) const {
+  const double core = format == StateFormat::kQ8 ? cpu_q8_core_params_per_s : cpu_adam_core_params_per_s;
+  return std::min(cpu_cores * core, cpu_mem_gbps * 1e9 / adam_bytes_per_param(format));
+}
+void CostModel::set_adam_params_per_s(double fp32_params_per_s) {
+  cpu_mem_gbps = fp32_params_per_s * kAdamBytesPerParam / 1e9;
+  cpu_cores = std::max(cpu_cores, std::ceil(fp32_params_per_s / cpu_adam_core_params_per_s));
+}
+double CostModel::adam_us(uint64_t params, StateFormat format) const {
+  return static_cast<double>(params) / adam_params_per_s(format) * 1e6;
+}
+double CostModel::host_memory_us(uint64_t bytes) const { return static_cast<double>(bytes) / (cpu_mem_gbps * 1e3); }
 double CostModel::nvme_read_us(uint64_t bytes) const { return static_cast<double>(bytes) / (nvme_read_gbps * 1e3); }
 double CostModel::nvme_write_us(uint64_t bytes) const { return static_cast<double>(bytes) / (nvme_write_gbps * 1e3); }
 double CostModel::collective_us(uint64_t bytes) const {

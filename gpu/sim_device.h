@@ -25,6 +25,7 @@
 
 #include "gpu/device.h"
 #include "gpu/device_ledger.h"
+#include "host/state_format.h"
 
 namespace strider {
 
@@ -49,7 +50,14 @@ struct CostModel {
   bool shared_bus = false;
 
   // ---- the host (priced by the engine, not by SimDevice) ----
-  double cpu_adam_params_per_s = 2.5e9;  // CPU AdamW over fp32 master/m/v, memory-bound
+  // The CPU AdamW: each format's kernel runs at its rate per core on
+  // cpu_cores cores, or as fast as the memory bus moves its bytes, whichever
+  // is slower (adam_params_per_s).
+  std::string cpu = "unnamed";            // what the preset assumes, for messages
+  double cpu_cores = 16;                  // cores the optimizer's threads run on
+  double cpu_mem_gbps = 70;               // sustained memory bandwidth (STREAM triad)
+  double cpu_adam_core_params_per_s = 1.8e9;  // the fp32 kernel on one core, data in cache
+  double cpu_q8_core_params_per_s = 1.15e9;   // the q8 kernel on one core, data in cache
   double nvme_read_gbps = 7;             // optimizer state read back from the NVMe tier
   double nvme_write_gbps = 5;            // optimizer state written to the NVMe tier
 
@@ -63,14 +71,25 @@ struct CostModel {
   // stream on a current CPU; 6. Override it with a measurement.
   double collective_gbps = 6;
   double collective_latency_us = 50;
-  // The host's memory bandwidth, from the AdamW rate (memory-bound at
-  // kAdamBytesPerParam): what N GPUs' copies on one machine share.
-  double host_memory_gbps() const { return cpu_adam_params_per_s * kAdamBytesPerParam / 1e9; }
+  // The host's memory bandwidth: what N GPUs' copies on one machine share.
+  double host_memory_gbps() const { return cpu_mem_gbps; }
 
-  // Bytes of memory traffic per parameter of one AdamW step (read w, m, v and
-  // the bf16 gradient; write w, m, v and the bf16 compute copy: 12+2+12+2), to
-  // turn a memory bandwidth into cpu_adam_params_per_s.
+  // Bytes of memory traffic per parameter of one AdamW step with bf16
+  // gradients. fp32: read w, m, v and the gradient; write w, m, v and the bf16
+  // compute copy (12+2+12+2). q8: read and write the compute copy, the
+  // master's extension byte, m's and v's codes (2 x 5), their groups' scales
+  // (2 x 8 bytes per 128), and read the gradient (2).
   static constexpr double kAdamBytesPerParam = 28;
+  static constexpr double kQ8AdamBytesPerParam = 12.125;
+  static double adam_bytes_per_param(StateFormat format) {
+    return format == StateFormat::kQ8 ? kQ8AdamBytesPerParam : kAdamBytesPerParam;
+  }
+  // The AdamW rate for a format's kernel: min(cores x its rate per core,
+  // memory bandwidth / its bytes per parameter).
+  double adam_params_per_s(StateFormat format) const;
+  // Sets the fp32 rate to a measured figure: the memory bus to what it
+  // implies, the cores to not bound it (the q8 rate follows the same bus).
+  void set_adam_params_per_s(double fp32_params_per_s);
 
   // A named machine: "rtx4090", "h200". Unknown names throw, listing the known ones.
   static CostModel preset(std::string_view name);
@@ -91,7 +110,8 @@ struct CostModel {
   double compute_us(double flops) const;
   double h2d_us(uint64_t bytes) const;
   double d2h_us(uint64_t bytes) const;
-  double adam_us(uint64_t params) const;
+  double adam_us(uint64_t params, StateFormat format = StateFormat::kFp32) const;
+  double host_memory_us(uint64_t bytes) const;  // one pass over host memory (the bus, no compute)
   double nvme_read_us(uint64_t bytes) const;
   double nvme_write_us(uint64_t bytes) const;
   double collective_us(uint64_t bytes) const;

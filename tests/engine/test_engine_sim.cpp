@@ -40,6 +40,39 @@ double busiest(const StepReport& r) {
 
 }  // namespace
 
+TEST_CASE("a predicted AdamW runs at its format's rate: the cores' or the memory bus's", "[engine][sim]") {
+  // The optimizer lane's AdamW spans add up to the parameters over
+  // CostModel::adam_params_per_s of the run's format: on the workstation's 16
+  // cores both formats are memory-bound and q8, moving 12.125 bytes per
+  // parameter to fp32's 28, takes 0.43 of the time; on 1 core its slower
+  // kernel makes it the longer one.
+  ModelSpec spec = ModelSpec::from_json(builtin_model_config(), "builtin");
+  auto adamw_s = [&](const std::string& machine, StateFormat state) {  // the last step's AdamW time
+    EngineConfig cfg;
+    cfg.seq = 64;
+    cfg.micro_batch = 2;
+    cfg.window = 2;
+    cfg.optimizer_state = state;
+    Engine e(spec, cfg, make_device({.spec = "sim:" + machine, .budget_bytes = 1ull << 30, .record_spans = true}));
+    std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
+    for (int i = 0; i < 2; ++i) e.step(ids.data(), labels.data());
+    double s = 0;
+    for (const Span& sp : e.timeline().spans())
+      if (sp.step == 2 && sp.lane == Lane::kOptimizer && sp.name == "adamw") s += (sp.end_us - sp.begin_us) * 1e-6;
+    return s;
+  };
+  const double params = double(spec.param_count());
+  for (const char* machine : {"rtx4090", "rtx4090,cpu_cores=1"}) {
+    const CostModel cm = CostModel::parse(machine);
+    const double fp32 = adamw_s(machine, StateFormat::kFp32), q8 = adamw_s(machine, StateFormat::kQ8);
+    INFO(machine << ": fp32 " << fp32 << " s, q8 " << q8 << " s");
+    CHECK(fp32 == Approx(params / cm.adam_params_per_s(StateFormat::kFp32)).epsilon(0.02));
+    CHECK(q8 == Approx(params / cm.adam_params_per_s(StateFormat::kQ8)).epsilon(0.02));
+    if (cm.cpu_cores > 1) CHECK(q8 / fp32 == Approx(12.125 / 28).epsilon(0.02));
+    else CHECK(q8 > fp32);
+  }
+}
+
 TEST_CASE("a predicted step takes at least the cost model's time for its copies and its FLOPs", "[engine][sim]") {
   // Each lane runs its operations one at a time, so a step lasts at least
   // its H2D bytes at the link's rate, its D2H bytes likewise, and its FLOPs

@@ -34,7 +34,7 @@ CostModel toy_model() {
   m.d2h_gbps = 1;
   m.copy_latency_us = 1;
   m.device_memory_bytes = size_t{1} << 20;
-  m.cpu_adam_params_per_s = 1e9;
+  m.set_adam_params_per_s(1e9);
   return m;
 }
 
@@ -192,7 +192,7 @@ TEST_CASE("sim: an optimizer-bound step, with the host lane priced from the Cost
   m.mfu = 1;
   m.h2d_gbps = 1;     // 1000 bytes/µs: H2D 2000 bytes = 2 µs, D2H 4000 bytes = 4 µs
   m.d2h_gbps = 1;
-  m.cpu_adam_params_per_s = 2e7;  // 1000 parameters = 50 µs
+  m.set_adam_params_per_s(2e7);  // 1000 parameters = 50 µs
   m.device_memory_bytes = size_t{1} << 20;
   SimDevice dev(m, with_spans());
   std::vector<SimInterval> updates;
@@ -415,12 +415,22 @@ TEST_CASE("cost model: presets, overrides and their errors", "[gpu][sim_device]"
   const CostModel r = CostModel::preset("rtx4090");
   CHECK(r.h2d_gbps == 25);
   CHECK(r.peak_tflops == Approx(165.2));
-  CHECK(r.cpu_adam_params_per_s == Approx(2.5e9));  // 70 GB/s / 28 bytes
+  // Its 16 cores outrun 70 GB/s in both formats: fp32 at 28 bytes per
+  // parameter, q8 at 12.125 (2.3 times the parameters per second).
+  CHECK(r.adam_params_per_s(StateFormat::kFp32) == Approx(2.5e9));
+  CHECK(r.adam_params_per_s(StateFormat::kQ8) == Approx(70e9 / 12.125));
+  CHECK(r.host_memory_gbps() == 70);
+  // On 2 cores the q8 kernel's compute bounds it, not memory.
+  const CostModel two = CostModel::parse("rtx4090,cpu_cores=2");
+  CHECK(two.adam_params_per_s(StateFormat::kQ8) == Approx(2 * two.cpu_q8_core_params_per_s));
+  CHECK(two.adam_us(1'000'000, StateFormat::kQ8) == Approx(1e6 / (2 * two.cpu_q8_core_params_per_s) * 1e6));
+  CHECK_THAT(r.describe(), Catch::Contains("16 cores, memory 70 GB/s"));
+  CHECK_THROWS_WITH(CostModel::parse("rtx4090,cpu_cores=2.5"), Catch::Contains("cpu_cores=2.5 must be a whole number"));
   CHECK_FALSE(r.shared_bus);
   const CostModel h = CostModel::preset("h200");
   CHECK(h.h2d_gbps == 50);
   CHECK(h.peak_tflops == 989);
-  CHECK(h.cpu_adam_params_per_s == Approx(1e10));  // 280 GB/s / 28 bytes
+  CHECK(h.adam_params_per_s(StateFormat::kFp32) == Approx(1e10));  // 280 GB/s / 28 bytes
   // 1 GB at 50 GB/s = 20 ms, plus the 10 µs copy setup.
   CHECK(h.h2d_us(1'000'000'000) == Approx(20'010));
   // 1e12 FLOP at 989 x 0.4 TFLOP/s, plus 10 µs.
@@ -435,7 +445,8 @@ TEST_CASE("cost model: presets, overrides and their errors", "[gpu][sim_device]"
   CHECK(o.d2h_gbps == 50);
   CHECK(o.mfu == 0.35);
   CHECK(o.shared_bus);
-  CHECK(o.cpu_adam_params_per_s == Approx(2e9));
+  CHECK(o.adam_params_per_s(StateFormat::kFp32) == Approx(2e9));
+  CHECK(CostModel::parse("h200,cpu_adam_params_per_s=3e9").adam_params_per_s(StateFormat::kFp32) == Approx(3e9));
   CHECK(o.name == "h200,h2d_gbps=12,mfu=0.35,shared_bus=true,cpu_mem_gbps=56");
   CHECK_THAT(o.describe(), Catch::Contains("one shared bus") && Catch::Contains("h2d 12 GB/s"));
 
