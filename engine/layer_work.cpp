@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "gpu/weight_grad.h"
+
 namespace strider {
 
 LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t token_tile, int dtype_bytes,
@@ -24,6 +26,12 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // RMSNorm of w features without grad: the fp32 copy, x * rsqrt in fp32, its
   // cast and the scaled output; mean, +eps and rsqrt per row (`rows` of them).
   auto norm = [&](i128 w, i128 rows) { return w * (8 + f32_copy) + 12 * rows; };
+  // Adding an [out, in] weight gradient (gpu/weight_grad.h): in fp32, the
+  // product before it is added; below, on the CPU device, fp32 copies of a
+  // slice of the t tokens of dy and x (CUDA writes fp32 in place: none).
+  auto wgrad = [&](i128 out, i128 in) {
+    return e == 4 ? out * in * 4 : std::min<i128>(t, weight_grad_slice_rows(int64_t(out), int64_t(in))) * (out + in) * 4;
+  };
   // The flash kernel's blocks of scores: on a GPU they stay on chip; ATen's
   // CPU kernel allocates, per thread, an fp32 block of 256 queries (of a
   // call of 768 or more; 64 from 192, else 32) by 512 keys (and, backward,
@@ -146,11 +154,9 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   }
   // One MLP tile: gate, up, d(act), d(up), d(gate) and silu_backward's
   // scratch (fp32 below fp32), and d(h2) with a GEMM's output; one weight
-  // gradient [intermediate, hidden] at a time (below fp32 with an fp32 copy
-  // as it is added).
+  // gradient [intermediate, hidden] being added at a time.
   i128 tile =
-      n * held + t * (inter * 4 * e + silu_f32_x2 * inter / 2 + 2 * h * e + post_back + scaled) + h * inter * e +
-      (e < 4 ? h * inter * 4 : 0);
+      n * held + t * (inter * 4 * e + silu_f32_x2 * inter / 2 + 2 * h * e + post_back + scaled) + wgrad(inter, h);
   // Experts' backward: the normed input, d(input) and the routing again with
   // its autograd graph (the logits, fp32 probabilities and their gradient);
   // the pairs' rows (group space) and output gradients, gate and up and the
@@ -185,7 +191,7 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // the parts' d(k) and d(v) held; then the keys' back through RoPE and the
   // k norm.
   const i128 o_back = n * (held - h * e + (ttiled ? q * e : 0) + post_back + scaled) +
-                      t * (q * e + gemm_f32(q)) + h * q * e;
+                      t * (q * e + gemm_f32(q)) + wgrad(h, q);
   const i128 base = n * (held - h * e + 2 * q * e) + (qtiled ? n * 2 * kv * 4 : 0);
   const i128 core_back = base + (qtiled ? T * (4 * q * e + f32_copy * q) : n * (3 * q * e + f32_copy * q)) +
                          n * 2 * kv * e + 2 * scores + (e < 4 ? scores : 0) + repack;
@@ -202,7 +208,7 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // backward's fp32 temporaries. (OLMo 2 has no input norm: d(loss)/dx is a
   // sum.)
   const i128 grads_held = n * (h + q + 2 * kv) * e;
-  const i128 qkv_back = grads_held + t * (std::max(norm(h, 1), 3 * h * e + gemm_f32(h))) + h * q * e;
+  const i128 qkv_back = grads_held + t * (std::max(norm(h, 1), 3 * h * e + gemm_f32(h))) + wgrad(q, h);
   const i128 norm_tile = d.norm_placement == NormPlacement::kPost ? h * e : h * e + h * (12 + 2 * e) + 12 * h;
   const i128 norm_back = ttiled ? grads_held + t * norm_tile : n * (h * e + norm_tile);
   w.backward = headroom(std::max({tile + (qtiled ? 0 : mask), recompute, attn_back, qkv_back, norm_back}) + layout +

@@ -10,6 +10,7 @@
 
 #include "gpu/attention.h"
 #include "gpu/block_parts.h"
+#include "gpu/weight_grad.h"
 #include "gpu/moe.h"
 #include "host/error.h"
 
@@ -182,11 +183,12 @@ MlpProjections mlp_projections(const BlockDims& d, const TensorMap& w, const at:
 }
 
 // y = x W^T (+ b) for 2-D dy = dL/dy and x: adds dL/dW = dy^T x (and dL/db,
-// summed in fp32) into the fp32 accumulators of `proj`. A tensor without an
+// summed in fp32) into the fp32 accumulators of `proj`, with no rounding to
+// the compute dtype (gpu/weight_grad.h). A tensor without an
 // accumulator is frozen (BlockRunner gives accumulators to the trainable
 // tensors only): its gradient is not computed.
 void add_linear_grads(TensorMap& grads, const std::string& proj, const at::Tensor& dy, const at::Tensor& x) {
-  if (auto it = grads.find(proj + ".weight"); it != grads.end()) it->second.add_(at::mm(dy.t(), x));
+  if (auto it = grads.find(proj + ".weight"); it != grads.end()) add_weight_grad(it->second, dy.t(), x);
   if (auto it = grads.find(proj + ".bias"); it != grads.end()) it->second.add_(dy.sum({0}, false, at::kFloat));
 }
 
@@ -194,8 +196,8 @@ void add_linear_grads(TensorMap& grads, const std::string& proj, const at::Tenso
 // output gradients `dys` (2-D, in the same order): the sum of dy W, plus
 // their adapters' share. On the way, adds the adapters' gradients: dB =
 // s dy^T (x A^T), dA = du^T x with du = s dy B, and dx gains du A (the
-// group's du side by side: dA and du A are one GEMM each for the group; the
-// scale goes on the [out, r] and [tokens, r] products, not on dy).
+// group's du side by side: du A is one GEMM for the group; the scale goes on
+// dB's sum and the [tokens, r] product, not on dy).
 at::Tensor linears_input_grad(const BlockDims& d, const TensorMap& w, TensorMap& grads,
                               std::initializer_list<const char*> projs, const std::vector<at::Tensor>& dys,
                               const at::Tensor& x) {
@@ -213,13 +215,12 @@ at::Tensor linears_input_grad(const BlockDims& d, const TensorMap& w, TensorMap&
     const int64_t r = g.b[i].size(1);
     const at::Tensor& dy = dys[size_t(std::find(projs.begin(), projs.end(), g.projs[i]) - projs.begin())];
     if (auto it = grads.find(g.projs[i] + ".lora_B.weight"); it != grads.end())
-      it->second.add_(at::mm(dy.t(), u.narrow(1, g.at[i], r)).mul_(d.lora_scale));
+      add_weight_grad(it->second, dy.t(), u.narrow(1, g.at[i], r), d.lora_scale);
     du.narrow(1, g.at[i], r).copy_(at::mm(dy, g.b[i]).mul_(d.lora_scale));
   }
-  const at::Tensor da = at::mm(du.t(), x);
   for (size_t i = 0; i < g.projs.size(); ++i)
     if (auto it = grads.find(g.projs[i] + ".lora_A.weight"); it != grads.end())
-      it->second.add_(da.narrow(0, g.at[i], g.b[i].size(1)));
+      add_weight_grad(it->second, du.narrow(1, g.at[i], g.b[i].size(1)).t(), x);
   return dx.add_(at::mm(du, g.a));
 }
 

@@ -5,6 +5,7 @@
 
 #include <limits>
 
+#include "gpu/weight_grad.h"
 #include "host/error.h"
 
 namespace strider {
@@ -136,7 +137,10 @@ void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tenso
       if (capped_grad.defined()) g.mul_(capped_grad);
       at::Tensor gc = g.to(ht.scalar_type());
       gh.add_(at::matmul(gc, wc));
-      if (grad_rows.defined()) grad_rows.slice(0, c0, c1).add_(at::matmul(gc.t(), ht));
+      if (grad_rows.defined()) {
+        at::Tensor rows = grad_rows.slice(0, c0, c1);
+        add_weight_grad(rows, gc.t(), ht);  // gpu/weight_grad.h: no rounding to the compute dtype
+      }
     }
   });
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gpu/block_parts.h"
+#include "gpu/weight_grad.h"
 #include "host/error.h"
 
 namespace strider {
@@ -163,12 +164,13 @@ void add_by_token(at::Tensor& out, const at::Tensor& rows, const at::Tensor& top
 }
 
 // Each expert's weight gradient from its rows: acc[e] += a_e^T b_e (a [S, M],
-// b [S, N] grouped by g; acc fp32 [E, M, N]), one expert at a time so that
-// only one [M, N] product is alive.
+// b [S, N] grouped by g; acc fp32 [E, M, N]), one expert at a time, with no
+// rounding to the compute dtype (gpu/weight_grad.h).
 void add_weight_grads(at::Tensor& acc, const at::Tensor& a, const at::Tensor& b, const Groups& g) {
   for (int64_t e = 0; e + 1 < int64_t(g.offsets.size()); ++e) {
     const int64_t lo = g.offsets[size_t(e)], hi = g.offsets[size_t(e) + 1];
-    if (lo < hi) acc[e].add_(at::mm(a.slice(0, lo, hi).t(), b.slice(0, lo, hi)));
+    at::Tensor expert = acc[e];
+    if (lo < hi) add_weight_grad(expert, a.slice(0, lo, hi).t(), b.slice(0, lo, hi));
   }
 }
 

@@ -159,6 +159,18 @@ double relative_gap(const Run& a, const Run& b) {
   return worst;
 }
 
+// The weights' distance in L2, relative to b's norm, over all blocks.
+double relative_l2_gap(const Run& a, const Run& b) {
+  double d = 0, m = 0;
+  for (size_t k = 0; k < b.master.size(); ++k)
+    for (size_t i = 0; i < b.master[k].size(); ++i) {
+      const double x = double(a.master[k][i]) - double(b.master[k][i]);
+      d += x * x;
+      m += double(b.master[k][i]) * double(b.master[k][i]);
+    }
+  return std::sqrt(d / m);
+}
+
 bool same_weights(const Run& a, const Run& b) {
   if (a.losses != b.losses || a.master.size() != b.master.size()) return false;
   for (size_t k = 0; k < a.master.size(); ++k)
@@ -239,13 +251,17 @@ TEST_CASE("data parallel in bf16 trains as one rank does to bf16 rounding", "[en
     return;
   }
   // bf16 gradients cross to the host per rank and are summed in fp32 there:
-  // one more rounding than one rank's on-device sum.
+  // one more rounding than one rank's on-device sum (its weight gradients are
+  // fp32 sums, gpu/weight_grad.h). Held in L2 over all weights (measured
+  // 4.6e-3): element by element, a gradient near zero that its rounding
+  // moves across zero gets Adam's full step the other way (lr 1e-2, against
+  // weights of ~0.1: up to 0.14 of a block's largest weight after 3 steps).
   const Setup s{.dtype = at::kBFloat16, .fp32_grads = false, .clip = 1.0, .chaos = true};
   const std::vector<Run> ranks = data_parallel(s, 2, 1, 3);
   const Run one = one_rank(s, 2, 3);
   CHECK(same_bits(ranks[1], ranks[0]));
   for (int i = 0; i < 3; ++i) CHECK(ranks[0].losses[i] == Approx(one.losses[i]).epsilon(2e-3));
-  CHECK(relative_gap(ranks[0], one) < 2e-2);
+  CHECK(relative_l2_gap(ranks[0], one) < 2e-2);
 }
 
 TEST_CASE("an engine takes its ranks before its first step only", "[engine][dist]") {
