@@ -172,21 +172,24 @@ ModelSpec ModelSpec::with_lora(std::string_view text, std::string_view source) c
   return s;
 }
 
-double ModelSpec::attention_flops(int64_t layer, int64_t batch, int64_t seq, bool packed) const {
+double ModelSpec::attention_flops(int64_t layer, int64_t batch, int64_t seq, bool packed, int64_t token_tile) const {
   const BlockDims ld = layer_dims(layer);
   const double s = double(seq);
-  double pairs = s * s / 2;  // causal: is_causal's kernels skip the blocks above the diagonal
-  if (ld.attn_softcap > 0) {
-    const int64_t tile = softcap_query_tile(batch, ld.heads, seq);
-    pairs = 0;
+  // Every tile's queries by the keys it reads, a window before its first
+  // query (or from the start) up to its last.
+  auto tiles = [&](int64_t tile) {
+    double pairs = 0;
     for (int64_t t0 = 0; t0 < seq; t0 += tile) {
       const int64_t t1 = std::min(seq, t0 + tile);
       const int64_t k0 = ld.sliding_window > 0 ? std::max<int64_t>(0, t0 - ld.sliding_window + 1) : 0;
       pairs += double(t1 - t0) * double(t1 - k0);
     }
-  } else if (packed || (ld.sliding_window > 0 && seq > ld.sliding_window)) {
-    pairs = s * s;  // a mask: every block computed
-  }
+    return pairs;
+  };
+  double pairs = s * s / 2;  // causal: is_causal's kernels skip the blocks above the diagonal
+  if (ld.attn_softcap > 0) pairs = tiles(softcap_query_tile(batch, ld.heads, seq));
+  else if (packed || (ld.sliding_window > 0 && seq > ld.sliding_window))
+    pairs = tiles(attention_query_tile(ld, batch, seq, token_tile));  // a mask: every block of a tile's keys
   return 2.0 * 2.0 * double(batch) * double(ld.heads) * double(ld.head_dim) * pairs;
 }
 
@@ -232,7 +235,7 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
     case BlockKind::kLayer: {
       const BlockDims ld = layer_dims(block(i).layer);
       const double proj = 2.0 * t * d.hidden * (2.0 * double(q) + 2.0 * double(kv));
-      const double attn = attention_flops(block(i).layer, batch, seq, packed);
+      const double attn = attention_flops(block(i).layer, batch, seq, packed, token_tile);
       // A layer with experts: the router, and top_k experts' SwiGLU per token
       // (FLOPs by the active parameters; bytes and the optimizer's work are
       // by all of them).

@@ -138,12 +138,16 @@ struct ModelSpec {
                  bool packed = false) const;
   // FLOPs of decoder layer `layer`'s attention core (QK^T and PV) for
   // `batch` sequences of `seq`, over the query-key pairs its kernel
-  // computes: half the square for causal attention alone; the whole square
-  // where SDPA reads a mask (a window below seq, or `packed` documents),
-  // which skips no block; soft-capped attention (gpu/softcap_attention.h):
-  // each query tile's keys, up to its last query from a window before its
-  // first. What cost() counts in forward_flops.
-  double attention_flops(int64_t layer, int64_t batch, int64_t seq, bool packed = false) const;
+  // computes: half the square for causal attention alone (in query tiles
+  // too: a tile's earlier keys and its own causal square); where SDPA reads
+  // a mask (a window below seq, or `packed` documents), which skips no
+  // block, each query tile (gpu/attention.h, attention_query_tile under
+  // `token_tile`; untiled, one) by all the keys it reads, from a window
+  // before its first query (or the start) to its last: the whole square
+  // untiled; soft-capped attention (gpu/softcap_attention.h) likewise, in its
+  // own tiles. What cost() counts in forward_flops.
+  double attention_flops(int64_t layer, int64_t batch, int64_t seq, bool packed = false,
+                         int64_t token_tile = 0) const;
   static constexpr int64_t kMaxTokens = int64_t{1} << 40;  // per micro-batch: 8 TiB of ids alone
   static constexpr int64_t kMaxBytes = int64_t{1} << 62;   // any one size: past every machine
 

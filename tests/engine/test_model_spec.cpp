@@ -404,6 +404,15 @@ TEST_CASE("attention FLOPs count the query-key pairs the kernel computes", "[eng
   CHECK(window.attention_flops(0, 2, 256) == 2 * per_pair * 256.0 * 256 / 2);    // the window covers it: causal
   CHECK(window.attention_flops(0, 2, 1024) == 2 * per_pair * 1024.0 * 1024);     // a mask: every block
   CHECK(window.attention_flops(0, 2, 256, true) == 2 * per_pair * 256.0 * 256);  // packed documents: a mask too
+  // In query tiles (token tile 512 at b 2: 256 positions a tile), each tile
+  // by the keys it reads: the window's 255 before its first query, and its own.
+  REQUIRE(attention_query_tile(window.layer_dims(0), 2, 1024, 512) == 256);
+  CHECK(window.attention_flops(0, 2, 1024, false, 512) == 2 * per_pair * (256.0 * 256 + 3 * 256.0 * (255 + 256)));
+  // Packed documents in tiles of 64 positions (token tile 128), the window
+  // covering the sequence: every key up to each tile's last query.
+  CHECK(window.attention_flops(0, 2, 256, true, 128) == 2 * per_pair * 64.0 * (64 + 128 + 192 + 256));
+  // Causal alone, tiled or not: half the square.
+  CHECK(window.attention_flops(0, 2, 256, false, 128) == 2 * per_pair * 256.0 * 256 / 2);
   // Soft-capped tiles (Gemma 2): 512 queries a tile at b 2, 4 heads, seq 1024 (softcap_query_tile's
   // 2^22 / (b h s)); each tile reads the keys up to its last query (the window, 4096, covers the sequence).
   j["architectures"] = {"Gemma2ForCausalLM"};
