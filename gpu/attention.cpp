@@ -47,19 +47,7 @@ at::Tensor attention_mask(const BlockDims& d, const at::Tensor& docs, int64_t s,
   return at::zeros(hidden.sizes(), options).masked_fill_(hidden, -kInf);
 }
 
-// SDPA's keys and values, [b, kv_heads (heads where repeated), s,
-// head_dim] each, after the k norm and RoPE, and how SDPA is called.
-struct Keys {
-  at::Tensor k, v;
-  bool grouped = false, masked = false, direct = false;
-  std::optional<double> scale;
-  int64_t choice = kSdpMath;
-  Keys detached() const {
-    Keys c = *this;
-    c.k = k.detach(), c.v = v.detach();
-    return c;
-  }
-};
+using Keys = AttentionKeys;  // gpu/attention.h
 
 Keys keys(const BlockDims& d, const TensorMap& w, const TokenLayout& layout, at::Tensor k_proj, at::Tensor v_proj) {
   const int64_t b = k_proj.size(0), s = k_proj.size(1);
@@ -312,7 +300,7 @@ AttentionGraph attention_graph(const BlockDims& d, const TensorMap& w, bool norm
     at::AutoGradMode enable(true);  // K and V repeated (math's grouped K/V) keep their graph
     choose(d, layout, K, q0, path);
   }
-  g.direct = K.direct, g.scale = K.scale, g.grouped = K.grouped, g.k = K.k, g.v = K.v;
+  g.keys = K;
   if (K.direct && kept && kept->lse.defined()) {
     g.out = kept->attn.view({b, s, d.heads * d.head_dim});
     g.lse = lse_view(kept->lse, d, b, s);
@@ -351,10 +339,7 @@ AttentionGrads attention_grads(AttentionGraph& g, const at::Tensor& da) {
     g = {};
     return r;
   }
-  Keys K;
-  K.k = g.k.detach(), K.v = g.v.detach();
-  K.grouped = g.grouped, K.direct = g.direct, K.scale = g.scale;
-  K.masked = windowed(d, s) || layout.docs.defined();
+  const Keys K = g.keys.detached();
   // Each key's gradient sums its share from every tile that sees it: in
   // fp32 across tiles (one tile: the kernel's, as it is).
   const bool one = g.tile >= s;
@@ -419,7 +404,7 @@ AttentionGrads attention_grads(AttentionGraph& g, const at::Tensor& da) {
   at::AutoGradMode enable(true);
   std::vector<at::Tensor> inputs{g.k_leaf, g.v_leaf};
   if (norms) inputs.push_back(norm_leaf("self_attn.k_norm.weight"));
-  std::vector<at::Tensor> out = torch::autograd::grad({g.k, g.v}, inputs, {dk.to(dtype), dv.to(dtype)});
+  std::vector<at::Tensor> out = torch::autograd::grad({g.keys.k, g.keys.v}, inputs, {dk.to(dtype), dv.to(dtype)});
   r.k = std::move(out[0]), r.v = std::move(out[1]);
   if (norms) r.k_norm = std::move(out[2]);
   g = {};

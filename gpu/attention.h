@@ -63,18 +63,33 @@ at::Tensor attention_core(const BlockDims& d, const TensorMap& w, const TokenLay
 // runs again here, tiles as attention_core's). `w`: the q/k norms' weights,
 // leaves where their gradients are wanted (`norm_grads`). `out` is o_proj's
 // input, [b, s, heads * head_dim], without a graph.
+// SDPA's keys and values, [b, kv_heads (heads where repeated), s,
+// head_dim] each, after the k norm and RoPE, and how SDPA is called: with
+// grouped K/V, under a mask (a window below s, packed documents), by the
+// kernel's own backward (direct), the kernel ATen chose (choice: its
+// sdp::SDPBackend number, 0 math).
+struct AttentionKeys {
+  at::Tensor k, v;
+  bool grouped = false, masked = false, direct = false;
+  std::optional<double> scale;
+  int64_t choice = 0;
+  AttentionKeys detached() const {
+    AttentionKeys c = *this;
+    c.k = k.detach(), c.v = v.detach();
+    return c;
+  }
+};
+
 struct AttentionGraph {
   const BlockDims* d = nullptr;
   const TokenLayout* layout = nullptr;
   TensorMap w;
-  bool norm_grads = false, direct = false;
+  bool norm_grads = false;
   int64_t tile = 0;
   at::Tensor q_proj, out, lse;   // the projections' q; the core's output and (direct) log-sum-exp
   at::Tensor k_leaf, v_leaf;     // leaves of the k and v projections
-  at::Tensor k, v;               // SDPA's K and V ([b, heads or kv_heads, s, head_dim]) with their graph
+  AttentionKeys keys;            // K and V with their graph from the leaves
   at::Tensor q_leaf, graph_out;  // a one-tile core rebuilt with autograd (not direct)
-  std::optional<double> scale;
-  bool grouped = false;
 };
 AttentionGraph attention_graph(const BlockDims& d, const TensorMap& w, bool norm_grads, const TokenLayout& layout,
                                const at::Tensor& q_proj, const at::Tensor& k_proj, const at::Tensor& v_proj,

@@ -23,17 +23,6 @@ constexpr double kGiB = double(size_t{1} << 30);
 // Each number says where it comes from. "Assumption" marks a judgement that a
 // measurement on the real machine should replace (override it with key=value).
 
-// The AdamW kernels' rates per core: measured on the development machine's
-// Xeon core (AVX-512), data in cache so that memory does not bound them, by
-// build/bench/bench_adam --sizes 0.03 --threads 1 --reps 20: fp32 1797 M
-// parameters/s, q8 1100 (with --sizes 0.25: 1733 and 1135). Assumption: a
-// preset's cores run them as fast (a different clock or core scales both;
-// override cpu_adam_core_params_per_s / cpu_q8_core_params_per_s).
-void set_core_rates(CostModel& m) {
-  m.cpu_adam_core_params_per_s = 1.8e9;
-  m.cpu_q8_core_params_per_s = 1.1e9;
-}
-
 CostModel rtx4090() {
   CostModel m;
   m.name = "rtx4090";
@@ -65,7 +54,6 @@ CostModel rtx4090() {
   m.cpu = "16-core workstation CPU (Ryzen 9 7950X class), dual-channel DDR5-5600";
   m.cpu_cores = 16;
   m.cpu_mem_gbps = 70;
-  set_core_rates(m);
   // One PCIe 4.0 x4 NVMe (e.g. Samsung 990 PRO datasheet: 7.45 GB/s read,
   // 6.9 GB/s write sequential). Writes past the SLC cache sustain less: 5.
   m.nvme_read_gbps = 7;
@@ -99,7 +87,6 @@ CostModel h200() {
   m.cpu = "48-core server socket (Xeon Platinum 8468 class), 8-12 channels DDR5-4800";
   m.cpu_cores = 48;
   m.cpu_mem_gbps = 280;
-  set_core_rates(m);
   // One PCIe 5.0 x4 enterprise NVMe: datasheets list ~14 GB/s read, ~10 GB/s
   // write sequential; assume ~85% of that for our O_DIRECT I/O: 12 / 8.
   m.nvme_read_gbps = 12;
