@@ -17,6 +17,25 @@ std::string prefix_of(const ModelSpec& spec, int64_t b) {
 
 }  // namespace
 
+std::string_view compute_dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    case at::kFloat: return "fp32";
+    default: throw Error(fmt::format("compute dtype {} is not bf16, fp16 or fp32", c10::toString(dtype)));
+  }
+}
+
+at::ScalarType parse_compute_dtype(std::string_view text, std::string_view where) {
+  for (at::ScalarType t : {at::kBFloat16, at::kHalf, at::kFloat})
+    if (text == compute_dtype_name(t)) return t;
+  throw Error(fmt::format("{} = '{}' is not bf16, fp16 or fp32", where, text));
+}
+
+DType host_dtype(at::ScalarType dtype) {
+  return dtype == at::kFloat ? DType::kF32 : dtype == at::kHalf ? DType::kF16 : DType::kBF16;
+}
+
 TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& layout,
                       const at::Tensor& flat, bool trainable_only, size_t from) {
   STRIDER_CHECK(flat.dim() == 1 && from <= layout.total_elems() && size_t(flat.numel()) >= layout.total_elems() - from,
@@ -52,8 +71,8 @@ TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& l
 
 BlockRunner::BlockRunner(const ModelSpec& spec, ComputeOptions options, int64_t seq, at::Device device)
     : spec_(spec), options_(options) {
-  STRIDER_CHECK(options.dtype == at::kBFloat16 || options.dtype == at::kFloat,
-                "compute dtype {} is not supported (bf16 or fp32)", c10::toString(options.dtype));
+  STRIDER_CHECK(options.dtype == at::kBFloat16 || options.dtype == at::kHalf || options.dtype == at::kFloat,
+                "compute dtype {} is not supported (bf16, fp16 or fp32)", c10::toString(options.dtype));
   STRIDER_CHECK(options.token_tile >= 0, "token tile {} must be >= 0 (0: untiled)", options.token_tile);
   for (int64_t b = 0; b < spec.num_blocks(); ++b) layouts_.push_back(spec.layout(b));
   rope_ = rope_tables(spec.dims.rope, spec.dims.head_dim, seq, options.dtype, device);

@@ -12,14 +12,25 @@
 #include "gpu/blocks.h"
 #include "gpu/chunked_loss.h"
 #include "gpu/moe.h"
+#include "host/dtype.h"
 
 namespace strider {
 
 struct ComputeOptions {
-  at::ScalarType dtype = at::kBFloat16;  // parameters and activations; kFloat for exactness tests
+  // Parameters and activations: bf16; fp16 (with dynamic loss scaling,
+  // EngineConfig::loss_scaling); or fp32 for exactness tests.
+  at::ScalarType dtype = at::kBFloat16;
   int64_t vocab_chunk = 8192;            // LM-head chunk (vocabulary rows per pass)
   int64_t token_tile = 0;                // tokens per tile in the LM head (and layers' MLP); 0: all at once
 };
+
+// The compute dtypes by the names the configuration, the CLI and Python use:
+// "bf16", "fp16", "fp32". parse_compute_dtype throws naming `where` and the
+// text for anything else.
+std::string_view compute_dtype_name(at::ScalarType dtype);
+at::ScalarType parse_compute_dtype(std::string_view text, std::string_view where);
+// The host's spelling of a compute dtype (host/dtype.h): kBF16, kF16, kF32.
+DType host_dtype(at::ScalarType dtype);
 
 // Named views of a block's flat 1-D buffer (`flat` holds layout.total_elems()
 // elements of any dtype); names lose the block prefix (see gpu/blocks.h).

@@ -3,6 +3,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -50,6 +51,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
                                                 place_.ring_slot_bytes > 0 ? config_.grad_ring : 0, timeline_);
   dist_ = solo_collectives();
   dist_update_ = solo_collectives();
+  if (config_.loss_scaled()) scaler_.scale = config_.loss_scaling.init;
   const int64_t M = config_.accumulation, P = num_pieces(), head = place_.head;
   slice_bytes_.resize(size_t(config_.state_shards) + 1);
 
@@ -123,7 +125,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
       nvme_staging_.push_back({arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging master", ArenaUse::kHostOnly),
                                arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam m", ArenaUse::kHostOnly),
                                arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam v", ArenaUse::kHostOnly),
-                               config_.clip_norm > 0 ? arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging grads", ArenaUse::kHostOnly)
+                               config_.gated_updates() ? arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging grads", ArenaUse::kHostOnly)
                                                      : std::span<std::byte>()});
     // Fresh state: zero master, m and v on the drive, so every extent is valid.
     std::memset(nvme_staging_[0].master.data(), 0, place_.nvme_slot_bytes);
@@ -293,6 +295,8 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   auto job = std::make_shared<UpdateJob>();
   job->step = rep.step;
   job->lr = rep.lr;
+  pass_scale_ = job->loss_scale = config_.loss_scaled() ? scaler_.scale : 1.0;
+  rep.loss_scale = config_.loss_scaled() ? scaler_.scale : 0.0;
   if (simulated()) {
     sim_updater_->begin(program_, job->step);
     const double begin = sim_updater_->pass_begin_us();
@@ -339,6 +343,7 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   const auto [loss, valid] = pass_loss();
   rep.valid_tokens = valid;
   rep.loss = loss;
+  if (config_.loss_scaled()) update_loss_scale(rep);
   const double t1 = Timeline::now_us();
   // Every copy of the step has finished: the gradients landed (the norm is
   // known), the loss figures too; nothing of the next step is issued yet.
@@ -396,7 +401,7 @@ MoeStep EngineCore::moe_step(const Seat& s, int64_t b, int64_t m, bool backward)
   st.stats = s.moe_stats[m];
   if (!backward) return st;
   // Every rank's micro-batches count alike: their gradients sum over the ranks.
-  st.aux_scale = spec_.router_aux_coef / (double(config_.accumulation) * double(dist_->ranks().world));
+  st.aux_scale = pass_scale_ * spec_.router_aux_coef / (double(config_.accumulation) * double(dist_->ranks().world));
   st.rows = moe_rows();
   return st;
 }
@@ -424,6 +429,32 @@ void EngineCore::set_collectives(std::unique_ptr<Collectives> ranks) {
 }
 
 const RankInfo& EngineCore::ranks() const { return dist_->ranks(); }
+
+// torch.amp.GradScaler.update: back off on an overflow (and reset the run of
+// good steps), grow after growth_interval good steps in a row. An overflow
+// of finite loss above the floor is the scale's business, not a divergence.
+void EngineCore::update_loss_scale(StepReport& rep) {
+  const LossScaling& ls = config_.loss_scaling;
+  if (rep.skipped) {
+    rep.overflow = std::isfinite(rep.loss) && scaler_.scale > ls.floor;
+    scaler_.scale = std::max(ls.floor, scaler_.scale * ls.backoff);
+    scaler_.good_steps = 0;
+    return;
+  }
+  if (++scaler_.good_steps < ls.growth_interval) return;
+  scaler_.scale *= ls.growth;
+  scaler_.good_steps = 0;
+}
+
+void EngineCore::set_loss_scale(LossScaleState s) {
+  STRIDER_CHECK(config_.loss_scaled(), "set_loss_scale: the {} compute dtype does not scale its loss (fp16 does)",
+                compute_dtype_name(config_.compute.dtype));
+  STRIDER_CHECK(std::isfinite(s.scale) && s.scale >= config_.loss_scaling.floor && s.good_steps >= 0,
+                "set_loss_scale: a scale of {} with {} good steps; the scale is finite and at least the floor {}",
+                s.scale, s.good_steps, config_.loss_scaling.floor);
+  finish_updates();
+  scaler_ = s;
+}
 
 void EngineCore::set_steps_done(int64_t steps) {
   STRIDER_CHECK(steps >= 0, "set_steps_done({}): a step count is >= 0", steps);
@@ -475,7 +506,7 @@ void EngineCore::model_weights(int64_t b, DType file_dtype, std::span<float> out
   STRIDER_CHECK(!simulated(), "model_weights: a simulated engine holds no state");
   STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
                 "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
-  if (file_dtype != DType::kBF16 || place_.compute_bytes != 2 || store_->block(size_t(b)).compute_begin > 0) {
+  if (file_dtype != DType::kBF16 || config_.compute.dtype != at::kBFloat16 || store_->block(size_t(b)).compute_begin > 0) {
     read_state(b, ExtentKind::kMaster, out);
     return;
   }

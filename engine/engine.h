@@ -84,6 +84,12 @@ struct StepReport {
   // in data parallel): nothing was computed, nothing changed, and the step is
   // skipped without being a fault (a sparse chat data set has such batches).
   bool no_targets = false;
+  // fp16 (EngineConfig::loss_scaling): the scale this step's gradients
+  // carried (0: the dtype does not scale). An overflow is a skip of finite
+  // loss while the scale was above its floor: the scale backs off, and it
+  // is not a divergence (--max-skipped-steps does not count it).
+  double loss_scale = 0;
+  bool overflow = false;
   int64_t nonfinite_block = -1;  // the first block (in forward order) with a non-finite gradient, or -1
   std::string nonfinite_tensor;  // that block's first non-finite gradient tensor
 };
@@ -162,6 +168,11 @@ class Engine {
   // For resuming: the optimizer steps already taken (AdamW's bias corrections
   // and the learning-rate schedule continue from here). Between steps only.
   void set_steps_done(int64_t steps);
+  // The fp16 compute dtype's loss scale (EngineConfig::loss_scaling) and its
+  // run of good steps, as a checkpoint keeps them; set it between steps, to
+  // resume. Other dtypes have none (set_loss_scale throws).
+  LossScaleState loss_scale() const;
+  void set_loss_scale(LossScaleState s);
   // Data parallel: this engine is one of `ranks`' ranks, each stepping on its
   // own micro-batches of one global batch. The ranks agree on the batch's valid
   // tokens before the pass (every rank's loss is scaled by the global count),

@@ -47,6 +47,8 @@ int Engine::devices() const { return core_->devices(); }
 Timeline& Engine::timeline() { return core_->timeline(); }
 int64_t Engine::steps_done() const { return core_->steps_done(); }
 void Engine::set_steps_done(int64_t steps) { core_->set_steps_done(steps); }
+LossScaleState Engine::loss_scale() const { return core_->loss_scale(); }
+void Engine::set_loss_scale(LossScaleState s) { core_->set_loss_scale(s); }
 void Engine::set_collectives(std::unique_ptr<Collectives> ranks) { core_->set_collectives(std::move(ranks)); }
 const RankInfo& Engine::ranks() const { return core_->ranks(); }
 size_t Engine::arena_bytes() const { return core_->arena_bytes(); }

@@ -18,6 +18,28 @@
 
 namespace strider {
 
+// Dynamic loss scaling, as torch.amp.GradScaler does it (the fp16 compute
+// dtype uses it; the others never scale). The loss's gradient is multiplied
+// by the scale, so fp16 activation gradients keep their small values; the
+// fp32 gradients that reach the host are divided by it before the norm,
+// clipping and AdamW. A step whose scaled gradients are not finite is
+// skipped before any update and the scale is multiplied by `backoff` (not
+// below `floor`); after `growth_interval` steps in a row without one it is
+// multiplied by `growth`.
+struct LossScaling {
+  double init = 65536.0;         // GradScaler's init_scale (2^16)
+  double growth = 2.0;
+  double backoff = 0.5;
+  int64_t growth_interval = 2000;
+  double floor = 1.0;            // an overflow at this scale is a divergence (StepReport::overflow)
+};
+
+// Where loss scaling stands between steps: what a checkpoint keeps.
+struct LossScaleState {
+  double scale = 1.0;
+  int64_t good_steps = 0;        // steps since the last overflow (or growth)
+};
+
 struct EngineConfig {
   int64_t seq = 128;
   int64_t micro_batch = 1;     // sequences per micro-batch
@@ -67,8 +89,16 @@ struct EngineConfig {
   BaseFormat base_format = BaseFormat::kCompute;
   // Gradients are summed in fp32 on the device over the micro-batches, then
   // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
-  // keeps them exact (the exactness tests; an fp32 compute dtype always does).
+  // keeps them exact (the exactness tests; an fp32 compute dtype always does,
+  // and so does fp16, whose scaled gradients' sums could overflow fp16's range
+  // where fp32 accumulation did not).
   bool fp32_grad_transfer = false;
+  LossScaling loss_scaling;    // used by the fp16 compute dtype only
+  bool loss_scaled() const { return compute.dtype == at::kHalf; }
+  // Every gradient is checked before any update (the norm gates them):
+  // clipping needs the global norm, and loss scaling must know that no
+  // scaled gradient overflowed. Else updates overlap backward.
+  bool gated_updates() const { return clip_norm > 0 || loss_scaled(); }
   // Decoder-layer blocks (1..layers) whose backward does not recompute their
   // forward's matmuls: forward keeps their outputs (gpu/blocks.h's
   // LayerSaved: q, k, v, the attention core's output and log-sum-exp, x1,
@@ -91,7 +121,7 @@ struct EngineConfig {
   // is one sequence (a step given packed positions is refused).
   bool packed_documents = false;
   at::ScalarType grad_dtype() const {
-    return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
+    return compute.dtype != at::kBFloat16 || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
   }
   NvmeBackend nvme_backend = NvmeBackend::kAuto;
   LockPolicy lock = LockPolicy::kPrefer;

@@ -18,7 +18,9 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
   return {{"seq", c.seq},
           {"micro_batch", c.micro_batch},
           {"accumulation", c.accumulation},
-          {"dtype", c.compute.dtype == at::kFloat ? "fp32" : "bf16"},
+          {"dtype", std::string(compute_dtype_name(c.compute.dtype))},
+          {"loss_scale", c.loss_scaling.init},
+          {"loss_scale_growth_interval", c.loss_scaling.growth_interval},
           {"vocab_chunk", c.compute.vocab_chunk},
           {"token_tile", c.compute.token_tile},
           {"vocab_shard_rows", c.vocab_shard_rows},
@@ -67,7 +69,9 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   get("seq", c.seq);
   get("micro_batch", c.micro_batch);
   get("accumulation", c.accumulation);
-  c.compute.dtype = j["dtype"] == "fp32" ? at::kFloat : at::kBFloat16;
+  c.compute.dtype = parse_compute_dtype(j["dtype"].get<std::string>(), "engine config dtype");
+  get("loss_scale", c.loss_scaling.init);
+  get("loss_scale_growth_interval", c.loss_scaling.growth_interval);
   get("vocab_chunk", c.compute.vocab_chunk);
   get("token_tile", c.compute.token_tile);
   get("vocab_shard_rows", c.vocab_shard_rows);

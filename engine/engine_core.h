@@ -57,6 +57,8 @@ class EngineCore {
   Timeline& timeline() { return timeline_; }
   int64_t steps_done() const { return steps_; }
   void set_steps_done(int64_t steps);
+  LossScaleState loss_scale() const { return scaler_; }
+  void set_loss_scale(LossScaleState s);
   void set_collectives(std::unique_ptr<Collectives> ranks);
   const RankInfo& ranks() const;
   size_t arena_bytes() const { return arena_->capacity_bytes(); }
@@ -187,6 +189,7 @@ class EngineCore {
     int64_t step = 0;  // 1-based: the AdamW step count
     int64_t pass = 0;  // 1-based: the training pass whose gradients it consumes
     double lr = 0;
+    double loss_scale = 1.0;  // what the pass's loss gradient was multiplied by (fp16; else 1)
     // Set by the updater before the norm is published (read after it).
     bool skipped = false;
     std::string skip_reason;
@@ -199,7 +202,7 @@ class EngineCore {
     std::vector<std::vector<double>> parts; // per piece: that, range by range (the norm adds these)
     std::vector<std::string> bad_tensor;    // per piece: its first non-finite gradient tensor, or ""
     int64_t fault_piece = -1;               // inject_nonfinite_gradient's piece in this pass
-    double grad_scale = 1.0;                // the clipping coefficient, once the norm is known
+    double grad_scale = 1.0;                // 1 / loss scale times the clipping coefficient, once the norm is known
   };
   void updater_main();
   void run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig);
@@ -281,6 +284,9 @@ class EngineCore {
 
   // Per-step state shared with closures (they run in stream order).
   int64_t batch_valid_ = 0;                 // labels of the batch that count
+  LossScaleState scaler_;                   // fp16's loss scale (EngineConfig::loss_scaling), between steps
+  double pass_scale_ = 1.0;                 // what this pass's loss gradient is multiplied by (the issuing thread's)
+  void update_loss_scale(StepReport& rep);  // after a pass: GradScaler.update
   // Per micro-batch loss sum and valid tokens ([2, M] float64), summed on the
   // device and copied out once per pass: no host read inside the head's ops.
   std::span<double> head_stats_host_;

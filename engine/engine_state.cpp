@@ -8,6 +8,7 @@
 #include "host/adam_q8.h"
 #include "host/base_format.h"
 #include "host/bf16.h"
+#include "host/half.h"
 #include "host/error.h"
 
 namespace strider {
@@ -83,7 +84,7 @@ void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
     }
     const std::span<const std::byte> c = s.compute_range(lo, hi - lo);
     if (!s.compute.empty())
-      bf16_to_float({reinterpret_cast<const uint16_t*>(c.data()), hi - lo}, out.subspan(lo, hi - lo));
+      widen_16(s.compute_dtype, {reinterpret_cast<const uint16_t*>(c.data()), hi - lo}, out.subspan(lo, hi - lo));
     else
       std::memcpy(out.data() + lo, c.data(), c.size());
   }
@@ -121,7 +122,7 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
       }
       const std::span<std::byte> c = s.compute_range(lo, hi - lo);
       if (!s.compute.empty())
-        float_to_bf16(in.subspan(lo, hi - lo), {reinterpret_cast<uint16_t*>(c.data()), hi - lo});
+        round_to_16(s.compute_dtype, in.subspan(lo, hi - lo), {reinterpret_cast<uint16_t*>(c.data()), hi - lo});
       else
         std::memcpy(c.data(), in.data() + lo, c.size());
     }
@@ -132,7 +133,7 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
     const Range own{s.state_begin, s.state_end};
     const std::span<std::byte> c = s.compute_range(own.begin, own.elems());
     if (place_.nvme_block[size_t(b)] && !q8 && !s.compute.empty())
-      float_to_bf16(in.subspan(own.begin, own.elems()), {reinterpret_cast<uint16_t*>(c.data()), own.elems()});
+      round_to_16(s.compute_dtype, in.subspan(own.begin, own.elems()), {reinterpret_cast<uint16_t*>(c.data()), own.elems()});
     else if (place_.nvme_block[size_t(b)] && !q8)
       std::memcpy(c.data(), in.data() + own.begin, c.size());
   } else if (kind == ExtentKind::kMaster && (place_.nvme_block[size_t(b)] || sharded())) {
@@ -144,7 +145,7 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
       std::vector<uint8_t> ext(tail.size());  // the q8 master's low bytes, kept only for this rank's slice below
       q8_encode_master(tail.data(), s.compute.data(), ext.data(), tail.size());
     } else if (!s.compute.empty()) {
-      float_to_bf16(tail, s.compute);
+      round_to_16(s.compute_dtype, tail, s.compute);
     } else {
       std::copy(tail.begin(), tail.end(), s.compute_f32.begin());
     }

@@ -289,14 +289,18 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
             job.nonfinite_tensor = fig.bad_tensor[size_t(p)];
             break;
           }
+      // The gradients of a loss-scaled pass are the scale times the loss's:
+      // the norm is of the loss's, and every update divides the scale out.
+      const double unscale = op.unscale ? 1.0 / job.loss_scale : 1.0;
+      const double norm = std::sqrt(total) * unscale;
       {
         std::lock_guard lk(mu_);
-        last_norm_ = std::sqrt(total);
+        last_norm_ = norm;
         norm_pass_ = job.pass;
       }
       cv_.notify_all();
       // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1.
-      if (op.gate) fig.grad_scale = std::min(1.0, op.clip / (std::sqrt(total) + 1e-6));
+      if (op.gate) fig.grad_scale = unscale * (op.clip > 0 ? std::min(1.0, op.clip / (norm + 1e-6)) : 1.0);
       return;
     }
     case StepOpKind::kReadState:
@@ -440,7 +444,7 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
         std::memcpy(out + begin, p + begin, (end - begin) * sizeof(float));
       });
     } else {
-      adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, s.compute_at(at), len});
+      adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, s.compute_at(at), len, s.compute_dtype});
     }
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,

@@ -305,14 +305,14 @@ void EngineCore::head_op(const StepOp& op) {
   }
   at::Tensor grad_rows = rows_pc.frozen ? at::Tensor() : rows_view(grads, norm_pc.elems() - base, rows_pc);
   at::Tensor labels = x.labels, lse = x.head_lse;
-  const int64_t valid = batch_valid_;
+  const double loss_scale = pass_scale_ / double(batch_valid_);  // the mean over the batch's valid tokens, scaled (fp16)
   const at::Tensor kept = op.keep ? kept_logits(st, m, rows_pc) : at::Tensor();
   dev.launch(StreamId::kCompute, {"head backward", int32_t(place_.head), op_flops(op)},
-             [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, valid, first, kept](
+             [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, loss_scale, first, kept](
                  const LaunchContext&) {
                if (first) grad_h.zero_();
                head_grad_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, lse,
-                               1.0 / double(valid), grad_h, grad_rows, kept);
+                               loss_scale, grad_h, grad_rows, kept);
              });
 }
 

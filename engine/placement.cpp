@@ -13,10 +13,10 @@ size_t round_up(size_t x, size_t to) { return (x + to - 1) / to * to; }
 
 // Whose gradients land in the shared ring rather than a buffer of their own:
 // an NVMe-tier block's always (it keeps nothing but its compute copy in RAM),
-// and without clipping every block's, since each block's update consumes its
-// gradients as they land. With clipping a RAM-tier block keeps its own buffer:
-// every gradient must outlive the global norm.
-bool grads_in_ring(bool on_nvme, const EngineConfig& c) { return on_nvme || c.clip_norm <= 0; }
+// and without clipping (or loss scaling) every block's, since each block's
+// update consumes its gradients as they land. With clipping a RAM-tier block
+// keeps its own buffer: every gradient must outlive the global norm.
+bool grads_in_ring(bool on_nvme, const EngineConfig& c) { return on_nvme || !c.gated_updates(); }
 
 // The trained pieces in the order their gradients land (frozen pieces send none).
 std::vector<int64_t> landing_order(const ModelSpec& spec, const Sharding& sh, int64_t head) {
@@ -79,7 +79,7 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   f.optimizer_host_bytes = ParamStore::state_bytes_needed(pl.store_blocks, pl.store);
   f.state_host_bytes = ParamStore::bytes_needed(pl.store_blocks, pl.store) - f.shared_host_bytes +
                        (spec.tie_embeddings ? round_up(emb_elems * 4, kHostAlign) : 0) +
-                       2 * (c.clip_norm > 0 ? 4 : 3) * pl.nvme_slot_bytes + uint64_t(c.grad_ring) * pl.ring_slot_bytes;
+                       2 * (c.gated_updates() ? 4 : 3) * pl.nvme_slot_bytes + uint64_t(c.grad_ring) * pl.ring_slot_bytes;
   // The arena: that, the batch, the loss figures (and alignment slack), host checkpoints.
   f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kHostAlign) + round_up(2 * M * 8, kHostAlign) +
                  8 * kHostAlign;
@@ -100,7 +100,7 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     f.host_bytes += f.saved_host_bytes;
   }
   f.registered_host_bytes =
-      f.host_bytes - f.optimizer_host_bytes - 2 * (c.clip_norm > 0 ? 4 : 3) * pl.nvme_slot_bytes + f.shared_host_bytes;
+      f.host_bytes - f.optimizer_host_bytes - 2 * (c.gated_updates() ? 4 : 3) * pl.nvme_slot_bytes + f.shared_host_bytes;
 }
 
 }  // namespace
@@ -111,15 +111,18 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.window >= 2, "the window must hold at least 2 cache units (K = {})", c.window);
   STRIDER_CHECK(c.seq <= spec.max_position, "seq {} exceeds the model's max_position_embeddings {}", c.seq,
                 spec.max_position);
-  STRIDER_CHECK(c.compute.dtype == at::kFloat || c.compute.dtype == at::kBFloat16,
-                "compute dtype must be bf16 or fp32");
+  STRIDER_CHECK(c.compute.dtype == at::kFloat || c.compute.dtype == at::kBFloat16 || c.compute.dtype == at::kHalf,
+                "compute dtype must be bf16, fp16 or fp32");
   STRIDER_CHECK(c.clip_norm >= 0, "clip_norm {} must be >= 0 (0 turns clipping off)", c.clip_norm);
   STRIDER_CHECK(!state_uses_compute_copy(c.optimizer_state) || c.compute.dtype == at::kBFloat16,
                 "the {} optimizer state keeps the master's high half in the bf16 compute copy: it needs the bf16 "
-                "compute dtype, not fp32", state_format_name(c.optimizer_state));
+                "compute dtype, not {}", state_format_name(c.optimizer_state), compute_dtype_name(c.compute.dtype));
   STRIDER_CHECK(c.base_format == BaseFormat::kCompute || spec.lora.enabled(),
                 "base_format {}: only a frozen LoRA base is quantized; give lora too, or base_format compute",
                 base_format_name(c.base_format));
+  STRIDER_CHECK(c.base_format == BaseFormat::kCompute || c.compute.dtype != at::kHalf,
+                "base_format {} with the fp16 compute dtype: a quantized base dequantizes to bf16 or fp32 only; "
+                "give base_format compute, or dtype bf16", base_format_name(c.base_format));
   STRIDER_CHECK(c.base_format == BaseFormat::kCompute || c.layer_pieces.empty(),
                 "base_format {} with layer_pieces '{}': a quantized base is one piece of its layer; leave "
                 "layer_pieces empty", base_format_name(c.base_format), c.layer_pieces);
@@ -164,7 +167,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
                      pc.ranges[0].begin == 0 && pc.ranges[0].end == pl.layouts[size_t(pc.block)].trainable_span().first;
   const Sharding& sh = pl.shards;
   const int64_t P = int64_t(sh.pieces.size());
-  const bool clip = c.clip_norm > 0;
+  const bool clip = c.gated_updates();
 
   pl.saved_index.assign(size_t(pl.blocks), -1);
   int64_t kept = 0;
@@ -203,7 +206,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
       }
   }
   pl.store = {.grad_dtype = pl.grad_bytes == 4 ? DType::kF32 : DType::kBF16,
-              .compute_dtype = pl.compute_bytes == 4 ? DType::kF32 : DType::kBF16,
+              .compute_dtype = host_dtype(c.compute.dtype),
               .format = c.optimizer_state};
 
   // Per piece: its slice, its update runs, its NVMe extents (of its slice, in the format's bytes).

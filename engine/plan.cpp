@@ -233,14 +233,14 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
       p.reason = fmt::format("needs {} of pinned host RAM, {} of it the frozen base's compute copy ({}: LoRA "
                              "trains adapters over it, and NVMe holds optimizer state, not compute copies); the "
                              "limit is {}; give more --ram, or hold the base in int8 or NF4 (--base-format)",
-                             format_bytes(f.host_bytes), format_bytes(base), l.dtype == at::kFloat ? "fp32" : "bf16",
+                             format_bytes(f.host_bytes), format_bytes(base), compute_dtype_name(l.dtype),
                              limit_text);
     } else {
       const uint64_t base = ParamStore::compute_bytes_needed(placed.store_blocks, placed.store);
       p.reason = fmt::format("needs {} of pinned host RAM, {} of it the frozen base ({} layers, the rest in {}: "
                              "NVMe holds optimizer state, not the base); the limit is {}; give more --ram",
                              format_bytes(f.host_bytes), format_bytes(base), base_format_name(l.base_format),
-                             l.dtype == at::kFloat ? "fp32" : "bf16", limit_text);
+                             compute_dtype_name(l.dtype), limit_text);
     }
     return p;
   }
@@ -295,12 +295,14 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     p.why.push_back(fmt::format("optimizer state of {} of {} blocks on NVMe ({}): pinned RAM limit {}",
                                 p.nvme_blocks.size(), blocks, format_bytes(f.nvme_bytes), limit_text));
     p.why.push_back(fmt::format("their gradients through a ring of {} slots{}", l.grad_ring,
-                                l.clip_norm > 0 ? ", spilled to NVMe until the clipping norm is known" : ""));
+                                l.clip_norm > 0 || l.dtype == at::kHalf
+                                    ? ", spilled to NVMe until the norm is known (clipping, loss scaling)"
+                                    : ""));
   } else {
     p.why.push_back(fmt::format("optimizer state ({}: master, Adam m, v at {:.4g} bytes per parameter) in host RAM",
                                 state_format_name(l.optimizer_state), state_bytes_per_elem(l.optimizer_state)));
   }
-  if (l.clip_norm <= 0)
+  if (l.clip_norm <= 0 && l.dtype != at::kHalf)
     p.why.push_back(fmt::format("no clipping: every block's gradients through a ring of {} host slots, each freed "
                                 "by its block's update",
                                 l.grad_ring));

@@ -390,7 +390,7 @@ void lay_out_visits(const Placement& place, StepProgram& prog) {
 
 ProgramInputs program_inputs(const EngineConfig& c, int world) {
   return {.window = c.window, .micro_batches = c.accumulation, .checkpoints_on_host = c.checkpoints_on_host,
-          .keep_logits = c.keep_logits, .clip_norm = c.clip_norm, .world = world,
+          .keep_logits = c.keep_logits, .clip_norm = c.clip_norm, .loss_scaled = c.loss_scaled(), .world = world,
           .shared_compute = !c.shared_compute_file.empty()};
 }
 
@@ -403,7 +403,9 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   lay_out_visits(place, prog);
   const std::vector<int32_t>& sent = dev.grads_out_;
   const int64_t P = place.num_pieces();
-  const bool clip = in.clip_norm > 0;
+  // An overflow of scaled gradients is routine, not a fault: like clipping,
+  // loss scaling needs every gradient checked before any update.
+  const bool clip = in.clip_norm > 0 || in.loss_scaled;
   const bool sharded = !place.block_slices.empty() && place.block_slices[0].size() > 2;
   const bool ranks = in.world > 1 || sharded;
   auto add = [&](StepOpKind k, Lane lane, int64_t p, std::vector<int32_t> after) {
@@ -479,6 +481,7 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
     prog.norm = add(StepOpKind::kNorm, Lane::kOptimizer, -1, std::move(w));
     prog.ops[size_t(prog.norm)].gate = true;
     prog.ops[size_t(prog.norm)].clip = in.clip_norm;
+    prog.ops[size_t(prog.norm)].unscale = in.loss_scaled;
     for (size_t k = 0; k < order.size(); ++k) update(k, {prog.norm});
   } else {
     std::vector<int32_t> w;  // published once every trained piece is updated

@@ -23,9 +23,10 @@
 //   landing           each piece's gradients in landing order, and their sums of squares
 //   ranks             sums over the ranks (a reduce-scatter when the state is
 //                     sharded) and the compute copy's gather
-//   clipping          with clipping: the norm gates every update, which run in
-//                     forward order after it; without: each update follows its
-//                     gradients, the first piece checked before any update
+//   clipping          with clipping (or loss scaling): the norm gates every
+//                     update, which run in forward order after it; without:
+//                     each update follows its gradients, the first piece
+//                     checked before any update
 //   nvme              spills under clipping, state read ahead and written back
 // Two executors walk the same program: the engine's (the issuing thread for
 // device operations, the updater thread for host ones) and the simulator
@@ -117,7 +118,8 @@ struct StepOp {
   bool over_slices = false;    // kSumRanks, kSumSquares, kAdamW: this rank holds a slice (sharded state)
   bool shared_copy = false;    // kGather, kAdamW: the machine's ranks share one compute copy
   bool gate = false;           // kNorm: a non-finite norm skips the step, and `clip` scales the updates
-  double clip = 0;             // kNorm: the clipping norm
+  double clip = 0;             // kNorm: the clipping norm (0: none)
+  bool unscale = false;        // kNorm: the gradients carry the pass's loss scale: the norm and the updates divide it out
   int64_t updated_before = 0;  // kCheckGrad: pieces the pass updated before this one
   std::vector<int32_t> after;  // operations of the same pass it waits for (indices into StepProgram::ops)
   std::vector<int32_t> after_previous;  // operations of the previous pass it waits for
@@ -142,6 +144,7 @@ struct ProgramInputs {
   bool checkpoints_on_host = false;  // block inputs copied out after forward and back before backward
   bool keep_logits = false;     // the head's pass 1 keeps the logits for pass 2
   double clip_norm = 0;
+  bool loss_scaled = false;     // fp16: the gradients carry a loss scale (the norm gates the updates, as clipping's does)
   int world = 1;                // ranks stepping together (1: none)
   bool shared_compute = false;  // the machine's ranks share one compute copy
 };

@@ -93,7 +93,7 @@ std::string describe(const StepProgram& program, const ModelSpec& spec, const Pl
     if (o.peer >= 0) attrs += fmt::format(" [from device {}]", o.peer);
     if (o.over_slices) attrs += " [this rank's slice]";
     if (o.kind == StepOpKind::kGather && o.shared_copy) attrs += " [barrier: shared copy]";
-    if (o.gate) attrs += fmt::format(" [gates the updates; clip {}]", o.clip);
+    if (o.gate) attrs += fmt::format(" [gates the updates; clip {}{}]", o.clip, o.unscale ? "; unscales" : "");
     out += fmt::format("{:5} {:<10} {:<22} {:<28}{} {}\n", i, lane_name(o.lane), op_name(o.kind),
                        what(o, spec, place), attrs, waits);
   }
@@ -115,6 +115,7 @@ nlohmann::json to_json(const StepProgram& program, const ModelSpec& spec, const 
     if (!o.after_previous.empty()) j["after_previous_step"] = o.after_previous;
     if (o.over_slices) j["slice"] = true;
     if (o.gate) j["clip"] = o.clip;
+    if (o.unscale) j["unscale"] = true;
     ops.push_back(std::move(j));
   }
   return ops;

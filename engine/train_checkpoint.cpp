@@ -283,6 +283,10 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
                        // LoRA: the frozen base's fingerprint (frozen_checksum), which a load checks
                        {"base_checksums", base_checksums},
                        {"extra", extra}};
+  if (engine.config().loss_scaled()) {  // fp16: where its loss scaling stands, so a resume goes on from it
+    const LossScaleState ls = engine.loss_scale();
+    ts["loss_scale"] = {{"scale", ls.scale}, {"good_steps", ls.good_steps}};
+  }
   const std::string text = ts.dump(2) + "\n";
   // Last: its presence marks the directory complete.
   write_file_atomic((tmp.path / kTrainerState).string(), std::as_bytes(std::span(text)));

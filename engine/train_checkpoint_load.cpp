@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <array>
 #include <cstring>
+#include <cmath>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <fmt/ranges.h>
@@ -87,7 +89,7 @@ const std::vector<std::string>& maths_config_fields() {
   static const std::vector<std::string> kFields = {
       "seq", "micro_batch", "accumulation", "dtype", "vocab_chunk", "lr", "beta1", "beta2", "eps",
       "weight_decay", "decay_norms_and_biases", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state",
-      "packed_documents", "base_format"};
+      "packed_documents", "base_format", "loss_scale_growth_interval"};
   return kFields;
 }
 
@@ -222,6 +224,21 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
     }
   }
 
+  // 5b. fp16: the loss scale the run had reached (a checkpoint of another
+  // dtype has none: the engine's initial scale stands).
+  std::optional<LossScaleState> scale;
+  if (engine.config().loss_scaled() && info.trainer_state.contains("loss_scale")) {
+    const nlohmann::json& j = info.trainer_state["loss_scale"];
+    STRIDER_CHECK(j.is_object() && j.value("scale", nlohmann::json()).is_number() &&
+                      j.value("good_steps", nlohmann::json()).is_number_integer(),
+                  "{}: 'loss_scale' is {}, not {{\"scale\": number, \"good_steps\": integer}}", ts_file, j.dump());
+    scale = LossScaleState{j["scale"].get<double>(), j["good_steps"].get<int64_t>()};
+    STRIDER_CHECK(std::isfinite(scale->scale) && scale->scale >= engine.config().loss_scaling.floor &&
+                      scale->good_steps >= 0,
+                  "{}: 'loss_scale' {} is not a finite scale of at least {} with good_steps >= 0", ts_file, j.dump(),
+                  engine.config().loss_scaling.floor);
+  }
+
   // 6. Everything checked: now, and only now, the engine changes. A frozen
   // tensor keeps its values (the master buffer starts as the engine's).
   for (int64_t b = 0; b < blocks; ++b) {
@@ -241,6 +258,7 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
     }
   }
   engine.set_steps_done(info.step);
+  if (scale) engine.set_loss_scale(*scale);
   return info.extra;
 }
 

@@ -7,7 +7,7 @@
 //   m  = beta1 * m + (1 - beta1) * g
 //   v  = beta2 * v + (1 - beta2) * (g * g)
 //   p  = p + neg_step_size * (m / (sqrt(v) / bc2_sqrt + eps))
-//   out = bf16_round_nearest_even(p)
+//   out = bf16_round_nearest_even(p), or fp16_round_nearest_even(p) (out_f16)
 #pragma once
 
 #include <cstddef>
@@ -17,17 +17,18 @@
 
 namespace strider::detail {
 
-// Signature shared by every kernel: grad is bf16 bits or fp32; out may be null.
+// Signature shared by every kernel: grad is bf16 bits or fp32; out may be
+// null, else it gets bf16 bits, or fp16 bits when out_f16.
 using AdamKernelBf16 = void (*)(const AdamStep&, float* p, float* m, float* v,
-                                const uint16_t* g, uint16_t* out, size_t n);
+                                const uint16_t* g, uint16_t* out, bool out_f16, size_t n);
 using AdamKernelF32 = void (*)(const AdamStep&, float* p, float* m, float* v,
-                               const float* g, uint16_t* out, size_t n);
+                               const float* g, uint16_t* out, bool out_f16, size_t n);
 
-void adam_scalar_bf16(const AdamStep&, float*, float*, float*, const uint16_t*, uint16_t*, size_t);
-void adam_scalar_f32(const AdamStep&, float*, float*, float*, const float*, uint16_t*, size_t);
-void adam_avx2_bf16(const AdamStep&, float*, float*, float*, const uint16_t*, uint16_t*, size_t);
-void adam_avx2_f32(const AdamStep&, float*, float*, float*, const float*, uint16_t*, size_t);
-void adam_avx512_bf16(const AdamStep&, float*, float*, float*, const uint16_t*, uint16_t*, size_t);
-void adam_avx512_f32(const AdamStep&, float*, float*, float*, const float*, uint16_t*, size_t);
+void adam_scalar_bf16(const AdamStep&, float*, float*, float*, const uint16_t*, uint16_t*, bool, size_t);
+void adam_scalar_f32(const AdamStep&, float*, float*, float*, const float*, uint16_t*, bool, size_t);
+void adam_avx2_bf16(const AdamStep&, float*, float*, float*, const uint16_t*, uint16_t*, bool, size_t);
+void adam_avx2_f32(const AdamStep&, float*, float*, float*, const float*, uint16_t*, bool, size_t);
+void adam_avx512_bf16(const AdamStep&, float*, float*, float*, const uint16_t*, uint16_t*, bool, size_t);
+void adam_avx512_f32(const AdamStep&, float*, float*, float*, const float*, uint16_t*, bool, size_t);
 
 }  // namespace strider::detail

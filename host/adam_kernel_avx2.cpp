@@ -31,6 +31,9 @@ inline __m128i to_bf16(__m256 x) {
   return _mm256_castsi256_si128(packed);
 }
 
+// IEEE fp16, round to nearest even (F16C, which every AVX2 CPU this runs on has: isa_supported checks).
+inline __m128i to_f16(__m256 x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
 struct Consts {
   __m256 scale, decay, l2, b1, omb1, b2, omb2, nstep, bc2, eps;
   explicit Consts(const AdamStep& s)
@@ -43,7 +46,7 @@ struct Consts {
 
 template <class G>
 inline void step8(const Consts& c, bool adamw, float* p, float* m, float* v, const G* g,
-                  uint16_t* out) {
+                  uint16_t* out, bool out_f16) {
   __m256 gi = _mm256_mul_ps(load_grad(g), c.scale);
   __m256 pi = _mm256_loadu_ps(p);
   if (adamw) pi = _mm256_mul_ps(pi, c.decay);
@@ -56,16 +59,16 @@ inline void step8(const Consts& c, bool adamw, float* p, float* m, float* v, con
   _mm256_storeu_ps(p, pi);
   _mm256_storeu_ps(m, mi);
   _mm256_storeu_ps(v, vi);
-  if (out != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(out), to_bf16(pi));
+  if (out != nullptr) _mm_storeu_si128(reinterpret_cast<__m128i*>(out), out_f16 ? to_f16(pi) : to_bf16(pi));
 }
 
 template <class G>
 void adam_avx2(const AdamStep& s, float* p, float* m, float* v, const G* g, uint16_t* out,
-               size_t n) {
+               bool out_f16, size_t n) {
   const Consts c(s);
   size_t i = 0;
   for (; i + 8 <= n; i += 8)
-    step8(c, s.adamw, p + i, m + i, v + i, g + i, out ? out + i : nullptr);
+    step8(c, s.adamw, p + i, m + i, v + i, g + i, out ? out + i : nullptr, out_f16);
   if (i == n) return;
   const size_t t = n - i;
   alignas(32) float tp[8] = {}, tm[8] = {}, tv[8] = {};
@@ -75,7 +78,7 @@ void adam_avx2(const AdamStep& s, float* p, float* m, float* v, const G* g, uint
   std::memcpy(tm, m + i, t * sizeof(float));
   std::memcpy(tv, v + i, t * sizeof(float));
   std::memcpy(tg, g + i, t * sizeof(G));
-  step8(c, s.adamw, tp, tm, tv, tg, out ? to : nullptr);
+  step8(c, s.adamw, tp, tm, tv, tg, out ? to : nullptr, out_f16);
   std::memcpy(p + i, tp, t * sizeof(float));
   std::memcpy(m + i, tm, t * sizeof(float));
   std::memcpy(v + i, tv, t * sizeof(float));
@@ -85,12 +88,12 @@ void adam_avx2(const AdamStep& s, float* p, float* m, float* v, const G* g, uint
 }  // namespace
 
 void adam_avx2_bf16(const AdamStep& s, float* p, float* m, float* v, const uint16_t* g,
-                    uint16_t* out, size_t n) {
-  adam_avx2(s, p, m, v, g, out, n);
+                    uint16_t* out, bool out_f16, size_t n) {
+  adam_avx2(s, p, m, v, g, out, out_f16, n);
 }
 void adam_avx2_f32(const AdamStep& s, float* p, float* m, float* v, const float* g,
-                   uint16_t* out, size_t n) {
-  adam_avx2(s, p, m, v, g, out, n);
+                   uint16_t* out, bool out_f16, size_t n) {
+  adam_avx2(s, p, m, v, g, out, out_f16, n);
 }
 
 }  // namespace strider::detail

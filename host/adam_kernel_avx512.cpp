@@ -28,9 +28,12 @@ inline __m256i to_bf16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
 
+// IEEE fp16, round to nearest even (the F16C conversion AVX-512F carries).
+inline __m256i to_f16(__m512 x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
 template <class G>
 void adam_avx512(const AdamStep& s, float* p, float* m, float* v, const G* g, uint16_t* out,
-                 size_t n) {
+                 bool out_f16, size_t n) {
   const __m512 scale = _mm512_set1_ps(s.grad_scale), decay = _mm512_set1_ps(s.decay),
                l2 = _mm512_set1_ps(s.l2), b1 = _mm512_set1_ps(s.beta1),
                omb1 = _mm512_set1_ps(s.one_minus_beta1), b2 = _mm512_set1_ps(s.beta2),
@@ -52,19 +55,19 @@ void adam_avx512(const AdamStep& s, float* p, float* m, float* v, const G* g, ui
     _mm512_mask_storeu_ps(p + i, k, pi);
     _mm512_mask_storeu_ps(m + i, k, mi);
     _mm512_mask_storeu_ps(v + i, k, vi);
-    if (out != nullptr) _mm256_mask_storeu_epi16(out + i, k, to_bf16(pi));
+    if (out != nullptr) _mm256_mask_storeu_epi16(out + i, k, out_f16 ? to_f16(pi) : to_bf16(pi));
   }
 }
 
 }  // namespace
 
 void adam_avx512_bf16(const AdamStep& s, float* p, float* m, float* v, const uint16_t* g,
-                      uint16_t* out, size_t n) {
-  adam_avx512(s, p, m, v, g, out, n);
+                      uint16_t* out, bool out_f16, size_t n) {
+  adam_avx512(s, p, m, v, g, out, out_f16, n);
 }
 void adam_avx512_f32(const AdamStep& s, float* p, float* m, float* v, const float* g,
-                     uint16_t* out, size_t n) {
-  adam_avx512(s, p, m, v, g, out, n);
+                     uint16_t* out, bool out_f16, size_t n) {
+  adam_avx512(s, p, m, v, g, out, out_f16, n);
 }
 
 }  // namespace strider::detail

@@ -3,6 +3,7 @@
 
 #include "host/adam_kernel.h"
 #include "host/bf16.h"
+#include "host/half.h"
 
 namespace strider::detail {
 namespace {
@@ -14,7 +15,7 @@ inline float load_grad(const G* g, size_t i) {
 }
 
 template <class G>
-void adam_scalar(const AdamStep& s, float* p, float* m, float* v, const G* g, uint16_t* out, size_t n) {
+void adam_scalar(const AdamStep& s, float* p, float* m, float* v, const G* g, uint16_t* out, bool out_f16, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     float gi = load_grad(g, i) * s.grad_scale;
     float pi = p[i];
@@ -27,19 +28,19 @@ void adam_scalar(const AdamStep& s, float* p, float* m, float* v, const G* g, ui
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
-    if (out != nullptr) out[i] = float_to_bf16(pi);
+    if (out != nullptr) out[i] = out_f16 ? float_to_f16(pi) : float_to_bf16(pi);
   }
 }
 
 }  // namespace
 
 void adam_scalar_bf16(const AdamStep& s, float* p, float* m, float* v, const uint16_t* g,
-                      uint16_t* out, size_t n) {
-  adam_scalar(s, p, m, v, g, out, n);
+                      uint16_t* out, bool out_f16, size_t n) {
+  adam_scalar(s, p, m, v, g, out, out_f16, n);
 }
 void adam_scalar_f32(const AdamStep& s, float* p, float* m, float* v, const float* g,
-                     uint16_t* out, size_t n) {
-  adam_scalar(s, p, m, v, g, out, n);
+                     uint16_t* out, bool out_f16, size_t n) {
+  adam_scalar(s, p, m, v, g, out, out_f16, n);
 }
 
 }  // namespace strider::detail

@@ -54,7 +54,8 @@ const char* isa_name(Isa isa) {
 bool isa_supported(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return true;
-    case Isa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case Isa::kAvx2:  // F16C too: the kernel writes an fp16 compute copy with it
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
@@ -79,7 +80,7 @@ Isa detect_isa() {
 
 namespace {
 
-// The dispatch table: [isa][gradient dtype]. The output is always bf16 (or none).
+// The dispatch table: [isa][gradient dtype]. The output (bf16 or fp16, or none) is an argument.
 struct Kernels {
   detail::AdamKernelBf16 bf16;
   detail::AdamKernelF32 f32;
@@ -95,17 +96,19 @@ void run_kernel(const Kernels& k, const AdamStep& s, const AdamArgs& a, size_t b
   float* m = a.m + begin;
   float* v = a.v + begin;
   uint16_t* out = a.compute_out ? a.compute_out + begin : nullptr;
+  const bool f16 = a.compute_dtype == DType::kF16;
   if (a.grad_dtype == DType::kBF16)
-    k.bf16(s, p, m, v, static_cast<const uint16_t*>(a.grad) + begin, out, end - begin);
+    k.bf16(s, p, m, v, static_cast<const uint16_t*>(a.grad) + begin, out, f16, end - begin);
   else
-    k.f32(s, p, m, v, static_cast<const float*>(a.grad) + begin, out, end - begin);
+    k.f32(s, p, m, v, static_cast<const float*>(a.grad) + begin, out, f16, end - begin);
 }
 
 void check_args(Isa isa, const AdamArgs& a) {
-  STRIDER_CHECK(a.grad_dtype == DType::kBF16 || a.grad_dtype == DType::kF32,
-                "no AdamW kernel for gradient dtype {} with output dtype BF16 (gradients must "
-                "be BF16 or F32)",
-                dtype_name(a.grad_dtype));
+  STRIDER_CHECK((a.grad_dtype == DType::kBF16 || a.grad_dtype == DType::kF32) &&
+                    (a.compute_dtype == DType::kBF16 || a.compute_dtype == DType::kF16),
+                "no AdamW kernel for gradient dtype {} with output dtype {} (gradients must "
+                "be BF16 or F32, the compute copy BF16 or F16)",
+                dtype_name(a.grad_dtype), dtype_name(a.compute_dtype));
   STRIDER_CHECK(isa_supported(isa), "AdamW kernel for {} requested but this CPU lacks it",
                 isa_name(isa));
   STRIDER_CHECK(a.n == 0 || (a.master && a.m && a.v && a.grad),

@@ -1,5 +1,5 @@
 // CpuAdam: AdamW (and L2 Adam) over one block's flat fp32 master/m/v, reading
-// the gradient in bf16 or fp32 and writing the new bf16 compute copy in the
+// the gradient in bf16 or fp32 and writing the new bf16 (or fp16) compute copy in the
 // same pass, so the state is streamed through memory exactly once per step.
 //
 // Run-time dispatch AVX-512 / AVX2 / scalar (every SIMD kernel is bit-identical
@@ -59,8 +59,9 @@ struct AdamArgs {
   float* v = nullptr;
   const void* grad = nullptr;
   DType grad_dtype = DType::kBF16;   // kBF16 or kF32
-  uint16_t* compute_out = nullptr;   // bf16 copy of the new master; nullptr: none
+  uint16_t* compute_out = nullptr;   // 16-bit copy of the new master; nullptr: none
   size_t n = 0;
+  DType compute_dtype = DType::kBF16;  // compute_out's bits: kBF16 or kF16
 };
 
 enum class Isa { kScalar, kAvx2, kAvx512 };

@@ -5,6 +5,7 @@
 
 #include "host/adam_q8.h"
 #include "host/bf16.h"
+#include "host/half.h"
 #include "host/error.h"
 
 namespace strider {
@@ -40,8 +41,8 @@ void check_options(const StoreOptions& o) {
   STRIDER_CHECK(o.grad_dtype == DType::kBF16 || o.grad_dtype == DType::kF32,
                 "ParamStore: gradient staging dtype {} is not supported (use BF16 or F32)",
                 dtype_name(o.grad_dtype));
-  STRIDER_CHECK(o.compute_dtype == DType::kBF16 || o.compute_dtype == DType::kF32,
-                "ParamStore: compute dtype {} is not supported (use BF16 or F32)",
+  STRIDER_CHECK(o.compute_dtype == DType::kBF16 || o.compute_dtype == DType::kF16 || o.compute_dtype == DType::kF32,
+                "ParamStore: compute dtype {} is not supported (use BF16, F16 or F32)",
                 dtype_name(o.compute_dtype));
   STRIDER_CHECK(!state_uses_compute_copy(o.format) || o.compute_dtype == DType::kBF16,
                 "ParamStore: the {} optimizer state keeps its master's high half in the bf16 compute copy; "
@@ -121,8 +122,10 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
                                                                 " base");
       s.base_layout = &spec.base;
     }
-    if (options_.compute_dtype == DType::kBF16)
-      s.compute = carrier.carve_as<uint16_t>(n - s.compute_begin, name + " bf16 compute copy", kAlignBytes);
+    s.compute_dtype = options_.compute_dtype;
+    if (options_.compute_dtype != DType::kF32)
+      s.compute = carrier.carve_as<uint16_t>(n - s.compute_begin, name + " " + std::string(dtype_name(s.compute_dtype)) +
+                                                                       " compute copy", kAlignBytes);
     else
       s.compute_f32 = carrier.carve_as<float>(n - s.compute_begin, name + " fp32 compute copy", kAlignBytes);
     if (spec.grad_staging)
@@ -192,7 +195,7 @@ std::span<float> ParamStore::master_of(size_t b, std::string_view tensor) {
 
 std::span<uint16_t> ParamStore::compute_of(size_t b, std::string_view tensor) {
   BlockState& s = block(b);
-  STRIDER_CHECK(!s.compute.empty(), "ParamStore: compute_of('{}') asks for bf16 but the compute copy is {}",
+  STRIDER_CHECK(!s.compute.empty(), "ParamStore: compute_of('{}') asks for 16-bit bits but the compute copy is {}",
                 tensor, dtype_name(options_.compute_dtype));
   const TensorSlot& t = s.layout->at(tensor);
   STRIDER_CHECK(t.offset_elems >= s.compute_begin, "ParamStore: '{}' is part of block '{}''s {} base; it has no "
@@ -208,7 +211,7 @@ void ParamStore::refresh_compute(size_t b, size_t begin, size_t end) {
   end = std::min(end, s.state_end);
   if (begin >= end) return;
   auto src = std::span<const float>(s.master).subspan(begin - s.state_begin, end - begin);
-  if (!s.compute.empty()) float_to_bf16(src, s.compute.subspan(begin - s.compute_begin, end - begin));
+  if (!s.compute.empty()) round_to_16(s.compute_dtype, src, s.compute.subspan(begin - s.compute_begin, end - begin));
   else std::copy(src.begin(), src.end(), s.compute_f32.begin() + ptrdiff_t(begin - s.compute_begin));
 }
 

@@ -5,7 +5,7 @@
 //                  their groups' scales); host-resident unless the block's
 //                  state lives on NVMe
 //   compute        the copy the device computes with, the source of every
-//                  H2D: bf16 (compute), or fp32 (compute_f32) for exactness runs
+//                  H2D: bf16 or fp16 (compute), or fp32 (compute_f32) for exactness runs
 //   grad           staging for the block's gradients after D2H (bf16 or fp32)
 // All kinds of a block share its ParamLayout's element offsets, less the
 // state's slice start (BlockSpec::state_begin; 0 unless the state is sharded).
@@ -44,7 +44,7 @@ struct BlockSpec {
 
 struct StoreOptions {
   DType grad_dtype = DType::kBF16;     // kBF16 or kF32
-  DType compute_dtype = DType::kBF16;  // kBF16 or kF32 (fp32 compute for exactness tests)
+  DType compute_dtype = DType::kBF16;  // kBF16, kF16, or kF32 (fp32 compute for exactness tests)
   StateFormat format = StateFormat::kFp32;  // q8 needs the bf16 compute copy (its master's high half)
   bool zero = true;                    // false: leave the memory untouched (simulation)
 };
@@ -62,8 +62,9 @@ struct BlockState {
   // The compute copy of elements [compute_begin, elems()): element i at
   // compute[i - compute_begin]. compute_begin is 0 unless a quantized base
   // holds the block's first elements (base, base_layout).
-  std::span<uint16_t> compute;       // bf16 bits (compute_dtype kBF16), else empty
+  std::span<uint16_t> compute;       // bf16 or fp16 bits (compute_dtype kBF16 or kF16), else empty
   std::span<float> compute_f32;      // compute_dtype kF32, else empty
+  DType compute_dtype = DType::kBF16;
   size_t compute_begin = 0;
   std::span<std::byte> base;         // a quantized base's bytes (BlockSpec::base), else empty
   const BaseLayout* base_layout = nullptr;

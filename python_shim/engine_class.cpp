@@ -260,7 +260,7 @@ class EngineHolder : public torch::CustomClassHolder {
   }
 
   // A CPU tensor over parameter `name`'s slot in the engine's compute copy
-  // (bf16, or fp32 with an fp32 compute dtype), in the parameter's shape: no
+  // (bf16, fp16, or fp32: the compute dtype), in the parameter's shape: no
   // copy. The updater rewrites it after each update of its block, so it holds
   // the trained weights once finish() returned. Its storage keeps this holder
   // (and so the engine and its arena) alive: a model whose parameters alias
@@ -320,7 +320,7 @@ class EngineHolder : public torch::CustomClassHolder {
     run("save_checkpoint", [&] { engine_->finish_updates(); });  // a failed update breaks the engine
     const TrainCheckpointOptions options{
         .write_model = write_model,
-        .model_dtype = engine_->config().compute.dtype == at::kFloat ? DType::kF32 : DType::kBF16,
+        .model_dtype = engine_->config().compute.dtype == at::kBFloat16 ? DType::kBF16 : DType::kF32,
         .base_model = base_model};
     // A failed save (a full disk, a path that is not ours) leaves the engine as it was.
     // Data parallel: rank 0 writes; the others send it their slices as it goes.
@@ -397,7 +397,9 @@ class EngineHolder : public torch::CustomClassHolder {
                           {"skip_reason", r.skip_reason},
                           {"no_targets", r.no_targets},
                           {"nonfinite_block", r.nonfinite_block},
-                          {"nonfinite_tensor", r.nonfinite_tensor}}
+                          {"nonfinite_tensor", r.nonfinite_tensor},
+                          {"loss_scale", r.loss_scale},
+                          {"overflow", r.overflow}}
         .dump();
   }
 

@@ -297,6 +297,20 @@ int run(Options& o) {
                    {"epoch", at.epoch}, {"window", at.cursor}});
       continue;
     }
+    if (r.overflow) {
+      // fp16: the scaled gradients overflowed. Nothing changed and the loss
+      // scale backed off; the scale's business, not a divergence, so it does
+      // not count toward --max-skipped-steps (an overflow at the floor scale does).
+      ++skipped_total;
+      const double next = engine.loss_scale().scale;
+      log.skipped(r.step,
+                  fmt::format("fp16 gradients overflowed at loss scale {:g} (block {}, {}); the scale is now {:g}",
+                              r.loss_scale, r.nonfinite_block, r.nonfinite_tensor, next),
+                  {{"step", r.step}, {"skipped", true}, {"reason", r.skip_reason}, {"overflow", true},
+                   {"loss_scale", r.loss_scale}, {"next_loss_scale", next}, {"nonfinite_block", r.nonfinite_block},
+                   {"nonfinite_tensor", r.nonfinite_tensor}, {"loss", r.loss}});
+      continue;
+    }
     if (r.skipped) {
       ++skipped_total;
       ++in_a_row;
@@ -475,7 +489,8 @@ std::function<int()> add_finetune(CLI::App& app) {
       ->capture_default_str()
       ->check(in_range<int64_t>(1, 1000));
   c->add_option("--max-skipped-steps", o->max_skipped_steps,
-                "steps in a row skipped for a non-finite loss or gradient before the run stops")
+                "steps in a row skipped for a non-finite loss or gradient before the run stops (fp16: an "
+                "overflow that backs the loss scale off does not count; one at the floor scale of 1 does)")
       ->capture_default_str()
       ->check(in_range<int64_t>(1, 1000000));
   c->add_option("--dist-timeout", o->dist_timeout_s,

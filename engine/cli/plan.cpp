@@ -148,7 +148,7 @@ int run(Options& o) {
   l.accumulation = o.accumulation;
   l.window = o.window;
   l.clip_norm = o.clip;
-  l.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
+  l.dtype = parse_compute_dtype(o.dtype, "--dtype");
   l.activations = parse_activation_mode(o.activations);
   l.optimizer_state = parse_state_format(o.optimizer_state);
   l.layer_pieces = o.layer_pieces;

@@ -68,7 +68,7 @@ struct StepFlops {
 
 StepFlops step_flops(const ModelSpec& spec, const EngineConfig& c) {
   StepFlops f;
-  const int dtype_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
+  const int dtype_bytes = int(c10::elementSize(c.compute.dtype));
   const int64_t head = spec.num_blocks() - 1;
   for (int64_t b = 0; b <= head; ++b) {
     const BlockCost k = spec.cost(b, c.micro_batch, c.seq, c.compute.vocab_chunk, dtype_bytes, c.compute.token_tile,

@@ -35,18 +35,21 @@ std::string StepLog::eta(int64_t step) const {
 
 nlohmann::json StepLog::trained(const StepReport& r) {
   clear();
-  fmt::print("step {:>4}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f} | {:>7.0f} tok/s | {:.3f} s | overlap {:.2f} "
+  fmt::print("step {:>4}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f}{} | {:>7.0f} tok/s | {:.3f} s | overlap {:.2f} "
              "(critical: {}) | peak dev {} | ETA {}\n",
-             r.step, total_, r.loss, r.lr, r.grad_norm, r.tokens_per_s, r.step_s, r.stats.overlap_efficiency,
-             lane_name(r.stats.critical), format_bytes(r.peak_device_bytes), eta(r.step));
+             r.step, total_, r.loss, r.lr, r.grad_norm,
+             r.loss_scale > 0 ? fmt::format(" | scale {:g}", r.loss_scale) : std::string(), r.tokens_per_s, r.step_s,
+             r.stats.overlap_efficiency, lane_name(r.stats.critical), format_bytes(r.peak_device_bytes), eta(r.step));
   draw(r.step);
   nlohmann::json lanes;
   for (int l = 0; l < kNumLanes; ++l) lanes[std::string(lane_name(Lane(l)))] = r.stats.lanes[size_t(l)].busy_fraction;
-  return {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
-          {"tokens_per_s", r.tokens_per_s}, {"step_s", r.step_s},
-          {"overlap_efficiency", r.stats.overlap_efficiency}, {"lanes", lanes},
-          {"peak_device_bytes", r.peak_device_bytes}, {"h2d_bytes", r.h2d_bytes},
-          {"d2h_bytes", r.d2h_bytes}, {"work_peak_bytes", r.work_peak_bytes}};
+  nlohmann::json line = {{"step", r.step}, {"loss", r.loss}, {"lr", r.lr}, {"grad_norm", r.grad_norm},
+                         {"tokens_per_s", r.tokens_per_s}, {"step_s", r.step_s},
+                         {"overlap_efficiency", r.stats.overlap_efficiency}, {"lanes", lanes},
+                         {"peak_device_bytes", r.peak_device_bytes}, {"h2d_bytes", r.h2d_bytes},
+                         {"d2h_bytes", r.d2h_bytes}, {"work_peak_bytes", r.work_peak_bytes}};
+  if (r.loss_scale > 0) line["loss_scale"] = r.loss_scale;  // fp16
+  return line;
 }
 
 void StepLog::skipped(int64_t step, std::string_view text, const nlohmann::json& metrics_line) {

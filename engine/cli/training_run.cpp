@@ -124,6 +124,8 @@ void add_optimizer_options(CLI::App& c, TrainOptions& o) {
   f.add(c, "weight_decay", o.weight_decay);
   f.add(c, "decay_norms_and_biases", o.decay_norms_and_biases);
   f.add(c, "clip_norm", o.clip);
+  f.add(c, "loss_scale", o.loss_scale);
+  f.add(c, "loss_scale_growth_interval", o.loss_scale_growth_interval);
   f.add(c, "beta1", o.beta1);
   f.add(c, "beta2", o.beta2);
   f.add(c, "eps", o.eps);
@@ -289,7 +291,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   lim.host_bytes = host_ram - os_ram_headroom_bytes(host_ram);
   uint64_t shared = 0;
   if (lim.shared_compute) {
-    shared = shared_compute_bytes(trained, o.dtype == "fp32" ? at::kFloat : at::kBFloat16);
+    shared = shared_compute_bytes(trained, parse_compute_dtype(o.dtype, "--dtype"));
     // A /dev/shm too small for it (a container's 64 MiB default) means a
     // compute copy per rank instead, decided together: every rank must
     // finish a piece's update the same way (a barrier, or a gather).
@@ -318,8 +320,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   lim.seq = o.seq;
   lim.micro_batch = o.micro_batch;
   lim.accumulation = o.accumulation;
-  STRIDER_CHECK(o.dtype == "bf16" || o.dtype == "fp32", "--dtype {} is not bf16 or fp32", o.dtype);
-  lim.dtype = o.dtype == "fp32" ? at::kFloat : at::kBFloat16;
+  lim.dtype = parse_compute_dtype(o.dtype, "--dtype");
   lim.lora = o.lora;
   lim.base_format = base_format_option(o.base_format, o.lora);
   lim.vocab_chunk = o.vocab_chunk;
@@ -381,6 +382,8 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   cfg.decay_norms_and_biases = o.decay_norms_and_biases;
   cfg.schedule = {LrSchedule::parse_shape(o.schedule), o.warmup, total_steps};
   cfg.clip_norm = o.clip;
+  cfg.loss_scaling.init = o.loss_scale;
+  cfg.loss_scaling.growth_interval = o.loss_scale_growth_interval;
   cfg.optimizer_threads = o.optimizer_threads;
   cfg.state_shard = me.rank;
   // One machine: its ranks share one compute copy in shared memory, named

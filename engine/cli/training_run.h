@@ -35,6 +35,8 @@ struct TrainOptions {
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, warmup = 0 /* warmup_steps */, vocab_chunk = 0,
           vocab_shard_rows = 0, expert_pieces = 0, token_tile = 0;
   double lr = 0, weight_decay = 0, clip = 0 /* clip_norm */, beta1 = 0, beta2 = 0, eps = 0;
+  double loss_scale = 0;                  // fp16's initial loss scale
+  int64_t loss_scale_growth_interval = 0;
   bool decay_norms_and_biases = false;
   // Packed documents (EngineConfig::packed_documents): as given, or, where
   // the option is absent, on when the data's documents start inside windows.

@@ -16,8 +16,10 @@ copy of the weights exists and the model always holds what the engine trains
 on. Consequences:
 
 - The parameters' dtype becomes the compute dtype: bfloat16 with
-  EngineConfig.dtype "bf16" (the default), float32 with "fp32". Buffers
-  (rotary tables) keep theirs. Tied weights stay tied.
+  EngineConfig.dtype "bf16" (the default), float16 with "fp16" (the engine
+  scales the loss dynamically, as torch's GradScaler does: StepResult.loss_scale,
+  and an overflow skips the step), float32 with "fp32". Buffers (rotary
+  tables) keep theirs. Tied weights stay tied.
 - step() returns before the optimizer has finished updating the blocks (the
   updates overlap the next step). Call engine.finish() before reading the
   model (a forward pass, state_dict, save_pretrained); sync_to_model() does
@@ -90,6 +92,10 @@ class StepResult:
     no_targets: bool = False
     nonfinite_block: int = -1    # first block (forward order) with a non-finite gradient
     nonfinite_tensor: str = ""
+    # fp16: the loss scale this step's gradients carried (0: the dtype does not scale), and whether the step
+    # was skipped for an overflow of them above the floor scale (the scale backed off; not a divergence).
+    loss_scale: float = 0.0
+    overflow: bool = False
 
     @classmethod
     def from_report(cls, report: dict) -> "StepResult":
@@ -102,7 +108,8 @@ class StepResult:
                    work_peak_bytes=report["work_peak_bytes"],
                    skipped=report["skipped"], skip_reason=report["skip_reason"],
                    no_targets=report["no_targets"],
-                   nonfinite_block=report["nonfinite_block"], nonfinite_tensor=report["nonfinite_tensor"])
+                   nonfinite_block=report["nonfinite_block"], nonfinite_tensor=report["nonfinite_tensor"],
+                   loss_scale=report["loss_scale"], overflow=report["overflow"])
 
 
 def architecture_of(model) -> str:
@@ -423,7 +430,7 @@ class Engine:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return torch.float32 if self.config.dtype == "fp32" else torch.bfloat16
+        return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[self.config.dtype]
 
     @torch.no_grad()
     def sync_to_model(self):

@@ -157,7 +157,9 @@ class StriderTrainer(transformers.Trainer):
                    "itself; set EngineConfig.accumulation to it, per_device_train_batch_size to micro_batch x "
                    "accumulation, and gradient_accumulation_steps = 1")
         if args.fp16:
-            refuse("fp16 = True: strider computes in bf16 or fp32 (EngineConfig.dtype); use bf16=True or neither")
+            refuse("fp16 = True: the Trainer's own GradScaler would scale a loss strider already scales; for "
+                   "fp16 give strider_config=EngineConfig(dtype='fp16') (the engine's dynamic loss scaling) and "
+                   "leave fp16 False, or use bf16=True")
         if args.place_model_on_device:
             refuse("place_model_on_device is True: strider keeps the model on the CPU and streams its blocks "
                    "to the GPU itself")

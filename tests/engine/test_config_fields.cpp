@@ -45,7 +45,8 @@ TEST_CASE("the engine config JSON refuses a bad value naming the field and what 
   };
   CHECK_THAT(refused({{"seq", 0}}), Catch::Contains("'seq' = 0 is outside [1, 16777216]"));
   CHECK_THAT(refused({{"seq", 2.5}}), Catch::Contains("'seq' = 2.5 is not an integer"));
-  CHECK_THAT(refused({{"dtype", "fp16"}}), Catch::Contains("'dtype' = 'fp16' is not bf16 or fp32"));
+  CHECK_THAT(refused({{"dtype", "fp8"}}), Catch::Contains("'dtype' = 'fp8' is not bf16, fp16 or fp32"));
+  CHECK(refused({{"dtype", "fp16"}}) == "accepted");
   CHECK_THAT(refused({{"beta2", 1.0}}), Catch::Contains("'beta2' = 1.0 is outside [0, 1)"));
   CHECK_THAT(refused({{"eps", 0}}), Catch::Contains("'eps' = 0 is outside (0, 1]"));
   CHECK_THAT(refused({{"lr", "fast"}}), Catch::Contains("'lr' = 'fast' is not a number"));

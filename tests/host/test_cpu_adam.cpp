@@ -1,6 +1,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <random>
@@ -9,6 +10,7 @@
 #include "host/bf16.h"
 #include "host/cpu_adam.h"
 #include "host/error.h"
+#include "host/half.h"
 
 using namespace strider;
 
@@ -81,6 +83,47 @@ TEST_CASE("every SIMD kernel is bit-identical to the scalar reference", "[host][
   }
 }
 
+TEST_CASE("an fp16 compute copy: every SIMD kernel writes the scalar reference's bits", "[host][adam]") {
+  // The SIMD kernels round with F16C's vcvtps2ph, the scalar one with the
+  // compiler's _Float16: two implementations of IEEE round-to-nearest-even.
+  // Parameters from 2^-30 to 2^17 in magnitude cover fp16's subnormals, its
+  // underflow to zero and its overflow to Inf past 65504.
+  const auto isas = simd_isas();
+  if (isas.empty()) WARN("this CPU has neither AVX2 nor AVX-512: only the scalar path exists");
+  const AdamHyper h{.lr = 3e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+  for (size_t n : {size_t{5}, size_t{1023}, (size_t{1} << 16) + 9}) {
+    for (DType gd : {DType::kBF16, DType::kF32}) {
+      State ref(n, 9);
+      for (size_t i = 0; i < n; ++i) ref.p[i] = std::ldexp(ref.p[i], int(i % 48) - 30);
+      std::vector<State> simd(isas.size(), ref);
+      auto args = [&](State& s) {
+        AdamArgs a = s.args(gd, true);
+        a.compute_dtype = DType::kF16;
+        return a;
+      };
+      for (int step = 1; step <= 2; ++step) {
+        const AdamStep s = AdamStep::make(h, step);
+        adam_update(Isa::kScalar, s, args(ref));
+        for (size_t k = 0; k < isas.size(); ++k) adam_update(isas[k], s, args(simd[k]));
+      }
+      for (size_t k = 0; k < isas.size(); ++k) {
+        INFO("n=" << n << " isa=" << isa_name(isas[k]) << " grad=" << dtype_name(gd));
+        CHECK(simd[k].same_bits(ref));
+      }
+      size_t inf = 0, subnormal = 0;
+      for (size_t i = 0; i < n; ++i) {
+        REQUIRE(ref.out[i] == float_to_f16(ref.p[i]));
+        inf += (ref.out[i] & 0x7fff) == 0x7c00;
+        subnormal += (ref.out[i] & 0x7c00) == 0 && (ref.out[i] & 0x3ff) != 0;
+      }
+      if (n > 1000) {
+        CHECK(inf > 0);
+        CHECK(subnormal > 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("the update moves parameters the way Adam does", "[host][adam]") {
   // After one step with no decay, every element moves by lr against the sign
   // of its gradient (|m_hat / sqrt(v_hat)| == 1 at step 1), up to eps.
@@ -138,6 +181,10 @@ TEST_CASE("bad optimizer inputs fail with what was wrong", "[host][adam]") {
   a.grad_dtype = DType::kF16;
   CHECK_THROWS_WITH(adam_update(Isa::kScalar, AdamStep::make({}, 1), a),
                     Catch::Contains("F16") && Catch::Contains("BF16"));
+  a.grad_dtype = DType::kF32;
+  a.compute_dtype = DType::kF32;
+  CHECK_THROWS_WITH(adam_update(Isa::kScalar, AdamStep::make({}, 1), a),
+                    Catch::Contains("output dtype F32") && Catch::Contains("the compute copy BF16 or F16"));
   CHECK_THROWS_WITH(AdamStep::make({}, 0), Catch::Contains("step 0"));
   CHECK_THROWS_WITH(AdamStep::make({.beta1 = 1.0}, 1), Catch::Contains("betas"));
   CHECK_THROWS_WITH(CpuAdam({.threads = 1, .chunk_elems = 10}), Catch::Contains("chunk_elems 10"));
