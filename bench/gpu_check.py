@@ -36,7 +36,7 @@ PROFILE = {
 H200_DENSE_BF16_TFLOPS = 989  # gpu/sim_device.cpp's h200 preset (datasheet, dense)
 # Each check's own limit; $STRIDER_GPU_CHECK_DEADLINE_S (seconds from gpu_check.sh's start) bounds them all,
 # so that a run under a hard time limit still ends with its summary written.
-TIMEOUT_S = {"cuda_tests": 120, "engine": 180, "memory": 180, "speed": 240, "calibrate": 240}
+TIMEOUT_S = {"cuda_tests": 120, "engine": 180, "memory": 180, "speed": 240, "precision": 200, "calibrate": 240}
 
 
 class Check:
@@ -186,6 +186,50 @@ def check_speed(c, ctx):
     return res
 
 
+def check_precision(c, ctx):
+    """fp16 with loss scaling on the speed check's model (the same steps, data and seed): its losses and
+    speed with fp32 accumulation in the GEMMs and with fp16 accumulation (--matmul-accumulate fp16), next to
+    bf16's. On the GPU that is the quality figure fp16 accumulation lacks (a figure, not pass/fail); on the
+    CPU device fp16 accumulation must be refused, naming the device."""
+    p = PROFILE[ctx.mode]
+    work = ctx.state / "work" / "precision"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    res = {"holds": False}
+    try:
+        rc, _ = c.run([ctx.python, pathlib.Path(__file__).resolve(), "make-model", work / "model", "--size", p["model"]])
+        if rc != 0:
+            res.update(status=status_of(rc, False), error="could not write the random model (see precision.log)")
+            return res
+        runs = {"bf16": ["--dtype", "bf16"], "fp16": ["--dtype", "fp16"],
+                "fp16_accumulate": ["--dtype", "fp16", "--matmul-accumulate", "fp16"]}
+        for name, flags in runs.items():
+            rc, text = c.run([ctx.build / "strider", "profile", "--model", work / "model", "--data", "builtin",
+                              "--device", p["device"], "--device-budget", p["budget"], "--seq", p["seq"],
+                              "--micro-batch", p["micro_batch"], "--accumulation", p["accumulation"],
+                              "--skip-steps", 0, "--steps", 3, "--no-png", "--json", *flags,
+                              "--out", work / f"profile-{name}", "--work-dir", work / "data"])
+            prof = last_json(text)
+            res[name] = {"rc": rc, "losses": [s["loss"] for s in prof["per_step"]] if prof else None,
+                         "tokens_per_s": prof["tokens_per_s"] if prof else None,
+                         "refused": "is CUDA only" in text}
+        acc, base = res["fp16_accumulate"], res["fp16"]
+        if ctx.mode == "cpu":
+            res["holds"] = base["rc"] == 0 and res["bf16"]["rc"] == 0 and acc["rc"] != 0 and acc["refused"]
+        else:
+            res["holds"] = all(r["rc"] == 0 and r["losses"] for r in (res["bf16"], base, acc))
+            if res["holds"]:
+                res["fp16_accumulate_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(acc["losses"], base["losses"]))
+                print(f"  precision: losses bf16 {res['bf16']['losses']}, fp16 {base['losses']}, fp16 accumulation "
+                      f"{acc['losses']} (max relative difference to fp32 accumulation "
+                      f"{res['fp16_accumulate_loss_rel_diff']:.2e}); tokens/s {res['bf16']['tokens_per_s']:.0f}, "
+                      f"{base['tokens_per_s']:.0f}, {acc['tokens_per_s']:.0f}")
+        res["status"] = status_of(0, res["holds"])
+    finally:
+        shutil.rmtree(work / "model", ignore_errors=True)
+    return res
+
+
 def check_calibrate(c, ctx):
     cmd = [ctx.build / "bench/bench_calibrate", "--device", ctx.device]
     if ctx.mode == "cpu":
@@ -217,7 +261,7 @@ def check_calibrate(c, ctx):
 
 
 CHECKS = [("cuda_tests", check_cuda_tests), ("engine", check_engine), ("memory", check_memory),
-          ("speed", check_speed), ("calibrate", check_calibrate)]
+          ("speed", check_speed), ("precision", check_precision), ("calibrate", check_calibrate)]
 
 
 # ---- the run ------------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@
 #      transformers + AdamW (bench/gpu_engine_check.py); measured peak device
 #      memory against the plan (bench/gpu_memory_check.py); speed (`strider
 #      profile` on a 1.1B model made on the spot, bench_transfer's PCIe GB/s);
-#      the simulator calibrated on the GPU (bench_calibrate --device cuda).
+#      precision (the same model's losses and speed in bf16, fp16, and fp16
+#      with --matmul-accumulate fp16: that setting's quality figure); the
+#      simulator calibrated on the GPU (bench_calibrate --device cuda).
 # OUT_DIR receives gpu_check.json (the summary: every check's status and
 # figures, the build's too, also when it fails), gpu_check_logs/ (every step's
 # stdout/stderr, written there as it goes, so a run stopped from outside keeps

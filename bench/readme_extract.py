@@ -15,6 +15,8 @@ MIB = float(1 << 20)
 # EXPECTED: part -> the figure names that part must produce (what --check holds).
 
 PLAN_8B = {8: "plan-8b-b8", 16: "plan-8b-b16", 32: "plan-8b-b32", 64: "plan-8b-b64"}
+# The same 8B runs in fp16 (loss scaling), with fp32 and with fp16 accumulation in the GEMMs.
+PLAN_PRECISION = {(prec, b): f"plan-8b-b{b}-{prec}" for prec in ("fp16", "fp16acc") for b in PLAN_8B}
 PLAN_NVME = {  # (model tag, clip tag) -> command name
     ("70b", "clip1"): "plan-70b-nvme", ("70b", "clip0"): "plan-70b-nvme-clip0",
     ("123b", "clip1"): "plan-123b-nvme", ("123b", "clip0"): "plan-123b-nvme-clip0"}
@@ -26,7 +28,7 @@ PLAN_LORA = {("8b", "lora"): "plan-8b-lora", ("8b", "full"): "plan-8b-full-128",
 PLAN_LORA_REFUSED = "plan-70b-lora-128"
 
 PARTS = {
-    "plan": list(PLAN_8B.values()) + ["plan-8b-b8-clip0"] + list(PLAN_NVME.values()) + list(PLAN_REFUSED.values()) +
+    "plan": list(PLAN_8B.values()) + ["plan-8b-b8-clip0"] + list(PLAN_PRECISION.values()) + list(PLAN_NVME.values()) + list(PLAN_REFUSED.values()) +
             list(PLAN_Q8.values()) + list(PLAN_LORA.values()) + [PLAN_LORA_REFUSED],
     "profile": ["profile"],
     "demo": ["demo"],
@@ -39,6 +41,13 @@ PARTS = {
 
 
 def plan_figures(logs, f):
+    for (prec, batch), cmd in PLAN_PRECISION.items():
+        j = logs.last_json(cmd, "step_s")
+        if not j or j.get("step_s") is None:
+            continue
+        p = f"predict.8b.b{batch}.{prec}"
+        f.put(f"{p}.tokens_per_s", j["tokens_per_s"], cmd)
+        f.put(f"{p}.critical_lane", j["critical_lane"], cmd)
     for batch, cmd in PLAN_8B.items():
         j = logs.last_json(cmd, "step_s")
         if not j or j.get("step_s") is None:
@@ -50,6 +59,7 @@ def plan_figures(logs, f):
         tokens = j["tokens_per_s"] * j["step_s"]  # per step: batch x seq
         f.put(f"{p}.bound_tokens_per_s", tokens / j["lower_bound_s"], cmd)
         f.put(f"{p}.overlap_efficiency", j["overlap_efficiency"], cmd)
+        f.put(f"{p}.critical_lane", j["critical_lane"], cmd)
         # The plan's choice of kept activations (--activations auto).
         if "saved_layers" in j:
             f.put(f"{p}.saved_layers", j["saved_layers"], cmd)
@@ -294,6 +304,8 @@ def expected_names():
                       ("tokens_per_s", "step_s", "lower_bound_s", "bound_tokens_per_s", "overlap_efficiency",
                        "saved_layers", "saved_host_gib", "host_gib")]
     e["plan"] += ["predict.8b.layers"]
+    e["plan"] += [f"predict.8b.b{b}.{prec}.{k}" for (prec, b) in PLAN_PRECISION for k in ("tokens_per_s", "critical_lane")]
+    e["plan"] += [f"predict.8b.b{b}.critical_lane" for b in PLAN_8B]
     e["plan"] += ["predict.8b.b8.optimizer_s", "predict.8b.b8.host_gib", "predict.8b.unit_gib", "predict.8b.vocab_shards",
                   "predict.8b.unit_params", "predict.8b.b8.clip0.tokens_per_s",
                   "predict.8b.b8.clip0.overlap_efficiency", "predict.8b.b8.clip0.host_gib"]

@@ -247,6 +247,29 @@ def block_predict_8b(f, logs):
     return "\n".join(out)
 
 
+def block_predict_precision(f, logs):
+    rows = (("", "bf16, fp32 accumulation (the default)", "SlideFormer: 2398 (Qwen3-8B, bf16, batch 64)"),
+            (".fp16", "fp16 + loss scaling, fp32 accumulation (`--dtype fp16`)", "—"),
+            (".fp16acc", "fp16 + loss scaling, fp16 accumulation (`--matmul-accumulate fp16`)",
+             "RoundPipe: 3142 (Llama-3.1-8B, fp16 accumulation, full recompute)"))
+    out = ["| precision | " + " | ".join(f"batch {b}" for b in PLAN_8B) + " | a peer on one RTX 4090, measured |",
+           "| --- | " + " | ".join("---" for _ in PLAN_8B) + " | --- |"]
+    for key, label, peer in rows:
+        cells = [f"{f[f'predict.8b.b{b}{key}.tokens_per_s']:.0f} ({f[f'predict.8b.b{b}{key}.critical_lane']})"
+                 for b in PLAN_8B]
+        out.append(f"| {label} | " + " | ".join(cells) + f" | {peer} |")
+    out.append("")
+    out.append(prose(
+        "Each cell is predicted tokens/s with the busiest lane (the critical one) in brackets. The rows differ only in "
+        "the GPU's rate: bf16 and fp16 with fp32 accumulation run at the card's 165 dense TFLOP/s, fp16 "
+        "accumulation at its 330 (`fp16_accumulate_tflops` of the preset, from NVIDIA's Ada whitepaper), each at "
+        "the same assumed 50% sustained; fp16 moves the same bytes as bf16 (its gradients cross in bf16). Every "
+        "row rests on that assumed fraction of peak until a GPU measures it, and fp16 accumulation's effect on "
+        "the loss is unmeasured (the GPU check is to compare it with fp32 accumulation). Commands: the table "
+        "above's, with `--dtype fp16` and `--dtype fp16 --matmul-accumulate fp16`."))
+    return "\n".join(out)
+
+
 def block_predict_nvme(f, logs):
     out = ["| model | RAM | clip 1.0: blocks on NVMe | host / NVMe | clip 1.0: tokens/s (step, bound) | clip 0 | "
            "clip 1.0: critical |", "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -326,7 +349,7 @@ def block_ram_8b(f, logs):
 
 
 BLOCKS = {"machine": block_machine, "demo-model": block_demo_model, "demo-plan": block_demo_plan,
-          "profile": block_profile, "measured": block_measured, "predict-8b": block_predict_8b,
+          "profile": block_profile, "measured": block_measured, "predict-8b": block_predict_8b, "predict-precision": block_predict_precision,
           "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b, "formats": block_formats,
           "predict-lora": block_predict_lora}
 # Blocks the script knows and leaves alone: their figures come from elsewhere.

@@ -167,6 +167,13 @@ if has_part plan; then
   done
   run plan-8b-b8-clip0 0 "$S" plan --model llama-3.1-8b --gpu 24GiB --seq 1024 --accumulation 8 \
       --predict rtx4090 --clip 0 --json
+  # The same in fp16 (loss scaling), its GEMMs accumulating in fp32 and in fp16.
+  for acc in 8 16 32 64; do
+    run "plan-8b-b$acc-fp16" 0 "$S" plan --model llama-3.1-8b --gpu 24GiB --seq 1024 --accumulation "$acc" \
+        --dtype fp16 --predict rtx4090 --json
+    run "plan-8b-b$acc-fp16acc" 0 "$S" plan --model llama-3.1-8b --gpu 24GiB --seq 1024 --accumulation "$acc" \
+        --dtype fp16 --matmul-accumulate fp16 --predict rtx4090 --json
+  done
   # Larger than RAM: optimizer state on NVMe, batch 32, clip 1.0 (the default) and 0.
   mkdir -p "$work/nvme"
   for m in "70b llama-3.1-70b 256GiB" "123b mistral-large-123b 384GiB"; do

@@ -22,6 +22,10 @@ struct ComputeOptions {
   at::ScalarType dtype = at::kBFloat16;
   int64_t vocab_chunk = 8192;            // LM-head chunk (vocabulary rows per pass)
   int64_t token_tile = 0;                // tokens per tile in the LM head (and layers' MLP); 0: all at once
+  // fp16 GEMMs accumulate in fp16 (cuBLAS's, torch's
+  // allow_fp16_accumulation): twice the rate on a GeForce GPU, at fp16's
+  // precision inside each sum. CUDA only (Device::set_fp16_accumulate); needs dtype fp16.
+  bool fp16_accumulate = false;
 };
 
 // The compute dtypes by the names the configuration, the CLI and Python use:

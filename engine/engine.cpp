@@ -46,6 +46,9 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     st.device = std::move(d);
     seats_.push_back(std::move(st));
   }
+  // fp16 GEMMs accumulating in fp16: CUDA's and the simulator's; the CPU device refuses, naming itself.
+  if (config_.compute.fp16_accumulate)
+    for (Seat& st : seats_) st.device->set_fp16_accumulate(true);
   if (device().kind() == DeviceKind::kSim)
     sim_updater_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(device()), place_, config_.optimizer_state,
                                                 place_.ring_slot_bytes > 0 ? config_.grad_ring : 0, timeline_);

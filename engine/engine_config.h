@@ -89,9 +89,9 @@ struct EngineConfig {
   BaseFormat base_format = BaseFormat::kCompute;
   // Gradients are summed in fp32 on the device over the micro-batches, then
   // cross to the host in the compute dtype: bf16, 2 bytes per parameter. fp32
-  // keeps them exact (the exactness tests; an fp32 compute dtype always does,
-  // and so does fp16, whose scaled gradients' sums could overflow fp16's range
-  // where fp32 accumulation did not).
+  // keeps them exact (the exactness tests; an fp32 compute dtype always does).
+  // fp16 sends bf16 too: its scaled gradients' sums could overflow fp16's
+  // range where the fp32 accumulators did not, and bf16 has fp32's range.
   bool fp32_grad_transfer = false;
   LossScaling loss_scaling;    // used by the fp16 compute dtype only
   bool loss_scaled() const { return compute.dtype == at::kHalf; }
@@ -121,7 +121,7 @@ struct EngineConfig {
   // is one sequence (a step given packed positions is refused).
   bool packed_documents = false;
   at::ScalarType grad_dtype() const {
-    return compute.dtype != at::kBFloat16 || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
+    return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
   }
   NvmeBackend nvme_backend = NvmeBackend::kAuto;
   LockPolicy lock = LockPolicy::kPrefer;

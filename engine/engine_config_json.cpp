@@ -19,6 +19,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"micro_batch", c.micro_batch},
           {"accumulation", c.accumulation},
           {"dtype", std::string(compute_dtype_name(c.compute.dtype))},
+          {"matmul_accumulate", c.compute.fp16_accumulate ? "fp16" : "fp32"},
           {"loss_scale", c.loss_scaling.init},
           {"loss_scale_growth_interval", c.loss_scaling.growth_interval},
           {"vocab_chunk", c.compute.vocab_chunk},
@@ -70,6 +71,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   get("micro_batch", c.micro_batch);
   get("accumulation", c.accumulation);
   c.compute.dtype = parse_compute_dtype(j["dtype"].get<std::string>(), "engine config dtype");
+  c.compute.fp16_accumulate = j["matmul_accumulate"] == "fp16";
   get("loss_scale", c.loss_scaling.init);
   get("loss_scale_growth_interval", c.loss_scaling.growth_interval);
   get("vocab_chunk", c.compute.vocab_chunk);

@@ -114,6 +114,9 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.compute.dtype == at::kFloat || c.compute.dtype == at::kBFloat16 || c.compute.dtype == at::kHalf,
                 "compute dtype must be bf16, fp16 or fp32");
   STRIDER_CHECK(c.clip_norm >= 0, "clip_norm {} must be >= 0 (0 turns clipping off)", c.clip_norm);
+  STRIDER_CHECK(!c.compute.fp16_accumulate || c.compute.dtype == at::kHalf,
+                "matmul_accumulate fp16 accumulates fp16 GEMMs in fp16: it needs dtype fp16, not {}",
+                compute_dtype_name(c.compute.dtype));
   STRIDER_CHECK(!state_uses_compute_copy(c.optimizer_state) || c.compute.dtype == at::kBFloat16,
                 "the {} optimizer state keeps the master's high half in the bf16 compute copy: it needs the bf16 "
                 "compute dtype, not {}", state_format_name(c.optimizer_state), compute_dtype_name(c.compute.dtype));

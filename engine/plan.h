@@ -57,6 +57,7 @@ struct PlanLimits {
   int devices = 1;               // a pool's devices, each with device_bytes (EngineConfig::devices)
   bool packed_documents = false; // rows pack documents: a mask per row (EngineConfig::packed_documents)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
+  bool fp16_accumulate = false;     // ComputeOptions::fp16_accumulate (priced by the machine's rate for it)
   StateFormat optimizer_state = StateFormat::kFp32;  // how master, m and v are stored (host/state_format.h)
   ActivationMode activations = ActivationMode::kAuto;
   // Data parallel with sharded state: the ranks the master, m and v are cut

@@ -68,7 +68,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.seq = l.seq;
   c.micro_batch = l.micro_batch;
   c.accumulation = l.accumulation;
-  c.compute = {l.dtype, l.vocab_chunk, token_tile};
+  c.compute = {l.dtype, l.vocab_chunk, token_tile, l.fp16_accumulate};
   c.vocab_shard_rows = l.vocab_shard_rows;
   c.layer_pieces = l.layer_pieces;
   c.expert_pieces = expert_pieces;

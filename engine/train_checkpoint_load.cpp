@@ -89,7 +89,7 @@ const std::vector<std::string>& maths_config_fields() {
   static const std::vector<std::string> kFields = {
       "seq", "micro_batch", "accumulation", "dtype", "vocab_chunk", "lr", "beta1", "beta2", "eps",
       "weight_decay", "decay_norms_and_biases", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state",
-      "packed_documents", "base_format", "loss_scale_growth_interval"};
+      "packed_documents", "base_format", "loss_scale_growth_interval", "matmul_accumulate"};
   return kFields;
 }
 

@@ -84,6 +84,24 @@ class CudaHostRegistrar final : public MemoryRegistrar {
   std::string_view name() const override { return "cudaHostRegister"; }
 };
 
+#if STRIDER_HAVE_TORCH_CUDA
+// at::globalContext()'s allow-fp16-accumulation for cuBLAS, set for a scope.
+class Fp16AccumulateScope {
+ public:
+  explicit Fp16AccumulateScope(bool on) : was_(at::globalContext().allowFP16AccumulationCuBLAS()) {
+    if (on != was_) at::globalContext().setAllowFP16AccumulationCuBLAS(on);
+  }
+  ~Fp16AccumulateScope() {
+    if (at::globalContext().allowFP16AccumulationCuBLAS() != was_) at::globalContext().setAllowFP16AccumulationCuBLAS(was_);
+  }
+  Fp16AccumulateScope(const Fp16AccumulateScope&) = delete;
+  Fp16AccumulateScope& operator=(const Fp16AccumulateScope&) = delete;
+
+ private:
+  bool was_;
+};
+#endif
+
 class CudaDevice final : public Device {
  public:
   CudaDevice(int ordinal, const DeviceOptions& options) : ordinal_(ordinal), options_(options) {
@@ -198,6 +216,10 @@ class CudaDevice final : public Device {
           // ATen enqueues on its "current" stream; make that ours for the closure.
           c10::cuda::CUDAStreamGuard guard(
               c10::cuda::getStreamFromExternal(stream(s), static_cast<c10::DeviceIndex>(ordinal_)));
+          // ATen's switch is the process's, not the thread's: set for this
+          // closure's GEMMs (the caller's thread enqueues them now), then
+          // restored, so other ATen work in the process keeps its own.
+          Fp16AccumulateScope acc(fp16_accumulate_);
           if (s == StreamId::kCompute && metering_) {
             work = metered(tag, [&] { run_launched(fn, ctx); });
             return;
@@ -207,6 +229,8 @@ class CudaDevice final : public Device {
         },
         &work);
   }
+
+  void set_fp16_accumulate(bool on) override { fp16_accumulate_ = on; }
 
   std::unique_ptr<Event> make_event() override { return std::make_unique<CudaEvent>(this, ordinal_); }
   void record(Event& e, StreamId s) override {
@@ -470,6 +494,7 @@ class CudaDevice final : public Device {
   const DeviceOptions options_;
   std::string name_;
   bool metering_ = false;               // ATen's allocator keeps statistics (torch CUDA builds)
+  bool fp16_accumulate_ = false;        // set_fp16_accumulate: cuBLAS may accumulate fp16 GEMMs in fp16
   std::atomic<uint64_t> work_peak_{0};
   uint64_t blas_workspace_bytes_ = 0;  // cuBLAS workspaces reserved at start (reserve_blas_workspaces)
   size_t budget_bytes_ = 0;

@@ -3,6 +3,8 @@
 #include <atomic>
 #include <utility>
 
+#include "host/error.h"
+
 namespace strider {
 
 std::string_view stream_name(StreamId s) {
@@ -50,6 +52,11 @@ void DeviceBuffer::reset() noexcept {
 namespace {
 std::atomic<LaunchScope> g_launch_scope{nullptr};
 }  // namespace
+
+void Device::set_fp16_accumulate(bool on) {
+  STRIDER_CHECK(!on, "{}: matmul_accumulate fp16 is CUDA only: this device's GEMMs accumulate fp16 in fp32 (use "
+                "--matmul-accumulate fp32 here; strider plan --predict prices fp16 accumulation)", name());
+}
 
 void set_launch_scope(LaunchScope scope) { g_launch_scope.store(scope); }
 LaunchScope launch_scope() { return g_launch_scope.load(); }

@@ -174,6 +174,12 @@ class Device {
   // one (see CpuDevice); a GPU has nothing to do.
   virtual void prepare_driver_thread() {}
 
+  // fp16 GEMMs accumulate in fp16 (ComputeOptions::fp16_accumulate): CUDA
+  // sets cuBLAS's allow-fp16-accumulation around each launch, SimDevice
+  // prices compute at its cost model's fp16-accumulate rate. The CPU device's
+  // GEMMs accumulate in fp32 whatever is asked: it refuses (this default).
+  virtual void set_fp16_accumulate(bool on);
+
  protected:
   friend class DeviceBuffer;
   // Returns memory from allocate(); never throws.

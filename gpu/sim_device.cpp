@@ -29,6 +29,8 @@ CostModel rtx4090() {
   // NVIDIA Ada Lovelace architecture whitepaper, RTX 4090: 165.2 TFLOP/s peak
   // BF16 tensor with FP32 accumulate, dense (330.4 with sparsity).
   m.peak_tflops = 165.2;
+  // The same whitepaper: 330.3 TFLOP/s FP16 tensor with FP16 accumulate, dense.
+  m.fp16_accumulate_tflops = 330.3;
   // Assumption: big bf16 GEMMs sustain ~75-85% of peak on Ada, but a block's
   // forward/backward also runs attention, norms, RoPE and elementwise kernels;
   // single-GPU fine-tuning reports land at 40-55% MFU. We take 0.5.
@@ -102,6 +104,7 @@ CostModel like(CostModel (*host)(), const char* name, double peak_tflops, double
   CostModel m = host();
   m.name = name;
   m.peak_tflops = peak_tflops;
+  m.fp16_accumulate_tflops = 0;  // the data-centre parts: one rate (a GeForce part sets its own)
   // The board's memory less ~0.5 GiB for the CUDA context and cuBLAS workspace (assumption, as for the 4090).
   m.device_memory_bytes = size_t((board_gib - 0.5) * kGiB);
   // Pinned copies over x16: ~25 GB/s per direction on PCIe 4.0, ~50 on 5.0 (as measured for the 4090 and H200).
@@ -110,10 +113,21 @@ CostModel like(CostModel (*host)(), const char* name, double peak_tflops, double
 }
 // NVIDIA Ampere GA102 whitepaper: RTX 3090, 71 TFLOP/s FP16/BF16 tensor with
 // FP32 accumulate, dense (142 sparse); 24 GB GDDR6X; PCIe 4.0.
-CostModel rtx3090() { return like(rtx4090, "rtx3090", 71, 24, 4); }
+// With FP16 accumulate: 142 dense (the same whitepaper).
+CostModel rtx3090() {
+  CostModel m = like(rtx4090, "rtx3090", 71, 24, 4);
+  m.fp16_accumulate_tflops = 142;
+  return m;
+}
 // NVIDIA RTX Blackwell whitepaper: RTX 5090, 209.5 TFLOP/s FP16/BF16 tensor
 // with FP32 accumulate, dense (419 sparse); 32 GB GDDR7; PCIe 5.0.
-CostModel rtx5090() { return like(rtx4090, "rtx5090", 209.5, 32, 5); }
+// Assumption: FP16 accumulate at twice that, 419 dense, as the Ampere and
+// Ada GeForce whitepapers give their parts.
+CostModel rtx5090() {
+  CostModel m = like(rtx4090, "rtx5090", 209.5, 32, 5);
+  m.fp16_accumulate_tflops = 419;
+  return m;
+}
 // NVIDIA A100 datasheet: 312 TFLOP/s BF16 tensor dense (624 sparse); 40 or
 // 80 GB HBM2(e); PCIe 4.0 to the host (SXM4 boards too).
 CostModel a100_40gb() {
@@ -165,6 +179,8 @@ struct Key {
 
 constexpr Key kKeys[] = {
     {"peak_tflops", ValueKind::kRate, "dense bf16 peak TFLOP/s", [](CostModel& m, double v) { m.peak_tflops = v; }},
+    {"fp16_accumulate_tflops", ValueKind::kRate, "dense fp16 peak TFLOP/s with fp16 accumulation (--matmul-accumulate fp16)",
+     [](CostModel& m, double v) { m.fp16_accumulate_tflops = v; }},
     {"mfu", ValueKind::kFraction, "sustained fraction of peak (0, 1]", [](CostModel& m, double v) { m.mfu = v; }},
     {"compute_latency_us", ValueKind::kLatency, "fixed µs per launched op",
      [](CostModel& m, double v) { m.compute_latency_us = v; }},
@@ -325,6 +341,9 @@ void CostModel::validate() const {
                   v);
   };
   positive("peak_tflops", peak_tflops);
+  STRIDER_CHECK(std::isfinite(fp16_accumulate_tflops) && fp16_accumulate_tflops >= 0,
+                "cost model \"{}\": fp16_accumulate_tflops = {} must be a finite number >= 0 (0: peak_tflops)", name,
+                fp16_accumulate_tflops);
   STRIDER_CHECK(std::isfinite(mfu) && mfu > 0 && mfu <= 1, "cost model \"{}\": mfu = {} must be in (0, 1]", name,
                 mfu);
   latency("compute_latency_us", compute_latency_us);
@@ -355,6 +374,14 @@ std::string CostModel::describe() const {
       name, peak_tflops, mfu, sustained_tflops(), compute_latency_us, device_memory_bytes / kGiB, h2d_gbps,
       d2h_gbps, copy_latency_us, shared_bus ? "one shared bus" : "full duplex", cpu, cpu_cores, cpu_mem_gbps,
       adam_params_per_s(StateFormat::kFp32), adam_params_per_s(StateFormat::kQ8), nvme_read_gbps, nvme_write_gbps, collective_gbps, collective_latency_us);
+}
+
+CostModel CostModel::with_fp16_accumulate() const {
+  CostModel m = *this;
+  if (fp16_accumulate_tflops > 0) m.peak_tflops = fp16_accumulate_tflops;
+  m.fp16_accumulate_tflops = 0;
+  m.name += ",fp16-accumulate";
+  return m;
 }
 
 // 1 TFLOP/s = 1e6 FLOP per µs; 1 GB/s = 1e3 bytes per µs.
@@ -462,6 +489,12 @@ void SimDevice::copy_d2h(StreamId s, void* dst_host, const void* src_device, siz
   ledger_.check_host_range(dst_host, bytes, "copy_d2h", "destination");
   tag.bytes = bytes;
   place(s, OpKind::kCopyD2H, tag, model_.d2h_us(bytes), model_.shared_bus ? &h2d_link_us_ : &d2h_link_us_);
+}
+
+void SimDevice::set_fp16_accumulate(bool on) {
+  if (on && !fp16_accumulate_) model_ = model_.with_fp16_accumulate();
+  STRIDER_CHECK(on || !fp16_accumulate_, "{}: fp16 accumulation cannot be turned off again", name());
+  fp16_accumulate_ = on;
 }
 
 void SimDevice::launch(StreamId s, OpTag tag, LaunchFn fn) {

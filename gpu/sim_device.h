@@ -35,7 +35,13 @@ struct CostModel {
   std::string name = "custom";  // preset name plus overrides, for messages
 
   // ---- the GPU ----
-  double peak_tflops = 100;  // dense bf16 tensor-core peak (datasheet)
+  double peak_tflops = 100;  // dense bf16 (and fp16) tensor-core peak with fp32 accumulation (datasheet)
+  // Dense fp16 peak with fp16 accumulation (--matmul-accumulate fp16): a
+  // GeForce part's is twice its fp32-accumulate rate, a data-centre part's
+  // the same. 0: peak_tflops.
+  double fp16_accumulate_tflops = 0;
+  // This machine with its GEMMs accumulating fp16 in fp16: peak_tflops at that rate.
+  CostModel with_fp16_accumulate() const;
   double mfu = 0.5;          // sustained fraction of peak for our block forward/backward ops
   double compute_latency_us = 0;  // fixed cost per launched op (host enqueue, launch gaps)
   size_t device_memory_bytes = size_t{16} << 30;  // usable device memory: the default budget
@@ -215,6 +221,8 @@ class SimDevice final : public Device {
   uint64_t work_peak_bytes() const override { return 0; }
   void reset_work_peak() override {}
   std::shared_ptr<MemoryRegistrar> host_registrar() override { return nullptr; }
+  // Prices compute at the cost model's fp16-accumulate rate from now on (CostModel::with_fp16_accumulate).
+  void set_fp16_accumulate(bool on) override;
 
   // ---- virtual time ----
   const CostModel& model() const { return model_; }
@@ -244,7 +252,8 @@ class SimDevice final : public Device {
   void place(StreamId s, OpKind kind, const OpTag& tag, double cost_us, double* link_clock);
   static int stream_index(StreamId s);
 
-  const CostModel model_;
+  CostModel model_;  // set_fp16_accumulate changes its compute rate, before any work
+  bool fp16_accumulate_ = false;
   const DeviceOptions options_;
 
   mutable std::mutex mutex_;  // one host thread drives the engine, but keep the seam thread-safe

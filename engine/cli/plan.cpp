@@ -28,7 +28,7 @@ struct Options {
   bool schedule = false;
   bool packed_documents = false;
   // From the configuration's declaration (engine/config_fields.json).
-  std::string nvme, dtype, activations, optimizer_state, layer_pieces, devices, lora, base_format = "compute";
+  std::string nvme, dtype, matmul_accumulate, activations, optimizer_state, layer_pieces, devices, lora, base_format = "compute";
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0, expert_pieces = 0;
   double clip = 0;
   ConfigOptions config;
@@ -149,6 +149,9 @@ int run(Options& o) {
   l.window = o.window;
   l.clip_norm = o.clip;
   l.dtype = parse_compute_dtype(o.dtype, "--dtype");
+  l.fp16_accumulate = o.matmul_accumulate == "fp16";
+  STRIDER_CHECK(!l.fp16_accumulate || l.dtype == at::kHalf,
+                "--matmul-accumulate fp16 accumulates fp16 GEMMs in fp16: it needs --dtype fp16, not --dtype {}", o.dtype);
   l.activations = parse_activation_mode(o.activations);
   l.optimizer_state = parse_state_format(o.optimizer_state);
   l.layer_pieces = o.layer_pieces;
@@ -180,7 +183,10 @@ int run(Options& o) {
   }
   // --activations auto prices recompute against the link on the machine
   // predicted for (the rtx4090's rates without one).
-  if (predicting) l.set_machine_rates(CostModel::parse(rank_machine(o)));
+  if (predicting) {
+    const CostModel m = CostModel::parse(rank_machine(o));
+    l.set_machine_rates(l.fp16_accumulate ? m.with_fp16_accumulate() : m);
+  }
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();
@@ -285,6 +291,7 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "accumulation", o->accumulation);
   f.add(*c, "window", o->window);
   f.add(*c, "dtype", o->dtype);
+  f.add(*c, "matmul_accumulate", o->matmul_accumulate);
   f.add(*c, "activations", o->activations);
   f.add(*c, "optimizer_state", o->optimizer_state);
   f.add(*c, "layer_pieces", o->layer_pieces);

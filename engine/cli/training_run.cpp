@@ -106,6 +106,7 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   f.add(c, "accumulation", o.accumulation);
   f.add(c, "window", o.window);
   f.add(c, "dtype", o.dtype);
+  f.add(c, "matmul_accumulate", o.matmul_accumulate);
   f.add(c, "vocab_chunk", o.vocab_chunk);
   f.add(c, "vocab_shard_rows", o.vocab_shard_rows);
   f.add(c, "layer_pieces", o.layer_pieces);
@@ -321,6 +322,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   lim.micro_batch = o.micro_batch;
   lim.accumulation = o.accumulation;
   lim.dtype = parse_compute_dtype(o.dtype, "--dtype");
+  lim.fp16_accumulate = o.matmul_accumulate == "fp16";
   lim.lora = o.lora;
   lim.base_format = base_format_option(o.base_format, o.lora);
   lim.vocab_chunk = o.vocab_chunk;
@@ -337,7 +339,10 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   // A simulated device prices kept activations on its own machine, the CPU
   // device on its measured rates, a GPU on the rtx4090's (PlanLimits'
   // defaults: no GPU has been measured yet).
-  if (device_spec.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(device_spec.substr(4)));
+  if (device_spec.rfind("sim:", 0) == 0) {
+    const CostModel m = CostModel::parse(device_spec.substr(4));
+    lim.set_machine_rates(lim.fp16_accumulate ? m.with_fp16_accumulate() : m);
+  }
   else if (choose_device(device_spec).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
   // The working-memory model's kernel-dependent terms, measured on a CPU
   // device like the run's (GPUs keep the analytic upper bound until one has

@@ -36,6 +36,7 @@ struct TrainOptions {
           vocab_shard_rows = 0, expert_pieces = 0, token_tile = 0;
   double lr = 0, weight_decay = 0, clip = 0 /* clip_norm */, beta1 = 0, beta2 = 0, eps = 0;
   double loss_scale = 0;                  // fp16's initial loss scale
+  std::string matmul_accumulate;          // fp32 or fp16 (CUDA only)
   int64_t loss_scale_growth_interval = 0;
   bool decay_norms_and_biases = false;
   // Packed documents (EngineConfig::packed_documents): as given, or, where

@@ -199,6 +199,8 @@ class _Methods:
                                f"warmup_steps ({self.warmup_steps})")
         if self.optimizer_state == "q8" and self.dtype != "bf16":
             bad("optimizer_state", "q8 keeps the master's high half in the bf16 compute copy: it needs dtype bf16")
+        if self.matmul_accumulate == "fp16" and self.dtype != "fp16":
+            bad("matmul_accumulate", "fp16 accumulates fp16 GEMMs in fp16: it needs dtype fp16")
         if self.nvme_blocks and not self.nvme_dir:
             bad("nvme_blocks", "needs nvme_dir, the directory their optimizer state lives in")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):

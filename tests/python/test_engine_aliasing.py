@@ -27,7 +27,7 @@ except ImportError as e:
 
 from test_package import BATCH, SEQ, config, hf_batches, make_model  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def pointers(model):
@@ -44,7 +44,7 @@ def assert_untouched(model, ptrs, vals):
         assert torch.equal(p.detach(), vals[n]), f"{n} changed"
 
 
-@pytest.mark.parametrize("kind,dtype", [("llama", "fp32"), ("qwen3_tied", "bf16")])
+@pytest.mark.parametrize("kind,dtype", [("llama", "fp32"), ("qwen3_tied", "bf16"), ("llama", "fp16")])
 def test_parameters_are_the_engines_compute_copy(kind, dtype):
     model = make_model(kind)
     initial = values(model)
@@ -66,7 +66,7 @@ def test_parameters_are_the_engines_compute_copy(kind, dtype):
         assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_model_holds_the_trained_weights_and_saves_them(tmp_path, dtype):
     model = make_model()
     initial = values(model)

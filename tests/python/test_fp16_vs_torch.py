@@ -111,3 +111,21 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale_as_gradscaler_does():
         assert abs(r["loss"] - loss) <= 1e-3 * abs(loss), f"step {s + 1} loss {r['loss']} vs {loss}"
         if r["skipped"]:
             assert r["overflow"], f"step {s + 1}: {r['skip_reason']}"
+
+
+def test_fp16_accumulation_is_refused_where_it_cannot_run(strider_binary, tmp_path):
+    """--matmul-accumulate fp16 needs --dtype fp16 (EngineConfig and the command line), and a CUDA device: the
+    CPU device's GEMMs accumulate in fp32, so a run there is refused naming the device."""
+    import subprocess
+
+    import strider
+    with pytest.raises(ValueError, match="matmul_accumulate.*needs dtype fp16"):
+        strider.EngineConfig(matmul_accumulate="fp16")
+    assert strider.EngineConfig(dtype="fp16", matmul_accumulate="fp16").engine_dict()["matmul_accumulate"] == "fp16"
+    exe = str(strider_binary("strider"))
+    r = subprocess.run([exe, "plan", "--matmul-accumulate", "fp16"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode != 0 and "needs --dtype fp16, not --dtype bf16" in r.stdout + r.stderr, r.stdout + r.stderr
+    r = subprocess.run([exe, "finetune", "--dtype", "fp16", "--matmul-accumulate", "fp16", "--steps", "1",
+                        "--device", "cpu", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode != 0 and "matmul_accumulate fp16 is CUDA only" in r.stdout + r.stderr, r.stdout + r.stderr
