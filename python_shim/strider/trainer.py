@@ -40,7 +40,8 @@ replaced:
   gradient) logs NaN, which the Trainer leaves out of its logged loss;
   max_skipped_steps of them in a row (default 3, as `strider finetune
   --max-skipped-steps`) stop the run with the reason. A batch without
-  targets is skipped without counting. save_only_model=True checkpoints hold no
+  targets is skipped without counting, and so is an fp16 overflow (the
+  engine's loss scale backs off; EngineConfig(dtype="fp16")). save_only_model=True checkpoints hold no
   strider state and cannot be resumed.
 - A PEFT LoRA model (peft.get_peft_model) trains its adapters over its frozen
   base (strider.Engine takes it in place): save_model() and checkpoint-N
@@ -285,7 +286,8 @@ class StriderTrainer(transformers.Trainer):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         result = self.engine.step(*self._batch(inputs, "train"))
-        if result.skipped and not result.no_targets:
+        # fp16's overflow (the loss scale backed off) is not a divergence, as in `strider finetune`.
+        if result.skipped and not result.no_targets and not result.overflow:
             self._skipped_in_a_row += 1
             if self._skipped_in_a_row >= self.max_skipped_steps:
                 where = (f"; first non-finite gradient: block {result.nonfinite_block} ({result.nonfinite_tensor})"

@@ -129,3 +129,31 @@ def test_fp16_accumulation_is_refused_where_it_cannot_run(strider_binary, tmp_pa
                         "--device", "cpu", "--out", str(tmp_path / "out")], capture_output=True, text=True,
                        cwd=tmp_path)
     assert r.returncode != 0 and "matmul_accumulate fp16 is CUDA only" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_finetune_overflows_back_the_scale_off_without_counting_as_divergence(strider_binary, tmp_path):
+    """`strider finetune --dtype fp16` from an initial scale of 2^24: the built-in model's scaled gradients
+    overflow for the first steps (4 in a row on this machine); each skip halves the scale, none counts toward
+    --max-skipped-steps 2, and the run trains its 3 steps. The metrics say each overflow and each step's scale."""
+    import subprocess
+
+    metrics = tmp_path / "metrics.jsonl"
+    r = subprocess.run([str(strider_binary("strider")), "finetune", "--dtype", "fp16", "--loss-scale", str(2.0 ** 24),
+                        "--steps", "3", "--max-skipped-steps", "2", "--device", "cpu", "--out", str(tmp_path / "out"),
+                        "--metrics", str(metrics)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    overflows = [x for x in lines if x.get("overflow")]
+    trained = [x for x in lines if "tokens_per_s" in x]
+    assert all(x.get("overflow") for x in lines[:3]), "the first steps did not overflow 3 times in a row"
+    assert [x["step"] for x in trained] == [1, 2, 3]
+    # In order: each line's scale is 2^24 halved once per overflow before it (a later one may come too).
+    scale = 2.0 ** 24
+    for x in lines:
+        if "loss_scale" in x:
+            assert x["loss_scale"] == scale, x
+        if x.get("overflow"):
+            assert x["next_loss_scale"] == scale / 2, x
+            scale /= 2
+    assert len(overflows) >= 3
+    assert "fp16 gradients overflowed at loss scale 1.67772e+07" in r.stdout
