@@ -140,6 +140,9 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   for (at::ScalarType dtype : dtypes)
     for (int64_t seq : {256, 1024, 4096})
       for (int64_t tile : {int64_t{0}, int64_t{192}}) shapes.push_back({"gqa", gqa, 1, seq, tile, dtype});
+  // fp16 (loss scaling) is priced as bf16 is: the same bytes, the bf16 GEMM's calibration.
+  if (bf16)
+    for (int64_t tile : {int64_t{0}, int64_t{192}}) shapes.push_back({"gqa", gqa, 1, 1024, tile, at::kHalf});
   if (bf16) shapes.push_back({"mha", mha, 2, 1024, 0, at::kBFloat16});
   shapes.push_back({"mha", mha, 2, 1024, 500, at::kFloat});
   if (bf16) shapes.push_back({"qwen3", qwen3, 1, 2048, 0, at::kBFloat16});
@@ -167,7 +170,7 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
     const BlockCost c = s.spec.cost(1, s.batch, s.seq, 8192, dtype_bytes, s.tile, work, s.packed);
     const Measured m = measure(s);
     std::printf("%-11s %5lld %5lld %5lld %5s  %12lld %12lld %6.3f  %12lld %12lld %6.3f\n", s.model,
-                (long long)s.batch, (long long)s.seq, (long long)s.tile, s.dtype == at::kFloat ? "fp32" : "bf16",
+                (long long)s.batch, (long long)s.seq, (long long)s.tile, std::string(compute_dtype_name(s.dtype)).c_str(),
                 (long long)m.forward, (long long)c.forward_work_bytes,
                 double(m.forward) / double(c.forward_work_bytes), (long long)m.backward,
                 (long long)c.backward_work_bytes, double(m.backward) / double(c.backward_work_bytes));
