@@ -261,7 +261,7 @@ def test_bad_configs_are_named():
     assert "window" in bad_config_message(model, window=1)
     assert "'windw'" in bad_config_message(model, windw=2)
     assert "seq" in bad_config_message(model, seq=65)  # past max_position_embeddings
-    assert "dtype" in bad_config_message(model, dtype="fp16")
+    assert "dtype" in bad_config_message(model, dtype="fp8")
     with pytest.raises(ValueError, match="model_config_json.*num_attention_heads|num_attention_heads"):
         cfg = json.loads(model_json(model))
         cfg["num_attention_heads"] = 0

@@ -243,7 +243,7 @@ def test_frozen_parameters_are_refused_naming_them():
 
 
 def test_engine_config_names_fields_and_maps_to_the_engine():
-    for bad, field in [(dict(window=1), "window"), (dict(dtype="fp16"), "dtype"), (dict(seq=0), "seq"),
+    for bad, field in [(dict(window=1), "window"), (dict(dtype="fp8"), "dtype"), (dict(seq=0), "seq"),
                        (dict(betas=(0.9, 1.0)), "betas"), (dict(schedule="step"), "schedule"),
                        (dict(schedule="cosine", warmup_steps=5, total_steps=5), "total_steps"),
                        (dict(device="gpu"), "device"), (dict(device_budget="12 parsecs"), "device_budget"),
