@@ -57,6 +57,20 @@ double SimUpdater::finish() {
   return end_us_;
 }
 
+// A pool's devices share the host's memory bus (SimHostMemory) with the
+// optimizer: its bytes take the bus's free time from the job's start, and
+// the job ends no sooner than the bus has carried them. The copies priced
+// after it find that time taken. One device has no shared bus: its
+// optimizer lane is the CostModel's rate alone (which a bus-bound kernel's
+// rate already is).
+SimInterval SimUpdater::on_host_bus(SimInterval t, uint64_t bytes) {
+  SimHostMemory* bus = sim_.host_memory();
+  if (bus == nullptr || bytes == 0) return t;
+  const double done = bus->reserve_bytes(t.begin_us, bytes);
+  if (done > t.end_us) t.end_us = optimizer_.clock_us = done;
+  return t;
+}
+
 void SimUpdater::span(Lane lane, const char* name, int64_t p, SimInterval t, uint64_t bytes) {
   timeline_.add({lane, name, p >= 0 ? int32_t(place_.piece(p).block) : -1, -1, step_, t.begin_us, t.end_us, 0, bytes});
 }
@@ -87,7 +101,7 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
     }
     case StepOpKind::kSumSquares: {
       // One read of the gradients over the memory bus.
-      const SimInterval t = optimizer_.run(ready, cm.host_memory_us(grad_bytes));
+      const SimInterval t = on_host_bus(optimizer_.run(ready, cm.host_memory_us(grad_bytes)), grad_bytes);
       span(Lane::kOptimizer, "grad norm", p, t, grad_bytes);
       end = thread_us_ = t.end_us;
       return;
@@ -113,10 +127,9 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       // Ranks on machines of their own each take their slice's time.
       const uint64_t updated = op.over_slices && !op.shared_copy ? place_.at(p).owned.elems() : n;
       // Each format's kernel at its rate (CostModel::adam_params_per_s: its
-      // cores or the memory bus). (Its memory traffic is not put on a pool's
-      // shared host bus: one device's prediction has no bus, and the two
-      // must compare.)
-      const SimInterval t = optimizer_.run(ready, cm.adam_us(updated, format_));
+      // cores or the memory bus), its bytes on a pool's shared host bus too.
+      const SimInterval t = on_host_bus(optimizer_.run(ready, cm.adam_us(updated, format_)),
+                                        adam_bytes(format_, updated, place_.grad_bytes));
       span(Lane::kOptimizer, "adamw", p, t, adam_bytes(format_, n, place_.grad_bytes));
       if (place_.at(p).ring_slot >= 0 && !place_.at(p).spills_grads)
         sim_.record_at(ring_free(place_.at(p).ring_slot), t.end_us);

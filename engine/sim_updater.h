@@ -45,6 +45,8 @@ class SimUpdater {
   void advance();  // prices operations up to the next piece not yet enqueued
   void run(const StepOp& op, double ready_us, double& end_us);
   void span(Lane lane, const char* name, int64_t piece, SimInterval t, uint64_t bytes);
+  // An optimizer-lane job `t` that moves `bytes` through host memory: on a pool's shared bus too.
+  SimInterval on_host_bus(SimInterval t, uint64_t bytes);
 
   SimDevice& sim_;
   const Placement& place_;

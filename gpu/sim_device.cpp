@@ -539,6 +539,13 @@ SimHostMemory::SimHostMemory(double gbps) : gbps_(gbps) {
   STRIDER_CHECK(std::isfinite(gbps) && gbps > 0, "SimHostMemory: {} GB/s is not a bandwidth", gbps);
 }
 
+double SimHostMemory::busy_us() const {
+  std::lock_guard lk(mu_);
+  double total = 0;
+  for (const auto& [a, b] : busy_) total += b - a;
+  return total;
+}
+
 double SimHostMemory::reserve(double begin_us, double busy_us) {
   std::lock_guard lk(mu_);
   double t = begin_us, left = busy_us;

@@ -157,9 +157,11 @@ class SimHostMemory {
   // `busy_us` of the bus from `begin_us` on; returns when it is done.
   double reserve(double begin_us, double busy_us);
   double reserve_bytes(double begin_us, uint64_t bytes) { return reserve(begin_us, double(bytes) / (gbps_ * 1e3)); }
+  // The bus's busy time so far, all of it.
+  double busy_us() const;
 
  private:
-  std::mutex mu_;
+  mutable std::mutex mu_;
   const double gbps_;
   std::map<double, double> busy_;  // begin -> end, disjoint
 };

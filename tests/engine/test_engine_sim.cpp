@@ -264,3 +264,34 @@ TEST_CASE("a simulated pool: its devices' compute overlaps, and the shared host 
   CHECK(h2d(slow_one) == Approx(h2d(r_one)).epsilon(0.01));
   CHECK(h2d(slow_four) > 1.5 * h2d(r_four));
 }
+
+TEST_CASE("a simulated pool's host bus carries the optimizer's bytes as well as the copies", "[engine][sim][pool]") {
+  // Llama-3.1-8B on 2 rtx4090s: one step's AdamW moves 26 bytes per
+  // parameter (fp32 state read and written, bf16 gradients read) and the norm
+  // reads each gradient once, all through host memory, which the devices' copies cross too. The
+  // bus's busy time is then at least all of them at its 70 GB/s; the copies
+  // alone are several times less.
+  const ModelSpec spec = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  EngineConfig cfg;
+  cfg.seq = 1024;
+  cfg.micro_batch = 1;
+  cfg.accumulation = 16;
+  cfg.window = 3;
+  cfg.checkpoints_on_host = true;
+  cfg.clip_norm = 1.0;
+  Engine e(spec, cfg, make_devices({.spec = "sim:rtx4090", .budget_bytes = 24ull << 30, .record_spans = true}, "2"));
+  std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
+  const StepReport r = e.step(ids.data(), labels.data());
+  const SimHostMemory* bus = static_cast<SimDevice&>(e.device(0)).host_memory();
+  REQUIRE(bus != nullptr);
+  uint64_t optimizer_bytes = 0;
+  for (const Span& s : e.timeline().spans())
+    if (s.lane == Lane::kOptimizer) optimizer_bytes += s.bytes;
+  const double params = double(spec.param_count());
+  CHECK(double(optimizer_bytes) >= 28.0 * params);  // AdamW's 26 bytes (state read and written, the gradient read), the norm's 2
+  const double copies_us = double(r.h2d_bytes + r.d2h_bytes) / 70e3, optimizer_us = double(optimizer_bytes) / 70e3;
+  INFO("bus busy " << bus->busy_us() << " us; copies " << copies_us << " us, optimizer " << optimizer_us << " us");
+  CHECK(bus->busy_us() >= 0.999 * (copies_us + optimizer_us));
+  CHECK(optimizer_us > 2 * copies_us);
+}
+
