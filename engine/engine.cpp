@@ -10,7 +10,6 @@
 #include "engine/collectives.h"
 #include "engine/sim_updater.h"
 #include "gpu/unit_tensors.h"
-#include "host/bf16.h"
 #include "host/error.h"
 
 namespace strider {
@@ -346,7 +345,11 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   const auto [loss, valid] = pass_loss();
   rep.valid_tokens = valid;
   rep.loss = loss;
-  if (config_.loss_scaled()) update_loss_scale(rep);
+  if (config_.loss_scaled()) {
+    // An overflow of finite loss above the floor is the scale's business, not a divergence.
+    rep.overflow = rep.skipped && std::isfinite(rep.loss) && scaler_.scale > config_.loss_scaling.floor;
+    scaler_ = next_loss_scale(config_.loss_scaling, scaler_, rep.skipped);
+  }
   const double t1 = Timeline::now_us();
   // Every copy of the step has finished: the gradients landed (the norm is
   // known), the loss figures too; nothing of the next step is issued yet.
@@ -433,37 +436,6 @@ void EngineCore::set_collectives(std::unique_ptr<Collectives> ranks) {
 
 const RankInfo& EngineCore::ranks() const { return dist_->ranks(); }
 
-// torch.amp.GradScaler.update: back off on an overflow (and reset the run of
-// good steps), grow after growth_interval good steps in a row. An overflow
-// of finite loss above the floor is the scale's business, not a divergence.
-void EngineCore::update_loss_scale(StepReport& rep) {
-  const LossScaling& ls = config_.loss_scaling;
-  if (rep.skipped) {
-    rep.overflow = std::isfinite(rep.loss) && scaler_.scale > ls.floor;
-    scaler_.scale = std::max(ls.floor, scaler_.scale * ls.backoff);
-    scaler_.good_steps = 0;
-    return;
-  }
-  if (++scaler_.good_steps < ls.growth_interval) return;
-  scaler_.scale *= ls.growth;
-  scaler_.good_steps = 0;
-}
-
-void EngineCore::set_loss_scale(LossScaleState s) {
-  STRIDER_CHECK(config_.loss_scaled(), "set_loss_scale: the {} compute dtype does not scale its loss (fp16 does)",
-                compute_dtype_name(config_.compute.dtype));
-  STRIDER_CHECK(std::isfinite(s.scale) && s.scale >= config_.loss_scaling.floor && s.good_steps >= 0,
-                "set_loss_scale: a scale of {} with {} good steps; the scale is finite and at least the floor {}",
-                s.scale, s.good_steps, config_.loss_scaling.floor);
-  finish_updates();
-  scaler_ = s;
-}
-
-void EngineCore::set_steps_done(int64_t steps) {
-  STRIDER_CHECK(steps >= 0, "set_steps_done({}): a step count is >= 0", steps);
-  finish_updates();
-  steps_ = steps;  // the passes' sequence numbers go on as they were
-}
 
 void EngineCore::init_params(uint64_t seed) {
   for (int64_t b = 0; b < place_.blocks; ++b) {
@@ -503,20 +475,6 @@ size_t EngineCore::compute_begin(int64_t b) const {
   STRIDER_CHECK(b >= 0 && b < place_.blocks, "compute_begin: block {} out of range (the model has {} blocks)", b,
                 place_.blocks);
   return store_->block(size_t(b)).compute_begin;
-}
-
-void EngineCore::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
-  STRIDER_CHECK(!simulated(), "model_weights: a simulated engine holds no state");
-  STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
-                "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
-  if (file_dtype != DType::kBF16 || config_.compute.dtype != at::kBFloat16 || store_->block(size_t(b)).compute_begin > 0) {
-    read_state(b, ExtentKind::kMaster, out);
-    return;
-  }
-  finish_updates();
-  settle_compute();
-  const std::span<uint16_t> c = store_->block(size_t(b)).compute;
-  bf16_to_float(c, out);
 }
 
 std::vector<float> EngineCore::param(const std::string& name) {

@@ -40,6 +40,15 @@ struct LossScaleState {
   int64_t good_steps = 0;        // steps since the last overflow (or growth)
 };
 
+// torch.amp.GradScaler.update: after a skipped step the scale backs off (and
+// the run of good steps restarts); after growth_interval good steps in a row
+// it grows.
+inline LossScaleState next_loss_scale(const LossScaling& ls, LossScaleState s, bool skipped) {
+  if (skipped) return {std::max(ls.floor, s.scale * ls.backoff), 0};
+  if (++s.good_steps < ls.growth_interval) return s;
+  return {s.scale * ls.growth, 0};
+}
+
 struct EngineConfig {
   int64_t seq = 128;
   int64_t micro_batch = 1;     // sequences per micro-batch

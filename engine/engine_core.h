@@ -286,7 +286,6 @@ class EngineCore {
   int64_t batch_valid_ = 0;                 // labels of the batch that count
   LossScaleState scaler_;                   // fp16's loss scale (EngineConfig::loss_scaling), between steps
   double pass_scale_ = 1.0;                 // what this pass's loss gradient is multiplied by (the issuing thread's)
-  void update_loss_scale(StepReport& rep);  // after a pass: GradScaler.update
   // Per micro-batch loss sum and valid tokens ([2, M] float64), summed on the
   // device and copied out once per pass: no host read inside the head's ops.
   std::span<double> head_stats_host_;

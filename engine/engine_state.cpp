@@ -1,6 +1,7 @@
 // The engine's block state as callers see it between steps: a block's
 // master, Adam m or v whole, from RAM or NVMe, and back (data parallel with
 // sharded state: this rank's slice, the others' gathered from their ranks).
+#include <cmath>
 #include <cstring>
 
 #include "engine/collectives.h"
@@ -173,6 +174,37 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
     }
     nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
   }
+}
+
+// Between steps: the step count and fp16's loss scale, as a resume sets them.
+void EngineCore::set_steps_done(int64_t steps) {
+  STRIDER_CHECK(steps >= 0, "set_steps_done({}): a step count is >= 0", steps);
+  finish_updates();
+  steps_ = steps;  // the passes' sequence numbers go on as they were
+}
+
+void EngineCore::set_loss_scale(LossScaleState s) {
+  STRIDER_CHECK(config_.loss_scaled(), "set_loss_scale: the {} compute dtype does not scale its loss (fp16 does)",
+                compute_dtype_name(config_.compute.dtype));
+  STRIDER_CHECK(std::isfinite(s.scale) && s.scale >= config_.loss_scaling.floor && s.good_steps >= 0,
+                "set_loss_scale: a scale of {} with {} good steps; the scale is finite and at least the floor {}",
+                s.scale, s.good_steps, config_.loss_scaling.floor);
+  finish_updates();
+  scaler_ = s;
+}
+
+void EngineCore::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
+  STRIDER_CHECK(!simulated(), "model_weights: a simulated engine holds no state");
+  STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
+                "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
+  if (file_dtype != DType::kBF16 || config_.compute.dtype != at::kBFloat16 || store_->block(size_t(b)).compute_begin > 0) {
+    read_state(b, ExtentKind::kMaster, out);
+    return;
+  }
+  finish_updates();
+  settle_compute();
+  const std::span<uint16_t> c = store_->block(size_t(b)).compute;
+  bf16_to_float(c, out);
 }
 
 }  // namespace strider

@@ -96,14 +96,14 @@ struct PlanLimits {
   bool work_measured = false;
   double compute_flops_per_s = CostModel::preset("rtx4090").sustained_tflops() * 1e12;
   double link_bytes_per_s = link_rate(CostModel::preset("rtx4090"));
-  // The host's memory bus, which every device's copies cross (gpu/sim_device.h,
+  // The host's memory bus, which every device's copies cross (gpu/sim_host_memory.h,
   // SimHostMemory): the CostModel's, or twice a CPU device's measured memcpy
   // rate (a copy there reads and writes host memory).
   double host_memory_bytes_per_s = CostModel::preset("rtx4090").host_memory_gbps() * 1e9;
 
   static double link_rate(const CostModel& m) { return std::min(m.h2d_gbps, m.d2h_gbps) * 1e9; }
   void set_machine_rates(const CostModel& m) {
-    compute_flops_per_s = m.sustained_tflops() * 1e12;
+    compute_flops_per_s = (fp16_accumulate ? m.with_fp16_accumulate() : m).sustained_tflops() * 1e12;
     link_bytes_per_s = link_rate(m);
     host_memory_bytes_per_s = m.host_memory_gbps() * 1e9;
   }

@@ -403,9 +403,7 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   lay_out_visits(place, prog);
   const std::vector<int32_t>& sent = dev.grads_out_;
   const int64_t P = place.num_pieces();
-  // An overflow of scaled gradients is routine, not a fault: like clipping,
-  // loss scaling needs every gradient checked before any update.
-  const bool clip = in.clip_norm > 0 || in.loss_scaled;
+  const bool clip = in.clip_norm > 0 || in.loss_scaled;  // loss scaling gates the updates as clipping does
   const bool sharded = !place.block_slices.empty() && place.block_slices[0].size() > 2;
   const bool ranks = in.world > 1 || sharded;
   auto add = [&](StepOpKind k, Lane lane, int64_t p, std::vector<int32_t> after) {

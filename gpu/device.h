@@ -231,7 +231,7 @@ std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* w
 // of specs ("cuda:0,cuda:2"); "" or "1": the one device `options.spec` names.
 // Each gets `options`' budget. A GPU named twice is two devices on one card
 // (they share its memory: it needs a budget, not auto). A simulated pool's
-// devices share one host memory bus (gpu/sim_device.h, SimHostMemory).
+// devices share one host memory bus (gpu/sim_host_memory.h, SimHostMemory).
 // Throws naming the entry that is not a device or a mix of kinds.
 std::vector<std::unique_ptr<Device>> make_devices(const DeviceOptions& options, const std::string& devices);
 // The specs make_devices would make (of `spec`'s kind for a count), without

@@ -25,6 +25,7 @@
 
 #include "gpu/device.h"
 #include "gpu/device_ledger.h"
+#include "gpu/sim_host_memory.h"
 #include "host/state_format.h"
 
 namespace strider {
@@ -141,29 +142,6 @@ struct SimHostLane {
   // A job costing `cost_us` that may not start before `ready_us` (e.g. the
   // event_time_us() of the D2H it consumes); returns when it ran.
   SimInterval run(double ready_us, double cost_us);
-};
-
-// The host's memory bus, as a pool's SimDevices (their copies) and the host's
-// optimizer (its AdamW) share it: each use occupies it for bytes / gbps,
-// filling the time left free at and after its start (a calendar of busy
-// intervals, so work priced out of virtual-time order still finds the gaps
-// before it). A copy then ends when both its own link and the bus are done
-// with it: N GPUs' links together can ask more of the bus than it gives.
-// One device alone has none (its link is its limit).
-class SimHostMemory {
- public:
-  explicit SimHostMemory(double gbps);
-  double gbps() const { return gbps_; }
-  // `busy_us` of the bus from `begin_us` on; returns when it is done.
-  double reserve(double begin_us, double busy_us);
-  double reserve_bytes(double begin_us, uint64_t bytes) { return reserve(begin_us, double(bytes) / (gbps_ * 1e3)); }
-  // The bus's busy time so far, all of it.
-  double busy_us() const;
-
- private:
-  mutable std::mutex mu_;
-  const double gbps_;
-  std::map<double, double> busy_;  // begin -> end, disjoint
 };
 
 // Simulating the host. The engine prices its host work itself and feeds the

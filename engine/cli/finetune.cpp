@@ -297,10 +297,7 @@ int run(Options& o) {
                    {"epoch", at.epoch}, {"window", at.cursor}});
       continue;
     }
-    if (r.overflow) {
-      // fp16: the scaled gradients overflowed. Nothing changed and the loss
-      // scale backed off; the scale's business, not a divergence, so it does
-      // not count toward --max-skipped-steps (an overflow at the floor scale does).
+    if (r.overflow) {  // fp16: nothing changed, the loss scale backed off; not a divergence
       ++skipped_total;
       const double next = engine.loss_scale().scale;
       log.skipped(r.step,

@@ -183,10 +183,7 @@ int run(Options& o) {
   }
   // --activations auto prices recompute against the link on the machine
   // predicted for (the rtx4090's rates without one).
-  if (predicting) {
-    const CostModel m = CostModel::parse(rank_machine(o));
-    l.set_machine_rates(l.fp16_accumulate ? m.with_fp16_accumulate() : m);
-  }
+  if (predicting) l.set_machine_rates(CostModel::parse(rank_machine(o)));
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();

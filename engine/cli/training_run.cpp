@@ -339,10 +339,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   // A simulated device prices kept activations on its own machine, the CPU
   // device on its measured rates, a GPU on the rtx4090's (PlanLimits'
   // defaults: no GPU has been measured yet).
-  if (device_spec.rfind("sim:", 0) == 0) {
-    const CostModel m = CostModel::parse(device_spec.substr(4));
-    lim.set_machine_rates(lim.fp16_accumulate ? m.with_fp16_accumulate() : m);
-  }
+  if (device_spec.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(device_spec.substr(4)));
   else if (choose_device(device_spec).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
   // The working-memory model's kernel-dependent terms, measured on a CPU
   // device like the run's (GPUs keep the analytic upper bound until one has
