@@ -100,7 +100,8 @@ void check_ids(std::span<const std::byte> raw, uint64_t first, const TokenFileLa
 void check_mask(std::span<const std::byte> raw, uint64_t first, std::string_view label) {
   for (uint64_t i = 0; i < raw.size(); ++i) {
     const auto m = static_cast<uint8_t>(raw[i]);
-    STRIDER_CHECK(m <= 1, "{}: loss mask of token {} is {}, must be 0 or 1", label, first + i, m);
+    STRIDER_CHECK(m <= kMaskPadding, "{}: loss mask of token {} is {}, must be 0, 1 or 2 (padding)", label,
+                  first + i, m);
   }
 }
 
@@ -309,7 +310,7 @@ void TokenFileWriter::append(std::span<const uint32_t> ids, std::span<const uint
   if (options_.with_mask) {
     if (mask.empty()) mask_.insert(mask_.end(), ids.size(), 1);
     for (uint8_t m : mask) {
-      STRIDER_CHECK(m <= 1, "{}: mask byte {} must be 0 or 1", path_, m);
+      STRIDER_CHECK(m <= kMaskPadding, "{}: mask byte {} must be 0, 1 or 2 (padding)", path_, m);
       mask_.push_back(m);
     }
   }
@@ -372,36 +373,41 @@ TokenLoader::TokenLoader(const TokenFile& file, TokenLoaderOptions options)
                 "a 64-bit count", file.path(), options_.batch, options_.seq);
   num_windows_ = (file.size() - 1) / options_.seq;
   window_ids_.resize(options_.seq + 1);
-  window_mask_.resize(options_.seq);
+  window_mask_.resize(options_.seq + 1);
   restore(TokenLoaderState{0, 0, options_.seed, num_windows_, options_.seq});
 }
 
-void TokenLoader::next(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions) {
+bool TokenLoader::next(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions,
+                       std::span<int64_t> attention) {
   const uint64_t seq = options_.seq, n = options_.batch * seq;
-  STRIDER_CHECK(inputs.size() == n && labels.size() == n && (positions.empty() || positions.size() == n),
-                "{}: next() needs inputs and labels (and positions, if any) of batch * seq = {} values, got {}, {} "
-                "and {}", file_.path(), n, inputs.size(), labels.size(), positions.size());
+  STRIDER_CHECK(inputs.size() == n && labels.size() == n && (positions.empty() || positions.size() == n) &&
+                    (attention.empty() || attention.size() == n),
+                "{}: next() needs inputs and labels (and positions and attention, if any) of batch * seq = {} values, "
+                "got {}, {}, {} and {}", file_.path(), n, inputs.size(), labels.size(), positions.size(),
+                attention.size());
   file_.check_unchanged();
   // A read that fails leaves the position where it was: state() never
   // counts a batch that was not handed out.
   const TokenLoaderState before = state();
   try {
-    fill(inputs, labels, positions);
+    return fill(inputs, labels, positions, attention);
   } catch (...) {
     restore(before);
     throw;
   }
 }
 
-void TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions) {
+bool TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions,
+                       std::span<int64_t> attention) {
   const uint64_t seq = options_.seq;
   const auto docs = file_.doc_starts();
+  bool padded = false;
   for (uint64_t b = 0; b < options_.batch; ++b) {
     if (cursor_ == num_windows_) restore(TokenLoaderState{epoch_ + 1, 0, options_.seed,
                                                           num_windows_, seq});
     const uint64_t start = order_[cursor_++] * seq;
     file_.read_tokens(start, window_ids_);          // tokens start .. start + seq
-    file_.read_mask(start + 1, window_mask_);       // the targets' mask bytes
+    file_.read_mask(start, window_mask_);           // the inputs' and the targets' mask bytes
     // First document start after `start`: boundaries are walked, not searched per token.
     auto doc = std::upper_bound(docs.begin(), docs.end(), start);
     uint64_t first = 0;  // where the window's current document starts in it
@@ -409,7 +415,16 @@ void TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels, std
       const uint64_t target = start + t + 1;
       inputs[b * seq + t] = window_ids_[t];
       if (!positions.empty()) positions[b * seq + t] = int64_t(t - first);
-      bool ignore = window_mask_[t] == 0;
+      const bool pad = window_mask_[t] == kMaskPadding;
+      if (!attention.empty()) {
+        STRIDER_CHECK(pad || t == 0 || attention[b * seq + t - 1] == 1,
+                      "{}: the window at token {} has padding (mask 2) before token {}, an input: padding only ends "
+                      "a window (was the file made with --mode example and another --seq than {}?)",
+                      file_.path(), start, start + t, seq);
+        attention[b * seq + t] = pad ? 0 : 1;
+      }
+      padded = padded || pad;
+      bool ignore = window_mask_[t + 1] != 1;
       if (doc != docs.end() && *doc == target) {
         ignore = true;
         first = t + 1;
@@ -418,6 +433,7 @@ void TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels, std
       labels[b * seq + t] = ignore ? kIgnoreLabel : int64_t{window_ids_[t + 1]};
     }
   }
+  return padded;
 }
 
 TokenLoaderState TokenLoader::state() const {

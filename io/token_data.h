@@ -18,7 +18,9 @@
 //   multiple of 8 bytes (so each starts 8-byte aligned):
 //     tokens:      N ids, token_bytes each
 //     loss mask:   N uint8 (if flag bit 0): 1 = the loss counts this token as a
-//                  target, 0 = it does not (a chat prompt, padding)
+//                  target, 0 = it does not (a chat prompt), 2 = padding: no
+//                  target and no input either (its attention mask is 0; a
+//                  mixture of experts' load-balancing loss leaves it out)
 //     doc starts:  D uint64 (if flag bit 1): index of each document's first
 //                  token, strictly increasing, each < N
 //   so the file is exactly 1024 + pad8(2N or 4N) [+ pad8(N)] [+ 8D] bytes.
@@ -36,6 +38,9 @@
 //   label[t] = token[s + t + 1], or -100 (ignored by cross-entropy) when
 //              the mask says token s+t+1 is not a target, or when token s+t+1
 //              starts a document (never predict across a document boundary).
+//   attention[t] = 0 where the mask says token s+t is padding, else 1; padding
+//              only ends a window (python -m strider.data --mode example pads
+//              each document to its window).
 // Each epoch visits every window once, in an order shuffled by (seed, epoch)
 // (see window_order()); a batch is the next `batch` windows, and an epoch
 // that runs out mid-batch continues into the next one. state() captures the
@@ -75,6 +80,7 @@ inline constexpr size_t kTokenHeaderBytes = 1024;
 inline constexpr uint64_t kTokenFlagMask = 1;
 inline constexpr uint64_t kTokenFlagDocs = 2;
 inline constexpr int64_t kIgnoreLabel = -100;
+inline constexpr uint8_t kMaskPadding = 2;  // the mask byte of a padding token
 
 // A validated header, with where each section lies in the file.
 struct TokenFileLayout {
@@ -91,7 +97,7 @@ struct TokenFileLayout {
 
 // Validates a whole file image: header fields and the file size always; with
 // `check_contents` also every id below the vocab (`vocab_size` if nonzero,
-// else the recorded one), mask bytes 0/1, doc starts increasing and < N.
+// else the recorded one), mask bytes 0, 1 or 2, doc starts increasing and < N.
 // `label` names the file in errors. Pure: this is the fuzzing entry point.
 TokenFileLayout parse_token_file(std::span<const std::byte> file, std::string_view label,
                                  uint64_t vocab_size = 0, bool check_contents = true);
@@ -215,13 +221,19 @@ class TokenLoader {
   // document within the window, 0 where a document starts (or runs in from
   // the previous window), as packed position_ids (EngineConfig::
   // packed_documents). The last token of a document never predicts the
-  // next one's first (its label is -100) either way.
-  void next(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions = {});
+  // next one's first (its label is -100) either way. `attention` (empty, or
+  // batch * seq values): 1 on input tokens, 0 on padding (Engine::step's
+  // attention_mask); returns whether the batch has padding. A window whose
+  // padding is followed by input tokens is an Error naming the file (its
+  // windows are not those it was padded to: another seq).
+  bool next(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions = {},
+            std::span<int64_t> attention = {});
   TokenLoaderState state() const;
   void restore(const TokenLoaderState& state);
 
  private:
-  void fill(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions);
+  bool fill(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions,
+            std::span<int64_t> attention);
 
   const TokenFile& file_;
   TokenLoaderOptions options_;
@@ -230,7 +242,7 @@ class TokenLoader {
   uint64_t cursor_ = 0;
   std::vector<uint64_t> order_;
   std::vector<uint32_t> window_ids_;   // seq + 1 ids of the window being read
-  std::vector<uint8_t> window_mask_;   // its seq target mask bytes
+  std::vector<uint8_t> window_mask_;   // its seq + 1 mask bytes
 };
 
 }  // namespace strider

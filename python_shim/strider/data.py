@@ -23,7 +23,8 @@ Layout (--mode):
            packed_documents, which `strider finetune` turns on for such a
            file), and a document may run across two windows
   example  each document alone in a window of exactly --seq tokens: cut to
-           --seq, or padded after its end (padding is masked out of the loss);
+           --seq, or padded after its end (mask byte 2: no target, attention
+           mask 0, so a mixture of experts' load-balancing loss leaves it out);
            what one example per sequence means in transformers' SFT recipes
 The summary line reports the documents' lengths (min, median, max), the
 target fraction and, given --seq, the windows, the documents longer than a
@@ -53,6 +54,7 @@ VERSION = 1
 HEADER_BYTES = 1024
 FLAG_MASK, FLAG_DOCS = 1, 2
 IGNORE_INDEX = -100
+PADDING = 2  # the mask byte of a padding token: no target, and no input (attention mask 0)
 
 
 def _pad8(n):
@@ -62,7 +64,8 @@ def _pad8(n):
 def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0):
     """Writes a token file (io/token_data.h), atomically: a temp file in the same folder, fsync, rename.
 
-    ids: token ids; mask: None (every token a target) or one 0/1 per id; doc_starts: None or strictly
+    ids: token ids; mask: None (every token a target) or one byte per id: 1 a target, 0 not (a prompt), 2
+    padding (no target, attention mask 0; PADDING); doc_starts: None or strictly
     increasing indices < len(ids); vocab_size: recorded (0: not recorded), and every id must be below it.
     """
     ids = np.asarray(ids, dtype=np.int64).ravel()
@@ -78,9 +81,9 @@ def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0):
     flags = 0
     if mask is not None:
         mask = np.asarray(mask, dtype=np.uint8).ravel()
-        if len(mask) != n or (mask > 1).any():
-            raise ValueError(f"write_token_file({path}): the mask needs one 0/1 byte per token ({n}), got "
-                             f"{len(mask)} values")
+        if len(mask) != n or (mask > PADDING).any():
+            raise ValueError(f"write_token_file({path}): the mask needs one byte of 0, 1 or 2 (padding) per token "
+                             f"({n}), got {len(mask)} values, largest {int(mask.max()) if len(mask) else None}")
         flags |= FLAG_MASK
     if doc_starts is not None:
         doc_starts = np.asarray(doc_starts, dtype=np.uint64).ravel()
@@ -306,12 +309,13 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
     report = dict(documents=len(docs), length_min=int(lengths.min()), length_median=float(np.median(lengths)),
                   length_max=int(lengths.max()))
     if mode == "example":
-        # One window per document: cut to seq, or padded after it (the padding is no target). One more
-        # padding token ends the file: the C++ loader reads a window's seq + 1 tokens (io/token_data.h; the
-        # last one is only a label), so without it the last document would make no window there.
+        # One window per document: cut to seq, or padded after it (the padding is no target, and its
+        # attention mask is 0: mask byte PADDING). One more padding token ends the file: the C++ loader reads
+        # a window's seq + 1 tokens (io/token_data.h; the last one is only a label), so without it the last
+        # document would make no window there.
         pad = _pad_id(tokenizer)
         all_ids = np.full(len(docs) * seq + 1, pad, np.int64)
-        all_mask = np.zeros(len(docs) * seq + 1, np.uint8)
+        all_mask = np.full(len(docs) * seq + 1, PADDING, np.uint8)
         for k, (d, m) in enumerate(zip(docs, masks)):
             n = min(len(d), seq)
             all_ids[k * seq:k * seq + n] = d[:n]
@@ -335,8 +339,9 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
     summary = dict(output=str(output_path), format=fmt, mode=mode, tokens=int(all_ids.size), vocab_size=vocab,
                    token_bytes=2 if vocab <= 1 << 16 else 4, **report)
     if write_mask:
-        summary["target_fraction"] = float(all_mask.sum() / (len(docs) * seq if mode == "example" else all_mask.size))
-        if not all_mask.any():
+        targets = all_mask == 1
+        summary["target_fraction"] = float(targets.sum() / (len(docs) * seq if mode == "example" else all_mask.size))
+        if not targets.any():
             # Every batch would be skipped for want of a target: said now, not after a run that learns nothing.
             warnings.warn(f"{input_path}: no assistant turn in any conversation (nor a completion), so {output_path} "
                           "has no target token: a run on it trains nothing (every batch is skipped). Chat data needs "
@@ -355,7 +360,8 @@ class TokenDataset:
     and where a document starts (never predict a document's first token from the one before). position_ids
     count from 0 at each document start in the window (and at the window's start): packed position_ids, with
     which strider (EngineConfig.packed_documents) and transformers keep each document's attention to itself.
-    The tokens past the last whole window are not used. strider.StriderTrainer takes one, or a token file's
+    A file with padding (--mode example) adds attention_mask, 0 on the padding. The tokens past the last whole
+    window are not used. strider.StriderTrainer takes one, or a token file's
     path, as train_dataset or eval_dataset."""
 
     def __init__(self, path, seq):
@@ -375,6 +381,7 @@ class TokenDataset:
         # A document starting off a window's first token: windows pack documents.
         used = self.starts[:self.num_windows * seq].reshape(self.num_windows, seq)
         self.packs_documents = bool(used[:, 1:].any())
+        self.has_padding = self.mask is not None and bool((np.asarray(self.mask) == PADDING).any())
 
     def __len__(self):
         return self.num_windows
@@ -392,19 +399,31 @@ class TokenDataset:
         starts = self.starts[s:s + self.seq]
         drop = starts.copy()
         if self.mask is not None:
-            drop |= np.asarray(self.mask[s:s + self.seq]) == 0
+            drop |= np.asarray(self.mask[s:s + self.seq]) != 1
         labels[drop] = IGNORE_INDEX
         at = np.arange(self.seq, dtype=np.int64)
         positions = at - np.maximum.accumulate(np.where(starts, at, 0))
         return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(positions)
+
+    def window_attention(self, w):
+        """The attention mask of window w: int64, 0 on padding, else 1."""
+        import torch
+        s = w * self.seq
+        if self.mask is None:
+            return torch.ones(self.seq, dtype=torch.int64)
+        return torch.from_numpy((np.asarray(self.mask[s:s + self.seq]) != PADDING).astype(np.int64))
 
     def __getitem__(self, i):
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
             raise TypeError(f"TokenDataset: index {i!r} is not an int")
         if not -self.num_windows <= i < self.num_windows:
             raise IndexError(f"TokenDataset: window {i} of {self.num_windows} ({self.path})")
-        ids, labels, positions = self.window_positions(int(i) % self.num_windows)
-        return {"input_ids": ids, "labels": labels, "position_ids": positions}
+        w = int(i) % self.num_windows
+        ids, labels, positions = self.window_positions(w)
+        item = {"input_ids": ids, "labels": labels, "position_ids": positions}
+        if self.has_padding:
+            item["attention_mask"] = self.window_attention(w)
+        return item
 
 
 class TokenBatches:

@@ -131,11 +131,12 @@ int tok_batches(const Args& a) {
   TokenLoader loader(f, o);
   if (a.opt.count("epoch") || a.opt.count("cursor"))
     loader.restore({a.num("epoch", 0), a.num("cursor", 0), o.seed, loader.num_windows(), o.seq});
-  std::vector<int64_t> in(o.batch * o.seq), lab(o.batch * o.seq), pos(o.batch * o.seq);
+  std::vector<int64_t> in(o.batch * o.seq), lab(o.batch * o.seq), pos(o.batch * o.seq), att(o.batch * o.seq);
   for (uint64_t s = 0, n = a.num("steps", 1); s < n; ++s) {
-    loader.next(in, lab, pos);
+    const bool padded = loader.next(in, lab, pos, att);
     auto st = loader.state();
-    json line = {{"inputs", in}, {"labels", lab}, {"positions", pos}, {"epoch", st.epoch}, {"cursor", st.cursor}};
+    json line = {{"inputs", in}, {"labels", lab}, {"positions", pos}, {"attention", att}, {"padded", padded},
+                 {"epoch", st.epoch}, {"cursor", st.cursor}};
     std::printf("%s\n", line.dump().c_str());
   }
   return 0;

@@ -127,6 +127,48 @@ TEST_CASE("token data: labels shift by one, -100 on masked targets and document 
   CHECK(lab == std::vector<int64_t>{-100, 12, 13, 14, -100, 21, 22, -100});
 }
 
+TEST_CASE("token data: padding (mask byte 2) is no target and no input, and only ends a window", "[token_data]") {
+  // Documents padded to windows of 4 (python -m strider.data --mode example),
+  // one padding token past the last window.
+  TempDir dir;
+  const std::string path = (dir.path / "pad.tok").string();
+  TokenWriterOptions opts;
+  opts.with_mask = true;
+  opts.with_docs = true;
+  TokenFileWriter w(path, opts);
+  w.append_document(std::vector<uint32_t>{10, 11, 0, 0}, std::vector<uint8_t>{1, 1, 2, 2});
+  w.append_document(std::vector<uint32_t>{20, 21, 22, 23}, std::vector<uint8_t>{0, 1, 1, 1});
+  w.append_document(std::vector<uint32_t>{30, 31, 32, 0, 0}, std::vector<uint8_t>{1, 1, 1, 2, 2});
+  w.finish();
+  TokenFile f(path);
+  CHECK(f.mask()[2] == kMaskPadding);
+  TokenLoader loader(f, {.batch = 3, .seq = 4, .seed = 0, .shuffle = false});
+  std::vector<int64_t> in(12), lab(12), pos(12), att(12);
+  CHECK(loader.next(in, lab, pos, att));
+  CHECK(att == std::vector<int64_t>{1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0});
+  CHECK(lab == std::vector<int64_t>{11, -100, -100, -100, 21, 22, 23, -100, 31, 32, -100, -100});
+  // Without the attention output the labels are the same.
+  TokenLoader plain(f, {.batch = 3, .seq = 4, .seed = 0, .shuffle = false});
+  std::vector<int64_t> lab2(12);
+  CHECK(plain.next(in, lab2));
+  CHECK(lab2 == lab);
+  // Windows of 3 put the first document's padding before the second's tokens.
+  TokenLoader other(f, {.batch = 2, .seq = 3, .seed = 0, .shuffle = false});
+  std::vector<int64_t> in3(6), lab3(6), att3(6);
+  CHECK_THROWS_WITH(other.next(in3, lab3, {}, att3), Catch::Contains(path) && Catch::Contains("padding only ends a window"));
+  CHECK(other.state().cursor == 0);  // the failed batch was not handed out
+  // A file without padding has none.
+  const std::string plain_path = (dir.path / "plain.tok").string();
+  TokenFileWriter p(plain_path, opts);
+  p.append_document(std::vector<uint32_t>{1, 2, 3, 4, 5}, std::vector<uint8_t>{0, 1, 1, 1, 1});
+  p.finish();
+  TokenFile pf(plain_path);
+  TokenLoader pl(pf, {.batch = 1, .seq = 4, .seed = 0, .shuffle = false});
+  std::vector<int64_t> in1(4), lab1(4), att1(4);
+  CHECK_FALSE(pl.next(in1, lab1, {}, att1));
+  CHECK(att1 == std::vector<int64_t>{1, 1, 1, 1});
+}
+
 TEST_CASE("token data: positions restart at each document start inside a window", "[token_data]") {
   TempDir dir;
   const std::string path = (dir.path / "docs.tok").string();
@@ -153,7 +195,7 @@ TEST_CASE("token data: positions restart at each document start inside a window"
   auto [in2, lab2] = next_batch(again, 3, 4);
   CHECK((in2 == in && lab2 == lab));
   std::vector<int64_t> short_pos(5);
-  CHECK_THROWS_WITH(again.next(in, lab, short_pos), Catch::Contains("and 5"));
+  CHECK_THROWS_WITH(again.next(in, lab, short_pos), Catch::Contains("12, 12, 5 and 0"));
 }
 
 TEST_CASE("token data: same seed same batches and every epoch visits each window once",
@@ -249,7 +291,7 @@ TEST_CASE("token data: each malformed corpus file gives a clear error", "[token_
       {"bad_truncated", {"'num_tokens' 9", "has 1046", "truncated"}},
       {"bad_vocab", {"token 4", "id 9", "vocab size 8", "'vocab_size'"}},
       {"bad_docs_order", {"doc start 2 is 2", "increase strictly"}},
-      {"bad_mask_value", {"loss mask of token 2 is 2"}},
+      {"bad_mask_value", {"loss mask of token 2 is 3"}},
       {"bad_short_header", {"100 bytes", "1024-byte"}},
       {"bad_reserved", {"reserved header word 100"}},
   };

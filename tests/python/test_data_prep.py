@@ -137,14 +137,20 @@ def test_example_mode_gives_each_document_a_window_of_its_own(tmp_path, tokenize
         row = data[k]
         kept = e[:seq]
         assert row["input_ids"].tolist() == kept + [pad] * (seq - len(kept))
-        # Its first token starts a document; its padding is no target.
+        # Its first token starts a document; its padding is no target, and no input (attention mask 0).
         assert row["labels"].tolist() == [-100] + kept[1:] + [-100] * (seq - len(kept))
+        assert row["attention_mask"].tolist() == [1] * len(kept) + [0] * (seq - len(kept))
     # The C++ loader reads the same windows.
     st_tool = strider_binary("st_tool")
     b = st_json(st_tool, "tok-batches", tmp_path / "ex.tokens", "--batch", 4, "--seq", seq, "--no-shuffle")[0]
     assert b["inputs"] == [t for k in range(4) for t in data[k]["input_ids"].tolist()]
     # Its labels are shifted (the next token's), so a window's last one is the next document's start: none.
     assert b["labels"] == [t for k in range(4) for t in data[k]["labels"].tolist()[1:] + [-100]]
+    assert b["attention"] == [t for k in range(4) for t in data[k]["attention_mask"].tolist()] and b["padded"]
+    # Read in windows of another seq, the padding would sit before a document's tokens: refused, naming the file.
+    bad = subprocess.run([str(st_tool), "tok-batches", str(tmp_path / "ex.tokens"), "--batch", "2", "--seq", "5",
+                          "--no-shuffle", "--steps", "2"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "padding only ends a window" in bad.stderr and "ex.tokens" in bad.stderr
     # The command line takes --mode and --seq, and example mode needs --seq.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     base = [sys.executable, "-m", "strider.data", "--tokenizer", tokenizer_dir, "--input", tmp_path / "corpus.txt",

@@ -39,7 +39,7 @@ def reference_batches(ids, mask, docs, batch, seq, seed, steps, shuffle=True):
     order = window_order(windows, seed, 0) if shuffle else list(range(windows))
     out = []
     for _ in range(steps):
-        inputs, labels, positions = [], [], []
+        inputs, labels, positions, attention = [], [], [], []
         for _ in range(batch):
             if cursor == windows:
                 epoch, cursor = epoch + 1, 0
@@ -53,9 +53,11 @@ def reference_batches(ids, mask, docs, batch, seq, seed, steps, shuffle=True):
                 if t > 0 and s + t in doc_set:
                     first = t
                 positions.append(t - first)
-                ignore = (mask is not None and mask[tgt] == 0) or tgt in doc_set
+                ignore = (mask is not None and mask[tgt] != 1) or tgt in doc_set
                 labels.append(-100 if ignore else int(ids[tgt]))
-        out.append({"inputs": inputs, "labels": labels, "positions": positions, "epoch": epoch, "cursor": cursor})
+                attention.append(0 if mask is not None and mask[s + t] == 2 else 1)  # 2: padding
+        out.append({"inputs": inputs, "labels": labels, "positions": positions, "attention": attention,
+                    "padded": 0 in attention, "epoch": epoch, "cursor": cursor})
     return out
 
 

@@ -93,7 +93,7 @@ def token_cases():
         "truncated": token_file(ids, cut=2),
         "vocab": token_file(ids, vocab=8),
         "docs_order": token_file(ids, docs=[0, 4, 2]),
-        "mask_value": token_file(ids, mask=[1, 1, 2, 1, 1, 1, 1, 1, 1]),
+        "mask_value": token_file(ids, mask=[1, 1, 3, 1, 1, 1, 1, 1, 1]),
         "short_header": token_file(ids)[:100],
         "reserved": token_file(ids, header_edit=lambda h: h.__setitem__(100, 1)),
     }
