@@ -78,6 +78,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kHostAlign);
   labels_host_ = arena_->carve_as<int64_t>(tokens, "batch labels", kHostAlign);
   if (config_.packed_documents) positions_host_ = arena_->carve_as<int64_t>(tokens, "batch positions", kHostAlign);
+  if (spec_.router_aux_coef > 0) valid_host_ = arena_->carve_as<float>(tokens, "batch attention mask", kHostAlign);
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kHostAlign);
   head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kHostAlign);
   // Per micro-batch: its host checkpoints (of blocks 1..head) and kept
@@ -216,8 +217,10 @@ void EngineCore::allocate_activations(int d) {
   };
   st.ids = make({config_.batch(), S}, at::kLong, "batch ids");
   if (runs_head) st.head_stats = make({2, M}, at::kDouble, "head loss figures");
-  if (spec_.router_aux_coef > 0)
+  if (spec_.router_aux_coef > 0) {
     st.moe_stats = make({M, 2, spec_.dims.moe.experts}, at::kFloat, "routing statistics");
+    st.token_valid = make({config_.batch() * S}, at::kFloat, "batch attention mask");
+  }
   st.labels = make({config_.batch(), S}, at::kLong, "batch labels");
   if (config_.packed_documents) st.positions = make({config_.batch(), S}, at::kLong, "batch positions");
   st.mb.resize(size_t(M));
@@ -226,6 +229,7 @@ void EngineCore::allocate_activations(int d) {
     x.ids = st.ids.chunk(M, 0)[m];
     if (config_.packed_documents) x.position_rows = st.positions.chunk(M, 0)[m];
     x.labels = st.labels.chunk(M, 0)[m].reshape({-1});
+    if (st.token_valid.defined()) x.valid = st.token_valid.chunk(M, 0)[m];
     if (!runs_head) continue;
     x.loss_sum = st.head_stats[0][m];
     x.valid_tokens = st.head_stats[1][m];
@@ -270,7 +274,8 @@ void EngineCore::settle_compute() {
   compute_pending_ = false;
 }
 
-StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
+StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                            const int64_t* attention) {
   STRIDER_CHECK(dist_->ranks().world == config_.state_shards || !sharded() || simulated(),
                 "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
                 config_.state_shard, config_.state_shards, dist_->ranks().world);
@@ -281,7 +286,7 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   rep.tokens = config_.batch() * config_.seq;
   for (Seat& st : seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
   settle_compute();
-  upload_batch(ids, labels, positions);
+  upload_batch(ids, labels, positions, attention);
   if (batch_valid_ == 0 && !simulated()) {
     // Nothing to learn from: no pass, no update, no step count (the same on
     // every rank: the count is the global batch's).
@@ -364,10 +369,11 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   return rep;
 }
 
-double EngineCore::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
+double EngineCore::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                            const int64_t* attention) {
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
   settle_compute();
-  upload_batch(ids, labels, positions);
+  upload_batch(ids, labels, positions, attention);
   run_pass(eval_program_);
   synchronize_devices(StreamId::kCompute);
   const auto [loss, valid] = pass_loss();
@@ -389,26 +395,23 @@ std::pair<double, int64_t> EngineCore::pass_loss() {
   if (spec_.router_aux_coef > 0) {
     // The last layer's device holds the whole sum (a pool hands it on, engine_visit.cpp).
     const at::Tensor stats = seats_[size_t(place_.block_device(place_.head - 1))].moe_stats.cpu();
-    for (size_t m = 0; m < M; ++m) aux += moe_aux_loss(stats[int64_t(m)], moe_rows()).item<double>();
+    for (size_t m = 0; m < M; ++m) aux += moe_aux_loss(stats[int64_t(m)], moe_rows_[m]).item<double>();
   }
   double all[3] = {sums[0], sums[1], aux};
   dist_->all_reduce_sum(all);  // the global batch's (rank order: the same bits on every rank)
-  const double world_mbs = double(M) * double(dist_->ranks().world);
-  return {all[0] / all[1] + spec_.router_aux_coef * all[2] / world_mbs, int64_t(all[1])};
-}
-
-double EngineCore::moe_rows() const {
-  return double(config_.micro_batch) * double(config_.seq) * double(spec_.sparse_layer_count());
+  const double aux_mean = moe_batches_ > 0 ? all[2] / moe_batches_ : 0.0;
+  return {all[0] / all[1] + spec_.router_aux_coef * aux_mean, int64_t(all[1])};
 }
 
 MoeStep EngineCore::moe_step(const Seat& s, int64_t b, int64_t m, bool backward) const {
   MoeStep st;
   if (!s.moe_stats.defined() || b == 0 || b >= place_.head || !spec_.sparse(b - 1)) return st;
   st.stats = s.moe_stats[m];
+  if (moe_padded_[size_t(m)]) st.valid = s.mb[size_t(m)].valid;
   if (!backward) return st;
-  // Every rank's micro-batches count alike: their gradients sum over the ranks.
-  st.aux_scale = pass_scale_ * spec_.router_aux_coef / (double(config_.accumulation) * double(dist_->ranks().world));
-  st.rows = moe_rows();
+  // Every rank's micro-batches with an input token count alike: their gradients sum over the ranks.
+  st.aux_scale = moe_batches_ > 0 ? pass_scale_ * spec_.router_aux_coef / moe_batches_ : 0.0;
+  st.rows = moe_rows_[size_t(m)];
   return st;
 }
 

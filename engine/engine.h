@@ -146,9 +146,16 @@ class Engine {
   // starts (transformers' packed position_ids); a token attends only within
   // its document. Needs EngineConfig::packed_documents unless every row is
   // 0..seq-1. A micro-batch whose rows are all 0..seq-1 computes as without.
-  StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr);
+  // `attention_mask` ([batch, seq] int64 of 0 and 1, or null: no padding):
+  // transformers' attention mask, right padding only (a row's 0s follow its
+  // 1s), labels -100 on padding. Attention is causal, so the padding changes
+  // no real token; it leaves the padded tokens out of the load-balancing loss
+  // (engine/README.md, "Mixture of experts"), as transformers does.
+  StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
+                  const int64_t* attention_mask = nullptr);
   // Loss over a batch with the same window and no update (mean over valid tokens).
-  double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr);
+  double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
+                  const int64_t* attention_mask = nullptr);
   // Waits for every pending update.
   void finish_updates();
   // On a SimDevice the engine runs its unchanged schedule on virtual clocks:

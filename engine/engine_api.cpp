@@ -30,11 +30,13 @@ size_t Engine::compute_begin(int64_t block) const { return core_->compute_begin(
 void Engine::model_weights(int64_t block, DType file_dtype, std::span<float> out) {
   core_->model_weights(block, file_dtype, out);
 }
-StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
-  return core_->step(ids, labels, positions);
+StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                        const int64_t* attention_mask) {
+  return core_->step(ids, labels, positions, attention_mask);
 }
-double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
-  return core_->evaluate(ids, labels, positions);
+double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                        const int64_t* attention_mask) {
+  return core_->evaluate(ids, labels, positions, attention_mask);
 }
 void Engine::finish_updates() { core_->finish_updates(); }
 bool Engine::simulated() const { return core_->simulated(); }

@@ -44,8 +44,8 @@ class EngineCore {
   std::span<std::byte> compute_copy(int64_t block);
   size_t compute_begin(int64_t block) const;
   void model_weights(int64_t block, DType file_dtype, std::span<float> out);
-  StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions);
-  double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions);
+  StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
+  double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
   void finish_updates();
   bool simulated() const { return sim_updater_ != nullptr; }
   const ModelSpec& spec() const { return spec_; }
@@ -95,6 +95,7 @@ class EngineCore {
     at::Tensor head_state, head_lse, grad_h;
     at::Tensor logits;                      // kept logits (EngineConfig::keep_logits), else undefined
     at::Tensor loss_sum, valid_tokens;      // its entries of the head's Seat::head_stats
+    at::Tensor valid;                       // its rows of Seat::token_valid, flat
   };
   struct SavedIn {
     int64_t block = -1, m = -1;
@@ -118,6 +119,7 @@ class EngineCore {
     // With the load-balancing loss: each micro-batch's routing statistics
     // over its sparse layers (gpu/moe.h, MoeStep; fp32 [M, 2, experts]).
     at::Tensor moe_stats;
+    at::Tensor token_valid;  // and the batch's attention mask, fp32 [batch * seq] (a batch with padding)
     std::vector<MicroBatch> mb;
     std::vector<std::unique_ptr<Event>> ring_free;  // per ring set: its last reader is done
     // Kept activations: two device slots (flat, compute dtype) that forward
@@ -158,7 +160,14 @@ class EngineCore {
   // Where its visit's gradient area starts in the unit: unit element x has its accumulator at x - grad_base.
   size_t grad_base(const StepOp& op) const { return loaded_[size_t(op.visit)].grad_base; }
   void allocate_activations(int d);
-  void upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions);
+  void upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
+  // The load-balancing loss's share of a batch with padding: per micro-batch
+  // its router rows (input tokens x sparse layers) and whether it has padding
+  // (its MoeStep::valid); the micro-batches with an input token on every rank.
+  void count_router_rows(const int64_t* attention);
+  std::vector<double> moe_rows_;
+  std::vector<char> moe_padded_;
+  double moe_batches_ = 0;
   std::vector<int64_t> visit_segments(const StepOp& v) const;
   // Acquire + H2D of its visit's pieces into loaded_[visit], laid out as `layout` says.
   void load_visit(const StepOp& load, const std::vector<UnitRun>& layout);
@@ -257,6 +266,7 @@ class EngineCore {
 
   // Pinned host staging.
   std::span<int64_t> ids_host_, labels_host_, positions_host_;  // positions: with packed documents
+  std::span<float> valid_host_;  // the attention mask, with the load-balancing loss
   std::span<float> tied_grad_host_;         // the head's gradient of a tied embedding
   std::vector<std::span<std::byte>> grad_ring_;  // fp32 gradient slots shared by the ring blocks
   std::vector<int64_t> ring_uses_;          // per slot: D2Hs issued into it (main thread)
@@ -321,7 +331,6 @@ class EngineCore {
   // its statistics to add to (forward) or its gradient (backward); empty
   // where b has no experts or the loss is off.
   MoeStep moe_step(const Seat& s, int64_t b, int64_t m, bool backward) const;
-  double moe_rows() const;  // router rows of one micro-batch: its tokens x the sparse layers
 
   // Updater thread.
   std::thread updater_;

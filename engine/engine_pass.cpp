@@ -4,6 +4,7 @@
 // share: each visit's H2D into a unit, the views over units and
 // micro-batches, and the gradients' D2H into host staging (their own buffer
 // or the gradient ring).
+#include <algorithm>
 #include <cstring>
 
 #include "engine/engine_core.h"
@@ -83,7 +84,8 @@ void EngineCore::finish_updates() {
   for (int64_t p = 0; p < num_pieces(); ++p) wait_updated(p);
 }
 
-void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions) {
+void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                              const int64_t* attention) {
   for (Seat& st : seats_) st.data_ready->synchronize();  // the previous batch's copies have left the staging
   const size_t n = ids_host_.size();
   // Each micro-batch's documents (0: every row 0..seq-1), checked before anything changes.
@@ -104,6 +106,18 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
     STRIDER_CHECK(labels[i] == -100 || (labels[i] >= 0 && labels[i] < spec_.dims.vocab),
                   "label {} at position {} is neither -100 nor a token id < {}", labels[i], i, spec_.dims.vocab);
   }
+  if (attention != nullptr)
+    for (size_t i = 0; i < n; ++i) {
+      const size_t t = i % size_t(S);
+      STRIDER_CHECK(attention[i] == 0 || attention[i] == 1, "attention_mask at position {} is {}: 0 (padding) or 1",
+                    i, attention[i]);
+      STRIDER_CHECK(attention[i] == 0 || t == 0 || attention[i - 1] == 1,
+                    "attention_mask: row {} has a 0 before a 1 at position {} (left padding?); attention is causal "
+                    "without a padding mask, so pad on the right", i / size_t(S), t);
+      STRIDER_CHECK(attention[i] == 1 || labels[i] == -100,
+                    "label {} at position {} is on padding (attention_mask 0): padding is no target, give -100",
+                    labels[i], i);
+    }
   batch_valid_ = 0;
   for (size_t i = 0; i < n; ++i) batch_valid_ += labels[i] != -100;
   // Every rank scales its loss by the global batch's count, so the ranks'
@@ -115,11 +129,15 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
   // bytes each step), whether or not one of its micro-batches packs.
   const bool packed = positions != nullptr && config_.packed_documents;
   if (packed) std::memcpy(positions_host_.data(), positions, n * 8);
+  if (spec_.router_aux_coef > 0) count_router_rows(attention);
+  const bool padded = std::any_of(moe_padded_.begin(), moe_padded_.end(), [](char p) { return p != 0; });
   for (Seat& st : seats_) {  // every device of a pool: the embedding needs the ids, the head the labels
     st.device->copy_h2d(StreamId::kH2D, st.ids.data_ptr(), ids_host_.data(), n * 8, {"h2d batch"});
     st.device->copy_h2d(StreamId::kH2D, st.labels.data_ptr(), labels_host_.data(), n * 8, {"h2d batch"});
     if (packed)  // the layers' attention needs them
       st.device->copy_h2d(StreamId::kH2D, st.positions.data_ptr(), positions_host_.data(), n * 8, {"h2d batch"});
+    if (padded)  // the sparse layers' routing statistics need it
+      st.device->copy_h2d(StreamId::kH2D, st.token_valid.data_ptr(), valid_host_.data(), n * 4, {"h2d batch"});
     for (int64_t m = 0; m < M; ++m) {
       MicroBatch& x = st.mb[size_t(m)];
       x.positions = longest[size_t(m)] > 0 ? BatchPositions{x.position_rows, longest[size_t(m)]} : BatchPositions{};
@@ -132,6 +150,32 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
                         [stats](const LaunchContext&) { stats.zero_(); });
     }
   }
+}
+
+void EngineCore::count_router_rows(const int64_t* attention) {
+  const size_t M = size_t(config_.accumulation), per_mb = ids_host_.size() / M;
+  const double layers = double(spec_.sparse_layer_count());
+  moe_rows_.assign(M, double(per_mb) * layers);
+  moe_padded_.assign(M, 0);
+  double batches = double(M);
+  if (attention != nullptr) {
+    batches = 0;
+    for (size_t m = 0; m < M; ++m) {
+      size_t inputs = 0;
+      for (size_t i = m * per_mb; i < (m + 1) * per_mb; ++i) {
+        inputs += size_t(attention[i]);
+        valid_host_[i] = float(attention[i]);
+      }
+      moe_rows_[m] = double(inputs) * layers;
+      moe_padded_[m] = inputs < per_mb;
+      batches += inputs > 0;
+    }
+  }
+  // A micro-batch of padding only has no load-balancing loss (transformers'
+  // 0/0); the mean is over the others, every rank's (rank order: the same
+  // bits on every rank).
+  dist_->all_reduce_sum(std::span<double>(&batches, 1));
+  moe_batches_ = batches;
 }
 
 void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout) {

@@ -54,8 +54,9 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     if (c.checkpoints_on_host) sets = 2;
     uint64_t bytes = 2 * round_up(tokens * 8, 256) + sets * M * act + M * act;
     if (pl.runs_kept_layer(d)) bytes += 2 * round_up(pl.saved_bytes, 256);
-    // The load-balancing loss's routing statistics (engine_core.h, Seat::moe_stats).
-    if (spec.router_aux_coef > 0) bytes += round_up(M * 2 * size_t(spec.dims.moe.experts) * 4, 256);
+    // The load-balancing loss's routing statistics and attention mask (engine_core.h, Seat::moe_stats).
+    if (spec.router_aux_coef > 0)
+      bytes += round_up(M * 2 * size_t(spec.dims.moe.experts) * 4, 256) + round_up(tokens * 4, 256);
     if (pl.runs_head(d))
       bytes += round_up(2 * M * 8, 256) +
                M * (round_up(3 * mb_tokens * 4, 256) + round_up(mb_tokens * 4, 256) +
@@ -83,6 +84,7 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   // The arena: that, the batch, the loss figures (and alignment slack), host checkpoints.
   f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kHostAlign) + round_up(2 * M * 8, kHostAlign) +
                  8 * kHostAlign;
+  if (spec.router_aux_coef > 0) f.host_bytes += round_up(tokens * 4, kHostAlign);  // the attention mask
   if (c.checkpoints_on_host) f.host_bytes += uint64_t(pl.head) * M * round_up(pl.act_bytes, kHostAlign);
   // A pool's hand-off buffers, per micro-batch: a block's input or output
   // gradient; with the head spread, its per-token state (3 fp32 per token),

@@ -39,6 +39,22 @@ at::Tensor ResidentModel::grad(const std::string& name) const {
   return grads_[b].slice(0, int64_t(s->offset_elems), int64_t(s->offset_elems + s->numel)).view(s->shape);
 }
 
+std::vector<at::Tensor> ResidentModel::routing(const at::Tensor& input_ids) {
+  STRIDER_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq]; got {}", fmt::join(input_ids.sizes(), "x"));
+  BlockRunner run(spec_, options_, input_ids.size(1), device_);
+  const BatchPositions pos;
+  std::vector<at::Tensor> out;
+  at::Tensor x = input_ids.to(device_);
+  for (int64_t b = 0; b + 1 < spec_.num_blocks(); ++b) {
+    std::vector<at::Tensor> tiles;
+    MoeStep st;
+    if (b > 0 && spec_.sparse(b - 1)) st.routes = &tiles;
+    x = run.forward(b, params_[b], x, {}, &pos, &st);
+    if (!tiles.empty()) out.push_back(at::cat(tiles, 0));
+  }
+  return out;
+}
+
 std::vector<std::string> ResidentModel::param_names() const {
   std::vector<std::string> out;
   for (const auto& l : layouts_)
@@ -47,7 +63,8 @@ std::vector<std::string> ResidentModel::param_names() const {
 }
 
 StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::Tensor& labels,
-                                         int64_t micro_batches, bool keep_outputs, const at::Tensor& positions) {
+                                         int64_t micro_batches, bool keep_outputs, const at::Tensor& positions,
+                                         const at::Tensor& attention_mask) {
   STRIDER_CHECK(input_ids.dim() == 2 && labels.sizes() == input_ids.sizes(),
                 "input_ids and labels must both be [batch, seq]; got {} and {}",
                 fmt::join(input_ids.sizes(), "x"), fmt::join(labels.sizes(), "x"));
@@ -83,12 +100,30 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
   const at::Tensor stats = aux ? at::zeros({micro_batches, 2, spec_.dims.moe.experts},
                                            at::TensorOptions().dtype(at::kFloat).device(device_))
                                : at::Tensor();
-  const double rows = double(batch / micro_batches) * double(seq) * double(spec_.sparse_layer_count());
+  // With padding, a micro-batch's rows count its input tokens, and one of
+  // padding only has no such loss: the mean is over the others.
+  const double layers = double(spec_.sparse_layer_count());
+  std::vector<double> rows(size_t(micro_batches), double(batch / micro_batches) * double(seq) * layers);
+  std::vector<at::Tensor> token_valid(static_cast<size_t>(micro_batches));
+  double aux_batches = double(micro_batches);
+  if (aux && attention_mask.defined()) {
+    STRIDER_CHECK(attention_mask.sizes() == input_ids.sizes(), "attention_mask must be [batch, seq] as input_ids");
+    const std::vector<at::Tensor> mask = attention_mask.to(at::kFloat).chunk(micro_batches, 0);
+    aux_batches = 0;
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      const int64_t inputs = int64_t(mask[m].sum().item<double>());
+      rows[size_t(m)] = double(inputs) * layers;
+      if (inputs < mask[m].numel()) token_valid[size_t(m)] = mask[m].reshape({-1}).to(device_);
+      aux_batches += inputs > 0;
+    }
+  }
   auto moe = [&](int64_t b, int64_t m, bool backward) {
     MoeStep st;
     if (!aux || b == 0 || b == head || !spec_.sparse(b - 1)) return st;
     st.stats = stats[m];
-    if (backward) st.aux_scale = spec_.router_aux_coef / double(micro_batches), st.rows = rows;
+    st.valid = token_valid[size_t(m)];
+    if (backward && aux_batches > 0)
+      st.aux_scale = spec_.router_aux_coef / aux_batches, st.rows = rows[size_t(m)];
     return st;
   };
 
@@ -119,8 +154,8 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
     }
 
   out.loss = loss_sum / double(valid);
-  for (int64_t m = 0; aux && m < micro_batches; ++m)
-    out.loss += spec_.router_aux_coef / double(micro_batches) * moe_aux_loss(stats[m], rows).item<double>();
+  for (int64_t m = 0; aux && aux_batches > 0 && m < micro_batches; ++m)
+    out.loss += spec_.router_aux_coef / aux_batches * moe_aux_loss(stats[m], rows[size_t(m)]).item<double>();
   out.valid_tokens = valid;
   if (keep_outputs)
     for (int64_t b = 1; b <= head; ++b) out.block_outputs.push_back(at::cat(inputs[b], 0));

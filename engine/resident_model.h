@@ -39,9 +39,18 @@ class ResidentModel {
   // ([batch, seq], int64) split into `micro_batches`, accumulating gradients
   // of the mean loss over all valid tokens. `positions` ([batch, seq] int64,
   // or undefined): rows that pack documents (BatchPositions), per
-  // micro-batch as the engine takes them.
+  // micro-batch as the engine takes them. `attention_mask` ([batch, seq]
+  // int64 of 0 and 1, or undefined): padding, left out of the load-balancing
+  // loss (Engine::step).
   StepLoss forward_backward(const at::Tensor& input_ids, const at::Tensor& labels,
-                            int64_t micro_batches, bool keep_outputs = false, const at::Tensor& positions = {});
+                            int64_t micro_batches, bool keep_outputs = false, const at::Tensor& positions = {},
+                            const at::Tensor& attention_mask = {});
+
+  // Each sparse layer's routing of `input_ids` ([batch, seq] int64, one
+  // micro-batch) in a forward with the current parameters: its tokens'
+  // chosen experts, int64 [batch x seq, top_k] (MoeStep::routes), in layer
+  // order.
+  std::vector<at::Tensor> routing(const at::Tensor& input_ids);
 
   const ModelSpec& spec() const { return spec_; }
   at::Tensor block_params(int64_t b) const { return params_[b]; }

@@ -282,7 +282,8 @@ at::Tensor layer_forward(const BlockDims& d, const TensorMap& w, const TokenLayo
     const int64_t t1 = std::min(n, t0 + tile);
     at::Tensor t = flat.slice(0, t0, t1);
     if (d.moe.sparse()) {
-      t.add_(branch(d, w, names.mlp_post, moe_forward(d, w, maybe_norm(d, w, names.mlp_pre, t), moe)));
+      const MoeStep st = moe ? moe->tile(t0, t1) : MoeStep{};
+      t.add_(branch(d, w, names.mlp_post, moe_forward(d, w, maybe_norm(d, w, names.mlp_pre, t), moe ? &st : nullptr)));
       continue;
     }
     MlpProjections m = mlp_projections(d, w, t);
@@ -367,7 +368,8 @@ at::Tensor layer_backward(const BlockDims& d, const TensorMap& w, const TokenLay
       const at::Tensor h2 = maybe_norm(d, w, names.mlp_pre, x1_t);
       const at::Tensor gy =
           branch_grad(d, w, grads, names.mlp_post, gout_t, [&] { return moe_forward(d, w, h2); });
-      dh2 = moe_backward(d, w, grads, h2, gy, moe);
+      const MoeStep st = moe ? moe->tile(t0, t1) : MoeStep{};
+      dh2 = moe_backward(d, w, grads, h2, gy, moe ? &st : nullptr);
     } else {
       at::NoGradGuard no_grad;
       MlpProjections m;

@@ -194,6 +194,20 @@ at::Tensor weighted(const at::Tensor& y, const at::Tensor& s) {
   return (y * s.unsqueeze(1)).to(y.scalar_type());
 }
 
+// The tokens' routing into the load-balancing loss's statistics: every
+// token's, or (with padding) the valid ones' as transformers' masked means
+// take them; counts of 0 and 1 add exactly in fp32, in any order.
+void add_routing_stats(const MoeStep& step, const Routing& r, const MoeDims& m) {
+  if (!step.valid.defined()) {
+    step.stats[0].add_(at::bincount(r.top.reshape({-1}), {}, m.experts).to(at::kFloat));
+    step.stats[1].add_(r.probs.sum(0));
+    return;
+  }
+  const at::Tensor per_choice = step.valid.unsqueeze(1).expand({-1, m.top_k}).reshape({-1});
+  step.stats[0].index_add_(0, r.top.reshape({-1}), per_choice);
+  step.stats[1].add_((r.probs * step.valid.unsqueeze(1)).sum(0));
+}
+
 }  // namespace
 
 at::Tensor moe_forward(const BlockDims& d, const TensorMap& w, const at::Tensor& h, const MoeStep* step) {
@@ -204,10 +218,8 @@ at::Tensor moe_forward(const BlockDims& d, const TensorMap& w, const at::Tensor&
   const at::Tensor& gate_up = moe_weight(w, kGateUp);
   const at::Tensor& down = moe_weight(w, kDown);
   const Routing r = route(m, at::mm(h, moe_weight(w, kRouter).t()));
-  if (step && step->stats.defined()) {
-    step->stats[0].add_(at::bincount(r.top.reshape({-1}), {}, m.experts).to(at::kFloat));
-    step->stats[1].add_(r.probs.sum(0));
-  }
+  if (step && step->stats.defined()) add_routing_stats(*step, r, m);
+  if (step && step->routes) step->routes->push_back(r.top.clone());
   const Groups g = group_by_expert(r.top, m.experts, pads(h));
   at::Tensor xs = to_groups(h.index_select(0, g.token), g);
   at::Tensor act = experts_up(d, gate_up, xs, g).act;
@@ -276,7 +288,8 @@ at::Tensor moe_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads
     std::vector<at::Tensor> gouts{dscores.view({n, m.top_k}).to(r.scores.scalar_type())};
     if (step && step->stats.defined() && step->aux_scale > 0) {
       outs.push_back(r.probs);
-      gouts.push_back(moe_aux_grad(step->stats, step->rows, step->aux_scale).view({1, m.experts}).expand({n, m.experts}));
+      const at::Tensor g = moe_aux_grad(step->stats, step->rows, step->aux_scale).view({1, m.experts});
+      gouts.push_back(step->valid.defined() ? g * step->valid.unsqueeze(1) : g.expand({n, m.experts}));
     }
     dlogits = torch::autograd::grad(outs, {logits}, gouts)[0];
   }
@@ -287,11 +300,13 @@ at::Tensor moe_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads
 
 at::Tensor moe_aux_loss(const at::Tensor& stats, double rows) {
   const double experts = double(stats.size(1));
+  if (rows == 0) return at::zeros({}, stats.options());
   return (stats[0] / rows * (stats[1] / rows)).sum() * experts;
 }
 
 at::Tensor moe_aux_grad(const at::Tensor& stats, double rows, double scale) {
   const double experts = double(stats.size(1));
+  if (rows == 0) return at::zeros_like(stats[0]);
   return stats[0] * (scale * experts / (rows * rows));
 }
 

@@ -20,6 +20,8 @@
 
 #include <ATen/ATen.h>
 
+#include <vector>
+
 #include "gpu/blocks.h"
 
 namespace strider {
@@ -31,10 +33,26 @@ namespace strider {
 // loss's weight `aux_scale` (0: it is not in this step) and the micro-batch's
 // router rows (its tokens x its sparse layers), adds the loss's gradient
 // (moe_aux_grad) to the router's. An undefined `stats`: no such loss.
+// `valid`, where defined, is fp32 [tokens] of 0 and 1, aligned with h: a 0 is
+// padding (attention mask 0), which transformers leaves out of the loss, so
+// its token adds nothing to the statistics and gets no gradient from the
+// loss; `rows` then counts only the valid tokens. Undefined: every token
+// counts (the bits of a batch without padding do not depend on it).
+// `routes`, where given, receives each forward's routing: its tokens' chosen
+// experts, int64 [tokens, top_k] as top-k orders them (a tool for tests: how
+// bf16 routes against fp32).
 struct MoeStep {
   at::Tensor stats;
   double aux_scale = 0;
   double rows = 0;
+  at::Tensor valid;
+  std::vector<at::Tensor>* routes = nullptr;
+  // The same step for tokens [t0, t1) of h (a layer's tile).
+  MoeStep tile(int64_t t0, int64_t t1) const {
+    MoeStep s = *this;
+    if (valid.defined()) s.valid = valid.slice(0, t0, t1);
+    return s;
+  }
 };
 
 // The MLP's output for h ([tokens, hidden], the normed residual stream), in
@@ -51,7 +69,9 @@ at::Tensor moe_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads
 // The load-balancing loss of one micro-batch from its statistics over
 // `rows` router rows (its tokens times its sparse layers), as transformers'
 // load_balancing_loss_func computes it: experts x sum over e of
-// (assignments_e / rows) x (probabilities_e / rows). A 0-dim fp32 tensor.
+// (assignments_e / rows) x (probabilities_e / rows). A 0-dim fp32 tensor; 0
+// for no rows (a micro-batch of padding only, where transformers' 0/0 gives
+// NaN).
 at::Tensor moe_aux_loss(const at::Tensor& stats, double rows);
 // Its gradient with respect to each token's probability of expert e, times
 // `scale` (the loss's weight in the step): fp32 [experts].

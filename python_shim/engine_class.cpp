@@ -4,6 +4,7 @@
 //                                    "cpu", 0, False, 1)
 //   e.set_param("model.embed_tokens.weight", w)       # or e.init_params(seed)
 //   report = json.loads(e.step(ids, labels))          # int64 [batch, seq] each
+//   (optional: positions, packed documents; attention_mask, right padding)
 //   w = e.compute_view("model.norm.weight")            # aliases the engine's compute copy
 //   e.save_checkpoint(dir, model_config_json, extra_json, write_model, base_model)
 //   extra = json.loads(e.load_checkpoint(dir, allow_changed, verify_checksums))
@@ -368,12 +369,15 @@ class EngineHolder : public torch::CustomClassHolder {
     });
   }
 
-  std::string step(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions) {
+  std::string step(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
+                   const std::optional<at::Tensor>& attention_mask) {
     std::lock_guard lk(mu_);
     auto [i, l] = checked_batch("step", ids, labels);
     const at::Tensor p = checked_positions("step", positions);
+    const at::Tensor a = checked_mask("step", attention_mask);
     StepReport r = run("step", [&] {
-      return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr);
+      return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr,
+                           a.defined() ? a.data_ptr<int64_t>() : nullptr);
     });
     nlohmann::json busy = nlohmann::json::object();
     for (int k = 0; k < kNumLanes; ++k)
@@ -403,12 +407,15 @@ class EngineHolder : public torch::CustomClassHolder {
         .dump();
   }
 
-  double evaluate(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions) {
+  double evaluate(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
+                  const std::optional<at::Tensor>& attention_mask) {
     std::lock_guard lk(mu_);
     auto [i, l] = checked_batch("evaluate", ids, labels);
     const at::Tensor p = checked_positions("evaluate", positions);
+    const at::Tensor a = checked_mask("evaluate", attention_mask);
     return run("evaluate", [&] {
-      return engine_->evaluate(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr);
+      return engine_->evaluate(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
+                               p.defined() ? p.data_ptr<int64_t>() : nullptr, a.defined() ? a.data_ptr<int64_t>() : nullptr);
     });
   }
 
@@ -479,6 +486,16 @@ class EngineHolder : public torch::CustomClassHolder {
                       positions->scalar_type(), " ", positions->sizes());
     return positions->to(at::kCPU).contiguous();
   }
+  // transformers' attention mask (bool or integers of 0 and 1; the engine checks the values) as int64.
+  at::Tensor checked_mask(const char* what, const std::optional<at::Tensor>& mask) const {
+    if (!mask.has_value() || !mask->defined()) return {};
+    const EngineConfig& c = engine_->config();
+    TORCH_CHECK_VALUE(mask->sizes() == at::IntArrayRef({c.batch(), c.seq}) && !mask->is_floating_point() &&
+                          !mask->is_complex(),
+                      what, ": attention_mask must be bool or integers of shape [batch, seq] = [", c.batch(), ", ",
+                      c.seq, "], got ", mask->scalar_type(), " ", mask->sizes());
+    return mask->to(at::kCPU, at::kLong).contiguous();
+  }
 
   void usable() const {
     STRIDER_CHECK(failed_.empty(), "this Engine failed earlier ({}); its state is unknown: make a new one", failed_);
@@ -536,9 +553,11 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("param_names", &EngineHolder::param_names)
       .def("trainable_names", &EngineHolder::trainable_names)
       .def("step", &EngineHolder::step, "",
-           {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue()})
+           {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
+            torch::arg("attention_mask") = c10::IValue()})
       .def("evaluate", &EngineHolder::evaluate, "",
-           {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue()})
+           {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
+            torch::arg("attention_mask") = c10::IValue()})
       .def("finish", &EngineHolder::finish)
       .def("init_params", &EngineHolder::init_params)
       .def("write_trace", &EngineHolder::write_trace)

@@ -241,6 +241,8 @@ int run(Options& o) {
   std::vector<int64_t> positions(tr.packed ? ids.size() : 0);  // packed documents' (TrainingRun::packed)
   const size_t mine = size_t(me.rank * cfg.batch() * cfg.seq);
   const auto my_positions = [&]() -> const int64_t* { return tr.packed ? positions.data() + mine : nullptr; };
+  std::vector<int64_t> attention(ids.size());  // where a batch has padding (an example-mode file's)
+  const auto my_attention = [&](bool padded) -> const int64_t* { return padded ? attention.data() + mine : nullptr; };
   auto evaluate = [&] {
     TokenLoader el(*eval_file, {.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq), .seed = 0,
                                 .shuffle = false});
@@ -252,8 +254,8 @@ int run(Options& o) {
         fmt::print("  evaluation interrupted after {} of {} batches\n", i, o.eval_batches);
         return std::numeric_limits<double>::quiet_NaN();
       }
-      el.next(ids, labels, positions);
-      sum += engine.evaluate(ids.data() + mine, labels.data() + mine, my_positions());
+      const bool padded = el.next(ids, labels, positions, attention);
+      sum += engine.evaluate(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded));
     }
     return sum / double(o.eval_batches);
   };
@@ -277,13 +279,14 @@ int run(Options& o) {
   bool stop = false;  // a signal reached a rank: every rank stops after the same step
   std::string data_error;  // the training data failed (changed or cut under the run): stop, keeping the state
   while (engine.steps_done() < o.steps && !(stop = ranks->any(signals.requested() || !data_error.empty()))) {
+    bool padded = false;
     try {
-      loader.next(ids, labels, positions);
+      padded = loader.next(ids, labels, positions, attention);
     } catch (const Error& e) {
       data_error = e.what();
       continue;  // every rank stops after the same step, through the check above
     }
-    StepReport r = engine.step(ids.data() + mine, labels.data() + mine, my_positions());
+    StepReport r = engine.step(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded));
     if (r.no_targets) {
       // Sparse targets (chat data masked to the assistant's turns): this batch
       // has none. Nothing changed; the data moves on; not a fault, so it does

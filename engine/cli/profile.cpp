@@ -191,14 +191,16 @@ int run(Options& o) {
   const double params = double(tr.spec.param_count());
   std::vector<int64_t> ids(static_cast<size_t>(tokens)), labels(ids.size());
   std::vector<int64_t> positions(tr.packed ? ids.size() : 0);  // packed documents' (TrainingRun::packed)
+  std::vector<int64_t> attention(ids.size());                   // padding's (an example-mode file's)
   std::vector<StepReport> measured;
   std::vector<ActivationTraffic> measured_traffic;
   std::vector<DeviceLanes> pool(size_t(engine.devices() > 1 ? engine.devices() : 0));
   nlohmann::json per_step = nlohmann::json::array();
   size_t spans_seen = 0;
   for (int64_t i = 0; i < o.skip_steps + o.steps; ++i) {
-    tr.loader->next(ids, labels, positions);
-    StepReport r = engine.step(ids.data(), labels.data(), tr.packed ? positions.data() : nullptr);
+    const bool padded = tr.loader->next(ids, labels, positions, attention);
+    StepReport r = engine.step(ids.data(), labels.data(), tr.packed ? positions.data() : nullptr,
+                               padded ? attention.data() : nullptr);
     // The step's device spans are in the timeline once step() returns (the
     // timeline only grows here: nothing calls forget_before).
     const std::vector<Span> spans = engine.timeline().spans();

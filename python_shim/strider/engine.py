@@ -41,9 +41,10 @@ from_pretrained loads); strider.Engine.resume(dir, model) builds an engine on
 
 Batches follow transformers' conventions: labels are NOT shifted (the engine
 predicts labels[t + 1] from position t, as the model's own loss does), -100
-means "no loss", and positions whose attention_mask is 0 get no loss. The
-engine runs causal attention without a padding mask, so padding must be on the
-right (after every real token), where no real token attends to it.
+means "no loss", and positions whose attention_mask is 0 get no loss (nor a
+place in a mixture-of-experts model's load-balancing loss). The engine runs
+causal attention without a padding mask, so padding must be on the right
+(after every real token), where no real token attends to it.
 """
 import json
 import os
@@ -248,9 +249,6 @@ class Engine:
 
         model_config = base.config.to_dict()
         model_config["architectures"] = [arch]
-        # A mixture-of-experts model whose forward adds the load-balancing loss: every token counts in it.
-        self._router_aux = bool(model_config.get("output_router_logits")) and bool(
-            model_config.get("router_aux_loss_coef"))
         self._model_config_json = json.dumps(model_config, default=str)
         self._base_model = str(getattr(base.config, "_name_or_path", "") or "")  # a LoRA checkpoint's adapter names it
         # Everything the engine builds is checked before anything is allocated, and nothing of the
@@ -322,13 +320,14 @@ class Engine:
 
     # -- batches ---------------------------------------------------------------------------------------
     def _prepare(self, what, input_ids, labels, attention_mask, position_ids=None):
-        """[rows, length] HF batch -> the engine's [batch, seq] int64 ids, shifted labels and positions (None
-        without position_ids).
+        """[rows, length] HF batch -> the engine's [batch, seq] int64 ids, shifted labels, positions (None
+        without position_ids) and attention mask (None without padding).
 
         Fewer rows or a shorter length than the config's are padded (ids 0, labels -100): padding on the
         right of a causal model changes no real token's output, and rows with no valid label add nothing
         to the loss, which is a mean over valid tokens. A padded row's positions count from 0; a row's
-        padding continues its last document's."""
+        padding continues its last document's. The attention mask, the caller's zeros and that padding,
+        leaves the padding out of a mixture-of-experts model's load-balancing loss, as transformers does."""
         c = self.config
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
@@ -363,20 +362,19 @@ class Engine:
                                  "causal attention without a padding mask, so pad on the right: "
                                  "tokenizer.padding_side = 'right'")
             lab[~keep] = IGNORE_INDEX
-        if getattr(self, "_router_aux", False) and (rows < c.batch or length < c.seq or
-                                                    (attention_mask is not None and not bool(keep.all()))):
-            raise ValueError(f"{what}: the batch has padding (input_ids {tuple(ids.shape)} of [batch, seq] = "
-                             f"[{c.batch}, {c.seq}], or attention_mask zeros), and the model's load-balancing loss "
-                             "(output_router_logits) would count the padded tokens: transformers leaves them out "
-                             "of it, strider does not yet. Give full rows (python -m strider.data packs them), or "
-                             "set output_router_logits off")
+        else:
+            keep = torch.ones(rows, length, dtype=torch.bool)
+        out_mask = None
+        if rows < c.batch or length < c.seq or not bool(keep.all()):
+            out_mask = torch.zeros(c.batch, c.seq, dtype=torch.int64)
+            out_mask[:rows, :length] = keep.to(torch.int64)
         out_ids = torch.zeros(c.batch, c.seq, dtype=torch.int64)
         out_ids[:rows, :length] = ids.to(torch.int64)
         # The engine's labels are aligned with its inputs: position t predicts labels[t + 1].
         out_lab = torch.full((c.batch, c.seq), IGNORE_INDEX, dtype=torch.int64)
         out_lab[:rows, :length - 1] = lab[:, 1:]
         if position_ids is None:
-            return out_ids, out_lab, None
+            return out_ids, out_lab, None, out_mask
         pos = torch.as_tensor(position_ids)
         if pos.dim() == 1:
             pos = pos.unsqueeze(0)
@@ -387,7 +385,7 @@ class Engine:
         out_pos[:rows, :length] = pos.to(torch.int64)
         if length < c.seq:
             out_pos[:rows, length:] = out_pos[:rows, length - 1:length] + torch.arange(1, c.seq - length + 1)
-        return out_ids, out_lab, out_pos
+        return out_ids, out_lab, out_pos, out_mask
 
     # -- training ------------------------------------------------------------------------------------------
     def step(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> StepResult:
@@ -396,14 +394,14 @@ class Engine:
         documents, each counting from 0 where it starts (transformers' packed position_ids,
         DataCollatorWithFlattening's): a token attends only within its document; needs
         EngineConfig.packed_documents."""
-        ids, lab, pos = self._prepare("step", input_ids, labels, attention_mask, position_ids)
-        self.last_result = StepResult.from_report(json.loads(self._engine.step(ids, lab, pos)))
+        ids, lab, pos, mask = self._prepare("step", input_ids, labels, attention_mask, position_ids)
+        self.last_result = StepResult.from_report(json.loads(self._engine.step(ids, lab, pos, mask)))
         return self.last_result
 
     def evaluate(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> float:
         """The loss of the current weights on one batch, without a gradient or an update."""
-        ids, lab, pos = self._prepare("evaluate", input_ids, labels, attention_mask, position_ids)
-        return float(self._engine.evaluate(ids, lab, pos))
+        ids, lab, pos, mask = self._prepare("evaluate", input_ids, labels, attention_mask, position_ids)
+        return float(self._engine.evaluate(ids, lab, pos, mask))
 
     # -- weights ---------------------------------------------------------------------------------------------
     def param_names(self):

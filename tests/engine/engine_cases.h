@@ -52,6 +52,7 @@ struct Case {
   std::string lora;            // EngineConfig::lora: adapters over a frozen base
   BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how that base is held
   bool packed = false;         // rows that pack documents (packed_positions; EngineConfig::packed_documents)
+  bool padded = false;         // rows padded on the right (padding_mask; Engine::step's attention_mask)
 };
 
 // Positions of `rows` rows of 9 tokens, 2 micro-batches of 2 rows: the
@@ -65,6 +66,21 @@ inline std::vector<int64_t> packed_positions(int64_t rows, int64_t seq) {
       for (int64_t t = 0; t < n; ++t) out.push_back(t);
   REQUIRE(out.size() == size_t(rows * seq));
   return out;
+}
+
+// An attention mask for `rows` rows of `seq` tokens: row r keeps its first
+// `lengths[r % 4]` tokens (the rest is padding). The default: the first
+// micro-batch has one full row and one of 5 tokens, the second 3 and 7.
+inline std::vector<int64_t> padding_mask(int64_t rows, int64_t seq, std::vector<int64_t> lengths = {9, 5, 3, 7}) {
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t t = 0; t < seq; ++t) out.push_back(t < lengths[size_t(r) % lengths.size()] ? 1 : 0);
+  return out;
+}
+// No target on padding (the engine requires -100 there).
+inline void unlabel_padding(std::vector<int64_t>& labels, const std::vector<int64_t>& mask) {
+  for (size_t i = 0; i < labels.size(); ++i)
+    if (mask[i] == 0) labels[i] = -100;
 }
 
 struct Result {
@@ -125,12 +141,16 @@ inline Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, do
   Result r;
   const std::vector<int64_t> pos = packed_positions(cfg.batch(), cfg.seq);
   const int64_t* positions = c.packed ? pos.data() : nullptr;
+  const std::vector<int64_t> pad = padding_mask(cfg.batch(), cfg.seq);
+  const int64_t* mask = c.padded ? pad.data() : nullptr;
   for (int s = 0; s < steps; ++s) {
     Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100 + s);
-    r.losses.push_back(e.step(b.ids.data(), b.labels.data(), positions).loss);
+    if (c.padded) unlabel_padding(b.labels, pad);
+    r.losses.push_back(e.step(b.ids.data(), b.labels.data(), positions, mask).loss);
   }
-  const Batch held_out = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 999);
-  r.eval_loss = e.evaluate(held_out.ids.data(), held_out.labels.data(), positions);
+  Batch held_out = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 999);
+  if (c.padded) unlabel_padding(held_out.labels, pad);
+  r.eval_loss = e.evaluate(held_out.ids.data(), held_out.labels.data(), positions, mask);
   for (int64_t b = 0; b < spec.num_blocks(); ++b)
     for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
       std::vector<float> x(e.spec().layout(b).total_elems());  // with the adapters, if any
@@ -216,9 +236,10 @@ inline void placements_change_nothing(const ModelSpec& spec, at::ScalarType dtyp
 }
 
 // The engine's first step's loss (parameters init_params(7), batch seed 100;
-// packed_positions where cfg.packed_documents) and the resident model's on the
-// same parameters and batch.
-inline std::pair<double, double> first_step_losses(const ModelSpec& spec, const EngineConfig& cfg) {
+// packed_positions where cfg.packed_documents; `mask` an attention mask, or
+// empty) and the resident model's on the same parameters and batch.
+inline std::pair<double, double> first_step_losses(const ModelSpec& spec, const EngineConfig& cfg,
+                                                   std::vector<int64_t> mask = {}) {
   Engine e(spec, cfg, make_device({.spec = "cpu"}));
   e.init_params(7);
   ResidentModel rm(spec, cfg.compute);
@@ -227,10 +248,14 @@ inline std::pair<double, double> first_step_losses(const ModelSpec& spec, const 
     rm.set_param(n, at::from_blob(v.data(), rm.param(n).sizes(), at::kFloat));
   }
   Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 100);
+  if (!mask.empty()) unlabel_padding(b.labels, mask);
   std::vector<int64_t> pos = cfg.packed_documents ? packed_positions(cfg.batch(), cfg.seq) : std::vector<int64_t>{};
-  const auto t = [&](std::vector<int64_t>& v) { return at::from_blob(v.data(), {cfg.batch(), cfg.seq}, at::kLong); };
-  const double loss = e.step(b.ids.data(), b.labels.data(), pos.empty() ? nullptr : pos.data()).loss;
-  return {loss, rm.forward_backward(t(b.ids), t(b.labels), cfg.accumulation, false, pos.empty() ? at::Tensor() : t(pos)).loss};
+  const auto t = [&](std::vector<int64_t>& v) {
+    return v.empty() ? at::Tensor() : at::from_blob(v.data(), {cfg.batch(), cfg.seq}, at::kLong);
+  };
+  const double loss = e.step(b.ids.data(), b.labels.data(), pos.empty() ? nullptr : pos.data(),
+                             mask.empty() ? nullptr : mask.data()).loss;
+  return {loss, rm.forward_backward(t(b.ids), t(b.labels), cfg.accumulation, false, t(pos), t(mask)).loss};
 }
 
 }  // namespace strider::test

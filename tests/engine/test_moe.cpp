@@ -6,6 +6,8 @@
 #include "tests/catch_torch.h"
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+
 #include "engine/engine.h"
 #include "engine/placement.h"
 #include "engine/plan.h"
@@ -248,4 +250,72 @@ TEST_CASE("mixture of experts: a pool with the load-balancing loss keeps its che
   l.devices = 2;
   const Plan pool = Plan::make(spec, l);
   CHECK_FALSE(pool.checkpoints_on_host);
+}
+
+TEST_CASE("mixture of experts: padding is left out of the load-balancing loss, under every placement", "[engine]") {
+  // Rows padded on the right (the first micro-batch 9 + 5 tokens, the second
+  // 3 + 7): placements, chaos and a pool give the resident run's bits.
+  for (const auto& [arch, tied] : {std::tuple{"Qwen3MoeForCausalLM", false}, std::tuple{"MixtralForCausalLM", true}}) {
+    const ModelSpec spec = ModelSpec::from_json(tiny_moe(arch, tied, true), arch);
+    const std::vector<Case> all = cases(spec.num_blocks());
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      INFO(arch << (dtype == at::kFloat ? " fp32" : " bf16"));
+      Case resident{"all resident", spec.num_blocks()};
+      resident.padded = true;
+      const Result ref = run(spec, resident, dtype, 0.5);
+      Case pool{"chaos, NVMe, kept activations, a pool of 2", 2, false, {1, 2}, true, 5};
+      pool.devices = 2;
+      pool.saved = {2};
+      for (Case c : {all[0], all[3], all[7], all[13], all[19], pool}) {
+        c.padded = true;
+        INFO(c.name);
+        CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
+      }
+    }
+  }
+
+  const ModelSpec spec = ModelSpec::from_json(tiny_moe("Qwen3MoeForCausalLM", false, true), "q");
+  EngineConfig cfg = small_bf16();
+  cfg.compute.dtype = at::kFloat;
+  // The engine's loss is the resident model's; the padding changes it (the
+  // padded tokens route, but no longer count); a mask of ones is no mask.
+  const std::vector<int64_t> pad = padding_mask(cfg.batch(), cfg.seq);
+  const auto [padded, resident_padded] = first_step_losses(spec, cfg, pad);
+  CHECK(padded == resident_padded);
+  const std::vector<int64_t> pad_labels_only = padding_mask(cfg.batch(), cfg.seq, {9});
+  const auto [ones, resident_ones] = first_step_losses(spec, cfg, pad_labels_only);
+  CHECK(ones == first_step_losses(spec, cfg).first);
+  CHECK(ones == resident_ones);
+  CHECK(padded != ones);
+
+  // A micro-batch of padding only has no load-balancing loss: the mean is
+  // over the other one (near-uniform routing at init puts each micro-batch's
+  // loss near top_k = 2: the term is about 0.05 x 2, not half of it).
+  const std::vector<int64_t> half = padding_mask(cfg.batch(), cfg.seq, {9, 6, 0, 0});
+  Batch b = batch(cfg.batch(), cfg.seq, 96, 5);
+  unlabel_padding(b.labels, half);
+  double loss[2];
+  for (bool aux : {false, true}) {
+    Engine e(ModelSpec::from_json(tiny_moe("Qwen3MoeForCausalLM", false, aux), "q"), cfg, make_device({.spec = "cpu"}));
+    e.init_params(3);
+    loss[aux] = e.evaluate(b.ids.data(), b.labels.data(), nullptr, half.data());
+  }
+  CHECK(loss[1] - loss[0] == Approx(0.1).epsilon(0.1));
+  const auto [engine_half, resident_half] = first_step_losses(spec, cfg, half);
+  CHECK(engine_half == resident_half);
+
+  // Bad masks are named before anything runs.
+  Engine e(spec, cfg, make_device({.spec = "cpu"}));
+  e.init_params(3);
+  Batch c = batch(cfg.batch(), cfg.seq, 96, 6);
+  std::vector<int64_t> left = padding_mask(cfg.batch(), cfg.seq);
+  std::reverse(left.begin(), left.begin() + cfg.seq * 2);  // row 1 padded on the left
+  unlabel_padding(c.labels, left);
+  CHECK_THROWS_WITH(e.step(c.ids.data(), c.labels.data(), nullptr, left.data()), Catch::Contains("left padding"));
+  std::vector<int64_t> two(size_t(cfg.batch() * cfg.seq), 1);
+  two[3] = 2;
+  CHECK_THROWS_WITH(e.step(c.ids.data(), c.labels.data(), nullptr, two.data()), Catch::Contains("is 2: 0 (padding) or 1"));
+  c = batch(cfg.batch(), cfg.seq, 96, 6);  // labels on the padding
+  CHECK_THROWS_WITH(e.step(c.ids.data(), c.labels.data(), nullptr, pad.data()), Catch::Contains("padding is no target"));
+  CHECK(e.steps_done() == 0);
 }
