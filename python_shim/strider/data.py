@@ -428,14 +428,22 @@ class TokenDataset:
 
 class TokenBatches:
     """[batch, seq] (input_ids, labels) from a token file, TokenDataset's windows stacked (labels not
-    shifted); with positions=True, (input_ids, labels, position_ids), for Engine.step with
-    EngineConfig.packed_documents. With shuffle, each epoch visits the windows in an order drawn from
+    shifted); with positions=True, position_ids follow them, for Engine.step with
+    EngineConfig.packed_documents; with attention=True, the attention mask comes last (0 on a padded file's
+    padding, --mode example), for Engine.step's attention_mask (a mixture-of-experts model's load-balancing
+    loss leaves the padding out, as transformers does). Pass them by name: (x, y, p, a) -> engine.step(x, y,
+    position_ids=p, attention_mask=a). With shuffle, each epoch visits the windows in an order drawn from
     (seed, epoch); without, in file order. Endless: iterate with zip or itertools.islice."""
 
-    def __init__(self, path, batch, seq, seed=0, shuffle=True, positions=False):
+    def __init__(self, path, batch, seq, seed=0, shuffle=True, positions=False, attention=False):
         self.data = TokenDataset(path, seq)
-        self.batch, self.seq, self.seed, self.shuffle, self.positions = batch, seq, seed, shuffle, positions
+        self.batch, self.seq, self.seed, self.shuffle = batch, seq, seed, shuffle
+        self.positions, self.attention = positions, attention
         self.num_windows = len(self.data)
+        if self.data.has_padding and not attention:
+            warnings.warn(f"{path} has padding (written with --mode example): TokenBatches(..., attention=True) "
+                          "yields its attention mask, which a mixture-of-experts model's load-balancing loss needs "
+                          "to leave the padding out", stacklevel=2)
 
     def window(self, w):
         """(input_ids, labels) of window w, int64 tensors of seq values."""
@@ -448,8 +456,12 @@ class TokenBatches:
             order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_windows) if self.shuffle
                      else np.arange(self.num_windows))
             for i in range(0, len(order) - self.batch + 1, self.batch):
-                rows = [self.data.window_positions(int(w)) for w in order[i:i + self.batch]]
-                yield tuple(torch.stack([r[k] for r in rows]) for k in range(3 if self.positions else 2))
+                windows = [int(w) for w in order[i:i + self.batch]]
+                rows = [self.data.window_positions(w) for w in windows]
+                out = [torch.stack([r[k] for r in rows]) for k in range(3 if self.positions else 2)]
+                if self.attention:
+                    out.append(torch.stack([self.data.window_attention(w) for w in windows]))
+                yield tuple(out)
             epoch += 1
 
 

@@ -212,6 +212,33 @@ def test_token_batches_follow_transformers_conventions(tmp_path):
     assert sorted(int(b[0][0, 0]) for b, _ in zip(shuffled, range(2))) == [10, 18]  # each window once an epoch
 
 
+def test_token_batches_yield_a_padded_files_attention_mask(tmp_path):
+    # Two windows of 8 (--mode example): 5 and 3 tokens, then padding (mask byte 2).
+    ids = np.arange(10, 26)
+    mask = np.ones(16, np.uint8)
+    mask[5:8] = sd.PADDING
+    mask[11:16] = sd.PADDING
+    sd.write_token_file(tmp_path / "p.tokens", ids, mask=mask, doc_starts=[0, 8], vocab_size=64)
+    x, y, p, a = next(iter(sd.TokenBatches(tmp_path / "p.tokens", batch=2, seq=8, shuffle=False, positions=True,
+                                           attention=True)))
+    assert a.dtype == x.dtype and a.tolist() == [[1] * 5 + [0] * 3, [1] * 3 + [0] * 5]
+    assert y[0].tolist() == [-100, 11, 12, 13, 14, -100, -100, -100]  # no target on padding
+    assert p[1].tolist() == list(range(8))
+    data = sd.TokenDataset(tmp_path / "p.tokens", seq=8)
+    assert [data[w]["attention_mask"].tolist() for w in range(2)] == a.tolist()
+    # Shuffled, the mask follows its window.
+    shuffled = sd.TokenBatches(tmp_path / "p.tokens", batch=1, seq=8, seed=5, attention=True)
+    for (xs, _, masks), _ in zip(shuffled, range(4)):
+        assert masks[0].tolist() == (a[0] if int(xs[0, 0]) == 10 else a[1]).tolist()
+    # Left out, it is said: the load-balancing loss would count the padding.
+    with pytest.warns(UserWarning, match="p.tokens has padding .* attention=True"):
+        assert len(next(iter(sd.TokenBatches(tmp_path / "p.tokens", batch=2, seq=8)))) == 2
+    # A file without padding: a mask of ones.
+    sd.write_token_file(tmp_path / "t.tokens", ids, vocab_size=64)
+    _, _, ones = next(iter(sd.TokenBatches(tmp_path / "t.tokens", batch=2, seq=8, shuffle=False, attention=True)))
+    assert ones.tolist() == [[1] * 8] * 2
+
+
 def test_token_dataset_is_a_map_style_dataset_of_windows(tmp_path):
     ids = np.arange(10, 30)
     mask = np.ones(20, np.uint8)
