@@ -15,7 +15,10 @@ evaluation and checkpoint schedule; what it would do to the weights is
 replaced:
 
 - training_step runs engine.step and returns its loss (the Trainer logs it as
-  usual); grad_norm and learning_rate in the logs are the engine's.
+  usual); grad_norm and learning_rate in the logs are the engine's, and in
+  fp16 (fp16=True, or EngineConfig(dtype="fp16")) so is loss_scale: the
+  engine scales the loss itself (GradScaler's rule), so the Trainer's own
+  scaler never runs.
 - The Trainer's optimizer holds one private scalar, never a model parameter,
   and its step does nothing, so neither it nor its scheduler can touch the
   weights. The learning-rate schedule is strider's (EngineConfig).
@@ -62,10 +65,10 @@ The engine's config: pass `strider_config` (an EngineConfig), or let the
 trainer build one from TrainingArguments (learning_rate, lr_scheduler_type
 linear/cosine/constant/constant_with_warmup, warmup_steps, max_steps or the
 epochs' step count, weight_decay, adam_beta1/2, adam_epsilon, max_grad_norm,
-bf16) plus `seq`. With a strider_config, an argument set away from its
+bf16 or fp16) plus `seq`. With a strider_config, an argument set away from its
 TrainingArguments default to something other than the config's value is
 refused, as is anything strider cannot honour (gradient_accumulation_steps,
-fp16, several GPUs, optimizers other than AdamW, load_best_model_at_end).
+several GPUs, optimizers other than AdamW, load_best_model_at_end).
 strider's weight decay spares norms and biases, as the Trainer's own AdamW
 does (EngineConfig.decay_norms_and_biases=True decays them too).
 """
@@ -157,10 +160,6 @@ class StriderTrainer(transformers.Trainer):
             refuse(f"gradient_accumulation_steps = {args.gradient_accumulation_steps}: strider accumulates "
                    "itself; set EngineConfig.accumulation to it, per_device_train_batch_size to micro_batch x "
                    "accumulation, and gradient_accumulation_steps = 1")
-        if args.fp16:
-            refuse("fp16 = True: the Trainer's own GradScaler would scale a loss strider already scales; for "
-                   "fp16 give strider_config=EngineConfig(dtype='fp16') (the engine's dynamic loss scaling) and "
-                   "leave fp16 False, or use bf16=True")
         if args.place_model_on_device:
             refuse("place_model_on_device is True: strider keeps the model on the CPU and streams its blocks "
                    "to the GPU itself")
@@ -195,7 +194,8 @@ class StriderTrainer(transformers.Trainer):
                                  "which is unknown: set max_steps, or give a train_dataset with a length")
             warmup = args.get_warmup_steps(max(total, 0)) if warms_up else 0
             return EngineConfig(seq=seq, micro_batch=args.per_device_train_batch_size, accumulation=1,
-                                dtype="bf16" if args.bf16 else "fp32", lr=args.learning_rate,
+                                dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+                                lr=args.learning_rate,
                                 schedule=schedule, warmup_steps=warmup,
                                 total_steps=total if schedule != "constant" else 0,
                                 weight_decay=args.weight_decay, clip_norm=args.max_grad_norm,
@@ -224,8 +224,9 @@ class StriderTrainer(transformers.Trainer):
                     name, "betas" if name.startswith("adam_beta") else name)
                 raise ValueError(f"StriderTrainer: TrainingArguments.{name} = {have} but the strider config's "
                                  f"{field} is {want}; the config decides, so drop the argument or make them equal")
-        if args.bf16 and given.dtype != "bf16":
-            raise ValueError(f"StriderTrainer: bf16 = True but strider_config.dtype = {given.dtype!r}")
+        for flag in ("bf16", "fp16"):
+            if getattr(args, flag) and given.dtype != flag:
+                raise ValueError(f"StriderTrainer: {flag} = True but strider_config.dtype = {given.dtype!r}")
         if kind != _name(defaults["lr_scheduler_type"]) and _SCHEDULES.get(kind, (None,))[0] != given.schedule:
             raise ValueError(f"StriderTrainer: lr_scheduler_type = {kind!r} but strider_config.schedule = "
                              f"{given.schedule!r}; the config decides")
@@ -303,6 +304,12 @@ class StriderTrainer(transformers.Trainer):
         # of the logged mean (logging_nan_inf_filter).
         loss = float("nan") if result.loss is None else result.loss
         return torch.tensor(loss, device=self.args.device)
+
+    def log(self, logs, *args, **kwargs):
+        last = self.engine.last_result if self.engine is not None else None
+        if last is not None and "loss" in logs and self.engine.config.dtype == "fp16":
+            logs = {**logs, "loss_scale": last.loss_scale}
+        return super().log(logs, *args, **kwargs)
 
     def _clip_grad_norm(self, model):
         return self.engine.last_result.grad_norm  # strider clipped at clip_norm inside the step

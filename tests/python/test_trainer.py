@@ -173,6 +173,32 @@ def test_config_from_training_arguments(tmp_path):
     assert (trainer.engine.config.schedule, trainer.engine.config.total_steps) == ("linear", 6)
 
 
+def test_fp16_steps_the_engine_with_its_own_loss_scaling(tmp_path):
+    """fp16=True builds an fp16 engine (ATen's CPU fp16 GEMMs are slow: the model is tiny): its steps are
+    strider.Engine's with EngineConfig(dtype="fp16") bit for bit, the Trainer's GradScaler never runs (the
+    engine scales the loss), and the logs carry the engine's loss scale. An fp32 strider_config with
+    fp16=True is refused."""
+    data = rows(BATCH * STEPS, seed=1)
+    args = training_args(tmp_path, fp16=True, learning_rate=1e-3, warmup_steps=1, max_grad_norm=1.0,
+                         weight_decay=0.1, adam_beta2=0.95)
+    trainer = strider.StriderTrainer(model=make_model(), args=args, train_dataset=data, seq=SEQ)
+    assert trainer.engine.config.dtype == "fp16"
+    trainer.train()
+    direct = strider.Engine(make_model(), trainer.engine.config)
+    results = []
+    for s in range(STEPS):
+        batch = transformers.default_data_collator(data[s * BATCH:(s + 1) * BATCH])
+        results.append(direct.step(batch["input_ids"], batch["labels"], batch["attention_mask"]))
+    assert all(r.loss_scale > 0 and not r.skipped for r in results)
+    for name in direct.param_names():
+        assert torch.equal(trainer.engine.param(name), direct.param(name)), f"{name} after {STEPS} steps"
+    logged = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    assert [e["loss_scale"] for e in logged] == [r.loss_scale for r in results]
+    with pytest.raises(ValueError, match="fp16 = True but strider_config.dtype = 'fp32'"):
+        strider.StriderTrainer(model=make_model(), args=training_args(tmp_path, fp16=True), train_dataset=data,
+                               strider_config=config())
+
+
 @pytest.mark.parametrize("over, kw, match", [
     (dict(gradient_accumulation_steps=2), {}, "strider accumulates itself"),
     (dict(per_device_train_batch_size=2), {}, r"micro_batch x accumulation = 2 x 2 = 4"),
