@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "engine/engine_core.h"
+#include "engine/batch_mask.h"
 #include "engine/collectives.h"
 #include "engine/sim_updater.h"
 #include "host/error.h"
@@ -106,18 +107,7 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
     STRIDER_CHECK(labels[i] == -100 || (labels[i] >= 0 && labels[i] < spec_.dims.vocab),
                   "label {} at position {} is neither -100 nor a token id < {}", labels[i], i, spec_.dims.vocab);
   }
-  if (attention != nullptr)
-    for (size_t i = 0; i < n; ++i) {
-      const size_t t = i % size_t(S);
-      STRIDER_CHECK(attention[i] == 0 || attention[i] == 1, "attention_mask at position {} is {}: 0 (padding) or 1",
-                    i, attention[i]);
-      STRIDER_CHECK(attention[i] == 0 || t == 0 || attention[i - 1] == 1,
-                    "attention_mask: row {} has a 0 before a 1 at position {} (left padding?); attention is causal "
-                    "without a padding mask, so pad on the right", i / size_t(S), t);
-      STRIDER_CHECK(attention[i] == 1 || labels[i] == -100,
-                    "label {} at position {} is on padding (attention_mask 0): padding is no target, give -100",
-                    labels[i], i);
-    }
+  if (attention != nullptr) check_attention_mask({attention, n}, {labels, n}, S);
   batch_valid_ = 0;
   for (size_t i = 0; i < n; ++i) batch_valid_ += labels[i] != -100;
   // Every rank scales its loss by the global batch's count, so the ranks'
@@ -153,29 +143,19 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
 }
 
 void EngineCore::count_router_rows(const int64_t* attention) {
-  const size_t M = size_t(config_.accumulation), per_mb = ids_host_.size() / M;
-  const double layers = double(spec_.sparse_layer_count());
-  moe_rows_.assign(M, double(per_mb) * layers);
-  moe_padded_.assign(M, 0);
-  double batches = double(M);
-  if (attention != nullptr) {
-    batches = 0;
-    for (size_t m = 0; m < M; ++m) {
-      size_t inputs = 0;
-      for (size_t i = m * per_mb; i < (m + 1) * per_mb; ++i) {
-        inputs += size_t(attention[i]);
-        valid_host_[i] = float(attention[i]);
-      }
-      moe_rows_[m] = double(inputs) * layers;
-      moe_padded_[m] = inputs < per_mb;
-      batches += inputs > 0;
-    }
-  }
+  const size_t n = ids_host_.size();
+  RouterRows r = strider::count_router_rows(attention ? std::span<const int64_t>(attention, n)
+                                                      : std::span<const int64_t>(),
+                                            n, config_.accumulation, spec_.sparse_layer_count());
+  if (attention != nullptr)
+    for (size_t i = 0; i < n; ++i) valid_host_[i] = float(attention[i]);
+  moe_rows_ = std::move(r.rows);
+  moe_padded_ = std::move(r.padded);
   // A micro-batch of padding only has no load-balancing loss (transformers'
   // 0/0); the mean is over the others, every rank's (rank order: the same
   // bits on every rank).
-  dist_->all_reduce_sum(std::span<double>(&batches, 1));
-  moe_batches_ = batches;
+  dist_->all_reduce_sum(std::span<double>(&r.with_inputs, 1));
+  moe_batches_ = r.with_inputs;
 }
 
 void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout) {

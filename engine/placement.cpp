@@ -134,11 +134,6 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.expert_pieces == 0 || spec.sparse_layer_count() > 0,
                 "expert_pieces {}: {} has no mixture-of-experts layers to cut; leave expert_pieces 0", c.expert_pieces,
                 spec.arch_name);
-  STRIDER_CHECK(spec.router_aux_coef == 0 || c.devices == 1 || !c.checkpoints_on_host,
-                "{}'s load-balancing loss (output_router_logits) over a pool of {} devices with checkpoints on the "
-                "host is not supported yet: its routing statistics ride the devices' hand-offs, which host "
-                "checkpoints replace; keep the checkpoints on the device, or turn output_router_logits off",
-                spec.arch_name, c.devices);
   // grad_ring and the state shard: place() checks them (it indexes by them).
   STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
                 "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",

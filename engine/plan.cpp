@@ -140,11 +140,8 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     return f.device_bytes + work <= l.device_bytes;
   };
   const int64_t k_min = l.window > 0 ? l.window : 2;
-  // (A pool with the load-balancing loss keeps them on the device: its routing statistics ride the hand-offs.)
-  const bool device_ckpt_only = spec.router_aux_coef > 0 && l.devices > 1 && l.checkpoints == CheckpointPlace::kAuto;
   auto host_ckpt_for = [&] {
-    return l.checkpoints == CheckpointPlace::kHost ||
-           (l.checkpoints == CheckpointPlace::kAuto && !device_ckpt_only && !fits(2, false, nullptr));
+    return l.checkpoints == CheckpointPlace::kHost || (l.checkpoints == CheckpointPlace::kAuto && !fits(2, false, nullptr));
   };
   // The token tile (the head; the layers' projections and MLP, their
   // attention's queries): untiled unless the working memory does not fit,

@@ -2,6 +2,7 @@
 
 #include <fmt/ranges.h>
 
+#include "engine/batch_mask.h"
 #include "host/error.h"
 
 namespace strider {
@@ -102,28 +103,29 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
                                : at::Tensor();
   // With padding, a micro-batch's rows count its input tokens, and one of
   // padding only has no such loss: the mean is over the others.
-  const double layers = double(spec_.sparse_layer_count());
-  std::vector<double> rows(size_t(micro_batches), double(batch / micro_batches) * double(seq) * layers);
   std::vector<at::Tensor> token_valid(static_cast<size_t>(micro_batches));
-  double aux_batches = double(micro_batches);
-  if (aux && attention_mask.defined()) {
+  RouterRows rows = count_router_rows({}, size_t(batch * seq), micro_batches, spec_.sparse_layer_count());
+  if (attention_mask.defined()) {  // checked as the engine checks it
     STRIDER_CHECK(attention_mask.sizes() == input_ids.sizes(), "attention_mask must be [batch, seq] as input_ids");
-    const std::vector<at::Tensor> mask = attention_mask.to(at::kFloat).chunk(micro_batches, 0);
-    aux_batches = 0;
-    for (int64_t m = 0; m < micro_batches; ++m) {
-      const int64_t inputs = int64_t(mask[m].sum().item<double>());
-      rows[size_t(m)] = double(inputs) * layers;
-      if (inputs < mask[m].numel()) token_valid[size_t(m)] = mask[m].reshape({-1}).to(device_);
-      aux_batches += inputs > 0;
+    const at::Tensor mask = attention_mask.to(at::kCPU, at::kLong).contiguous();
+    const at::Tensor lab = labels.to(at::kCPU, at::kLong).contiguous();
+    const std::span<const int64_t> m01(mask.data_ptr<int64_t>(), size_t(mask.numel()));
+    check_attention_mask(m01, {lab.data_ptr<int64_t>(), m01.size()}, seq);
+    if (aux) {
+      rows = count_router_rows(m01, m01.size(), micro_batches, spec_.sparse_layer_count());
+      const std::vector<at::Tensor> chunks = mask.to(at::kFloat).chunk(micro_batches, 0);
+      for (int64_t m = 0; m < micro_batches; ++m)
+        if (rows.padded[size_t(m)]) token_valid[size_t(m)] = chunks[m].reshape({-1}).to(device_);
     }
   }
+  const double aux_batches = rows.with_inputs;
   auto moe = [&](int64_t b, int64_t m, bool backward) {
     MoeStep st;
     if (!aux || b == 0 || b == head || !spec_.sparse(b - 1)) return st;
     st.stats = stats[m];
     st.valid = token_valid[size_t(m)];
     if (backward && aux_batches > 0)
-      st.aux_scale = spec_.router_aux_coef / aux_batches, st.rows = rows[size_t(m)];
+      st.aux_scale = spec_.router_aux_coef / aux_batches, st.rows = rows.rows[size_t(m)];
     return st;
   };
 
@@ -155,7 +157,7 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
 
   out.loss = loss_sum / double(valid);
   for (int64_t m = 0; aux && aux_batches > 0 && m < micro_batches; ++m)
-    out.loss += spec_.router_aux_coef / aux_batches * moe_aux_loss(stats[m], rows[size_t(m)]).item<double>();
+    out.loss += spec_.router_aux_coef / aux_batches * moe_aux_loss(stats[m], rows.rows[size_t(m)]).item<double>();
   out.valid_tokens = valid;
   if (keep_outputs)
     for (int64_t b = 1; b <= head; ++b) out.block_outputs.push_back(at::cat(inputs[b], 0));

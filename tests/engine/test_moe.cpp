@@ -86,16 +86,17 @@ TEST_CASE("mixture of experts: offload changes nothing, and the resident referen
         INFO(c.name);
         CHECK(same_bits(run(spec, c, dtype, 0.5), ref));
       }
-      // Pools of two and three devices. With the load-balancing loss the
-      // routing statistics ride the hand-offs (their sum in layer order, as
-      // on one device), so its checkpoints stay on the device.
-      for (int devices : {2, 3}) {
-        Case pool{"chaos, NVMe, kept activations, a pool", 2, !aux, {1, 2}, true, 5};
-        pool.devices = devices;
-        pool.saved = {2};
-        INFO(devices << " devices" << (aux ? "" : ", host checkpoints"));
-        CHECK(same_bits(run(spec, pool, dtype, 0.5), ref));
-      }
+      // Pools of two and three devices, checkpoints on the device and on the
+      // host. With the load-balancing loss the routing statistics ride the
+      // hand-offs (their sum in layer order, as on one device).
+      for (int devices : {2, 3})
+        for (bool host_ckpt : {false, true}) {
+          Case pool{"chaos, NVMe, kept activations, a pool", 2, host_ckpt, {1, 2}, true, 5};
+          pool.devices = devices;
+          pool.saved = {2};
+          INFO(devices << " devices" << (host_ckpt ? ", host checkpoints" : ""));
+          CHECK(same_bits(run(spec, pool, dtype, 0.5), ref));
+        }
 
       // The first step's loss is the resident model's (with its load-balancing term).
       EngineConfig cfg = small_bf16();
@@ -231,15 +232,12 @@ TEST_CASE("mixture of experts: the load-balancing loss and its gradient", "[engi
   CHECK(loss[1] - loss[0] == Approx(0.1).epsilon(0.1));
 }
 
-TEST_CASE("mixture of experts: a pool with the load-balancing loss keeps its checkpoints on the device",
+TEST_CASE("mixture of experts: a pool with the load-balancing loss may keep its checkpoints on the host",
           "[engine][plan]") {
+  // The plan puts them on the host for such a pool where one device fits
+  // only with them there, as for any model.
   const ModelSpec spec = ModelSpec::from_json(tiny_moe("Qwen3MoeForCausalLM", false, true), "qwen3_moe");
   EngineConfig cfg = small_bf16();
-  cfg.devices = 2;
-  cfg.checkpoints_on_host = true;
-  CHECK_THROWS_WITH(check_config(spec, cfg), Catch::Contains("over a pool of 2 devices with checkpoints on the host"));
-  // The plan does not choose them on the host for such a pool, even at a
-  // budget where one device fits only with them there.
   PlanLimits l{.seq = cfg.seq, .micro_batch = cfg.micro_batch, .accumulation = 256};  // checkpoints outweigh units
   Plan one;
   for (l.device_bytes = 64 << 10; l.device_bytes < (64ull << 20) && !one.feasible; l.device_bytes += 16 << 10)
@@ -249,7 +247,11 @@ TEST_CASE("mixture of experts: a pool with the load-balancing loss keeps its che
   l.device_bytes -= 16 << 10;
   l.devices = 2;
   const Plan pool = Plan::make(spec, l);
-  CHECK_FALSE(pool.checkpoints_on_host);
+  REQUIRE(pool.feasible);
+  CHECK(pool.checkpoints_on_host);
+  cfg.devices = 2;
+  cfg.checkpoints_on_host = true;
+  CHECK_NOTHROW(check_config(spec, cfg));
 }
 
 TEST_CASE("mixture of experts: padding is left out of the load-balancing loss, under every placement", "[engine]") {
@@ -318,4 +320,14 @@ TEST_CASE("mixture of experts: padding is left out of the load-balancing loss, u
   c = batch(cfg.batch(), cfg.seq, 96, 6);  // labels on the padding
   CHECK_THROWS_WITH(e.step(c.ids.data(), c.labels.data(), nullptr, pad.data()), Catch::Contains("padding is no target"));
   CHECK(e.steps_done() == 0);
+  // The resident reference checks a mask as the engine does (engine/batch_mask.h).
+  ResidentModel rm(spec, cfg.compute);
+  const auto t = [&](const std::vector<int64_t>& v) {
+    return at::from_blob(const_cast<int64_t*>(v.data()), {cfg.batch(), cfg.seq}, at::kLong);
+  };
+  CHECK_THROWS_WITH(rm.forward_backward(t(c.ids), t(c.labels), cfg.accumulation, false, {}, t(pad)),
+                    Catch::Contains("padding is no target"));
+  unlabel_padding(c.labels, left);
+  CHECK_THROWS_WITH(rm.forward_backward(t(c.ids), t(c.labels), cfg.accumulation, false, {}, t(left)),
+                    Catch::Contains("left padding"));
 }
