@@ -28,6 +28,7 @@ largest relative difference of a step's loss. A figure, never pass/fail.
     bench/bench_vs_torch.py --rounds 5 --window 2 --activations auto
     bench/bench_vs_torch.py --device cuda          # on a GPU (bench/gpu_check.sh runs it there)
     bench/bench_vs_torch.py --arch qwen3_moe --layers 8                # a ~92M mixture of experts
+    bench/bench_vs_torch.py --arch qwen2_moe --layers 8                # the same with a shared expert
 
 With --lora R both sides train LoRA adapters of rank R (alpha 2R, every decoder
 layer's linear modules) over a frozen base: torch is PEFT + torch.optim.AdamW
@@ -63,14 +64,17 @@ MODEL_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
 # defaults otherwise: Gemma 2's soft-capping at 50 and 30, Gemma's sliding windows of 4096). The
 # mixtures of experts route without the load-balancing loss (output_router_logits off, their
 # default): Qwen3-MoE 16 experts of intermediate 256, top 4 renormalised (--layers 8: ~92M
-# parameters, 35M active); Mixtral 8 experts of --intermediate, top 2 (--layers 4: ~113M).
+# parameters, 35M active); Mixtral 8 experts of --intermediate, top 2 (--layers 4: ~113M); Qwen2-MoE
+# Qwen3-MoE's experts, top 4 not renormalised, and a shared expert of 1024.
 ARCHS = {"llama": ("LlamaConfig", {}), "olmo2": ("Olmo2Config", {}),
          "gemma2": ("Gemma2Config", {"query_pre_attn_scalar": 64}),
          "gemma3": ("Gemma3TextConfig", {"query_pre_attn_scalar": 64}),
          "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
                                           "norm_topk_prob": True, "output_router_logits": False}),
          "mixtral": ("MixtralConfig", {"num_local_experts": 8, "num_experts_per_tok": 2,
-                                       "output_router_logits": False})}
+                                       "output_router_logits": False}),
+         "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 256,
+                                          "shared_expert_intermediate_size": 1024, "output_router_logits": False})}
 
 
 def parse_args(argv=None):

@@ -131,11 +131,16 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   const i128 route = t * (4 * E + 48 * ek);
   const i128 P = t * ek, G = e < 4 ? P + P / 8 + 15 * E : P;
   const i128 f32_scores = moe.scores_fp32 ? 4 * P * h : 0;
+  // A shared expert (Qwen2-MoE) after them, beside the output: its gate, up,
+  // act(gate) and their product; then the product and its output; then the
+  // output and the weighted one.
+  const i128 si = moe.shared_intermediate;
   if (moe.sparse())
     mlp = n * h * e + std::max(t * norm(h, 1),
                                t * h * e + route +
                                    std::max({(P + G) * h * e, G * (h + 4 * ei) * e, G * (ei + h) * e + P * h * e,
-                                             3 * P * h * e + f32_scores + t * h * e}));
+                                             3 * P * h * e + f32_scores + t * h * e,
+                                             t * h * e + t * std::max(4 * si, 2 * h + si) * e}));
   LayerWork w;
   w.forward = headroom(std::max(attn, mlp) + layout + small);
 
@@ -166,11 +171,16 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   // the k places per token. One expert's weight gradient at a time.
   // (Below fp32, d(score)'s products are three fp32 copies; in fp32 one.)
   const i128 rows_back = G * h * e + P * h * e + 3 * G * ei * e;  // the rows, their output gradients, gate/up, act
+  // A shared expert's backward once the experts' rows are gone: gate, up,
+  // act(gate) and the product, with its output and gy x output; then (the
+  // product gone) d(output), d(product), d(up) and d(gate) with
+  // silu_backward's scratch; one weight gradient at a time.
   if (moe.sparse())
     tile = n * held + t * (4 * h * e + scaled) + route + t * E * (e + 12) + 2 * ei * h * e +
            std::max({rows_back + P * h * e + std::max(G * h * e, (e < 4 ? 3 : 1) * P * h * 4),
                      rows_back + P * h * e + G * h * e + f32_scores, 2 * G * h * e + 9 * G * ei * e,
-                     3 * G * h * e + 2 * G * ei * e + 2 * P * h * e});
+                     3 * G * h * e + 2 * G * ei * e + 2 * P * h * e,
+                     t * ((5 * si + 2 * h) * e + silu_f32_x2 * si / 2) + (si > 0 ? wgrad(si, h) : 0)});
   // Before the MLP: the projections again (as forward), the core's forward
   // again with the projections' q held (untiled) beside RoPE'd k and the
   // log-sum-exp, then x1 (as forward) with the core's output.

@@ -30,13 +30,13 @@ constexpr ArchInfo kArchs[] = {
     {Arch::kGemma3, "Gemma3ForCausalLM", "gemma3_text"},
     {Arch::kQwen3Moe, "Qwen3MoeForCausalLM", "qwen3_moe"},
     {Arch::kMixtral, "MixtralForCausalLM", "mixtral"},
+    {Arch::kQwen2Moe, "Qwen2MoeForCausalLM", "qwen2_moe"},
 };
 
 // Mixture-of-experts architectures strider does not train yet, and what of
 // theirs is missing.
 struct Unsupported { std::string_view name, model_type, missing; };
 constexpr Unsupported kUnsupported[] = {
-    {"Qwen2MoeForCausalLM", "qwen2_moe", "its shared expert (shared_expert, shared_expert_gate)"},
     {"DeepseekV3ForCausalLM", "deepseek_v3", "multi-head latent attention and bias-corrected (noaux_tc) routing"},
     {"DeepseekV2ForCausalLM", "deepseek_v2", "multi-head latent attention and its shared experts"},
     {"GptOssForCausalLM", "gpt_oss", "attention sinks and its clamped SwiGLU experts with biases"},
@@ -66,7 +66,8 @@ const ArchInfo& arch_of(const Reader& r) {
   }
   throw Error(fmt::format("{}: architecture {} is not supported; strider supports LlamaForCausalLM, "
                           "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, "
-                          "Olmo2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM",
+                          "Olmo2ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM and "
+                          "MixtralForCausalLM",
                           r.source, name));
 }
 
@@ -240,6 +241,7 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
       break;
     case Arch::kQwen3Moe:
     case Arch::kMixtral:
+    case Arch::kQwen2Moe:
       parse_moe(r, s);
       break;
   }
@@ -329,10 +331,15 @@ std::string ModelSpec::summary() const {
                      "{:.3f}B parameters{}{}{}",
                      arch_name, layers, dims.hidden, dims.heads, dims.kv_heads, dims.head_dim,
                      dims.intermediate, dims.vocab, param_count() / 1e9,
-                     dims.moe.sparse() ? fmt::format(", {} of {} layers with {} experts (top {}, intermediate {})",
-                                                     sparse_layer_count(), layers, dims.moe.experts, dims.moe.top_k,
-                                                     dims.moe.intermediate)
-                                       : std::string(),
+                     dims.moe.sparse()
+                         ? fmt::format(", {} of {} layers with {} experts (top {}, intermediate {}){}",
+                                       sparse_layer_count(), layers, dims.moe.experts, dims.moe.top_k,
+                                       dims.moe.intermediate,
+                                       dims.moe.shared_intermediate > 0
+                                           ? fmt::format(" and a shared expert (intermediate {})",
+                                                         dims.moe.shared_intermediate)
+                                           : std::string())
+                         : std::string(),
                      tie_embeddings ? ", tied embeddings" : "",
                      lora.enabled() ? ", LoRA " + lora.text() + " over a frozen base" : "");
 }

@@ -90,16 +90,18 @@ void parse_gemma(const Reader& r, ModelSpec& s) {
 
 constexpr IntRange kExpertsRange{1, 1 << 16};
 
-// Qwen3-MoE and Mixtral (transformers' modeling_qwen3_moe, modeling_mixtral):
-// the attention of Qwen3 (q/k norms) or Mistral, and an MLP of experts behind
-// a top-k router (gpu/block_dims.h, MoeDims). Qwen3-MoE's layers in
-// mlp_only_layers, and those off its decoder_sparse_step, keep a dense MLP of
-// intermediate_size. The load-balancing loss counts where the config asks
-// transformers for it (output_router_logits).
+// Qwen3-MoE, Qwen2-MoE and Mixtral (transformers' modeling_qwen3_moe,
+// modeling_qwen2_moe, modeling_mixtral): the attention of Qwen3 (q/k norms),
+// Qwen2 (q/k/v biases) or Mistral, and an MLP of experts behind a top-k
+// router (gpu/block_dims.h, MoeDims), with Qwen2-MoE's shared expert beside
+// them. The Qwens' layers in mlp_only_layers, and those off their
+// decoder_sparse_step, keep a dense MLP of intermediate_size. The
+// load-balancing loss counts where the config asks transformers for it
+// (output_router_logits).
 void parse_moe(const Reader& r, ModelSpec& s) {
   BlockDims& d = s.dims;
   MoeDims& e = d.moe;
-  const bool qwen = s.arch == Arch::kQwen3Moe;
+  const bool qwen = s.arch == Arch::kQwen3Moe || s.arch == Arch::kQwen2Moe;
   // transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts.
   const char* experts_key = qwen && r.find("num_experts") ? "num_experts" : "num_local_experts";
   e.experts = r.integer(experts_key, kExpertsRange);
@@ -109,9 +111,14 @@ void parse_moe(const Reader& r, ModelSpec& s) {
   e.intermediate = qwen ? r.integer("moe_intermediate_size", kIntermediateRange) : d.intermediate;
   e.norm_topk = qwen ? r.boolean_or("norm_topk_prob", false) : true;
   e.scores_fp32 = !qwen;
-  if (qwen) {
+  if (s.arch == Arch::kQwen2Moe) {
+    d.qkv_bias = r.boolean_or("qkv_bias", true);  // Qwen2's q/k/v biases; o_proj has none
+    e.shared_intermediate = r.integer("shared_expert_intermediate_size", kIntermediateRange);
+  } else if (qwen) {
     d.qkv_bias = d.o_bias = r.boolean_or("attention_bias", false);
     d.qk_norm = true;
+  }
+  if (qwen) {
     const int64_t step = r.integer_or("decoder_sparse_step", 1, kLayersRange);
     s.dense_layers.assign(size_t(s.layers), 0);
     for (int64_t l = 0; l < s.layers; ++l) s.dense_layers[size_t(l)] = (l + 1) % step != 0;

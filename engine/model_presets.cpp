@@ -43,6 +43,18 @@ json qwen3_moe(int64_t hidden, int64_t inter, int64_t moe_inter, int64_t layers,
           {"router_aux_loss_coef", 0.001}};
 }
 
+// Qwen/Qwen1.5-MoE-A2.7B (Qwen2MoeForCausalLM): 60 experts, top 4 not
+// renormalised, a shared expert of 5632 beside them, every layer sparse.
+json qwen15_moe() {
+  return {{"architectures", {"Qwen2MoeForCausalLM"}}, {"hidden_size", 2048}, {"intermediate_size", 5632},
+          {"moe_intermediate_size", 1408}, {"shared_expert_intermediate_size", 5632}, {"num_experts", 60},
+          {"num_experts_per_tok", 4}, {"norm_topk_prob", false}, {"decoder_sparse_step", 1},
+          {"mlp_only_layers", json::array()}, {"num_hidden_layers", 24}, {"num_attention_heads", 16},
+          {"num_key_value_heads", 16}, {"vocab_size", 151936}, {"max_position_embeddings", 8192},
+          {"rms_norm_eps", 1e-6}, {"rope_theta", 1000000.0}, {"tie_word_embeddings", false},
+          {"use_sliding_window", false}, {"output_router_logits", false}, {"router_aux_loss_coef", 0.001}};
+}
+
 const std::vector<std::pair<std::string, json>>& presets() {
   static const std::vector<std::pair<std::string, json>> p = {
       {"builtin", builtin_model_config()},
@@ -59,6 +71,7 @@ const std::vector<std::pair<std::string, json>>& presets() {
         {"rope_theta", 1000000.0}, {"sliding_window", nullptr}, {"tie_word_embeddings", false}}},
       {"qwen3-30b-a3b", qwen3_moe(2048, 6144, 768, 48, 32, 4)},
       {"qwen3-235b-a22b", qwen3_moe(4096, 12288, 1536, 94, 64, 4)},
+      {"qwen1.5-moe-a2.7b", qwen15_moe()},
       // mistralai/Mixtral-8x7B-v0.1: 8 experts, top 2.
       {"mixtral-8x7b",
        {{"architectures", {"MixtralForCausalLM"}}, {"hidden_size", 4096}, {"intermediate_size", 14336},

@@ -131,6 +131,12 @@ ParamLayout ModelSpec::layout(int64_t i) const {
         l.add(p + "mlp.gate.weight", {e.experts, d.hidden});
         l.add(p + "mlp.experts.gate_up_proj", {e.experts, 2 * e.intermediate, d.hidden});
         l.add(p + "mlp.experts.down_proj", {e.experts, d.hidden, e.intermediate});
+        if (e.shared_intermediate > 0) {  // Qwen2-MoE's shared expert and its gate
+          l.add(p + "mlp.shared_expert.gate_proj.weight", {e.shared_intermediate, d.hidden});
+          l.add(p + "mlp.shared_expert.up_proj.weight", {e.shared_intermediate, d.hidden});
+          l.add(p + "mlp.shared_expert.down_proj.weight", {d.hidden, e.shared_intermediate});
+          l.add(p + "mlp.shared_expert_gate.weight", {1, d.hidden});
+        }
         break;
       }
       l.add(p + "mlp.gate_proj.weight", {d.intermediate, d.hidden});
@@ -236,12 +242,13 @@ BlockCost ModelSpec::cost(int64_t i, int64_t batch, int64_t seq, int64_t vocab_c
       const BlockDims ld = layer_dims(block(i).layer);
       const double proj = 2.0 * t * d.hidden * (2.0 * double(q) + 2.0 * double(kv));
       const double attn = attention_flops(block(i).layer, batch, seq, packed, token_tile);
-      // A layer with experts: the router, and top_k experts' SwiGLU per token
-      // (FLOPs by the active parameters; bytes and the optimizer's work are
-      // by all of them).
+      // A layer with experts: the router, and top_k experts' SwiGLU per token,
+      // with a shared expert's and its gate (FLOPs by the active parameters;
+      // bytes and the optimizer's work are by all of them).
       const MoeDims& moe = ld.moe;
-      const double mlp = moe.sparse() ? 2.0 * t * d.hidden * double(moe.experts) +
-                                            2.0 * 3.0 * t * d.hidden * double(moe.intermediate) * double(moe.top_k)
+      const double mlp = moe.sparse() ? 2.0 * t * d.hidden * double(moe.experts + (moe.shared_intermediate > 0)) +
+                                            2.0 * 3.0 * t * d.hidden *
+                                                double(moe.intermediate * moe.top_k + moe.shared_intermediate)
                                       : 2.0 * 3.0 * t * d.hidden * d.intermediate;
       // LoRA: each adapter's two thin GEMMs, x A^T and (x A^T) B^T.
       double adapters = 0;

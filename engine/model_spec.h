@@ -21,7 +21,7 @@
 
 namespace strider {
 
-enum class Arch { kLlama, kQwen2, kQwen3, kMistral, kGranite, kPhi3, kOlmo2, kGemma2, kGemma3, kQwen3Moe, kMixtral };
+enum class Arch { kLlama, kQwen2, kQwen3, kMistral, kGranite, kPhi3, kOlmo2, kGemma2, kGemma3, kQwen3Moe, kMixtral, kQwen2Moe };
 
 enum class BlockKind { kEmbedding, kLayer, kHead };
 

@@ -60,6 +60,10 @@ struct MoeDims {
   // The experts' outputs are weighted by the fp32 scores (Mixtral); false:
   // by the scores cast to the compute dtype first (Qwen3-MoE).
   bool scores_fp32 = false;
+  // Qwen2-MoE's shared expert: a SwiGLU MLP of this intermediate size that
+  // every token goes through, its output weighted by sigmoid(h . gate) (0:
+  // none).
+  int64_t shared_intermediate = 0;
   bool sparse() const { return experts > 0; }
 };
 

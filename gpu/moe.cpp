@@ -26,6 +26,10 @@ at::Tensor* moe_grad(TensorMap& grads, std::string_view name) {
 constexpr std::string_view kRouter = "mlp.gate.weight";
 constexpr std::string_view kGateUp = "mlp.experts.gate_up_proj";
 constexpr std::string_view kDown = "mlp.experts.down_proj";
+constexpr std::string_view kSharedGate = "mlp.shared_expert.gate_proj.weight";
+constexpr std::string_view kSharedUp = "mlp.shared_expert.up_proj.weight";
+constexpr std::string_view kSharedDown = "mlp.shared_expert.down_proj.weight";
+constexpr std::string_view kSharedWeight = "mlp.shared_expert_gate.weight";
 
 // The router's choice for each token: fp32 probabilities [n, E], the top_k
 // experts [n, k] (int64, by falling probability) and their weights [n, k]
@@ -208,6 +212,51 @@ void add_routing_stats(const MoeStep& step, const Routing& r, const MoeDims& m) 
   step.stats[1].add_((r.probs * step.valid.unsqueeze(1)).sum(0));
 }
 
+// Qwen2-MoE's shared expert on every token, as transformers'
+// Qwen2MoeSparseMoeBlock computes it in the compute dtype: a SwiGLU MLP,
+// down(act(h Wg^T) x h Wu^T), weighted by sigmoid(h w^T) ([n, 1]).
+at::Tensor shared_expert(const BlockDims& d, const TensorMap& w, const at::Tensor& h) {
+  at::Tensor gate = at::mm(h, moe_weight(w, kSharedGate).t());
+  at::Tensor up = at::mm(h, moe_weight(w, kSharedUp).t());
+  at::Tensor act = activate(d, gate) * up;
+  gate = up = at::Tensor();
+  const at::Tensor y = at::mm(act, moe_weight(w, kSharedDown).t());
+  act = at::Tensor();
+  return at::sigmoid(at::mm(h, moe_weight(w, kSharedWeight).t())) * y;
+}
+
+// Its backward for gy = d(loss)/d(output): the four weights' gradients into
+// `grads` (fp32, as the experts'), d(loss)/dh added into dh. The weight's
+// gradient is sum over hidden of gy x y (autograd's reduction of the
+// broadcast product) through the sigmoid.
+void shared_expert_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, const at::Tensor& h,
+                            const at::Tensor& gy, at::Tensor& dh) {
+  const at::Tensor& wg = moe_weight(w, kSharedGate);
+  const at::Tensor& wu = moe_weight(w, kSharedUp);
+  const at::Tensor& wd = moe_weight(w, kSharedDown);
+  const at::Tensor& ws = moe_weight(w, kSharedWeight);
+  const at::Tensor gate = at::mm(h, wg.t()), up = at::mm(h, wu.t());
+  at::Tensor acted = activate(d, gate);
+  at::Tensor act = acted * up;
+  const at::Tensor s = at::sigmoid(at::mm(h, ws.t()));
+  {
+    const at::Tensor dz = at::sigmoid_backward((gy * at::mm(act, wd.t())).sum(1, true), s);
+    if (at::Tensor* g = moe_grad(grads, kSharedWeight)) add_weight_grad(*g, dz.t(), h);
+    dh.add_(at::mm(dz, ws));
+  }
+  const at::Tensor dy = gy * s;
+  if (at::Tensor* g = moe_grad(grads, kSharedDown)) add_weight_grad(*g, dy.t(), act);
+  act = at::Tensor();
+  at::Tensor dact = at::mm(dy, wd);
+  const at::Tensor du = dact * acted;
+  acted = at::Tensor();
+  const at::Tensor dg = activate_backward(d, dact.mul_(up), gate);
+  dact = at::Tensor();
+  if (at::Tensor* g = moe_grad(grads, kSharedGate)) add_weight_grad(*g, dg.t(), h);
+  if (at::Tensor* g = moe_grad(grads, kSharedUp)) add_weight_grad(*g, du.t(), h);
+  dh.add_(at::mm(dg, wg)).add_(at::mm(du, wu));
+}
+
 }  // namespace
 
 at::Tensor moe_forward(const BlockDims& d, const TensorMap& w, const at::Tensor& h, const MoeStep* step) {
@@ -224,10 +273,12 @@ at::Tensor moe_forward(const BlockDims& d, const TensorMap& w, const at::Tensor&
   at::Tensor xs = to_groups(h.index_select(0, g.token), g);
   at::Tensor act = experts_up(d, gate_up, xs, g).act;
   xs = at::Tensor();
-  const at::Tensor y = from_groups(grouped_mm(act, down.transpose(1, 2), g), g);
+  at::Tensor y = from_groups(grouped_mm(act, down.transpose(1, 2), g), g);
   act = at::Tensor();
   at::Tensor out = at::zeros_like(h);
   add_by_token(out, weighted(y, r.scores.reshape({-1}).index_select(0, g.slot)), r.top, g);
+  y = at::Tensor();  // gone before the shared expert's buffers come
+  if (m.shared_intermediate > 0) out.add_(shared_expert(d, w, h));
   return out;
 }
 
@@ -278,6 +329,10 @@ at::Tensor moe_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads
     p = {};
     if (g_gate_up) add_weight_grads(*g_gate_up, dgu, xs, g);
     add_by_token(dh, from_groups(grouped_mm(dgu, gate_up, g), g), r.top, g);
+  }
+  if (m.shared_intermediate > 0) {  // the experts' rows gone
+    at::NoGradGuard no_grad;
+    shared_expert_backward(d, w, grads, h, gy, dh);
   }
   // 3. The router: the scores' gradients (and the load-balancing loss's, on
   // every probability) back through top-k's normalisation and the softmax.

@@ -1,6 +1,8 @@
 // A mixture-of-experts MLP (gpu/block_dims.h, MoeDims) with ATen: the
 // router, the experts over the tokens routed to each, and its backward, as
-// transformers' Qwen3-MoE and Mixtral compute them. Called by the decoder
+// transformers' Qwen3-MoE, Qwen2-MoE and Mixtral compute them (Qwen2-MoE's
+// shared expert, on every token and weighted by its sigmoid gate, is added
+// after the routed experts, as its reference adds it). Called by the decoder
 // layer (gpu/blocks.cpp) on the post-attention norm's output, tile by tile.
 //
 // Routing is fp32: the router's logits (a GEMM in the compute dtype) go

@@ -61,7 +61,8 @@ from strider.config import EngineConfig
 # The decoder families the C++ ModelSpec implements (engine/model_spec.cpp).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "GraniteForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
+                           "MixtralForCausalLM")
 IGNORE_INDEX = -100
 
 

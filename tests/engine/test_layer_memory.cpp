@@ -63,6 +63,15 @@ ModelSpec moe() {
                         {"max_position_embeddings", 8192}};
   return ModelSpec::from_json(cfg, "test");
 }
+// Qwen2-MoE's: the same experts with q/k/v biases and no q/k norms, and a
+// shared expert as wide as the dense MLP (its buffers outweigh the experts').
+ModelSpec moe_shared() {
+  nlohmann::json cfg = {{"architectures", {"Qwen2MoeForCausalLM"}}, {"hidden_size", 256}, {"intermediate_size", 688},
+                        {"moe_intermediate_size", 128}, {"shared_expert_intermediate_size", 688}, {"num_experts", 8},
+                        {"num_experts_per_tok", 2}, {"num_hidden_layers", 1}, {"num_attention_heads", 8},
+                        {"num_key_value_heads", 4}, {"vocab_size", 64}, {"max_position_embeddings", 8192}};
+  return ModelSpec::from_json(cfg, "test");
+}
 
 struct Shape {
   const char* model;
@@ -157,6 +166,9 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   const ModelSpec experts = moe();
   for (at::ScalarType dtype : dtypes)
     for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"qwen3-moe", experts, 1, 2048, tile, dtype});
+  const ModelSpec shared = moe_shared();
+  for (at::ScalarType dtype : dtypes)
+    for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"qwen2-moe", shared, 1, 2048, tile, dtype});
   // Packed documents: the attention mask per row (and Gemma 2's per tile).
   for (at::ScalarType dtype : dtypes)
     for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"gqa+docs", gqa, 2, 1024, tile, dtype, true});

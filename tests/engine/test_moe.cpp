@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "engine/engine.h"
+#include "engine/model_presets.h"
 #include "engine/placement.h"
 #include "engine/plan.h"
 #include "engine/train_checkpoint.h"
@@ -31,6 +32,9 @@ nlohmann::json tiny_moe(const char* arch, bool tied, bool aux) {
   if (std::string(arch) == "Qwen3MoeForCausalLM")
     c.update({{"num_experts", 6}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 16}, {"norm_topk_prob", true},
               {"mlp_only_layers", {1}}, {"head_dim", 8}});
+  else if (std::string(arch) == "Qwen2MoeForCausalLM")  // its shared expert; top-k not renormalised
+    c.update({{"num_experts", 4}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 16},
+              {"shared_expert_intermediate_size", 24}, {"decoder_sparse_step", 2}});
   else
     c.update({{"num_local_experts", 4}, {"num_experts_per_tok", 2}, {"intermediate_size", 24}});
   return c;
@@ -71,12 +75,35 @@ TEST_CASE("mixture of experts: the spec reads the experts, the dense layers and 
   bad["architectures"] = {"DeepseekV3ForCausalLM"};
   CHECK_THROWS_WITH(ModelSpec::from_json(bad, "bad.json"), Catch::Contains("latent attention"));
   CHECK_THROWS_WITH(q.with_lora("r=4,alpha=8,targets=q_proj", "--lora"), Catch::Contains("mixture-of-experts"));
+  // Qwen2-MoE: Qwen2's q/k/v biases, every second layer sparse, a shared expert with its gate.
+  const ModelSpec q2 = ModelSpec::from_json(tiny_moe("Qwen2MoeForCausalLM", false, true), "q2");
+  CHECK(q2.dims.qkv_bias);
+  CHECK_FALSE(q2.dims.o_bias);
+  CHECK_FALSE(q2.dims.qk_norm);
+  CHECK_FALSE(q2.dims.moe.norm_topk);
+  CHECK_FALSE(q2.dims.moe.scores_fp32);
+  CHECK(q2.dims.moe.shared_intermediate == 24);
+  CHECK_FALSE(q2.sparse(0));
+  CHECK(q2.sparse(1));
+  CHECK(q2.sparse_layer_count() == 1);
+  const ParamLayout s1 = q2.layout(2);
+  CHECK(s1.find("model.layers.1.mlp.shared_expert.gate_proj.weight")->shape == std::vector<int64_t>{24, 32});
+  CHECK(s1.find("model.layers.1.mlp.shared_expert.down_proj.weight")->shape == std::vector<int64_t>{32, 24});
+  CHECK(s1.find("model.layers.1.mlp.shared_expert_gate.weight")->shape == std::vector<int64_t>{1, 32});
+  CHECK(q2.layout(1).find("model.layers.0.mlp.shared_expert_gate.weight") == nullptr);
+  // The preset: Qwen1.5-MoE-A2.7B's 14.3B parameters (its model card's count).
+  const ModelSpec a27 = ModelSpec::from_json(model_preset("qwen1.5-moe-a2.7b"), "qwen1.5-moe-a2.7b");
+  CHECK(double(a27.param_count()) == Approx(14.32e9).epsilon(0.005));
+  bad = tiny_moe("Qwen2MoeForCausalLM", false, true);
+  bad.erase("shared_expert_intermediate_size");
+  CHECK_THROWS_WITH(ModelSpec::from_json(bad, "bad.json"), Catch::Contains("shared_expert_intermediate_size"));
 }
 
 TEST_CASE("mixture of experts: offload changes nothing, and the resident reference agrees", "[engine]") {
   for (const auto& [arch, tied, aux] : {std::tuple{"Qwen3MoeForCausalLM", false, true},
                                         std::tuple{"MixtralForCausalLM", true, true},
-                                        std::tuple{"MixtralForCausalLM", false, false}}) {
+                                        std::tuple{"MixtralForCausalLM", false, false},
+                                        std::tuple{"Qwen2MoeForCausalLM", false, true}}) {
     const ModelSpec spec = ModelSpec::from_json(tiny_moe(arch, tied, aux), arch);
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
       INFO(arch << (tied ? " tied" : "") << (aux ? " with" : " without") << " the load-balancing loss, "

@@ -19,13 +19,16 @@ COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_att
 
 def config(arch):
     # Mixtures of experts, saved in the Hub's layout (a tensor per expert and projection): Qwen3-MoE with a
-    # dense layer 1, Mixtral's block_sparse_moe names.
+    # dense layer 1, Mixtral's block_sparse_moe names, Qwen2-MoE's shared expert.
     if arch == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=6,
                                            num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
     if arch == "mixtral":
         return transformers.MixtralConfig(**{**COMMON, "intermediate_size": 48}, num_local_experts=4,
                                           num_experts_per_tok=2)
+    if arch == "qwen2_moe":  # its shared expert and gate; layer 1 dense
+        return transformers.Qwen2MoeConfig(**COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                           num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])
     if arch == "olmo2":
         return transformers.Olmo2Config(**COMMON)
     if arch == "gemma2":  # soft-capped attention and logits; layers 0 and 2 slide over 8 positions
@@ -36,7 +39,7 @@ def config(arch):
                                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "gemma3", "gemma2", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["olmo2", "gemma3", "gemma2", "qwen3_moe", "mixtral", "qwen2_moe"])
 def test_finetune_a_saved_checkpoint_and_load_the_output_back(strider, tmp_path, arch):  # noqa: F811
     torch.manual_seed(0)
     src = tmp_path / "src"

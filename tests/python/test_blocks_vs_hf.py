@@ -24,7 +24,8 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_atte
 
 def configs():
     from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+                              Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig)
     llama3_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     return {
@@ -66,6 +67,10 @@ def configs():
         "qwen3_moe": Qwen3MoeConfig(**{**SMALL, "head_dim": 24}, num_experts=4, num_experts_per_tok=2,
                                     moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1]),
         "mixtral": MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
+        # Qwen2-MoE: top 2 of 4 not renormalised, scores in the compute dtype, a shared expert with its
+        # sigmoid gate, q/k/v biases.
+        "qwen2_moe": Qwen2MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                    shared_expert_intermediate_size=40),
     }
 
 
@@ -180,7 +185,7 @@ def moved_rows(a, b):
     return sum(int((x != y).any(dim=-1).sum()) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_moe_bf16_is_as_near_fp32_as_transformers_bf16(arch):
     # Two bf16 runs of a mixture of experts differ by both their roundings (the router's gradient
     # passes the renormalised top-k probabilities, cast to bf16), so each is held against the fp32
