@@ -1,7 +1,8 @@
 """Data parallel on machines we do not have: `strider plan --gpus N --link L --predict P` for
 Llama-3.1-8B at sequence 1024, next to the published figures a user would compare with. Every
 prediction runs the unchanged engine schedule of one rank on SimDevice (its slice of the
-optimizer, its collectives on the updater, its GPU's link) and multiplies by the ranks.
+optimizer, its collectives on the updater, its GPU's link; on one machine its 1/N of the host's
+memory bus, which its copies and its optimizer's slice share) and multiplies by the ranks.
 
     .venv/bin/python bench/predict_dp.py                       # print the table
     .venv/bin/python bench/predict_dp.py --update-readme README.md

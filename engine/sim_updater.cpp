@@ -100,8 +100,10 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       return;
     }
     case StepOpKind::kSumSquares: {
-      // One read of the gradients over the memory bus.
-      const SimInterval t = on_host_bus(optimizer_.run(ready, cm.host_memory_us(grad_bytes)), grad_bytes);
+      // One read of the gradients over the memory bus (sharded: this rank's
+      // slice on its share of the bus, ranks on one machine).
+      const uint64_t own = op.over_slices ? place_.at(p).owned.elems() * place_.grad_bytes : grad_bytes;
+      const SimInterval t = on_host_bus(optimizer_.run(ready, cm.host_memory_us(grad_bytes)), own);
       span(Lane::kOptimizer, "grad norm", p, t, grad_bytes);
       end = thread_us_ = t.end_us;
       return;
@@ -125,11 +127,13 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       // compute copy) share its memory bus too: their slices together take
       // what the whole piece would, so each rank's lane is busy that long.
       // Ranks on machines of their own each take their slice's time.
-      const uint64_t updated = op.over_slices && !op.shared_copy ? place_.at(p).owned.elems() : n;
+      const uint64_t own = op.over_slices ? place_.at(p).owned.elems() : n;
+      const uint64_t updated = op.shared_copy ? n : own;
       // Each format's kernel at its rate (CostModel::adam_params_per_s: its
-      // cores or the memory bus), its bytes on a pool's shared host bus too.
+      // cores or the memory bus), its bytes on the shared host bus too (a
+      // pool's; ranks on one machine: the slice's, on the rank's share).
       const SimInterval t = on_host_bus(optimizer_.run(ready, cm.adam_us(updated, format_)),
-                                        adam_bytes(format_, updated, place_.grad_bytes));
+                                        adam_bytes(format_, own, place_.grad_bytes));
       span(Lane::kOptimizer, "adamw", p, t, adam_bytes(format_, n, place_.grad_bytes));
       if (place_.at(p).ring_slot >= 0 && !place_.at(p).spills_grads)
         sim_.record_at(ring_free(place_.at(p).ring_slot), t.end_us);

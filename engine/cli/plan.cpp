@@ -78,20 +78,27 @@ std::string rank_machine(const Options& o) {
   std::string dev = o.predict.rfind("sim:", 0) == 0 ? o.predict.substr(4) : o.predict;
   if (o.gpus <= 1) return dev;
   const Link& link = find_link(o.link);
-  const CostModel base = CostModel::parse(dev);
   if (link.ethernet_gbit > 0)
     return fmt::format("{},collective_gbps={}", dev, link.ethernet_gbit / 8 * 0.9);
-  const double share = base.host_memory_gbps() / (2.0 * double(o.gpus));  // every GPU's H2D and D2H through host memory
-  const double pcie = std::min(link.pcie_gbps, share);
-  return fmt::format("{},h2d_gbps={},d2h_gbps={}", dev, pcie, pcie);
+  return fmt::format("{},h2d_gbps={},d2h_gbps={}", dev, link.pcie_gbps, link.pcie_gbps);
 }
 
 Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l, const Options& o) {
   EngineConfig cfg = plan.engine_config(l);
   const std::string dev = "sim:" + rank_machine(o);
   // A pool: N SimDevices, each on its own link, sharing the host's memory bus.
-  Engine e(spec, cfg, make_devices({.spec = dev, .budget_bytes = l.device_bytes, .record_spans = true},
-                                   std::to_string(l.devices)));
+  std::vector<std::unique_ptr<Device>> devices =
+      make_devices({.spec = dev, .budget_bytes = l.device_bytes, .record_spans = true}, std::to_string(l.devices));
+  // Ranks on one machine share its memory bus too. They run the same
+  // schedule side by side, so each rank has 1/N of it, over time: its
+  // devices' copies and its optimizer's bytes (its slice of the state) take
+  // that share's free time, as a pool's take the whole bus's.
+  if (o.gpus > 1 && find_link(o.link).ethernet_gbit == 0) {
+    const double gbps = static_cast<SimDevice&>(*devices.front()).model().host_memory_gbps() / double(o.gpus);
+    auto bus = std::make_shared<SimHostMemory>(gbps);
+    for (auto& d : devices) static_cast<SimDevice&>(*d).share_host_memory(bus);
+  }
+  Engine e(spec, cfg, std::move(devices));
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
   Prediction p;
   // The first steps fill the pipeline (no update to wait for yet); report the last.
@@ -184,6 +191,8 @@ int run(Options& o) {
   // --activations auto prices recompute against the link on the machine
   // predicted for (the rtx4090's rates without one).
   if (predicting) l.set_machine_rates(CostModel::parse(rank_machine(o)));
+  // Ranks on one machine: each has 1/N of its memory bus (as predict() gives it).
+  if (o.gpus > 1 && find_link(o.link).ethernet_gbit == 0) l.host_memory_bytes_per_s /= double(o.gpus);
   Plan p = Plan::make(spec, l);
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();

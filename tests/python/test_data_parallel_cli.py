@@ -206,6 +206,14 @@ def test_plan_predicts_data_parallel_ranks(strider_binary):
     assert box["machine_host_bytes"] < 2 * one["host_peak_bytes"]
     # The ranks' collectives (and their shared memory bus) cost each rank time: no rank is faster than one GPU.
     assert box["step_s"] >= one["step_s"]
+    # On one machine the ranks share its memory bus over time, each rank's copies with its optimizer's bytes:
+    # every rank pulls every weight through it, so on the workstation's 70 GB/s eight ranks predict less than
+    # a pool of eight devices on the same bus, which loads each block once (8 sequences per GPU both).
+    pool = subprocess.run([binary, "plan", "--model", "llama-3.1-8b", "--gpu", "24GiB", "--seq", "1024",
+                           "--accumulation", "64", "--devices", "8", "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert pool.returncode == 0, pool.stderr[-2000:]
+    assert box["tokens_per_s"] < json.loads(pool.stdout)["tokens_per_s"]
     r = subprocess.run(base + ["--gpus", "8", "--link", "nvlink9"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "--link nvlink9: expected pcie3" in r.stderr
 
