@@ -169,6 +169,15 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   const ModelSpec shared = moe_shared();
   for (at::ScalarType dtype : dtypes)
     for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"qwen2-moe", shared, 1, 2048, tile, dtype});
+  // fp16 on every architecture, priced as bf16 (the same bytes), in the
+  // bf16 shapes' sizes.
+  if (bf16) {
+    shapes.push_back({"mha", mha, 2, 1024, 0, at::kHalf});
+    for (const auto& [name, spec] : {std::pair{"qwen3", &qwen3}, std::pair{"gemma3", &gemma3}, std::pair{"olmo2", &olmo2},
+                                     std::pair{"gemma2", &gemma2}, std::pair{"qwen3-moe", &experts},
+                                     std::pair{"qwen2-moe", &shared}})
+      for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({name, *spec, 1, 2048, tile, at::kHalf});
+  }
   // Packed documents: the attention mask per row (and Gemma 2's per tile).
   for (at::ScalarType dtype : dtypes)
     for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"gqa+docs", gqa, 2, 1024, tile, dtype, true});
