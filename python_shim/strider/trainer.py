@@ -324,6 +324,10 @@ class StriderTrainer(transformers.Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         if trial is not None:
             raise ValueError("StriderTrainer: hyperparameter search is not supported (one engine per trainer)")
+        # fp16 on a GPU: accelerate makes a GradScaler, and its step would unscale the placeholder optimizer,
+        # which no loss it scaled reached ("Attempted step but _scale is None"). The engine scales its own
+        # loss, so the Trainer's scaler goes before the Trainer wraps the optimizer with it.
+        self.accelerator.scaler = None
         return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     # -- evaluation ------------------------------------------------------------------------------------
