@@ -395,11 +395,12 @@ std::pair<double, int64_t> EngineCore::pass_loss() {
   if (spec_.router_aux_coef > 0) {
     // The last layer's device holds the whole sum (a pool hands it on, engine_visit.cpp).
     const at::Tensor stats = seats_[size_t(place_.block_device(place_.head - 1))].moe_stats.cpu();
-    for (size_t m = 0; m < M; ++m) aux += moe_aux_loss(stats[int64_t(m)], moe_rows_[m]).item<double>();
+    for (size_t m = 0; m < M; ++m) aux += moe_aux_loss(stats[int64_t(m)], router_rows_.rows[m]).item<double>();
   }
   double all[3] = {sums[0], sums[1], aux};
   dist_->all_reduce_sum(all);  // the global batch's (rank order: the same bits on every rank)
-  const double aux_mean = moe_batches_ > 0 ? all[2] / moe_batches_ : 0.0;
+  const double batches = router_rows_.with_inputs;
+  const double aux_mean = batches > 0 ? all[2] / batches : 0.0;
   return {all[0] / all[1] + spec_.router_aux_coef * aux_mean, int64_t(all[1])};
 }
 
@@ -407,11 +408,12 @@ MoeStep EngineCore::moe_step(const Seat& s, int64_t b, int64_t m, bool backward)
   MoeStep st;
   if (!s.moe_stats.defined() || b == 0 || b >= place_.head || !spec_.sparse(b - 1)) return st;
   st.stats = s.moe_stats[m];
-  if (moe_padded_[size_t(m)]) st.valid = s.mb[size_t(m)].valid;
+  if (router_rows_.padded[size_t(m)]) st.valid = s.mb[size_t(m)].valid;
   if (!backward) return st;
   // Every rank's micro-batches with an input token count alike: their gradients sum over the ranks.
-  st.aux_scale = moe_batches_ > 0 ? pass_scale_ * spec_.router_aux_coef / moe_batches_ : 0.0;
-  st.rows = moe_rows_[size_t(m)];
+  const double batches = router_rows_.with_inputs;
+  st.aux_scale = batches > 0 ? pass_scale_ * spec_.router_aux_coef / batches : 0.0;
+  st.rows = router_rows_.rows[size_t(m)];
   return st;
 }
 

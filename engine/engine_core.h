@@ -17,6 +17,7 @@
 #include <mutex>
 #include <thread>
 
+#include "engine/batch_mask.h"
 #include "engine/block_runner.h"
 #include "engine/placement.h"
 #include "gpu/cache_unit_pool.h"
@@ -165,9 +166,7 @@ class EngineCore {
   // its router rows (input tokens x sparse layers) and whether it has padding
   // (its MoeStep::valid); the micro-batches with an input token on every rank.
   void count_router_rows(const int64_t* attention);
-  std::vector<double> moe_rows_;
-  std::vector<char> moe_padded_;
-  double moe_batches_ = 0;
+  RouterRows router_rows_;  // with_inputs summed over the ranks
   std::vector<int64_t> visit_segments(const StepOp& v) const;
   // Acquire + H2D of its visit's pieces into loaded_[visit], laid out as `layout` says.
   void load_visit(const StepOp& load, const std::vector<UnitRun>& layout);

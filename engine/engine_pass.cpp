@@ -120,7 +120,7 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
   const bool packed = positions != nullptr && config_.packed_documents;
   if (packed) std::memcpy(positions_host_.data(), positions, n * 8);
   if (spec_.router_aux_coef > 0) count_router_rows(attention);
-  const bool padded = std::any_of(moe_padded_.begin(), moe_padded_.end(), [](char p) { return p != 0; });
+  const bool padded = std::any_of(router_rows_.padded.begin(), router_rows_.padded.end(), [](char p) { return p != 0; });
   for (Seat& st : seats_) {  // every device of a pool: the embedding needs the ids, the head the labels
     st.device->copy_h2d(StreamId::kH2D, st.ids.data_ptr(), ids_host_.data(), n * 8, {"h2d batch"});
     st.device->copy_h2d(StreamId::kH2D, st.labels.data_ptr(), labels_host_.data(), n * 8, {"h2d batch"});
@@ -144,18 +144,15 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
 
 void EngineCore::count_router_rows(const int64_t* attention) {
   const size_t n = ids_host_.size();
-  RouterRows r = strider::count_router_rows(attention ? std::span<const int64_t>(attention, n)
+  router_rows_ = strider::count_router_rows(attention ? std::span<const int64_t>(attention, n)
                                                       : std::span<const int64_t>(),
                                             n, config_.accumulation, spec_.sparse_layer_count());
   if (attention != nullptr)
     for (size_t i = 0; i < n; ++i) valid_host_[i] = float(attention[i]);
-  moe_rows_ = std::move(r.rows);
-  moe_padded_ = std::move(r.padded);
   // A micro-batch of padding only has no load-balancing loss (transformers'
   // 0/0); the mean is over the others, every rank's (rank order: the same
   // bits on every rank).
-  dist_->all_reduce_sum(std::span<double>(&r.with_inputs, 1));
-  moe_batches_ = r.with_inputs;
+  dist_->all_reduce_sum(std::span<double>(&router_rows_.with_inputs, 1));
 }
 
 void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout) {

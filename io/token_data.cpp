@@ -416,13 +416,12 @@ bool TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels, std
       inputs[b * seq + t] = window_ids_[t];
       if (!positions.empty()) positions[b * seq + t] = int64_t(t - first);
       const bool pad = window_mask_[t] == kMaskPadding;
-      if (!attention.empty()) {
-        STRIDER_CHECK(pad || t == 0 || attention[b * seq + t - 1] == 1,
-                      "{}: the window at token {} has padding (mask 2) before token {}, an input: padding only ends "
-                      "a window (was the file made with --mode example and another --seq than {}?)",
-                      file_.path(), start, start + t, seq);
-        attention[b * seq + t] = pad ? 0 : 1;
-      }
+      // Checked whether or not the caller takes the mask: such a window is not one the file was padded to.
+      STRIDER_CHECK(pad || t == 0 || window_mask_[t - 1] != kMaskPadding,
+                    "{}: the window at token {} has padding (mask 2) before token {}, an input: padding only ends "
+                    "a window (was the file made with --mode example and another --seq than {}?)",
+                    file_.path(), start, start + t, seq);
+      if (!attention.empty()) attention[b * seq + t] = pad ? 0 : 1;
       padded = padded || pad;
       bool ignore = window_mask_[t + 1] != 1;
       if (doc != docs.end() && *doc == target) {

@@ -157,6 +157,7 @@ TEST_CASE("token data: padding (mask byte 2) is no target and no input, and only
   std::vector<int64_t> in3(6), lab3(6), att3(6);
   CHECK_THROWS_WITH(other.next(in3, lab3, {}, att3), Catch::Contains(path) && Catch::Contains("padding only ends a window"));
   CHECK(other.state().cursor == 0);  // the failed batch was not handed out
+  CHECK_THROWS_WITH(other.next(in3, lab3), Catch::Contains("padding only ends a window"));  // mask or none
   // A file without padding has none.
   const std::string plain_path = (dir.path / "plain.tok").string();
   TokenFileWriter p(plain_path, opts);
