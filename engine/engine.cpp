@@ -102,6 +102,9 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   if (place_.ring_slot_bytes > 0)
     for (int64_t r = 0; r < config_.grad_ring; ++r)
       grad_ring_.push_back(arena_->carve(place_.ring_slot_bytes, kHostAlign, "gradient ring slot"));
+  if (place_.compute_load_slot_bytes > 0)  // the device copies out of them
+    for (int k = 0; k < kComputeLoadSlots; ++k)
+      compute_slots_.push_back({arena_->carve(place_.compute_load_slot_bytes, kHostAlign, "compute copy load staging")});
   // The device pins what it copies (everything above), not the optimizer state;
   // each process registers the shared compute copy for itself. A pool of
   // GPUs registers once (cudaHostRegisterPortable); each CPU device keeps its
@@ -130,13 +133,20 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
                                arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam v", ArenaUse::kHostOnly),
                                config_.gated_updates() ? arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging grads", ArenaUse::kHostOnly)
                                                      : std::span<std::byte>()});
-    // Fresh state: zero master, m and v on the drive, so every extent is valid.
-    std::memset(nvme_staging_[0].master.data(), 0, place_.nvme_slot_bytes);
+    if (place_.nvme_compute_slot_bytes > 0)
+      for (NvmeStaging& slot : nvme_staging_)
+        slot.compute = arena_->carve(place_.nvme_compute_slot_bytes, kHostAlign, "nvme staging compute copy",
+                                     ArenaUse::kHostOnly);
+    // Fresh state: zero master, m and v (and compute copies) on the drive, so every extent is valid.
+    const size_t zeros = std::max(place_.nvme_slot_bytes, place_.nvme_compute_slot_bytes);
+    std::span<std::byte> zero = place_.nvme_slot_bytes >= zeros ? nvme_staging_[0].master : nvme_staging_[0].compute;
+    std::memset(zero.data(), 0, zeros);
     for (int64_t p = 0; p < P; ++p) {
       if (!on_nvme(p)) continue;
-      for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
+      for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV, ExtentKind::kCompute}) {
+        if (k == ExtentKind::kCompute && !compute_on_nvme(p)) continue;
         const Extent& e = nvme_->extent(p, k);
-        nvme_->wait(nvme_->write(e, nvme_staging_[0].master.first(e.io_bytes)));
+        nvme_->wait(nvme_->write(e, zero.first(e.io_bytes)));
       }
     }
   }
@@ -162,6 +172,12 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   for (int64_t p = 0; p < P; ++p) grads_ready_.push_back(seats_[size_t(place_.piece_device(p))].device->make_event());
   grads_recorded_.assign(size_t(P), 0);
   grad_spill_.resize(size_t(P));
+  compute_written_.resize(size_t(P));
+  for (ComputeSlot& slot : compute_slots_)
+    for (Seat& st : seats_) {
+      slot.copied.push_back(st.device->make_event());
+      slot.read_done.push_back(st.device->make_event());
+    }
   for (int64_t s = 0; s < place_.shards.shards; ++s)
     tied_grad_ready_.push_back(seats_[size_t(place_.head_device(s))].device->make_event());
   head_stats_ready_ = seats_[size_t(place_.last_head_device())].device->make_event();
@@ -199,6 +215,10 @@ EngineCore::~EngineCore() {
   for (auto& s : nvme_staging_)
     for (auto& t : s.writes) try { nvme_->wait(t); } catch (...) {}
   for (auto& t : grad_spill_)  // their callbacks touch the timeline and the lock
+    if (t.valid()) try { nvme_->wait(t); } catch (...) {}
+  for (ComputeSlot& slot : compute_slots_)
+    for (auto& t : slot.reads) try { nvme_->wait(t); } catch (...) {}
+  for (auto& t : compute_written_)
     if (t.valid()) try { nvme_->wait(t); } catch (...) {}
 }
 
@@ -472,6 +492,9 @@ std::span<std::byte> EngineCore::compute_copy(int64_t b) {
   STRIDER_CHECK(!simulated(), "compute_copy: a simulated engine holds no parameters");
   STRIDER_CHECK(b >= 0 && b < place_.blocks, "compute_copy: block {} out of range (the model has {} blocks)", b,
                 place_.blocks);
+  STRIDER_CHECK(store_->block(size_t(b)).compute_on_host,
+                "compute_copy: block {}'s compute copy lives on NVMe (nvme_compute_blocks); it has none in RAM to "
+                "point at", b);
   return store_->block(size_t(b)).compute_bytes();
 }
 

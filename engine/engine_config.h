@@ -70,6 +70,10 @@ struct EngineConfig {
   int64_t shard_align() const { return optimizer_state == StateFormat::kQ8 ? int64_t(kQ8GroupElems) : 1; }
   std::string nvme_dir;        // where NVMe-tier state lives (needed if nvme_blocks is not empty)
   std::vector<int64_t> nvme_blocks;  // blocks whose fp32 master/m/v live on NVMe
+  // Decoder layers among nvme_blocks whose compute copy lives on NVMe too:
+  // read into pinned staging ahead of each load that needs it (forward and
+  // backward), written back with the state after each update.
+  std::vector<int64_t> nvme_compute_blocks;
   int64_t grad_ring = 3;       // gradient staging slots shared by ring blocks (>= 1; see above)
   // Vocabulary rows per embedding / LM-head shard (engine/shards.h); 0: the
   // most whole LM-head chunks whose visit fits in the largest layer's unit.

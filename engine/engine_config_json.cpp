@@ -47,6 +47,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"optimizer_threads", c.optimizer_threads},
           {"nvme_dir", c.nvme_dir},
           {"nvme_blocks", c.nvme_blocks},
+          {"nvme_compute_blocks", c.nvme_compute_blocks},
           {"grad_ring", c.grad_ring},
           {"saved_blocks", c.saved_blocks},
           {"keep_logits", c.keep_logits},
@@ -99,6 +100,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   get("optimizer_threads", c.optimizer_threads);
   get("nvme_dir", c.nvme_dir);
   get("nvme_blocks", c.nvme_blocks);
+  get("nvme_compute_blocks", c.nvme_compute_blocks);
   get("grad_ring", c.grad_ring);
   get("keep_logits", c.keep_logits);
   get("packed_documents", c.packed_documents);

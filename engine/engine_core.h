@@ -170,6 +170,12 @@ class EngineCore {
   std::vector<int64_t> visit_segments(const StepOp& v) const;
   // Acquire + H2D of its visit's pieces into loaded_[visit], laid out as `layout` says.
   void load_visit(const StepOp& load, const std::vector<UnitRun>& layout);
+  // kReadCompute: the visit's compute copies on NVMe into load staging slot
+  // op.slot, once the slot's last load has copied it out and the pieces'
+  // previous write-back has landed (simulated: priced by the SimUpdater).
+  void read_compute(const StepOp& read);
+  // kLoad's side of it: the slot's reads are done (their span in the timeline).
+  void await_compute(const StepOp& load);
   at::Tensor params_view(const Seat& s, const CacheUnit& u, size_t offset, size_t elems) const;
   at::Tensor grads_view(const Seat& s, const CacheUnit& u) const;
   at::Tensor rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const;  // [rows, hidden]
@@ -272,6 +278,7 @@ class EngineCore {
   struct NvmeStaging {
     std::span<std::byte> master, m, v;
     std::span<std::byte> grad;       // spilled gradients read back (clipping only)
+    std::span<std::byte> compute;    // a compute copy on NVMe: read with q8's state (its master's high half), written back
     std::vector<NvmeTicket> writes;  // the last write-back from this slot
     std::vector<NvmeTicket> reads;   // the state being read into it
     int64_t reading = -1;            // whose state `reads` bring
@@ -282,6 +289,22 @@ class EngineCore {
   std::vector<NvmeStaging> nvme_staging_;   // 2 slots: one being updated, one read ahead
   int next_read_slot_ = 0;                  // the slot the next kReadState reads into
   NvmeStaging& idle_staging();
+  // Load staging of compute copies on NVMe (kComputeLoadSlots, issuing
+  // thread): each slot's buffer, its reads in flight, and per device an
+  // event its last load's copies out of it recorded (and, simulated, one
+  // the read's end is recorded on).
+  struct ComputeSlot {
+    std::span<std::byte> bytes;
+    std::vector<NvmeTicket> reads;
+    int64_t block = -1;
+    uint64_t read_bytes = 0;
+    double read_begin_us = 0;
+    int copied_on = -1;                             // the device of its last load (-1: none yet)
+    std::vector<std::unique_ptr<Event>> copied, read_done;  // per device
+  };
+  std::vector<ComputeSlot> compute_slots_;
+  std::vector<NvmeTicket> compute_written_;  // per piece: the latest write-back of its compute copy (under mu_)
+  bool compute_on_nvme(int64_t p) const { return place_.at(p).compute_on_nvme; }
 
   // Pinned host buffers per micro-batch: its host checkpoints (per block,
   // its input copied out), kept activations (per kept layer), and a pool's

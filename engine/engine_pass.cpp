@@ -155,27 +155,96 @@ void EngineCore::count_router_rows(const int64_t* attention) {
   dist_->all_reduce_sum(std::span<double>(&router_rows_.with_inputs, 1));
 }
 
+void EngineCore::read_compute(const StepOp& r) {
+  ComputeSlot& slot = compute_slots_[size_t(r.slot)];
+  const int d = r.device;
+  uint64_t bytes = 0;
+  for (int64_t p : visit_segments(r))
+    if (compute_on_nvme(p)) bytes += piece(p).elems() * place_.compute_bytes;
+  if (simulated()) {
+    // When the slot's last load has copied it out, the pieces' previous
+    // updates and write-backs are done: the drive's read from then on.
+    auto& sim = static_cast<SimDevice&>(*seats_[size_t(d)].device);
+    double ready = slot.copied_on >= 0 ? sim.event_time_us(*slot.copied[size_t(slot.copied_on)]) : 0.0;
+    for (int64_t p : visit_segments(r))
+      if (compute_on_nvme(p))
+        ready = std::max({ready, sim.event_time_us(sim_updater_->update_done(p)), sim_updater_->compute_written_us(p)});
+    sim.record_at(*slot.read_done[size_t(d)], sim_updater_->read_compute(r.piece, bytes, ready));
+    slot.block = r.block;
+    return;
+  }
+  if (slot.copied_on >= 0) slot.copied[size_t(slot.copied_on)]->synchronize();  // its last load's copies left it
+  slot.read_begin_us = Timeline::now_us();
+  slot.block = r.block;
+  slot.read_bytes = bytes;
+  for (int64_t p : visit_segments(r)) {
+    if (!compute_on_nvme(p)) continue;
+    wait_updated(p);  // the previous pass's update of it, whose write-back...
+    NvmeTicket written;
+    {
+      std::lock_guard lk(mu_);
+      written = compute_written_[size_t(p)];
+    }
+    if (written.valid()) nvme_->wait(written);  // ...must have landed before it is read
+    const Extent& e = nvme_->extent(p, ExtentKind::kCompute);
+    slot.reads.push_back(nvme_->read(e, slot.bytes.subspan(place_.at(p).compute_staging_at, e.io_bytes)));
+  }
+}
+
+void EngineCore::await_compute(const StepOp& v) {
+  ComputeSlot& slot = compute_slots_[size_t(v.slot)];
+  STRIDER_CHECK(slot.block == v.block, "internal: visit {} loads block {} from compute staging slot {}, which holds "
+                "block {}", v.visit, v.block, v.slot, slot.block);
+  if (simulated()) {
+    seats_[size_t(v.device)].device->wait(StreamId::kH2D, *slot.read_done[size_t(v.device)]);
+    return;
+  }
+  // A failed read or checksum stops the step, naming the layer, the extent and the file.
+  try {
+    for (auto& t : slot.reads) nvme_->wait(t);
+  } catch (const Error& e) {
+    for (auto& t : slot.reads) try { nvme_->wait(t); } catch (...) {}  // none still writes into the slot
+    slot.reads.clear();
+    throw Error(fmt::format("reading the compute copy of {} from NVMe: {}", spec_.block_name(v.block), e.what()));
+  }
+  slot.reads.clear();
+  timeline_.add({Lane::kNvmeRead, "nvme read compute", int32_t(v.block), -1, steps_ + 1, slot.read_begin_us,
+                 Timeline::now_us(), 0, slot.read_bytes});
+}
+
 void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout) {
   const std::vector<int64_t> segs = visit_segments(v);
   for (int64_t p : segs) wait_updated(p);
   Seat& st = seat(v);
   Device& dev = *st.device;
+  if (v.slot >= 0) await_compute(v);
   const CacheUnit& u = st.pool->acquire(StreamId::kH2D);
   if (simulated())
     for (int64_t p : segs)
       if (!piece(p).frozen) dev.wait(StreamId::kH2D, sim_updater_->update_done(p));
   // Each range from the block's compute copy to its place in the unit
-  // (StepProgram::layouts), ranges adjacent in both as one copy.
+  // (StepProgram::layouts), ranges adjacent in both as one copy; or, where
+  // the compute copy lives on NVMe, range by range from the load staging its
+  // read filled (each piece there in its own coordinates).
   for (size_t i = 0; i < layout.size();) {
-    const int64_t block = piece(layout[i].piece).block;
-    const size_t unit_at = layout[i].unit_at, from = layout[i].run.block;
-    const bool quantized = piece(layout[i].piece).quantized;
-    size_t n = layout[i].run.n;
+    const UnitRun& r = layout[i];
+    const int64_t block = piece(r.piece).block;
+    const size_t unit_at = r.unit_at, from = r.run.block;
+    const bool quantized = piece(r.piece).quantized;
+    std::byte* to = static_cast<std::byte*>(u.params_bf16) + unit_at * place_.compute_bytes;
+    const BlockState& s = store_->block(size_t(block));
+    if (!s.compute_on_host) {
+      const std::byte* src = compute_slots_[size_t(v.slot)].bytes.data() + place_.at(r.piece).compute_staging_at +
+                             r.run.at * place_.compute_bytes;
+      dev.copy_h2d(StreamId::kH2D, to, src, r.run.n * place_.compute_bytes, {"h2d params", int32_t(block)});
+      ++i;
+      continue;
+    }
+    size_t n = r.run.n;
     for (++i; !quantized && i < layout.size() && piece(layout[i].piece).block == block &&
               !piece(layout[i].piece).quantized && layout[i].unit_at == unit_at + n && layout[i].run.block == from + n;
          ++i)
       n += layout[i].run.n;
-    const BlockState& s = store_->block(size_t(block));
     if (quantized) {  // its base bytes, dequantized by the visit's first operation
       STRIDER_CHECK(u.staging_bytes >= s.base.size(), "internal: {} base bytes of block {} and {} of unit staging",
                     s.base.size(), block, u.staging_bytes);
@@ -183,8 +252,12 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
       continue;
     }
     auto bytes = s.compute_range(from, n);
-    dev.copy_h2d(StreamId::kH2D, static_cast<std::byte*>(u.params_bf16) + unit_at * place_.compute_bytes, bytes.data(),
-                 bytes.size(), {"h2d params", int32_t(block)});
+    dev.copy_h2d(StreamId::kH2D, to, bytes.data(), bytes.size(), {"h2d params", int32_t(block)});
+  }
+  if (v.slot >= 0) {  // the slot may be read into again once these copies are done
+    ComputeSlot& slot = compute_slots_[size_t(v.slot)];
+    dev.record(*slot.copied[size_t(v.device)], StreamId::kH2D);
+    slot.copied_on = v.device;
   }
   auto ready = dev.make_event();
   dev.record(*ready, StreamId::kH2D);

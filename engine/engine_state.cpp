@@ -54,20 +54,26 @@ void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
     store_->read_kind(size_t(b), state_kind(kind), out.subspan(s.state_begin, s.state_elems()));
   } else {
     NvmeStaging& slot = idle_staging();
+    const bool q8_master = config_.optimizer_state == StateFormat::kQ8 && kind == ExtentKind::kMaster;
     for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
       if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
       const Extent& e = nvme_->extent(p, kind);
       nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
+      if (q8_master && compute_on_nvme(p)) {  // the master's high half
+        const Extent& c = nvme_->extent(p, ExtentKind::kCompute);
+        nvme_->wait(nvme_->read(c, slot.compute.first(c.io_bytes)));
+      }
       // The extent holds the piece's owned elements back to back; each run goes to its place in the block.
       const size_t n = owned(p).elems();
       std::byte* bytes = slot.master.data();
       const auto* codes = reinterpret_cast<const uint8_t*>(bytes);
+      const auto* hi = reinterpret_cast<const uint16_t*>(slot.compute.data());
       for (const UpdateRun& r : place_.at(p).runs) {
         float* to = out.data() + r.block;
         if (config_.optimizer_state == StateFormat::kFp32)
           std::memcpy(to, bytes + r.at * sizeof(float), r.n * sizeof(float));
         else if (kind == ExtentKind::kMaster)
-          q8_decode_master(s.compute_at(r.block), codes + r.at, to, r.n);
+          q8_decode_master(compute_on_nvme(p) ? hi + r.at : s.compute_at(r.block), codes + r.at, to, r.n);
         else
           q8_decode_moment(state_kind(kind), codes + r.at, scales_after(bytes, n) + r.at / kQ8GroupElems, to, r.n);
       }
@@ -137,7 +143,7 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
       round_to_16(s.compute_dtype, in.subspan(own.begin, own.elems()), {reinterpret_cast<uint16_t*>(c.data()), own.elems()});
     else if (place_.nvme_block[size_t(b)] && !q8)
       std::memcpy(c.data(), in.data() + own.begin, c.size());
-  } else if (kind == ExtentKind::kMaster && (place_.nvme_block[size_t(b)] || sharded())) {
+  } else if (kind == ExtentKind::kMaster && s.compute_on_host && (place_.nvme_block[size_t(b)] || sharded())) {
     // The compute copy follows the master, all of it: the slices other ranks
     // keep get the bits their ranks write (every rank is given the same `in`).
     // (A quantized base's elements were written above.)
@@ -163,16 +169,29 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
     std::byte* bytes = slot.master.data();
     auto* codes = reinterpret_cast<uint8_t*>(bytes);
     std::memset(bytes, 0, e.io_bytes);
+    // A compute copy on NVMe follows the master there, in the piece's coordinates.
+    const bool compute = kind == ExtentKind::kMaster && compute_on_nvme(p);
+    std::byte* cbytes = slot.compute.data();
+    if (compute) std::memset(cbytes, 0, nvme_->extent(p, ExtentKind::kCompute).io_bytes);
     for (const UpdateRun& r : place_.at(p).runs) {  // as read_state, the other way
       const float* from = in.data() + r.block;
       if (!q8)
         std::memcpy(bytes + r.at * sizeof(float), from, r.n * sizeof(float));
       else if (kind == ExtentKind::kMaster)
-        q8_encode_master(from, s.compute_at(r.block), codes + r.at, r.n);
+        q8_encode_master(from, compute ? reinterpret_cast<uint16_t*>(cbytes) + r.at : s.compute_at(r.block),
+                         codes + r.at, r.n);
       else
         q8_encode_moment(state_kind(kind), from, codes + r.at, scales_after(bytes, n) + r.at / kQ8GroupElems, r.n);
+      if (compute && !q8 && place_.compute_bytes == 2)
+        round_to_16(s.compute_dtype, {from, r.n}, {reinterpret_cast<uint16_t*>(cbytes) + r.at, r.n});
+      else if (compute && !q8)
+        std::memcpy(cbytes + r.at * sizeof(float), from, r.n * sizeof(float));
     }
     nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
+    if (compute) {
+      const Extent& c = nvme_->extent(p, ExtentKind::kCompute);
+      nvme_->wait(nvme_->write(c, slot.compute.first(c.io_bytes)));
+    }
   }
 }
 
@@ -197,7 +216,8 @@ void EngineCore::model_weights(int64_t b, DType file_dtype, std::span<float> out
   STRIDER_CHECK(!simulated(), "model_weights: a simulated engine holds no state");
   STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
                 "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
-  if (file_dtype != DType::kBF16 || config_.compute.dtype != at::kBFloat16 || store_->block(size_t(b)).compute_begin > 0) {
+  const BlockState& s = store_->block(size_t(b));
+  if (file_dtype != DType::kBF16 || config_.compute.dtype != at::kBFloat16 || s.compute_begin > 0 || !s.compute_on_host) {
     read_state(b, ExtentKind::kMaster, out);
     return;
   }

@@ -361,6 +361,12 @@ void EngineCore::start_state_read(int64_t b, int slot_index) {
     const Extent& e = nvme_->extent(b, kind);
     slot.reads.push_back(nvme_->read(e, buf.first(e.io_bytes)));
   }
+  if (compute_on_nvme(b) && state_uses_compute_copy(config_.optimizer_state)) {
+    // q8's master is the compute copy's high half and its extension: both.
+    // (fp32's update writes the whole compute copy from the master.)
+    const Extent& e = nvme_->extent(b, ExtentKind::kCompute);
+    slot.reads.push_back(nvme_->read(e, slot.compute.first(e.io_bytes)));
+  }
   if (spills_grads(b)) {
     NvmeTicket& spill = grad_spill_[size_t(b)];
     if (spill.valid()) nvme_->wait(spill);  // the read must see the whole write
@@ -388,7 +394,7 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
     if (place_.at(b).ring_slot >= 0 && !spills_grads(b)) release_ring_slot(b);
     return;
   }
-  const bool fp32 = !s.compute_f32.empty();
+  const bool fp32 = place_.compute_bytes == 4;  // the compute copy is fp32
   const StateFormat format = config_.optimizer_state;
   NvmeStaging* slot = nullptr;
   if (on_nvme(b)) {
@@ -401,8 +407,13 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
     slot->reading = -1;
     slot->holding = b;
     timeline_.add({Lane::kNvmeRead, "nvme read state", int32_t(pc.block), -1, job.step, slot->read_begin_us,
-                   Timeline::now_us(), 0, uint64_t(state_bytes(format, n) + (spills_grads(b) ? n * place_.grad_bytes : 0))});
+                   Timeline::now_us(), 0, state_read_bytes(place_, format, b, n)});
   }
+  // Where the updated compute copy goes: the block's in RAM, or (on NVMe)
+  // the staging slot's, in the piece's coordinates, written back with the state.
+  auto compute16 = [&](const UpdateRun& run) {
+    return compute_on_nvme(b) ? reinterpret_cast<uint16_t*>(slot->compute.data()) + run.at : s.compute_at(run.block);
+  };
   const double t0 = Timeline::now_us();
   const std::byte* grads =
       spills_grads(b) ? slot->grad.data() : grad_host(b).data() + own.begin * place_.grad_bytes;
@@ -417,7 +428,7 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
       Q8View q;
       if (slot) {
         std::byte *m = slot->m.data(), *v = slot->v.data();
-        q = q8_view(s.compute_at(at), slot->master.data() + k, m + k, scales_after(m, n) + k / kQ8GroupElems,
+        q = q8_view(compute16(run), slot->master.data() + k, m + k, scales_after(m, n) + k / kQ8GroupElems,
                     v + k, scales_after(v, n) + k / kQ8GroupElems);
       } else {
         const size_t gi = st_at / kQ8GroupElems;
@@ -439,12 +450,13 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
     }
     if (fp32) {
       // fp32 compute: the compute copy is the master itself, chunk by chunk.
-      float* out = s.compute_f32.data() + (at - s.compute_begin);
+      float* out = compute_on_nvme(b) ? reinterpret_cast<float*>(slot->compute.data()) + k
+                                      : s.compute_f32.data() + (at - s.compute_begin);
       adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, nullptr, len}, [&](size_t begin, size_t end) {
         std::memcpy(out + begin, p + begin, (end - begin) * sizeof(float));
       });
     } else {
-      adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, s.compute_at(at), len, s.compute_dtype});
+      adam_->step(st, AdamArgs{p, m, v, g, grad_dtype, compute16(run), len, s.compute_dtype});
     }
   }
   timeline_.add({Lane::kOptimizer, "adamw", int32_t(pc.block), -1, job.step, t0, Timeline::now_us(), 0,
@@ -462,11 +474,16 @@ void EngineCore::write_state_back(int64_t b, int64_t step) {
   const double w0 = Timeline::now_us();
   const int32_t blk = int32_t(piece(b).block);
   for (auto [kind, buf] : {std::pair{ExtentKind::kMaster, slot->master}, {ExtentKind::kAdamM, slot->m},
-                           {ExtentKind::kAdamV, slot->v}}) {
+                           {ExtentKind::kAdamV, slot->v}, {ExtentKind::kCompute, slot->compute}}) {
+    if (kind == ExtentKind::kCompute && !compute_on_nvme(b)) continue;
     const Extent& e = nvme_->extent(b, kind);
     slot->writes.push_back(nvme_->write(e, buf.first(e.io_bytes), [this, blk, w0, step](std::exception_ptr err) {
       if (!err) timeline_.add({Lane::kNvmeWrite, "nvme write state", blk, -1, step, w0, Timeline::now_us()});
     }));
+  }
+  if (compute_on_nvme(b)) {  // the next load's read of it waits for this
+    std::lock_guard lk(mu_);
+    compute_written_[size_t(b)] = slot->writes.back();
   }
 }
 

@@ -64,6 +64,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
   Seat& st = seat(op);
   Device& dev = *st.device;
   switch (op.kind) {
+    case StepOpKind::kReadCompute: read_compute(op); return;
     case StepOpKind::kLoad: load_visit(op, at.program->layouts[size_t(op.visit)]); return;
     case StepOpKind::kFetchSaved: fetch_saved(st, op.block, m); return;
     case StepOpKind::kForward: forward_op(op, at); return;

@@ -67,11 +67,17 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   f.device_bytes = f.pool_bytes + f.activation_bytes;
 }
 
+// The NVMe update staging: 2 slots of master, m, v (and read-back gradients
+// with clipping), and of a compute copy where some live on NVMe.
+uint64_t nvme_staging_bytes(const EngineConfig& c, const Placement& pl) {
+  return 2 * ((c.gated_updates() ? 4 : 3) * pl.nvme_slot_bytes + pl.nvme_compute_slot_bytes);
+}
+
 // The pinned arena: from the front what the device copies (the store's
 // compute copy and gradient staging, batch staging, the tied gradient, the
-// loss figures, host checkpoints, kept activations, the gradient ring), from
-// the back what only the host touches (the store's optimizer state, NVMe
-// staging: 2 slots of master, m, v, and read-back gradients with clipping).
+// loss figures, host checkpoints, kept activations, the gradient ring, the
+// load staging of compute copies read from NVMe), from the back what only
+// the host touches (the store's optimizer state, the NVMe update staging).
 void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   EngineFootprint& f = pl.footprint;
   const size_t M = size_t(c.accumulation), tokens = size_t(c.batch() * c.seq);
@@ -79,8 +85,8 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   f.shared_host_bytes = c.shared_compute_file.empty() ? 0 : ParamStore::compute_bytes_needed(pl.store_blocks, pl.store);
   f.optimizer_host_bytes = ParamStore::state_bytes_needed(pl.store_blocks, pl.store);
   f.state_host_bytes = ParamStore::bytes_needed(pl.store_blocks, pl.store) - f.shared_host_bytes +
-                       (spec.tie_embeddings ? round_up(emb_elems * 4, kHostAlign) : 0) +
-                       2 * (c.gated_updates() ? 4 : 3) * pl.nvme_slot_bytes + uint64_t(c.grad_ring) * pl.ring_slot_bytes;
+                       (spec.tie_embeddings ? round_up(emb_elems * 4, kHostAlign) : 0) + nvme_staging_bytes(c, pl) +
+                       kComputeLoadSlots * pl.compute_load_slot_bytes + uint64_t(c.grad_ring) * pl.ring_slot_bytes;
   // The arena: that, the batch, the loss figures (and alignment slack), host checkpoints.
   f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kHostAlign) + round_up(2 * M * 8, kHostAlign) +
                  8 * kHostAlign;
@@ -101,8 +107,7 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     f.saved_host_bytes = uint64_t(f.saved_layers) * f.saved_bytes_per_layer;
     f.host_bytes += f.saved_host_bytes;
   }
-  f.registered_host_bytes =
-      f.host_bytes - f.optimizer_host_bytes - 2 * (c.gated_updates() ? 4 : 3) * pl.nvme_slot_bytes + f.shared_host_bytes;
+  f.registered_host_bytes = f.host_bytes - f.optimizer_host_bytes - nvme_staging_bytes(c, pl) + f.shared_host_bytes;
 }
 
 }  // namespace
@@ -183,6 +188,22 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
     STRIDER_CHECK(!pl.nvme_block[size_t(b)], "nvme block {} listed twice", b);
     pl.nvme_block[size_t(b)] = true;
   }
+  pl.nvme_compute.assign(size_t(pl.blocks), false);
+  for (int64_t b : c.nvme_compute_blocks) {
+    STRIDER_CHECK(b >= 1 && b < pl.head, "nvme_compute_blocks: block {} is not a decoder layer (blocks 1..{} are)", b,
+                  pl.head - 1);
+    STRIDER_CHECK(!pl.nvme_compute[size_t(b)], "nvme_compute_blocks: block {} listed twice", b);
+    STRIDER_CHECK(pl.nvme_block[size_t(b)],
+                  "nvme_compute_blocks: block {}'s optimizer state is in RAM; a compute copy goes to NVMe only "
+                  "with its block's state (list it in nvme_blocks too)", b);
+    pl.nvme_compute[size_t(b)] = true;
+  }
+  STRIDER_CHECK(c.nvme_compute_blocks.empty() || c.state_shards == 1,
+                "nvme_compute_blocks with state_shards {}: a compute copy on NVMe is not yet kept with sharded state; "
+                "leave nvme_compute_blocks empty", c.state_shards);
+  STRIDER_CHECK(c.nvme_compute_blocks.empty() || !spec.lora.enabled(),
+                "nvme_compute_blocks with lora: a frozen base's compute copy is not yet read from NVMe; leave "
+                "nvme_compute_blocks empty");
 
   // The ranks' slices of every block's trained stretch (all of it unless
   // some tensors are frozen; none of a frozen block), and this rank's store
@@ -198,6 +219,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
       if (!sh.pieces[size_t(p)].frozen) trained += sh.pieces[size_t(p)].elems();
     pl.store_blocks.push_back({pl.layouts[size_t(b)], !nvme, !grads_in_ring(nvme, c) && trained > 0,
                                pl.block_slices.back()[rank], pl.block_slices.back()[rank + 1], trained});
+    pl.store_blocks.back().compute_on_host = !pl.nvme_compute[size_t(b)];
     for (int64_t p = sh.first_of(b); p < sh.end_of(b); ++p)
       if (sh.pieces[size_t(p)].quantized) {
         pl.store_blocks.back().base = base_layout(pl.layouts[size_t(b)], sh.pieces[size_t(p)].ranges[0].end,
@@ -211,6 +233,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
 
   // Per piece: its slice, its update runs, its NVMe extents (of its slice, in the format's bytes).
   std::vector<size_t> staged(size_t(pl.blocks), 0);  // per block: its pieces' gradients so far, back to back
+  std::vector<size_t> load_staged(size_t(pl.blocks), 0);  // per block: its pieces' compute copies so far (NVMe)
   for (int64_t p = 0; p < P; ++p) {
     const Piece& pc = sh.pieces[size_t(p)];
     const std::vector<size_t>& bs = pl.block_slices[size_t(pc.block)];
@@ -248,6 +271,18 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
         pl.nvme_slot_bytes = std::max(pl.nvme_slot_bytes, round_up(n * pl.grad_bytes, kHostAlign));
         pl.footprint.nvme_bytes += round_up(n * pl.grad_bytes, kHostAlign);
       }
+    }
+    if (pl.nvme_compute[size_t(pc.block)]) {
+      // Its compute copy, in the piece's coordinates (the q8 master's high
+      // half: the format's own bytes), at its place in its layer's load staging.
+      const size_t bytes = pc.elems() * pl.compute_bytes;
+      at.compute_on_nvme = true;
+      at.compute_staging_at = load_staged[size_t(pc.block)];
+      load_staged[size_t(pc.block)] += round_up(bytes, kHostAlign);
+      pl.compute_load_slot_bytes = std::max(pl.compute_load_slot_bytes, load_staged[size_t(pc.block)]);
+      pl.extents.push_back({p, ExtentKind::kCompute, bytes});
+      pl.nvme_compute_slot_bytes = std::max(pl.nvme_compute_slot_bytes, round_up(bytes, kHostAlign));
+      pl.footprint.nvme_bytes += round_up(bytes, kHostAlign);
     }
     pl.pieces.push_back(std::move(at));
   }

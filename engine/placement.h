@@ -68,6 +68,8 @@ struct UpdateRun {
 // Where one piece's state and gradients live.
 struct PiecePlace {
   bool on_nvme = false;        // its master, m and v live on NVMe (its block's do, and this rank keeps some)
+  bool compute_on_nvme = false;  // its compute copy lives on NVMe too (EngineConfig::nvme_compute_blocks)
+  size_t compute_staging_at = 0; // then: its compute copy's place in a load staging slot (bytes, 4 KiB aligned)
   int ring_slot = -1;          // the gradient ring slot it lands in, or -1: its block's own staging
   bool spills_grads = false;   // in the ring with clipping: its gradients wait for the norm on NVMe
   // The elements whose state this rank keeps, in the piece's coordinates
@@ -89,6 +91,7 @@ struct Placement {
   // it), then backward's pieces (layers, then embedding shards, in reverse).
   std::vector<int64_t> landing;
   std::vector<bool> nvme_block;         // per block: its state lives on NVMe
+  std::vector<bool> nvme_compute;       // per block: its compute copy lives on NVMe too
   std::vector<std::vector<size_t>> block_slices;  // per block: the ranks' slice bounds (rank_slices)
   std::vector<int64_t> saved_index;     // per block: its index among the layers that keep activations, or -1
   // The host store: its blocks and their format.
@@ -99,6 +102,12 @@ struct Placement {
   size_t grad_bytes = 2;                // per element of gradients on the host: 2 (bf16) or 4 (fp32)
   size_t ring_slot_bytes = 0;           // one gradient ring slot (0: no piece lands in the ring)
   size_t nvme_slot_bytes = 0;           // one NVMe staging buffer (of master, m, v, spilled gradients)
+  // Compute copies on NVMe: one update staging slot's buffer for a piece's
+  // compute copy (nvme_compute_slot_bytes; each of the 2 slots has one), and
+  // one load staging slot (a layer's pieces' compute copies, each 4 KiB
+  // aligned), of which there are kComputeLoadSlots; 0: none on NVMe.
+  size_t nvme_compute_slot_bytes = 0;
+  size_t compute_load_slot_bytes = 0;
   size_t act_bytes = 0;                 // one micro-batch's hidden states [micro_batch, seq, hidden]
   // A pool's hand-off of a block's input (or output gradient) for one
   // micro-batch: act_bytes, then, with the load-balancing loss, the
@@ -174,6 +183,10 @@ struct Placement {
 
 // Alignment of every host carve and NVMe staging buffer: O_DIRECT needs 4 KiB.
 inline constexpr size_t kHostAlign = 4096;
+// Load staging slots of compute copies read from NVMe: a visit's read is
+// issued one load ahead of its own, so one slot is being read into, one is
+// being copied to the device, and one is free for the read after.
+inline constexpr int kComputeLoadSlots = 3;
 
 // Throws, naming the field, where an engine could not run the configuration
 // on the model (seq past its positions, a window under 2, q8 without bf16, ...).

@@ -8,7 +8,8 @@ namespace strider {
 
 SimUpdater::SimUpdater(SimDevice& device, const Placement& place, StateFormat format, int64_t ring_slots,
                        Timeline& timeline)
-    : sim_(device), place_(place), format_(format), timeline_(timeline) {
+    : sim_(device), place_(place), format_(format), timeline_(timeline), drive_reads_(device.model().nvme_read_gbps),
+      compute_written_us_(size_t(place.num_pieces()), 0.0) {
   for (int64_t p = 0; p < place.num_pieces(); ++p) update_done_.push_back(device.make_event());
   for (int64_t r = 0; r < ring_slots; ++r) ring_free_.push_back(device.make_event());
 }
@@ -71,6 +72,13 @@ SimInterval SimUpdater::on_host_bus(SimInterval t, uint64_t bytes) {
   return t;
 }
 
+double SimUpdater::read_compute(int64_t p, uint64_t bytes, double ready_us) {
+  const double cost = sim_.model().nvme_read_us(bytes);
+  const double end = drive_reads_.reserve(ready_us, cost);
+  span(Lane::kNvmeRead, "nvme read compute", p, {end - cost, end}, bytes);
+  return end;
+}
+
 void SimUpdater::span(Lane lane, const char* name, int64_t p, SimInterval t, uint64_t bytes) {
   timeline_.add({lane, name, p >= 0 ? int32_t(place_.piece(p).block) : -1, -1, step_, t.begin_us, t.end_us, 0, bytes});
 }
@@ -116,8 +124,11 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       return;
     }
     case StepOpKind::kReadState: {
-      const uint64_t bytes = state_bytes(format_, n) + (place_.at(p).spills_grads ? grad_bytes : 0);
-      const SimInterval t = nvme_read_.run(ready, cm.nvme_read_us(bytes));
+      const uint64_t bytes = state_read_bytes(place_, format_, p, n);
+      SimInterval t = nvme_read_.run(ready, cm.nvme_read_us(bytes));
+      // The drive's time: after the compute copies' reads that took it
+      // (none: the lane's own order, unchanged).
+      t.end_us = nvme_read_.clock_us = std::max(t.end_us, drive_reads_.reserve(t.begin_us, t.end_us - t.begin_us));
       span(Lane::kNvmeRead, "nvme read state", p, t, bytes);
       end = t.end_us;
       return;
@@ -141,8 +152,10 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       return;
     }
     case StepOpKind::kWriteState: {
-      const SimInterval t = nvme_write_.run(ready, cm.nvme_write_us(state_bytes(format_, n)));
-      span(Lane::kNvmeWrite, "nvme write state", p, t, state_bytes(format_, n));
+      const uint64_t bytes = state_write_bytes(place_, format_, p, n);
+      const SimInterval t = nvme_write_.run(ready, cm.nvme_write_us(bytes));
+      span(Lane::kNvmeWrite, "nvme write state", p, t, bytes);
+      compute_written_us_[size_t(p)] = t.end_us;
       end = t.end_us;
       return;
     }

@@ -18,6 +18,7 @@
 #include "engine/step_program.h"
 #include "engine/timeline.h"
 #include "gpu/sim_device.h"
+#include "gpu/sim_host_memory.h"
 #include "host/state_format.h"
 
 namespace strider {
@@ -40,6 +41,12 @@ class SimUpdater {
   // What the device waits on: piece p's update, ring slot r's gradients consumed.
   Event& update_done(int64_t p) { return *update_done_[size_t(p)]; }
   Event& ring_free(int r) { return *ring_free_[size_t(r)]; }
+  // Compute copies on NVMe: when piece p's latest write-back of its compute
+  // copy ended (0: none yet); a visit's read of `bytes` of them (kReadCompute,
+  // named by its first piece) from `ready_us` on, on the drive's reads that
+  // the state's share: when it ends.
+  double compute_written_us(int64_t p) const { return compute_written_us_[size_t(p)]; }
+  double read_compute(int64_t piece, uint64_t bytes, double ready_us);
 
  private:
   void advance();  // prices operations up to the next piece not yet enqueued
@@ -54,6 +61,11 @@ class SimUpdater {
   Timeline& timeline_;
   std::vector<std::unique_ptr<Event>> update_done_, ring_free_;
   SimHostLane optimizer_, nvme_read_, nvme_write_, collective_;
+  // The drive's reads as a calendar: the state's (in program order on
+  // nvme_read_) and the compute copies' (issued by the device executor, out
+  // of the updater's order) share its time.
+  SimHostMemory drive_reads_;
+  std::vector<double> compute_written_us_;  // per piece
   const StepProgram* program_ = nullptr;
   int64_t step_ = 0;
   size_t next_ = 0;                 // the next operation to price

@@ -20,6 +20,16 @@ uint64_t adam_bytes(StateFormat format, size_t n, size_t grad_bytes) {
   return state + n * grad_bytes;
 }
 
+uint64_t state_read_bytes(const Placement& place, StateFormat format, int64_t p, size_t n) {
+  const PiecePlace& at = place.at(p);
+  return state_bytes(format, n) + (at.spills_grads ? n * place.grad_bytes : 0) +
+         (at.compute_on_nvme && state_uses_compute_copy(format) ? place.piece(p).elems() * place.compute_bytes : 0);
+}
+
+uint64_t state_write_bytes(const Placement& place, StateFormat format, int64_t p, size_t n) {
+  return state_bytes(format, n) + (place.at(p).compute_on_nvme ? place.piece(p).elems() * place.compute_bytes : 0);
+}
+
 namespace {
 
 bool keeps(const Placement& place, int64_t b) {
@@ -333,18 +343,44 @@ std::vector<Visit> device_program(const Placement& place, const ProgramInputs& i
     nth[i] = mine[size_t(device_of(i))].size();
     mine[size_t(device_of(i))].push_back(i);
   }
-  std::vector<int32_t> load(n, -1), release(n, -1);
+  std::vector<int32_t> load(n, -1), release(n, -1), read(n, -1);
   std::vector<size_t> done(size_t(place.devices), 0), next(size_t(place.devices), 0);
+  // Pass "nvme" (compute copies): a visit whose pieces' compute copies live
+  // on NVMe reads them into a load staging slot, issued right after the load
+  // before its own (so the read runs while that load's copy does), the
+  // slots taken in turn: a slot is read into again kComputeLoadSlots reads
+  // later, when the load of the read before it has been issued at least.
+  auto reads_compute = [&](size_t j) {
+    return vs[j].kind != Visit::kHead && place.at(vs[j].piece).compute_on_nvme;
+  };
+  int reads = 0;
+  auto emit_read = [&](size_t j) {
+    const int64_t b = place.piece(vs[j].piece).block;
+    read[j] = d.add(StepOpKind::kReadCompute, Lane::kNvmeRead, int64_t(j), b);
+    StepOp& r = d.op(read[j]);
+    r.first_of_visit = false;
+    r.piece = vs[j].piece;
+    r.device = device_of(j);
+    r.slot = reads++ % kComputeLoadSlots;
+  };
   auto emit_load = [&](size_t j) {
     const std::vector<size_t>& own = mine[size_t(device_of(j))];
     std::vector<int32_t> after;
     if (nth[j] >= K) after.push_back(release[own[nth[j] - K]]);
+    if (reads_compute(j) && read[j] < 0) emit_read(j);
+    if (read[j] >= 0) after.push_back(read[j]);
     load[j] = d.add(StepOpKind::kLoad, Lane::kH2D, int64_t(j), -1, std::move(after));
     StepOp& l = d.op(load[j]);
     l.piece = vs[j].piece;
     l.shard = vs[j].shard;
     l.block = vs[j].kind == Visit::kHead ? place.head : place.piece(vs[j].piece).block;
     l.device = device_of(j);
+    if (read[j] >= 0) l.slot = d.op(read[j]).slot;
+    for (size_t k = j + 1; k < n; ++k)
+      if (reads_compute(k)) {
+        if (read[k] < 0) emit_read(k);
+        break;
+      }
   };
   for (size_t i = 0; i < n; ++i) {
     if (place.devices > 1) {
@@ -489,11 +525,15 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   // A state read waits for the previous pass's write-back of the same state.
   for (StepOp& o : prog.ops)
     if (o.kind == StepOpKind::kReadState) o.after_previous.push_back(write[size_t(o.piece)]);
-  // The loads wait for the previous pass's release of their pieces (a frozen one's is never updated).
+  // The loads wait for the previous pass's release of their pieces (a frozen
+  // one's is never updated); a compute copy's read from NVMe for its
+  // write-back too.
   for (StepOp& o : prog.ops)
-    if (o.kind == StepOpKind::kLoad)
-      for (int64_t p : visit_pieces(place, vs[size_t(o.visit)]))
+    if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kReadCompute)
+      for (int64_t p : visit_pieces(place, vs[size_t(o.visit)])) {
         if (prog.updated[size_t(p)] >= 0) o.after_previous.push_back(prog.updated[size_t(p)]);
+        if (o.kind == StepOpKind::kReadCompute && write[size_t(p)] >= 0) o.after_previous.push_back(write[size_t(p)]);
+      }
   return prog;
 }
 

@@ -11,6 +11,7 @@
 //   visits            forward, head, backward: the base program
 //   micro-batches     each visit's compute per micro-batch, its gradients out
 //   prefetch          each visit's load K-1 visits ahead (a pool: just before it)
+//                     (compute copies on NVMe: each read one load ahead of its own)
 //   base format       a layer visit whose base is quantized starts by dequantizing it
 //   host checkpoints  a layer's input out after the forward, in before the backward
 //   devices           a pool: each visit on its block's device (the head's
@@ -28,6 +29,7 @@
 //                     each update follows its gradients, the first piece
 //                     checked before any update
 //   nvme              spills under clipping, state read ahead and written back
+//                     (with the compute copy where it lives on NVMe)
 // Two executors walk the same program: the engine's (the issuing thread for
 // device operations, the updater thread for host ones) and the simulator
 // (engine/sim_updater.h, with the SimDevice pricing the device's). Neither
@@ -52,6 +54,7 @@ enum class StepOpKind : uint8_t {
   // Device operations, in the order the issuing thread enqueues them. A
   // visit's operations hold its unit from its kLoad to its kRelease; the
   // first of them on the compute stream waits for the load.
+  kReadCompute,        // nvme read: a visit's compute copies on NVMe into a load staging slot, one load ahead
   kLoad,               // h2d: a visit's pieces into a cache unit (after their previous pass's kUpdated)
   kDequantize,         // compute: a quantized base's bytes, landed with the load, into the unit's parameters
   kZeroGrads,          // compute: the unit's gradient accumulators zeroed
@@ -108,6 +111,7 @@ struct StepOp {
   int device = 0;              // device operations: the pool's device they run on (Placement::block_device, head_device)
   int peer = -1;               // kHandIn, kCheckpointIn: the device that handed it over, when another
   Hand hand = Hand::kBlock;    // kHandOut, kHandIn: what they carry
+  int slot = -1;               // kReadCompute, and the kLoad of its visit: the load staging slot (-1: none)
   // Set by passes, read by the executors.
   bool first_of_visit = false; // a device operation: the visit's first (it waits for the load)
   bool keep = false;           // kForward: keeps what backward needs (kept activations); kBackward: uses it
@@ -162,6 +166,11 @@ StepProgram compile_eval(const Placement& place, const ProgramInputs& in);
 // read and written, plus the groups' scales), gradients included.
 uint64_t state_bytes(StateFormat format, size_t n);
 uint64_t adam_bytes(StateFormat format, size_t n, size_t grad_bytes);
+// What piece p's kReadState and kWriteState move, for n elements of state:
+// the state, the spilled gradients read back, and a compute copy on NVMe
+// (read only for q8, whose master it is part of; always written back).
+uint64_t state_read_bytes(const Placement& place, StateFormat format, int64_t p, size_t n);
+uint64_t state_write_bytes(const Placement& place, StateFormat format, int64_t p, size_t n);
 
 // One line per operation: index, lane, operation, what, what it waits for.
 std::string describe(const StepProgram& program, const ModelSpec& spec, const Placement& place);

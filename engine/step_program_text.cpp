@@ -11,6 +11,7 @@ namespace strider {
 
 const char* op_name(StepOpKind k) {
   switch (k) {
+    case StepOpKind::kReadCompute: return "read compute copy";
     case StepOpKind::kLoad: return "load";
     case StepOpKind::kDequantize: return "dequantize base";
     case StepOpKind::kZeroGrads: return "zero grads";
@@ -70,7 +71,8 @@ std::string what(const StepOp& o, const ModelSpec& spec, const Placement& place)
   if (o.on_device() && o.kind != StepOpKind::kGradsOut && o.piece >= 0 && !place.piece(o.piece).rows() &&
       o.block >= 1 && o.block < place.head)
     w = spec.block_name(o.block);
-  if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kRelease) w = fmt::format("visit {}: {}", o.visit, w);
+  if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kRelease || o.kind == StepOpKind::kReadCompute)
+    w = fmt::format("visit {}: {}", o.visit, w);
   if (o.micro_batch >= 0) w += fmt::format(" m{}", o.micro_batch);
   return w;
 }
@@ -93,6 +95,7 @@ std::string describe(const StepProgram& program, const ModelSpec& spec, const Pl
     if (o.peer >= 0) attrs += fmt::format(" [from device {}]", o.peer);
     if (o.over_slices) attrs += " [this rank's slice]";
     if (o.kind == StepOpKind::kGather && o.shared_copy) attrs += " [barrier: shared copy]";
+    if (o.slot >= 0) attrs += fmt::format(" [staging slot {}]", o.slot);
     if (o.gate) attrs += fmt::format(" [gates the updates; clip {}{}]", o.clip, o.unscale ? "; unscales" : "");
     out += fmt::format("{:5} {:<10} {:<22} {:<28}{} {}\n", i, lane_name(o.lane), op_name(o.kind),
                        what(o, spec, place), attrs, waits);
@@ -116,6 +119,7 @@ nlohmann::json to_json(const StepProgram& program, const ModelSpec& spec, const 
     if (o.over_slices) j["slice"] = true;
     if (o.gate) j["clip"] = o.clip;
     if (o.unscale) j["unscale"] = true;
+    if (o.slot >= 0) j["staging_slot"] = o.slot;
     ops.push_back(std::move(j));
   }
   return ops;

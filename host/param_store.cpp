@@ -32,7 +32,9 @@ KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
       state = 3 * aligned(ns) + 2 * scales;
     }
   }
-  const size_t compute = aligned((n - std::min(b.base.elems, n)) * dtype_size(o.compute_dtype)) + aligned(b.base.bytes);
+  const size_t compute =
+      b.compute_on_host ? aligned((n - std::min(b.base.elems, n)) * dtype_size(o.compute_dtype)) + aligned(b.base.bytes)
+                        : 0;
   return {state, compute,
           b.grad_staging ? aligned(std::min(b.grad_elems, n) * dtype_size(o.grad_dtype)) : 0};
 }
@@ -90,6 +92,10 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
     s.layout = &spec.layout;
     s.grad_dtype = options_.grad_dtype;
     s.state_on_host = spec.state_on_host;
+    s.compute_on_host = spec.compute_on_host;
+    STRIDER_CHECK(spec.compute_on_host || (!spec.state_on_host && spec.base.empty()),
+                  "ParamStore: block '{}' keeps its compute copy on NVMe; its state must be there too, and it "
+                  "cannot hold a quantized base", spec.layout.block_name());
     s.format = options_.format;
     const size_t n = spec.layout.total_elems();
     const std::string& name = spec.layout.block_name();
@@ -123,10 +129,10 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
       s.base_layout = &spec.base;
     }
     s.compute_dtype = options_.compute_dtype;
-    if (options_.compute_dtype != DType::kF32)
+    if (spec.compute_on_host && options_.compute_dtype != DType::kF32)
       s.compute = carrier.carve_as<uint16_t>(n - s.compute_begin, name + " " + std::string(dtype_name(s.compute_dtype)) +
                                                                        " compute copy", kAlignBytes);
-    else
+    else if (spec.compute_on_host)
       s.compute_f32 = carrier.carve_as<float>(n - s.compute_begin, name + " fp32 compute copy", kAlignBytes);
     if (spec.grad_staging)
       s.grad = arena.carve(std::min(spec.grad_elems, n) * dtype_size(options_.grad_dtype), kAlignBytes,
@@ -152,6 +158,7 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
 }
 
 std::span<std::byte> BlockState::compute_range(size_t begin, size_t n) const {
+  STRIDER_CHECK(compute_on_host, "block '{}': its compute copy lives on NVMe, not in RAM", layout->block_name());
   STRIDER_CHECK(begin >= compute_begin && begin + n <= elems(),
                 "block '{}': elements [{}, {}) of its compute copy, which holds [{}, {}) (a quantized base before)",
                 layout->block_name(), begin, begin + n, compute_begin, elems());
@@ -195,6 +202,8 @@ std::span<float> ParamStore::master_of(size_t b, std::string_view tensor) {
 
 std::span<uint16_t> ParamStore::compute_of(size_t b, std::string_view tensor) {
   BlockState& s = block(b);
+  STRIDER_CHECK(s.compute_on_host, "ParamStore: block '{}' keeps its compute copy on NVMe; '{}' has none in RAM",
+                s.layout->block_name(), tensor);
   STRIDER_CHECK(!s.compute.empty(), "ParamStore: compute_of('{}') asks for 16-bit bits but the compute copy is {}",
                 tensor, dtype_name(options_.compute_dtype));
   const TensorSlot& t = s.layout->at(tensor);

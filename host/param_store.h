@@ -40,6 +40,9 @@ struct BlockSpec {
   // elements [0, base.elems) have no compute copy, only these base bytes.
   // Empty: the compute copy covers the whole block.
   BaseLayout base;
+  // false: the compute copy lives on NVMe too (its state must): no compute
+  // span; the engine reads it into staging ahead of each load.
+  bool compute_on_host = true;
 };
 
 struct StoreOptions {
@@ -71,6 +74,7 @@ struct BlockState {
   std::span<std::byte> grad;         // grad_dtype elements, BlockSpec::grad_elems of them (or empty)
   DType grad_dtype = DType::kBF16;
   bool state_on_host = true;
+  bool compute_on_host = true;       // false: no compute span (BlockSpec::compute_on_host)
   size_t state_begin = 0, state_end = 0;  // the state's slice of the block (BlockSpec)
 
   size_t elems() const { return layout->total_elems(); }
@@ -125,6 +129,7 @@ class ParamStore {
   void refresh_compute(size_t b, size_t begin = 0, size_t end = SIZE_MAX);
   // Writes every host-resident block's compute copy from its master (after a
   // load). A no-op in q8, where the compute copy is part of the master.
+  // Blocks whose compute copy is on NVMe have none to write.
   void refresh_compute_from_master();
 
   // A host-resident block's state of one kind as floats (state_elems() of

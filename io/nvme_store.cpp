@@ -121,6 +121,7 @@ std::string_view extent_kind_name(ExtentKind kind) {
     case ExtentKind::kAdamM: return "adam_m";
     case ExtentKind::kAdamV: return "adam_v";
     case ExtentKind::kGrad: return "grad";
+    case ExtentKind::kCompute: return "compute";
   }
   return "unknown";
 }

@@ -56,9 +56,11 @@ inline constexpr size_t kNvmeAlign = 4096;
 
 // kGrad: a block's fp32 gradients, spilled while an exact global-norm clip
 // waits for every block's gradients (the engine's NVMe tier keeps no
-// per-block gradient buffer in RAM).
-enum class ExtentKind : uint8_t { kMaster, kAdamM, kAdamV, kGrad };
-std::string_view extent_kind_name(ExtentKind kind);  // "master", "adam_m", "adam_v", "grad"
+// per-block gradient buffer in RAM). kCompute: the copy the device computes
+// with, for blocks whose compute copy lives on NVMe too (read ahead of each
+// load, written back with the state).
+enum class ExtentKind : uint8_t { kMaster, kAdamM, kAdamV, kGrad, kCompute };
+std::string_view extent_kind_name(ExtentKind kind);  // "master", "adam_m", "adam_v", "grad", "compute"
 
 // What the caller asks for: `bytes` of state for (block, kind).
 struct ExtentSpec {

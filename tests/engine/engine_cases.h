@@ -53,7 +53,14 @@ struct Case {
   BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how that base is held
   bool packed = false;         // rows that pack documents (packed_positions; EngineConfig::packed_documents)
   bool padded = false;         // rows padded on the right (padding_mask; Engine::step's attention_mask)
+  std::vector<int64_t> nvme_compute;  // layers whose compute copy lives on NVMe too (EngineConfig::nvme_compute_blocks)
 };
+
+// `c` with the compute copies of `layers` on NVMe too (their state must be there).
+inline Case with_compute_on_nvme(Case c, std::vector<int64_t> layers) {
+  c.nvme_compute = std::move(layers);
+  return c;
+}
 
 // Positions of `rows` rows of 9 tokens, 2 micro-batches of 2 rows: the
 // first micro-batch packs documents (4 + 5 tokens, and 2 + 3 + 4: positions
@@ -121,6 +128,7 @@ inline Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, do
   cfg.adam = {.lr = 1e-2, .weight_decay = 0.1};
   cfg.clip_norm = clip;
   cfg.nvme_blocks = c.nvme;
+  cfg.nvme_compute_blocks = c.nvme_compute;
   cfg.nvme_dir = nvme_dir();
   cfg.grad_ring = c.grad_ring;
   cfg.vocab_shard_rows = c.shard_rows;
@@ -183,7 +191,7 @@ inline bool same_bits(const Result& a, const Result& b) {
 }
 
 inline std::vector<Case> cases(int64_t blocks) {
-  return {
+  std::vector<Case> out = {
       {"K=2", 2},
       {"K=3", 3},
       {"K=all blocks", blocks},
@@ -216,6 +224,15 @@ inline std::vector<Case> cases(int64_t blocks) {
       {"kept logits and activations, 3 vocabulary shards, chaos seed 10, host checkpoints", 2, true, {0, 4}, true,
        10, 3, 40, {1, 2, 3}, true},
   };
+  // Compute copies on NVMe: read into load staging ahead of each visit of
+  // their layers, forward and backward, and written back with the state.
+  out.push_back(with_compute_on_nvme({"compute copies of every layer on NVMe, chaos seed 14", 2, false,
+                                      {0, 1, 2, 3, 4}, true, 14}, {1, 2, 3}));
+  out.push_back(with_compute_on_nvme({"compute copies of layers 1 and 3 on NVMe, K=3, host checkpoints, ring of 1", 3,
+                                      true, {1, 3, 4}, false, 1, 1}, {1, 3}));
+  out.push_back(with_compute_on_nvme({"compute copies of layers 2 and 3 on NVMe, kept activations, 3 vocabulary "
+                                      "shards, chaos seed 15", 2, false, {0, 2, 3}, true, 15, 3, 40, {1, 3}}, {2, 3}));
+  return out;
 }
 
 // An architecture's own operations against the placements that must not

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
 #include <set>
@@ -93,7 +94,9 @@ TEST_CASE("bf16 compute: offload still changes nothing", "[engine]") {
                           Case{"3 vocabulary shards, chaos, NVMe, ring of 1", 2, false, {0, 2, 4}, true, 7, 1, 40},
                           Case{"kept activations, chaos, host ckpt", 2, true, {}, true, 11, 3, 0, {1, 2, 3}},
                           Case{"kept activations in layer 1, chaos, K=3", 3, false, {}, true, 12, 3, 0, {1}},
-                          Case{"kept logits, 2 vocabulary shards, chaos", 2, false, {}, true, 13, 3, 80, {}, true}}) {
+                          Case{"kept logits, 2 vocabulary shards, chaos", 2, false, {}, true, 13, 3, 80, {}, true},
+                          with_compute_on_nvme({"compute copies on NVMe, chaos, host ckpt", 2, true, {1, 2, 3}, true,
+                                                16}, {1, 3})}) {
       INFO(c.name << " clip " << clip);
       CHECK(same_bits(run(spec, c, at::kBFloat16, clip), ref));
     }
@@ -169,7 +172,11 @@ TEST_CASE("q8 optimizer state: offload changes nothing, and it trains as fp32 do
                             Case{"3 vocabulary shards, chaos, NVMe head and embedding", 2, false, {0, B - 1}, true, 5,
                                  3, 40},
                             Case{"kept activations and logits, 2 vocabulary shards, chaos", 2, false, {2}, true, 6, 2,
-                                 80, {1, 2, 3}, true}}) {
+                                 80, {1, 2, 3}, true},
+                            with_compute_on_nvme({"compute copies of every layer on NVMe, chaos", 2, false,
+                                                  {0, 1, 2, 3, 4}, true, 7}, {1, 2, 3}),
+                            with_compute_on_nvme({"compute copy of layer 2 on NVMe, K=3, host checkpoints, ring of 1",
+                                                  3, true, {2, 3}, false, 1, 1}, {2})}) {
         INFO(c.name);
         Result r = run(spec, c, at::kBFloat16, clip, 4, StateFormat::kQ8);
         CHECK(same_bits(r, ref));
@@ -385,6 +392,37 @@ TEST_CASE("the device registers what the engine copies, and every copy of a step
   CHECK_THROWS_WITH(e.device().copy_h2d(StreamId::kH2D, buf.data(), plain.data(), 256),
                     Catch::Contains("did not register"));
   e.device().synchronize();
+}
+
+TEST_CASE("a compute copy damaged on NVMe stops the step naming its layer and the file", "[engine][nvme]") {
+  ModelSpec spec = tiny(false);
+  EngineConfig cfg = small_bf16();
+  cfg.nvme_blocks = {1, 2, 3};
+  cfg.nvme_compute_blocks = {2};
+  char tmpl[] = "/tmp/strider-compute-nvme-XXXXXX";
+  REQUIRE(mkdtemp(tmpl) != nullptr);
+  cfg.nvme_dir = tmpl;
+  Engine e(spec, cfg, make_device({.spec = "cpu"}));
+  e.init_params(7);
+  Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 5);
+  CHECK(std::isfinite(e.step(b.ids.data(), b.labels.data()).loss));
+  e.finish_updates();
+  // Python's view of the model aliases compute copies in RAM: this one has none.
+  CHECK_THROWS_WITH(e.compute_copy(2), Catch::Contains("block 2's compute copy lives on NVMe"));
+  // Every byte of the state file flipped: the step's first read from it is
+  // layer 2's compute copy, before its forward.
+  const std::string file = std::string(tmpl) + "/strider-state.bin";
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    for (char& c : bytes) c = char(~c);
+    f.seekp(0);
+    f.write(bytes.data(), std::streamsize(bytes.size()));
+  }
+  CHECK_THROWS_WITH(e.step(b.ids.data(), b.labels.data()),
+                    Catch::Contains("compute copy of layer.1") && Catch::Contains("checksum mismatch") &&
+                        Catch::Contains(file));
+  std::filesystem::remove_all(tmpl);
 }
 
 TEST_CASE("a budget too small for the window fails before any work, with the numbers", "[engine]") {

@@ -46,14 +46,14 @@ StepReport step(Engine& e, uint32_t seed) {
 TEST_CASE("fp16: offload changes nothing, bit for bit", "[engine][fp16]") {
   // The cases of test_engine.cpp that move something different: K, host
   // checkpoints, NVMe state and its gradient ring, chaos, vocabulary shards,
-  // kept activations and logits. Clipping on and off: with loss scaling the
-  // norm gates every update either way.
+  // kept activations and logits, fp16 compute copies on NVMe. Clipping on and
+  // off: with loss scaling the norm gates every update either way.
   const ModelSpec spec = tiny(true);
   const std::vector<Case> all = cases(spec.num_blocks());
   for (double clip : {0.0, 0.5}) {
     const Result ref = run(spec, {"reference: all resident", spec.num_blocks()}, at::kHalf, clip);
     CHECK(ref.losses.back() < ref.losses.front());  // it trains
-    for (size_t i : {0, 3, 5, 7, 10, 13, 17, 20}) {
+    for (size_t i : {0, 3, 5, 7, 10, 13, 17, 20, 23}) {
       const Case& c = all.at(i);
       INFO("clip=" << clip << " case: " << c.name);
       CHECK(same_bits(run(spec, c, at::kHalf, clip), ref));

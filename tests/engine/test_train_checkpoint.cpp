@@ -54,9 +54,12 @@ struct Placement {
   bool host_ckpt = false;
   std::vector<int64_t> nvme;
   std::string nvme_dir;
+  std::vector<int64_t> nvme_compute;  // layers whose compute copy lives on NVMe too
 };
 
 Placement window(int64_t k) { return {k, false, {}, {}}; }
+// Layers 1..3's state on NVMe under `dir`, and the compute copies of layers 1 and 3.
+Placement compute_on_nvme(const std::string& dir) { return {2, false, {1, 2, 3}, dir, {1, 3}}; }
 
 EngineConfig config(at::ScalarType dtype, double clip, const Placement& p = {}) {
   EngineConfig cfg;
@@ -74,6 +77,7 @@ EngineConfig config(at::ScalarType dtype, double clip, const Placement& p = {}) 
   cfg.checkpoints_on_host = p.host_ckpt;
   cfg.nvme_blocks = p.nvme;
   cfg.nvme_dir = p.nvme_dir;
+  cfg.nvme_compute_blocks = p.nvme_compute;
   return cfg;
 }
 
@@ -113,6 +117,19 @@ TEST_CASE("resume is bit-identical to an uninterrupted run, across window and ti
       auto second = engine(model, config(dtype, 0.5, {3, true, {0, 2, 4}, tmp.path.string()}));
       CHECK(check_resume(*second, dir, at_two, ref_losses, ref_state) ==
             nlohmann::json{{"loader", {{"cursor", 2}}}, {"seed", 7}});
+      second.reset();
+      // Two layers' compute copies on NVMe too: saved from there, resumed there, and resumed in RAM.
+      const auto on_nvme = compute_on_nvme(tmp.path.string());
+      {
+        auto first = engine(model, config(dtype, 0.5, on_nvme));
+        first->init_params(7);
+        train(*first, 0, 2);
+        CHECK(same_bits(read_all(*first), at_two));
+        save_training_checkpoint(tmp.path / "from-nvme", *first, model.dump());
+      }
+      check_resume(*engine(model, config(dtype, 0.5, on_nvme)), dir, at_two, ref_losses, ref_state);
+      check_resume(*engine(model, config(dtype, 0.5, window(2))), tmp.path / "from-nvme", at_two, ref_losses,
+                   ref_state);
 
       // The same directory is a Hugging Face checkpoint of the step-2 weights (bf16).
       const ModelSpec spec = ModelSpec::from_json(model, "tiny");
@@ -192,9 +209,12 @@ TEST_CASE("q8 state: resume is bit-identical across window and tiers, and anothe
   }
   const nlohmann::json saved = inspect_training_checkpoint(dir).engine_config;
   CHECK(saved["optimizer_state"] == "q8");
-  // The state went out as floats and comes back to the same codes, on NVMe too.
+  // The state went out as floats and comes back to the same codes, on NVMe
+  // too, and with compute copies there (q8's master's high half).
   check_resume(*engine(model, q8(config(at::kBFloat16, 0.5, {3, true, {0, 2, 4}, tmp.path.string()}))), dir, at_two,
                ref_losses, ref_state);
+  check_resume(*engine(model, q8(config(at::kBFloat16, 0.5, {2, false, {1, 2, 3}, tmp.path.string(), {1, 2, 3}}))),
+               dir, at_two, ref_losses, ref_state);
 
   // An fp32 engine refuses the q8 checkpoint, naming the format, and is left untouched...
   auto fp32 = engine(model, config(at::kBFloat16, 0.5));
@@ -479,7 +499,11 @@ TEST_CASE("train checkpoint crash child", "[.crash_child]") {
   if (!dir) return;
   const char* format = std::getenv("STRIDER_TCKPT_CHILD_FORMAT");
   const nlohmann::json model = tiny_config(false);
-  auto e = engine(model, crash_config(parse_state_format(format ? format : "fp32")));
+  // Killed during a step too: with its layers' state and compute copies on
+  // NVMe (scratch the next child lays out again; the checkpoint is what resumes).
+  const std::string nvme = std::string(dir) + ".nvme";
+  fs::create_directories(nvme);
+  auto e = engine(model, crash_config(parse_state_format(format ? format : "fp32"), compute_on_nvme(nvme)));
   bool resumed = true;
   try {
     inspect_training_checkpoint(dir);
@@ -530,7 +554,7 @@ TEST_CASE("SIGKILL at random moments while saving always leaves a loadable, exac
   std::string arg0 = exe, arg1 = kChildName;
   char* argv[] = {arg0.data(), arg1.data(), nullptr};
 
-  auto loader = engine(model, crash_config(format, {3, true, {1, 3}, tmp.path.string()}));
+  auto loader = engine(model, crash_config(format, {3, true, {1, 3}, tmp.path.string(), {3}}));
   std::mt19937 rng(2024);
   int rounds = 0, from_old = 0, with_temp = 0, last_step = 0;
   // Measured as we go: how long a save and a whole step + save take in the child.
