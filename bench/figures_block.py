@@ -1,5 +1,5 @@
 """Rewrites one `<!-- figures:begin NAME -->` ... `<!-- figures:end -->` block of a README, for the bench
-scripts that write their own block (bench/predict_dp.py, bench/predict_pool.py)."""
+scripts that write their own block (bench/predict_dp.py, bench/predict_pool.py, bench/predict_past_ram.py)."""
 import re
 from pathlib import Path
 

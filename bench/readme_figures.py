@@ -354,8 +354,9 @@ BLOCKS = {"machine": block_machine, "demo-model": block_demo_model, "demo-plan":
           "predict-lora": block_predict_lora}
 # Blocks the script knows and leaves alone: their figures come from elsewhere.
 # bench/gpu_check.sh's figures, quoted with that check's date; bench/quality_formats.py's (its runs take
-# half an hour: it writes its block itself, with --update-readme); bench/predict_dp.py's (data parallel).
-FOREIGN_BLOCKS = {"gpu", "quality", "predict-dp"}
+# half an hour: it writes its block itself, with --update-readme); bench/predict_dp.py's (data parallel);
+# bench/predict_past_ram.py's (compute copies on NVMe).
+FOREIGN_BLOCKS = {"gpu", "quality", "predict-dp", "predict-past-ram"}
 
 MARKER = re.compile(r"<!-- figures:begin ([\w-]+) -->(.*?)<!-- figures:end -->", re.S)
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fmt/ranges.h>
 
+#include "engine/step_program.h"  // state_read_bytes, state_write_bytes
 #include "gpu/base_dequant.h"  // kDequantWorkBytes
 #include "host/error.h"
 
@@ -48,6 +49,33 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
   STRIDER_CHECK(units <= ld(ModelSpec::kMaxBytes), "plan: {} cache units or gradient ring slots of "
                 "{:.4g} elements each come to {:.4g} bytes, past 2^62", slots, double(largest),
                 double(units));
+}
+
+// Layers' compute copies may go to NVMe (placement.cpp refuses the rest by name).
+bool can_move_compute(const ModelSpec& spec, const PlanLimits& l) {
+  return spec.layers > 0 && !spec.lora.enabled() && l.state_shards <= 1;
+}
+
+uint64_t compute_copy_bytes(const ModelSpec& spec, const std::vector<int64_t>& blocks, int cbytes) {
+  uint64_t n = 0;
+  for (int64_t b : blocks) n += spec.layout(b).total_elems();
+  return n * uint64_t(cbytes);
+}
+
+// What the drive reads and writes in a step: each NVMe piece's state read
+// and written back (with its spilled gradients), its compute copy read
+// before each of its two visits and written back.
+std::pair<uint64_t, uint64_t> nvme_step_bytes(const Placement& pl, StateFormat format) {
+  uint64_t read = 0, written = 0;
+  for (int64_t q = 0; q < pl.num_pieces(); ++q) {
+    const PiecePlace& at = pl.at(q);
+    if (!at.on_nvme) continue;
+    const size_t n = at.owned.elems();
+    read += state_read_bytes(pl, format, q, n);
+    written += state_write_bytes(pl, format, q, n) + (at.spills_grads ? n * pl.grad_bytes : 0);
+    if (at.compute_on_nvme) read += 2 * pl.piece(q).elems() * pl.compute_bytes;
+  }
+  return {read, written};
 }
 
 }  // namespace
@@ -228,7 +256,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     if (!quantized) {
       const uint64_t base = uint64_t(spec.param_count()) * (l.dtype == at::kFloat ? 4 : 2);
       p.reason = fmt::format("needs {} of pinned host RAM, {} of it the frozen base's compute copy ({}: LoRA "
-                             "trains adapters over it, and NVMe holds optimizer state, not compute copies); the "
+                             "trains adapters over it, and NVMe holds optimizer state, not a frozen base's compute copy); the "
                              "limit is {}; give more --ram, or hold the base in int8 or NF4 (--base-format)",
                              format_bytes(f.host_bytes), format_bytes(base), compute_dtype_name(l.dtype),
                              limit_text);
@@ -281,16 +309,62 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     if (f.host_bytes <= arena_limit) {
       f = footprint_with(hi);
       p.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(hi));
+    } else if (can_move_compute(spec, l)) {
+      // Every block's state on NVMe leaves too little: the layers' compute
+      // copies go there too, the fewest that make it fit (each takes only
+      // its copy out of RAM once the staging is sized, so again a binary
+      // search). Every layer's reads are alike (its copy, once before its
+      // forward and once before its backward); the last layers go first:
+      // without clipping their updates come first, so their write-backs lead
+      // the next step's reads the most.
+      p.nvme_blocks = order;
+      std::vector<int64_t> layers;
+      for (int64_t b = blocks - 2; b >= 1; --b) layers.push_back(b);
+      auto with_compute = [&](size_t n) {
+        Plan trial = p;
+        trial.nvme_compute_blocks.assign(layers.begin(), layers.begin() + ptrdiff_t(n));
+        return footprint(spec, trial.engine_config(lim));
+      };
+      size_t clo = 1, chi = layers.size();
+      f = with_compute(chi);
+      while (f.host_bytes <= arena_limit && clo < chi) {
+        const size_t mid = clo + (chi - clo) / 2;
+        if (with_compute(mid).host_bytes <= arena_limit) chi = mid;
+        else clo = mid + 1;
+      }
+      if (f.host_bytes <= arena_limit) {
+        f = with_compute(chi);
+        p.nvme_compute_blocks.assign(layers.begin(), layers.begin() + ptrdiff_t(chi));
+        std::sort(p.nvme_compute_blocks.begin(), p.nvme_compute_blocks.end());
+      }
     }
     if (f.host_bytes > arena_limit) {
-      p.reason = fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (the compute "
-                             "copy, {} gradient ring slots and the NVMe staging stay in RAM); the limit is {}",
-                             format_bytes(f.host_bytes), l.grad_ring, limit_text);
+      p.reason = p.nvme_compute_blocks.empty() && !can_move_compute(spec, l)
+                     ? fmt::format("needs {} of pinned host RAM even with all optimizer state on NVMe (the compute "
+                                   "copy, {} gradient ring slots and the NVMe staging stay in RAM); the limit is {}",
+                                   format_bytes(f.host_bytes), l.grad_ring, limit_text)
+                     : fmt::format("needs {} of pinned host RAM even with all optimizer state and every layer's "
+                                   "compute copy on NVMe (the embedding's and the head's compute copies, {} gradient "
+                                   "ring slots, the NVMe staging and the compute copies' load staging stay in RAM); "
+                                   "the limit is {}",
+                                   format_bytes(f.host_bytes), l.grad_ring, limit_text);
+      p.nvme_compute_blocks.clear();
       return p;
     }
     std::sort(p.nvme_blocks.begin(), p.nvme_blocks.end());
     p.why.push_back(fmt::format("optimizer state of {} of {} blocks on NVMe ({}): pinned RAM limit {}",
                                 p.nvme_blocks.size(), blocks, format_bytes(f.nvme_bytes), limit_text));
+    const Placement nvme_placed = place(spec, p.engine_config(lim));
+    const auto [nvme_read, nvme_written] = nvme_step_bytes(nvme_placed, l.optimizer_state);
+    if (!p.nvme_compute_blocks.empty())
+      p.why.push_back(fmt::format("the compute copies of {} of {} layers on NVMe too, read ahead of each of their "
+                                  "visits ({} read twice a step, {} written once); {} of load staging in RAM",
+                                  p.nvme_compute_blocks.size(), spec.layers,
+                                  format_bytes(2 * compute_copy_bytes(spec, p.nvme_compute_blocks, cbytes)),
+                                  format_bytes(compute_copy_bytes(spec, p.nvme_compute_blocks, cbytes)),
+                                  format_bytes(kComputeLoadSlots * nvme_placed.compute_load_slot_bytes)));
+    p.why.push_back(fmt::format("NVMe per step: {} read, {} written", format_bytes(nvme_read),
+                                format_bytes(nvme_written)));
     p.why.push_back(fmt::format("their gradients through a ring of {} slots{}", l.grad_ring,
                                 l.clip_norm > 0 || l.dtype == at::kHalf
                                     ? ", spilled to NVMe until the norm is known (clipping, loss scaling)"
@@ -434,7 +508,10 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
                      : fmt::format("{} would take {} ({:.2f} bytes per parameter) with {}", state_format_name(other),
                                    format_bytes(q.host_bytes), double(q.host_bytes) / double(spec.param_count()),
                                    q.nvme_blocks.empty() ? std::string("all state in RAM")
-                                                         : fmt::format("{} blocks' state on NVMe", q.nvme_blocks.size())));
+                                   : q.nvme_compute_blocks.empty()
+                                       ? fmt::format("{} blocks' state on NVMe", q.nvme_blocks.size())
+                                       : fmt::format("{} blocks' state and {} layers' compute copies on NVMe",
+                                                     q.nvme_blocks.size(), q.nvme_compute_blocks.size())));
     }
     if (!fits.empty()) p.why.push_back("other optimizer-state formats (--optimizer-state): " + fmt::format("{}", fmt::join(fits, "; ")));
   }
@@ -462,10 +539,12 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
 // layer's) may fit with its experts cut into pieces of their own
 // (EngineConfig::expert_pieces), unless the limits name a size: one expert
 // per piece, which needs the least RAM and so leaves the most of it to
-// optimizer state. (Predicted on the rtx4090 preset, batch 32 x 1024,
-// Mixtral-8x7B on 128 GiB + NVMe: q8 336 tokens/s with pieces of one
-// expert, 333 of two, 325 of four; fp32 192 against 182 of two.) If even
-// that does not fit, nothing cut does: the device's units do not shrink.
+// optimizer state. Whole layers come first, with layers' compute copies on
+// NVMe where the state's alone is not enough (predicted on the rtx4090
+// preset, batch 32 x 1024, Mixtral-8x7B on 128 GiB + NVMe in q8: 400
+// tokens/s that way, 385 with pieces of one expert and the copies in RAM).
+// If even the cut does not fit, nothing cut does: the device's units do not
+// shrink.
 Plan Plan::make(const ModelSpec& model, const PlanLimits& l) {
   Plan whole = make_as_given(model, l);
   if (whole.feasible || l.expert_pieces != 0 || model.sparse_layer_count() == 0) return whole;

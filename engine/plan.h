@@ -176,6 +176,9 @@ struct Plan {
   int64_t window = 0;            // K
   bool checkpoints_on_host = false;
   std::vector<int64_t> nvme_blocks;
+  // Decoder layers whose compute copy lives on NVMe too (only where every
+  // block's state there still leaves too little RAM), ascending.
+  std::vector<int64_t> nvme_compute_blocks;
   uint64_t unit_elems = 0, unit_bytes = 0;
   int64_t vocab_shards = 1, shard_rows = 0;  // the embedding's and LM head's vocabulary shards (engine/shards.h)
   int64_t token_tile = 0;                    // tokens per tile in the head and the MLP (0: untiled)

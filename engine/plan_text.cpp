@@ -80,6 +80,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.checkpoints_on_host = checkpoints_on_host;
   c.nvme_dir = l.nvme_dir;
   c.nvme_blocks = nvme_blocks;
+  c.nvme_compute_blocks = nvme_compute_blocks;
   c.clip_norm = l.clip_norm;
   c.grad_ring = l.grad_ring;
   c.optimizer_state = l.optimizer_state;
@@ -94,6 +95,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
 nlohmann::json Plan::to_json() const {
   return {{"feasible", feasible}, {"reason", reason}, {"window", window},
           {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
+          {"nvme_compute_blocks", nvme_compute_blocks},
           {"unit_bytes", unit_bytes}, {"vocab_shards", vocab_shards}, {"shard_rows", shard_rows},
           {"token_tile", token_tile}, {"expert_pieces", expert_pieces},
           {"device_buffer_bytes", device_buffer_bytes},

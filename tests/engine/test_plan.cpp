@@ -131,6 +131,47 @@ TEST_CASE("sizes parse with binary and decimal units and name bad text", "[engin
   CHECK_THROWS_WITH(parse_bytes("3 parsecs"), Catch::Contains("parsecs"));
 }
 
+TEST_CASE("70B on 128 GiB: layers' compute copies go to NVMe too, the fewest that fit, and the engine takes them",
+          "[engine][plan][nvme]") {
+  ModelSpec spec = ModelSpec::from_json(model_preset("llama-3.1-70b"), "llama-3.1-70b");
+  for (StateFormat format : {StateFormat::kQ8, StateFormat::kFp32}) {
+    INFO(state_format_name(format));
+    PlanLimits l{.device_bytes = 24ull << 30, .host_bytes = 128ull << 30, .nvme_dir = "/nvme/strider", .seq = 1024,
+                 .accumulation = 32, .clip_norm = 1.0, .optimizer_state = format};
+    Plan p = Plan::make(spec, l);
+    REQUIRE(p.feasible);
+    CHECK(p.nvme_blocks.size() == size_t(spec.num_blocks()));  // every block's state first
+    REQUIRE_FALSE(p.nvme_compute_blocks.empty());
+    CHECK(p.nvme_compute_blocks.size() < size_t(spec.layers));
+    CHECK(std::is_sorted(p.nvme_compute_blocks.begin(), p.nvme_compute_blocks.end()));
+    CHECK(p.nvme_compute_blocks.back() == spec.layers);  // the last layers first
+    CHECK(p.host_peak_bytes <= l.host_bytes);
+    CHECK_THAT(p.explain(), Catch::Contains("compute copies of") && Catch::Contains("NVMe per step"));
+    // One layer fewer would not fit.
+    EngineConfig fewer = p.engine_config(l);
+    fewer.nvme_compute_blocks.erase(fewer.nvme_compute_blocks.begin());
+    CHECK(footprint(spec, fewer).host_bytes > footprint(spec, p.engine_config(l)).host_bytes);
+    CHECK(footprint(spec, p.engine_config(l)).host_bytes <= p.pinned_bytes);
+    // The NVMe tier holds the layers' compute copies too.
+    const Placement pl = place(spec, p.engine_config(l));
+    uint64_t copies = 0;
+    for (int64_t b : p.nvme_compute_blocks) copies += spec.layout(b).total_elems() * 2;
+    const Placement state_only = [&] {
+      EngineConfig c = p.engine_config(l);
+      c.nvme_compute_blocks.clear();
+      return place(spec, c);
+    }();
+    CHECK(pl.footprint.nvme_bytes - state_only.footprint.nvme_bytes >= copies);
+    CHECK(pl.footprint.nvme_bytes - state_only.footprint.nvme_bytes < copies + (uint64_t(spec.num_blocks()) << 12));
+  }
+  // LoRA keeps its frozen base in RAM: no compute copy moves, and the refusal says so.
+  PlanLimits lora{.device_bytes = 24ull << 30, .host_bytes = 64ull << 30, .nvme_dir = "/nvme/strider", .seq = 1024,
+                  .accumulation = 8, .lora = "r=16,alpha=32,targets=all-linear"};
+  Plan refused = Plan::make(spec, lora);
+  CHECK_FALSE(refused.feasible);
+  CHECK(refused.nvme_compute_blocks.empty());
+}
+
 TEST_CASE("123B on 24 GiB GPU / 384 GiB RAM: feasible with NVMe, refused without, and predicted", "[engine][plan]") {
   ModelSpec spec = ModelSpec::from_json(model_preset("mistral-large-123b"), "mistral-large-123b");
   for (double clip : {1.0, 0.0}) {

@@ -1,8 +1,8 @@
 // The plan for mixtures of experts: one that does not fit with whole layers
-// as pieces gets its experts cut into pieces of their own (Plan::make), said
-// in its lines and JSON and carried into the engine's configuration; a size
-// the limits name stays; where nothing cut fits, the refusal is the
-// whole-layer one.
+// as pieces (even with their compute copies on NVMe) gets its experts cut
+// into pieces of their own (Plan::make), said in its lines and JSON and
+// carried into the engine's configuration; a size the limits name stays;
+// where nothing cut fits, the refusal is the whole-layer one.
 #include "tests/catch_torch.h"
 
 #include <nlohmann/json.hpp>
@@ -27,7 +27,14 @@ PlanLimits workstation(uint64_t ram_gib) {
 TEST_CASE("a mixture of experts that does not fit with whole layers gets one expert per piece",
           "[engine][plan][moe]") {
   const ModelSpec mixtral = ModelSpec::from_json(model_preset("mixtral-8x7b"), "mixtral-8x7b");
-  PlanLimits l = workstation(128);
+  // On 128 GiB whole layers fit with some layers' compute copies on NVMe too.
+  const Plan on_nvme = Plan::make(mixtral, workstation(128));
+  REQUIRE(on_nvme.feasible);
+  CHECK(on_nvme.expert_pieces == 0);
+  CHECK_FALSE(on_nvme.nvme_compute_blocks.empty());
+  // On 40 GiB whole layers do not fit even so: their ring slots, NVMe and
+  // load staging hold a whole layer each.
+  PlanLimits l = workstation(40);
   const Plan p = Plan::make(mixtral, l);
   INFO(p.reason);
   REQUIRE(p.feasible);
