@@ -51,6 +51,19 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
                 double(units));
 }
 
+// The least n in [1, all] for which fits(n), given that fits(all) and that
+// fits stays true as n grows: a binary search.
+template <class Fits>
+size_t fewest(size_t all, Fits fits) {
+  size_t lo = 1, hi = all;
+  while (lo < hi) {
+    const size_t mid = lo + (hi - lo) / 2;
+    if (fits(mid)) hi = mid;
+    else lo = mid + 1;
+  }
+  return hi;
+}
+
 // Layers' compute copies may go to NVMe (placement.cpp refuses the rest by name).
 bool can_move_compute(const ModelSpec& spec, const PlanLimits& l) {
   return spec.layers > 0 && !spec.lora.enabled() && l.state_shards <= 1;
@@ -299,16 +312,12 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
       trial.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(n));
       return footprint(spec, trial.engine_config(lim));
     };
-    size_t lo = 1, hi = order.size();  // footprint_with(hi) is checked first: does anything fit?
-    f = footprint_with(hi);
-    while (f.host_bytes <= arena_limit && lo < hi) {
-      const size_t mid = lo + (hi - lo) / 2;
-      if (footprint_with(mid).host_bytes <= arena_limit) hi = mid;
-      else lo = mid + 1;
-    }
+    auto fits_with = [&](auto with, size_t n) { return with(n).host_bytes <= arena_limit; };
+    f = footprint_with(order.size());  // all of them first: does anything fit?
     if (f.host_bytes <= arena_limit) {
-      f = footprint_with(hi);
-      p.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(hi));
+      const size_t n = fewest(order.size(), [&](size_t k) { return fits_with(footprint_with, k); });
+      f = footprint_with(n);
+      p.nvme_blocks.assign(order.begin(), order.begin() + ptrdiff_t(n));
     } else if (can_move_compute(spec, l)) {
       // Every block's state on NVMe leaves too little: the layers' compute
       // copies go there too, the fewest that make it fit (each takes only
@@ -325,16 +334,11 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
         trial.nvme_compute_blocks.assign(layers.begin(), layers.begin() + ptrdiff_t(n));
         return footprint(spec, trial.engine_config(lim));
       };
-      size_t clo = 1, chi = layers.size();
-      f = with_compute(chi);
-      while (f.host_bytes <= arena_limit && clo < chi) {
-        const size_t mid = clo + (chi - clo) / 2;
-        if (with_compute(mid).host_bytes <= arena_limit) chi = mid;
-        else clo = mid + 1;
-      }
+      f = with_compute(layers.size());
       if (f.host_bytes <= arena_limit) {
-        f = with_compute(chi);
-        p.nvme_compute_blocks.assign(layers.begin(), layers.begin() + ptrdiff_t(chi));
+        const size_t n = fewest(layers.size(), [&](size_t k) { return fits_with(with_compute, k); });
+        f = with_compute(n);
+        p.nvme_compute_blocks.assign(layers.begin(), layers.begin() + ptrdiff_t(n));
         std::sort(p.nvme_compute_blocks.begin(), p.nvme_compute_blocks.end());
       }
     }
