@@ -289,6 +289,7 @@ class EngineCore {
   std::vector<NvmeStaging> nvme_staging_;   // 2 slots: one being updated, one read ahead
   int next_read_slot_ = 0;                  // the slot the next kReadState reads into
   NvmeStaging& idle_staging();
+  void open_nvme_tier();                    // construction: the NVMe store, its staging, fresh extents
   // Load staging of compute copies on NVMe (kComputeLoadSlots, issuing
   // thread): each slot's buffer, its reads in flight, and per device an
   // event its last load's copies out of it recorded (and, simulated, one

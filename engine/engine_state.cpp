@@ -1,6 +1,8 @@
 // The engine's block state as callers see it between steps: a block's
 // master, Adam m or v whole, from RAM or NVMe, and back (data parallel with
-// sharded state: this rank's slice, the others' gathered from their ranks).
+// sharded state: this rank's slice, the others' gathered from their ranks);
+// and the NVMe tier's opening.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -30,6 +32,41 @@ std::vector<std::pair<size_t, size_t>> frozen_ranges(const ParamLayout& l) {
 }
 
 }  // namespace
+
+// The NVMe tier (the placement's extents): the store, its two update
+// staging slots, and fresh state on the drive (zero master, m and v, and
+// compute copies), so that every extent is valid.
+void EngineCore::open_nvme_tier() {
+  STRIDER_CHECK(!config_.nvme_dir.empty(), "{} pieces keep their state on NVMe but no NVMe directory is set",
+                std::count_if(place_.pieces.begin(), place_.pieces.end(), [](const PiecePlace& x) { return x.on_nvme; }));
+  NvmeStoreOptions nopt;
+  nopt.backend = config_.nvme_backend;
+  nvme_ = std::make_unique<NvmeStore>(std::vector<std::string>{config_.nvme_dir + "/strider-state.bin"},
+                                      place_.extents, nopt);
+  arena_->attach(nvme_->registrar());
+  for (int s = 0; s < 2; ++s)
+    nvme_staging_.push_back({arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging master", ArenaUse::kHostOnly),
+                             arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam m", ArenaUse::kHostOnly),
+                             arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam v", ArenaUse::kHostOnly),
+                             config_.gated_updates() ? arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging grads", ArenaUse::kHostOnly)
+                                                   : std::span<std::byte>()});
+  if (place_.nvme_compute_slot_bytes > 0)
+    for (NvmeStaging& slot : nvme_staging_)
+      slot.compute = arena_->carve(place_.nvme_compute_slot_bytes, kHostAlign, "nvme staging compute copy",
+                                   ArenaUse::kHostOnly);
+  // Fresh state: zero master, m and v (and compute copies) on the drive, so every extent is valid.
+  const size_t zeros = std::max(place_.nvme_slot_bytes, place_.nvme_compute_slot_bytes);
+  std::span<std::byte> zero = place_.nvme_slot_bytes >= zeros ? nvme_staging_[0].master : nvme_staging_[0].compute;
+  std::memset(zero.data(), 0, zeros);
+  for (int64_t p = 0; p < num_pieces(); ++p) {
+    if (!on_nvme(p)) continue;
+    for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV, ExtentKind::kCompute}) {
+      if (k == ExtentKind::kCompute && !compute_on_nvme(p)) continue;
+      const Extent& e = nvme_->extent(p, k);
+      nvme_->wait(nvme_->write(e, zero.first(e.io_bytes)));
+    }
+  }
+}
 
 EngineCore::NvmeStaging& EngineCore::idle_staging() {
   // Outside steps (finish_updates() first), slot 0 is free once its last
