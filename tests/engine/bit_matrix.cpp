@@ -83,6 +83,11 @@ std::vector<Case> cases() {
     c.clip_norm = 0.5;
     c.grad_ring = 1;
   });
+  add("nvme-compute-clip", [](EngineConfig& c) {
+    c.nvme_blocks = {1, 2, 3};
+    c.nvme_compute_blocks = {1, 3};
+    c.clip_norm = 0.5;
+  });
   add("q8", [](EngineConfig& c) { c.optimizer_state = StateFormat::kQ8; });
   add("q8-nvme-clip-shards", [](EngineConfig& c) {
     c.optimizer_state = StateFormat::kQ8;

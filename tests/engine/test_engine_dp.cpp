@@ -37,6 +37,7 @@ struct Setup {
   double clip = 0;
   bool chaos = false;
   bool nvme = false;  // blocks 1 and 3's state on NVMe
+  bool nvme_compute = false;  // and block 3's compute copy (with nvme)
   bool tied = false;
   bool sharded = false;  // each rank keeps its slice of the state (EngineConfig::state_shards)
   std::string shared;    // sharded: the ranks' one compute copy in this shared memory file
@@ -68,6 +69,7 @@ EngineConfig config(const Setup& s, int64_t accumulation, const std::string& nvm
   if (s.nvme) {
     cfg.nvme_blocks = {1, 3};
     cfg.nvme_dir = nvme_dir;
+    if (s.nvme_compute) cfg.nvme_compute_blocks = {3};
   }
   return cfg;
 }
@@ -215,6 +217,8 @@ TEST_CASE("data parallel ranks end bit-identical and match one rank with their a
        {Variant{"2 ranks", 2, 1, {}, true},
         Variant{"2 ranks, chaos, clipping, NVMe tiers", 2, 1, {.clip = 0.5, .chaos = true, .nvme = true}, true},
         Variant{"3 ranks, chaos, clipping, NVMe tiers", 3, 1, {.clip = 0.5, .chaos = true, .nvme = true}, true},
+        Variant{"2 ranks, chaos, clipping, NVMe tiers with a compute copy", 2, 1,
+                {.clip = 0.5, .chaos = true, .nvme = true, .nvme_compute = true}, true},
         Variant{"3 ranks sharded, chaos, clipping, NVMe tiers", 3, 1,
                 {.clip = 0.5, .chaos = true, .nvme = true, .sharded = true}, false},
         Variant{"3 ranks, 2 micro-batches each, chaos, clipping", 3, 2, {.clip = 0.5, .chaos = true}, false, 1e-5},

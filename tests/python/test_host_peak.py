@@ -74,6 +74,22 @@ def refusal_figure(cmd, pattern):
     return float(m.group(1)) * UNITS[m.group(2)]
 
 
+def nvme_limit(cmd, nvme_dir, compute):
+    """A --host-ram (MiB) for `cmd` that puts most blocks' state on NVMe: one that leaves the arena 300 MiB,
+    far less than the model's state. --host-ram bounds the whole process, so first ask the plan what the
+    rest of it holds (a limit below that is refused, naming it, before anything is allocated). With
+    `compute`, then the least arena it trains in (every block's state and every layer's compute copy on
+    NVMe), and a limit a little above that: most layers' compute copies go to NVMe too. (--host-ram is the
+    machine's: strider plans within it less 5% left to the OS.)"""
+    nvme = ["--nvme", str(nvme_dir)]
+    rest = refusal_figure(cmd + ["--host-ram", "1MiB", *nvme], r"is below what the process holds besides its pinned arena: ")
+    if not compute:
+        return int(rest / 2**20) + 300
+    machine_mib = lambda b: int(b / 2**20 / 0.95) + 1  # noqa: E731
+    least = refusal_figure(cmd + ["--host-ram", f"{machine_mib(rest + 2**20)}MiB", *nvme], r"needs ")
+    return machine_mib(rest + least + 4 * 2**20)
+
+
 @pytest.mark.parametrize("tier", ["ram", "nvme", "nvme-compute"])
 def test_peak_rss_is_within_the_plans_host_peak(strider_binary, model_dir, deep_model_dir, tmp_path, tier):
     model = deep_model_dir if tier == "nvme-compute" else model_dir
@@ -82,21 +98,8 @@ def test_peak_rss_is_within_the_plans_host_peak(strider_binary, model_dir, deep_
            "--steps", "2", "--eval-batches", "0", "--work-dir", str(tmp_path / "work"), "--out",
            str(tmp_path / "out")]
     if tier != "ram":
-        # Most blocks' state on NVMe: a limit that leaves the arena 300 MiB, far less than the model's
-        # state. --host-ram bounds the whole process, so first ask the plan what the rest of it holds
-        # (a limit below that is refused, naming it, before anything is allocated).
-        nvme = ["--nvme", str(tmp_path / "nvme")]
-        rest = refusal_figure(cmd + ["--host-ram", "1MiB", *nvme],
-                              r"is below what the process holds besides its pinned arena: ")
-        limit_mib = int(rest / 2**20) + 300
-        if tier == "nvme-compute":
-            # Then the least arena it trains in (every block's state and every layer's compute copy on
-            # NVMe), and a limit a little above it: most layers' compute copies go to NVMe. (--host-ram
-            # is the machine's: strider plans within it less 5% left to the OS.)
-            machine_mib = lambda b: int(b / 2**20 / 0.95) + 1  # noqa: E731
-            least = refusal_figure(cmd + ["--host-ram", f"{machine_mib(rest + 2**20)}MiB", *nvme], r"needs ")
-            limit_mib = machine_mib(rest + least + 4 * 2**20)
-        cmd += ["--host-ram", f"{limit_mib}MiB", *nvme]
+        limit_mib = nvme_limit(cmd, tmp_path / "nvme", tier == "nvme-compute")
+        cmd += ["--host-ram", f"{limit_mib}MiB", "--nvme", str(tmp_path / "nvme")]
     out, rss = run_measured(cmd)
     peak = planned_peak(out)
     print(f"{tier}: planned host peak {peak / 2**20:.0f} MiB, measured peak RSS {rss / 2**20:.0f} MiB")
@@ -106,3 +109,27 @@ def test_peak_rss_is_within_the_plans_host_peak(strider_binary, model_dir, deep_
         assert "on NVMe" in out and peak <= limit_mib * 2**20, out  # the limit bounds the planned peak
     if tier == "nvme-compute":
         assert re.search(r"the compute copies of \d+ of 16 layers on NVMe too", out), out
+
+
+def test_compute_copies_on_nvme_train_to_the_all_in_ram_bits(strider_binary, deep_model_dir, tmp_path):
+    """The same run twice through `strider finetune`: all in RAM, and under a --host-ram that moves most
+    layers' compute copies to NVMe: the exported models are the same bytes. (Formats, clipping, chaos and
+    pools against the resident run: tests/engine/test_engine.cpp.)"""
+    for clip in ("1.0",):
+        outs = []
+        for tier in ("ram", "nvme-compute"):
+            run = tmp_path / f"{tier}-clip{clip}"
+            cmd = [str(strider_binary("strider")), "finetune", "--model", str(deep_model_dir), "--device", "cpu",
+                   "--device-budget", "256MiB", "--seq", "64", "--micro-batch", "2", "--accumulation", "2",
+                   "--steps", "3", "--eval-batches", "0", "--clip", clip, "--work-dir", str(run / "work"),
+                   "--out", str(run / "out")]
+            if tier == "nvme-compute":
+                cmd += ["--host-ram", f"{nvme_limit(cmd, run / 'nvme', True)}MiB", "--nvme", str(run / "nvme")]
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            assert r.returncode == 0, r.stdout + r.stderr
+            if tier == "nvme-compute":
+                assert re.search(r"the compute copies of \d+ of 16 layers on NVMe too", r.stdout), r.stdout
+            files = sorted((run / "out").glob("*.safetensors"))
+            assert files, list((run / "out").iterdir())
+            outs.append([f.read_bytes() for f in files])
+        assert outs[0] == outs[1], f"clip {clip}: the exported models differ"
