@@ -89,7 +89,9 @@ bool place_on_nvme(const ModelSpec& spec, const PlanLimits& l, PlanLimits& lim, 
     // search). Every layer's reads are alike (its copy, once before its
     // forward and once before its backward); the last layers go first:
     // without clipping their updates come first, so their write-backs lead
-    // the next step's reads the most.
+    // the next step's reads the most. (Predicted on the rtx4090 preset,
+    // Llama-3.1-70B on 128 GiB, batch 32 x 1024, q8 with clipping: 119
+    // tokens/s so, 112 with the first layers first; fp32 87 and 88.)
     p.nvme_blocks = order;
     std::vector<int64_t> layers;
     for (int64_t b = blocks - 2; b >= 1; --b) layers.push_back(b);
