@@ -22,6 +22,7 @@
 #include "engine/checkpoint_series.h"
 #include "engine/cli/cli.h"
 #include "engine/cli/final_model.h"
+#include "engine/cli/finetune_options.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/cli/step_log.h"
 #include "engine/cli/training_run.h"
@@ -32,24 +33,6 @@
 namespace strider::cli {
 namespace {
 
-struct Options {
-  TrainOptions train;
-  std::string eval_data, out = "strider-out", trace, metrics, checkpoint_dir, save_dtype = "auto";
-  std::string config_file;  // --config, if given
-  int64_t checkpoint_every = 0, steps = 120, eval_every = 30, eval_batches = 2, keep_checkpoints = 2,
-          max_skipped_steps = 3;
-  std::vector<std::string> allow_changed;
-  bool resume = false, merge = false;
-  int64_t dist_timeout_s = 300;
-};
-
-// What --allow-changed may name: the engine config's maths fields, the data, and the world size.
-std::vector<std::string> changeable_settings() {
-  std::vector<std::string> s = maths_config_fields();
-  s.push_back("data");
-  s.push_back("world");
-  return s;
-}
 
 // The training data as a checkpoint records it: which file, how large, what content.
 nlohmann::json data_identity(const std::string& path, TokenFile& file) {
@@ -57,7 +40,58 @@ nlohmann::json data_identity(const std::string& path, TokenFile& file) {
   return {{"path", path}, {"bytes", f.bytes}, {"xxh3", fmt::format("{:016x}", f.xxh3)}};
 }
 
-int run(Options& o) {
+// What a run writes to, checked and locked before anything else: --out (and
+// its lock), the checkpoint directory (locked here when given, else when
+// first used), the metrics file. Only the writing rank opens them.
+struct RunOutputs {
+  std::optional<DirLock> out_lock, ckpt_lock;
+  std::string ckpt_root;
+  std::ofstream metrics;
+};
+
+void open_outputs(const FinetuneOptions& o, bool writes, RunOutputs& w) {
+  namespace fs = std::filesystem;
+  STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
+  // An adapter names its base (base_model_name_or_path); the built-in model,
+  // initialised from the seed, is no checkpoint it could name.
+  STRIDER_CHECK(o.train.lora.empty() || o.train.model != "builtin",
+                "--lora {}: LoRA adapts a pretrained model; give --model (a Hugging Face checkpoint folder or Hub id)",
+                o.train.lora);
+  STRIDER_CHECK(!o.merge || !o.train.lora.empty(), "--merge folds LoRA adapters into their base: it needs --lora");
+  base_format_option(o.train.base_format, o.train.lora);
+  if (writes) {
+    // A model already there is replaced by the final save, as transformers'
+    // save_pretrained replaces one: said now, not found out at the end.
+    const std::string model_out = o.train.lora.empty() ? o.out : o.merge ? (fs::path(o.out) / "merged").string() : "";
+    if (const auto there = model_out.empty() ? std::vector<std::string>{} : model_files_in(model_out); !there.empty())
+      fmt::print(stderr, "warning: {}{} holds a model ({}); the final save replaces it\n",
+                 o.train.lora.empty() ? "--out " : "--merge's ", model_out, fmt::join(there, ", "));
+    if (!o.train.lora.empty() && fs::exists(fs::path(o.out) / "adapter_model.safetensors"))
+      fmt::print(stderr, "warning: --out {} holds an adapter; the final save replaces it\n", o.out);
+    check_output_dir(o.out, "--out");
+    // One run per --out: two would both save there, and after a signal both
+    // into OUT/strider-checkpoints, where a later --resume takes either's.
+    w.out_lock.emplace(o.out, "--out", "", DirLock::Mark::kDirectory);
+    if (!o.trace.empty()) check_output_file(o.trace, "--trace");
+    if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
+  }
+  // Saves go to --checkpoint-dir; a run stopped by a signal or by the numerics
+  // guard without one saves under --out.
+  w.ckpt_root = o.checkpoint_dir.empty() ? (fs::path(o.out) / "strider-checkpoints").string() : o.checkpoint_dir;
+  if (!o.checkpoint_dir.empty() && writes) {
+    check_output_dir(o.checkpoint_dir, "--checkpoint-dir");
+    w.ckpt_lock.emplace(o.checkpoint_dir, "--checkpoint-dir");
+  }
+  if (!o.metrics.empty() && writes) {
+    w.metrics.open(o.metrics, std::ios::app);
+    STRIDER_CHECK(w.metrics.is_open(), "--metrics {}: cannot open it for appending: {}", o.metrics, errno_text(errno));
+  }
+
+}
+
+}  // namespace
+
+int run_finetune(FinetuneOptions& o) {
   namespace fs = std::filesystem;
   // Data parallel under torchrun (WORLD_SIZE > 1), else a world of one. Rank
   // 0 alone writes (outputs, checkpoints, metrics, the trace) and prints; the
@@ -74,45 +108,11 @@ int run(Options& o) {
                              me.rank, errno_text(errno));
   const nlohmann::json config_file = config_file_record(o.config_file);  // as the checkpoints record it
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
-  STRIDER_CHECK(!o.resume || !o.checkpoint_dir.empty(), "--resume needs --checkpoint-dir");
-  // An adapter names its base (base_model_name_or_path); the built-in model,
-  // initialised from the seed, is no checkpoint it could name.
-  STRIDER_CHECK(o.train.lora.empty() || o.train.model != "builtin",
-                "--lora {}: LoRA adapts a pretrained model; give --model (a Hugging Face checkpoint folder or Hub id)",
-                o.train.lora);
-  STRIDER_CHECK(!o.merge || !o.train.lora.empty(), "--merge folds LoRA adapters into their base: it needs --lora");
-  base_format_option(o.train.base_format, o.train.lora);
-  std::optional<DirLock> out_lock;
-  if (writes) {
-    // A model already there is replaced by the final save, as transformers'
-    // save_pretrained replaces one: said now, not found out at the end.
-    const std::string model_out = o.train.lora.empty() ? o.out : o.merge ? (fs::path(o.out) / "merged").string() : "";
-    if (const auto there = model_out.empty() ? std::vector<std::string>{} : model_files_in(model_out); !there.empty())
-      fmt::print(stderr, "warning: {}{} holds a model ({}); the final save replaces it\n",
-                 o.train.lora.empty() ? "--out " : "--merge's ", model_out, fmt::join(there, ", "));
-    if (!o.train.lora.empty() && fs::exists(fs::path(o.out) / "adapter_model.safetensors"))
-      fmt::print(stderr, "warning: --out {} holds an adapter; the final save replaces it\n", o.out);
-    check_output_dir(o.out, "--out");
-    // One run per --out: two would both save there, and after a signal both
-    // into OUT/strider-checkpoints, where a later --resume takes either's.
-    out_lock.emplace(o.out, "--out", "", DirLock::Mark::kDirectory);
-    if (!o.trace.empty()) check_output_file(o.trace, "--trace");
-    if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
-  }
-  // Saves go to --checkpoint-dir; a run stopped by a signal or by the numerics
-  // guard without one saves under --out.
-  const std::string ckpt_root =
-      o.checkpoint_dir.empty() ? (fs::path(o.out) / "strider-checkpoints").string() : o.checkpoint_dir;
-  std::optional<DirLock> ckpt_lock;
-  if (!o.checkpoint_dir.empty() && writes) {
-    check_output_dir(o.checkpoint_dir, "--checkpoint-dir");
-    ckpt_lock.emplace(o.checkpoint_dir, "--checkpoint-dir");
-  }
-  std::ofstream metrics;
-  if (!o.metrics.empty() && writes) {
-    metrics.open(o.metrics, std::ios::app);
-    STRIDER_CHECK(metrics.is_open(), "--metrics {}: cannot open it for appending: {}", o.metrics, errno_text(errno));
-  }
+  RunOutputs outputs;
+  open_outputs(o, writes, outputs);
+  std::optional<DirLock>& ckpt_lock = outputs.ckpt_lock;
+  const std::string& ckpt_root = outputs.ckpt_root;
+  std::ofstream& metrics = outputs.metrics;
 
   // 2. The model, plan, engine and data (locks --nvme).
   // Every rank has checked what it owns before any rank builds its run.
@@ -447,69 +447,6 @@ int run(Options& o) {
   if (!saved.removed.empty())
     fmt::print("  removed the earlier model's files this save does not have: {}\n", fmt::join(saved.removed, ", "));
   return 0;
-}
-
-}  // namespace
-
-std::function<int()> add_finetune(CLI::App& app) {
-  auto o = std::make_shared<Options>();
-  CLI::App* c = app.add_subcommand("finetune", "fine-tune a model (with no options: the built-in demo)");
-  CLI::Option* config = app.get_config_ptr();
-  add_model_options(*c, o->train);
-  c->add_option("--eval-data", o->eval_data, "held-out token file, evaluated every --eval-every steps");
-  c->add_option("--eval-every", o->eval_every, "steps between evaluations")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(1, kMaxSteps));
-  c->add_option("--eval-batches", o->eval_batches, "batches per evaluation (0: no evaluation)")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(0, 1000000));
-  c->add_option("--out", o->out, "where the final transformers checkpoint goes (with --lora: the PEFT adapter)")->capture_default_str();
-  c->add_option("--save-dtype", o->save_dtype,
-                "the final checkpoint's dtype: auto (the --model checkpoint's own; fp16 is kept exactly in fp32; "
-                "the built-in model's bf16), bf16 (what the model computes with) or fp32 (the trained masters); "
-                "a LoRA adapter is fp32 unless bf16 is asked")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"auto", "bf16", "fp32"}));
-  c->add_flag("--merge", o->merge,
-              "with --lora: also write the merged model (each adapted weight W + scale B A) under --out/merged, a "
-              "transformers checkpoint without adapters");
-  add_placement_options(*c, o->train);
-  c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str()->check(in_range<int64_t>(1, kMaxSteps));
-  add_optimizer_options(*c, o->train);
-  c->add_option("--trace", o->trace, "write the timeline as Chrome trace JSON (Perfetto)");
-  c->add_option("--metrics", o->metrics, "append one JSON line per step");
-  add_work_dir_option(*c, o->train);
-  c->add_option("--checkpoint-dir", o->checkpoint_dir,
-                "directory of the run's training checkpoints (step-N/ each, complete and atomic); without it, a run "
-                "stopped by a signal or by the numerics guard saves under --out/strider-checkpoints");
-  c->add_option("--checkpoint-every", o->checkpoint_every, "steps between checkpoints (0: only at the end)")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(0, kMaxSteps));
-  c->add_option("--keep-checkpoints", o->keep_checkpoints, "newest checkpoints kept; older ones are removed")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(1, 1000));
-  c->add_option("--max-skipped-steps", o->max_skipped_steps,
-                "steps in a row skipped for a non-finite loss or gradient before the run stops (fp16: an "
-                "overflow that backs the loss scale off does not count; one at the floor scale of 1 does)")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(1, 1000000));
-  c->add_option("--dist-timeout", o->dist_timeout_s,
-                "data parallel (under torchrun): seconds any collective may wait for the other ranks; past it, "
-                "or at once when a rank dies, every rank stops naming the ranks that never arrived")
-      ->capture_default_str()
-      ->check(in_range<int64_t>(1, 86400));
-  c->add_flag("--resume", o->resume,
-              "continue from the newest checkpoint in --checkpoint-dir that loads (weights, Adam state, step, data "
-              "position)");
-  c->add_option("--allow-changed", o->allow_changed,
-                "with --resume: settings that may differ from the checkpoint's (comma-separated): 'data' or an "
-                "engine setting such as lr, weight_decay, clip_norm")
-      ->delimiter(',')
-      ->check(CLI::IsMember(changeable_settings()));
-  return [o, config] {
-    if (config != nullptr && config->count() > 0) o->config_file = config->as<std::string>();
-    return run(*o);
-  };
 }
 
 }  // namespace strider::cli

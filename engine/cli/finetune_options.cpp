@@ -1,0 +1,83 @@
+// strider finetune's command line: each option bound to FinetuneOptions
+// (finetune_options.h); finetune.cpp runs them.
+#include <memory>
+
+#include "engine/cli/cli.h"
+#include "engine/cli/finetune_options.h"
+#include "engine/train_checkpoint.h"  // maths_config_fields
+
+namespace strider::cli {
+namespace {
+
+// What --allow-changed may name: the engine config's maths fields, the data, and the world size.
+std::vector<std::string> changeable_settings() {
+  std::vector<std::string> s = maths_config_fields();
+  s.push_back("data");
+  s.push_back("world");
+  return s;
+}
+
+}  // namespace
+
+std::function<int()> add_finetune(CLI::App& app) {
+  auto o = std::make_shared<FinetuneOptions>();
+  CLI::App* c = app.add_subcommand("finetune", "fine-tune a model (with no options: the built-in demo)");
+  CLI::Option* config = app.get_config_ptr();
+  add_model_options(*c, o->train);
+  c->add_option("--eval-data", o->eval_data, "held-out token file, evaluated every --eval-every steps");
+  c->add_option("--eval-every", o->eval_every, "steps between evaluations")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, kMaxSteps));
+  c->add_option("--eval-batches", o->eval_batches, "batches per evaluation (0: no evaluation)")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(0, 1000000));
+  c->add_option("--out", o->out, "where the final transformers checkpoint goes (with --lora: the PEFT adapter)")->capture_default_str();
+  c->add_option("--save-dtype", o->save_dtype,
+                "the final checkpoint's dtype: auto (the --model checkpoint's own; fp16 is kept exactly in fp32; "
+                "the built-in model's bf16), bf16 (what the model computes with) or fp32 (the trained masters); "
+                "a LoRA adapter is fp32 unless bf16 is asked")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "bf16", "fp32"}));
+  c->add_flag("--merge", o->merge,
+              "with --lora: also write the merged model (each adapted weight W + scale B A) under --out/merged, a "
+              "transformers checkpoint without adapters");
+  add_placement_options(*c, o->train);
+  c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str()->check(in_range<int64_t>(1, kMaxSteps));
+  add_optimizer_options(*c, o->train);
+  c->add_option("--trace", o->trace, "write the timeline as Chrome trace JSON (Perfetto)");
+  c->add_option("--metrics", o->metrics, "append one JSON line per step");
+  add_work_dir_option(*c, o->train);
+  c->add_option("--checkpoint-dir", o->checkpoint_dir,
+                "directory of the run's training checkpoints (step-N/ each, complete and atomic); without it, a run "
+                "stopped by a signal or by the numerics guard saves under --out/strider-checkpoints");
+  c->add_option("--checkpoint-every", o->checkpoint_every, "steps between checkpoints (0: only at the end)")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(0, kMaxSteps));
+  c->add_option("--keep-checkpoints", o->keep_checkpoints, "newest checkpoints kept; older ones are removed")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, 1000));
+  c->add_option("--max-skipped-steps", o->max_skipped_steps,
+                "steps in a row skipped for a non-finite loss or gradient before the run stops (fp16: an "
+                "overflow that backs the loss scale off does not count; one at the floor scale of 1 does)")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, 1000000));
+  c->add_option("--dist-timeout", o->dist_timeout_s,
+                "data parallel (under torchrun): seconds any collective may wait for the other ranks; past it, "
+                "or at once when a rank dies, every rank stops naming the ranks that never arrived")
+      ->capture_default_str()
+      ->check(in_range<int64_t>(1, 86400));
+  c->add_flag("--resume", o->resume,
+              "continue from the newest checkpoint in --checkpoint-dir that loads (weights, Adam state, step, data "
+              "position)");
+  c->add_option("--allow-changed", o->allow_changed,
+                "with --resume: settings that may differ from the checkpoint's (comma-separated): 'data' or an "
+                "engine setting such as lr, weight_decay, clip_norm")
+      ->delimiter(',')
+      ->check(CLI::IsMember(changeable_settings()));
+  return [o, config] {
+    if (config != nullptr && config->count() > 0) o->config_file = config->as<std::string>();
+    return run_finetune(*o);
+  };
+}
+
+}  // namespace strider::cli
