@@ -50,6 +50,8 @@ TEST_CASE("a pool of 2 and 3 CPU devices trains to one device's bits", "[engine]
       Result ref = run(spec, {"reference: all resident", spec.num_blocks()}, at::kFloat, clip);
       for (int n : {2, 3})
         for (Case c : cases(spec.num_blocks())) {
+          // Of the compute-copy cases, the first (every layer's copy on NVMe, chaos) is enough for a pool.
+          if (!c.nvme_compute.empty() && c.nvme_compute.size() < 3) continue;
           c.devices = n;
           c.seed += 100;  // other delays than the one-device cases'
           INFO("tied=" << tied << " clip=" << clip << " devices=" << n << " case: " << c.name);
