@@ -158,17 +158,20 @@ void EngineCore::count_router_rows(const int64_t* attention) {
 void EngineCore::read_compute(const StepOp& r) {
   ComputeSlot& slot = compute_slots_[size_t(r.slot)];
   const int d = r.device;
+  std::vector<int64_t> mine;  // the visit's pieces whose compute copy is on NVMe
   uint64_t bytes = 0;
   for (int64_t p : visit_segments(r))
-    if (compute_on_nvme(p)) bytes += piece(p).elems() * place_.compute_bytes;
+    if (compute_on_nvme(p)) {
+      mine.push_back(p);
+      bytes += piece(p).elems() * place_.compute_bytes;
+    }
   if (simulated()) {
     // When the slot's last load has copied it out, the pieces' previous
     // updates and write-backs are done: the drive's read from then on.
     auto& sim = static_cast<SimDevice&>(*seats_[size_t(d)].device);
     double ready = slot.copied_on >= 0 ? sim.event_time_us(*slot.copied[size_t(slot.copied_on)]) : 0.0;
-    for (int64_t p : visit_segments(r))
-      if (compute_on_nvme(p))
-        ready = std::max({ready, sim.event_time_us(sim_updater_->update_done(p)), sim_updater_->compute_written_us(p)});
+    for (int64_t p : mine)
+      ready = std::max({ready, sim.event_time_us(sim_updater_->update_done(p)), sim_updater_->compute_written_us(p)});
     sim.record_at(*slot.read_done[size_t(d)], sim_updater_->read_compute(r.piece, bytes, ready));
     slot.block = r.block;
     return;
@@ -177,8 +180,7 @@ void EngineCore::read_compute(const StepOp& r) {
   slot.read_begin_us = Timeline::now_us();
   slot.block = r.block;
   slot.read_bytes = bytes;
-  for (int64_t p : visit_segments(r)) {
-    if (!compute_on_nvme(p)) continue;
+  for (int64_t p : mine) {
     wait_updated(p);  // the previous pass's update of it, whose write-back...
     NvmeTicket written;
     {
