@@ -1,57 +1,13 @@
 // The step program (engine/step_program.h): the shape each pass gives it,
 // and the engine running it (the updates in the program's order).
-#include "tests/catch_torch.h"
-
-#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <set>
 
-#include "engine/engine.h"
-#include "engine/step_program.h"
-#include "tests/engine/tiny_model.h"
+#include "tests/engine/step_program_helpers.h"
 
 using namespace strider;
-using K = StepOpKind;
-
-namespace {
-
-ModelSpec tiny(bool tied = false) { return ModelSpec::from_json(test::tiny_config(tied), "tiny"); }
-
-EngineConfig config(double clip) {
-  EngineConfig cfg;
-  cfg.seq = 16;
-  cfg.micro_batch = 1;
-  cfg.accumulation = 2;
-  cfg.clip_norm = clip;
-  cfg.compute.dtype = at::kFloat;
-  cfg.vocab_shard_rows = 40;  // 3 vocabulary shards
-  return cfg;
-}
-
-// Index of the operation of kind k on piece p (-1: none); it must be unique.
-int index_of(const StepProgram& prog, K k, int64_t p) {
-  int found = -1;
-  for (size_t i = 0; i < prog.ops.size(); ++i)
-    if (prog.ops[i].kind == k && prog.ops[i].piece == p) {
-      REQUIRE(found < 0);
-      found = int(i);
-    }
-  return found;
-}
-
-int count(const StepProgram& prog, K k) {
-  return int(std::count_if(prog.ops.begin(), prog.ops.end(), [&](const StepOp& o) { return o.kind == k; }));
-}
-
-// Every dependency points backwards: a program runs in order.
-void check_order(const StepProgram& prog) {
-  for (size_t i = 0; i < prog.ops.size(); ++i)
-    for (int32_t a : prog.ops[i].after)
-      if (a >= 0) CHECK(size_t(a) < i);
-}
-
-}  // namespace
+using namespace strider::test;
 
 TEST_CASE("every piece lands, is updated and released once, in order", "[engine][program]") {
   const ModelSpec spec = tiny();
@@ -432,74 +388,6 @@ TEST_CASE("one NVMe-tier layer without clipping: each read waits for its own las
   }
   CHECK(trained[0] == trained[1]);
   std::filesystem::remove_all(tmpl);
-}
-
-TEST_CASE("compute copies on NVMe: each visit of their layer reads them one load ahead, into the slots in turn",
-          "[engine][program][nvme]") {
-  const ModelSpec spec = tiny();
-  for (int devices : {1, 2})
-    for (int64_t window : {2, 3})
-      for (double clip : {0.0, 1.0}) {
-        INFO("devices " << devices << " K " << window << " clip " << clip);
-        EngineConfig cfg = config(clip);
-        cfg.devices = devices;
-        cfg.window = window;
-        cfg.nvme_blocks = {1, 2, 3};
-        cfg.nvme_compute_blocks = {1, 3};
-        const Placement pl = place(spec, cfg);
-        const StepProgram prog = compile_step(pl, program_inputs(cfg, 1));
-        check_order(prog);
-        std::map<int64_t, int> load;  // per visit: its load
-        std::vector<int> reads;       // the reads, in order
-        for (size_t i = 0; i < prog.ops.size(); ++i) {
-          if (prog.ops[i].kind == K::kLoad) load[prog.ops[i].visit] = int(i);
-          if (prog.ops[i].kind == K::kReadCompute) reads.push_back(int(i));
-        }
-        // Layers 1 and 3, forward and backward: four reads, the slots in turn.
-        REQUIRE(reads.size() == 4);
-        for (size_t k = 0; k < reads.size(); ++k) {
-          const StepOp& r = prog.ops[size_t(reads[k])];
-          CHECK(r.slot == int(k) % kComputeLoadSlots);
-          CHECK((r.block == 1 || r.block == 3));
-          CHECK(r.lane == Lane::kNvmeRead);
-          // Its visit's load waits for it and takes its slot...
-          const StepOp& l = prog.ops[size_t(load.at(r.visit))];
-          CHECK(std::count(l.after.begin(), l.after.end(), reads[k]) == 1);
-          CHECK(l.slot == r.slot);
-          // ...issued right after the load of the read before it (the first:
-          // after the step's first load), and the read waits for the
-          // previous pass's update and write-back of its pieces.
-          const int before = k > 0 ? load.at(prog.ops[size_t(reads[k - 1])].visit) : load.begin()->second;
-          CHECK(reads[k] > before);
-          CHECK(reads[k] < load.at(r.visit));
-          CHECK(r.after_previous.size() == 2);
-          CHECK(prog.ops[size_t(r.after_previous[0])].kind == K::kUpdated);
-          CHECK(prog.ops[size_t(r.after_previous[1])].kind == K::kWriteState);
-        }
-        // Every other visit loads from the host's compute copy.
-        for (const auto& [v, i] : load)
-          if (prog.ops[size_t(i)].block != 1 && prog.ops[size_t(i)].block != 3) CHECK(prog.ops[size_t(i)].slot < 0);
-        // The pieces' compute copies have extents of their own; a layer's sit in its staging slot.
-        for (int64_t p = 0; p < pl.num_pieces(); ++p)
-          CHECK(pl.at(p).compute_on_nvme == (pl.piece(p).block == 1 || pl.piece(p).block == 3));
-        CHECK(pl.compute_load_slot_bytes >= spec.layout(1).total_elems() * 4);
-      }
-}
-
-TEST_CASE("compute copies on NVMe: refused outside decoder layers, without their state, twice, or with LoRA",
-          "[engine][program][nvme]") {
-  const ModelSpec spec = tiny();
-  EngineConfig cfg = config(0.0);
-  cfg.nvme_blocks = {0, 1, 2};
-  cfg.nvme_compute_blocks = {0};
-  CHECK_THROWS_WITH(place(spec, cfg), Catch::Contains("nvme_compute_blocks: block 0 is not a decoder layer"));
-  cfg.nvme_compute_blocks = {3};
-  CHECK_THROWS_WITH(place(spec, cfg), Catch::Contains("block 3's optimizer state is in RAM"));
-  cfg.nvme_compute_blocks = {1, 1};
-  CHECK_THROWS_WITH(place(spec, cfg), Catch::Contains("block 1 listed twice"));
-  cfg.nvme_compute_blocks = {1};
-  cfg.state_shards = 2;
-  CHECK_THROWS_WITH(place(spec, cfg), Catch::Contains("state_shards 2"));
 }
 
 TEST_CASE("a pool: every visit on its block's device, the head's shards spread, each load just before its visit, "
