@@ -1,0 +1,164 @@
+// A decoder layer cut into sub-layer pieces (gpu/layer_cut.h): with one MLP
+// slice it is the uncut layer (gpu/blocks.h) bit for bit, forward and
+// backward, tiled or not; with several, within fp32 rounding of it (the
+// slices' partial outputs and input gradients are summed in another order),
+// and within bf16's tolerance in bf16. Layers it cannot cut are refused by
+// name.
+#include "tests/catch_torch.h"
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "gpu/blocks.h"
+#include "gpu/layer_cut.h"
+#include "tests/gpu/layer_pass.h"
+#include "tests/gpu/random_layer.h"
+
+using namespace strider;
+using namespace strider::layer_test;
+
+namespace {
+
+bool mlp_tensor(const std::string& name) { return name.rfind("mlp.", 0) == 0; }
+
+// The attention half's weights and accumulators: the layer's own tensors
+// (its accumulators add into the layer's).
+Layer attention_part(const Layer& l) {
+  Layer a;
+  for (const auto& [name, t] : l.w)
+    if (!mlp_tensor(name)) a.w.emplace(name, t);
+  for (const auto& [name, g] : l.grads)
+    if (!mlp_tensor(name)) a.grads.emplace(name, g);
+  return a;
+}
+
+// The MLP slice [i0, i1) as a piece's visit sees it: contiguous copies of
+// gate's and up's rows and down's columns (and the biases' elements; down's
+// bias in the first slice), with zeroed fp32 accumulators of their shapes.
+Layer slice_part(const Layer& l, int64_t i0, int64_t i1) {
+  Layer s;
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    s.w.emplace(name, t.contiguous());
+    s.grads.emplace(name, at::zeros(t.sizes(), at::kFloat));
+  };
+  for (const char* p : {"mlp.gate_proj", "mlp.up_proj"}) {
+    add(std::string(p) + ".weight", l.w.at(std::string(p) + ".weight").slice(0, i0, i1));
+    if (l.w.count(std::string(p) + ".bias")) add(std::string(p) + ".bias", l.w.at(std::string(p) + ".bias").slice(0, i0, i1));
+  }
+  add("mlp.down_proj.weight", l.w.at("mlp.down_proj.weight").slice(1, i0, i1));
+  if (i0 == 0 && l.w.count("mlp.down_proj.bias")) add("mlp.down_proj.bias", l.w.at("mlp.down_proj.bias"));
+  return s;
+}
+
+// Adds a slice's gradients into the layer's accumulators at their places.
+void add_slice_grads(Layer& l, const Layer& s, int64_t i0, int64_t i1) {
+  for (const auto& [name, g] : s.grads) {
+    at::Tensor whole = l.grads.at(name);
+    if (name == "mlp.down_proj.weight") whole = whole.slice(1, i0, i1);
+    else if (name != "mlp.down_proj.bias") whole = whole.slice(0, i0, i1);
+    whole.add_(g);
+  }
+}
+
+// The layer's pass cut at `bounds` (0 = i_0 < i_1 < ... = intermediate):
+// the attention half, the slices in order (their sum in fp32), the output;
+// then the slices in reverse, the attention half.
+Pass cut_pass(const BlockDims& d, Layer l, const RopeTables& rope, const at::Tensor& x, const at::Tensor& gout,
+              const std::vector<int64_t>& bounds, int64_t tile) {
+  Layer attn = attention_part(l);
+  std::vector<Layer> slices;
+  for (size_t j = 0; j + 1 < bounds.size(); ++j) slices.push_back(slice_part(l, bounds[j], bounds[j + 1]));
+  Pass p;
+  const AttentionHalf half = attention_half_forward(d, attn.w, rope, x, tile);
+  const at::Tensor sum = at::zeros(x.sizes(), at::kFloat);
+  for (const Layer& s : slices) mlp_slice_forward(d, s.w, half.h2, sum, tile);
+  p.out = mlp_slices_output(d, half.x1, sum);
+  const at::Tensor dsum = at::zeros(x.sizes(), at::kFloat);
+  for (size_t j = slices.size(); j-- > 0;) mlp_slice_backward(d, slices[j].w, slices[j].grads, half.h2, gout, dsum, tile);
+  p.dx = attention_half_backward(d, attn.w, attn.grads, rope, x, gout, dsum, tile);
+  for (size_t j = 0; j < slices.size(); ++j) add_slice_grads(l, slices[j], bounds[j], bounds[j + 1]);
+  p.grads = l.grads;
+  return p;
+}
+
+void check_same(const Pass& got, const Pass& want) {
+  CHECK(same_bits(got.out, want.out));
+  CHECK(same_bits(got.dx, want.dx));
+  REQUIRE(got.grads.size() == want.grads.size());
+  for (const auto& [name, g] : want.grads) {
+    INFO(name);
+    CHECK(same_bits(got.grads.at(name), g));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a layer cut into one MLP slice is the uncut layer bit for bit", "[layer_cut]") {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    for (bool qwen3 : {false, true}) {
+      for (double multiplier : {1.0, 0.25}) {
+        BlockDims d = dims(/*gqa=*/true, qwen3);
+        d.residual_multiplier = multiplier;  // Granite's
+        const Inputs in = inputs(d, dtype, 2, 13);
+        for (int64_t tile : {int64_t{0}, int64_t{7}}) {
+          INFO("dtype " << c10::toString(dtype) << " qwen3 " << qwen3 << " multiplier " << multiplier << " tile "
+                        << tile);
+          const Pass want = strider_pass(d, random_layer(d, dtype, 11), in.rope, in.x, in.gout, tile);
+          check_same(cut_pass(d, random_layer(d, dtype, 11), in.rope, in.x, in.gout, {0, d.intermediate}, tile),
+                     want);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("a layer cut into MLP slices agrees with the uncut layer to fp32 rounding", "[layer_cut]") {
+  for (bool qwen3 : {false, true}) {
+    BlockDims d = dims(/*gqa=*/true, qwen3);
+    const Inputs in = inputs(d, at::kFloat, 3, 11);
+    // Even slices, uneven ones, slices of one element.
+    for (const std::vector<int64_t>& bounds : std::vector<std::vector<int64_t>>{
+             {0, 40, 80}, {0, 16, 48, 80}, {0, 1, 79, 80}}) {
+      for (int64_t tile : {int64_t{0}, int64_t{5}}) {
+        INFO("qwen3 " << qwen3 << " slices " << bounds.size() - 1 << " from " << bounds[1] << " tile " << tile);
+        const Pass want = strider_pass(d, random_layer(d, at::kFloat, 12), in.rope, in.x, in.gout, tile);
+        check_close(cut_pass(d, random_layer(d, at::kFloat, 12), in.rope, in.x, in.gout, bounds, tile), want, 1e-6);
+      }
+    }
+  }
+}
+
+TEST_CASE("a layer cut into MLP slices in bf16 is within bf16 tolerance of the uncut layer", "[layer_cut]") {
+  // Each slice's partial output and input gradient is rounded to bf16
+  // before the fp32 sums add them; the uncut layer rounds the whole.
+  const BlockDims d = dims(/*gqa=*/true);
+  const Inputs in = inputs(d, at::kBFloat16, 2, 24);
+  const Pass want = strider_pass(d, random_layer(d, at::kBFloat16, 13), in.rope, in.x, in.gout, 0);
+  check_close(cut_pass(d, random_layer(d, at::kBFloat16, 13), in.rope, in.x, in.gout, {0, 24, 56, 80}, 0), want,
+              2e-2);
+}
+
+TEST_CASE("a layer the MLP slices cannot cut is refused by name", "[layer_cut]") {
+  BlockDims d = dims(/*gqa=*/false);
+  const Inputs in = inputs(d, at::kFloat, 1, 4);
+  {
+    BlockDims post = d;
+    post.norm_placement = NormPlacement::kSandwich;
+    CHECK_THROWS_WITH(attention_half_forward(post, random_layer(d, at::kFloat, 14).w, in.rope, in.x, 0),
+                      Catch::Contains("post_feedforward_layernorm"));
+  }
+  {
+    TensorMap w = random_layer(d, at::kFloat, 14).w;
+    w.emplace("self_attn.q_proj.lora_A.weight", at::zeros({4, d.hidden}));
+    CHECK_THROWS_WITH(check_cuttable(d, w), Catch::Contains("self_attn.q_proj.lora_A.weight"));
+  }
+  {
+    BlockDims moe = d;
+    moe.moe.experts = 4;
+    moe.moe.top_k = 2;
+    moe.moe.intermediate = 16;
+    CHECK_THROWS_WITH(check_cuttable(moe, {}), Catch::Contains("expert pieces"));
+  }
+}
