@@ -3,7 +3,10 @@ the machine's RAM even with all optimizer state on NVMe, so that the plan puts l
 too (read before each visit of their layer, written back with the state). Batch 32 x 1024, a 24 GiB GPU,
 clipping on, fp32 and q8 optimizer state. Every prediction runs the unchanged engine schedule on SimDevice;
 the 180B-class model is bench/configs/llama-180b-shape.json (Llama-shaped: hidden 12288, intermediate
-28672, 128 layers, 8 KV heads; 180.3B parameters).
+28672, 128 layers, 8 KV heads; 180.3B parameters), and bench/configs/llama-205b-wide-shape.json has GPT-3
+175B's widths (hidden 12288, FFN 49152, 96 layers) in Llama's gated shape with 8 KV heads (205B
+parameters): its layer's cache unit (12 GiB) is more than half the GPU, so the plan cuts each layer into
+sub-layer pieces (its attention half and MLP slices, each a visit of its own).
 
     .venv/bin/python bench/predict_past_ram.py                       # print the table
     .venv/bin/python bench/predict_past_ram.py --update-readme README.md
@@ -23,7 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # (label, --model, --ram)
 ROWS = [("Llama-3.1-70B", "llama-3.1-70b", "128GiB"),
-        ("Llama-shaped 180B", "bench/configs/llama-180b-shape.json", "256GiB")]
+        ("Llama-shaped 180B", "bench/configs/llama-180b-shape.json", "256GiB"),
+        ("205B, GPT-3 175B's widths", "bench/configs/llama-205b-wide-shape.json", "256GiB")]
 FORMATS = ["fp32", "q8"]
 
 
@@ -47,13 +51,14 @@ def render(results):
     lines = ["Each row by `build/strider plan --model M --gpu 24GiB --ram R --nvme DIR --seq 1024 --accumulation 32 "
              "--optimizer-state F --predict rtx4090` (clipping on; `.venv/bin/python bench/predict_past_ram.py` runs "
              "them all):", "",
-             "| model | RAM + NVMe | state | blocks' state / layers' compute copies on NVMe | host peak / NVMe | "
-             "tokens/s (s/step) | critical lane; NVMe read, write |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | RAM + NVMe | state | MLP slices | blocks' state / layers' compute copies on NVMe | "
+             "host peak / NVMe | tokens/s (s/step) | critical lane; NVMe read, write |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (label, _, ram), fmt, out in results:
         busy = out["lane_busy_s"]
         blocks = len(out["nvme_blocks"])
-        lines.append(f"| {label} | {ram.replace('GiB', ' GiB')} + NVMe | {fmt} | {blocks} of {blocks} / "
+        slices = out["mlp_pieces"] or "whole layers"
+        lines.append(f"| {label} | {ram.replace('GiB', ' GiB')} + NVMe | {fmt} | {slices} | {blocks} of {blocks} / "
                      f"{len(out['nvme_compute_blocks'])} | {gib(out['host_peak_bytes'])} / {gib(out['nvme_bytes'])} | "
                      f"{out['tokens_per_s']:.0f} ({out['step_s']:.0f} s) | {out['critical_lane']}; "
                      f"{busy['nvme read']:.0f} s, {busy['nvme write']:.0f} s |")
@@ -74,7 +79,8 @@ def main():
             for fmt in FORMATS:
                 out = plan(args.binary, row[1], row[2], fmt, nvme)
                 print(f"{row[0]}, {row[2]}, {fmt}: {out['tokens_per_s']:.0f} tokens/s, critical "
-                      f"{out['critical_lane']}; {len(out['nvme_compute_blocks'])} layers' compute copies on NVMe")
+                      f"{out['critical_lane']}; {len(out['nvme_compute_blocks'])} layers' compute copies on NVMe; "
+                      f"MLP slices {out['mlp_pieces']}")
                 results.append((row, fmt, out))
     block = render(results)
     print(block)

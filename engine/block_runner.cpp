@@ -1,5 +1,6 @@
 #include "engine/block_runner.h"
 
+#include "gpu/layer_cut.h"
 #include "host/error.h"
 
 namespace strider {
@@ -64,6 +65,42 @@ TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& l
       out.emplace("mlp.up_proj.weight", view.slice(0, d.intermediate, 2 * d.intermediate));
     } else {
       out.emplace(std::move(role), std::move(view));
+    }
+  }
+  return out;
+}
+
+TensorMap piece_views(const ModelSpec& spec, const Piece& pc, const ParamLayout& layout, const at::Tensor& flat) {
+  STRIDER_CHECK(pc.sub_layer && spec.block(pc.block).kind == BlockKind::kLayer && flat.dim() == 1 &&
+                    size_t(flat.numel()) >= pc.elems(),
+                "piece_views: {} is not a sub-layer piece of {} elements in a buffer that holds it", layout.block_name(),
+                pc.elems());
+  const std::string prefix = prefix_of(spec, pc.block);
+  const int64_t H = spec.dims.hidden, w = pc.mlp_end - pc.mlp_begin;
+  const size_t i0 = size_t(pc.mlp_begin);
+  TensorMap out;
+  // `shape`'s elements at block element `at` on, which the piece must hold back to back.
+  auto view = [&](const TensorSlot& s, std::string role, size_t at, std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t x : shape) n *= x;
+    const size_t lo = pc.before(at), hi = pc.before(s.offset_elems + s.numel);
+    STRIDER_CHECK(hi >= lo + size_t(n), "piece_views: {}[{}] does not hold {} elements of {} from element {}",
+                  layout.block_name(), pc.part, n, s.name, at);
+    out.emplace(std::move(role), flat.slice(0, int64_t(lo), int64_t(lo) + n).view(shape));
+  };
+  for (const TensorSlot& s : layout.slots()) {
+    const std::string role = s.name.substr(prefix.size());
+    const bool mlp = role.rfind("mlp.", 0) == 0;
+    if (!pc.mlp_slice()) {
+      if (!mlp) view(s, role, s.offset_elems, s.shape);
+    } else if (role == "mlp.gate_proj.weight" || role == "mlp.up_proj.weight") {
+      view(s, role, s.offset_elems + i0 * size_t(H), {w, H});
+    } else if (role == "mlp.down_proj.weight") {
+      view(s, role, s.offset_elems + i0, {H, w});
+    } else if (role == "mlp.gate_proj.bias" || role == "mlp.up_proj.bias") {
+      view(s, role, s.offset_elems + i0, {w});
+    } else if (role == "mlp.down_proj.bias" && i0 == 0) {
+      view(s, role, s.offset_elems, s.shape);
     }
   }
   return out;
@@ -145,6 +182,49 @@ at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::
     case BlockKind::kHead: break;
   }
   throw Error("BlockRunner::backward: use head_backward for the head");
+}
+
+void BlockRunner::forward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input,
+                                const at::Tensor& out, const CutBuffers& cut, const BatchPositions* positions) const {
+  const int64_t l = spec_.block(pc.block).layer;
+  const BlockDims d = spec_.layer_dims(l);
+  const TensorMap w = piece_views(spec_, pc, layouts_[size_t(pc.block)], params);
+  const int64_t tile = options_.token_tile;
+  if (!pc.mlp_slice()) {
+    const AttentionHalf half = attention_half_forward(d, w, layout_of(l, positions), input, tile);
+    cut.x1.copy_(half.x1);
+    cut.h2.copy_(half.h2);
+    cut.sum.zero_();
+    return;
+  }
+  mlp_slice_forward(d, w, cut.h2, cut.sum, tile);
+  if (pc.mlp_end == d.intermediate) out.copy_(mlp_slices_output(d, cut.x1, cut.sum));
+}
+
+void BlockRunner::recompute_mlp_input(const Piece& pc, const at::Tensor& params, const at::Tensor& input,
+                                      const CutBuffers& cut, const BatchPositions* positions) const {
+  STRIDER_CHECK(!pc.mlp_slice(), "recompute_mlp_input: {} is an MLP slice, not an attention half", pc.part);
+  const int64_t l = spec_.block(pc.block).layer;
+  const BlockDims d = spec_.layer_dims(l);
+  const TensorMap w = piece_views(spec_, pc, layouts_[size_t(pc.block)], params);
+  cut.h2.copy_(attention_half_forward(d, w, layout_of(l, positions), input, options_.token_tile).h2);
+}
+
+void BlockRunner::backward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input,
+                                 const at::Tensor& grad_out, const at::Tensor& grads, const CutBuffers& cut,
+                                 const BatchPositions* positions) const {
+  const int64_t l = spec_.block(pc.block).layer;
+  const BlockDims d = spec_.layer_dims(l);
+  const ParamLayout& layout = layouts_[size_t(pc.block)];
+  const TensorMap w = piece_views(spec_, pc, layout, params);
+  TensorMap g = piece_views(spec_, pc, layout, grads);
+  const int64_t tile = options_.token_tile;
+  if (pc.mlp_slice()) {
+    if (pc.mlp_end == d.intermediate) cut.sum.zero_();  // the first slice backward
+    mlp_slice_backward(d, w, g, cut.h2, grad_out, cut.sum, tile);
+    return;
+  }
+  grad_out.copy_(attention_half_backward(d, w, g, layout_of(l, positions), input, grad_out, cut.sum, tile));
 }
 
 HeadWeights BlockRunner::head_weights(const at::Tensor& params, const at::Tensor& tied_params) const {

@@ -9,6 +9,7 @@
 #include <span>
 
 #include "engine/model_spec.h"
+#include "engine/shards.h"
 #include "gpu/blocks.h"
 #include "gpu/chunked_loss.h"
 #include "gpu/moe.h"
@@ -47,6 +48,26 @@ DType host_dtype(at::ScalarType dtype);
 // compute and accumulate into it as into separate tensors.
 TensorMap block_views(const ModelSpec& spec, int64_t block, const ParamLayout& layout,
                       const at::Tensor& flat, bool trainable_only = false, size_t from = 0);
+
+// Named views of a sub-layer piece's parameters or gradients (Piece::
+// sub_layer), `flat` holding its elements back to back (the piece's
+// coordinates): the attention half's tensors whole; an MLP slice's rows of
+// gate_proj and up_proj [width, hidden], its columns of down_proj [hidden,
+// width] (its rows' ranges lie back to back), their biases' elements, and
+// down_proj's bias in the first slice (gpu/layer_cut.h). Throws where the
+// piece does not hold what its kind says.
+TensorMap piece_views(const ModelSpec& spec, const Piece& pc, const ParamLayout& layout, const at::Tensor& flat);
+
+// What a layer cut into sub-layer pieces keeps between its pieces' visits,
+// one micro-batch's, on the layer's device: the residual stream after
+// attention (from the attention half's forward to the last slice's), the
+// MLP's input (to the first slice's backward: the slices' checkpoint), both
+// [micro_batch, seq, hidden] in the compute dtype, and an fp32 sum of that
+// shape: the slices' partial outputs in forward, their input gradients in
+// backward.
+struct CutBuffers {
+  at::Tensor x1, h2, sum;
+};
 
 // A micro-batch's token positions where its rows pack documents (engine:
 // EngineConfig::packed_documents): [mb, seq] int64 on the block's device,
@@ -88,6 +109,23 @@ class BlockRunner {
                       const at::Tensor& grad_out, const at::Tensor& grads, const at::Tensor& saved = {},
                       size_t grads_from = 0, const BatchPositions* positions = nullptr,
                       const MoeStep* moe = nullptr) const;
+
+  // A sub-layer piece of layer block `b` (Piece::sub_layer), one
+  // micro-batch: the attention half's forward from `input` into `cut` (x1,
+  // h2; the sum zeroed), a slice's partial output added to cut.sum, and the
+  // last slice's the layer's output into `out`. Backward: the last slice
+  // (the first in backward) zeroes cut.sum and each adds its input gradient
+  // there, from the layer's output gradient `grad_out`; the attention half
+  // replaces grad_out by d(loss)/d(input). Parameter gradients add into
+  // `grads` (fp32, the piece's coordinates).
+  void forward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input, const at::Tensor& out,
+                     const CutBuffers& cut, const BatchPositions* positions = nullptr) const;
+  // The attention half's forward again (the same bits), before the slices'
+  // backward: the MLP's input into cut.h2 only.
+  void recompute_mlp_input(const Piece& pc, const at::Tensor& params, const at::Tensor& input, const CutBuffers& cut,
+                           const BatchPositions* positions = nullptr) const;
+  void backward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input, const at::Tensor& grad_out,
+                      const at::Tensor& grads, const CutBuffers& cut, const BatchPositions* positions = nullptr) const;
 
   // The head: loss and gradients. With tied embeddings `tied_params` /
   // `tied_grads` are the embedding block's flat buffers (the LM head reads

@@ -233,6 +233,13 @@ void EngineCore::allocate_activations(int d) {
                                          ? make({mb, S, H}, cdt, "activations")
                                          : at::Tensor());
   for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].grad_out = make({mb, S, H}, cdt, "output gradients");
+  if (place_.cut_layers(d) > 0)
+    for (int64_t m = 0; m < M; ++m) {
+      MicroBatch& x = st.mb[size_t(m)];
+      x.cut_x1 = make({mb, S, H}, cdt, "sub-layer pieces' residual stream");
+      x.cut_h2 = make({mb, S, H}, cdt, "sub-layer pieces' MLP input");
+      x.cut_sum = make({mb, S, H}, at::kFloat, "sub-layer pieces' fp32 sum");
+    }
   if (runs_head)
     for (int64_t m = 0; m < M; ++m) {
       MicroBatch& x = st.mb[size_t(m)];

@@ -92,6 +92,14 @@ struct EngineConfig {
   // layer_pieces makes; its attention and router stay there. Placement, as
   // layer_pieces is. 0: the experts stay in the layer's pieces.
   int64_t expert_pieces = 0;
+  // Every decoder layer cut into sub-layer pieces (engine/shards.h,
+  // mlp_slice_ranges; gpu/layer_cut.h): its attention half and this many
+  // slices of its MLP along the intermediate dimension, each a visit of its
+  // own, so that a cache unit holds the largest piece, not a layer. Maths,
+  // not only placement: the slices' partial outputs are summed in fp32, so
+  // the bits are a cut layer's (the same for every placement), within fp32
+  // rounding of the whole layer's. 0: whole layers.
+  int64_t mlp_pieces = 0;
   // LoRA adapters over a frozen base (engine/lora.h, LoraSpec::parse's
   // text); empty: every parameter trains. The Engine gives it to its
   // ModelSpec (ModelSpec::with_lora), whose layouts then hold the adapters.

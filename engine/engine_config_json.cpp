@@ -27,6 +27,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"vocab_shard_rows", c.vocab_shard_rows},
           {"layer_pieces", c.layer_pieces},
           {"expert_pieces", c.expert_pieces},
+          {"mlp_pieces", c.mlp_pieces},
           {"lora", c.lora},
           {"base_format", std::string(base_format_name(c.base_format))},
           {"grad_transfer", c.fp32_grad_transfer ? "fp32" : "bf16"},
@@ -80,6 +81,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   get("vocab_shard_rows", c.vocab_shard_rows);
   get("layer_pieces", c.layer_pieces);
   get("expert_pieces", c.expert_pieces);
+  get("mlp_pieces", c.mlp_pieces);
   get("lora", c.lora);
   c.base_format = parse_base_format(j["base_format"].get<std::string>(), "engine config base_format");
   c.fp32_grad_transfer = j["grad_transfer"] == "fp32";

@@ -88,6 +88,11 @@ class EngineCore {
                                             // where another device of the pool holds it), or the
                                             // 2-set ring with host checkpoints
     at::Tensor grad_out;                    // the gradient flowing backward
+    // Layers cut into sub-layer pieces (EngineConfig::mlp_pieces): what one
+    // keeps between its pieces' visits (BlockRunner's CutBuffers), shared
+    // by the layers, which the device runs one at a time (the MLP's input
+    // is made again by a recompute visit before the slices' backward).
+    at::Tensor cut_x1, cut_h2, cut_sum;
     // A device that runs the head's shards: the streamed head's pass 1
     // running max, sum and target logit (`head`: rows of `head_state`, fp32
     // [3, tokens]) and then log-sum-exp (fp32 [tokens]), and d(loss)/d(normed

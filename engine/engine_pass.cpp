@@ -236,10 +236,16 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
     std::byte* to = static_cast<std::byte*>(u.params_bf16) + unit_at * place_.compute_bytes;
     const BlockState& s = store_->block(size_t(block));
     if (!s.compute_on_host) {
+      // The piece's runs adjacent in its coordinates (the staging's) and in
+      // the unit go as one copy: a sub-layer MLP slice's rows of down_proj.
       const std::byte* src = compute_slots_[size_t(v.slot)].bytes.data() + place_.at(r.piece).compute_staging_at +
                              r.run.at * place_.compute_bytes;
-      dev.copy_h2d(StreamId::kH2D, to, src, r.run.n * place_.compute_bytes, {"h2d params", int32_t(block)});
-      ++i;
+      size_t n = r.run.n;
+      for (++i; i < layout.size() && layout[i].piece == r.piece && layout[i].unit_at == unit_at + n &&
+                layout[i].run.at == r.run.at + n;
+           ++i)
+        n += layout[i].run.n;
+      dev.copy_h2d(StreamId::kH2D, to, src, n * place_.compute_bytes, {"h2d params", int32_t(block)});
       continue;
     }
     size_t n = r.run.n;

@@ -47,6 +47,18 @@ double EngineCore::op_flops(const StepOp& op) const {
       const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk,
                                      int(place_.compute_bytes), 0, WorkCoefficients::analytic(),
                                      config_.packed_documents);
+      const Piece& pc = piece(op.piece);
+      if (pc.sub_layer) {
+        // Its share of the layer's: an MLP slice's three GEMMs over its
+        // rows, the attention half the rest; backward (with the recompute)
+        // in the same proportion.
+        const double mlp = 6.0 * tokens * H * double(spec_.layer_dims(spec_.block(b).layer).intermediate);
+        const double mine = pc.mlp_slice() ? mlp * double(pc.mlp_end - pc.mlp_begin) /
+                                                 double(spec_.layer_dims(spec_.block(b).layer).intermediate)
+                                           : c.forward_flops - mlp;
+        const double share = c.forward_flops > 0 ? mine / c.forward_flops : 0.0;
+        return share * (op.kind == StepOpKind::kForward ? c.forward_flops : c.forward_flops + c.backward_flops);
+      }
       if (op.kind == StepOpKind::kForward) return c.forward_flops;
       if (!op.keep) return c.forward_flops + c.backward_flops;  // recompute + backward
       // Kept activations: backward, and what it computes again (a layer's experts, a soft-capped core).
@@ -238,6 +250,18 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
     return;
   }
   const BatchPositions pos = st.mb[size_t(m)].positions;  // its rows' documents, if they pack several
+  if (pc.sub_layer) {  // a sub-layer piece: between its layer's visits, what the layer keeps (CutBuffers)
+    const MicroBatch& x = st.mb[size_t(m)];
+    const CutBuffers cut{x.cut_x1, x.cut_h2, x.cut_sum};
+    const Piece* p = &pc;
+    const bool again = op.recompute;
+    dev.launch(StreamId::kCompute, {again ? "recompute" : "forward", int32_t(b), flops},
+               [runner, p, params, in, out, cut, pos, again](const LaunchContext&) {
+                 if (again) runner->recompute_mlp_input(*p, params, in, cut, &pos);
+                 else runner->forward_piece(*p, params, in, out, cut, &pos);
+               });
+    return;
+  }
   const MoeStep moe = moe_step(st, b, m, /*backward=*/false);
   if (op.keep) {
     // Keep what backward needs: written into a device slot (once its last
@@ -341,6 +365,16 @@ void EngineCore::backward_op(const StepOp& op) {
     return;
   }
   const BatchPositions pos = st.mb[size_t(m)].positions;  // its rows' documents, if they pack several
+  if (pc.sub_layer) {  // as forward_op's
+    const MicroBatch& x = st.mb[size_t(m)];
+    const CutBuffers cut{x.cut_x1, x.cut_h2, x.cut_sum};
+    const Piece* p = &pc;
+    dev.launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
+               [runner, p, params, grads, in, gout, cut, pos](const LaunchContext&) {
+                 runner->backward_piece(*p, params, in, gout, grads, cut, &pos);
+               });
+    return;
+  }
   const MoeStep moe = moe_step(st, b, m, /*backward=*/true);
   if (op.keep) {
     // Its kept activations came in ahead (kFetchSaved), in order.

@@ -54,6 +54,9 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     if (c.checkpoints_on_host) sets = 2;
     uint64_t bytes = 2 * round_up(tokens * 8, 256) + sets * M * act + M * act;
     if (pl.runs_kept_layer(d)) bytes += 2 * round_up(pl.saved_bytes, 256);
+    // Layers cut into sub-layer pieces: per micro-batch the residual stream,
+    // the MLP's input and the fp32 sum they share (engine_core.h, cut_*).
+    if (pl.cut_layers(d) > 0) bytes += M * (2 * act + round_up(mb_tokens * hidden * 4, 256));
     // The load-balancing loss's routing statistics and attention mask (engine_core.h, Seat::moe_stats).
     if (spec.router_aux_coef > 0)
       bytes += round_up(M * 2 * size_t(spec.dims.moe.experts) * 4, 256) + round_up(tokens * 4, 256);
@@ -139,6 +142,10 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.expert_pieces == 0 || spec.sparse_layer_count() > 0,
                 "expert_pieces {}: {} has no mixture-of-experts layers to cut; leave expert_pieces 0", c.expert_pieces,
                 spec.arch_name);
+  // Sub-layer pieces: the layer's own checks are mlp_slice_ranges' (place() runs it).
+  STRIDER_CHECK(c.mlp_pieces == 0 || c.saved_blocks.empty(),
+                "mlp_pieces {} with saved_blocks: a layer cut into sub-layer pieces keeps no activations yet; leave "
+                "saved_blocks empty", c.mlp_pieces);
   // grad_ring and the state shard: place() checks them (it indexes by them).
   STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
                 "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",
@@ -162,7 +169,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;
   pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces, c.devices,
-                            c.expert_pieces);
+                            c.expert_pieces, c.mlp_pieces);
   // A quantized base: each decoder layer's frozen piece before its trained
   // stretch (host/base_format.h).
   const bool quantize = c.base_format != BaseFormat::kCompute && spec.lora.enabled();
@@ -274,12 +281,13 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
     }
     if (pl.nvme_compute[size_t(pc.block)]) {
       // Its compute copy, in the piece's coordinates (the q8 master's high
-      // half: the format's own bytes), at its place in its layer's load staging.
+      // half: the format's own bytes), at its place in its layer's load
+      // staging (a sub-layer piece, a visit of its own: at its start).
       const size_t bytes = pc.elems() * pl.compute_bytes;
       at.compute_on_nvme = true;
-      at.compute_staging_at = load_staged[size_t(pc.block)];
-      load_staged[size_t(pc.block)] += round_up(bytes, kHostAlign);
-      pl.compute_load_slot_bytes = std::max(pl.compute_load_slot_bytes, load_staged[size_t(pc.block)]);
+      at.compute_staging_at = pc.sub_layer ? 0 : load_staged[size_t(pc.block)];
+      if (!pc.sub_layer) load_staged[size_t(pc.block)] += round_up(bytes, kHostAlign);
+      pl.compute_load_slot_bytes = std::max(pl.compute_load_slot_bytes, at.compute_staging_at + round_up(bytes, kHostAlign));
       pl.extents.push_back({p, ExtentKind::kCompute, bytes});
       pl.nvme_compute_slot_bytes = std::max(pl.nvme_compute_slot_bytes, round_up(bytes, kHostAlign));
       pl.footprint.nvme_bytes += round_up(bytes, kHostAlign);

@@ -167,6 +167,15 @@ struct Placement {
     return false;
   }
 
+  // Block b is a layer cut into sub-layer pieces (EngineConfig::mlp_pieces);
+  // how many of those device d runs (it holds their buffers, engine_core.h).
+  bool cut(int64_t b) const { return b > 0 && b < head && piece(shards.first_of(b)).sub_layer; }
+  int64_t cut_layers(int d) const {
+    int64_t n = 0;
+    for (int64_t b = 1; b < head; ++b) n += cut(b) && block_device(b) == d;
+    return n;
+  }
+
   // The first block in forward order with a trained piece: the backward
   // stops there, since no block before it needs a gradient (LoRA over a
   // frozen embedding: the embedding has no backward visit).

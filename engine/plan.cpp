@@ -92,6 +92,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   constexpr int64_t kMaxAutoWindow = Plan::kMaxAutoWindow;
   Plan p;
   p.expert_pieces = l.expert_pieces;
+  p.mlp_pieces = l.mlp_pieces;
   // The host RAM limit bounds the whole process at its peak (host_peak_bytes):
   // the pinned arena gets what the rest of the process leaves of it.
   std::string rest_parts;
@@ -169,6 +170,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   EngineFootprint f;
   const bool host_ckpt = host_ckpt_for();
   if (!fits(k_min, host_ckpt, &f)) {
+    p.device_short = true;
     p.reason = fmt::format(
         "needs {} of device memory for K={} at micro-batch {} (seq {}): {} cache units of {}, {} of "
         "activations{}, ~{} of working memory; the budget is {}: give the device more (`strider finetune "
@@ -364,7 +366,9 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
   const uint64_t per_layer = footprint(spec, one).saved_bytes_per_layer;
   const ActivationCost cost = activation_cost(spec, l, per_layer);
   std::vector<int64_t> wanted;
-  if (l.activations == ActivationMode::kSaved || (l.activations == ActivationMode::kAuto && cost.pays()))
+  // A layer cut into sub-layer pieces keeps none (engine/README.md, "Sub-layer pieces").
+  if (l.mlp_pieces == 0 &&
+      (l.activations == ActivationMode::kSaved || (l.activations == ActivationMode::kAuto && cost.pays())))
     for (int64_t b = 1; b <= spec.layers; ++b) wanted.push_back(b);
 
   Plan p = place(spec, l, wanted);
@@ -387,7 +391,13 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
       PlanLimits lo = l;
       lo.optimizer_state = other;
       if (other == StateFormat::kQ8 && lo.dtype != at::kBFloat16) continue;  // q8 needs the bf16 compute copy
-      const Plan q = place(spec, lo, p.saved_blocks);
+      Plan q;
+      try {
+        q = place(spec, lo, p.saved_blocks);
+      } catch (const Error& e) {  // a cut into sub-layer pieces that splits q8's groups
+        fits.push_back(fmt::format("{} cannot be used ({})", state_format_name(other), e.what()));
+        continue;
+      }
       p.other_formats.push_back({other, q.feasible, q.host_bytes, int64_t(q.nvme_blocks.size())});
       fits.push_back(!q.feasible ? fmt::format("{} does not fit ({})", state_format_name(other), q.reason)
                      : fmt::format("{} would take {} ({:.2f} bytes per parameter) with {}", state_format_name(other),
@@ -417,6 +427,35 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
   return p;
 }
 
+// A dense model whose whole layers do not fit (two cache units of a layer
+// with its fp32 gradients exceed the device: a 175B-class layer is 12 GiB)
+// may fit with its layers cut into sub-layer pieces (EngineConfig::
+// mlp_pieces), unless the limits name a count: the fewest MLP slices that
+// fit, so that each visit moves as much as it can (the count doubles from 2;
+// one the optimizer state's groups cannot cut is skipped). Where the device
+// is not what stops the plan, no cut mends it: none is tried (a plan of cut
+// layers is slow to make).
+Plan cut_into_sub_layer_pieces(const ModelSpec& model, const PlanLimits& l, Plan whole) {
+  if (whole.feasible || !whole.device_short || l.mlp_pieces != 0 || model.sparse_layer_count() > 0 ||
+      !l.lora.empty())
+    return whole;
+  const int64_t I = model.dims.intermediate;
+  for (int64_t n = 2; n <= 64 && n <= I; n *= 2) {
+    PlanLimits cut = l;
+    cut.mlp_pieces = n;
+    Plan p;
+    try {
+      p = make_as_given(model, cut);
+    } catch (const Error&) {
+      continue;  // mlp_slice_ranges refused this count (q8's groups)
+    }
+    if (!p.feasible) continue;
+    p.why.push_back(fmt::format("sub-layer pieces: each layer's attention half and {} slices of its MLP are visits of "
+                                "their own (chosen: with whole layers the plan {})", n, whole.reason));
+    return p;
+  }
+  return whole;
+}
 }  // namespace
 
 // A mixture of experts that does not fit with its layers whole in their
@@ -432,6 +471,7 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
 // shrink.
 Plan Plan::make(const ModelSpec& model, const PlanLimits& l) {
   Plan whole = make_as_given(model, l);
+  if (!whole.feasible && model.sparse_layer_count() == 0) return cut_into_sub_layer_pieces(model, l, std::move(whole));
   if (whole.feasible || l.expert_pieces != 0 || model.sparse_layer_count() == 0) return whole;
   PlanLimits cut = l;
   cut.expert_pieces = 1;

@@ -52,6 +52,7 @@ struct PlanLimits {
   int64_t vocab_shard_rows = 0;  // 0: shards no larger than a layer (engine/shards.h)
   std::string layer_pieces;      // EngineConfig::layer_pieces (empty: one piece per layer)
   int64_t expert_pieces = 0;     // EngineConfig::expert_pieces (0: experts stay in the layer's pieces)
+  int64_t mlp_pieces = 0;        // EngineConfig::mlp_pieces (0: whole layers, unless they do not fit: Plan::make)
   std::string lora;              // EngineConfig::lora (empty: every parameter trains); Plan::make applies it
   BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how a LoRA base is held
   int devices = 1;               // a pool's devices, each with device_bytes (EngineConfig::devices)
@@ -173,6 +174,7 @@ struct Plan {
 
   bool feasible = false;
   std::string reason;            // why not, with the numbers (when !feasible)
+  bool device_short = false;     // not feasible because the device does not hold K = 2 units and what they need
   int64_t window = 0;            // K
   bool checkpoints_on_host = false;
   std::vector<int64_t> nvme_blocks;
@@ -185,6 +187,9 @@ struct Plan {
   // EngineConfig::expert_pieces: PlanLimits', or, where a mixture of experts
   // does not fit with whole layers, the group size the plan chose (Plan::make).
   int64_t expert_pieces = 0;
+  // EngineConfig::mlp_pieces: PlanLimits', or, where a dense model's whole
+  // layers do not fit the device, the fewest MLP slices that do (Plan::make).
+  int64_t mlp_pieces = 0;
   uint64_t device_buffer_bytes = 0;  // what the engine allocates on the device (units, activations)
   uint64_t device_work_bytes = 0;    // ATen's working memory, estimated from the block costs
   uint64_t device_peak_bytes = 0;    // the two together

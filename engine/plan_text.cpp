@@ -72,6 +72,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.vocab_shard_rows = l.vocab_shard_rows;
   c.layer_pieces = l.layer_pieces;
   c.expert_pieces = expert_pieces;
+  c.mlp_pieces = mlp_pieces;
   c.lora = l.lora;
   c.base_format = l.base_format;
   c.devices = l.devices;
@@ -97,7 +98,7 @@ nlohmann::json Plan::to_json() const {
           {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
           {"nvme_compute_blocks", nvme_compute_blocks},
           {"unit_bytes", unit_bytes}, {"vocab_shards", vocab_shards}, {"shard_rows", shard_rows},
-          {"token_tile", token_tile}, {"expert_pieces", expert_pieces},
+          {"token_tile", token_tile}, {"expert_pieces", expert_pieces}, {"mlp_pieces", mlp_pieces},
           {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},
           {"host_bytes", host_bytes}, {"host_pinned_bytes", pinned_bytes},
@@ -133,6 +134,8 @@ std::string link_line(const PlanLimits& l, const LinkBalance& b) {
 
 std::string activations_line(const ModelSpec& spec, const PlanLimits& l, const Plan& p, size_t wanted,
                              const std::string& device_fallback) {
+  if (l.mlp_pieces > 0)
+    return "activations: every layer recomputes from its checkpoint: a layer cut into sub-layer pieces keeps none";
   const ActivationCost& c = p.layer_cost;
   const std::string rates = fmt::format("at {:.4g} TFLOP/s and {:.4g} GB/s{}", l.compute_flops_per_s * 1e-12,
                                         l.copy_bytes_per_s() * 1e-9,

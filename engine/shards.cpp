@@ -39,7 +39,7 @@ size_t Sharding::head_visit_elems(int64_t s) const {
 std::vector<int64_t> Sharding::visit_pieces(int64_t piece, int64_t shard) const {
   if (shard >= 0) return {norm_piece, lm_piece[size_t(shard)]};
   const Piece& pc = pieces[size_t(piece)];
-  if (pc.rows()) return {piece};
+  if (pc.rows() || pc.sub_layer) return {piece};
   std::vector<int64_t> all;
   for (int64_t p = first_of(pc.block); p < end_of(pc.block); ++p) all.push_back(p);
   return all;
@@ -191,7 +191,11 @@ std::string Sharding::name(const ModelSpec& spec, int64_t i) const {
 }
 
 Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows, int64_t align_elems,
-                       const std::string& layer_pieces, int64_t min_shards, int64_t expert_pieces) {
+                       const std::string& layer_pieces, int64_t min_shards, int64_t expert_pieces,
+                       int64_t mlp_pieces) {
+  STRIDER_CHECK(mlp_pieces >= 0, "mlp_pieces {} must be >= 0 (0: whole layers)", mlp_pieces);
+  STRIDER_CHECK(mlp_pieces == 0 || layer_pieces.empty(), "mlp_pieces {} with layer_pieces '{}': a layer is cut one "
+                "way; leave layer_pieces empty", mlp_pieces, layer_pieces);
   STRIDER_CHECK(expert_pieces >= 0, "expert_pieces {} must be >= 0 (0: a layer's experts stay in its pieces)",
                 expert_pieces);
   STRIDER_CHECK(vocab_chunk >= 0 && shard_rows >= 0, "vocab chunk {} and shard rows {} must be >= 0", vocab_chunk,
@@ -200,6 +204,20 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
   const int64_t blocks = spec.num_blocks(), head = blocks - 1, V = spec.dims.vocab, H = spec.dims.hidden;
   const ParamLayout emb = spec.layout(0), hd = spec.layout(head);
   for (int64_t b = 1; b < head; ++b) s.layer_elems = std::max(s.layer_elems, spec.layout(b).total_elems());
+  // Layers cut into sub-layer pieces: a visit is one piece, the largest of
+  // which sizes the head's shards below.
+  std::vector<std::vector<MlpSlice>> sub(static_cast<size_t>(head));
+  if (mlp_pieces > 0) {
+    s.layer_elems = 0;
+    for (int64_t b = 1; b < head; ++b) {
+      sub[size_t(b)] = mlp_slice_ranges(spec, b, mlp_pieces, align_elems);
+      for (const MlpSlice& sl : sub[size_t(b)]) {
+        size_t n = 0;
+        for (const ElemRange& r : sl.ranges) n += r.elems();
+        s.layer_elems = std::max(s.layer_elems, n);
+      }
+    }
+  }
   const TensorSlot* norm = hd.find("model.norm.weight");
   STRIDER_CHECK(norm && norm->offset_elems == 0, "head layout: model.norm.weight must come first");
   const TensorSlot* lm = spec.tie_embeddings ? nullptr : hd.find("lm_head.weight");
@@ -254,6 +272,19 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
   for (int64_t b = 1; b < head; ++b) {
     s.first.push_back(int64_t(s.pieces.size()));
     const ParamLayout layer = spec.layout(b);
+    if (!sub[size_t(b)].empty()) {
+      for (MlpSlice& sl : sub[size_t(b)]) {
+        for (const ElemRange& r : sl.ranges)
+          STRIDER_CHECK(r.begin % size_t(align_elems) == 0, "mlp_pieces: a piece of {} starts at element {}, not a "
+                        "multiple of {} (the optimizer state's groups)", spec.block_name(b), r.begin, align_elems);
+        Piece pc{b, std::move(sl.ranges), 0, 0, std::move(sl.label)};
+        pc.sub_layer = true;
+        pc.mlp_begin = sl.begin;
+        pc.mlp_end = sl.end;
+        add(std::move(pc));
+      }
+      continue;
+    }
     if (layer.any_frozen() && layer.trainable_span().second > 0) {
       // A frozen base with adapters: two pieces, the base (its program has
       // no gradient, update or state operations) and the trained stretch.
@@ -330,10 +361,74 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
     for (const UnitRun& u : layout) n = std::max(n, u.unit_at + u.run.n);
     return n - std::min(n, s.grad_base(layout));
   };
-  for (int64_t b = 1; b < head; ++b) s.unit_grad_elems = std::max(s.unit_grad_elems, grad_elems(s.visit_pieces(s.first_of(b), -1)));
+  for (int64_t b = 1; b < head; ++b)
+    for (int64_t p = s.first_of(b); p < s.end_of(b); ++p)  // each a visit where the layer is cut into sub-layer pieces
+      s.unit_grad_elems = std::max(s.unit_grad_elems, grad_elems(s.visit_pieces(p, -1)));
   for (int64_t k = 0; k < s.shards; ++k)
     s.unit_grad_elems = std::max({s.unit_grad_elems, grad_elems({s.emb_piece[size_t(k)]}), grad_elems(s.visit_pieces(-1, k))});
   return s;
+}
+
+std::vector<MlpSlice> mlp_slice_ranges(const ModelSpec& spec, int64_t b, int64_t slices, int64_t align_elems) {
+  const ParamLayout layer = spec.layout(b);
+  const int64_t l = spec.block(b).layer;
+  const std::string prefix = fmt::format("model.layers.{}.", l), name = spec.block_name(b);
+  STRIDER_CHECK(!spec.sparse(l), "mlp_pieces: {} has experts; cut them with expert_pieces instead", name);
+  STRIDER_CHECK(!layer.any_frozen(), "mlp_pieces: {} has LoRA adapters over a frozen base; sub-layer pieces are "
+                "for full training", name);
+  STRIDER_CHECK(!layer.find(prefix + "post_feedforward_layernorm.weight"), "mlp_pieces: {} has a norm after its MLP "
+                "(post_feedforward_layernorm), which needs the slices' whole sum; it cannot be cut", name);
+  const TensorSlot* gate = layer.find(prefix + "mlp.gate_proj.weight");
+  const TensorSlot* up = layer.find(prefix + "mlp.up_proj.weight");
+  const TensorSlot* down = layer.find(prefix + "mlp.down_proj.weight");
+  STRIDER_CHECK(gate && up && down, "mlp_pieces: {} has no separate mlp.gate_proj, mlp.up_proj and mlp.down_proj "
+                "(a fused gate_up_proj is not cut)", name);
+  const int64_t I = spec.layer_dims(l).intermediate, H = spec.dims.hidden;
+  // Down's rows start at multiples of I, gate's and up's at multiples of H:
+  // with the state in groups, I and every cut are multiples of the group.
+  const int64_t a = align_elems > 1 ? align_elems : 1;
+  STRIDER_CHECK(I % a == 0, "mlp_pieces: {}'s intermediate size {} is not a multiple of {} (the optimizer state's "
+                "groups), so its MLP slices would split them; use fp32 state", name, I, a);
+  STRIDER_CHECK(slices >= 1 && slices <= I / a, "mlp_pieces {}: {}'s MLP has {} rows in groups of {}: 1 to {} slices",
+                slices, name, I, a, I / a);
+  // The MLP's tensors in block order (each slice's ranges ascend with them).
+  std::vector<const TensorSlot*> mlp;
+  for (const TensorSlot& t : layer.slots())
+    if (t.name.rfind(prefix + "mlp.", 0) == 0) mlp.push_back(&t);
+  std::vector<MlpSlice> out(size_t(slices) + 1);
+  for (int64_t j = 0; j < slices; ++j) {
+    MlpSlice& sl = out[size_t(j) + 1];
+    sl.begin = j * (I / a) / slices * a;
+    sl.end = (j + 1) * (I / a) / slices * a;
+    sl.label = fmt::format("mlp[{}:{})", sl.begin, sl.end);
+    const size_t i0 = size_t(sl.begin), i1 = size_t(sl.end);
+    sl.ranges.reserve(size_t(H) + 5);
+    for (const TensorSlot* t : mlp) {
+      const std::string role = t->name.substr(prefix.size());
+      if (t == gate || t == up) {
+        sl.ranges.push_back({t->offset_elems + i0 * size_t(H), t->offset_elems + i1 * size_t(H)});
+      } else if (t == down) {
+        for (int64_t h = 0; h < H; ++h)
+          sl.ranges.push_back({t->offset_elems + size_t(h * I) + i0, t->offset_elems + size_t(h * I) + i1});
+      } else if (role == "mlp.gate_proj.bias" || role == "mlp.up_proj.bias") {
+        sl.ranges.push_back({t->offset_elems + i0, t->offset_elems + i1});
+      } else if (role == "mlp.down_proj.bias" && j == 0) {
+        sl.ranges.push_back({t->offset_elems, t->offset_elems + t->numel});
+      } else if (role != "mlp.down_proj.bias") {
+        throw Error(fmt::format("mlp_pieces: {} has {}, which an MLP slice does not cut", name, t->name));
+      }
+    }
+    STRIDER_CHECK(std::adjacent_find(sl.ranges.begin(), sl.ranges.end(),
+                                     [](const ElemRange& x, const ElemRange& y) { return x.end > y.begin; }) ==
+                      sl.ranges.end(),
+                  "internal: {}'s MLP tensors are not in block order", name);
+  }
+  // The attention half: every element but the MLP's tensors'.
+  std::vector<ElemRange> taken;
+  for (const TensorSlot* t : mlp) taken.push_back({t->offset_elems, t->offset_elems + t->numel});
+  out[0].label = "attention";
+  out[0].ranges = subtract({{0, layer.total_elems()}}, taken);
+  return out;
 }
 
 std::vector<size_t> rank_slices(size_t elems, int world, size_t align_elems) {

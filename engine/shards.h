@@ -15,6 +15,10 @@
 //     its adapters ("layer.3[base]", "layer.3[lora]");
 //   - a layer with experts may be its attention and router, and groups of
 //     experts ("layer.3[attention+router]", "layer.3[experts[0:16)]").
+//   - a layer cut into sub-layer pieces (EngineConfig::mlp_pieces) is its
+//     attention half and slices of its MLP along the intermediate dimension
+//     ("layer.3[attention]", "layer.3[mlp[0:4096)]"); unlike the cuts
+//     above, each is a visit of its own (gpu/layer_cut.h computes it).
 // Each piece has its own gradient D2H, AdamW job, NVMe extents and update
 // wait; each visit of the sliding window loads a few pieces' compute copies
 // into one cache unit. Storage (ParamStore, checkpoints, the Python aliasing)
@@ -24,7 +28,8 @@
 // tensor names: its norms are two ranges, input_layernorm and
 // post_attention_layernorm; a group of experts (EngineConfig::expert_pieces)
 // is a range of each fused expert tensor; an MLP slice along the intermediate
-// dimension will be more) has two coordinates:
+// dimension is one range of gate's rows, one of up's and one per row of
+// down_proj [hidden, intermediate]) has two coordinates:
 //   - the piece's own: its ranges back to back, in block order. Its gradients
 //     on the host, its NVMe extents, its AdamW runs' offsets and the ranks'
 //     slices of it are in these; the piece's part of a rank's slice of the
@@ -70,6 +75,11 @@ struct Piece {
   std::vector<ElemRange> ranges;   // elements of the block's flat layout: ascending, disjoint, not empty
   int64_t row_begin = 0, row_end = 0;  // vocabulary rows (embedding and LM-head shards: one range); 0, 0 otherwise
   std::string part;                // a layer cut into pieces: this one's group of names (EngineConfig::layer_pieces)
+  // A piece of a layer cut into sub-layer pieces (EngineConfig::mlp_pieces):
+  // its attention half (mlp_end == 0), or the MLP's intermediate rows
+  // [mlp_begin, mlp_end). Such a piece is a visit of its own.
+  bool sub_layer = false;
+  int64_t mlp_begin = 0, mlp_end = 0;
   // Every tensor it holds is frozen (a LoRA base, engine/lora.h): its
   // program has no gradient, landing, update or state operations.
   bool frozen = false;
@@ -79,6 +89,7 @@ struct Piece {
   bool quantized = false;
   size_t elems() const;
   bool rows() const { return row_end > row_begin; }
+  bool mlp_slice() const { return mlp_end > mlp_begin; }
   // Piece coordinates [lo, hi) as runs contiguous in the block, in order.
   std::vector<PieceRun> runs(size_t lo, size_t hi) const;
   std::vector<PieceRun> runs() const { return runs(0, elems()); }
@@ -104,7 +115,7 @@ struct Sharding {
   // Per vocabulary shard: the piece holding its LM-head rows (the embedding's
   // own pieces when tied) and its embedding piece.
   std::vector<int64_t> lm_piece, emb_piece;
-  size_t layer_elems = 0;       // the largest decoder layer
+  size_t layer_elems = 0;       // the largest decoder layer's visit (a layer, or a sub-layer piece)
   size_t unit_elems = 0;        // the largest visit: a layer, an embedding shard, or norm + LM-head shard
   // The most gradient accumulators a visit needs: its elements from its
   // first trained range on (grad_base); unit_elems unless pieces are frozen.
@@ -116,7 +127,8 @@ struct Sharding {
   // Elements a head visit of shard s loads: the norm, then the shard's rows.
   size_t head_visit_elems(int64_t s) const;
   // The pieces one visit loads: the head's (shard >= 0) norm and that
-  // shard's LM-head rows; an embedding shard alone; a layer's all.
+  // shard's LM-head rows; an embedding shard alone; a sub-layer piece
+  // alone; a layer's all.
   std::vector<int64_t> visit_pieces(int64_t piece, int64_t shard) const;
   // Their ranges in the unit: grouped by block in the order given, in block
   // order within a block, back to back.
@@ -145,8 +157,11 @@ struct Sharding {
 // `expert_pieces` > 0 (EngineConfig::expert_pieces) takes a sparse layer's
 // experts out of the pieces `layer_pieces` made: groups of that many experts,
 // each a piece of one range per fused expert tensor (expert_piece_ranges).
+// `mlp_pieces` > 0 (EngineConfig::mlp_pieces) cuts every decoder layer into
+// its attention half and that many MLP slices (mlp_slice_ranges).
 Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard_rows = 0, int64_t align_elems = 1,
-                       const std::string& layer_pieces = "", int64_t min_shards = 1, int64_t expert_pieces = 0);
+                       const std::string& layer_pieces = "", int64_t min_shards = 1, int64_t expert_pieces = 0,
+                       int64_t mlp_pieces = 0);
 
 // A decoder layer's pieces by tensor name: `groups` is comma-separated
 // groups, each of '+'-joined fragments of the name after the layer's prefix
@@ -168,6 +183,24 @@ struct ExpertGroup {
   std::vector<ElemRange> ranges;
 };
 std::vector<ExpertGroup> expert_piece_ranges(const ParamLayout& layer, int64_t experts, int64_t per_piece);
+
+// A dense decoder layer cut into its attention half and `slices` MLP
+// slices along the intermediate dimension (gpu/layer_cut.h): slice j holds
+// rows [i_j, i_{j+1}) of gate_proj and up_proj (and their biases), those
+// columns of each of down_proj's rows, and down_proj's bias in the first;
+// the attention half every other element. The cuts are as even as
+// `align_elems` allows (each range starts on a whole group of the optimizer
+// state: the intermediate size and every cut a multiple of it). Throws,
+// naming the layer and what stops it, where the layer cannot be cut: a fused
+// gate_up_proj, experts, a norm after the MLP, LoRA adapters, or more
+// slices than aligned rows. Returns the pieces' ranges, the attention half
+// first, with their labels and bounds.
+struct MlpSlice {
+  std::string label;
+  std::vector<ElemRange> ranges;
+  int64_t begin = 0, end = 0;  // intermediate rows (0, 0: the attention half)
+};
+std::vector<MlpSlice> mlp_slice_ranges(const ModelSpec& spec, int64_t block, int64_t slices, int64_t align_elems);
 
 // Data parallel with sharded state: which elements of a block of `elems`
 // each of `world` ranks keeps the master and Adam state of. world + 1 bounds,

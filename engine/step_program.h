@@ -8,7 +8,8 @@
 // ranks, their sum of squares, parked on NVMe, the state read, AdamW, the
 // state written back, the compute copy gathered, the next H2D released; the
 // loss and norm checks). Features are passes that add or order operations:
-//   visits            forward, head, backward: the base program
+//   visits            forward, head, backward: the base program (a layer one
+//                     visit, or one per sub-layer piece)
 //   micro-batches     each visit's compute per micro-batch, its gradients out
 //   prefetch          each visit's load K-1 visits ahead (a pool: just before it)
 //                     (compute copies on NVMe: each read one load ahead of its own)
@@ -115,6 +116,7 @@ struct StepOp {
   // Set by passes, read by the executors.
   bool first_of_visit = false; // a device operation: the visit's first (it waits for the load)
   bool keep = false;           // kForward: keeps what backward needs (kept activations); kBackward: uses it
+  bool recompute = false;      // kForward: a sub-layer attention half's again in backward, for the MLP's input
   bool first = false, last = false;  // a group's first and last (kCheckpointIn/Out; kHandIn: the visit's first; kSaveOut's last)
   bool wait_ring = false;      // kForward: its output's checkpoint ring set must have left (host checkpoints)
   bool d2h = false;            // kRelease: the visit's gradients left on the d2h stream

@@ -21,8 +21,12 @@ bool keeps(const Placement& place, int64_t b) {
 
 // One visit of the sliding window: a piece's forward or backward, or the
 // head's visit of one vocabulary shard (pass 1, pass 2, or both).
+// A layer cut into sub-layer pieces has one more in backward, kRecompute:
+// its attention half again before its MLP slices' backward, for the MLP's
+// input (the slices' checkpoint), so that the device holds that input for
+// one layer at a time, not for every layer from forward to backward.
 struct Visit {
-  enum Kind { kForward, kHead, kBackward } kind;
+  enum Kind { kForward, kHead, kBackward, kRecompute } kind;
   int64_t piece = -1, shard = -1;
   bool lse = false, grad = false;
 };
@@ -36,12 +40,13 @@ std::vector<int64_t> visit_pieces(const Placement& place, const Visit& v) {
 // Pass "visits": forward (embedding shards, layers), the head's shards (pass 1
 // over all, then pass 2 over all; one visit each when there is one shard),
 // backward (layers, then embedding shards, in reverse, to the first trained
-// block). A layer is one visit however many pieces cut it (named by its first).
+// block). A layer is one visit however many pieces cut it (named by its
+// first), unless they are sub-layer pieces: each of those is a visit.
 std::vector<Visit> visits(const Placement& place, bool train) {
   const Sharding& sh = place.shards;
   std::vector<int64_t> forward;  // each visit's first piece
   for (int64_t p = 0; p < sh.first_of(place.head); ++p)
-    if (place.piece(p).rows() || p == sh.first_of(place.piece(p).block)) forward.push_back(p);
+    if (place.piece(p).rows() || place.piece(p).sub_layer || p == sh.first_of(place.piece(p).block)) forward.push_back(p);
   std::vector<Visit> out;
   for (int64_t p : forward) out.push_back({Visit::kForward, p});
   if (!train || sh.shards > 1)
@@ -49,8 +54,12 @@ std::vector<Visit> visits(const Placement& place, bool train) {
   if (!train) return out;
   for (int64_t s = 0; s < sh.shards; ++s) out.push_back({Visit::kHead, -1, s, sh.shards == 1, true});
   const int64_t first = place.first_trained_block();
-  for (auto p = forward.rbegin(); p != forward.rend(); ++p)
-    if (place.piece(*p).block >= first) out.push_back({Visit::kBackward, *p});
+  for (auto p = forward.rbegin(); p != forward.rend(); ++p) {
+    const int64_t b = place.piece(*p).block;
+    if (b < first) continue;
+    if (place.piece(*p).sub_layer && *p + 1 == sh.end_of(b)) out.push_back({Visit::kRecompute, sh.first_of(b)});
+    out.push_back({Visit::kBackward, *p});
+  }
   return out;
 }
 
@@ -181,10 +190,29 @@ class DeviceBuilder {
           op(out.back()).piece = lm;
         }
       }
+    } else if (vis.kind == Visit::kRecompute) {
+      // Its input (back from the host, or from the device that made it),
+      // then the attention half's forward again, micro-batch by micro-batch.
+      const int64_t b = pl_.piece(vis.piece).block;
+      const int32_t back = checkpoints_in(v, b);
+      for (int64_t m = 0; m < M; ++m) {
+        std::vector<int32_t> after{load};
+        if (back >= 0) after.push_back(back);
+        last = add(StepOpKind::kForward, Lane::kCompute, v, b, std::move(after));
+        op(last).piece = vis.piece;
+        op(last).micro_batch = m;
+        op(last).recompute = true;
+      }
     } else {
       const int64_t p = vis.piece, b = pl_.piece(p).block;
       const std::vector<int64_t> loads = visit_pieces(pl_, vis);
       grads = std::any_of(loads.begin(), loads.end(), [&](int64_t q) { return !pl_.piece(q).frozen; });
+      // A layer cut into sub-layer pieces: its first backward visit (its last
+      // piece) takes the output gradient, its attention half (its first)
+      // hands on the input's gradient; the input came in for the recompute
+      // visit before its slices, and stays.
+      const bool sub = pl_.piece(p).sub_layer;
+      const bool hands_on = !sub || p == sh.first_of(b), takes_grad = !sub || p + 1 == sh.end_of(b);
       // A frozen block's backward computes the input gradient only: no accumulators.
       if (grads && b == 0 && pl_.piece(sh.lm_piece[0]).block == 0) {  // tied: starts from the head's share
         std::vector<int32_t> after;
@@ -196,28 +224,21 @@ class DeviceBuilder {
         last = add(StepOpKind::kZeroGrads, Lane::kCompute, v, b, {load});
         op(last).piece = p;
       }
-      int32_t back = -1;
-      if (in_.checkpoints_on_host && b >= 1 && b < pl_.head)
-        for (int64_t m = 0; m < M; ++m) {
-          back = add(StepOpKind::kCheckpointIn, Lane::kH2D, v, b, {ckpt_out_[size_t(b)]});
-          op(back).micro_batch = m;
-          op(back).peer = peer(b - 1, b);
-          op(back).first = m == 0;
-          op(back).last = m + 1 == M;
-        }
+      const int32_t back = sub ? -1 : checkpoints_in(v, b);
       const bool keep = keeps(pl_, b);
       for (int64_t m = 0; m < M; ++m) {
         if (keep && m + 1 < M) fetch(b, m + 1, v);
         std::vector<int32_t> after{load};
         if (back >= 0) after.push_back(back);
         if (keep) after.push_back(fetched_[size_t(m)]);
-        if (!(b == 0 && handed_grads_to_embedding_))  // the embedding's shards share one device: the first takes it
+        if (takes_grad && !(b == 0 && handed_grads_to_embedding_))  // the embedding's shards share one device: the first takes it
           hand_in(v, Hand::kBlock, b, true, grad_from(b), m);
         last = add(StepOpKind::kBackward, Lane::kCompute, v, b, std::move(after));
         op(last).piece = p;
         op(last).micro_batch = m;
         op(last).keep = keep;
-        if (b - 1 >= first_trained_ && takes_elsewhere(b - 1, true)) hand_out(v, Hand::kBlock, b - 1, true, last, m);
+        if (hands_on && b - 1 >= first_trained_ && takes_elsewhere(b - 1, true))
+          hand_out(v, Hand::kBlock, b - 1, true, last, m);
       }
       if (b == 0) handed_grads_to_embedding_ = true;  // its shards share one device: the first took it
       if (grads) {
@@ -232,6 +253,21 @@ class DeviceBuilder {
     op(r).d2h = grads;
     if (vis.kind != Visit::kHead) op(r).piece = vis.piece;
     op(r).shard = vis.shard;
+  }
+
+  // Pass "host checkpoints": layer b's inputs back in during visit v (the
+  // last: what its compute waits for; -1: none, they live on the device).
+  int32_t checkpoints_in(int64_t v, int64_t b) {
+    int32_t back = -1;
+    if (in_.checkpoints_on_host && b >= 1 && b < pl_.head)
+      for (int64_t m = 0; m < in_.micro_batches; ++m) {
+        back = add(StepOpKind::kCheckpointIn, Lane::kH2D, v, b, {ckpt_out_[size_t(b)]});
+        op(back).micro_batch = m;
+        op(back).peer = peer(b - 1, b);
+        op(back).first = m == 0;
+        op(back).last = m + 1 == in_.micro_batches;
+      }
+    return back;
   }
 
   // Pass "kept activations": micro-batch m of layer b's kept activations, in

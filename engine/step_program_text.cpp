@@ -90,6 +90,7 @@ std::string describe(const StepProgram& program, const ModelSpec& spec, const Pl
                            fmt::join(o.after_previous, ","));
     std::string attrs;
     if (o.keep) attrs += o.kind == StepOpKind::kHeadLse || o.kind == StepOpKind::kHeadGrad ? " [kept logits]" : " [kept activations]";
+    if (o.recompute) attrs += " [recompute the MLP's input]";
     if (o.wait_ring) attrs += " [after its checkpoint set left]";
     if (place.devices > 1 && o.on_device()) attrs += fmt::format(" [device {}]", o.device);
     if (o.peer >= 0) attrs += fmt::format(" [from device {}]", o.peer);
@@ -115,6 +116,7 @@ nlohmann::json to_json(const StepProgram& program, const ModelSpec& spec, const 
     if (o.on_device()) j["device"] = o.device;
     if (o.peer >= 0) j["from_device"] = o.peer;
     if (o.keep) j["keep"] = true;
+    if (o.recompute) j["recompute"] = true;
     if (!o.after_previous.empty()) j["after_previous_step"] = o.after_previous;
     if (o.over_slices) j["slice"] = true;
     if (o.gate) j["clip"] = o.clip;

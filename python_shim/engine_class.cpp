@@ -148,6 +148,9 @@ void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device
   if (config.window == 0) config.window = p.window;
   if (config.compute.token_tile < 0) config.compute.token_tile = p.token_tile;
   config.expert_pieces = p.expert_pieces;  // the config's own, unless only experts in groups fit
+  TORCH_CHECK_VALUE(p.mlp_pieces == 0, "engine_config_json: only layers cut into sub-layer pieces (", p.mlp_pieces,
+                    " MLP slices) fit this device's ", device_budget, "-byte budget, and those are not yet run from "
+                    "Python; use `strider finetune`");
 }
 
 nlohmann::json parse_json(const std::string& text, const char* what) {

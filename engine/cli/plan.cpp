@@ -29,7 +29,7 @@ struct Options {
   bool packed_documents = false;
   // From the configuration's declaration (engine/config_fields.json).
   std::string nvme, dtype, matmul_accumulate, activations, optimizer_state, layer_pieces, devices, lora, base_format = "compute";
-  int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0, expert_pieces = 0;
+  int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0, expert_pieces = 0, mlp_pieces = 0;
   double clip = 0;
   ConfigOptions config;
   CLI::Option* gpu_option = nullptr;  // --gpu: given, or the preset's memory
@@ -163,6 +163,7 @@ int run(Options& o) {
   l.optimizer_state = parse_state_format(o.optimizer_state);
   l.layer_pieces = o.layer_pieces;
   l.expert_pieces = o.expert_pieces;
+  l.mlp_pieces = o.mlp_pieces;
   l.lora = o.lora;
   l.base_format = base_format_option(o.base_format, o.lora);
   l.vocab_shard_rows = o.vocab_shard_rows;
@@ -302,6 +303,7 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "optimizer_state", o->optimizer_state);
   f.add(*c, "layer_pieces", o->layer_pieces);
   f.add(*c, "expert_pieces", o->expert_pieces);
+  f.add(*c, "mlp_pieces", o->mlp_pieces);
   f.add(*c, "lora", o->lora);
   f.add(*c, "base_format", o->base_format);
   f.add(*c, "devices", o->devices);

@@ -111,6 +111,7 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   f.add(c, "vocab_shard_rows", o.vocab_shard_rows);
   f.add(c, "layer_pieces", o.layer_pieces);
   f.add(c, "expert_pieces", o.expert_pieces);
+  f.add(c, "mlp_pieces", o.mlp_pieces);
   f.add(c, "token_tile", o.token_tile);
   f.add(c, "grad_transfer", o.grad_transfer);
   f.add(c, "activations", o.activations);
@@ -329,6 +330,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   lim.vocab_shard_rows = o.vocab_shard_rows;
   lim.layer_pieces = o.layer_pieces;
   lim.expert_pieces = o.expert_pieces;
+  lim.mlp_pieces = o.mlp_pieces;
   lim.devices = int(pool_specs(device_spec, o.devices).size());
   lim.token_tile = o.token_tile;
   lim.fp32_grad_transfer = o.grad_transfer == "fp32";

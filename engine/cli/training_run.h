@@ -33,7 +33,7 @@ struct TrainOptions {
   std::string device, devices, device_budget, nvme /* nvme_dir */, dtype, schedule, grad_transfer, activations,
       optimizer, optimizer_state, layer_pieces, lora, base_format = "compute";
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, warmup = 0 /* warmup_steps */, vocab_chunk = 0,
-          vocab_shard_rows = 0, expert_pieces = 0, token_tile = 0;
+          vocab_shard_rows = 0, expert_pieces = 0, mlp_pieces = 0, token_tile = 0;
   double lr = 0, weight_decay = 0, clip = 0 /* clip_norm */, beta1 = 0, beta2 = 0, eps = 0;
   double loss_scale = 0;                  // fp16's initial loss scale
   std::string matmul_accumulate;          // fp32 or fp16 (CUDA only)

@@ -54,6 +54,7 @@ struct Case {
   bool packed = false;         // rows that pack documents (packed_positions; EngineConfig::packed_documents)
   bool padded = false;         // rows padded on the right (padding_mask; Engine::step's attention_mask)
   std::vector<int64_t> nvme_compute;  // layers whose compute copy lives on NVMe too (EngineConfig::nvme_compute_blocks)
+  int64_t mlp_pieces = 0;      // EngineConfig::mlp_pieces: layers cut into sub-layer pieces
 };
 
 // `c` with the compute copies of `layers` on NVMe too (their state must be there).
@@ -136,6 +137,7 @@ inline Result run(const ModelSpec& spec, const Case& c, at::ScalarType dtype, do
   cfg.keep_logits = c.keep_logits;
   cfg.layer_pieces = c.layer_pieces;
   cfg.expert_pieces = c.expert_pieces;
+  cfg.mlp_pieces = c.mlp_pieces;
   cfg.lora = c.lora;
   cfg.base_format = c.base_format;
   cfg.packed_documents = c.packed;
