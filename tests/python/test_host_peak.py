@@ -3,7 +3,8 @@
 saves; the kernel's count of its peak resident memory (ru_maxrss) must
 be within the figure the plan printed before the run started, and the figure
 not padded past 1.25x of it. With layers' compute copies on NVMe the run's
-exported model is also the all-in-RAM run's, byte for byte."""
+exported model is also the all-in-RAM run's, byte for byte; so with its layers
+cut into sub-layer pieces (--mlp-pieces), against the same cut all in RAM."""
 import re
 import subprocess
 import sys
@@ -91,15 +92,18 @@ def nvme_limit(cmd, nvme_dir, compute):
     return machine_mib(rest + least + 4 * 2**20)
 
 
-@pytest.mark.parametrize("tier", ["ram", "nvme", "nvme-compute"])
+@pytest.mark.parametrize("tier", ["ram", "nvme", "nvme-compute", "nvme-compute-cut"])
 def test_peak_rss_is_within_the_plans_host_peak(strider_binary, model_dir, deep_model_dir, tmp_path, tier):
-    model = deep_model_dir if tier == "nvme-compute" else model_dir
+    compute = tier.startswith("nvme-compute")
+    model = deep_model_dir if compute else model_dir
     cmd = [str(strider_binary("strider")), "finetune", "--model", str(model), "--device", "cpu",
            "--device-budget", "256MiB", "--seq", "64", "--micro-batch", "2", "--accumulation", "2",
            "--steps", "2", "--eval-batches", "0", "--work-dir", str(tmp_path / "work"), "--out",
            str(tmp_path / "out")]
+    if tier == "nvme-compute-cut":  # each layer its attention half and 2 MLP slices (704 rows: fp32 state)
+        cmd += ["--mlp-pieces", "2", "--optimizer-state", "fp32"]
     if tier != "ram":
-        limit_mib = nvme_limit(cmd, tmp_path / "nvme", tier == "nvme-compute")
+        limit_mib = nvme_limit(cmd, tmp_path / "nvme", compute)
         cmd += ["--host-ram", f"{limit_mib}MiB", "--nvme", str(tmp_path / "nvme")]
     out, rss = run_measured(cmd)
     peak = planned_peak(out)
@@ -108,7 +112,7 @@ def test_peak_rss_is_within_the_plans_host_peak(strider_binary, model_dir, deep_
     assert peak <= 1.25 * rss, out
     if tier != "ram":
         assert "on NVMe" in out and peak <= limit_mib * 2**20, out  # the limit bounds the planned peak
-    if tier == "nvme-compute":
+    if compute:
         assert re.search(r"the compute copies of \d+ of 16 layers on NVMe too", out), out
         # The same run all in RAM exports the same bytes. (Formats, clipping, chaos and pools against the
         # resident run: tests/engine/test_engine.cpp.)
