@@ -52,10 +52,8 @@ double EngineCore::op_flops(const StepOp& op) const {
         // Its share of the layer's: an MLP slice's three GEMMs over its
         // rows, the attention half the rest; backward (with the recompute)
         // in the same proportion.
-        const double mlp = 6.0 * tokens * H * double(spec_.layer_dims(spec_.block(b).layer).intermediate);
-        const double mine = pc.mlp_slice() ? mlp * double(pc.mlp_end - pc.mlp_begin) /
-                                                 double(spec_.layer_dims(spec_.block(b).layer).intermediate)
-                                           : c.forward_flops - mlp;
+        const double I = double(spec_.layer_dims(spec_.block(b).layer).intermediate), mlp = 6.0 * tokens * H * I;
+        const double mine = pc.mlp_slice() ? mlp * double(pc.mlp_end - pc.mlp_begin) / I : c.forward_flops - mlp;
         const double share = c.forward_flops > 0 ? mine / c.forward_flops : 0.0;
         return share * (op.kind == StepOpKind::kForward ? c.forward_flops : c.forward_flops + c.backward_flops);
       }
