@@ -36,7 +36,7 @@ PARTS = {
     "torch": ["bench_vs_torch"],
     "calibrate": ["bench_calibrate"],
     "adam": ["bench_adam"],
-    "nvme": ["bench_nvme"],
+    "nvme": ["bench_nvme", "bench_nvme_extents"],
 }
 
 
@@ -275,6 +275,21 @@ def nvme_figures(logs, f):
     f.put("nvme.configs", len(cfgs), c)
     f.put("nvme.chunks_mib", sorted({x["chunk_mib"] for x in cfgs}), c)
     f.put("nvme.depths", sorted({x["depth"] for x in cfgs}), c)
+    # The compute-copy pattern: a layer's extent of many chunks read one visit ahead.
+    c = "bench_nvme_extents"
+    j = logs.last_json(c, "bench")
+    if not j:
+        return
+    x = j["configs"][0]
+    f.put("nvme_extents.read_vs_fio", x["read"]["ratio"], c)
+    f.put("nvme_extents.write_vs_fio", x["write"]["ratio"], c)
+    f.put("nvme_extents.store_read_gbs", x["read"]["store_gbs"]["median"], c)
+    f.put("nvme_extents.fio_read_gbs", x["read"]["fio_gbs"]["median"], c)
+    f.put("nvme_extents.extent_mib", x["extent_bytes"] / (1 << 20), c)
+    f.put("nvme_extents.inflight", x["inflight_extents"], c)
+    f.put("nvme_extents.chunk_mib", x["chunk_mib"], c)
+    f.put("nvme_extents.depth", x["depth"], c)
+    f.put("nvme_extents.pairs", j["pairs"], c)
 
 
 def torch_figures(logs, f):
@@ -345,5 +360,7 @@ def expected_names():
                                        "q8_loops_mparams_min", "q8_loops_mparams_max")]
     e["nvme"] = [f"nvme.{k}" for k in ("write_vs_fio", "read_vs_fio", "write_median_max", "read_median_max",
                                        "fio_write_max_over_min", "fio_read_max_over_min", "size_gib", "pairs",
-                                       "configs", "chunks_mib", "depths")]
+                                       "configs", "chunks_mib", "depths")] + [
+        f"nvme_extents.{k}" for k in ("read_vs_fio", "write_vs_fio", "store_read_gbs", "fio_read_gbs", "extent_mib",
+                                      "inflight", "chunk_mib", "depth", "pairs")]
     return e

@@ -168,6 +168,13 @@ def block_measured(f, logs):
          f"read {f['nvme.read_vs_fio']:.3f} (highest: write {f['nvme.write_median_max']:.3f}, read "
          f"{f['nvme.read_median_max']:.3f}); fio against itself varies up to "
          f"{max(f['nvme.fio_write_max_over_min'], f['nvme.fio_read_max_over_min']):.2f}x between passes"),
+        ("NvmeStore vs fio on compute copies' pattern: extents of "
+         f"{f['nvme_extents.extent_mib']:.0f} MiB (a layer's), {f['nvme_extents.inflight']} in flight (one visit "
+         f"ahead), chunks {f['nvme_extents.chunk_mib']} MiB x depth {f['nvme_extents.depth']}, median of "
+         f"{f['nvme_extents.pairs']} pairs",
+         "bench_nvme_extents",
+         f"read {f['nvme_extents.read_vs_fio']:.3f} of fio ({f['nvme_extents.store_read_gbs']:.2f} against "
+         f"{f['nvme_extents.fio_read_gbs']:.2f} GB/s), write {f['nvme_extents.write_vs_fio']:.3f}"),
         (f"strider vs plain PyTorch (transformers, resident, autocast bf16, fused AdamW, exact clipping) on the "
          f"same {f['torch.params_m']:.0f}M Llama (vocabulary 49152) and batches: micro-batch "
          f"{f['torch.micro_batch']} x accumulation {f['torch.accumulation']} x seq {f['torch.seq']}, bf16, "

@@ -32,7 +32,7 @@
 #   demo       `strider finetune` with the demo's defaults (as scripts/demo.sh runs it)         433 s
 #   calibrate  bench_calibrate                                                                  243 s
 #   adam       bench_adam                                                                        62 s
-#   nvme       bench_nvme                                                                       275 s
+#   nvme       bench_nvme, then its compute-copy pattern (256 MiB extents)                      300 s
 # Figures are whatever this machine printed: a benchmark never fails on speed.
 # Not part of scripts/test.sh: it takes minutes.
 set -euo pipefail
@@ -238,6 +238,9 @@ fi
 if has_part nvme; then
   # shellcheck disable=SC2086
   run bench_nvme 0 "$build/bench/bench_nvme" $nvme_args
+  # shellcheck disable=SC2086
+  run bench_nvme_extents 0 "$build/bench/bench_nvme" --chunks-mib 1 --depths 32 --extent-mib 256 \
+    --inflight-extents 2 --pairs 4 $nvme_args
 fi
 
 "$python" "$here/readme_figures.py" "$logs" "${report_args[@]}" | tee "$logs/report.txt"

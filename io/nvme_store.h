@@ -106,7 +106,7 @@ struct NvmeStoreOptions {
   // Reopen files and checksums written by an earlier store with the same
   // extents (the sidecar must exist and match); false starts empty.
   bool open_existing = false;
-  // Threads hashing checksum pieces; 0: the hardware's thread count, up to 4.
+  // Threads hashing checksum pieces; 0: one fewer than the hardware's threads, 1 to 4.
   unsigned hash_threads = 0;
   // Fault injection for the tests of the retry paths: called with each
   // completed attempt and its real result (bytes or -errno); returns the result

@@ -114,9 +114,20 @@ void UringBackend::pump_locked() {
     if (files_registered_) sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, c);
     ++in_flight_;
+    // One chunk per submit, as fio submits: the kernel plugs a batch of
+    // three or more and merges adjacent chunks of an extent into requests of
+    // max_sectors_kb, which leaves the drive fewer requests in flight than
+    // the queue depth (measured on this project's VM: a store's 2048 chunks of
+    // 1 MiB in extents of 256 MiB went to the drive as 546 requests, and read
+    // at 0.82-0.93 of fio's rate; one per submit, 0.98-1.05).
+    submit_locked();
     queued = true;
   }
   if (!queued) return;
+  submit_locked();  // what an earlier -EAGAIN left in the ring
+}
+
+void UringBackend::submit_locked() {
   int rc;
   do {
     rc = io_uring_submit(&ring_);

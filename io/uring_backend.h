@@ -48,6 +48,7 @@ class UringBackend final : public IoBackend, public std::enable_shared_from_this
   };
   void completion_loop();
   void pump_locked();  // moves pending chunks into the ring; needs sq_mutex_
+  void submit_locked();  // io_uring_submit, retried on EINTR; needs sq_mutex_
   int fixed_index_locked(const std::byte* p, size_t bytes) const;
 
   io_uring ring_{};
