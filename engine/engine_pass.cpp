@@ -259,6 +259,22 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
       dev.copy_h2d(StreamId::kH2D, u.staging, s.base.data(), s.base.size(), {"h2d base", int32_t(block)});
       continue;
     }
+    // Runs of one piece as long as this one, back to back in the unit and a
+    // fixed stride apart in the block (a sub-layer MLP slice's columns of
+    // down_proj, one run per row), go as one copy of rows.
+    size_t rows = 1, stride = 0;
+    if (n == r.run.n)
+      for (; i < layout.size() && layout[i].piece == r.piece && layout[i].run.n == n &&
+             layout[i].unit_at == unit_at + rows * n && layout[i].run.block > from + n &&
+             (rows == 1 || layout[i].run.block == from + rows * stride);
+           ++i, ++rows)
+        if (rows == 1) stride = layout[i].run.block - from;
+    if (rows > 1) {
+      auto bytes = s.compute_range(from, stride * (rows - 1) + n);
+      dev.copy_h2d_rows(StreamId::kH2D, to, n * place_.compute_bytes, bytes.data(), stride * place_.compute_bytes,
+                        n * place_.compute_bytes, rows, {"h2d params", int32_t(block)});
+      continue;
+    }
     auto bytes = s.compute_range(from, n);
     dev.copy_h2d(StreamId::kH2D, to, bytes.data(), bytes.size(), {"h2d params", int32_t(block)});
   }

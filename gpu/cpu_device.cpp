@@ -279,6 +279,20 @@ void CpuDevice::copy_h2d(StreamId s, void* dst_device, const void* src_host, siz
   enqueue(s, Op{true, false, OpKind::kCopyH2D, tag, [=] { std::memcpy(dst_device, src_host, bytes); }});
 }
 
+void CpuDevice::copy_h2d_rows(StreamId s, void* dst_device, size_t dst_pitch, const void* src_host, size_t src_pitch,
+                              size_t row_bytes, size_t rows, OpTag tag) {
+  check_rows(dst_pitch, src_pitch, row_bytes, rows, "copy_h2d_rows");
+  if (rows == 0) return;
+  check_device_range(dst_device, dst_pitch * (rows - 1) + row_bytes, "copy_h2d_rows", "destination");
+  check_host_range(src_host, src_pitch * (rows - 1) + row_bytes, "copy_h2d_rows", "source");
+  tag.bytes = row_bytes * rows;
+  enqueue(s, Op{true, false, OpKind::kCopyH2D, tag, [=] {
+                  auto* to = static_cast<std::byte*>(dst_device);
+                  auto* from = static_cast<const std::byte*>(src_host);
+                  for (size_t r = 0; r < rows; ++r) std::memcpy(to + r * dst_pitch, from + r * src_pitch, row_bytes);
+                }});
+}
+
 void CpuDevice::copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag) {
   check_device_range(src_device, bytes, "copy_d2h", "source");
   check_host_range(dst_host, bytes, "copy_d2h", "destination");

@@ -56,6 +56,8 @@ class CpuDevice final : public Device {
   size_t allocation_count() const override;
 
   void copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag = {}) override;
+  void copy_h2d_rows(StreamId s, void* dst_device, size_t dst_pitch, const void* src_host, size_t src_pitch,
+                     size_t row_bytes, size_t rows, OpTag tag = {}) override;
   void copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag = {}) override;
   void launch(StreamId s, OpTag tag, LaunchFn fn) override;
 

@@ -197,6 +197,17 @@ class CudaDevice final : public Device {
       STRIDER_CUDA_CHECK(cudaMemcpyAsync(dst_device, src_host, bytes, cudaMemcpyHostToDevice, stream(s)));
     });
   }
+  void copy_h2d_rows(StreamId s, void* dst_device, size_t dst_pitch, const void* src_host, size_t src_pitch,
+                     size_t row_bytes, size_t rows, OpTag tag) override {
+    check_rows(dst_pitch, src_pitch, row_bytes, rows, "copy_h2d_rows");
+    if (rows == 0) return;
+    CurrentDevice cd(ordinal_);
+    tag.bytes = row_bytes * rows;
+    traced(s, OpKind::kCopyH2D, tag, [&] {
+      STRIDER_CUDA_CHECK(cudaMemcpy2DAsync(dst_device, dst_pitch, src_host, src_pitch, row_bytes, rows,
+                                           cudaMemcpyHostToDevice, stream(s)));
+    });
+  }
   void copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag) override {
     CurrentDevice cd(ordinal_);
     tag.bytes = bytes;

@@ -1,6 +1,8 @@
 #include "gpu/device.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <utility>
 
 #include "host/error.h"
@@ -52,6 +54,15 @@ void DeviceBuffer::reset() noexcept {
 namespace {
 std::atomic<LaunchScope> g_launch_scope{nullptr};
 }  // namespace
+
+void check_rows(size_t dst_pitch, size_t src_pitch, size_t row_bytes, size_t rows, const char* op) {
+  STRIDER_CHECK(row_bytes <= dst_pitch && row_bytes <= src_pitch,
+                "{}: rows of {} bytes do not fit the pitches (destination {}, source {})", op, row_bytes, dst_pitch,
+                src_pitch);
+  const size_t pitch = std::max(dst_pitch, src_pitch);
+  STRIDER_CHECK(rows <= 1 || pitch <= (SIZE_MAX - row_bytes) / (rows - 1), "{}: {} rows {} bytes apart overflow",
+                op, rows, pitch);
+}
 
 void Device::set_fp16_accumulate(bool on) {
   STRIDER_CHECK(!on, "{}: matmul_accumulate fp16 is CUDA only: this device's GEMMs accumulate fp16 in fp32 (use "

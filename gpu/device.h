@@ -30,6 +30,9 @@ std::string_view stream_name(StreamId s);  // "compute", "h2d", "d2h"
 
 enum class OpKind : uint8_t { kCopyH2D, kCopyD2H, kCompute };
 std::string_view op_kind_name(OpKind k);
+// Throws naming `op` unless each row fits its pitch on both sides and the
+// rows' extent fits a size_t (Device::copy_h2d_rows).
+void check_rows(size_t dst_pitch, size_t src_pitch, size_t row_bytes, size_t rows, const char* op);
 
 // What an operation is, for the timeline and for a cost model.
 struct OpTag {
@@ -138,6 +141,13 @@ class Device {
   virtual void copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag = {}) = 0;
   // Enqueues a copy of `bytes` from device memory to pinned host memory on `s`.
   virtual void copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag = {}) = 0;
+  // Enqueues one copy of `rows` rows of `row_bytes` each from pinned host
+  // memory, `src_pitch` bytes apart, to device memory `dst_pitch` bytes apart
+  // (cudaMemcpy2DAsync): a strided range in one copy, not one per row (a
+  // sub-layer piece's columns of down_proj are a row each of its [H, I]). A
+  // GPU's DMA moves rows of a few KiB or more near its contiguous rate.
+  virtual void copy_h2d_rows(StreamId s, void* dst_device, size_t dst_pitch, const void* src_host, size_t src_pitch,
+                             size_t row_bytes, size_t rows, OpTag tag = {}) = 0;
   // Runs `fn` in stream order on `s`. CUDA: calls it now, on this thread, with
   // ATen's current stream set to `s`, so it only enqueues kernels; CPU: calls it
   // later on the stream's worker, which does the work. Capture by value.

@@ -483,6 +483,17 @@ void SimDevice::copy_h2d(StreamId s, void* dst_device, const void* src_host, siz
   place(s, OpKind::kCopyH2D, tag, model_.h2d_us(bytes), &h2d_link_us_);
 }
 
+void SimDevice::copy_h2d_rows(StreamId s, void* dst_device, size_t dst_pitch, const void* src_host, size_t src_pitch,
+                              size_t row_bytes, size_t rows, OpTag tag) {
+  check_rows(dst_pitch, src_pitch, row_bytes, rows, "copy_h2d_rows");
+  if (rows == 0) return;
+  std::lock_guard lk(mutex_);
+  ledger_.check_device_range(dst_device, dst_pitch * (rows - 1) + row_bytes, "copy_h2d_rows", "destination");
+  ledger_.check_host_range(src_host, src_pitch * (rows - 1) + row_bytes, "copy_h2d_rows", "source");
+  tag.bytes = row_bytes * rows;
+  place(s, OpKind::kCopyH2D, tag, model_.h2d_us(tag.bytes), &h2d_link_us_);
+}
+
 void SimDevice::copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag) {
   std::lock_guard lk(mutex_);
   ledger_.check_device_range(src_device, bytes, "copy_d2h", "source");

@@ -184,6 +184,9 @@ class SimDevice final : public Device {
   // Checked like CpuDevice (device side inside one allocation, host side not
   // device memory), priced, and placed on the clock; no byte moves.
   void copy_h2d(StreamId s, void* dst_device, const void* src_host, size_t bytes, OpTag tag = {}) override;
+  // Priced as one copy of its bytes (rows of a few KiB or more, as the engine sends).
+  void copy_h2d_rows(StreamId s, void* dst_device, size_t dst_pitch, const void* src_host, size_t src_pitch,
+                     size_t row_bytes, size_t rows, OpTag tag = {}) override;
   void copy_d2h(StreamId s, void* dst_host, const void* src_device, size_t bytes, OpTag tag = {}) override;
   // Priced from tag.flops; `fn` is never called.
   void launch(StreamId s, OpTag tag, LaunchFn fn) override;

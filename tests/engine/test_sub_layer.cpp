@@ -60,17 +60,23 @@ double state_rel_diff(const Result& a, const Result& b, size_t kind) {
   return worst;
 }
 
-}  // namespace
-
-TEST_CASE("sub-layer pieces: a layer is its attention half and MLP slices, each a visit", "[sub_layer]") {
-  const ModelSpec spec = tiny(false);
+// The tiny model's step cut into the attention half and 3 MLP slices, fp32.
+EngineConfig cut_config() {
   EngineConfig cfg;
   cfg.seq = 9;
   cfg.micro_batch = 2;
   cfg.accumulation = 2;
   cfg.compute = {at::kFloat, 40};
-  cfg.checkpoints_on_host = true;
   cfg.mlp_pieces = 3;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_CASE("sub-layer pieces: a layer is its attention half and MLP slices, each a visit", "[sub_layer]") {
+  const ModelSpec spec = tiny(false);
+  EngineConfig cfg = cut_config();
+  cfg.checkpoints_on_host = true;
   const Placement pl = place(spec, cfg);
   const Sharding& sh = pl.shards;
   const int64_t b = 2;
@@ -152,6 +158,27 @@ TEST_CASE("sub-layer pieces: every placement gives the resident cut's bits", "[s
       }
     }
   }
+}
+
+TEST_CASE("sub-layer pieces: a slice's columns of down_proj go to the device as one copy of rows",
+          "[sub_layer][engine]") {
+  // down_proj is [H, I]: a slice's columns are a run in each of its H rows,
+  // back to back in the unit; sent from RAM as one copy, not one per row.
+  const ModelSpec spec = tiny(false);
+  const EngineConfig cfg = cut_config();
+  Engine e(spec, cfg, make_device({.spec = "cpu", .record_spans = true}));
+  e.init_params(7);
+  const Batch b = batch(cfg.batch(), cfg.seq, spec.dims.vocab, 11);
+  e.step(b.ids.data(), b.labels.data());
+  const uint64_t slice = uint64_t(spec.dims.intermediate / 3), hidden = uint64_t(spec.dims.hidden);
+  int rows_copies = 0, row_copies = 0;
+  for (const Span& sp : e.timeline().spans()) {
+    if (sp.name != "h2d params" || sp.block != 2) continue;  // layer.1
+    rows_copies += sp.bytes == hidden * slice * 4;
+    row_copies += sp.bytes == slice * 4;
+  }
+  CHECK(rows_copies >= 6);  // three slices, each loaded for forward and backward
+  CHECK(row_copies == 0);
 }
 
 TEST_CASE("sub-layer pieces train within fp32 rounding of whole layers", "[sub_layer][engine]") {

@@ -123,6 +123,34 @@ TEST_CASE("copies move bytes and refuse swapped host/device pointers", "[gpu][cp
                     Catch::Contains("not inside one device allocation"));
 }
 
+TEST_CASE("a copy of rows takes each row from its pitch to its own, and refuses what does not fit", "[gpu][cpu_device]") {
+  CpuDevice dev(chaos_options(5));
+  DeviceBuffer buf = dev.allocate(64 * 12, "buf");  // 768 bytes: the 256-byte rounding adds none
+  std::vector<uint8_t> src(100 * 12), back(64 * 12, 0), fill(64 * 12, 0xEE);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 13 + 5);
+  dev.copy_h2d(StreamId::kH2D, buf.data(), fill.data(), fill.size());  // what lies between the rows stays
+  // Rows of 24 bytes from 100 apart in the host to 64 apart on the device,
+  // starting 8 bytes into each.
+  dev.copy_h2d_rows(StreamId::kH2D, buf.data(), 64, src.data() + 8, 100, 24, 12, OpTag{"rows"});
+  dev.synchronize(StreamId::kH2D);
+  dev.copy_d2h(StreamId::kD2H, back.data(), buf.data(), back.size());
+  dev.synchronize();
+  for (size_t r = 0; r < 12; ++r)
+    for (size_t b = 0; b < 64; ++b) {
+      INFO("row " << r << " byte " << b);
+      REQUIRE(back[r * 64 + b] == (b < 24 ? src[r * 100 + 8 + b] : 0xEE));
+    }
+
+  CHECK_THROWS_WITH(dev.copy_h2d_rows(StreamId::kH2D, buf.data(), 16, src.data(), 100, 24, 2),
+                    Catch::Contains("copy_h2d_rows") && Catch::Contains("rows of 24 bytes do not fit"));
+  CHECK_THROWS_WITH(dev.copy_h2d_rows(StreamId::kH2D, buf.data(), 64, src.data(), 100, 24, 13),
+                    Catch::Contains("not inside one device allocation"));
+  CHECK_THROWS_WITH(dev.copy_h2d_rows(StreamId::kH2D, buf.data(), 64, src.data(), SIZE_MAX / 4, 24, 8),
+                    Catch::Contains("overflow"));
+  dev.copy_h2d_rows(StreamId::kH2D, buf.data(), 64, src.data(), 100, 24, 0);  // nothing to do
+  dev.synchronize();
+}
+
 TEST_CASE("a pool's devices wait for each other's events, and only its own device records one", "[gpu][cpu_device]") {
   DeviceOptions a_opt = chaos_options(3), b_opt = chaos_options(4);
   a_opt.pool_index = 0;

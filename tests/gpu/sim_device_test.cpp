@@ -345,6 +345,24 @@ TEST_CASE("sim: copies refuse swapped host/device pointers, as CpuDevice does", 
   CHECK(dev.virtual_time_us() == 0);  // refused copies cost nothing
 }
 
+TEST_CASE("sim: a copy of rows is priced as one copy of its bytes", "[gpu][sim_device]") {
+  SimDevice dev(toy_model(), with_spans());
+  DeviceBuffer buf = dev.allocate(8000, "buf");
+  std::vector<uint8_t> host(20000);
+  // 10 rows of 300 bytes, 2000 apart: 1 + 3000/500 = 7 µs, not 10 x (1 + 300/500).
+  dev.copy_h2d_rows(StreamId::kH2D, buf.data(), 300, host.data(), 2000, 300, 10, OpTag{"rows", 1});
+  std::vector<OpSpan> spans;
+  dev.drain_spans(spans);
+  REQUIRE(spans.size() == 1);
+  CHECK(spans[0].kind == OpKind::kCopyH2D);
+  CHECK(spans[0].tag.bytes == 3000);
+  CHECK(spans[0].end_us == us(7));
+  CHECK_THROWS_WITH(dev.copy_h2d_rows(StreamId::kH2D, buf.data(), 800, host.data(), 1000, 300, 11),
+                    Catch::Contains("copy_h2d_rows") && Catch::Contains("not inside one device allocation"));
+  CHECK_THROWS_WITH(dev.copy_h2d_rows(StreamId::kH2D, buf.data(), 300, host.data(), 200, 300, 2),
+                    Catch::Contains("rows of 300 bytes do not fit"));
+}
+
 TEST_CASE("sim: spans carry the model's times and PCIe is full duplex unless shared", "[gpu][sim_device]") {
   CostModel m = toy_model();
   SimDevice dev(m, with_spans());
