@@ -89,7 +89,10 @@ const std::vector<std::string>& maths_config_fields() {
   static const std::vector<std::string> kFields = {
       "seq", "micro_batch", "accumulation", "dtype", "vocab_chunk", "lr", "beta1", "beta2", "eps",
       "weight_decay", "decay_norms_and_biases", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state",
-      "packed_documents", "base_format", "loss_scale_growth_interval", "matmul_accumulate"};
+      "packed_documents", "base_format", "loss_scale_growth_interval", "matmul_accumulate",
+      // Summing a cut layer's MLP slices rounds in another order than the whole
+      // layer (to fp32 rounding): another cut is another run's bits.
+      "mlp_pieces"};
   return kFields;
 }
 
@@ -117,11 +120,13 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
     // Checkpoints from before the optimizer-state formats hold fp32 state; from
     // before the decay rule, they decayed every tensor (which matters only
     // with weight decay); from before packed documents, rows were one sequence;
-    // from before base formats, a LoRA base was held in the compute dtype.
+    // from before base formats, a LoRA base was held in the compute dtype;
+    // from before sub-layer pieces, layers were whole.
     const nlohmann::json saved = f == "optimizer_state"          ? info.engine_config.value(f, nlohmann::json("fp32"))
                                  : f == "decay_norms_and_biases" ? info.engine_config.value(f, nlohmann::json(true))
                                  : f == "packed_documents"       ? info.engine_config.value(f, nlohmann::json(false))
                                  : f == "base_format"            ? info.engine_config.value(f, nlohmann::json("compute"))
+                                 : f == "mlp_pieces"             ? info.engine_config.value(f, nlohmann::json(0))
                                                                  : info.engine_config.value(f, nlohmann::json());
     if (f == "decay_norms_and_biases" && now["weight_decay"] == 0 && info.engine_config.value("weight_decay", 0.0) == 0)
       continue;
@@ -135,6 +140,9 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
                                     : f == "packed_documents" ? " (whether a row's documents attend to each other; "
                                                                 "the command line's --packed-documents=true or false "
                                                                 "says it)"
+                                    : f == "mlp_pieces"       ? " (the layers' cut into sub-layer pieces, which the plan "
+                                                                "picks for the device's memory: --mlp-pieces N keeps "
+                                                                "the saved run's)"
                                                               : ""));
   }
   if (!changed.empty())

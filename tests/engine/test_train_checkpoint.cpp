@@ -254,6 +254,12 @@ TEST_CASE("engine config: maths fields must match unless allowed, placement may 
   auto g = engine(model, other);
   load_training_checkpoint(tmp.path / "c", *g, {.allow_changed = {"lr"}, .verify_checksums = true});
   CHECK(g->steps_done() == 1);
+  // Another cut into sub-layer pieces sums in another order: a maths field.
+  EngineConfig cut = config(at::kFloat, 0.5);
+  cut.mlp_pieces = 2;
+  CHECK_THROWS_WITH(load_training_checkpoint(tmp.path / "c", *engine(model, cut)),
+                    Catch::Contains("mlp_pieces: checkpoint 0, engine 2") && Catch::Contains("--mlp-pieces N"));
+  load_training_checkpoint(tmp.path / "c", *engine(model, cut), {.allow_changed = {"mlp_pieces"}});
 
   // Sharded state and model files load the same.
   TrainCheckpointOptions sharded;
@@ -484,10 +490,17 @@ constexpr int kReportFd = 100;   // the child's end of the pipe: 'S' as a save s
 constexpr int kMaxStep = 8;      // the child keeps re-saving this step once reached
 const char* const kChildName = "train checkpoint crash child";
 
-// fp32 state in fp32, or q8 state (bf16 compute: the q8 format needs it).
-EngineConfig crash_config(StateFormat format, const Placement& p = {}) {
-  EngineConfig c = config(format == StateFormat::kQ8 ? at::kBFloat16 : at::kFloat, 0.5, p);
-  c.optimizer_state = format;
+// fp32 state in fp32, or q8 state (bf16 compute: the q8 format needs it);
+// layers whole or cut into sub-layer pieces.
+struct CrashRun {
+  StateFormat format;
+  int64_t mlp_pieces = 0;
+};
+
+EngineConfig crash_config(const CrashRun& run, const Placement& p = {}) {
+  EngineConfig c = config(run.format == StateFormat::kQ8 ? at::kBFloat16 : at::kFloat, 0.5, p);
+  c.optimizer_state = run.format;
+  c.mlp_pieces = run.mlp_pieces;
   return c;
 }
 
@@ -498,12 +511,14 @@ TEST_CASE("train checkpoint crash child", "[.crash_child]") {
   const char* dir = std::getenv("STRIDER_TCKPT_CHILD_DIR");
   if (!dir) return;
   const char* format = std::getenv("STRIDER_TCKPT_CHILD_FORMAT");
+  const char* pieces = std::getenv("STRIDER_TCKPT_CHILD_MLP_PIECES");
   const nlohmann::json model = tiny_config(false);
   // Killed during a step too: with its layers' state and compute copies on
   // NVMe (scratch the next child lays out again; the checkpoint is what resumes).
   const std::string nvme = std::string(dir) + ".nvme";
   fs::create_directories(nvme);
-  auto e = engine(model, crash_config(parse_state_format(format ? format : "fp32"), compute_on_nvme(nvme)));
+  const CrashRun run{parse_state_format(format ? format : "fp32"), pieces ? std::atoll(pieces) : 0};
+  auto e = engine(model, crash_config(run, compute_on_nvme(nvme)));
   bool resumed = true;
   try {
     inspect_training_checkpoint(dir);
@@ -525,14 +540,16 @@ TEST_CASE("train checkpoint crash child", "[.crash_child]") {
 TEST_CASE("SIGKILL at random moments while saving always leaves a loadable, exact checkpoint", "[train_checkpoint]") {
   using Clock = std::chrono::steady_clock;
   // The save is the same code in every format; q8's state also goes out as
-  // floats and must come back to the same codes.
-  const StateFormat format = GENERATE(StateFormat::kFp32, StateFormat::kQ8);
-  INFO("optimizer state " << state_format_name(format));
+  // floats and must come back to the same codes. Layers cut into sub-layer
+  // pieces have a piece's state, gradients and compute copy apart.
+  const CrashRun run = GENERATE(CrashRun{StateFormat::kFp32}, CrashRun{StateFormat::kQ8},
+                                CrashRun{StateFormat::kFp32, 2});
+  INFO("optimizer state " << state_format_name(run.format) << ", mlp_pieces " << run.mlp_pieces);
   const nlohmann::json model = tiny_config(false);
   // What each step's state must be.
   std::vector<State> ref;
   {
-    auto r = engine(model, crash_config(format));
+    auto r = engine(model, crash_config(run));
     r->init_params(7);
     ref.push_back(read_all(*r));
     for (int s = 0; s < kMaxStep; ++s) {
@@ -547,14 +564,15 @@ TEST_CASE("SIGKILL at random moments while saving always leaves a loadable, exac
   std::vector<std::string> env_strings;
   for (char** p = environ; *p; ++p) env_strings.emplace_back(*p);
   env_strings.push_back("STRIDER_TCKPT_CHILD_DIR=" + dir.string());
-  env_strings.push_back("STRIDER_TCKPT_CHILD_FORMAT=" + std::string(state_format_name(format)));
+  env_strings.push_back("STRIDER_TCKPT_CHILD_FORMAT=" + std::string(state_format_name(run.format)));
+  env_strings.push_back("STRIDER_TCKPT_CHILD_MLP_PIECES=" + std::to_string(run.mlp_pieces));
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
   std::string arg0 = exe, arg1 = kChildName;
   char* argv[] = {arg0.data(), arg1.data(), nullptr};
 
-  auto loader = engine(model, crash_config(format, {3, true, {1, 3}, tmp.path.string(), {3}}));
+  auto loader = engine(model, crash_config(run, {3, true, {1, 3}, tmp.path.string(), {3}}));
   std::mt19937 rng(2024);
   int rounds = 0, from_old = 0, with_temp = 0, last_step = 0;
   // Measured as we go: how long a save and a whole step + save take in the child.
@@ -625,7 +643,8 @@ TEST_CASE("SIGKILL at random moments while saving always leaves a loadable, exac
   // Figures, not assertions: how often the kill landed where it matters.
   using Ms = std::chrono::duration<double, std::milli>;
   const double save_ms = Ms(save_time).count(), cycle_ms = Ms(cycle_time).count();
-  WARN("crash rounds " << rounds << ", last step " << last_step << ", loaded from .old " << from_old
+  WARN(state_format_name(run.format) << " state, mlp_pieces " << run.mlp_pieces << ": crash rounds " << rounds
+                                     << ", last step " << last_step << ", loaded from .old " << from_old
                        << ", temp dirs left by the kill " << with_temp << ", last save "
                        << save_ms << " ms, step + save " << cycle_ms << " ms");
 }
