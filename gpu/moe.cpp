@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gpu/block_parts.h"
+#include "gpu/moe_cut.h"
 #include "gpu/weight_grad.h"
 #include "host/error.h"
 
@@ -78,20 +79,26 @@ int64_t padded_rows(int64_t m) {
   while (step * 16 <= m) step *= 2;  // from 256 rows on, step <= m / 8
   return (m + step - 1) / step * step;
 }
-Groups group_by_expert(const at::Tensor& top, int64_t experts, bool pad) {
+// Experts [e0, e1) of `experts` only (a group, gpu/moe_cut.h): their pairs,
+// the group's first expert at row 0 of group space.
+Groups group_by_expert(const at::Tensor& top, int64_t experts, bool pad, int64_t e0, int64_t e1) {
   at::NoGradGuard no_grad;
   Groups g;
   const at::Tensor flat = top.reshape({-1});
-  g.slot = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
-  g.token = at::div(g.slot, top.size(1), "floor");
   const at::Tensor counts = at::bincount(flat, {}, experts).to(at::kCPU, at::kLong);
   const int64_t* c = counts.data_ptr<int64_t>();
-  g.offsets.assign(size_t(experts) + 1, 0);
+  int64_t first = 0, last = 0;
+  for (int64_t e = 0; e < e1; ++e) (e < e0 ? first : last) += c[e];
+  g.slot = std::get<1>(at::sort(flat, /*stable=*/true, 0, false));
+  if (e0 > 0 || e1 < experts) g.slot = g.slot.slice(0, first, first + last);
+  g.token = at::div(g.slot, top.size(1), "floor");
+  g.offsets.assign(size_t(e1 - e0) + 1, 0);
   std::vector<int64_t> pos;
-  for (int64_t e = 0; e < experts; ++e) {
+  for (int64_t e = e0; e < e1; ++e) {
+    const size_t i = size_t(e - e0);
     const int64_t rows = pad ? padded_rows(c[e]) : c[e];
-    for (int64_t i = 0; pad && i < c[e]; ++i) pos.push_back(g.offsets[size_t(e)] + i);
-    g.offsets[size_t(e) + 1] = g.offsets[size_t(e)] + rows;
+    for (int64_t j = 0; pad && j < c[e]; ++j) pos.push_back(g.offsets[i] + j);
+    g.offsets[i + 1] = g.offsets[i] + rows;
   }
   g.rows = g.offsets.back();
   const at::TensorOptions on = top.options().dtype(at::kLong);
@@ -155,16 +162,22 @@ at::Tensor grouped_mm(const at::Tensor& x, const at::Tensor& w, const Groups& g)
 // (distinct indices: deterministic on every device, where one index_add_ of
 // rows that share tokens is not on CUDA), then added one choice rank at a
 // time, so out[t] = ((out[t] + y_e1) + y_e2) ... for its experts e1 < e2 < ...
-void add_by_token(at::Tensor& out, const at::Tensor& rows, const at::Tensor& top, const Groups& g) {
+// (`descending`: ... + y_e2) + y_e1, as backward adds d(loss)/dh, whose
+// groups of experts come in reverse). The rows of a group of some experts
+// only (`partial`) leave +0 at the other experts' places (gpu/moe_cut.h:
+// adding them changes nothing).
+void add_by_token(at::Tensor& out, const at::Tensor& rows, const at::Tensor& top, const Groups& g, bool partial,
+                  bool descending) {
   const int64_t n = top.size(0), k = top.size(1);
   const at::Tensor order = std::get<1>(top.sort(/*stable=*/true, 1, false));
   at::Tensor rank = at::empty_like(order);
   rank.scatter_(1, order, at::arange(k, order.options()).expand_as(order).contiguous());
   const at::Tensor place = g.token * k + rank.reshape({-1}).index_select(0, g.slot);
-  at::Tensor buf = at::empty({n * k, out.size(1)}, rows.options());
+  at::Tensor buf = partial ? at::zeros({n * k, out.size(1)}, rows.options())
+                           : at::empty({n * k, out.size(1)}, rows.options());
   buf.index_copy_(0, place, rows);
   const at::Tensor v = buf.view({n, k, out.size(1)});
-  for (int64_t j = 0; j < k; ++j) out.add_(v.select(1, j));
+  for (int64_t i = 0; i < k; ++i) out.add_(v.select(1, descending ? k - 1 - i : i));
 }
 
 // Each expert's weight gradient from its rows: acc[e] += a_e^T b_e (a [S, M],
@@ -257,100 +270,186 @@ void shared_expert_backward(const BlockDims& d, const TensorMap& w, TensorMap& g
   dh.add_(at::mm(dg, wg)).add_(at::mm(du, wu));
 }
 
-}  // namespace
+// A group's experts [e0, e1) of a fused expert tensor that holds every
+// expert or only the group's (gpu/moe_cut.h).
+at::Tensor group_experts(const at::Tensor& t, const MoeDims& m, int64_t e0, int64_t e1, std::string_view name) {
+  if (t.size(0) == m.experts) return t.slice(0, e0, e1);
+  STRIDER_CHECK(t.size(0) == e1 - e0, "{}: {} experts, expected {} (every expert) or {} (experts [{}, {}))", name,
+                t.size(0), m.experts, e1 - e0, e0, e1);
+  return t;
+}
 
-at::Tensor moe_forward(const BlockDims& d, const TensorMap& w, const at::Tensor& h, const MoeStep* step) {
-  at::NoGradGuard no_grad;
-  const MoeDims& m = d.moe;
-  STRIDER_CHECK(m.sparse() && h.dim() == 2 && h.size(1) == d.hidden, "moe_forward: h must be [tokens, {}] of a "
-                "layer with experts, got {}", d.hidden, c10::str(h.sizes()));
-  const at::Tensor& gate_up = moe_weight(w, kGateUp);
-  const at::Tensor& down = moe_weight(w, kDown);
-  const Routing r = route(m, at::mm(h, moe_weight(w, kRouter).t()));
-  if (step && step->stats.defined()) add_routing_stats(*step, r, m);
-  if (step && step->routes) step->routes->push_back(r.top.clone());
-  const Groups g = group_by_expert(r.top, m.experts, pads(h));
+void check_group(const BlockDims& d, const at::Tensor& h, int64_t e0, int64_t e1, const char* what) {
+  STRIDER_CHECK(d.moe.sparse() && h.dim() == 2 && h.size(1) == d.hidden, "{}: h must be [tokens, {}] of a layer "
+                "with experts, got {}", what, d.hidden, c10::str(h.sizes()));
+  STRIDER_CHECK(0 <= e0 && e0 < e1 && e1 <= d.moe.experts, "{}: experts [{}, {}) of {}", what, e0, e1,
+                d.moe.experts);
+}
+
+// The experts of g (gate_up and down: the group's [E', 2I, H] and [E', H, I])
+// on h's routed rows, their weighted outputs added into out.
+void experts_forward(const BlockDims& d, const at::Tensor& gate_up, const at::Tensor& down, const Groups& g,
+                     const at::Tensor& h, const at::Tensor& top, const at::Tensor& scores, at::Tensor& out,
+                     bool partial) {
   at::Tensor xs = to_groups(h.index_select(0, g.token), g);
   at::Tensor act = experts_up(d, gate_up, xs, g).act;
   xs = at::Tensor();
   at::Tensor y = from_groups(grouped_mm(act, down.transpose(1, 2), g), g);
   act = at::Tensor();
+  add_by_token(out, weighted(y, scores.reshape({-1}).index_select(0, g.slot)), top, g, partial, false);
+}
+
+// Their backward (scores without autograd): the output again for
+// d(loss)/d(score) into dscores, the weights' gradients into g_gate_up and
+// g_down (the group's; undefined: not computed), d(loss)/dh added into dh.
+void experts_backward(const BlockDims& d, const at::Tensor& gate_up, const at::Tensor& down, at::Tensor g_gate_up,
+                      at::Tensor g_down, const Groups& g, const at::Tensor& h, const at::Tensor& gy,
+                      const at::Tensor& top, const at::Tensor& scores, at::Tensor& dh, at::Tensor& dscores,
+                      bool partial) {
+  const at::Tensor xs = to_groups(h.index_select(0, g.token), g);
+  at::Tensor gys = gy.index_select(0, g.token);
+  ExpertPass p = experts_up(d, gate_up, xs, g);
+  {
+    const at::Tensor y = from_groups(grouped_mm(p.act, down.transpose(1, 2), g), g);
+    dscores.index_copy_(0, g.slot, (gys.to(at::kFloat) * y.to(at::kFloat)).sum(1));
+  }
+  const at::Tensor dy = to_groups(weighted(gys, scores.reshape({-1}).index_select(0, g.slot)), g);
+  gys = at::Tensor();
+  if (g_down.defined()) add_weight_grads(g_down, dy, p.act, g);
+  p.act = at::Tensor();
+  at::Tensor dact = grouped_mm(dy, down, g);
+  const at::Tensor acted = activate(d, p.gate);
+  at::Tensor dgu = at::cat({activate_backward(d, dact * p.up, p.gate), dact * acted}, 1);
+  dact = at::Tensor();
+  p = {};
+  if (g_gate_up.defined()) add_weight_grads(g_gate_up, dgu, xs, g);
+  add_by_token(dh, from_groups(grouped_mm(dgu, gate_up, g), g), top, g, partial, /*descending=*/true);
+}
+
+// The routing with autograd from logits (requires_grad) back to them:
+// d(loss)/d(score) (dscores, fp32 [n x k]) and, with the load-balancing loss
+// in the step, its gradient on every probability.
+at::Tensor logits_grad(const MoeDims& m, const Routing& r, const at::Tensor& logits, const at::Tensor& dscores,
+                       const MoeStep* step) {
+  const int64_t n = logits.size(0);
+  at::AutoGradMode enable(true);
+  std::vector<at::Tensor> outs{r.scores};
+  std::vector<at::Tensor> gouts{dscores.view({n, m.top_k}).to(r.scores.scalar_type())};
+  if (step && step->stats.defined() && step->aux_scale > 0) {
+    outs.push_back(r.probs);
+    const at::Tensor g = moe_aux_grad(step->stats, step->rows, step->aux_scale).view({1, m.experts});
+    gouts.push_back(step->valid.defined() ? g * step->valid.unsqueeze(1) : g.expand({n, m.experts}));
+  }
+  return torch::autograd::grad(outs, {logits}, gouts)[0];
+}
+
+// The logits, detached, as the leaf of the router's autograd.
+at::Tensor logits_leaf(const TensorMap& w, const at::Tensor& h) {
+  at::NoGradGuard no_grad;
+  return at::mm(h, moe_weight(w, kRouter).t()).detach().requires_grad_(true);
+}
+
+// The router's gradient and its share of d(loss)/dh, from d(loss)/d(logits).
+void router_grads(const TensorMap& w, TensorMap& grads, const at::Tensor& h, const at::Tensor& dlogits,
+                  at::Tensor& dh) {
+  at::NoGradGuard no_grad;
+  if (at::Tensor* g = moe_grad(grads, kRouter)) g->add_(at::mm(dlogits.t(), h));
+  dh.add_(at::mm(dlogits, moe_weight(w, kRouter)));
+}
+
+}  // namespace
+
+MoeRoute moe_route(const BlockDims& d, const TensorMap& w, const at::Tensor& h, const MoeStep* step) {
+  at::NoGradGuard no_grad;
+  check_group(d, h, 0, d.moe.experts, "moe_route");
+  const Routing r = route(d.moe, at::mm(h, moe_weight(w, kRouter).t()));
+  if (step && step->stats.defined()) add_routing_stats(*step, r, d.moe);
+  if (step && step->routes) step->routes->push_back(r.top.clone());
+  return {r.top, r.scores};
+}
+
+void moe_experts_forward(const BlockDims& d, const TensorMap& w, int64_t e0, int64_t e1, const at::Tensor& h,
+                         const MoeRoute& r, at::Tensor& out) {
+  at::NoGradGuard no_grad;
+  check_group(d, h, e0, e1, "moe_experts_forward");
+  const MoeDims& m = d.moe;
+  const Groups g = group_by_expert(r.top, m.experts, pads(h), e0, e1);
+  experts_forward(d, group_experts(moe_weight(w, kGateUp), m, e0, e1, kGateUp),
+                  group_experts(moe_weight(w, kDown), m, e0, e1, kDown), g, h, r.top, r.scores, out,
+                  e0 > 0 || e1 < m.experts);
+}
+
+void moe_experts_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, int64_t e0, int64_t e1,
+                          const at::Tensor& h, const at::Tensor& gy, const MoeRoute& r, at::Tensor& dh,
+                          at::Tensor& dscores) {
+  at::NoGradGuard no_grad;
+  check_group(d, h, e0, e1, "moe_experts_backward");
+  const MoeDims& m = d.moe;
+  const Groups g = group_by_expert(r.top, m.experts, pads(h), e0, e1);
+  auto group_grad = [&](std::string_view name) {
+    at::Tensor* t = moe_grad(grads, name);
+    return t ? group_experts(*t, m, e0, e1, name) : at::Tensor();
+  };
+  experts_backward(d, group_experts(moe_weight(w, kGateUp), m, e0, e1, kGateUp),
+                   group_experts(moe_weight(w, kDown), m, e0, e1, kDown), group_grad(kGateUp), group_grad(kDown), g,
+                   h, gy, r.top, r.scores, dh, dscores, e0 > 0 || e1 < m.experts);
+}
+
+at::Tensor moe_shared_forward(const BlockDims& d, const TensorMap& w, const at::Tensor& h) {
+  at::NoGradGuard no_grad;
+  return shared_expert(d, w, h);
+}
+
+void moe_shared_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, const at::Tensor& h,
+                         const at::Tensor& gy, at::Tensor& dh) {
+  at::NoGradGuard no_grad;
+  shared_expert_backward(d, w, grads, h, gy, dh);
+}
+
+void moe_router_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, const at::Tensor& h,
+                         const at::Tensor& dscores, at::Tensor& dh, const MoeStep* step) {
+  check_group(d, h, 0, d.moe.experts, "moe_router_backward");
+  const at::Tensor logits = logits_leaf(w, h);
+  Routing r;
+  {
+    at::AutoGradMode enable(true);
+    r = route(d.moe, logits);
+  }
+  router_grads(w, grads, h, logits_grad(d.moe, r, logits, dscores, step), dh);
+}
+
+// The whole layer: the groups' functions over one group of every expert.
+at::Tensor moe_forward(const BlockDims& d, const TensorMap& w, const at::Tensor& h, const MoeStep* step) {
+  at::NoGradGuard no_grad;
+  const MoeRoute r = moe_route(d, w, h, step);
   at::Tensor out = at::zeros_like(h);
-  add_by_token(out, weighted(y, r.scores.reshape({-1}).index_select(0, g.slot)), r.top, g);
-  y = at::Tensor();  // gone before the shared expert's buffers come
-  if (m.shared_intermediate > 0) out.add_(shared_expert(d, w, h));
+  moe_experts_forward(d, w, 0, d.moe.experts, h, r, out);  // its rows gone before the shared expert's buffers come
+  if (d.moe.shared_intermediate > 0) out.add_(shared_expert(d, w, h));
   return out;
 }
 
 at::Tensor moe_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, const at::Tensor& h,
                         const at::Tensor& gy, const MoeStep* step) {
   const MoeDims& m = d.moe;
-  const int64_t n = h.size(0);
-  const at::Tensor& router = moe_weight(w, kRouter);
-  const at::Tensor& gate_up = moe_weight(w, kGateUp);
-  const at::Tensor& down = moe_weight(w, kDown);
-  at::Tensor* g_router = moe_grad(grads, kRouter);
-  at::Tensor* g_gate_up = moe_grad(grads, kGateUp);
-  at::Tensor* g_down = moe_grad(grads, kDown);
-
+  check_group(d, h, 0, m.experts, "moe_backward");
   // 1. The routing again, with autograd from the logits.
-  at::Tensor logits;
-  {
-    at::NoGradGuard no_grad;
-    logits = at::mm(h, router.t()).detach().requires_grad_(true);
-  }
+  const at::Tensor logits = logits_leaf(w, h);
   Routing r;
   {
     at::AutoGradMode enable(true);
     r = route(m, logits);
   }
+  at::NoGradGuard no_grad;
+  // 2. The experts on their grouped rows: the output again, d(loss)/d(score),
+  // and the weights' and inputs' gradients; then the shared expert's.
   at::Tensor dh = at::zeros_like(h);
-  at::Tensor dscores = at::zeros({n * m.top_k}, h.options().dtype(at::kFloat));
-  {
-    at::NoGradGuard no_grad;
-    // 2. The experts on their grouped rows: the output again, d(loss)/d(score),
-    // and the weights' and inputs' gradients.
-    const Groups g = group_by_expert(r.top, m.experts, pads(h));
-    const at::Tensor xs = to_groups(h.index_select(0, g.token), g);
-    at::Tensor gys = gy.index_select(0, g.token);
-    ExpertPass p = experts_up(d, gate_up, xs, g);
-    {
-      const at::Tensor y = from_groups(grouped_mm(p.act, down.transpose(1, 2), g), g);
-      dscores.index_copy_(0, g.slot, (gys.to(at::kFloat) * y.to(at::kFloat)).sum(1));
-    }
-    const at::Tensor dy = to_groups(weighted(gys, r.scores.detach().reshape({-1}).index_select(0, g.slot)), g);
-    gys = at::Tensor();
-    if (g_down) add_weight_grads(*g_down, dy, p.act, g);
-    p.act = at::Tensor();
-    at::Tensor dact = grouped_mm(dy, down, g);
-    const at::Tensor acted = activate(d, p.gate);
-    at::Tensor dgu = at::cat({activate_backward(d, dact * p.up, p.gate), dact * acted}, 1);
-    dact = at::Tensor();
-    p = {};
-    if (g_gate_up) add_weight_grads(*g_gate_up, dgu, xs, g);
-    add_by_token(dh, from_groups(grouped_mm(dgu, gate_up, g), g), r.top, g);
-  }
-  if (m.shared_intermediate > 0) {  // the experts' rows gone
-    at::NoGradGuard no_grad;
-    shared_expert_backward(d, w, grads, h, gy, dh);
-  }
+  at::Tensor dscores = at::zeros({h.size(0) * m.top_k}, h.options().dtype(at::kFloat));
+  moe_experts_backward(d, w, grads, 0, m.experts, h, gy, {r.top, r.scores.detach()}, dh, dscores);
+  if (m.shared_intermediate > 0) shared_expert_backward(d, w, grads, h, gy, dh);
   // 3. The router: the scores' gradients (and the load-balancing loss's, on
   // every probability) back through top-k's normalisation and the softmax.
-  at::Tensor dlogits;
-  {
-    at::AutoGradMode enable(true);
-    std::vector<at::Tensor> outs{r.scores};
-    std::vector<at::Tensor> gouts{dscores.view({n, m.top_k}).to(r.scores.scalar_type())};
-    if (step && step->stats.defined() && step->aux_scale > 0) {
-      outs.push_back(r.probs);
-      const at::Tensor g = moe_aux_grad(step->stats, step->rows, step->aux_scale).view({1, m.experts});
-      gouts.push_back(step->valid.defined() ? g * step->valid.unsqueeze(1) : g.expand({n, m.experts}));
-    }
-    dlogits = torch::autograd::grad(outs, {logits}, gouts)[0];
-  }
-  at::NoGradGuard no_grad;
-  if (g_router) g_router->add_(at::mm(dlogits.t(), h));
-  return dh.add_(at::mm(dlogits, router));
+  router_grads(w, grads, h, logits_grad(m, r, logits, dscores, step), dh);
+  return dh;
 }
 
 at::Tensor moe_aux_loss(const at::Tensor& stats, double rows) {

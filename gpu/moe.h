@@ -16,8 +16,10 @@
 // weight gradient is its own GEMM. On the CPU below fp32 each expert's rows
 // are padded with zero rows to a bucket, so that oneDNN meets few GEMM
 // shapes (moe.cpp, Groups). The experts' outputs are added into each token's
-// row in expert order, through k places per token, not an index_add_ of rows
-// that share tokens: the same bits on every run, CUDA's atomics included.
+// row in expert order (their gradients into d(loss)/dh in the reverse
+// order), through k places per token, not an index_add_ of rows that share
+// tokens: the same bits on every run, CUDA's atomics included.
+// gpu/moe_cut.h cuts the MLP into its router and groups of experts.
 #pragma once
 
 #include <ATen/ATen.h>
