@@ -57,7 +57,8 @@ std::vector<UnitRun> Sharding::unit_layout(const std::vector<int64_t>& visit) co
     for (size_t j = i; j < visit.size(); ++j)
       if (pieces[size_t(visit[j])].block == block)
         for (const PieceRun& r : pieces[size_t(visit[j])].runs()) group.push_back({visit[j], 0, r});
-    std::sort(group.begin(), group.end(), [](const UnitRun& a, const UnitRun& b) { return a.run.block < b.run.block; });
+    const auto by_block = [](const UnitRun& a, const UnitRun& b) { return a.run.block < b.run.block; };
+    if (!std::is_sorted(group.begin(), group.end(), by_block)) std::sort(group.begin(), group.end(), by_block);
     for (UnitRun& u : group) {
       u.unit_at = at;
       at += u.run.n;

@@ -28,7 +28,12 @@ std::vector<DecayRun> ParamLayout::decay_runs(size_t begin, size_t end) const {
   STRIDER_CHECK(begin <= end && end <= total_elems_, "block '{}' has {} elements, not [{}, {})", block_name_,
                 total_elems_, begin, end);
   std::vector<DecayRun> runs;
-  for (size_t i = 0; i < slots_.size(); ++i) {
+  // From the slot that holds `begin` (slots ascend; a sub-layer piece asks
+  // for one run per row of down_proj, so a scan from the first is too slow).
+  auto first = std::upper_bound(slots_.begin(), slots_.end(), begin,
+                                [](size_t x, const TensorSlot& t) { return x < t.offset_elems; });
+  for (size_t i = size_t(std::max<ptrdiff_t>(0, first - slots_.begin() - 1)); i < slots_.size(); ++i) {
+    if (slots_[i].offset_elems >= end) break;
     // The slot and its padding: up to the next slot (or the block's end).
     const size_t lo = std::max(begin, slots_[i].offset_elems);
     const size_t hi = std::min(end, i + 1 < slots_.size() ? slots_[i + 1].offset_elems : total_elems_);
