@@ -20,9 +20,13 @@
 // MLP's additions, so they agree with it to fp32 rounding
 // (tests/gpu/layer_cut_test.cpp).
 //
-// Layers whose MLP has a post-norm (OLMo 2, Gemma), experts, or LoRA
-// adapters are refused: their MLP output is not a sum of slices' outputs
-// (a post-norm), or is cut another way (experts: expert pieces).
+// A layer with experts is cut instead into its attention-and-router half
+// and groups of experts (gpu/moe_cut.h; the MoeCut functions below), which
+// give the uncut layer's bits.
+//
+// Layers whose MLP has a post-norm (OLMo 2, Gemma), or LoRA adapters, are
+// refused: their MLP output is not a sum of pieces' outputs (a post-norm);
+// and so is Qwen2-MoE's shared expert.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,8 +35,10 @@
 
 namespace strider {
 
-// Refuses, naming the layer's kind, a layer that cannot be cut this way.
+// Refuses, naming the layer's kind, a layer that cannot be cut into MLP
+// slices (check_cuttable) or into groups of experts (check_moe_cuttable).
 void check_cuttable(const BlockDims& d, const TensorMap& w);
+void check_moe_cuttable(const BlockDims& d, const TensorMap& w);
 
 // The attention half's forward for x [b, s, hidden]: x1 = x + attention(x)
 // and h2 = the MLP's input (post-attention norm of x1), both [b, s, hidden]
@@ -65,5 +71,40 @@ void mlp_slice_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads
 at::Tensor attention_half_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, const TokenLayout& layout,
                                    const at::Tensor& x, const at::Tensor& grad_out, const at::Tensor& dh2_sum,
                                    int64_t token_tile);
+
+// A layer with experts, cut: what its pieces keep per micro-batch besides
+// x1 and h2. The routing of every token (top: int64 [tokens, top_k]; scores:
+// fp32 [tokens, top_k], exact for scores in the compute dtype), and in
+// backward d(loss)/d(score) (fp32 [tokens x top_k]); `step`, the
+// load-balancing loss's (gpu/moe.h; null: none): its statistics in the
+// routing's forward, its gradient in the half's backward. The groups' sum
+// and input-gradient sum are in the compute dtype (h2's shape), as the
+// uncut layer adds its experts' outputs.
+struct MoeCut {
+  at::Tensor top, scores, dscores;
+  const MoeStep* step = nullptr;
+};
+// The router on the MLP input h2, tile by tile as layer_forward routes:
+// the routing into cut.top and cut.scores, the statistics into cut.step.
+void moe_cut_route(const BlockDims& d, const TensorMap& w, const at::Tensor& h2, const MoeCut& cut,
+                   int64_t token_tile);
+// Experts [e0, e1) (their tensors the group's or every expert's) on their
+// tokens, tile by tile, added into `sum` (zeros where the layer's starts).
+void moe_group_forward(const BlockDims& d, const TensorMap& w, int64_t e0, int64_t e1, const at::Tensor& h2,
+                       const MoeCut& cut, const at::Tensor& sum, int64_t token_tile);
+// The layer's output, x1 + the groups' sum.
+at::Tensor moe_groups_output(const BlockDims& d, const at::Tensor& x1, const at::Tensor& sum);
+// A group's backward (groups in descending order): its weight gradients into
+// `grads`, its share of d(loss)/d(h2) into dh2_sum (zeros where the first
+// starts), its pairs' d(loss)/d(score) into cut.dscores.
+void moe_group_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, int64_t e0, int64_t e1,
+                        const at::Tensor& h2, const at::Tensor& grad_out, const MoeCut& cut,
+                        const at::Tensor& dh2_sum, int64_t token_tile);
+// The attention-and-router half's backward: attention_half_backward's, with
+// the router's backward (from cut.dscores, and the load-balancing loss's
+// gradient) added into d(loss)/d(h2) first, as the uncut layer adds it.
+at::Tensor moe_half_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, const TokenLayout& layout,
+                             const at::Tensor& x, const at::Tensor& grad_out, const at::Tensor& dh2_sum,
+                             const MoeCut& cut, int64_t token_tile);
 
 }  // namespace strider

@@ -13,6 +13,7 @@
 
 #include "gpu/blocks.h"
 #include "gpu/layer_cut.h"
+#include "gpu/moe.h"
 #include "tests/gpu/layer_pass.h"
 #include "tests/gpu/random_layer.h"
 
@@ -159,6 +160,97 @@ TEST_CASE("a layer the MLP slices cannot cut is refused by name", "[layer_cut]")
     moe.moe.experts = 4;
     moe.moe.top_k = 2;
     moe.moe.intermediate = 16;
-    CHECK_THROWS_WITH(check_cuttable(moe, {}), Catch::Contains("expert pieces"));
+    CHECK_THROWS_WITH(check_cuttable(moe, {}), Catch::Contains("groups of experts"));
+    moe.moe.shared_intermediate = 8;
+    CHECK_THROWS_WITH(check_moe_cuttable(moe, {}), Catch::Contains("shared expert"));
+    CHECK_THROWS_WITH(check_moe_cuttable(d, {}), Catch::Contains("MLP slices"));
   }
+}
+
+namespace {
+
+// A Qwen3-MoE-like layer (or Mixtral's fp32 scores): the attention's
+// tensors, a router and 6 experts of top-2.
+Layer random_moe_layer(const BlockDims& d, at::ScalarType dtype, uint64_t seed) {
+  Layer l = random_layer(d, dtype, seed);
+  for (const char* t : {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "mlp.gate_proj.bias",
+                        "mlp.up_proj.bias", "mlp.down_proj.bias"}) {
+    l.w.erase(t);
+    l.grads.erase(t);
+  }
+  const int64_t E = d.moe.experts, H = d.hidden, I = d.moe.intermediate;
+  for (auto [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+           {"mlp.gate.weight", {E, H}}, {"mlp.experts.gate_up_proj", {E, 2 * I, H}}, {"mlp.experts.down_proj", {E, H, I}}}) {
+    l.w.emplace(name, (at::randn(shape) * 0.3).to(dtype));
+    l.grads.emplace(name, at::zeros(shape, at::kFloat));
+  }
+  return l;
+}
+
+}  // namespace
+
+TEST_CASE("a layer with experts cut into its attention-and-router half and groups of experts is the uncut layer "
+          "bit for bit", "[layer_cut]") {
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+    for (bool mixtral : {false, true})
+      for (int64_t tile : {0, 5}) {
+        INFO((dtype == at::kFloat ? "fp32" : "bf16") << (mixtral ? " mixtral" : " qwen3") << " tile " << tile);
+        BlockDims d = dims(/*gqa=*/true, /*qwen3=*/!mixtral);
+        d.mlp_bias = false;
+        d.moe.experts = 6;
+        d.moe.top_k = 2;
+        d.moe.intermediate = 16;
+        d.moe.norm_topk = true;
+        d.moe.scores_fp32 = mixtral;
+        const Inputs in = inputs(d, dtype, 2, 9);
+        const int64_t n = 2 * 9;
+        // The load-balancing loss's statistics and weight, one set per run.
+        auto step_of = [&](at::Tensor& stats) {
+          stats = at::zeros({2, d.moe.experts}, at::kFloat);
+          MoeStep st;
+          st.stats = stats;
+          st.aux_scale = 0.02;
+          st.rows = double(n);
+          return st;
+        };
+        at::Tensor whole_stats, cut_stats;
+        Layer whole = random_moe_layer(d, dtype, 21);
+        MoeStep whole_step = step_of(whole_stats);
+        Pass want;
+        want.out = layer_forward(d, whole.w, in.rope, in.x, tile, nullptr, &whole_step);
+        want.dx = layer_backward(d, whole.w, in.rope, in.x, in.gout, whole.grads, tile, nullptr, &whole_step);
+        want.grads = whole.grads;
+
+        // The half holds every tensor but the experts' (the router with it);
+        // the groups 0-2, 2-3, 3-6 see every expert's tensors (moe_cut_test
+        // holds a group's own).
+        Layer l = random_moe_layer(d, dtype, 21);
+        Layer half;
+        for (const auto& [name, t] : l.w)
+          if (name.rfind("mlp.experts.", 0) != 0) half.w.emplace(name, t);
+        for (const auto& [name, g] : l.grads)
+          if (name.rfind("mlp.experts.", 0) != 0) half.grads.emplace(name, g);
+        MoeStep cut_step = step_of(cut_stats);
+        const int64_t k = d.moe.top_k;
+        MoeCut cut{at::empty({n, k}, at::kLong), at::empty({n, k}, at::kFloat), at::zeros({n * k}, at::kFloat),
+                   &cut_step};
+        const std::vector<std::pair<int64_t, int64_t>> groups = {{0, 2}, {2, 3}, {3, 6}};
+        const AttentionHalf h = attention_half_forward(d, half.w, in.rope, in.x, tile);
+        moe_cut_route(d, half.w, h.h2, cut, tile);
+        const at::Tensor sum = at::zeros_like(h.h2);
+        for (auto [e0, e1] : groups) moe_group_forward(d, l.w, e0, e1, h.h2, cut, sum, tile);
+        Pass got;
+        got.out = moe_groups_output(d, h.x1, sum);
+        // Backward: the routing again (no statistics), groups in reverse, the half.
+        MoeCut again = cut;
+        again.step = nullptr;
+        moe_cut_route(d, half.w, attention_half_forward(d, half.w, in.rope, in.x, tile).h2, again, tile);
+        const at::Tensor dsum = at::zeros_like(h.h2);
+        for (size_t i = groups.size(); i-- > 0;)
+          moe_group_backward(d, l.w, l.grads, groups[i].first, groups[i].second, h.h2, in.gout, cut, dsum, tile);
+        got.dx = moe_half_backward(d, half.w, half.grads, in.rope, in.x, in.gout, dsum, cut, tile);
+        got.grads = l.grads;
+        check_same(got, want);
+        CHECK(same_bits(cut_stats, whole_stats));
+      }
 }
