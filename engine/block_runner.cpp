@@ -78,6 +78,7 @@ TensorMap piece_views(const ModelSpec& spec, const Piece& pc, const ParamLayout&
   const std::string prefix = prefix_of(spec, pc.block);
   const int64_t H = spec.dims.hidden, w = pc.mlp_end - pc.mlp_begin;
   const size_t i0 = size_t(pc.mlp_begin);
+  const MoeDims moe = spec.layer_dims(spec.block(pc.block).layer).moe;
   TensorMap out;
   // `shape`'s elements at block element `at` on, which the piece must hold back to back.
   auto view = [&](const TensorSlot& s, std::string role, size_t at, std::vector<int64_t> shape) {
@@ -90,6 +91,15 @@ TensorMap piece_views(const ModelSpec& spec, const Piece& pc, const ParamLayout&
   };
   for (const TensorSlot& s : layout.slots()) {
     const std::string role = s.name.substr(prefix.size());
+    if (moe.sparse()) {  // the attention-and-router half, or a group's experts [i0, i0 + w)
+      const bool expert = role.rfind("mlp.experts.", 0) == 0;
+      if (!pc.mlp_slice() && !expert) view(s, role, s.offset_elems, s.shape);
+      if (!pc.mlp_slice() || !expert) continue;
+      std::vector<int64_t> shape = s.shape;
+      shape[0] = w;
+      view(s, role, s.offset_elems + i0 * (s.numel / size_t(moe.experts)), shape);
+      continue;
+    }
     const bool mlp = role.rfind("mlp.", 0) == 0;
     if (!pc.mlp_slice()) {
       if (!mlp) view(s, role, s.offset_elems, s.shape);
@@ -184,17 +194,44 @@ at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::
   throw Error("BlockRunner::backward: use head_backward for the head");
 }
 
+namespace {
+
+// A layer with experts sums its groups in the compute dtype: the fp32 sum
+// buffer's first bytes, in x1's shape.
+at::Tensor compute_sum(const CutBuffers& cut) {
+  const at::ScalarType dtype = cut.x1.scalar_type();
+  if (dtype == at::kFloat) return cut.sum;
+  return cut.sum.view({-1}).view(dtype).slice(0, 0, cut.x1.numel()).view(cut.x1.sizes());
+}
+
+MoeCut moe_cut(const CutBuffers& cut, const MoeStep* moe) { return {cut.top, cut.scores, cut.dscores, moe}; }
+
+}  // namespace
+
 void BlockRunner::forward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input,
-                                const at::Tensor& out, const CutBuffers& cut, const BatchPositions* positions) const {
+                                const at::Tensor& out, const CutBuffers& cut, const BatchPositions* positions,
+                                const MoeStep* moe) const {
   const int64_t l = spec_.block(pc.block).layer;
   const BlockDims d = spec_.layer_dims(l);
   const TensorMap w = piece_views(spec_, pc, layouts_[size_t(pc.block)], params);
   const int64_t tile = options_.token_tile;
+  const bool sparse = d.moe.sparse();
   if (!pc.mlp_slice()) {
     const AttentionHalf half = attention_half_forward(d, w, layout_of(l, positions), input, tile);
     cut.x1.copy_(half.x1);
     cut.h2.copy_(half.h2);
-    cut.sum.zero_();
+    if (!sparse) {
+      cut.sum.zero_();
+      return;
+    }
+    compute_sum(cut).zero_();
+    moe_cut_route(d, w, cut.h2, moe_cut(cut, moe), tile);
+    return;
+  }
+  if (sparse) {
+    const at::Tensor sum = compute_sum(cut);
+    moe_group_forward(d, w, pc.mlp_begin, pc.mlp_end, cut.h2, moe_cut(cut, nullptr), sum, tile);
+    if (pc.mlp_end == d.moe.experts) out.copy_(moe_groups_output(d, cut.x1, sum));
     return;
   }
   mlp_slice_forward(d, w, cut.h2, cut.sum, tile);
@@ -208,17 +245,32 @@ void BlockRunner::recompute_mlp_input(const Piece& pc, const at::Tensor& params,
   const BlockDims d = spec_.layer_dims(l);
   const TensorMap w = piece_views(spec_, pc, layouts_[size_t(pc.block)], params);
   cut.h2.copy_(attention_half_forward(d, w, layout_of(l, positions), input, options_.token_tile).h2);
+  // The routing again, for the groups' backward (its statistics were added in forward).
+  if (d.moe.sparse()) moe_cut_route(d, w, cut.h2, moe_cut(cut, nullptr), options_.token_tile);
 }
 
 void BlockRunner::backward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input,
                                  const at::Tensor& grad_out, const at::Tensor& grads, const CutBuffers& cut,
-                                 const BatchPositions* positions) const {
+                                 const BatchPositions* positions, const MoeStep* moe) const {
   const int64_t l = spec_.block(pc.block).layer;
   const BlockDims d = spec_.layer_dims(l);
   const ParamLayout& layout = layouts_[size_t(pc.block)];
   const TensorMap w = piece_views(spec_, pc, layout, params);
   TensorMap g = piece_views(spec_, pc, layout, grads);
   const int64_t tile = options_.token_tile;
+  if (d.moe.sparse()) {
+    const at::Tensor sum = compute_sum(cut);
+    if (!pc.mlp_slice()) {
+      grad_out.copy_(moe_half_backward(d, w, g, layout_of(l, positions), input, grad_out, sum, moe_cut(cut, moe), tile));
+      return;
+    }
+    if (pc.mlp_end == d.moe.experts) {  // the first group backward
+      sum.zero_();
+      cut.dscores.zero_();
+    }
+    moe_group_backward(d, w, g, pc.mlp_begin, pc.mlp_end, cut.h2, grad_out, moe_cut(cut, nullptr), sum, tile);
+    return;
+  }
   if (pc.mlp_slice()) {
     if (pc.mlp_end == d.intermediate) cut.sum.zero_();  // the first slice backward
     mlp_slice_backward(d, w, g, cut.h2, grad_out, cut.sum, tile);

@@ -64,9 +64,12 @@ TensorMap piece_views(const ModelSpec& spec, const Piece& pc, const ParamLayout&
 // MLP's input (to the first slice's backward: the slices' checkpoint), both
 // [micro_batch, seq, hidden] in the compute dtype, and an fp32 sum of that
 // shape: the slices' partial outputs in forward, their input gradients in
-// backward.
+// backward. A layer with experts (cut into groups of experts) sums in the
+// compute dtype, in the fp32 buffer's first bytes, and keeps its routing
+// (top, scores) and d(loss)/d(score) (dscores) as gpu/layer_cut.h's MoeCut.
 struct CutBuffers {
   at::Tensor x1, h2, sum;
+  at::Tensor top, scores, dscores;
 };
 
 // A micro-batch's token positions where its rows pack documents (engine:
@@ -118,14 +121,19 @@ class BlockRunner {
   // there, from the layer's output gradient `grad_out`; the attention half
   // replaces grad_out by d(loss)/d(input). Parameter gradients add into
   // `grads` (fp32, the piece's coordinates).
+  // `moe`: a layer with experts' load-balancing loss (the attention half's
+  // routing adds its statistics; its backward, the loss's gradient).
   void forward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input, const at::Tensor& out,
-                     const CutBuffers& cut, const BatchPositions* positions = nullptr) const;
+                     const CutBuffers& cut, const BatchPositions* positions = nullptr,
+                     const MoeStep* moe = nullptr) const;
   // The attention half's forward again (the same bits), before the slices'
-  // backward: the MLP's input into cut.h2 only.
+  // backward: the MLP's input into cut.h2 only (and a layer with experts'
+  // routing, without statistics).
   void recompute_mlp_input(const Piece& pc, const at::Tensor& params, const at::Tensor& input, const CutBuffers& cut,
                            const BatchPositions* positions = nullptr) const;
   void backward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input, const at::Tensor& grad_out,
-                      const at::Tensor& grads, const CutBuffers& cut, const BatchPositions* positions = nullptr) const;
+                      const at::Tensor& grads, const CutBuffers& cut, const BatchPositions* positions = nullptr,
+                      const MoeStep* moe = nullptr) const;
 
   // The head: loss and gradients. With tied embeddings `tied_params` /
   // `tied_grads` are the embedding block's flat buffers (the LM head reads

@@ -239,6 +239,11 @@ void EngineCore::allocate_activations(int d) {
       x.cut_x1 = make({mb, S, H}, cdt, "sub-layer pieces' residual stream");
       x.cut_h2 = make({mb, S, H}, cdt, "sub-layer pieces' MLP input");
       x.cut_sum = make({mb, S, H}, at::kFloat, "sub-layer pieces' fp32 sum");
+      if (spec_.sparse_layer_count() == 0) continue;
+      const int64_t k = spec_.dims.moe.top_k;
+      x.cut_top = make({mb * S, k}, at::kLong, "groups of experts' routing");
+      x.cut_scores = make({mb * S, k}, at::kFloat, "groups of experts' routing weights");
+      x.cut_dscores = make({mb * S * k}, at::kFloat, "groups of experts' routing-weight gradients");
     }
   if (runs_head)
     for (int64_t m = 0; m < M; ++m) {

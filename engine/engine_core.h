@@ -91,8 +91,9 @@ class EngineCore {
     // Layers cut into sub-layer pieces (EngineConfig::mlp_pieces): what one
     // keeps between its pieces' visits (BlockRunner's CutBuffers), shared
     // by the layers, which the device runs one at a time (the MLP's input
-    // is made again by a recompute visit before the slices' backward).
-    at::Tensor cut_x1, cut_h2, cut_sum;
+    // is made again by a recompute visit before the slices' backward); with
+    // experts, the routing and d(loss)/d(score) of its tokens too.
+    at::Tensor cut_x1, cut_h2, cut_sum, cut_top, cut_scores, cut_dscores;
     // A device that runs the head's shards: the streamed head's pass 1
     // running max, sum and target logit (`head`: rows of `head_state`, fp32
     // [3, tokens]) and then log-sum-exp (fp32 [tokens]), and d(loss)/d(normed

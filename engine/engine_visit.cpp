@@ -50,10 +50,14 @@ double EngineCore::op_flops(const StepOp& op) const {
       const Piece& pc = piece(op.piece);
       if (pc.sub_layer) {
         // Its share of the layer's: an MLP slice's three GEMMs over its
-        // rows, the attention half the rest; backward (with the recompute)
-        // in the same proportion.
-        const double I = double(spec_.layer_dims(spec_.block(b).layer).intermediate), mlp = 6.0 * tokens * H * I;
-        const double mine = pc.mlp_slice() ? mlp * double(pc.mlp_end - pc.mlp_begin) / I : c.forward_flops - mlp;
+        // rows (a group's experts: their share of the top_k experts' each
+        // token runs), the attention half the rest; backward (with the
+        // recompute) in the same proportion.
+        const BlockDims ld = spec_.layer_dims(spec_.block(b).layer);
+        const bool sparse = ld.moe.sparse();
+        const double I = double(sparse ? ld.moe.intermediate * ld.moe.top_k : ld.intermediate);
+        const double mlp = 6.0 * tokens * H * I, whole = double(sparse ? ld.moe.experts : ld.intermediate);
+        const double mine = pc.mlp_slice() ? mlp * double(pc.mlp_end - pc.mlp_begin) / whole : c.forward_flops - mlp;
         const double share = c.forward_flops > 0 ? mine / c.forward_flops : 0.0;
         return share * (op.kind == StepOpKind::kForward ? c.forward_flops : c.forward_flops + c.backward_flops);
       }
@@ -250,13 +254,14 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
   const BatchPositions pos = st.mb[size_t(m)].positions;  // its rows' documents, if they pack several
   if (pc.sub_layer) {  // a sub-layer piece: between its layer's visits, what the layer keeps (CutBuffers)
     const MicroBatch& x = st.mb[size_t(m)];
-    const CutBuffers cut{x.cut_x1, x.cut_h2, x.cut_sum};
+    const CutBuffers cut{x.cut_x1, x.cut_h2, x.cut_sum, x.cut_top, x.cut_scores, x.cut_dscores};
     const Piece* p = &pc;
     const bool again = op.recompute;
+    const MoeStep moe = moe_step(st, b, m, /*backward=*/false);  // the attention half's routing adds its statistics
     dev.launch(StreamId::kCompute, {again ? "recompute" : "forward", int32_t(b), flops},
-               [runner, p, params, in, out, cut, pos, again](const LaunchContext&) {
+               [runner, p, params, in, out, cut, pos, again, moe](const LaunchContext&) {
                  if (again) runner->recompute_mlp_input(*p, params, in, cut, &pos);
-                 else runner->forward_piece(*p, params, in, out, cut, &pos);
+                 else runner->forward_piece(*p, params, in, out, cut, &pos, &moe);
                });
     return;
   }
@@ -365,11 +370,12 @@ void EngineCore::backward_op(const StepOp& op) {
   const BatchPositions pos = st.mb[size_t(m)].positions;  // its rows' documents, if they pack several
   if (pc.sub_layer) {  // as forward_op's
     const MicroBatch& x = st.mb[size_t(m)];
-    const CutBuffers cut{x.cut_x1, x.cut_h2, x.cut_sum};
+    const CutBuffers cut{x.cut_x1, x.cut_h2, x.cut_sum, x.cut_top, x.cut_scores, x.cut_dscores};
     const Piece* p = &pc;
+    const MoeStep moe = moe_step(st, b, m, /*backward=*/true);
     dev.launch(StreamId::kCompute, {"recompute+backward", int32_t(b), flops},
-               [runner, p, params, grads, in, gout, cut, pos](const LaunchContext&) {
-                 runner->backward_piece(*p, params, in, gout, grads, cut, &pos);
+               [runner, p, params, grads, in, gout, cut, pos, moe](const LaunchContext&) {
+                 runner->backward_piece(*p, params, in, gout, grads, cut, &pos, &moe);
                });
     return;
   }

@@ -57,6 +57,10 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     // Layers cut into sub-layer pieces: per micro-batch the residual stream,
     // the MLP's input and the fp32 sum they share (engine_core.h, cut_*).
     if (pl.cut_layers(d) > 0) bytes += M * (2 * act + round_up(mb_tokens * hidden * 4, 256));
+    // With experts, their routing (int64 and fp32) and its gradient (fp32), top_k per token.
+    if (pl.cut_layers(d) > 0 && spec.sparse_layer_count() > 0)
+      bytes += M * (round_up(mb_tokens * size_t(spec.dims.moe.top_k) * 8, 256) +
+                    2 * round_up(mb_tokens * size_t(spec.dims.moe.top_k) * 4, 256));
     // The load-balancing loss's routing statistics and attention mask (engine_core.h, Seat::moe_stats).
     if (spec.router_aux_coef > 0)
       bytes += round_up(M * 2 * size_t(spec.dims.moe.experts) * 4, 256) + round_up(tokens * 4, 256);

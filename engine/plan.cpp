@@ -427,31 +427,34 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
   return p;
 }
 
-// A dense model whose whole layers do not fit (two cache units of a layer
-// with its fp32 gradients exceed the device: a 175B-class layer is 12 GiB)
-// may fit with its layers cut into sub-layer pieces (EngineConfig::
-// mlp_pieces), unless the limits name a count: the fewest MLP slices that
-// fit, so that each visit moves as much as it can (the count doubles from 2;
-// one the optimizer state's groups cannot cut is skipped). Where the device
-// is not what stops the plan, no cut mends it: none is tried (a plan of cut
-// layers is slow to make).
+// A model whose whole layers do not fit (two cache units of a layer with
+// its fp32 gradients exceed the device: a 175B-class layer is 12 GiB, a
+// Qwen3-235B-A22B layer with its 128 experts 13.9 GiB) may fit with its
+// layers cut into sub-layer pieces (EngineConfig::mlp_pieces), unless the
+// limits name a count: the fewest MLP slices (groups of experts) that fit,
+// so that each visit moves as much as it can (the count doubles from 2; one
+// the optimizer state's groups or the experts cannot cut is skipped). Where
+// the device is not what stops the plan, no cut mends it: none is tried (a
+// plan of cut layers is slow to make).
 Plan cut_into_sub_layer_pieces(const ModelSpec& model, const PlanLimits& l, Plan whole) {
-  if (whole.feasible || !whole.device_short || l.mlp_pieces != 0 || model.sparse_layer_count() > 0 ||
-      !l.lora.empty())
+  if (whole.feasible || !whole.device_short || l.mlp_pieces != 0 || l.expert_pieces != 0 || !l.lora.empty())
     return whole;
-  const int64_t I = model.dims.intermediate;
-  for (int64_t n = 2; n <= 64 && n <= I; n *= 2) {
+  for (int64_t n = 2; n <= 64; n *= 2) {
     PlanLimits cut = l;
     cut.mlp_pieces = n;
     Plan p;
     try {
       p = make_as_given(model, cut);
     } catch (const Error&) {
-      continue;  // mlp_slice_ranges refused this count (q8's groups)
+      continue;  // mlp_slice_ranges or expert_group_ranges refused this count (q8's groups, the experts)
     }
     if (!p.feasible) continue;
-    p.why.push_back(fmt::format("sub-layer pieces: each layer's attention half and {} slices of its MLP are visits of "
-                                "their own (chosen: with whole layers the plan {})", n, whole.reason));
+    p.why.push_back(fmt::format("sub-layer pieces: each layer's attention half and {} {} are visits of their own "
+                                "(chosen: with whole layers the plan {})", n,
+                                model.sparse_layer_count() == 0               ? "slices of its MLP"
+                                : model.sparse_layer_count() == model.layers ? "groups of its experts"
+                                                                                  : "groups of its experts (slices of a dense MLP)",
+                                whole.reason));
     return p;
   }
   return whole;
@@ -471,8 +474,10 @@ Plan cut_into_sub_layer_pieces(const ModelSpec& model, const PlanLimits& l, Plan
 // shrink.
 Plan Plan::make(const ModelSpec& model, const PlanLimits& l) {
   Plan whole = make_as_given(model, l);
-  if (!whole.feasible && model.sparse_layer_count() == 0) return cut_into_sub_layer_pieces(model, l, std::move(whole));
-  if (whole.feasible || l.expert_pieces != 0 || model.sparse_layer_count() == 0) return whole;
+  if (whole.feasible) return whole;
+  if (whole.device_short || model.sparse_layer_count() == 0)
+    return cut_into_sub_layer_pieces(model, l, std::move(whole));
+  if (l.expert_pieces != 0) return whole;
   PlanLimits cut = l;
   cut.expert_pieces = 1;
   Plan p = make_as_given(model, cut);

@@ -159,26 +159,65 @@ std::vector<ElemRange> subtract(const std::vector<ElemRange>& ranges, const std:
 
 }  // namespace
 
+namespace {
+
+// Experts [e0, e1)'s ranges of every fused expert tensor (`whole`: those
+// tensors' ranges, expert_tensor_ranges).
+std::vector<ElemRange> expert_ranges(const ParamLayout& layer, int64_t experts, int64_t e0, int64_t e1,
+                                     const std::vector<ElemRange>& whole) {
+  std::vector<ElemRange> out;
+  size_t k = 0;
+  for (const TensorSlot& t : layer.slots()) {
+    if (t.name.find(".mlp.experts.") == std::string::npos) continue;
+    STRIDER_CHECK(!t.shape.empty() && t.shape[0] == experts, "expert_pieces: {} has shape[0] {}, not the {} experts",
+                  t.name, t.shape.empty() ? 0 : t.shape[0], experts);
+    const size_t per = t.numel / size_t(experts);
+    // The last group reaches to the tensor's range end (its padding).
+    out.push_back({t.offset_elems + size_t(e0) * per, e1 == experts ? whole[k].end : t.offset_elems + size_t(e1) * per});
+    ++k;
+  }
+  return out;
+}
+
+}  // namespace
+
 std::vector<ExpertGroup> expert_piece_ranges(const ParamLayout& layer, int64_t experts, int64_t per_piece) {
   STRIDER_CHECK(per_piece >= 1 && experts >= 1, "expert_pieces {} must be >= 1 ({} experts)", per_piece, experts);
-  const std::vector<TensorSlot>& slots = layer.slots();
   const std::vector<ElemRange> whole = expert_tensor_ranges(layer);
   STRIDER_CHECK(!whole.empty(), "expert_pieces: {} has no expert tensors (mlp.experts.*)", layer.block_name());
   std::vector<ExpertGroup> out;
   for (int64_t e0 = 0; e0 < experts; e0 += per_piece) {
     const int64_t e1 = std::min(experts, e0 + per_piece);
-    ExpertGroup g{fmt::format("experts[{}:{})", e0, e1), {}};
-    size_t k = 0;
-    for (const TensorSlot& t : slots) {
-      if (t.name.find(".mlp.experts.") == std::string::npos) continue;
-      STRIDER_CHECK(!t.shape.empty() && t.shape[0] == experts, "expert_pieces: {} has shape[0] {}, not the {} experts",
-                    t.name, t.shape.empty() ? 0 : t.shape[0], experts);
-      const size_t per = t.numel / size_t(experts);
-      // The last group reaches to the tensor's range end (its padding).
-      g.ranges.push_back({t.offset_elems + size_t(e0) * per, e1 == experts ? whole[k].end : t.offset_elems + size_t(e1) * per});
-      ++k;
-    }
-    out.push_back(std::move(g));
+    out.push_back({fmt::format("experts[{}:{})", e0, e1), expert_ranges(layer, experts, e0, e1, whole)});
+  }
+  return out;
+}
+
+std::vector<MlpSlice> expert_group_ranges(const ModelSpec& spec, int64_t b, int64_t groups) {
+  const ParamLayout layer = spec.layout(b);
+  const int64_t l = spec.block(b).layer;
+  const MoeDims m = spec.layer_dims(l).moe;
+  const std::string prefix = fmt::format("model.layers.{}.", l), name = spec.block_name(b);
+  STRIDER_CHECK(m.sparse(), "internal: expert_group_ranges of {}, which has no experts", name);
+  STRIDER_CHECK(!layer.any_frozen(), "mlp_pieces: {} has LoRA adapters over a frozen base; sub-layer pieces are "
+                "for full training", name);
+  STRIDER_CHECK(m.shared_intermediate == 0, "mlp_pieces: {} has a shared expert (Qwen2-MoE), whose output comes "
+                "after every group's; it cannot be cut into groups of experts yet", name);
+  STRIDER_CHECK(!layer.find(prefix + "post_feedforward_layernorm.weight"), "mlp_pieces: {} has a norm after its MLP "
+                "(post_feedforward_layernorm), which needs the groups' whole sum; it cannot be cut", name);
+  STRIDER_CHECK(groups >= 1 && groups <= m.experts, "mlp_pieces {}: {} has {} experts: 1 to {} groups", groups, name,
+                m.experts, m.experts);
+  const std::vector<ElemRange> whole = expert_tensor_ranges(layer);
+  STRIDER_CHECK(!whole.empty(), "mlp_pieces: {} has no expert tensors (mlp.experts.*)", name);
+  std::vector<MlpSlice> out(size_t(groups) + 1);
+  out[0].label = "attention+router";
+  out[0].ranges = subtract({{0, layer.total_elems()}}, whole);
+  for (int64_t j = 0; j < groups; ++j) {
+    MlpSlice& g = out[size_t(j) + 1];
+    g.begin = j * m.experts / groups;
+    g.end = (j + 1) * m.experts / groups;
+    g.label = fmt::format("experts[{}:{})", g.begin, g.end);
+    g.ranges = expert_ranges(layer, m.experts, g.begin, g.end, whole);
   }
   return out;
 }
@@ -199,6 +238,9 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
                 "way; leave layer_pieces empty", mlp_pieces, layer_pieces);
   STRIDER_CHECK(expert_pieces >= 0, "expert_pieces {} must be >= 0 (0: a layer's experts stay in its pieces)",
                 expert_pieces);
+  STRIDER_CHECK(mlp_pieces == 0 || expert_pieces == 0 || spec.sparse_layer_count() == 0,
+                "mlp_pieces {} with expert_pieces {}: a layer's experts are cut one way (mlp_pieces: groups that are "
+                "visits of their own); leave expert_pieces 0", mlp_pieces, expert_pieces);
   STRIDER_CHECK(vocab_chunk >= 0 && shard_rows >= 0, "vocab chunk {} and shard rows {} must be >= 0", vocab_chunk,
                 shard_rows);
   Sharding s;
@@ -211,7 +253,8 @@ Sharding make_sharding(const ModelSpec& spec, int64_t vocab_chunk, int64_t shard
   if (mlp_pieces > 0) {
     s.layer_elems = 0;
     for (int64_t b = 1; b < head; ++b) {
-      sub[size_t(b)] = mlp_slice_ranges(spec, b, mlp_pieces, align_elems);
+      sub[size_t(b)] = spec.sparse(spec.block(b).layer) ? expert_group_ranges(spec, b, mlp_pieces)
+                                                        : mlp_slice_ranges(spec, b, mlp_pieces, align_elems);
       for (const MlpSlice& sl : sub[size_t(b)]) {
         size_t n = 0;
         for (const ElemRange& r : sl.ranges) n += r.elems();
@@ -374,7 +417,8 @@ std::vector<MlpSlice> mlp_slice_ranges(const ModelSpec& spec, int64_t b, int64_t
   const ParamLayout layer = spec.layout(b);
   const int64_t l = spec.block(b).layer;
   const std::string prefix = fmt::format("model.layers.{}.", l), name = spec.block_name(b);
-  STRIDER_CHECK(!spec.sparse(l), "mlp_pieces: {} has experts; cut them with expert_pieces instead", name);
+  STRIDER_CHECK(!spec.sparse(l), "internal: mlp_slice_ranges of {}, which has experts (expert_group_ranges cuts "
+                "them)", name);
   STRIDER_CHECK(!layer.any_frozen(), "mlp_pieces: {} has LoRA adapters over a frozen base; sub-layer pieces are "
                 "for full training", name);
   STRIDER_CHECK(!layer.find(prefix + "post_feedforward_layernorm.weight"), "mlp_pieces: {} has a norm after its MLP "

@@ -77,7 +77,9 @@ struct Piece {
   std::string part;                // a layer cut into pieces: this one's group of names (EngineConfig::layer_pieces)
   // A piece of a layer cut into sub-layer pieces (EngineConfig::mlp_pieces):
   // its attention half (mlp_end == 0), or the MLP's intermediate rows
-  // [mlp_begin, mlp_end). Such a piece is a visit of its own.
+  // [mlp_begin, mlp_end), or in a layer with experts its experts [mlp_begin,
+  // mlp_end) (its attention half then holds the router too). Such a piece is
+  // a visit of its own.
   bool sub_layer = false;
   int64_t mlp_begin = 0, mlp_end = 0;
   // Every tensor it holds is frozen (a LoRA base, engine/lora.h): its
@@ -198,9 +200,16 @@ std::vector<ExpertGroup> expert_piece_ranges(const ParamLayout& layer, int64_t e
 struct MlpSlice {
   std::string label;
   std::vector<ElemRange> ranges;
-  int64_t begin = 0, end = 0;  // intermediate rows (0, 0: the attention half)
+  int64_t begin = 0, end = 0;  // intermediate rows, or experts (0, 0: the attention half)
 };
 std::vector<MlpSlice> mlp_slice_ranges(const ModelSpec& spec, int64_t block, int64_t slices, int64_t align_elems);
+// A decoder layer with experts cut the same way (gpu/moe_cut.h): its
+// attention-and-router half (every element but the experts' tensors'), then
+// `groups` groups of consecutive experts, as even as whole experts allow,
+// each a range of every fused expert tensor. Throws naming the layer where
+// it cannot be cut: a shared expert, a norm after the MLP, LoRA adapters, or
+// more groups than experts.
+std::vector<MlpSlice> expert_group_ranges(const ModelSpec& spec, int64_t block, int64_t groups);
 
 // Data parallel with sharded state: which elements of a block of `elems`
 // each of `world` ranks keeps the master and Adam state of. world + 1 bounds,

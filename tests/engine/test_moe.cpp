@@ -1,7 +1,9 @@
 // Mixture-of-experts models on CpuDevice: offload changes nothing with
 // experts (every placement of engine_cases.h, chaos, tied and untied,
 // fp32 and bf16, bit for bit), the resident reference computes the same
-// loss, and the load-balancing loss is in it. That they train as
+// loss, and the load-balancing loss is in it; layers cut into groups of
+// experts that are visits of their own (mlp_pieces) train to whole layers'
+// bits. That they train as
 // transformers does is tests/python/test_moe_vs_transformers.py's.
 #include "tests/catch_torch.h"
 #include <nlohmann/json.hpp>
@@ -195,6 +197,83 @@ TEST_CASE("mixture of experts: experts in pieces of any size train to the same b
   const Result whole_q8 = run(spec, q, at::kBFloat16, 0.0, 3, StateFormat::kQ8);
   q.expert_pieces = 2;
   CHECK(same_bits(run(spec, q, at::kBFloat16, 0.0, 3, StateFormat::kQ8), whole_q8));
+}
+
+TEST_CASE("mixture of experts: groups of experts as visits of their own train to the whole layers' bits",
+          "[engine][sub_layer]") {
+  // mlp_pieces cuts a layer with experts into its attention-and-router half
+  // and groups of experts, each a visit (gpu/moe_cut.h): the whole layer's
+  // bits, forward and backward, so without clipping the run's bits too
+  // (clipping sums the norm piece by piece: held to the same cut's own).
+  const ModelSpec mixtral = ModelSpec::from_json(tiny_moe("MixtralForCausalLM", false, true), "m");
+  {
+    EngineConfig cfg = small_bf16();
+    cfg.mlp_pieces = 3;
+    Engine e(mixtral, cfg, make_device({.spec = "cpu"}));
+    const Sharding& sh = e.sharding();
+    REQUIRE(sh.end_of(1) - sh.first_of(1) == 4);  // attention and router, then experts 0, 1, 2-3
+    CHECK(sh.name(mixtral, sh.first_of(1)) == "layer.0[attention+router]");
+    CHECK(sh.name(mixtral, sh.first_of(1) + 3) == "layer.0[experts[2:4)]");
+    CHECK(sh.pieces[size_t(sh.first_of(1) + 1)].sub_layer);
+    cfg.expert_pieces = 2;
+    CHECK_THROWS_WITH(Engine(mixtral, cfg, make_device({.spec = "cpu"})), Catch::Contains("leave expert_pieces 0"));
+    cfg.expert_pieces = 0;
+    cfg.mlp_pieces = 5;
+    CHECK_THROWS_WITH(Engine(mixtral, cfg, make_device({.spec = "cpu"})), Catch::Contains("4 experts: 1 to 4 groups"));
+  }
+  // Every piece resident: as many units as the step has pieces.
+  auto resident = [](const ModelSpec& spec, int64_t pieces) {
+    EngineConfig cfg;
+    cfg.mlp_pieces = pieces;
+    cfg.compute.vocab_chunk = 40;
+    Case c{"all resident", int64_t(place(spec, cfg).shards.pieces.size())};
+    c.mlp_pieces = pieces;
+    return c;
+  };
+  const int64_t B = mixtral.num_blocks();
+  for (double clip : {0.0, 0.5}) {
+    const Result whole = run(mixtral, {"all resident", B}, at::kFloat, clip);
+    for (int64_t groups : {2, 3, 4}) {
+      const Result same_cut = run(mixtral, resident(mixtral, groups), at::kFloat, clip);
+      if (clip == 0) CHECK(same_bits(same_cut, whole));
+      for (Case c : {Case{"chaos, host checkpoints, NVMe layers, ring of 1", 2, true, {1, 3}, true, 3, 1},
+                     with_compute_on_nvme(Case{"compute copies on NVMe, K=3, chaos", 3, false, {1, 2, 3}, true, 7},
+                                          {1, 3})}) {
+        INFO("clip=" << clip << " groups " << groups << " case: " << c.name);
+        c.mlp_pieces = groups;
+        const Result r = run(mixtral, c, at::kFloat, clip);
+        CHECK(same_bits(r, same_cut));
+        CHECK(r.peak <= r.budget);
+      }
+    }
+  }
+  // A pool, padding (left out of the load-balancing loss), bf16: still the whole layers' bits.
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    Case padded{"padded rows, a pool of 2, host checkpoints, chaos", 2, true, {2}, true, 9};
+    padded.padded = true;
+    padded.devices = 2;
+    const Result whole = run(mixtral, padded, dtype, 0.0);
+    padded.mlp_pieces = 2;
+    INFO((dtype == at::kFloat ? "fp32" : "bf16"));
+    CHECK(same_bits(run(mixtral, padded, dtype, 0.0), whole));
+  }
+  // q8 state: each group's and the half's groups of 128 whole, in RAM and on NVMe.
+  Case q8{"q8, NVMe layers, chaos", 2, false, {1, 3}, true, 6};
+  const Result whole_q8 = run(mixtral, q8, at::kBFloat16, 0.0, 3, StateFormat::kQ8);
+  q8.mlp_pieces = 3;
+  CHECK(same_bits(run(mixtral, q8, at::kBFloat16, 0.0, 3, StateFormat::kQ8), whole_q8));
+  // Qwen3-MoE's dense layer is cut into MLP slices (fp32 rounding of the
+  // whole, gpu/layer_cut.h): held to the same cut resident.
+  const ModelSpec qwen = ModelSpec::from_json(tiny_moe("Qwen3MoeForCausalLM", false, true), "q");
+  const Result q_ref = run(qwen, resident(qwen, 2), at::kFloat, 0.5);
+  Case qc{"chaos, NVMe layers, K=2", 2, false, {1, 2}, true, 4};
+  qc.mlp_pieces = 2;
+  CHECK(same_bits(run(qwen, qc, at::kFloat, 0.5), q_ref));
+  // Refused by name: Qwen2-MoE's shared expert.
+  const ModelSpec qwen2 = ModelSpec::from_json(tiny_moe("Qwen2MoeForCausalLM", false, false), "q2");
+  EngineConfig shared = small_bf16();
+  shared.mlp_pieces = 2;
+  CHECK_THROWS_WITH(Engine(qwen2, shared, make_device({.spec = "cpu"})), Catch::Contains("shared expert"));
 }
 
 TEST_CASE("mixture of experts: resume is bit-identical, across window, tiers and expert pieces", "[engine][train_checkpoint]") {
