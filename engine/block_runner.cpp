@@ -196,15 +196,25 @@ at::Tensor BlockRunner::backward(int64_t b, const at::Tensor& params, const at::
 
 namespace {
 
-// A layer with experts sums its groups in the compute dtype: the fp32 sum
-// buffer's first bytes, in x1's shape.
-at::Tensor compute_sum(const CutBuffers& cut) {
+// In the fp32 sum buffer, x1's shape: a dense layer's fp32 sum (its first
+// elements); a layer with experts' sum in the compute dtype (slot 0) and a
+// shared expert's output after it (slot 1).
+at::Tensor dense_sum(const CutBuffers& cut) {
+  return cut.sum.view({-1}).slice(0, 0, cut.x1.numel()).view(cut.x1.sizes());
+}
+at::Tensor compute_slot(const CutBuffers& cut, int64_t slot) {
   const at::ScalarType dtype = cut.x1.scalar_type();
-  if (dtype == at::kFloat) return cut.sum;
-  return cut.sum.view({-1}).view(dtype).slice(0, 0, cut.x1.numel()).view(cut.x1.sizes());
+  const int64_t n = cut.x1.numel();
+  at::Tensor flat = cut.sum.view({-1});
+  if (dtype != at::kFloat) flat = flat.view(dtype);
+  STRIDER_CHECK(flat.numel() >= (slot + 1) * n, "internal: the cut's sum buffer holds {} elements of {}, not {}",
+                flat.numel(), c10::toString(dtype), (slot + 1) * n);
+  return flat.slice(0, slot * n, (slot + 1) * n).view(cut.x1.sizes());
 }
 
-MoeCut moe_cut(const CutBuffers& cut, const MoeStep* moe) { return {cut.top, cut.scores, cut.dscores, moe}; }
+MoeCut moe_cut(const BlockDims& d, const CutBuffers& cut, const MoeStep* moe) {
+  return {cut.top, cut.scores, cut.dscores, d.moe.shared_intermediate > 0 ? compute_slot(cut, 1) : at::Tensor(), moe};
+}
 
 }  // namespace
 
@@ -221,21 +231,25 @@ void BlockRunner::forward_piece(const Piece& pc, const at::Tensor& params, const
     cut.x1.copy_(half.x1);
     cut.h2.copy_(half.h2);
     if (!sparse) {
-      cut.sum.zero_();
+      dense_sum(cut).zero_();
       return;
     }
-    compute_sum(cut).zero_();
-    moe_cut_route(d, w, cut.h2, moe_cut(cut, moe), tile);
+    compute_slot(cut, 0).zero_();
+    const MoeCut mc = moe_cut(d, cut, moe);
+    moe_cut_route(d, w, cut.h2, mc, tile);
+    moe_cut_shared(d, w, cut.h2, mc, tile);
     return;
   }
   if (sparse) {
-    const at::Tensor sum = compute_sum(cut);
-    moe_group_forward(d, w, pc.mlp_begin, pc.mlp_end, cut.h2, moe_cut(cut, nullptr), sum, tile);
-    if (pc.mlp_end == d.moe.experts) out.copy_(moe_groups_output(d, cut.x1, sum));
+    const at::Tensor sum = compute_slot(cut, 0);
+    const MoeCut mc = moe_cut(d, cut, nullptr);
+    moe_group_forward(d, w, pc.mlp_begin, pc.mlp_end, cut.h2, mc, sum, tile);
+    if (pc.mlp_end == d.moe.experts) out.copy_(moe_groups_output(d, cut.x1, sum, mc.shared));
     return;
   }
-  mlp_slice_forward(d, w, cut.h2, cut.sum, tile);
-  if (pc.mlp_end == d.intermediate) out.copy_(mlp_slices_output(d, cut.x1, cut.sum));
+  const at::Tensor sum = dense_sum(cut);
+  mlp_slice_forward(d, w, cut.h2, sum, tile);
+  if (pc.mlp_end == d.intermediate) out.copy_(mlp_slices_output(d, cut.x1, sum));
 }
 
 void BlockRunner::recompute_mlp_input(const Piece& pc, const at::Tensor& params, const at::Tensor& input,
@@ -246,7 +260,7 @@ void BlockRunner::recompute_mlp_input(const Piece& pc, const at::Tensor& params,
   const TensorMap w = piece_views(spec_, pc, layouts_[size_t(pc.block)], params);
   cut.h2.copy_(attention_half_forward(d, w, layout_of(l, positions), input, options_.token_tile).h2);
   // The routing again, for the groups' backward (its statistics were added in forward).
-  if (d.moe.sparse()) moe_cut_route(d, w, cut.h2, moe_cut(cut, nullptr), options_.token_tile);
+  if (d.moe.sparse()) moe_cut_route(d, w, cut.h2, moe_cut(d, cut, nullptr), options_.token_tile);
 }
 
 void BlockRunner::backward_piece(const Piece& pc, const at::Tensor& params, const at::Tensor& input,
@@ -259,24 +273,26 @@ void BlockRunner::backward_piece(const Piece& pc, const at::Tensor& params, cons
   TensorMap g = piece_views(spec_, pc, layout, grads);
   const int64_t tile = options_.token_tile;
   if (d.moe.sparse()) {
-    const at::Tensor sum = compute_sum(cut);
+    const at::Tensor sum = compute_slot(cut, 0);
     if (!pc.mlp_slice()) {
-      grad_out.copy_(moe_half_backward(d, w, g, layout_of(l, positions), input, grad_out, sum, moe_cut(cut, moe), tile));
+      grad_out.copy_(
+          moe_half_backward(d, w, g, layout_of(l, positions), input, grad_out, sum, moe_cut(d, cut, moe), tile));
       return;
     }
     if (pc.mlp_end == d.moe.experts) {  // the first group backward
       sum.zero_();
       cut.dscores.zero_();
     }
-    moe_group_backward(d, w, g, pc.mlp_begin, pc.mlp_end, cut.h2, grad_out, moe_cut(cut, nullptr), sum, tile);
+    moe_group_backward(d, w, g, pc.mlp_begin, pc.mlp_end, cut.h2, grad_out, moe_cut(d, cut, nullptr), sum, tile);
     return;
   }
+  const at::Tensor sum = dense_sum(cut);
   if (pc.mlp_slice()) {
-    if (pc.mlp_end == d.intermediate) cut.sum.zero_();  // the first slice backward
-    mlp_slice_backward(d, w, g, cut.h2, grad_out, cut.sum, tile);
+    if (pc.mlp_end == d.intermediate) sum.zero_();  // the first slice backward
+    mlp_slice_backward(d, w, g, cut.h2, grad_out, sum, tile);
     return;
   }
-  grad_out.copy_(attention_half_backward(d, w, g, layout_of(l, positions), input, grad_out, cut.sum, tile));
+  grad_out.copy_(attention_half_backward(d, w, g, layout_of(l, positions), input, grad_out, sum, tile));
 }
 
 HeadWeights BlockRunner::head_weights(const at::Tensor& params, const at::Tensor& tied_params) const {

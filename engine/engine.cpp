@@ -238,7 +238,9 @@ void EngineCore::allocate_activations(int d) {
       MicroBatch& x = st.mb[size_t(m)];
       x.cut_x1 = make({mb, S, H}, cdt, "sub-layer pieces' residual stream");
       x.cut_h2 = make({mb, S, H}, cdt, "sub-layer pieces' MLP input");
-      x.cut_sum = make({mb, S, H}, at::kFloat, "sub-layer pieces' fp32 sum");
+      // With a shared expert, its output in the compute dtype after the groups' sum (block_runner.cpp).
+      x.cut_sum = make({mb, S, H * (spec_.dims.moe.shared_intermediate > 0 ? 2 : 1)}, at::kFloat,
+                       "sub-layer pieces' fp32 sum");
       if (spec_.sparse_layer_count() == 0) continue;
       const int64_t k = spec_.dims.moe.top_k;
       x.cut_top = make({mb * S, k}, at::kLong, "groups of experts' routing");

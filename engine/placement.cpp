@@ -56,7 +56,8 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     if (pl.runs_kept_layer(d)) bytes += 2 * round_up(pl.saved_bytes, 256);
     // Layers cut into sub-layer pieces: per micro-batch the residual stream,
     // the MLP's input and the fp32 sum they share (engine_core.h, cut_*).
-    if (pl.cut_layers(d) > 0) bytes += M * (2 * act + round_up(mb_tokens * hidden * 4, 256));
+    if (pl.cut_layers(d) > 0)  // twice the sum's with a shared expert (its output after the groups' sum)
+      bytes += M * (2 * act + round_up(mb_tokens * hidden * 4 * (spec.dims.moe.shared_intermediate > 0 ? 2 : 1), 256));
     // With experts, their routing (int64 and fp32) and its gradient (fp32), top_k per token.
     if (pl.cut_layers(d) > 0 && spec.sparse_layer_count() > 0)
       bytes += M * (round_up(mb_tokens * size_t(spec.dims.moe.top_k) * 8, 256) +

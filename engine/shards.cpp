@@ -201,8 +201,6 @@ std::vector<MlpSlice> expert_group_ranges(const ModelSpec& spec, int64_t b, int6
   STRIDER_CHECK(m.sparse(), "internal: expert_group_ranges of {}, which has no experts", name);
   STRIDER_CHECK(!layer.any_frozen(), "mlp_pieces: {} has LoRA adapters over a frozen base; sub-layer pieces are "
                 "for full training", name);
-  STRIDER_CHECK(m.shared_intermediate == 0, "mlp_pieces: {} has a shared expert (Qwen2-MoE), whose output comes "
-                "after every group's; it cannot be cut into groups of experts yet", name);
   STRIDER_CHECK(!layer.find(prefix + "post_feedforward_layernorm.weight"), "mlp_pieces: {} has a norm after its MLP "
                 "(post_feedforward_layernorm), which needs the groups' whole sum; it cannot be cut", name);
   STRIDER_CHECK(groups >= 1 && groups <= m.experts, "mlp_pieces {}: {} has {} experts: 1 to {} groups", groups, name,

@@ -204,11 +204,11 @@ struct MlpSlice {
 };
 std::vector<MlpSlice> mlp_slice_ranges(const ModelSpec& spec, int64_t block, int64_t slices, int64_t align_elems);
 // A decoder layer with experts cut the same way (gpu/moe_cut.h): its
-// attention-and-router half (every element but the experts' tensors'), then
-// `groups` groups of consecutive experts, as even as whole experts allow,
-// each a range of every fused expert tensor. Throws naming the layer where
-// it cannot be cut: a shared expert, a norm after the MLP, LoRA adapters, or
-// more groups than experts.
+// attention-and-router half (every element but the experts' tensors': the
+// router, a shared expert), then `groups` groups of consecutive experts, as
+// even as whole experts allow, each a range of every fused expert tensor.
+// Throws naming the layer where it cannot be cut: a norm after the MLP, LoRA
+// adapters, or more groups than experts.
 std::vector<MlpSlice> expert_group_ranges(const ModelSpec& spec, int64_t block, int64_t groups);
 
 // Data parallel with sharded state: which elements of a block of `elems`

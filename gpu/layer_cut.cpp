@@ -74,8 +74,6 @@ void check_cuttable(const BlockDims& d, const TensorMap& w) {
 
 void check_moe_cuttable(const BlockDims& d, const TensorMap& w) {
   STRIDER_CHECK(d.moe.sparse(), "a dense layer is cut into MLP slices, not groups of experts");
-  STRIDER_CHECK(d.moe.shared_intermediate == 0, "a layer with a shared expert (Qwen2-MoE) cannot be cut into groups "
-                "of experts yet: its output comes after every group's");
   check_half(d, w);
 }
 
@@ -192,6 +190,23 @@ void moe_cut_route(const BlockDims& d, const TensorMap& w, const at::Tensor& h2,
   }
 }
 
+void moe_cut_shared(const BlockDims& d, const TensorMap& w, const at::Tensor& h2, const MoeCut& cut,
+                    int64_t token_tile) {
+  check_moe_cuttable(d, w);
+  if (d.moe.shared_intermediate == 0) return;
+  STRIDER_CHECK(cut.shared.defined() && cut.shared.numel() == h2.numel() && cut.shared.scalar_type() == h2.scalar_type(),
+                "moe_cut_shared: the shared expert's output needs a buffer of the input's {} elements and dtype",
+                h2.numel());
+  at::NoGradGuard no_grad;
+  const int64_t n = h2.numel() / d.hidden;
+  const int64_t tile = tile_tokens(token_tile, n);
+  const at::Tensor h = h2.reshape({n, d.hidden}), s = cut.shared.view({n, d.hidden});
+  for (int64_t t0 = 0; t0 < n; t0 += tile) {
+    const int64_t t1 = std::min(n, t0 + tile);
+    s.slice(0, t0, t1).copy_(moe_shared_forward(d, w, h.slice(0, t0, t1)));
+  }
+}
+
 void moe_group_forward(const BlockDims& d, const TensorMap& w, int64_t e0, int64_t e1, const at::Tensor& h2,
                        const MoeCut& cut, const at::Tensor& sum, int64_t token_tile) {
   check_moe_cuttable(d, w);
@@ -207,9 +222,12 @@ void moe_group_forward(const BlockDims& d, const TensorMap& w, int64_t e0, int64
   }
 }
 
-at::Tensor moe_groups_output(const BlockDims& d, const at::Tensor& x1, const at::Tensor& sum) {
+at::Tensor moe_groups_output(const BlockDims& d, const at::Tensor& x1, const at::Tensor& sum,
+                             const at::Tensor& shared) {
   // A copy: branch scales its argument in place.
-  return x1 + branch(d, {}, nullptr, sum.clone()).view(x1.sizes());
+  at::Tensor y = sum.clone();
+  if (shared.defined()) y.add_(shared.view(y.sizes()));
+  return x1 + branch(d, {}, nullptr, std::move(y)).view(x1.sizes());
 }
 
 void moe_group_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, int64_t e0, int64_t e1,
@@ -238,13 +256,17 @@ at::Tensor moe_half_backward(const BlockDims& d, const TensorMap& w, TensorMap& 
   check_moe_cuttable(d, w);
   const int64_t k = d.moe.top_k;
   const char* pre = norm_names(d).mlp_pre;
-  const at::Tensor ds = dh2_sum.view({-1, d.hidden});
+  const at::Tensor ds = dh2_sum.view({-1, d.hidden}), gout = grad_out.reshape({-1, d.hidden});
   return half_backward(d, w, grads, layout, x, grad_out, token_tile, [&](int64_t t0, int64_t t1, const at::Tensor& x1_t) {
     at::NoGradGuard no_grad;
     at::Tensor dh2 = ds.slice(0, t0, t1).clone();
+    const at::Tensor h2 = maybe_norm(d, w, pre, x1_t);
+    if (d.moe.shared_intermediate > 0) {
+      const at::Tensor g_t = gout.slice(0, t0, t1);
+      moe_shared_backward(d, w, grads, h2, d.residual_multiplier == 1.0 ? g_t : g_t * d.residual_multiplier, dh2);
+    }
     const MoeStep st = cut.step ? cut.step->tile(t0, t1) : MoeStep{};
-    moe_router_backward(d, w, grads, maybe_norm(d, w, pre, x1_t), cut.dscores.slice(0, t0 * k, t1 * k), dh2,
-                        cut.step ? &st : nullptr);
+    moe_router_backward(d, w, grads, h2, cut.dscores.slice(0, t0 * k, t1 * k), dh2, cut.step ? &st : nullptr);
     return dh2;
   });
 }

@@ -25,8 +25,7 @@
 // give the uncut layer's bits.
 //
 // Layers whose MLP has a post-norm (OLMo 2, Gemma), or LoRA adapters, are
-// refused: their MLP output is not a sum of pieces' outputs (a post-norm);
-// and so is Qwen2-MoE's shared expert.
+// refused: their MLP output is not a sum of pieces' outputs (a post-norm).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -75,25 +74,33 @@ at::Tensor attention_half_backward(const BlockDims& d, const TensorMap& w, Tenso
 // A layer with experts, cut: what its pieces keep per micro-batch besides
 // x1 and h2. The routing of every token (top: int64 [tokens, top_k]; scores:
 // fp32 [tokens, top_k], exact for scores in the compute dtype), and in
-// backward d(loss)/d(score) (fp32 [tokens x top_k]); `step`, the
+// backward d(loss)/d(score) (fp32 [tokens x top_k]); Qwen2-MoE's shared
+// expert's output (h2's shape and dtype: the half makes it, the last group
+// adds it after every group's, as moe_forward does); `step`, the
 // load-balancing loss's (gpu/moe.h; null: none): its statistics in the
 // routing's forward, its gradient in the half's backward. The groups' sum
 // and input-gradient sum are in the compute dtype (h2's shape), as the
 // uncut layer adds its experts' outputs.
 struct MoeCut {
-  at::Tensor top, scores, dscores;
+  at::Tensor top, scores, dscores, shared;
   const MoeStep* step = nullptr;
 };
 // The router on the MLP input h2, tile by tile as layer_forward routes:
 // the routing into cut.top and cut.scores, the statistics into cut.step.
 void moe_cut_route(const BlockDims& d, const TensorMap& w, const at::Tensor& h2, const MoeCut& cut,
                    int64_t token_tile);
+// The shared expert's output on h2 into cut.shared, tile by tile (forward
+// only; a layer without one: nothing).
+void moe_cut_shared(const BlockDims& d, const TensorMap& w, const at::Tensor& h2, const MoeCut& cut,
+                    int64_t token_tile);
 // Experts [e0, e1) (their tensors the group's or every expert's) on their
 // tokens, tile by tile, added into `sum` (zeros where the layer's starts).
 void moe_group_forward(const BlockDims& d, const TensorMap& w, int64_t e0, int64_t e1, const at::Tensor& h2,
                        const MoeCut& cut, const at::Tensor& sum, int64_t token_tile);
-// The layer's output, x1 + the groups' sum.
-at::Tensor moe_groups_output(const BlockDims& d, const at::Tensor& x1, const at::Tensor& sum);
+// The layer's output, x1 + the groups' sum (the shared expert's output added
+// into it first, where there is one: `shared`).
+at::Tensor moe_groups_output(const BlockDims& d, const at::Tensor& x1, const at::Tensor& sum,
+                             const at::Tensor& shared = {});
 // A group's backward (groups in descending order): its weight gradients into
 // `grads`, its share of d(loss)/d(h2) into dh2_sum (zeros where the first
 // starts), its pairs' d(loss)/d(score) into cut.dscores.
@@ -101,8 +108,9 @@ void moe_group_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads
                         const at::Tensor& h2, const at::Tensor& grad_out, const MoeCut& cut,
                         const at::Tensor& dh2_sum, int64_t token_tile);
 // The attention-and-router half's backward: attention_half_backward's, with
-// the router's backward (from cut.dscores, and the load-balancing loss's
-// gradient) added into d(loss)/d(h2) first, as the uncut layer adds it.
+// the shared expert's backward and then the router's (from cut.dscores, and
+// the load-balancing loss's gradient) added into d(loss)/d(h2) first, as the
+// uncut layer adds them.
 at::Tensor moe_half_backward(const BlockDims& d, const TensorMap& w, TensorMap& grads, const TokenLayout& layout,
                              const at::Tensor& x, const at::Tensor& grad_out, const at::Tensor& dh2_sum,
                              const MoeCut& cut, int64_t token_tile);

@@ -269,11 +269,16 @@ TEST_CASE("mixture of experts: groups of experts as visits of their own train to
   Case qc{"chaos, NVMe layers, K=2", 2, false, {1, 2}, true, 4};
   qc.mlp_pieces = 2;
   CHECK(same_bits(run(qwen, qc, at::kFloat, 0.5), q_ref));
-  // Refused by name: Qwen2-MoE's shared expert.
-  const ModelSpec qwen2 = ModelSpec::from_json(tiny_moe("Qwen2MoeForCausalLM", false, false), "q2");
-  EngineConfig shared = small_bf16();
-  shared.mlp_pieces = 2;
-  CHECK_THROWS_WITH(Engine(qwen2, shared, make_device({.spec = "cpu"})), Catch::Contains("shared expert"));
+  // Qwen2-MoE's shared expert stays in the half, its output added after
+  // every group's: cut into one piece each (a dense layer's one slice is
+  // exact too) it is whole layers' bits; cut in two, its own cut's.
+  const ModelSpec qwen2 = ModelSpec::from_json(tiny_moe("Qwen2MoeForCausalLM", false, true), "q2");
+  Case q2{"chaos, host checkpoints, NVMe layers", 2, true, {1, 3}, true, 8};
+  const Result q2_whole = run(qwen2, q2, at::kFloat, 0.0);
+  q2.mlp_pieces = 1;
+  CHECK(same_bits(run(qwen2, q2, at::kFloat, 0.0), q2_whole));
+  q2.mlp_pieces = 2;
+  CHECK(same_bits(run(qwen2, q2, at::kFloat, 0.5), run(qwen2, resident(qwen2, 2), at::kFloat, 0.5)));
 }
 
 TEST_CASE("mixture of experts: resume is bit-identical, across window, tiers and expert pieces", "[engine][train_checkpoint]") {

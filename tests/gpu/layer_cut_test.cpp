@@ -161,16 +161,14 @@ TEST_CASE("a layer the MLP slices cannot cut is refused by name", "[layer_cut]")
     moe.moe.top_k = 2;
     moe.moe.intermediate = 16;
     CHECK_THROWS_WITH(check_cuttable(moe, {}), Catch::Contains("groups of experts"));
-    moe.moe.shared_intermediate = 8;
-    CHECK_THROWS_WITH(check_moe_cuttable(moe, {}), Catch::Contains("shared expert"));
     CHECK_THROWS_WITH(check_moe_cuttable(d, {}), Catch::Contains("MLP slices"));
   }
 }
 
 namespace {
 
-// A Qwen3-MoE-like layer (or Mixtral's fp32 scores): the attention's
-// tensors, a router and 6 experts of top-2.
+// A Qwen3-MoE-like layer (or Mixtral's fp32 scores, or Qwen2-MoE's shared
+// expert): the attention's tensors, a router and 6 experts of top-2.
 Layer random_moe_layer(const BlockDims& d, at::ScalarType dtype, uint64_t seed) {
   Layer l = random_layer(d, dtype, seed);
   for (const char* t : {"mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "mlp.gate_proj.bias",
@@ -184,6 +182,14 @@ Layer random_moe_layer(const BlockDims& d, at::ScalarType dtype, uint64_t seed) 
     l.w.emplace(name, (at::randn(shape) * 0.3).to(dtype));
     l.grads.emplace(name, at::zeros(shape, at::kFloat));
   }
+  const int64_t S = d.moe.shared_intermediate;
+  if (S > 0)
+    for (auto [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+             {"mlp.shared_expert.gate_proj.weight", {S, H}}, {"mlp.shared_expert.up_proj.weight", {S, H}},
+             {"mlp.shared_expert.down_proj.weight", {H, S}}, {"mlp.shared_expert_gate.weight", {1, H}}}) {
+      l.w.emplace(name, (at::randn(shape) * 0.3).to(dtype));
+      l.grads.emplace(name, at::zeros(shape, at::kFloat));
+    }
   return l;
 }
 
@@ -192,16 +198,18 @@ Layer random_moe_layer(const BlockDims& d, at::ScalarType dtype, uint64_t seed) 
 TEST_CASE("a layer with experts cut into its attention-and-router half and groups of experts is the uncut layer "
           "bit for bit", "[layer_cut]") {
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})
-    for (bool mixtral : {false, true})
+    for (int kind : {0, 1, 2})  // Qwen3-MoE, Mixtral, Qwen2-MoE (a shared expert)
       for (int64_t tile : {0, 5}) {
-        INFO((dtype == at::kFloat ? "fp32" : "bf16") << (mixtral ? " mixtral" : " qwen3") << " tile " << tile);
+        const bool mixtral = kind == 1;
+        INFO((dtype == at::kFloat ? "fp32" : "bf16") << " kind " << kind << " tile " << tile);
         BlockDims d = dims(/*gqa=*/true, /*qwen3=*/!mixtral);
         d.mlp_bias = false;
         d.moe.experts = 6;
         d.moe.top_k = 2;
         d.moe.intermediate = 16;
-        d.moe.norm_topk = true;
+        d.moe.norm_topk = kind != 2;
         d.moe.scores_fp32 = mixtral;
+        if (kind == 2) d.moe.shared_intermediate = 24;
         const Inputs in = inputs(d, dtype, 2, 9);
         const int64_t n = 2 * 9;
         // The load-balancing loss's statistics and weight, one set per run.
@@ -233,14 +241,15 @@ TEST_CASE("a layer with experts cut into its attention-and-router half and group
         MoeStep cut_step = step_of(cut_stats);
         const int64_t k = d.moe.top_k;
         MoeCut cut{at::empty({n, k}, at::kLong), at::empty({n, k}, at::kFloat), at::zeros({n * k}, at::kFloat),
-                   &cut_step};
+                   d.moe.shared_intermediate > 0 ? at::empty(in.x.sizes(), in.x.options()) : at::Tensor(), &cut_step};
         const std::vector<std::pair<int64_t, int64_t>> groups = {{0, 2}, {2, 3}, {3, 6}};
         const AttentionHalf h = attention_half_forward(d, half.w, in.rope, in.x, tile);
         moe_cut_route(d, half.w, h.h2, cut, tile);
+        moe_cut_shared(d, half.w, h.h2, cut, tile);
         const at::Tensor sum = at::zeros_like(h.h2);
         for (auto [e0, e1] : groups) moe_group_forward(d, l.w, e0, e1, h.h2, cut, sum, tile);
         Pass got;
-        got.out = moe_groups_output(d, h.x1, sum);
+        got.out = moe_groups_output(d, h.x1, sum, cut.shared);
         // Backward: the routing again (no statistics), groups in reverse, the half.
         MoeCut again = cut;
         again.step = nullptr;
