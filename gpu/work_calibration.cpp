@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "gpu/unit_tensors.h"  // aten_device
+#include "host/error.h"
 
 namespace strider {
 namespace {
@@ -29,13 +30,16 @@ double staging_per_elem(uint64_t peak, uint64_t out_bytes, int64_t elems, double
 
 }  // namespace
 
-WorkCoefficients measure_work_coefficients(Device& device) {
+WorkCoefficients measure_work_coefficients(Device& device, DType dtype) {
   const WorkCoefficients analytic = WorkCoefficients::analytic();
   if (device.kind() == DeviceKind::kSim) return analytic;
   // Shapes no layer of a real model has, so that a test measuring layers
   // does not check the calibration against itself.
+  STRIDER_CHECK(dtype == DType::kBF16 || dtype == DType::kF16, "working-memory calibration: {} is not bf16 or fp16",
+                dtype_name(dtype));
   const int64_t m = 256, k = 96, n = 320;
-  const auto opts = at::TensorOptions().dtype(at::kBFloat16).device(aten_device(device));
+  const auto opts =
+      at::TensorOptions().dtype(dtype == DType::kF16 ? at::kHalf : at::kBFloat16).device(aten_device(device));
   at::Tensor a, b, g, x, out;
   device.launch(StreamId::kCompute, {"calibration inputs"}, [&](const LaunchContext&) {
     a = at::ones({m, k}, opts);

@@ -13,6 +13,7 @@
 #pragma once
 
 #include "gpu/device.h"  // plain C++: the model (engine/model_spec.h) includes this
+#include "host/dtype.h"
 
 namespace strider {
 
@@ -26,13 +27,15 @@ struct WorkCoefficients {
   bool operator==(const WorkCoefficients&) const = default;
 };
 
-// Runs a bf16 GEMM ([256, 96] x [96, 320]) and silu_backward ([256, 320]) on
-// `device`'s compute stream and reads each op's working memory from the
+// Runs a GEMM ([256, 96] x [96, 320]) and silu_backward ([256, 320]) in
+// `dtype` (bf16, or fp16: ATen's kernels for the two stage differently on
+// some CPUs, an AMD EPYC's fp16 GEMM less than its bf16 one) on `device`'s
+// compute stream and reads each op's working memory from the
 // device's meter. Each coefficient is the measured staging per element,
 // rounded up to the next multiple of 0.5 byte, at most the analytic value
 // (a kernel that staged more would make the analytic model no bound at all).
 // A device that cannot measure its ops (no meter: the op's own output is not
 // seen) gets analytic(). Synchronizes the device; call before the run starts.
-WorkCoefficients measure_work_coefficients(Device& device);
+WorkCoefficients measure_work_coefficients(Device& device, DType dtype = DType::kBF16);
 
 }  // namespace strider

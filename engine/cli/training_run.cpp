@@ -348,7 +348,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   // been measured there: bench/gpu_check.sh).
   if (device_spec.rfind("sim", 0) != 0 && choose_device(device_spec).kind == DeviceKind::kCpu) {
     auto probe = make_device({.spec = "cpu"});
-    lim.work = measure_work_coefficients(*probe);
+    lim.work = measure_work_coefficients(*probe, lim.dtype == at::kHalf ? DType::kF16 : DType::kBF16);
     lim.work_measured = true;
   }
   // The process's peak host memory (the plan's host_peak_bytes): what it holds

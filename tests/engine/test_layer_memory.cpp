@@ -128,12 +128,16 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   at::set_num_threads(2);
   install_aten_cpu_counter();
   REQUIRE(aten_cpu_counter_installed());
-  const WorkCoefficients work = [] {
+  // Calibrated in each half dtype, as a run calibrates in its own.
+  const auto calibrate = [](DType dtype) {
     auto device = make_device({.spec = "cpu"});
-    return measure_work_coefficients(*device);
-  }();
-  std::printf("measured on this machine: a bf16 GEMM stages %.1f bytes per output element, silu's backward %.1f\n",
-              work.gemm_staging_bytes, work.silu_back_staging_bytes);
+    return measure_work_coefficients(*device, dtype);
+  };
+  const WorkCoefficients work = calibrate(DType::kBF16), work_fp16 = calibrate(DType::kF16);
+  std::printf("measured on this machine: a bf16 GEMM stages %.1f bytes per output element, silu's backward %.1f; "
+              "fp16: %.1f and %.1f\n",
+              work.gemm_staging_bytes, work.silu_back_staging_bytes, work_fp16.gemm_staging_bytes,
+              work_fp16.silu_back_staging_bytes);
   const ModelSpec gqa = llama(2), mha = llama(8), qwen3 = llama(4, true);
   std::vector<Shape> shapes;
   // STRIDER_LAYER_MEMORY_FP32_ONLY=1 measures the fp32 shapes only: for a run
@@ -149,7 +153,7 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   for (at::ScalarType dtype : dtypes)
     for (int64_t seq : {256, 1024, 4096})
       for (int64_t tile : {int64_t{0}, int64_t{192}}) shapes.push_back({"gqa", gqa, 1, seq, tile, dtype});
-  // fp16 (loss scaling) is priced as bf16 is: the same bytes, the bf16 GEMM's calibration.
+  // fp16 (loss scaling): the same bytes as bf16, its own GEMM's calibration.
   if (bf16)
     for (int64_t tile : {int64_t{0}, int64_t{192}}) shapes.push_back({"gqa", gqa, 1, 1024, tile, at::kHalf});
   if (bf16) shapes.push_back({"mha", mha, 2, 1024, 0, at::kBFloat16});
@@ -169,8 +173,7 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
   const ModelSpec shared = moe_shared();
   for (at::ScalarType dtype : dtypes)
     for (int64_t tile : {int64_t{0}, int64_t{256}}) shapes.push_back({"qwen2-moe", shared, 1, 2048, tile, dtype});
-  // fp16 on every architecture, priced as bf16 (the same bytes), in the
-  // bf16 shapes' sizes.
+  // fp16 on every architecture, in the bf16 shapes' sizes.
   if (bf16) {
     shapes.push_back({"mha", mha, 2, 1024, 0, at::kHalf});
     for (const auto& [name, spec] : {std::pair{"qwen3", &qwen3}, std::pair{"gemma3", &gemma3}, std::pair{"olmo2", &olmo2},
@@ -188,7 +191,8 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
               "fwd meas", "fwd pred", "ratio", "bwd meas", "bwd pred", "ratio");
   for (const Shape& s : shapes) {
     const int dtype_bytes = s.dtype == at::kFloat ? 4 : 2;
-    const BlockCost c = s.spec.cost(1, s.batch, s.seq, 8192, dtype_bytes, s.tile, work, s.packed);
+    const BlockCost c =
+        s.spec.cost(1, s.batch, s.seq, 8192, dtype_bytes, s.tile, s.dtype == at::kHalf ? work_fp16 : work, s.packed);
     const Measured m = measure(s);
     std::printf("%-11s %5lld %5lld %5lld %5s  %12lld %12lld %6.3f  %12lld %12lld %6.3f\n", s.model,
                 (long long)s.batch, (long long)s.seq, (long long)s.tile, std::string(compute_dtype_name(s.dtype)).c_str(),
