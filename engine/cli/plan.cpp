@@ -26,6 +26,7 @@ struct Options {
   int64_t steps = 3;
   bool json = false;
   bool schedule = false;
+  std::string trace;  // the predicted steps' Chrome trace
   bool packed_documents = false;
   // From the configuration's declaration (engine/config_fields.json).
   std::string nvme, dtype, matmul_accumulate, activations, optimizer_state, layer_pieces, devices, lora, base_format = "compute";
@@ -103,6 +104,7 @@ Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l,
   Prediction p;
   // The first steps fill the pipeline (no update to wait for yet); report the last.
   for (int64_t i = 0; i < std::max<int64_t>(o.steps, 2); ++i) p.step = e.step(ids.data(), labels.data());
+  if (!o.trace.empty()) e.timeline().write_chrome_trace(o.trace);
   for (const LaneStats& ls : p.step.stats.lanes) p.lower_bound_s = std::max(p.lower_bound_s, ls.busy_s);
   return p;
 }
@@ -223,6 +225,7 @@ int run(Options& o) {
     for (int i = 0; i < kNumLanes; ++i)
       out["lane_busy_s"][std::string(lane_name(Lane(i)))] = r.stats.lanes[size_t(i)].busy_s;
     out["machine"] = o.predict;
+    if (!o.trace.empty()) out["trace"] = o.trace;
     if (o.gpus > 1) {
       out["machine"] = rank_machine(o);
       out["rank_tokens_per_s"] = r.tokens_per_s;
@@ -326,6 +329,8 @@ std::function<int()> add_plan(CLI::App& app) {
                 "eth100, eth200 (a GPU per machine, Ethernet between them)")
       ->capture_default_str();
   c->add_flag("--json", o->json, "one JSON object");
+  c->add_option("--trace", o->trace,
+                "with --predict: write the predicted steps' Chrome trace (Perfetto) here, a process per device");
   c->add_flag("--schedule", o->schedule,
               "print the step's program: every operation, its lane and what it waits for (with --json: \"schedule\")");
   return [o] { return run(*o); };
