@@ -59,15 +59,16 @@ double SimUpdater::finish() {
 }
 
 // A pool's devices share the host's memory bus (SimHostMemory) with the
-// optimizer: its bytes take the bus's free time from the job's start, and
-// the job ends no sooner than the bus has carried them. The copies priced
-// after it find that time taken. One device has no shared bus: its
+// optimizer: its bytes (and the copies' time inside what it held before,
+// SimHostMemory::reserve_bulk) take the bus's free time from the job's start,
+// and the job ends no sooner than the bus has carried them. The copies go
+// first (a DMA asks for a small part of the bus). One device has no shared bus: its
 // optimizer lane is the CostModel's rate alone (which a bus-bound kernel's
 // rate already is).
 SimInterval SimUpdater::on_host_bus(SimInterval t, uint64_t bytes) {
   SimHostMemory* bus = sim_.host_memory();
   if (bus == nullptr || bytes == 0) return t;
-  const double done = bus->reserve_bytes(t.begin_us, bytes);
+  const double done = bus->reserve_bulk(t.begin_us, bytes);
   if (done > t.end_us) t.end_us = optimizer_.clock_us = done;
   return t;
 }

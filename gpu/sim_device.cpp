@@ -469,7 +469,7 @@ void SimDevice::place(StreamId s, OpKind kind, const OpTag& tag, double cost_us,
   if (link_clock != nullptr) begin = std::max(begin, *link_clock);  // one copy at a time per direction
   double end = begin + cost_us;
   // A pool's copies also cross the host's memory bus, which they share.
-  if (link_clock != nullptr && host_) end = std::max(end, host_->reserve_bytes(begin, tag.bytes));
+  if (link_clock != nullptr && host_) end = std::max(end, host_->reserve_copy(begin, tag.bytes));
   clock_us_[i] = end;
   if (link_clock != nullptr) *link_clock = end;
   if (options_.record_spans) spans_.push_back(OpSpan{s, kind, tag, begin, end});

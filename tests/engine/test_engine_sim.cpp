@@ -261,11 +261,29 @@ TEST_CASE("the simulator prices kept activations: less compute, their bytes on b
 
 TEST_CASE("the host's memory bus fills the time left free before and after what it carries", "[engine][sim][pool]") {
   SimHostMemory bus(10);  // 10 GB/s: 1 MB takes 100 us
-  CHECK(bus.reserve_bytes(0, 1000000) == Approx(100));
+  CHECK(bus.reserve(0, 100) == Approx(100));
   CHECK(bus.reserve(200, 50) == Approx(250));
   // Priced later but starting earlier: it takes the gap before [200, 250) and what it needs after.
   CHECK(bus.reserve(50, 200) == Approx(350));  // 100..200 is free (100 us), then 250..350
   CHECK(bus.reserve(0, 10) == Approx(360));    // all of 0..350 is taken: it queues after
+}
+
+TEST_CASE("on the host's memory bus a copy goes first, and the optimizer pays for the copies inside its time",
+          "[engine][sim][pool]") {
+  SimHostMemory bus(10);  // 10 GB/s: 1 MB takes 100 us
+  CHECK(bus.reserve_bulk(0, 10000000) == Approx(1000));  // the optimizer holds [0, 1000)
+  // A copy inside that time does not queue behind it (a DMA asks for a small
+  // part of the bus); a second copy queues behind the first.
+  CHECK(bus.reserve_copy(200, 1000000) == Approx(300));
+  CHECK(bus.reserve_copy(250, 1000000) == Approx(400));
+  CHECK(bus.busy_us() == Approx(1200));  // the 200 us the copies took inside it are owed
+  // The optimizer's next job pays them, after its own 100 us.
+  CHECK(bus.reserve_bulk(1000, 1000000) == Approx(1300));
+  CHECK(bus.busy_us() == Approx(1300));
+  // A copy in free time takes it from the optimizer's next job, which fills the gaps around it.
+  CHECK(bus.reserve_copy(1500, 1000000) == Approx(1600));
+  CHECK(bus.reserve_bulk(1400, 2000000) == Approx(1700));
+  CHECK(bus.busy_us() == Approx(1600));
 }
 
 TEST_CASE("a simulated pool: its devices' compute overlaps, and the shared host bus slows their copies",
