@@ -257,7 +257,7 @@ void EngineCore::allocate_activations(int d) {
     }
   for (int s = 0; s < 2; ++s) st.ring_free.push_back(st.device->make_event());
   if (config_.keep_logits && runs_head)
-    for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].logits = make({mb * S, spec_.dims.vocab}, cdt, "kept logits");
+    for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].logits = make({mb * S, place_.head_rows(d)}, cdt, "kept logits");
   if (place_.runs_kept_layer(d)) {
     const int64_t elems = layer_saved_elems(spec_.saved_dims(), mb * S, int64_t(place_.compute_bytes));
     for (int s = 0; s < 2; ++s) {

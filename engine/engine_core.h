@@ -100,7 +100,7 @@ class EngineCore {
     // hidden) summed over the shards of pass 2 (fp32 [tokens, hidden]).
     HeadState head;
     at::Tensor head_state, head_lse, grad_h;
-    at::Tensor logits;                      // kept logits (EngineConfig::keep_logits), else undefined
+    at::Tensor logits;                      // kept logits of the device's shards (EngineConfig::keep_logits), else undefined
     at::Tensor loss_sum, valid_tokens;      // its entries of the head's Seat::head_stats
     at::Tensor valid;                       // its rows of Seat::token_valid, flat
   };
@@ -192,7 +192,7 @@ class EngineCore {
   bool keeps(int64_t b) const { return b > 0 && b < place_.head && place_.saved_index[size_t(b)] >= 0; }
   std::span<std::byte> saved_host(int64_t b, int64_t m) const;
   // Micro-batch m's kept logits of one LM-head shard's rows: [tokens, rows].
-  at::Tensor kept_logits(const Seat& s, int64_t m, const Piece& rows) const;
+  at::Tensor kept_logits(const Seat& s, int64_t m, int64_t shard) const;
   void fetch_saved(Seat& s, int64_t b, int64_t m);
   // A pool's hand-offs (kHandOut, kHandIn): the tensor they move on device s.
   at::Tensor handed(const Seat& s, const StepOp& op) const;

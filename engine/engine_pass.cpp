@@ -54,8 +54,9 @@ std::vector<int64_t> EngineCore::visit_segments(const StepOp& v) const {
   return place_.shards.visit_pieces(v.piece, v.shard);
 }
 
-at::Tensor EngineCore::kept_logits(const Seat& s, int64_t m, const Piece& rows) const {
-  return s.mb[size_t(m)].logits.slice(1, rows.row_begin, rows.row_end);
+at::Tensor EngineCore::kept_logits(const Seat& s, int64_t m, int64_t shard) const {
+  const int64_t at = place_.head_column(shard);
+  return s.mb[size_t(m)].logits.slice(1, at, at + place_.shard_rows(shard));
 }
 
 std::span<std::byte> EngineCore::saved_host(int64_t b, int64_t m) const {

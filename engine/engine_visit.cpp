@@ -305,7 +305,7 @@ void EngineCore::head_op(const StepOp& op) {
   if (op.kind == StepOpKind::kHeadLse) {
     at::Tensor labels = x.labels, lse = x.head_lse, loss_sum = x.loss_sum, valid_tokens = x.valid_tokens;
     HeadState hs = x.head;
-    const at::Tensor keep = op.keep ? kept_logits(st, m, rows_pc) : at::Tensor();
+    const at::Tensor keep = op.keep ? kept_logits(st, m, op.shard) : at::Tensor();
     dev.launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), op_flops(op)},
                [dims, norm, rows, v0, in, labels, chunk, tile, hs, lse, loss_sum, valid_tokens, first, last,
                 keep](const LaunchContext&) mutable {
@@ -334,7 +334,7 @@ void EngineCore::head_op(const StepOp& op) {
   at::Tensor grad_rows = rows_pc.frozen ? at::Tensor() : rows_view(grads, norm_pc.elems() - base, rows_pc);
   at::Tensor labels = x.labels, lse = x.head_lse;
   const double loss_scale = pass_scale_ / double(batch_valid_);  // the mean over the batch's valid tokens, scaled (fp16)
-  const at::Tensor kept = op.keep ? kept_logits(st, m, rows_pc) : at::Tensor();
+  const at::Tensor kept = op.keep ? kept_logits(st, m, op.shard) : at::Tensor();
   dev.launch(StreamId::kCompute, {"head backward", int32_t(place_.head), op_flops(op)},
              [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, loss_scale, first, kept](
                  const LaunchContext&) {

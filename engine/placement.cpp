@@ -40,14 +40,13 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   const size_t tokens = size_t(c.batch() * c.seq), mb_tokens = size_t(c.micro_batch * c.seq);
   const size_t hidden = size_t(spec.dims.hidden);
   const size_t act = round_up(mb_tokens * hidden * cbytes, 256);
-  if (c.keep_logits) f.logits_bytes = M * round_up(mb_tokens * size_t(spec.dims.vocab) * cbytes, 256);
   // Each device of a pool: the batch and output gradients; the sets of the
   // block inputs it holds (placement.h, holds_input; the 2-set ring with host
   // checkpoints); kept-activation slots if it runs a kept layer; the routing
   // statistics of a load-balancing loss; the head's
-  // loss figures, per-token state, hidden gradient and kept logits (all the
-  // vocabulary's) if it runs one of the head's shards.
-  f.activation_bytes = 0;
+  // loss figures, per-token state, hidden gradient and kept logits (its
+  // shards' rows, Placement::head_rows) if it runs one of the head's shards.
+  f.activation_bytes = f.logits_bytes = 0;
   for (int d = 0; d < pl.devices; ++d) {
     size_t sets = 0;
     for (int64_t b = 1; b <= pl.head; ++b) sets += pl.holds_input(d, b);
@@ -65,11 +64,13 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
     // The load-balancing loss's routing statistics and attention mask (engine_core.h, Seat::moe_stats).
     if (spec.router_aux_coef > 0)
       bytes += round_up(M * 2 * size_t(spec.dims.moe.experts) * 4, 256) + round_up(tokens * 4, 256);
+    const uint64_t logits = c.keep_logits ? M * round_up(mb_tokens * size_t(pl.head_rows(d)) * cbytes, 256) : 0;
+    f.logits_bytes = std::max(f.logits_bytes, logits);
     if (pl.runs_head(d))
       bytes += round_up(2 * M * 8, 256) +
                M * (round_up(3 * mb_tokens * 4, 256) + round_up(mb_tokens * 4, 256) +
                     round_up(mb_tokens * hidden * 4, 256)) +
-               f.logits_bytes;
+               logits;
     f.activation_bytes = std::max(f.activation_bytes, bytes);
   }
   f.device_bytes = f.pool_bytes + f.activation_bytes;

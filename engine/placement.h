@@ -39,7 +39,7 @@ struct EngineFootprint {
   int64_t saved_layers = 0;         // layers whose activations are kept (EngineConfig::saved_blocks)
   uint64_t saved_bytes_per_layer = 0;  // host bytes one such layer keeps, all micro-batches of a step
   uint64_t saved_host_bytes = 0;    // host bytes of all kept activations (part of host_bytes)
-  uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes)
+  uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes; a pool: the largest device's)
   uint64_t device_bytes = 0;        // pool + activations: every device allocation (a pool: its largest device's)
   uint64_t hand_off_bytes = 0;      // a pool: pinned host buffers the devices hand block outputs and
                                     // output gradients over (part of host_bytes)
@@ -138,6 +138,26 @@ struct Placement {
     for (int64_t s = 0; s < std::min<int64_t>(shards.shards, devices); ++s)
       if (head_device(s) == d) return true;
     return false;
+  }
+  // Vocabulary shard s's rows.
+  int64_t shard_rows(int64_t s) const {
+    const Piece& p = piece(shards.lm_piece[size_t(s)]);
+    return p.row_end - p.row_begin;
+  }
+  // The vocabulary rows of the head's shards that device d runs: the columns
+  // of its kept logits, its shards' in shard order (head_column: where
+  // shard s's start there). A pool's device keeps its own shards' logits only.
+  int64_t head_rows(int d) const {
+    int64_t n = 0;
+    for (int64_t s = 0; s < shards.shards; ++s)
+      if (head_device(s) == d) n += shard_rows(s);
+    return n;
+  }
+  int64_t head_column(int64_t s) const {
+    int64_t at = 0;
+    for (int64_t t = 0; t < s; ++t)
+      if (head_device(t) == head_device(s)) at += shard_rows(t);
+    return at;
   }
   // Shard s is the first of the head's shards on its device (it takes the head's input there).
   bool first_head_shard_on_device(int64_t s) const { return s < devices; }

@@ -510,4 +510,16 @@ TEST_CASE("kept logits spare one logits GEMM of the head and cost their bytes on
   const EngineFootprint with = footprint(spec, keep), without = footprint(spec, cfg);
   CHECK(with.logits_bytes >= uint64_t(cfg.batch() * cfg.seq * spec.dims.vocab * 2));
   CHECK(with.device_bytes == without.device_bytes + with.logits_bytes);
+  // A pool keeps on each device its own shards' logits: with as many shards
+  // as devices, one shard's rows each, and a pool's run gives one device's bits.
+  EngineConfig pool = keep;
+  pool.devices = 2;
+  const Placement pl = place(spec, pool);
+  REQUIRE(pl.shards.shards >= 2);
+  int64_t most = 0;
+  for (int d = 0; d < 2; ++d) most = std::max(most, pl.head_rows(d));
+  CHECK(most < spec.dims.vocab);
+  CHECK(pl.head_rows(0) + pl.head_rows(1) == spec.dims.vocab);
+  CHECK(pl.footprint.logits_bytes ==
+        uint64_t(cfg.accumulation) * ((uint64_t(cfg.micro_batch * cfg.seq * most * 2) + 255) / 256 * 256));
 }
