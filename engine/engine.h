@@ -10,7 +10,7 @@
 //   forward: embedding shards, layers; head: pass 1 (log-sum-exp) over every
 //   LM-head shard, then pass 2 (gradients) over every shard (one visit when
 //   there is one shard); backward: layers, embedding shards, in reverse
-// each loaded into a unit K-1 visits ahead (run_pass issues them in order).
+// each loaded into a unit K-2 visits ahead (run_pass issues them in order).
 // Backward visits accumulate fp32 gradients in the unit over all
 // micro-batches and copy them out once, in the compute dtype (bf16 by
 // default; fp32 on request). Its host operations run on the updater thread

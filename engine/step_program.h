@@ -2,7 +2,7 @@
 //
 // One training pass is a list of operations, compiled from the Placement and
 // the configuration before the first step: the device's (per visit of the
-// sliding window: its H2D issued K-1 visits ahead, its compute per
+// sliding window: its H2D issued K-2 visits ahead, its compute per
 // micro-batch, the copies of checkpoints, kept activations and gradients, its
 // release) and the host's (per piece: its gradients landing, summed over the
 // ranks, their sum of squares, parked on NVMe, the state read, AdamW, the
@@ -11,7 +11,7 @@
 //   visits            forward, head, backward: the base program (a layer one
 //                     visit, or one per sub-layer piece)
 //   micro-batches     each visit's compute per micro-batch, its gradients out
-//   prefetch          each visit's load K-1 visits ahead (a pool: just before it)
+//   prefetch          each visit's load K-2 visits ahead (a pool: just before it)
 //                     (compute copies on NVMe: each read one load ahead of its own)
 //   base format       a layer visit whose base is quantized starts by dequantizing it
 //   host checkpoints  a layer's input out after the forward, in before the backward
@@ -145,7 +145,7 @@ struct StepProgram {
 
 // What the passes need beyond the placement.
 struct ProgramInputs {
-  int64_t window = 2;           // K: loads run K-1 visits ahead
+  int64_t window = 2;           // K: loads are issued K-2 visits ahead (engine/step_program_device.cpp)
   int64_t micro_batches = 1;    // M
   bool checkpoints_on_host = false;  // block inputs copied out after forward and back before backward
   bool keep_logits = false;     // the head's pass 1 keeps the logits for pass 2

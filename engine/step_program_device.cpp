@@ -227,12 +227,16 @@ class DeviceBuilder {
       const int32_t back = sub ? -1 : checkpoints_in(v, b);
       const bool keep = keeps(pl_, b);
       for (int64_t m = 0; m < M; ++m) {
+        // A pool: micro-batch m's output gradient comes in before m + 1's
+        // kept activations, which wait for a slot that m - 1's backward
+        // frees (two slots): behind them on the h2d stream the hand-in, and
+        // with it m's backward, waited for m - 1's end and a fetch's copy.
+        if (takes_grad && !(b == 0 && handed_grads_to_embedding_))  // the embedding's shards share one device: the first takes it
+          hand_in(v, Hand::kBlock, b, true, grad_from(b), m);
         if (keep && m + 1 < M) fetch(b, m + 1, v);
         std::vector<int32_t> after{load};
         if (back >= 0) after.push_back(back);
         if (keep) after.push_back(fetched_[size_t(m)]);
-        if (takes_grad && !(b == 0 && handed_grads_to_embedding_))  // the embedding's shards share one device: the first takes it
-          hand_in(v, Hand::kBlock, b, true, grad_from(b), m);
         last = add(StepOpKind::kBackward, Lane::kCompute, v, b, std::move(after));
         op(last).piece = p;
         op(last).micro_batch = m;
@@ -343,14 +347,24 @@ class DeviceBuilder {
   int64_t first_trained_ = 0;     // Placement::first_trained_block: no gradient is handed to a block before it
 };
 
-// Pass "prefetch": visit i's load is issued before visit i - (K - 1) computes
-// (the first K loads before the first visit), into the unit visit i - K
-// released; a kept layer's first micro-batch comes in during the visit
-// before its backward. Returns the visits; fills `ops`.
+// Pass "prefetch": visit i's load is issued before visit i - (K - 2) computes
+// (the first K - 1 loads before the first visit; K = 2: just before its
+// visit), into the unit visit i - K released; a kept layer's first
+// micro-batch comes in during the visit before its backward. Returns the
+// visits; fills `ops`.
+//
+// Why not K - 1 ahead, as the window allows: the load waits for its unit's
+// release (the visit's gradients off the device), and the h2d stream runs in
+// order, so a load issued before visit i - (K - 1) held every copy issued
+// after it (that visit's host checkpoints and kept activations in) until
+// visit i - K's gradients had left: predicted for Llama-3.1-8B on the rtx4090
+// preset, each layer's backward waited ~27 ms for its second micro-batch's
+// activations. One visit later the unit is free by the time the stream gets
+// there, and with nothing else on the stream the load starts when it did.
 std::vector<Visit> device_program(const Placement& place, const ProgramInputs& in, bool train,
                                   std::vector<StepOp>& ops, DeviceBuilder& d) {
   std::vector<Visit> vs = visits(place, train);
-  const size_t n = vs.size(), ahead = size_t(in.window) - 1, K = size_t(in.window);
+  const size_t n = vs.size(), ahead = size_t(in.window) - 2, K = size_t(in.window);
   auto device_of = [&](size_t i) {
     return vs[i].kind == Visit::kHead ? place.head_device(vs[i].shard)
                                       : place.block_device(place.piece(vs[i].piece).block);
@@ -414,7 +428,7 @@ std::vector<Visit> device_program(const Placement& place, const ProgramInputs& i
       // on a simulated device the h2d stream's hand-offs.
       emit_load(i);
     } else {
-      // Each device's loads up to K-1 of its visits ahead of those it has
+      // Each device's loads up to K-2 of its visits ahead of those it has
       // run, in visit order.
       std::vector<size_t> due;
       for (size_t dv = 0; dv < mine.size(); ++dv)
