@@ -467,11 +467,10 @@ Plan cut_into_sub_layer_pieces(const ModelSpec& model, const PlanLimits& l, Plan
 // (EngineConfig::expert_pieces), unless the limits name a size: one expert
 // per piece, which needs the least RAM and so leaves the most of it to
 // optimizer state. Whole layers come first, with layers' compute copies on
-// NVMe where the state's alone is not enough (predicted on the rtx4090
-// preset, batch 32 x 1024, Mixtral-8x7B on 128 GiB + NVMe in q8: 400
-// tokens/s that way, 385 with pieces of one expert and the copies in RAM).
-// If even the cut does not fit, nothing cut does: the device's units do not
-// shrink.
+// NVMe where the state's alone is not enough: this search counts bytes, not
+// time; where a prediction is at hand, fastest_expert_pieces
+// (engine/plan_speed.cpp) compares the sizes by speed. If even the cut does
+// not fit, nothing cut does: the device's units do not shrink.
 Plan Plan::make(const ModelSpec& model, const PlanLimits& l) {
   Plan whole = make_as_given(model, l);
   if (whole.feasible) return whole;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -232,6 +233,13 @@ struct Plan {
   // Tokens per step that hide the link (link_balance; 0: not computed, as
   // where every block stays on the device or a LoRA base is quantized).
   int64_t link_hide_tokens = 0;
+  // The expert pieces fastest_expert_pieces tried, each with its predicted
+  // tokens/s (0 pieces: whole layers); empty where it tried none.
+  struct ExpertTrial {
+    int64_t expert_pieces = 0;
+    double tokens_per_s = 0;
+  };
+  std::vector<ExpertTrial> expert_trials;
   std::vector<std::string> why;      // the decisions, one line each
 
   static Plan make(const ModelSpec& spec, const PlanLimits& limits);
@@ -240,6 +248,15 @@ struct Plan {
   std::string explain() const;
   nlohmann::json to_json() const;
 };
+
+// A mixture of experts' pieces chosen for speed (engine/plan_speed.cpp):
+// where the limits name no cut (neither expert_pieces nor mlp_pieces) and
+// `base` (Plan::make's answer) is feasible, the plan with whole layers and
+// with pieces of 16, 4 and 1 experts (those below the expert count),
+// each predicted by `tokens_per_s`; the fastest, where it beats the
+// fastest of fewer pieces by at least 1%. Otherwise `base` as it is.
+using PlanSpeed = std::function<double(const Plan&, const PlanLimits&)>;
+Plan fastest_expert_pieces(const ModelSpec& spec, const PlanLimits& limits, Plan base, const PlanSpeed& tokens_per_s);
 
 // This process's resident memory now (VmRSS of /proc/self/status); 0 where unreadable.
 uint64_t process_rss_bytes();

@@ -54,6 +54,12 @@ std::string Plan::explain() const {
 }
 
 namespace {
+nlohmann::json expert_trials_json(const std::vector<Plan::ExpertTrial>& trials) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const Plan::ExpertTrial& t : trials) out.push_back({{"expert_pieces", t.expert_pieces}, {"tokens_per_s", t.tokens_per_s}});
+  return out;
+}
+
 nlohmann::json other_formats_json(const std::vector<Plan::FormatFit>& fits) {
   nlohmann::json out = nlohmann::json::array();
   for (const Plan::FormatFit& f : fits)
@@ -108,7 +114,7 @@ nlohmann::json Plan::to_json() const {
           {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
           {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
           {"saved_host_bytes", saved_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},
-          {"link_hide_tokens", link_hide_tokens},
+          {"link_hide_tokens", link_hide_tokens}, {"expert_pieces_tried", expert_trials_json(expert_trials)},
           {"activation_cost", {{"recompute_s", layer_cost.recompute_s}, {"saved_s", layer_cost.saved_s},
                                {"pays", layer_cost.pays()}}},
           {"why", why}};

@@ -84,7 +84,8 @@ std::string rank_machine(const Options& o) {
   return fmt::format("{},h2d_gbps={},d2h_gbps={}", dev, link.pcie_gbps, link.pcie_gbps);
 }
 
-Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l, const Options& o) {
+// `trace`: write the predicted steps' Chrome trace to --trace.
+Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l, const Options& o, bool trace) {
   EngineConfig cfg = plan.engine_config(l);
   const std::string dev = "sim:" + rank_machine(o);
   // A pool: N SimDevices, each on its own link, sharing the host's memory bus.
@@ -104,7 +105,7 @@ Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l,
   Prediction p;
   // The first steps fill the pipeline (no update to wait for yet); report the last.
   for (int64_t i = 0; i < std::max<int64_t>(o.steps, 2); ++i) p.step = e.step(ids.data(), labels.data());
-  if (!o.trace.empty()) e.timeline().write_chrome_trace(o.trace);
+  if (trace && !o.trace.empty()) e.timeline().write_chrome_trace(o.trace);
   for (const LaneStats& ls : p.step.stats.lanes) p.lower_bound_s = std::max(p.lower_bound_s, ls.busy_s);
   return p;
 }
@@ -197,6 +198,11 @@ int run(Options& o) {
   // Ranks on one machine: each has 1/N of its memory bus (as predict() gives it).
   if (o.gpus > 1 && find_link(o.link).ethernet_gbit == 0) l.host_memory_bytes_per_s /= double(o.gpus);
   Plan p = Plan::make(spec, l);
+  // A mixture of experts: its expert pieces by the predicted speed.
+  if (predicting)
+    p = fastest_expert_pieces(spec, l, std::move(p), [&](const Plan& q, const PlanLimits& ql) {
+      return predict(spec, q, ql, o, false).step.tokens_per_s;
+    });
   nlohmann::json out = p.to_json();
   out["model"] = spec.summary();
   out["seq"] = l.seq;
@@ -215,7 +221,7 @@ int run(Options& o) {
   }
   if (l.devices > 1) out["devices"] = l.devices;
   if (predicting && p.feasible) {
-    Prediction pr = predict(spec, p, l, o);
+    Prediction pr = predict(spec, p, l, o, true);
     const StepReport& r = pr.step;
     out["step_s"] = r.step_s;
     out["lower_bound_s"] = pr.lower_bound_s;

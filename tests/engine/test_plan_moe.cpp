@@ -5,6 +5,9 @@
 // where nothing cut fits, the refusal is the whole-layer one.
 #include "tests/catch_torch.h"
 
+#include <algorithm>
+#include <map>
+
 #include <nlohmann/json.hpp>
 
 #include "engine/model_presets.h"
@@ -76,4 +79,66 @@ TEST_CASE("a mixture of experts whose layer does not fit the device is cut into 
   for (const std::string& w : p.why)
     said = said || (w.find("groups of its experts") != std::string::npos && w.find("of device memory") != std::string::npos);
   CHECK(said);
+}
+
+// fastest_expert_pieces's rule, given the speeds (strider plan passes its
+// simulated machine's, which tests/python/test_plan_experts.py runs): whole
+// layers first, then pieces of 16, 4 and 1 expert below the expert count;
+// a smaller piece replaces the best only when at least 1% faster.
+TEST_CASE("a mixture of experts' pieces are chosen by their predicted speed", "[engine][plan][moe]") {
+  const ModelSpec mixtral = ModelSpec::from_json(model_preset("mixtral-8x7b"), "mixtral-8x7b");
+  const PlanLimits l = workstation(128);
+  const Plan base = Plan::make(mixtral, l);
+  REQUIRE(base.feasible);
+  REQUIRE(base.expert_pieces == 0);
+  const auto speeds = [](std::map<int64_t, double> by_pieces, std::vector<int64_t>* asked) {
+    return [=](const Plan& p, const PlanLimits& pl) {
+      CHECK(p.engine_config(pl).expert_pieces == p.expert_pieces);  // what a prediction runs
+      asked->push_back(p.expert_pieces);
+      return by_pieces.at(p.expert_pieces);
+    };
+  };
+  std::vector<int64_t> asked;
+  // Mixtral's 8 experts: whole layers, pieces of 4, of 1 (16 is not below 8).
+  Plan p = fastest_expert_pieces(mixtral, l, base, speeds({{0, 100.0}, {4, 105.0}, {1, 105.9}}, &asked));
+  CHECK(asked == std::vector<int64_t>{0, 4, 1});
+  CHECK(p.expert_pieces == 4);  // 1 is not 1% faster than 4
+  CHECK(p.engine_config(l).expert_pieces == 4);
+  REQUIRE(p.expert_trials.size() == 3);
+  CHECK(p.expert_trials[2].expert_pieces == 1);
+  CHECK(p.expert_trials[2].tokens_per_s == 105.9);
+  const nlohmann::json j = p.to_json();
+  CHECK(j["expert_pieces"] == 4);
+  CHECK(j["expert_pieces_tried"].size() == 3);
+  CHECK_THAT(p.explain(), Catch::Contains("expert pieces: 4 experts per piece (chosen for speed over whole layers, "
+                                          "tokens/s predicted: whole layers 100, 4 experts per piece 105, "
+                                          "1 expert per piece 106") &&
+                              Catch::Contains("strider finetune: --expert-pieces 4"));
+  // Under 1% faster: whole layers stay.
+  asked.clear();
+  p = fastest_expert_pieces(mixtral, l, base, speeds({{0, 100.0}, {4, 100.5}, {1, 100.9}}, &asked));
+  CHECK(p.expert_pieces == 0);
+  CHECK_THAT(p.explain(), Catch::Contains("expert pieces: whole layers (the fastest") &&
+                              !Catch::Contains("strider finetune:"));
+  // Where whole layers do not fit (Plan::make chose one expert per piece),
+  // they are not tried.
+  PlanLimits small = workstation(40);
+  const Plan cut = Plan::make(mixtral, small);
+  REQUIRE(cut.expert_pieces == 1);
+  asked.clear();
+  p = fastest_expert_pieces(mixtral, small, cut, speeds({{4, 50.0}, {1, 40.0}}, &asked));
+  CHECK(asked == std::vector<int64_t>{4, 1});
+  CHECK(p.expert_pieces == 4);
+  CHECK_THAT(p.explain(), Catch::Contains("expert pieces: 4 experts per piece (chosen for speed over 1 expert per "
+                                          "piece, tokens/s predicted: 4 experts per piece 50, 1 expert per piece 40;"));
+  // A size the limits name, a dense model: nothing is tried.
+  asked.clear();
+  PlanLimits named = l;
+  named.expert_pieces = 2;
+  p = fastest_expert_pieces(mixtral, named, Plan::make(mixtral, named), speeds({}, &asked));
+  CHECK(p.expert_pieces == 2);
+  const ModelSpec dense = ModelSpec::from_json(model_preset("llama-3.1-8b"), "llama-3.1-8b");
+  p = fastest_expert_pieces(dense, l, Plan::make(dense, l), speeds({}, &asked));
+  CHECK(p.expert_trials.empty());
+  CHECK(asked.empty());
 }
