@@ -30,14 +30,23 @@ struct Avx2 {
   static void store(uint32_t* p, I x) { _mm256_store_si256(reinterpret_cast<__m256i*>(p), x); }
   // Four vectors' lanes of 0..0xFF: the packs interleave the two 128-bit
   // lanes (a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7), one permutation undoes it.
-  static void store_u8x4(uint8_t* p, I a, I b, I c, I d) {
-    const I bytes = _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+  static I pack_u8x4(I a, I b, I c, I d) {
+    return _mm256_packus_epi16(_mm256_packus_epi32(a, b), _mm256_packus_epi32(c, d));
+  }
+  static void store_packed_u8x4(uint8_t* p, I bytes) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                         _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   }
-  // packus (lanes of 0..0xFFFF) gives a0-3 b0-3 | a4-7 b4-7.
-  static void store_u16x2(uint16_t* p, I a, I b) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
+  static void store_u8x4(uint8_t* p, I a, I b, I c, I d) { store_packed_u8x4(p, pack_u8x4(a, b, c, d)); }
+  // Unsigned x <= n per byte: min(x, n) == x.
+  static bool any_le_u8(I bytes, uint8_t n) {
+    return _mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_min_epu8(bytes, _mm256_set1_epi8(char(n))), bytes)) != 0;
+  }
+  // Bits 31..16 of a's lanes, then b's: packus (lanes of 0..0xFFFF) gives
+  // a0-3 b0-3 | a4-7 b4-7.
+  static void store_high16x2(uint16_t* p, I a, I b) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm256_permute4x64_epi64(_mm256_packus_epi32(srl<16>(a), srl<16>(b)), 0xD8));
   }
   static void store_byte1_x4(uint8_t* p, I a, I b, I c, I d) {
     const I ff = _mm256_set1_epi32(0xFF);
@@ -57,6 +66,7 @@ struct Avx2 {
   static I and_(I a, I b) { return _mm256_and_si256(a, b); }
   static I or_(I a, I b) { return _mm256_or_si256(a, b); }
   static I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I xor_and(I a, I b, I c) { return _mm256_and_si256(_mm256_xor_si256(a, b), c); }
   template <int n> static I srl(I a) { return _mm256_srli_epi32(a, n); }
   template <int n> static I sll(I a) { return _mm256_slli_epi32(a, n); }
   static I max_u(I a, I b) { return _mm256_max_epu32(a, b); }
@@ -77,9 +87,11 @@ struct Avx2 {
   static M eq_i(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
   static M lt_f(F a, F b) { return as_i(_mm256_cmp_ps(a, b, _CMP_LT_OQ)); }
   static M gt_f(F a, F b) { return as_i(_mm256_cmp_ps(a, b, _CMP_GT_OQ)); }
+  static M le_f(F a, F b) { return as_i(_mm256_cmp_ps(a, b, _CMP_LE_OQ)); }
   static M mand(M a, M b) { return _mm256_and_si256(a, b); }
   static bool any(M m) { return _mm256_movemask_epi8(m) != 0; }
   static F select(M m, F t, F f) { return _mm256_blendv_ps(f, t, as_f(m)); }
+  static F mul_unless_eq(I x, I y, F t, F a, F b) { return select(eq_i(x, y), t, mul(a, b)); }
   static I select(M m, I t, I f) { return _mm256_blendv_epi8(f, t, m); }
 };
 

@@ -37,16 +37,22 @@ struct Avx512 {
   // Packs (which saturate as signed, so lanes must hold 0..0xFF) interleave
   // the 128-bit lanes: lane k of the result holds bytes 4k..4k+3 of a, b, c
   // and d in turn, and one permutation puts them back in order.
-  static void store_u8x4(uint8_t* p, I a, I b, I c, I d) {
-    const I bytes = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+  static I pack_u8x4(I a, I b, I c, I d) {
+    return _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+  }
+  static void store_packed_u8x4(uint8_t* p, I bytes) {
     const I order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     _mm512_storeu_si512(p, _mm512_permutexvar_epi32(order, bytes));
   }
-  // packus (lanes of 0..0xFFFF) interleaves a's and b's four-lane quarters:
-  // one permutation of 64-bit pieces puts them back in order.
-  static void store_u16x2(uint16_t* p, I a, I b) {
-    const I order = _mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7);
-    _mm512_storeu_si512(p, _mm512_permutexvar_epi64(order, _mm512_packus_epi32(a, b)));
+  static void store_u8x4(uint8_t* p, I a, I b, I c, I d) { store_packed_u8x4(p, pack_u8x4(a, b, c, d)); }
+  static bool any_le_u8(I bytes, uint8_t x) { return _mm512_cmple_epu8_mask(bytes, _mm512_set1_epi8(char(x))) != 0; }
+  // Bits 31..16 of a's lanes, then b's: one two-source word permutation
+  // (it replaced two shifts, a pack and a permutation: 1.6% of the update).
+  static void store_high16x2(uint16_t* p, I a, I b) {
+    const I odd_words = _mm512_setr_epi32(0x00030001, 0x00070005, 0x000B0009, 0x000F000D, 0x00130011, 0x00170015,
+                                          0x001B0019, 0x001F001D, 0x00230021, 0x00270025, 0x002B0029, 0x002F002D,
+                                          0x00330031, 0x00370035, 0x003B0039, 0x003F003D);
+    _mm512_storeu_si512(p, _mm512_permutex2var_epi16(a, odd_words, b));
   }
   // Byte 1 of every lane of a, b, c, d in order: a byte shuffle gathers each
   // 128-bit quarter's four into its first lane, and two two-source
@@ -71,6 +77,7 @@ struct Avx512 {
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I or_(I a, I b) { return _mm512_or_si512(a, b); }
   static I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I xor_and(I a, I b, I c) { return _mm512_ternarylogic_epi32(a, b, c, 0x28); }  // (a ^ b) & c
   template <int n> static I srl(I a) { return _mm512_srli_epi32(a, n); }
   template <int n> static I sll(I a) { return _mm512_slli_epi32(a, n); }
   static I max_u(I a, I b) { return _mm512_max_epu32(a, b); }
@@ -93,9 +100,12 @@ struct Avx512 {
   static M eq_i(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
   static M lt_f(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   static M gt_f(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static M le_f(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
   static M mand(M a, M b) { return a & b; }
   static bool any(M m) { return m != 0; }
   static F select(M m, F t, F f) { return _mm512_mask_blend_ps(m, f, t); }
+  // One masked multiply: the lanes where x != y get a * b, the others t.
+  static F mul_unless_eq(I x, I y, F t, F a, F b) { return _mm512_mask_mul_ps(t, _mm512_cmpneq_epi32_mask(x, y), a, b); }
   static I select(M m, I t, I f) { return _mm512_mask_blend_epi32(m, f, t); }
 };
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "host/adam_q8.h"
+#include "host/adam_q8_kernel.h"  // element_hash: the edge test picks its elements' random words
 #include "host/bf16.h"
 #include "host/cpu_adam.h"
 #include "host/error.h"
@@ -231,6 +232,85 @@ TEST_CASE("q8 AdamW: every ISA's builds give the scalar build's bits", "[host][q
       }
     }
   }
+}
+
+// The hand-written kernels encode the moments of a group whose scale is a
+// normal number at most 2^14 through a product scaled by 2^-112 and one
+// masked multiply, and every other group as the loops do
+// (host/adam_q8_simd.h). With beta1 = beta2 = 0 the new m is the gradient
+// and sqrt(v) its magnitude, so each group below puts its moments on one of
+// those paths, including the element whose y lies just below 2^-14 while the
+// scaled product rounds up to 2^-126: its code differs from the normal
+// formula's only where its random slice is 0, so the first element's index
+// is chosen to make it so for both moments' edge elements.
+TEST_CASE("q8 AdamW: groups on every path of the hand-written encode give the scalar build's bits", "[host][q8]") {
+  constexpr size_t G = kQ8GroupElems;
+  std::vector<float> g(G * 9);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& x : g) x = nd(rng) * 1e-3f;                                 // group 0: the common path
+  for (size_t i = G; i < 2 * G; ++i) g[i] = nd(rng) * 1e5f;               // 1: scales above 2^14
+  g[2 * G + 3] = std::nanf("");                                           // 2: NaN, both signs
+  g[2 * G + 9] = -std::nanf("");
+  g[3 * G + 7] = INFINITY;                                                // 3: an infinity
+  for (size_t i = 4 * G; i < 5 * G; ++i) g[i] = 0.0f;                    // 4: zeros
+  for (size_t i = 5 * G; i < 6 * G; ++i) g[i] = nd(rng) * 1e-40f;         // 5: subnormal
+  for (size_t i = 6 * G; i < 7 * G; i += 3) g[i] = nd(rng) * 1e-9f;       // 6: codes below 2^-14 of the scale
+  for (size_t i = 7 * G; i < 9 * G; ++i) g[i] = nd(rng) * 0.1f;           // 7, 8: scale 3, an element at the edge
+  const float inv = 1.0f / 3.0f;
+  const auto on_edge = [&](float root) {  // y = RN(root * inv) < 2^-14 <= RN(root * inv * 2^-112)
+    const double z = double(root) * double(inv);
+    return z >= 0x1p-14 - 0x1p-38 && z < 0x1p-14 - 0x1p-39;
+  };
+  float m_edge = 0, v_edge = 0;
+  for (float x = 3 * 0x1p-14f; x > 2.9f * 0x1p-14f && (m_edge == 0 || v_edge == 0); x = std::nextafter(x, 0.0f)) {
+    if (m_edge == 0 && on_edge(x)) m_edge = x;
+    if (v_edge == 0 && on_edge(std::sqrt(x * x))) v_edge = x;
+  }
+  REQUIRE(m_edge != 0);
+  REQUIRE(v_edge != 0);
+  g[7 * G] = 3.0f;
+  g[7 * G + 1] = -m_edge;
+  g[8 * G] = -3.0f;
+  g[8 * G + 1] = v_edge;
+  const size_t n = g.size();
+  const uint32_t salt = q8_salt(1, 3);  // Twin::args(1)'s
+  uint32_t first = 0;
+  while (((detail::element_hash(first + uint32_t(7 * G + 1), salt) >> 8) & 0xFFFu) != 0 ||
+         (detail::element_hash(first + uint32_t(8 * G + 1), salt) >> 20) != 0)
+    ++first;
+  std::vector<Twin> runs;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    for (Q8Build build : {Q8Build::kLoops, Q8Build::kSimd}) {
+      if ((isa == Isa::kScalar && build == Q8Build::kSimd) || !isa_supported(isa)) continue;
+      INFO("isa " << isa_name(isa) << (build == Q8Build::kSimd ? " hand-written" : " loops"));
+      Twin t(n, 3);
+      Q8Args a = t.args(1);
+      a.first_elem = first;
+      a.grad = g.data();
+      a.grad_dtype = DType::kF32;
+      adam_q8_update(isa, AdamStep::make(AdamHyper{.lr = 1e-3, .beta1 = 0.0, .beta2 = 0.0}, 1), a, build);
+      if (!runs.empty()) CHECK(t.same_bits(runs.front()));
+      runs.push_back(t);
+    }
+  }
+  // The groups took the paths meant: scales above 2^14, NaN, infinite, 0
+  // and subnormal; an m code in the subnormal steps (group 6); the edge
+  // elements coded as the loops code them, below 2^-14 of the scale.
+  const Twin& r = runs.front();
+  CHECK((r.ms[0] > 0 && r.ms[0] < 1));
+  CHECK(r.ms[1] > 0x1p14f);
+  CHECK(std::isnan(r.ms[2]));
+  CHECK(std::isinf(r.ms[3]));
+  CHECK(r.ms[4] == 0);
+  CHECK((r.ms[5] > 0 && r.ms[5] < 0x1p-126f));
+  bool small_m = false;
+  for (size_t i = 6 * G; i < 7 * G; ++i) small_m = small_m || ((r.m[i] & 0x7F) > 0 && (r.m[i] & 0x7F) < 8);
+  CHECK(small_m);
+  CHECK(r.ms[7] == 3.0f);
+  CHECK(r.vs[8] == 3.0f);
+  CHECK((r.m[7 * G + 1] & 0x7F) <= 8);
+  CHECK(r.v[8 * G + 1] <= 16);
 }
 
 TEST_CASE("q8 AdamW: with denormals-are-zero and flush-to-zero set, every build still agrees", "[host][q8]") {
