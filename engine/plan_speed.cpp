@@ -18,8 +18,8 @@ namespace {
 // (batch 32 x 1024 on the rtx4090 preset, q8: Qwen3-30B-A3B on 128 GiB + NVMe
 // 1131 tokens/s whole, 1212 with pieces of 4; Mixtral-8x7B 438 whole, 479
 // with pieces of 1; Qwen3-30B-A3B on 256 GiB the same 2258 for every size).
-// Every fourth size: 8 and 2 were within 1% of a neighbour in each of those
-// (Qwen3-30B-A3B: 16 1167, 8 1197, 4 1212, 2 1202, 1 1198), and each size
+// Every fourth size: 8 and 2 predicted between their neighbours (Qwen3-30B-A3B
+// on 128 GiB + NVMe: 16 1167, 8 1197, 4 1212, 2 1202, 1 1198), and each size
 // tried is a simulated step or two (seconds for a 30B model).
 constexpr int64_t kSizes[] = {16, 4, 1};
 // A smaller piece must be this much faster to be chosen: more pieces are
