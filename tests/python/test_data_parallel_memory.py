@@ -146,7 +146,9 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(str
         if (ck / "step-00000001").is_dir() and any(x.name.startswith(".step-00000002.tmp-") for x in ck.iterdir()):
             break
         time.sleep(0.01)
-    assert p.poll() is None, "the run ended before its second save began"
+    if p.poll() is not None:
+        out, err = p.communicate()
+        pytest.fail(f"the run ended (exit {p.returncode}) before its second save began:\n{out[-2000:]}\n{err[-3000:]}")
     pids = rank_pids(p.pid)
     os.kill(pids[1], signal.SIGKILL)
     _, stderr = p.communicate(timeout=300)
