@@ -24,6 +24,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include <fmt/format.h>
+
 #include "host/adam_q8_kernel.h"
 #include "host/error.h"
 
@@ -32,6 +34,7 @@ namespace detail {
 // The ISA builds (adam_q8_avx2.cpp, adam_q8_avx512.cpp): hand-written, and the loops.
 void adam_q8_avx2(const AdamStep& s, const Q8Args& a);
 void adam_q8_avx512(const AdamStep& s, const Q8Args& a);
+void adam_q8_avx512_vbmi(const AdamStep& s, const Q8Args& a);
 void adam_q8_avx2_loops(const AdamStep& s, const Q8Args& a);
 void adam_q8_avx512_loops(const AdamStep& s, const Q8Args& a);
 }  // namespace detail
@@ -42,6 +45,9 @@ void check_groups(size_t n, const char* what) {
   STRIDER_CHECK(n % kQ8GroupElems == 0, "q8 {}: {} elements are not a whole number of groups of {}", what, n,
                 kQ8GroupElems);
 }
+
+// AVX-512 VBMI (vpermt2b), which the AVX-512 kernel uses where it can.
+bool has_vbmi() { return __builtin_cpu_supports("avx512vbmi"); }
 
 void adam_q8_scalar(const AdamStep& s, const Q8Args& a) {
   if (a.grad_dtype == DType::kBF16) detail::q8_update(s, a, static_cast<const uint16_t*>(a.grad));
@@ -66,15 +72,22 @@ void adam_q8_update(Isa isa, const AdamStep& step, const Q8Args& a, Q8Build buil
                 "q8 AdamW over {} elements given a null pointer", a.n);
   switch (isa) {
     case Isa::kAvx512:
-      if (build == Q8Build::kSimd) detail::adam_q8_avx512(step, a);
-      else detail::adam_q8_avx512_loops(step, a);
+      if (build == Q8Build::kLoops) detail::adam_q8_avx512_loops(step, a);
+      else if (build == Q8Build::kSimd && has_vbmi()) detail::adam_q8_avx512_vbmi(step, a);
+      else detail::adam_q8_avx512(step, a);
       break;
     case Isa::kAvx2:
-      if (build == Q8Build::kSimd) detail::adam_q8_avx2(step, a);
-      else detail::adam_q8_avx2_loops(step, a);
+      if (build == Q8Build::kLoops) detail::adam_q8_avx2_loops(step, a);
+      else detail::adam_q8_avx2(step, a);
       break;
     case Isa::kScalar: adam_q8_scalar(step, a); break;
   }
+}
+
+std::string q8_kernel_name(Isa isa, Q8Build build) {
+  if (isa == Isa::kScalar || build == Q8Build::kLoops) return fmt::format("{} loops", isa_name(isa));
+  const bool vbmi = isa == Isa::kAvx512 && build == Q8Build::kSimd && has_vbmi();
+  return fmt::format("{}{} hand-written", isa_name(isa), vbmi ? "+vbmi" : "");
 }
 
 void q8_encode_master(const float* in, uint16_t* hi, uint8_t* ext, size_t n) {

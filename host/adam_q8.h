@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "host/cpu_adam.h"
 #include "host/dtype.h"
@@ -47,6 +48,8 @@ uint32_t q8_salt(int64_t step, int64_t block);
 
 // Elements [0, n) on this thread, with `isa`'s `build` of the kernel (Q8Build: host/cpu_adam.h).
 void adam_q8_update(Isa isa, const AdamStep& step, const Q8Args& args, Q8Build build = Q8Build::kSimd);
+// The kernel that call runs on this CPU, in words ("avx512+vbmi hand-written", "avx2 loops", ...).
+std::string q8_kernel_name(Isa isa, Q8Build build);
 
 // Caller-facing conversions (checkpoint loads, tests): to nearest.
 void q8_encode_master(const float* in, uint16_t* hi, uint8_t* ext, size_t n);

@@ -71,10 +71,13 @@ const char* isa_name(Isa isa);
 // Whether this CPU can run `isa`.
 bool isa_supported(Isa isa);
 // Which build of the q8 kernel (host/adam_q8.h): kSimd, hand-written for AVX2
-// and AVX-512 (the scalar ISA has only the loops); kLoops, adam_q8_kernel.h's
-// loops as the compiler vectorizes them, the kernel before the hand-written
-// one, kept as bench_adam's baseline. Both give the same bits.
-enum class Q8Build { kSimd, kLoops };
+// and AVX-512 (the scalar ISA has only the loops), on AVX-512 with VBMI's
+// byte permutations where the CPU has them; kSimdNoVbmi, the same without
+// them (on AVX2 it is kSimd), what a CPU with AVX-512 but not VBMI runs, kept
+// so a test checks it on any machine; kLoops, adam_q8_kernel.h's loops as the
+// compiler vectorizes them, the kernel before the hand-written one, kept as
+// bench_adam's baseline. All give the same bits.
+enum class Q8Build { kSimd, kSimdNoVbmi, kLoops };
 
 // One thread, elements [0, args.n): the kernel itself. Throws naming both
 // dtypes for an unsupported (gradient, output) pair or an ISA this CPU lacks.

@@ -55,6 +55,33 @@ struct Twin {
   }
 };
 
+// Every distinct build of the q8 kernel this CPU runs, the scalar loops
+// first: each ISA's loops, the hand-written kernel, and on AVX-512 both the
+// base kernel and the one with VBMI's byte permutations. What the CPU lacks is
+// said (WARN) and skipped.
+struct Build {
+  Isa isa;
+  Q8Build build;
+};
+std::vector<Build> q8_builds() {
+  std::vector<Build> out;
+  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
+    if (!isa_supported(isa)) {
+      WARN("this CPU lacks " << isa_name(isa) << ": its q8 kernels are not compared here");
+      continue;
+    }
+    out.push_back({isa, Q8Build::kLoops});
+    if (isa == Isa::kScalar) continue;  // the scalar ISA has only the loops
+    out.push_back({isa, Q8Build::kSimdNoVbmi});
+    if (isa != Isa::kAvx512) continue;
+    if (q8_kernel_name(isa, Q8Build::kSimd) != q8_kernel_name(isa, Q8Build::kSimdNoVbmi))
+      out.push_back({isa, Q8Build::kSimd});
+    else
+      WARN("this CPU lacks AVX-512 VBMI: the q8 kernel that uses it is not compared here");
+  }
+  return out;
+}
+
 }  // namespace
 
 TEST_CASE("q8 format: bytes per element, names, and the plan's figure", "[host][q8]") {
@@ -196,40 +223,32 @@ TEST_CASE("q8 AdamW tracks the fp32 kernel, keeps padding zero, and is independe
 }
 
 TEST_CASE("q8 AdamW: every ISA's builds give the scalar build's bits", "[host][q8]") {
-  // The hand-written AVX2 and AVX-512 kernels and the compiler-vectorized
-  // loops they replaced, over groups that hit every code path: zero groups,
+  // The hand-written AVX2 and AVX-512 kernels (AVX-512 with and without VBMI)
+  // and the compiler-vectorized loops they replaced, over groups that hit every code path: zero groups,
   // subnormal-range codes, Adam and AdamW, with and without decay, fp32
   // gradients that bf16 cannot represent, and a first element that is not 0.
   const size_t n = 128 * 300;
   for (DType gd : {DType::kBF16, DType::kF32}) {
     Twin ref(n, 9);
     std::vector<float> g32(n);
-    for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-      for (Q8Build build : {Q8Build::kLoops, Q8Build::kSimd}) {
-        if (isa == Isa::kScalar && build == Q8Build::kSimd) continue;  // the scalar ISA has only the loops
-        if (!isa_supported(isa)) {
-          WARN("this CPU lacks " << isa_name(isa) << ": its q8 kernels are not compared here");
-          continue;
+    for (const auto [isa, build] : q8_builds()) {
+      INFO(q8_kernel_name(isa, build) << " gradients " << dtype_name(gd));
+      Twin t(n, 9);
+      for (int64_t step = 1; step <= 6; ++step) {
+        t.grads(uint32_t(step) * 7);
+        for (size_t i = 0; i < n; ++i) g32[i] = bf16_to_float(t.g16[i]) * 1.37f;  // not bf16-representable
+        Q8Args a = t.args(step);
+        a.first_elem = 1000 * uint32_t(step);
+        if (gd == DType::kF32) {
+          a.grad = g32.data();
+          a.grad_dtype = DType::kF32;
         }
-        INFO("isa " << isa_name(isa) << (build == Q8Build::kSimd ? " hand-written" : " loops") << " gradients "
-                    << dtype_name(gd));
-        Twin t(n, 9);
-        for (int64_t step = 1; step <= 6; ++step) {
-          t.grads(uint32_t(step) * 7);
-          for (size_t i = 0; i < n; ++i) g32[i] = bf16_to_float(t.g16[i]) * 1.37f;  // not bf16-representable
-          Q8Args a = t.args(step);
-          a.first_elem = 1000 * uint32_t(step);
-          if (gd == DType::kF32) {
-            a.grad = g32.data();
-            a.grad_dtype = DType::kF32;
-          }
-          const AdamHyper h{.lr = 3e-3, .weight_decay = step % 2 ? 0.1 : 0.0,
-                            .mode = step % 3 ? AdamMode::kAdamW : AdamMode::kAdam};
-          adam_q8_update(isa, AdamStep::make(h, step, 0.7), a, build);
-        }
-        if (isa == Isa::kScalar) ref = t;
-        else CHECK(t.same_bits(ref));
+        const AdamHyper h{.lr = 3e-3, .weight_decay = step % 2 ? 0.1 : 0.0,
+                          .mode = step % 3 ? AdamMode::kAdamW : AdamMode::kAdam};
+        adam_q8_update(isa, AdamStep::make(h, step, 0.7), a, build);
       }
+      if (isa == Isa::kScalar) ref = t;
+      else CHECK(t.same_bits(ref));
     }
   }
 }
@@ -280,19 +299,16 @@ TEST_CASE("q8 AdamW: groups on every path of the hand-written encode give the sc
          (detail::element_hash(first + uint32_t(8 * G + 1), salt) >> 20) != 0)
     ++first;
   std::vector<Twin> runs;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    for (Q8Build build : {Q8Build::kLoops, Q8Build::kSimd}) {
-      if ((isa == Isa::kScalar && build == Q8Build::kSimd) || !isa_supported(isa)) continue;
-      INFO("isa " << isa_name(isa) << (build == Q8Build::kSimd ? " hand-written" : " loops"));
-      Twin t(n, 3);
-      Q8Args a = t.args(1);
-      a.first_elem = first;
-      a.grad = g.data();
-      a.grad_dtype = DType::kF32;
-      adam_q8_update(isa, AdamStep::make(AdamHyper{.lr = 1e-3, .beta1 = 0.0, .beta2 = 0.0}, 1), a, build);
-      if (!runs.empty()) CHECK(t.same_bits(runs.front()));
-      runs.push_back(t);
-    }
+  for (const auto [isa, build] : q8_builds()) {
+    INFO(q8_kernel_name(isa, build));
+    Twin t(n, 3);
+    Q8Args a = t.args(1);
+    a.first_elem = first;
+    a.grad = g.data();
+    a.grad_dtype = DType::kF32;
+    adam_q8_update(isa, AdamStep::make(AdamHyper{.lr = 1e-3, .beta1 = 0.0, .beta2 = 0.0}, 1), a, build);
+    if (!runs.empty()) CHECK(t.same_bits(runs.front()));
+    runs.push_back(t);
   }
   // The groups took the paths meant: scales above 2^14, NaN, infinite, 0
   // and subnormal; an m code in the subnormal steps (group 6); the edge
@@ -321,18 +337,15 @@ TEST_CASE("q8 AdamW: with denormals-are-zero and flush-to-zero set, every build 
   _mm_setcsr(saved | 0x8040);  // FTZ | DAZ
   const size_t n = 128 * 64;
   std::vector<Twin> runs;
-  for (Isa isa : {Isa::kScalar, Isa::kAvx2, Isa::kAvx512}) {
-    for (Q8Build build : {Q8Build::kLoops, Q8Build::kSimd}) {
-      if ((isa == Isa::kScalar && build == Q8Build::kSimd) || !isa_supported(isa)) continue;
-      Twin t(n, 4);
-      for (int64_t step = 1; step <= 4; ++step) {
-        t.grads(uint32_t(step));
-        for (size_t i = 0; i < n; ++i)
-          if (i % 3 == 0) t.g16[i] = float_to_bf16(bf16_to_float(t.g16[i]) * 1e-6f);
-        adam_q8_update(isa, AdamStep::make(AdamHyper{.lr = 1e-3}, step), t.args(step), build);
-      }
-      runs.push_back(t);
+  for (const auto [isa, build] : q8_builds()) {
+    Twin t(n, 4);
+    for (int64_t step = 1; step <= 4; ++step) {
+      t.grads(uint32_t(step));
+      for (size_t i = 0; i < n; ++i)
+        if (i % 3 == 0) t.g16[i] = float_to_bf16(bf16_to_float(t.g16[i]) * 1e-6f);
+      adam_q8_update(isa, AdamStep::make(AdamHyper{.lr = 1e-3}, step), t.args(step), build);
     }
+    runs.push_back(t);
   }
   _mm_setcsr(saved);
   for (const Twin& t : runs) CHECK(t.same_bits(runs.front()));
