@@ -39,6 +39,15 @@ struct Avx512Vbmi : Avx512 {
     store_low32(p, bytes_x2<0>(a, b));
     store_low32(p + 32, bytes_x2<0>(c, d));
   }
+  // v's codes are in bits 16..23 of their lanes (adam_q8_simd.h, kVCodeByte).
+  static constexpr int kVCodeByte = 2;
+  static I pack_u8x4_byte2(I a, I b, I c, I d) {
+    return _mm512_inserti64x4(bytes_x2<2>(a, b), _mm512_castsi512_si256(bytes_x2<2>(c, d)), 1);
+  }
+  static void store_u8x4_byte2(uint8_t* p, I a, I b, I c, I d) {
+    store_low32(p, bytes_x2<2>(a, b));
+    store_low32(p + 32, bytes_x2<2>(c, d));
+  }
   static void store_byte1_x4(uint8_t* p, I a, I b, I c, I d) {
     store_low32(p, bytes_x2<1>(a, b));
     store_low32(p + 32, bytes_x2<1>(c, d));

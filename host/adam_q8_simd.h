@@ -131,6 +131,14 @@ void q8_update_simd(const AdamStep& s, const Q8Args& a, const G* g) {
   uint8_t *const ext = a.state.ext, *const mq = a.state.m, *const vq = a.state.v;
   float *const m_scale = a.state.m_scale, *const v_scale = a.state.v_scale;
   const uint32_t first = a.first_elem, salt = a.salt;
+  // Where v's codes come out of the encode: in bits 0..7 of their lanes, or
+  // (V::kVCodeByte 2) in bits 16..23, which saves two shifts per vector where
+  // V narrows by byte permutation (adam_q8_avx512_vbmi.cpp).
+  constexpr int kVByte = [] {
+    if constexpr (requires { V::kVCodeByte; }) return V::kVCodeByte;
+    else return 0;
+  }();
+  static_assert(kVByte == 0 || kVByte == 2);
   for (size_t base = 0; base < a.n; base += kN) {
     const size_t grp = base / kN;
     const F ms = V::set(m_scale[grp]), vs = V::set(v_scale[grp]);
@@ -161,7 +169,8 @@ void q8_update_simd(const AdamStep& s, const Q8Args& a, const G* g) {
       V::store(m_abs + j, abs);
       V::store(sv + j, V::as_i(root));
       V::store(rm + j, V::xor_and(x, xs, m_bits));
-      V::store(rx + j, x);
+      if constexpr (kVByte == 2) V::store(rx + j, V::and_(xs, V::iset(0xFFF0u)));  // v's 12 bits << 4
+      else V::store(rx + j, x);
       m_max = V::max_u(m_max, abs);
       v_max = V::max_u(v_max, V::as_i(root));  // a root is >= +0 but for a NaN's sign (below)
     };
@@ -238,7 +247,9 @@ void q8_update_simd(const AdamStep& s, const Q8Args& a, const G* g) {
         bool rare;
         if constexpr (kCodeTest > 0) {
           static_assert(kScaled);
-          const I packed = V::pack_u8x4(c[0], c[1], c[2], c[3]);
+          I packed;
+          if constexpr (kVByte == 2) packed = V::pack_u8x4_byte2(c[0], c[1], c[2], c[3]);
+          else packed = V::pack_u8x4(c[0], c[1], c[2], c[3]);
           rare = V::any_le_u8(packed, uint8_t(kCodeTest));
           if (!rare) [[likely]] V::store_packed_u8x4(out + j, packed);
         } else {
@@ -272,14 +283,23 @@ void q8_update_simd(const AdamStep& s, const Q8Args& a, const G* g) {
     };
     // v: magnitude, never 0 for a nonzero sqrt(v) (encode_group_v).
     const auto v_code = [&](size_t i, I rebiased) {
-      return V::template srl<19>(V::iadd(rebiased, V::template sll<7>(V::template srl<20>(V::load(rx + i)))));
+      // (y + r12 << 7) >> 19, or its bits 16..23: ((y >> 3) + r12 << 4) >> 16
+      // (r12 << 7 has no bits below 7, so dropping y's three lowest first
+      // changes no carry into bit 19).
+      if constexpr (kVByte == 2) return V::iadd(V::template srl<3>(rebiased), V::load(rx + i));
+      else return V::template srl<19>(V::iadd(rebiased, V::template sll<7>(V::template srl<20>(V::load(rx + i)))));
     };
     const auto v_small = [&](size_t i, F y) {
-      const I r12 = V::template srl<20>(V::load(rx + i));
+      const I r12 = kVByte == 2 ? V::template srl<4>(V::load(rx + i)) : V::template srl<20>(V::load(rx + i));
       const I c = V::cvtt(V::add(V::mul(y, V::set(262144.0f)), V::mul(V::cvt(r12), r_unit)));
-      return V::or_(c, V::select(V::mand(V::eq_i(c, V::iset(0)), V::gt_f(y, V::set(0.0f))), V::iset(1), V::iset(0)));
+      const I code = V::or_(c, V::select(V::mand(V::eq_i(c, V::iset(0)), V::gt_f(y, V::set(0.0f))), V::iset(1), V::iset(0)));
+      if constexpr (kVByte == 2) return V::template sll<16>(code);
+      else return code;
     };
-    const auto v_store = [&](size_t j, I* c) { V::store_u8x4(vq + base + j, c[0], c[1], c[2], c[3]); };
+    const auto v_store = [&](size_t j, I* c) {
+      if constexpr (kVByte == 2) V::store_u8x4_byte2(vq + base + j, c[0], c[1], c[2], c[3]);
+      else V::store_u8x4(vq + base + j, c[0], c[1], c[2], c[3]);
+    };
     // The common group: a normal, finite scale (group_scale makes a NaN's
     // reciprocal 1) whose reciprocal is at least 2^-14, so that inv * 2^-112
     // is normal and exact.
