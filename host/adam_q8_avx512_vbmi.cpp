@@ -8,8 +8,10 @@
 // and v packed by permutation, m's signs gathered as bytes and merged by one
 // ternary-logic op per 32 codes instead of a shift and an or per lane, ext's
 // bytes by permutation, and the master decoded from one permutation of its hi
-// and ext bytes: 3-4% of the whole update. Built with -mavx512vbmi; only
-// called after cpuid said the CPU has it (adam_q8.cpp).
+// and ext bytes: 3-4% of the whole update; v's codes left in bits 16..23 of
+// their lanes (kVCodeByte, adam_q8_simd.h) and picked from there: 1-2% more.
+// Built with -mavx512vbmi; only called after cpuid said the CPU has it
+// (adam_q8.cpp).
 #include <array>
 
 #include "host/adam_q8_avx512.h"
@@ -28,37 +30,32 @@ struct Avx512Vbmi : Avx512 {
     }();
     return _mm512_permutex2var_epi8(a, _mm512_load_si512(kIndex.data()), b);
   }
-  static void store_low32(uint8_t* p, I x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(x));
+  // Byte B of every lane of a, b, c, d, in order.
+  template <int B>
+  static void store_bytes_x4(uint8_t* p, I a, I b, I c, I d) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(bytes_x2<B>(a, b)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), _mm512_castsi512_si256(bytes_x2<B>(c, d)));
   }
-  static I pack_u8x4(I a, I b, I c, I d) {
-    return _mm512_inserti64x4(bytes_x2<0>(a, b), _mm512_castsi512_si256(bytes_x2<0>(c, d)), 1);
+  template <int B>
+  static I pack_bytes_x4(I a, I b, I c, I d) {
+    return _mm512_inserti64x4(bytes_x2<B>(a, b), _mm512_castsi512_si256(bytes_x2<B>(c, d)), 1);
   }
+  static I pack_u8x4(I a, I b, I c, I d) { return pack_bytes_x4<0>(a, b, c, d); }
   static void store_packed_u8x4(uint8_t* p, I bytes) { _mm512_storeu_si512(p, bytes); }  // already in order
-  static void store_u8x4(uint8_t* p, I a, I b, I c, I d) {
-    store_low32(p, bytes_x2<0>(a, b));
-    store_low32(p + 32, bytes_x2<0>(c, d));
-  }
+  static void store_u8x4(uint8_t* p, I a, I b, I c, I d) { store_bytes_x4<0>(p, a, b, c, d); }
+  static void store_byte1_x4(uint8_t* p, I a, I b, I c, I d) { store_bytes_x4<1>(p, a, b, c, d); }
   // v's codes are in bits 16..23 of their lanes (adam_q8_simd.h, kVCodeByte).
   static constexpr int kVCodeByte = 2;
-  static I pack_u8x4_byte2(I a, I b, I c, I d) {
-    return _mm512_inserti64x4(bytes_x2<2>(a, b), _mm512_castsi512_si256(bytes_x2<2>(c, d)), 1);
-  }
-  static void store_u8x4_byte2(uint8_t* p, I a, I b, I c, I d) {
-    store_low32(p, bytes_x2<2>(a, b));
-    store_low32(p + 32, bytes_x2<2>(c, d));
-  }
-  static void store_byte1_x4(uint8_t* p, I a, I b, I c, I d) {
-    store_low32(p, bytes_x2<1>(a, b));
-    store_low32(p + 32, bytes_x2<1>(c, d));
-  }
+  static I pack_u8x4_byte2(I a, I b, I c, I d) { return pack_bytes_x4<2>(a, b, c, d); }
+  static void store_u8x4_byte2(uint8_t* p, I a, I b, I c, I d) { store_bytes_x4<2>(p, a, b, c, d); }
   // The codes' bytes, and m's top bytes (its sign is their bit 7), merged:
   // code | (top & 0x80), 32 at a time.
   static void store_u8x4_signed(uint8_t* p, I* c, const uint32_t* m) {
     const __m256i sign = _mm256_set1_epi8(char(0x80));
     for (size_t h = 0; h < 2; ++h) {
       const __m256i codes = _mm512_castsi512_si256(bytes_x2<0>(c[2 * h], c[2 * h + 1]));
-      const __m256i tops = _mm512_castsi512_si256(bytes_x2<3>(load(m + 2 * h * kLanes), load(m + (2 * h + 1) * kLanes)));
+      const I m0 = load(m + 2 * h * kLanes), m1 = load(m + (2 * h + 1) * kLanes);
+      const __m256i tops = _mm512_castsi512_si256(bytes_x2<3>(m0, m1));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32 * h), _mm256_ternarylogic_epi32(codes, tops, sign, 0xF8));
     }
   }

@@ -71,7 +71,9 @@
 //   load_master_x2(const uint16_t* hi, const uint8_t* ext, F& p0, F& p1): two
 //   vectors' masters decoded; store_u8x4_signed(uint8_t*, I* c, const
 //   uint32_t* m): store_u8x4 of four vectors' m codes with the sign of the
-//   elements of m (bit 31) set as bit 7.
+//   elements of m (bit 31) set as bit 7; kVCodeByte = 2 with
+//   pack_u8x4_byte2 and store_u8x4_byte2 (pack_u8x4 and store_u8x4 of each
+//   lane's bits 16..23): v's codes are left there.
 #pragma once
 
 #include <algorithm>
@@ -283,16 +285,18 @@ void q8_update_simd(const AdamStep& s, const Q8Args& a, const G* g) {
     };
     // v: magnitude, never 0 for a nonzero sqrt(v) (encode_group_v).
     const auto v_code = [&](size_t i, I rebiased) {
-      // (y + r12 << 7) >> 19, or its bits 16..23: ((y >> 3) + r12 << 4) >> 16
-      // (r12 << 7 has no bits below 7, so dropping y's three lowest first
-      // changes no carry into bit 19).
+      // The code is (y + (r12 << 7)) >> 19, which is ((y >> 3) + (r12 << 4))
+      // >> 16: r12 << 7 has no bits below 7, so dropping y's three lowest
+      // first changes no carry into bit 19. kVByte 2 keeps the sum, the code
+      // in its bits 16..23 (y's bits here, less the rebias where it applies).
       if constexpr (kVByte == 2) return V::iadd(V::template srl<3>(rebiased), V::load(rx + i));
       else return V::template srl<19>(V::iadd(rebiased, V::template sll<7>(V::template srl<20>(V::load(rx + i)))));
     };
     const auto v_small = [&](size_t i, F y) {
       const I r12 = kVByte == 2 ? V::template srl<4>(V::load(rx + i)) : V::template srl<20>(V::load(rx + i));
       const I c = V::cvtt(V::add(V::mul(y, V::set(262144.0f)), V::mul(V::cvt(r12), r_unit)));
-      const I code = V::or_(c, V::select(V::mand(V::eq_i(c, V::iset(0)), V::gt_f(y, V::set(0.0f))), V::iset(1), V::iset(0)));
+      const I code =
+          V::or_(c, V::select(V::mand(V::eq_i(c, V::iset(0)), V::gt_f(y, V::set(0.0f))), V::iset(1), V::iset(0)));
       if constexpr (kVByte == 2) return V::template sll<16>(code);
       else return code;
     };
