@@ -31,7 +31,7 @@
 
 namespace strider {
 namespace detail {
-// The ISA builds (adam_q8_avx2.cpp, adam_q8_avx512.cpp): hand-written, and the loops.
+// The ISA builds (adam_q8_avx2.cpp, adam_q8_avx512.cpp, adam_q8_avx512_vbmi.cpp): hand-written, and the loops.
 void adam_q8_avx2(const AdamStep& s, const Q8Args& a);
 void adam_q8_avx512(const AdamStep& s, const Q8Args& a);
 void adam_q8_avx512_vbmi(const AdamStep& s, const Q8Args& a);

@@ -1,5 +1,6 @@
 // The q8 update for AVX-512 (F + BW + VL + DQ), 16 lanes: the hand-written
-// kernel (adam_q8_simd.h over the vector type below) and the loops of
+// kernel (adam_q8_simd.h over adam_q8_avx512.h's vector type; the one with
+// VBMI is adam_q8_avx512_vbmi.cpp) and the loops of
 // adam_q8_kernel.h as the compiler vectorizes them (the kernel before the
 // hand-written one, kept as bench_adam's reference and a test's witness).
 // Only called after cpuid said yes.
