@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # requirements.txt: a missing one fails here, not skips
 
 from strider import _library  # the package's own loader (conftest puts python_shim/ on sys.path)
 from strider.torch_reference import adamw_steps

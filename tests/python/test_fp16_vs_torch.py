@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # requirements.txt: a missing one fails here, not skips
 
 from strider import _library  # noqa: E402
 from strider.torch_reference import adamw_param_groups  # noqa: E402

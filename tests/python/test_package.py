@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # requirements.txt: a missing one fails here, not skips
 import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
 from strider.torch_reference import adamw_steps  # noqa: E402
 
