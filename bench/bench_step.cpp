@@ -15,8 +15,8 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
-#include "engine/builtin.h"
-#include "engine/engine.h"
+#include "engine/model/builtin.h"
+#include "engine/run/engine.h"
 
 using namespace strider;
 

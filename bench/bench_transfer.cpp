@@ -21,9 +21,9 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include "gpu/cuda_check.h"
-#include "gpu/cuda_device.h"
-#include "gpu/device.h"
+#include "gpu/device/cuda_check.h"
+#include "gpu/device/cuda_device.h"
+#include "gpu/device/device.h"
 #include "host/error.h"
 #include "host/pinned_arena.h"
 

@@ -33,7 +33,7 @@ PROFILE = {
     "cpu": dict(model="cpu", device="cpu", budget="64MiB", seq=128, micro_batch=2, accumulation=2,
                 skip_steps=1, steps=2),
 }
-H200_DENSE_BF16_TFLOPS = 989  # gpu/sim_device.cpp's h200 preset (datasheet, dense)
+H200_DENSE_BF16_TFLOPS = 989  # gpu/device/sim_device.cpp's h200 preset (datasheet, dense)
 # Each check's own limit; $STRIDER_GPU_CHECK_DEADLINE_S (seconds from gpu_check.sh's start) bounds them all,
 # so that a run under a hard time limit still ends with its summary written.
 TIMEOUT_S = {"cuda_tests": 120, "engine": 180, "memory": 180, "speed": 240, "precision": 200, "calibrate": 240}
@@ -240,7 +240,7 @@ def check_calibrate(c, ctx):
     if j and "ratio" in j:
         res["ratio"] = j["ratio"]
         res["within_15pct"] = abs(j["ratio"] - 1) <= 0.15
-        # What a later session puts into gpu/sim_device.cpp's h200 preset: this device's fitted costs.
+        # What a later session puts into gpu/device/sim_device.cpp's h200 preset: this device's fitted costs.
         res["measured_cost_model"] = j.get("cost_model")
     if ctx.mode == "gpu":
         res["holds"] = rc == 0 and bool(res.get("within_15pct"))

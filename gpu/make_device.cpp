@@ -4,15 +4,15 @@
 #include <charconv>
 #include <set>
 
-#include "gpu/cpu_device.h"
-#include "gpu/cuda_device.h"
-#include "gpu/device.h"
-#include "gpu/sim_device.h"
+#include "gpu/device/cpu_device.h"
+#include "gpu/device/cuda_device.h"
+#include "gpu/device/device.h"
+#include "gpu/device/sim_device.h"
 #include "host/error.h"
 
 #if STRIDER_HAVE_TORCH
-#include "gpu/aten_memory.h"    // install_aten_cpu_counter: the CPU device's working-memory meter
-#include "gpu/compute_modes.h"  // install_compute_modes: every device's launches in the same ATen modes
+#include "gpu/memory/aten_memory.h"    // install_aten_cpu_counter: the CPU device's working-memory meter
+#include "gpu/blocks/compute_modes.h"  // install_compute_modes: every device's launches in the same ATen modes
 #endif
 
 namespace strider {

@@ -1,8 +1,8 @@
-// BaseFormat: how a frozen LoRA base (engine/lora.h) is held on the host and
+// BaseFormat: how a frozen LoRA base (engine/model/lora.h) is held on the host and
 // sent to the device. The base never changes, so it need not be in the
 // compute dtype: a decoder layer's frozen weight matrices may be quantized
 // once, at load, and dequantized on the device at each visit
-// (gpu/base_dequant.h), which cuts the host RAM and the H2D bytes the base
+// (gpu/blocks/base_dequant.h), which cuts the host RAM and the H2D bytes the base
 // takes.
 //
 //   compute  the compute copy (bf16, or fp32 for exactness runs): 2 or 4

@@ -21,10 +21,10 @@ struct TensorSlot {
   size_t offset_elems = 0;     // from the start of the block's flat buffer
   size_t numel = 0;
   // AdamW's weight decay applies to it (the model's rule says which: norms and
-  // biases are exempt in transformers' Trainer; engine/model_spec.h).
+  // biases are exempt in transformers' Trainer; engine/model/model_spec.h).
   bool decay = true;
   // The optimizer trains it. A frozen tensor (a base weight under LoRA
-  // adapters, engine/model_spec.h) has no gradient, no master and no Adam
+  // adapters, engine/model/model_spec.h) has no gradient, no master and no Adam
   // state: its compute copy is all the engine keeps of it.
   bool trainable = true;
 };

@@ -29,13 +29,13 @@
 #include <string>
 #include <vector>
 
-#include "engine/collectives.h"
-#include "engine/engine.h"
-#include "engine/engine_config_json.h"
-#include "engine/model_spec.h"
-#include "engine/plan.h"
-#include "engine/train_checkpoint.h"
-#include "gpu/device.h"
+#include "engine/run/collectives.h"
+#include "engine/run/engine.h"
+#include "engine/config/engine_config_json.h"
+#include "engine/model/model_spec.h"
+#include "engine/plan/plan.h"
+#include "engine/checkpoint/train_checkpoint.h"
+#include "gpu/device/device.h"
 #include "host/error.h"
 
 namespace strider {
@@ -112,7 +112,7 @@ bool choose_keep_logits(const std::string& mode, const ModelSpec& spec, EngineCo
   return others < device_budget && with.logits_bytes <= (device_budget - others) / 8;
 }
 
-// The configuration's "the plan chooses" values (engine/config_fields.json:
+// The configuration's "the plan chooses" values (engine/config/config_fields.json:
 // window 0, token_tile -1), chosen as `strider finetune` chooses them: by
 // Plan::make, for this device's budget and the config's own placement (its
 // checkpoints, NVMe blocks and kept activations are the config's, not the
@@ -305,14 +305,14 @@ class EngineHolder : public torch::CustomClassHolder {
     return engine_->steps_done();
   }
 
-  // The engine's config as engine/engine_config_json.h writes it: what was
+  // The engine's config as engine/config/engine_config_json.h writes it: what was
   // chosen (saved_blocks for `activations`), not only what was asked.
   std::string engine_config_json() {
     std::lock_guard lk(mu_);
     return engine_config_to_json(engine_->config()).dump();
   }
 
-  // engine/train_checkpoint.h's save: every block's master, m and v, the step
+  // engine/checkpoint/train_checkpoint.h's save: every block's master, m and v, the step
   // count, both configs and `extra_json` (the caller's own state), published
   // atomically into `dir`; with `write_model`, also config.json and
   // model.safetensors (in the compute dtype) that from_pretrained loads.
@@ -358,7 +358,7 @@ class EngineHolder : public torch::CustomClassHolder {
     });
   }
 
-  // engine/train_checkpoint.h's load: validates everything first (model,
+  // engine/checkpoint/train_checkpoint.h's load: validates everything first (model,
   // maths config unless named in allow_changed, tensors, checksums) and
   // refuses with the file and field, the engine untouched; returns "extra".
   std::string load_checkpoint(const std::string& dir, std::vector<std::string> allow_changed,

@@ -3,7 +3,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/resident_model.h"
+#include "engine/run/resident_model.h"
 #include "host/error.h"
 
 namespace strider {

@@ -12,7 +12,7 @@ TORCH_LIBRARY(strider, m) {
         "Tensor labels, int micro_batches, int vocab_chunk, Tensor? attention_mask=None) -> (Tensor loss, "
         "Tensor[] block_outputs, "
         "Tensor[] grads)");
-  // What a training checkpoint (engine/train_checkpoint.h) says about itself,
+  // What a training checkpoint (engine/checkpoint/train_checkpoint.h) says about itself,
   // as JSON text: the directory used, step, model and engine configs, the
   // caller's extra. No tensors: implemented once for every device
   // (CompositeImplicitAutograd, in engine_class.cpp).

@@ -24,7 +24,7 @@ std::string help_of(const ConfigField& f, std::string help) { return help.empty(
 
 CLI::Option* ConfigOptions::bind(CLI::App& c, const ConfigField& f, CLI::Option* opt,
                                  std::function<void(const nlohmann::json&)> set) {
-  STRIDER_CHECK(!f.flag.empty(), "configuration field '{}' has no command-line flag (engine/config_fields.json)",
+  STRIDER_CHECK(!f.flag.empty(), "configuration field '{}' has no command-line flag (engine/config/config_fields.json)",
                 f.name);
   const ConfigField* field = &f;
   opt->capture_default_str()->check(CLI::Validator(
@@ -71,7 +71,7 @@ CLI::Option* ConfigOptions::add(CLI::App& c, std::string_view name, std::string&
 CLI::Option* ConfigOptions::add(CLI::App& c, std::string_view name, bool& target, std::string help) {
   const ConfigField& f = config_field(name);
   STRIDER_CHECK(!f.flag.empty() && f.type == FieldType::kBool,
-                "configuration field '{}' is not a bool with a command-line flag (engine/config_fields.json)", f.name);
+                "configuration field '{}' is not a bool with a command-line flag (engine/config/config_fields.json)", f.name);
   target = f.default_value.get<bool>();
   CLI::Option* opt = c.add_flag(f.flag, target, help_of(f, std::move(help)));
   bound_.push_back({&f, opt, [&target](const nlohmann::json& v) { target = v.get<bool>(); }});

@@ -1,5 +1,5 @@
 // Command-line options made from the configuration's declaration
-// (engine/config_fields.json): the flag, help, default, range or choices of
+// (engine/config/config_fields.json): the flag, help, default, range or choices of
 // each come from there, so `strider finetune`, `strider profile`, `strider
 // plan`, the engine config JSON and the Python strider.EngineConfig agree.
 #pragma once
@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-#include "engine/config_fields.h"
+#include "engine/config/config_fields.h"
 
 namespace strider::cli {
 

@@ -5,11 +5,11 @@
 #include <fmt/format.h>
 #include <optional>
 
-#include "engine/checkpoint_series.h"
-#include "engine/hf_checkpoint.h"
-#include "engine/peft_adapter.h"
-#include "engine/config_fields.h"
-#include "engine/plan.h"  // format_bytes
+#include "engine/checkpoint/series.h"
+#include "engine/model/hf_folder.h"
+#include "engine/model/peft_adapter.h"
+#include "engine/config/config_fields.h"
+#include "engine/plan/plan.h"  // format_bytes
 #include "host/error.h"
 
 namespace strider::cli {

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
-#include "engine/model_spec.h"
+#include "engine/run/engine.h"
+#include "engine/model/model_spec.h"
 #include "host/dtype.h"
 
 namespace strider::cli {
@@ -22,7 +22,7 @@ DType final_model_dtype(const std::string& save_dtype, DType source);
 
 // What the final save writes under --out. Full training: the model
 // (config.json, model.safetensors). LoRA (the engine's spec has adapters):
-// the PEFT adapter folder (engine/peft_adapter.h; fp32 unless `dtype` is bf16:
+// the PEFT adapter folder (engine/model/peft_adapter.h; fp32 unless `dtype` is bf16:
 // adapters are small and their masters are fp32), and with `merge` the
 // merged model in `dtype` under --out/merged.
 struct FinalModel {

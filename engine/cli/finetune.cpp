@@ -18,16 +18,16 @@
 #include <limits>
 #include <optional>
 
-#include "engine/builtin.h"
-#include "engine/checkpoint_series.h"
+#include "engine/model/builtin.h"
+#include "engine/checkpoint/series.h"
 #include "engine/cli/cli.h"
 #include "engine/cli/final_model.h"
 #include "engine/cli/finetune_options.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/cli/step_log.h"
 #include "engine/cli/training_run.h"
-#include "engine/hf_checkpoint.h"
-#include "engine/train_checkpoint.h"
+#include "engine/model/hf_folder.h"
+#include "engine/checkpoint/train_checkpoint.h"
 #include "host/error.h"
 
 namespace strider::cli {

@@ -4,7 +4,7 @@
 
 #include "engine/cli/cli.h"
 #include "engine/cli/finetune_options.h"
-#include "engine/train_checkpoint.h"  // maths_config_fields
+#include "engine/checkpoint/train_checkpoint.h"  // maths_config_fields
 
 namespace strider::cli {
 namespace {

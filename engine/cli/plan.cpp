@@ -9,11 +9,11 @@
 
 #include "engine/cli/cli.h"
 #include "engine/cli/training_run.h"
-#include "engine/engine.h"
-#include "engine/hf_checkpoint.h"
-#include "engine/model_presets.h"
-#include "engine/plan.h"
-#include "engine/step_program.h"
+#include "engine/run/engine.h"
+#include "engine/model/hf_folder.h"
+#include "engine/model/model_presets.h"
+#include "engine/plan/plan.h"
+#include "engine/program/step_program.h"
 #include "host/error.h"
 
 namespace strider::cli {
@@ -28,7 +28,7 @@ struct Options {
   bool schedule = false;
   std::string trace;  // the predicted steps' Chrome trace
   bool packed_documents = false;
-  // From the configuration's declaration (engine/config_fields.json).
+  // From the configuration's declaration (engine/config/config_fields.json).
   std::string nvme, dtype, matmul_accumulate, activations, optimizer_state, layer_pieces, devices, lora, base_format = "compute";
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0, expert_pieces = 0, mlp_pieces = 0;
   double clip = 0;

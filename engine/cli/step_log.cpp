@@ -6,8 +6,8 @@
 #include <cmath>
 
 #include "engine/cli/run_outputs.h"
-#include "engine/plan.h"  // format_bytes
-#include "engine/timeline.h"
+#include "engine/plan/plan.h"  // format_bytes
+#include "engine/program/timeline.h"
 
 namespace strider::cli {
 

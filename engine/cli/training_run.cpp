@@ -14,13 +14,13 @@
 #include <set>
 #include <string_view>
 
-#include "engine/builtin.h"
+#include "engine/model/builtin.h"
 #include "engine/cli/cli.h"
 #include "engine/cli/run_outputs.h"
-#include "engine/hf_checkpoint.h"
-#include "gpu/cpu_device.h"
-#include "gpu/cuda_device.h"
-#include "gpu/work_calibration.h"
+#include "engine/model/hf_folder.h"
+#include "gpu/device/cpu_device.h"
+#include "gpu/device/cuda_device.h"
+#include "gpu/memory/work_calibration.h"
 #include "host/error.h"
 
 namespace strider::cli {

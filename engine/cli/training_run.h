@@ -14,16 +14,16 @@
 #include <vector>
 
 #include "engine/cli/config_options.h"
-#include "engine/collectives.h"
-#include "engine/engine.h"
-#include "engine/plan.h"
+#include "engine/run/collectives.h"
+#include "engine/run/engine.h"
+#include "engine/plan/plan.h"
 #include "io/run_lock.h"
 #include "io/token_data.h"
 
 namespace strider::cli {
 
 // The options of a training run. Those the configuration's declaration
-// (engine/config_fields.json) holds take its defaults when registered
+// (engine/config/config_fields.json) holds take its defaults when registered
 // (ConfigOptions); the rest are the commands' own.
 struct TrainOptions {
   std::string model = "builtin", data = "builtin";
@@ -64,9 +64,9 @@ BaseFormat base_format_option(const std::string& base_format, const std::string&
 // --device-budget "auto": on a CUDA device, its free memory at start less a
 // margin for what strider does not allocate itself (the CUDA context's
 // growth, cuBLAS workspaces, the caching allocator's rounding): 5% of the free
-// memory and 512 MiB (gpu/device.h, auto_cuda_budget_bytes). On the CPU
+// memory and 512 MiB (gpu/device/device.h, auto_cuda_budget_bytes). On the CPU
 // device (and a simulated one) the CPU device's default, 1 GiB; the built-in
-// demo's 24 MiB is its own setting (engine/config_fields.json). Any other
+// demo's 24 MiB is its own setting (engine/config/config_fields.json). Any other
 // value is a size ("20GiB") and wins. `why`, if given, says how "auto" came
 // to its figure on CUDA (empty otherwise).
 uint64_t device_budget_bytes(const std::string& device, const std::string& budget, std::string* why = nullptr);

@@ -1,6 +1,6 @@
 """strider.EngineConfig: how a run is shaped, made from the configuration's one declaration.
 
-The fields, their types, ranges, choices, help and defaults come from engine/config_fields.json, the file
+The fields, their types, ranges, choices, help and defaults come from engine/config/config_fields.json, the file
 the command line's options and the engine config JSON (saved in every checkpoint) are made from too: a
 field here is `strider finetune`'s option of the same meaning (seq is --seq, warmup_steps is --warmup,
 clip_norm is --clip, nvme_dir is --nvme; `strider finetune --help` shows them all). The defaults are for
@@ -25,19 +25,19 @@ DECLARATION_NAME = "config_fields.json"
 
 
 def declaration_path() -> Path:
-    """Where the declaration is: next to this package (an installed wheel), or engine/ of a source checkout."""
+    """Where the declaration is: next to this package (an installed wheel), or engine/config/ of a source checkout."""
     here = Path(__file__).resolve().parent
-    for p in (here / DECLARATION_NAME, here.parents[1] / "engine" / DECLARATION_NAME):
+    for p in (here / DECLARATION_NAME, here.parents[1] / "engine" / "config" / DECLARATION_NAME):
         if p.is_file():
             return p
-    raise ImportError(f"strider: {DECLARATION_NAME} not found next to {here} or in engine/ of its checkout; "
+    raise ImportError(f"strider: {DECLARATION_NAME} not found next to {here} or in engine/config/ of its checkout; "
                       "reinstall the package")
 
 
 DECLARATION = json.loads(declaration_path().read_text())
 FIELDS = {f["name"]: f for f in DECLARATION["fields"]}
 _UNITS = DECLARATION["size_units"]
-MAX_SIZE_BYTES = DECLARATION["max_size_bytes"]  # engine/config_fields.h's kMaxSizeBytes: past every machine
+MAX_SIZE_BYTES = DECLARATION["max_size_bytes"]  # engine/config/config_fields.h's kMaxSizeBytes: past every machine
 
 SCHEDULES = tuple(FIELDS["schedule"]["choices"])
 DTYPES = tuple(FIELDS["dtype"]["choices"])
@@ -80,7 +80,7 @@ def _range_text(f) -> str:
 
 
 def _problem(f, v) -> str:
-    """What is wrong with value v of declared field f; empty when nothing is (engine/config_fields.cpp's twin)."""
+    """What is wrong with value v of declared field f; empty when nothing is (engine/config/config_fields.cpp's twin)."""
     def in_range(x):
         if "min" in f and (x <= f["min"] if f.get("min_open") else x < f["min"]):
             return False
@@ -219,7 +219,7 @@ class _Methods:
         return parse_bytes(self.device_budget, "EngineConfig.device_budget")
 
     def engine_dict(self) -> dict:
-        """The engine config JSON's fields (engine/engine_config_json.cpp), plus activations, which the
+        """The engine config JSON's fields (engine/config/engine_config_json.cpp), plus activations, which the
         binding turns into saved_blocks and keep_logits."""
         self.validate()
         d = {}
@@ -268,7 +268,7 @@ class _Methods:
 
 
 def _doc() -> str:
-    lines = ["How a run is shaped (engine/config_fields.json). Fields:"]
+    lines = ["How a run is shaped (engine/config/config_fields.json). Fields:"]
     for f in DECLARATION["fields"]:
         if f.get("python", True) is False:
             continue

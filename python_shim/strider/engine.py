@@ -34,7 +34,7 @@ A refused model (an unsupported architecture, a parameter off the CPU, a
 budget too small, a bad config) is untouched: the parameters are rebound only
 after the engine was built and loaded.
 
-Training state: engine.save(dir, extra) writes engine/train_checkpoint.h's
+Training state: engine.save(dir, extra) writes engine/checkpoint/train_checkpoint.h's
 checkpoint (masters, m, v, step count, configs, `extra`, and a model
 from_pretrained loads); strider.Engine.resume(dir, model) builds an engine on
 `model` from it and continues bit-identically.
@@ -58,7 +58,7 @@ from strider import peft_lora
 from strider._library import load_library
 from strider.config import EngineConfig
 
-# The decoder families the C++ ModelSpec implements (engine/model_spec.cpp).
+# The decoder families the C++ ModelSpec implements (engine/model/model_spec.cpp).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
                            "GraniteForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
                            "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
@@ -232,7 +232,7 @@ class Engine:
                              "base quantized; wrap the model with peft.get_peft_model(model, peft.LoraConfig(...))")
         base, pnames = model, None
         if peft_lora.is_peft_model(model):
-            # LoRA over a frozen base: the adapters' options become the engine's (engine/lora.h).
+            # LoRA over a frozen base: the adapters' options become the engine's (engine/model/lora.h).
             if config.lora:
                 raise ValueError("strider.Engine: EngineConfig.lora is taken from the PEFT model; leave it empty")
             base, lora, pnames = peft_lora.engine_view(model)
@@ -256,7 +256,7 @@ class Engine:
         # model is written: a refusal here leaves `model` as it was.
         engine_json = config.engine_json()
         if ranks is not None:
-            # Data parallel: this rank keeps its slice of master, m and v (engine/engine.h, state_shards).
+            # Data parallel: this rank keeps its slice of master, m and v (engine/run/engine.h, state_shards).
             engine_json = json.dumps(dict(json.loads(engine_json), state_shards=ranks[1], state_shard=ranks[0]))
         self._engine = torch.classes.strider.Engine(self._model_config_json, engine_json,
                                                     config.device, config.device_budget_bytes, config.chaos,
@@ -446,7 +446,7 @@ class Engine:
 
     # -- training state -----------------------------------------------------------------------------------
     def save(self, path, extra: Optional[dict] = None, write_model: bool = True) -> str:
-        """Saves the full training state into directory `path` (engine/train_checkpoint.h, published
+        """Saves the full training state into directory `path` (engine/checkpoint/train_checkpoint.h, published
         atomically; an existing checkpoint there is replaced): every fp32 master, Adam m and v, the step
         count, the model and engine configs and `extra` (any JSON-serialisable dict of your own, e.g. the
         data position; Engine.resume gives it back). With write_model, also config.json and

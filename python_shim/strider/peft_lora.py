@@ -1,4 +1,4 @@
-"""A PEFT LoRA model as the engine sees it (engine/lora.h): its base model, the adapters' options as
+"""A PEFT LoRA model as the engine sees it (engine/model/lora.h): its base model, the adapters' options as
 EngineConfig.lora's text, and its parameters under the engine's names.
 
     peft_model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
@@ -14,9 +14,9 @@ rank or alpha patterns, several adapters.
 """
 import re
 
-# The decoder layer's linear modules strider can adapt (engine/lora.h, kLinearModules), in layer order.
+# The decoder layer's linear modules strider can adapt (engine/model/lora.h, kLinearModules), in layer order.
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The modules strider trains in full beside adapters (engine/lora.h, kFullModules).
+# The modules strider trains in full beside adapters (engine/model/lora.h, kFullModules).
 FULL_MODULES = ("embed_tokens", "lm_head")
 
 

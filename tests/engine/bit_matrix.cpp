@@ -22,8 +22,8 @@
 #include <thread>
 #include <vector>
 
-#include "engine/collectives.h"
-#include "engine/engine.h"
+#include "engine/run/collectives.h"
+#include "engine/run/engine.h"
 #include "tests/engine/tiny_model.h"
 
 using namespace strider;

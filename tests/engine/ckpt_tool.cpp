@@ -17,8 +17,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "engine/hf_checkpoint.h"
-#include "engine/model_spec.h"
+#include "engine/model/hf_folder.h"
+#include "engine/model/model_spec.h"
 #include "host/error.h"
 #include "host/param_store.h"
 #include "host/pinned_arena.h"

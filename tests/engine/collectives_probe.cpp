@@ -10,7 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "engine/collectives.h"
+#include "engine/run/collectives.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"collectives_probe"};

@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
-#include "engine/resident_model.h"
+#include "engine/run/engine.h"
+#include "engine/run/resident_model.h"
 #include "host/error.h"
 #include "tests/engine/tiny_model.h"
 

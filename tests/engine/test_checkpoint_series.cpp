@@ -11,7 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "engine/checkpoint_series.h"
+#include "engine/checkpoint/series.h"
 #include "host/error.h"
 #include "io/run_lock.h"
 #include "tests/engine/engine_state.h"

@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-#include "engine/collectives.h"
+#include "engine/run/collectives.h"
 #include "host/error.h"
 
 using namespace strider;

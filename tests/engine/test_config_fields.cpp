@@ -1,4 +1,4 @@
-// The configuration's one declaration (engine/config_fields.json) against the
+// The configuration's one declaration (engine/config/config_fields.json) against the
 // engine config JSON that the CLI, the Python package and every checkpoint
 // use: the same fields, the declaration's defaults, its checks.
 #include <catch2/catch.hpp>
@@ -6,8 +6,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "engine/config_fields.h"
-#include "engine/engine_config_json.h"
+#include "engine/config/config_fields.h"
+#include "engine/config/engine_config_json.h"
 #include "host/error.h"
 
 using namespace strider;

@@ -12,8 +12,8 @@
 #include <random>
 #include <set>
 
-#include "engine/engine.h"
-#include "engine/resident_model.h"
+#include "engine/run/engine.h"
+#include "engine/run/resident_model.h"
 #include "host/error.h"
 #include "tests/engine/engine_cases.h"
 

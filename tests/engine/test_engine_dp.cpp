@@ -14,8 +14,8 @@
 #include <set>
 #include <thread>
 
-#include "engine/collectives.h"
-#include "engine/engine.h"
+#include "engine/run/collectives.h"
+#include "engine/run/engine.h"
 #include "host/error.h"
 #include "tests/engine/tiny_model.h"
 
@@ -198,7 +198,7 @@ TEST_CASE("data parallel ranks end bit-identical and match one rank with their a
   // (g0 + g1) + g2, is what one process accumulating its micro-batches in
   // order gets (its weight gradients are whole products added to the
   // accumulator, its embedding rows summed per token before they are added:
-  // gpu/blocks.h), so the bits are the same, with clipping and NVMe tiers too.
+  // gpu/blocks/blocks.h), so the bits are the same, with clipping and NVMe tiers too.
   // Sharded state adds the global norm from the slices' sums of squares: its
   // last bit may differ, and the clip coefficient's with it (held to 1e-6).
   // With several micro-batches per rank, or a tied embedding (its head and
@@ -256,7 +256,7 @@ TEST_CASE("data parallel in bf16 trains as one rank does to bf16 rounding", "[en
   }
   // bf16 gradients cross to the host per rank and are summed in fp32 there:
   // one more rounding than one rank's on-device sum (its weight gradients are
-  // fp32 sums, gpu/weight_grad.h). Held in L2 over all weights (measured
+  // fp32 sums, gpu/blocks/weight_grad.h). Held in L2 over all weights (measured
   // 4.6e-3): element by element, a gradient near zero that its rounding
   // moves across zero gets Adam's full step the other way (lr 1e-2, against
   // weights of ~0.1: up to 0.14 of a block's largest weight after 3 steps).

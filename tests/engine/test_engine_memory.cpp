@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "engine/engine.h"
+#include "engine/run/engine.h"
 #include "tests/engine/tiny_model.h"
 
 using namespace strider;

@@ -5,10 +5,10 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
-#include "engine/builtin.h"
-#include "engine/engine.h"
-#include "engine/model_presets.h"
-#include "gpu/sim_device.h"  // CostModel
+#include "engine/model/builtin.h"
+#include "engine/run/engine.h"
+#include "engine/model/model_presets.h"
+#include "gpu/device/sim_device.h"  // CostModel
 
 using namespace strider;
 

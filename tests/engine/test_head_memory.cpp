@@ -1,7 +1,7 @@
 // The streamed head's and the embedding shards' working memory against
-// ModelSpec::cost: each launch the engine makes (gpu/chunked_loss.h pass 1,
-// pass 2, the final norm's backward; gpu/blocks.h's embedding shard forward
-// and backward), counted by gpu/aten_memory's CPU allocator above what was
+// ModelSpec::cost: each launch the engine makes (gpu/blocks/chunked_loss.h pass 1,
+// pass 2, the final norm's backward; gpu/blocks/blocks.h's embedding shard forward
+// and backward), counted by gpu/memory/aten_memory's CPU allocator above what was
 // live before it, must stay within the predicted figure, and the largest of
 // them must reach 0.7 of it (a model padded into safety is as wrong as one
 // that overflows). With a token tile the head's memory follows the tile, not
@@ -12,10 +12,10 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/model_spec.h"
-#include "gpu/aten_memory.h"
-#include "gpu/blocks.h"
-#include "gpu/chunked_loss.h"
+#include "engine/model/model_spec.h"
+#include "gpu/memory/aten_memory.h"
+#include "gpu/blocks/blocks.h"
+#include "gpu/blocks/chunked_loss.h"
 
 using namespace strider;
 

@@ -6,8 +6,8 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
-#include "engine/engine.h"
-#include "gpu/chunked_loss.h"
+#include "engine/run/engine.h"
+#include "gpu/blocks/chunked_loss.h"
 #include "tests/engine/tiny_model.h"
 
 using namespace strider;

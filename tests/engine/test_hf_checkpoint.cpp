@@ -1,4 +1,4 @@
-// engine/hf_checkpoint: Hugging Face checkpoints into flat fp32 blocks and
+// engine/model/hf_folder: Hugging Face checkpoints into flat fp32 blocks and
 // back. Checkpoints are real files written by io's SafetensorsWriter; the
 // store is a real PinnedArena + ParamStore.
 #include <catch2/catch.hpp>
@@ -14,8 +14,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/hf_checkpoint.h"
-#include "engine/model_spec.h"
+#include "engine/model/hf_folder.h"
+#include "engine/model/model_spec.h"
 #include "host/bf16.h"
 #include "host/error.h"
 #include "host/param_store.h"

@@ -1,9 +1,9 @@
 // The decoder layer's working memory against ModelSpec::cost: the peak ATen
-// bytes of a layer's forward and backward, counted by gpu/aten_memory's CPU
+// bytes of a layer's forward and backward, counted by gpu/memory/aten_memory's CPU
 // allocator, must lie in [0.7, 1] x the predicted forward_work_bytes /
 // backward_work_bytes, for short and long sequences, tiled and untiled, fp32
 // and bf16, grouped and plain attention. The model's kernel-dependent terms
-// are this machine's, measured first by gpu/work_calibration on shapes of its
+// are this machine's, measured first by gpu/memory/work_calibration on shapes of its
 // own (a CPU with bf16 units stages no fp32 copy of a bf16 GEMM's output);
 // ctest runs it again under ATEN_CPU_CAPABILITY=avx2, another kernel path. Without S x S scores and with the
 // MLP in tiles, the measurement grows with S x hidden; a kernel that
@@ -19,11 +19,11 @@
 #include <cstdlib>
 #include <string>
 
-#include "engine/block_runner.h"
-#include "engine/model_spec.h"
-#include "gpu/aten_memory.h"
-#include "gpu/device.h"
-#include "gpu/work_calibration.h"
+#include "engine/run/block_runner.h"
+#include "engine/model/model_spec.h"
+#include "gpu/memory/aten_memory.h"
+#include "gpu/device/device.h"
+#include "gpu/memory/work_calibration.h"
 
 using namespace strider;
 

@@ -1,4 +1,4 @@
-// LoRA adapters over a frozen base (engine/lora.h) on the CPU device: the
+// LoRA adapters over a frozen base (engine/model/lora.h) on the CPU device: the
 // frozen pieces' program has no gradient, update or state operations, the
 // base stays bit for bit what it was, offload changes nothing, and one step
 // is the resident reference's adapter gradients plus AdamW.
@@ -6,11 +6,11 @@
 
 #include <set>
 
-#include "engine/engine.h"
-#include "engine/model_presets.h"
-#include "engine/plan.h"
-#include "engine/resident_model.h"
-#include "engine/step_program.h"
+#include "engine/run/engine.h"
+#include "engine/model/model_presets.h"
+#include "engine/plan/plan.h"
+#include "engine/run/resident_model.h"
+#include "engine/program/step_program.h"
 #include "host/cpu_adam.h"
 #include "tests/engine/engine_cases.h"
 

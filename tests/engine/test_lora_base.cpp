@@ -10,11 +10,11 @@
 #include <cmath>
 #include <random>
 
-#include "engine/engine.h"
-#include "engine/model_presets.h"
-#include "engine/plan.h"
-#include "engine/step_program.h"
-#include "gpu/base_dequant.h"
+#include "engine/run/engine.h"
+#include "engine/model/model_presets.h"
+#include "engine/plan/plan.h"
+#include "engine/program/step_program.h"
+#include "gpu/blocks/base_dequant.h"
 #include "host/bf16.h"
 #include "tests/engine/engine_cases.h"
 

@@ -1,4 +1,4 @@
-// Training checkpoints of LoRA adapters (engine/train_checkpoint.h): the
+// Training checkpoints of LoRA adapters (engine/checkpoint/train_checkpoint.h): the
 // state is the trained tensors' only, with the base's fingerprint; a resume
 // over the same base is bit-identical to an uninterrupted run, across a
 // change of window and tiers; a resume over another base, or into an engine
@@ -10,8 +10,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "engine/engine.h"
-#include "engine/train_checkpoint.h"
+#include "engine/run/engine.h"
+#include "engine/checkpoint/train_checkpoint.h"
 #include "io/safetensors.h"
 #include "tests/engine/engine_state.h"
 #include "tests/engine/tiny_model.h"

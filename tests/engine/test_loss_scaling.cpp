@@ -8,9 +8,9 @@
 
 #include <cmath>
 
-#include "engine/engine.h"
-#include "engine/timeline.h"
-#include "gpu/sim_device.h"
+#include "engine/run/engine.h"
+#include "engine/program/timeline.h"
+#include "gpu/device/sim_device.h"
 #include "host/error.h"
 #include "tests/engine/engine_cases.h"
 #include "tests/engine/engine_state.h"

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <limits>
 
-#include "engine/model_presets.h"
-#include "engine/model_spec.h"
+#include "engine/model/model_presets.h"
+#include "engine/model/model_spec.h"
 #include "host/error.h"
 
 using namespace strider;

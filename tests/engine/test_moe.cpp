@@ -11,12 +11,12 @@
 #include <algorithm>
 #include <utility>
 
-#include "engine/engine.h"
-#include "engine/model_presets.h"
-#include "engine/placement.h"
-#include "engine/plan.h"
-#include "engine/train_checkpoint.h"
-#include "gpu/moe.h"
+#include "engine/run/engine.h"
+#include "engine/model/model_presets.h"
+#include "engine/placement/placement.h"
+#include "engine/plan/plan.h"
+#include "engine/checkpoint/train_checkpoint.h"
+#include "gpu/blocks/moe.h"
 #include "tests/engine/engine_cases.h"
 #include "tests/engine/engine_state.h"
 
@@ -202,7 +202,7 @@ TEST_CASE("mixture of experts: experts in pieces of any size train to the same b
 TEST_CASE("mixture of experts: groups of experts as visits of their own train to the whole layers' bits",
           "[engine][sub_layer]") {
   // mlp_pieces cuts a layer with experts into its attention-and-router half
-  // and groups of experts, each a visit (gpu/moe_cut.h): the whole layer's
+  // and groups of experts, each a visit (gpu/blocks/moe_cut.h): the whole layer's
   // bits, forward and backward, so without clipping the run's bits too
   // (clipping sums the norm piece by piece: held to the same cut's own).
   const ModelSpec mixtral = ModelSpec::from_json(tiny_moe("MixtralForCausalLM", false, true), "m");
@@ -263,7 +263,7 @@ TEST_CASE("mixture of experts: groups of experts as visits of their own train to
   q8.mlp_pieces = 3;
   CHECK(same_bits(run(mixtral, q8, at::kBFloat16, 0.0, 3, StateFormat::kQ8), whole_q8));
   // Qwen3-MoE's dense layer is cut into MLP slices (fp32 rounding of the
-  // whole, gpu/layer_cut.h): held to the same cut resident.
+  // whole, gpu/blocks/layer_cut.h): held to the same cut resident.
   const ModelSpec qwen = ModelSpec::from_json(tiny_moe("Qwen3MoeForCausalLM", false, true), "q");
   const Result q_ref = run(qwen, resident(qwen, 2), at::kFloat, 0.5);
   Case qc{"chaos, NVMe layers, K=2", 2, false, {1, 2}, true, 4};
@@ -434,7 +434,7 @@ TEST_CASE("mixture of experts: padding is left out of the load-balancing loss, u
   c = batch(cfg.batch(), cfg.seq, 96, 6);  // labels on the padding
   CHECK_THROWS_WITH(e.step(c.ids.data(), c.labels.data(), nullptr, pad.data()), Catch::Contains("padding is no target"));
   CHECK(e.steps_done() == 0);
-  // The resident reference checks a mask as the engine does (engine/batch_mask.h).
+  // The resident reference checks a mask as the engine does (engine/model/batch_mask.h).
   ResidentModel rm(spec, cfg.compute);
   const auto t = [&](const std::vector<int64_t>& v) {
     return at::from_blob(const_cast<int64_t*>(v.data()), {cfg.batch(), cfg.seq}, at::kLong);

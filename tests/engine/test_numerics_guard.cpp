@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <limits>
 
-#include "engine/engine.h"
+#include "engine/run/engine.h"
 #include "host/error.h"
 #include "tests/engine/engine_state.h"
 #include "tests/engine/tiny_model.h"

@@ -4,7 +4,7 @@
 #include "tests/catch_torch.h"
 #include <nlohmann/json.hpp>
 
-#include "engine/engine.h"
+#include "engine/run/engine.h"
 #include "tests/engine/engine_cases.h"
 
 using namespace strider;

@@ -4,11 +4,11 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
-#include "engine/builtin.h"
-#include "engine/engine.h"
-#include "engine/engine_config_json.h"
-#include "engine/model_presets.h"
-#include "engine/plan.h"
+#include "engine/model/builtin.h"
+#include "engine/run/engine.h"
+#include "engine/config/engine_config_json.h"
+#include "engine/model/model_presets.h"
+#include "engine/plan/plan.h"
 #include "host/error.h"
 
 using namespace strider;

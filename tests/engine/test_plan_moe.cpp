@@ -10,8 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/model_presets.h"
-#include "engine/plan.h"
+#include "engine/model/model_presets.h"
+#include "engine/plan/plan.h"
 
 using namespace strider;
 

@@ -1,4 +1,4 @@
-// The step program (engine/step_program.h): the shape each pass gives it,
+// The step program (engine/program/step_program.h): the shape each pass gives it,
 // and the engine running it (the updates in the program's order).
 #include <filesystem>
 #include <map>

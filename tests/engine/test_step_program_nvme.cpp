@@ -1,4 +1,4 @@
-// The step program's compute copies on NVMe (engine/step_program.h, pass
+// The step program's compute copies on NVMe (engine/program/step_program.h, pass
 // "nvme"): each visit of such a layer reads its copy one load ahead into a
 // load staging slot; placement refuses what the tier does not hold.
 #include "tests/engine/step_program_helpers.h"

@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
-#include "engine/placement.h"
-#include "engine/plan.h"
-#include "engine/step_program.h"
+#include "engine/run/engine.h"
+#include "engine/placement/placement.h"
+#include "engine/plan/plan.h"
+#include "engine/program/step_program.h"
 #include "tests/engine/engine_cases.h"
 
 using namespace strider;

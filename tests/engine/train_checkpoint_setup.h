@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "engine/engine.h"
+#include "engine/run/engine.h"
 #include "tests/engine/engine_state.h"
 #include "tests/engine/tiny_model.h"
 

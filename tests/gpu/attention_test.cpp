@@ -1,5 +1,5 @@
 // A kept layer's backward without the attention core run again
-// (gpu/attention.h): the kernel's own backward, called with the output and
+// (gpu/blocks/attention.h): the kernel's own backward, called with the output and
 // log-sum-exp the forward kept, gives the recomputing backward's bits, with
 // the masks SDPA reads (a sliding window, packed documents) as without; and
 // it really reads what was kept (a kept log-sum-exp changed changes the
@@ -13,9 +13,9 @@
 
 #include <string>
 
-#include "gpu/attention.h"
-#include "gpu/blocks.h"
-#include "gpu/cuda_device.h"
+#include "gpu/blocks/attention.h"
+#include "gpu/blocks/blocks.h"
+#include "gpu/device/cuda_device.h"
 #include "tests/gpu/random_layer.h"
 
 using namespace strider;

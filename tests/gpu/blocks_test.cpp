@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "gpu/blocks.h"
-#include "gpu/softcap_attention.h"
+#include "gpu/blocks/blocks.h"
+#include "gpu/blocks/softcap_attention.h"
 #include "host/error.h"
 #include "tests/gpu/layer_pass.h"
 #include "tests/gpu/random_layer.h"

@@ -3,8 +3,8 @@
 // its event waits makes some seed fail (so the test can catch the bug it is for).
 #include <catch2/catch.hpp>
 
-#include "gpu/cache_unit_pool.h"
-#include "gpu/cpu_device.h"
+#include "gpu/device/cache_unit_pool.h"
+#include "gpu/device/cpu_device.h"
 #include "host/error.h"
 #include "host/param_layout.h"
 #include "ring.h"

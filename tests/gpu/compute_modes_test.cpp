@@ -1,5 +1,5 @@
 // Every device runs its launched closures in the same stated ATen modes
-// (gpu/compute_modes.h): grad off, inference mode off, autocast off, whatever
+// (gpu/blocks/compute_modes.h): grad off, inference mode off, autocast off, whatever
 // the calling thread's modes. CudaDevice runs closures on the caller's thread,
 // so without the scope it would inherit torch.autocast or inference_mode
 // where the CPU device's stream threads would not.
@@ -9,8 +9,8 @@
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
 
-#include "gpu/cuda_device.h"
-#include "gpu/device.h"
+#include "gpu/device/cuda_device.h"
+#include "gpu/device/device.h"
 
 using namespace strider;
 

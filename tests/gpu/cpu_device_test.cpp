@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "gpu/cpu_device.h"
-#include "gpu/work_meter.h"
+#include "gpu/device/cpu_device.h"
+#include "gpu/memory/work_meter.h"
 #include "host/error.h"
 
 using namespace strider;

@@ -2,9 +2,9 @@
 // [cuda] and skips (with a warning naming the reason) when no GPU is usable.
 #include <catch2/catch.hpp>
 
-#include "gpu/cache_unit_pool.h"
-#include "gpu/cuda_device.h"
-#include "gpu/device.h"
+#include "gpu/device/cache_unit_pool.h"
+#include "gpu/device/cuda_device.h"
+#include "gpu/device/device.h"
 #include "host/error.h"
 #include "host/pinned_arena.h"
 #include "ring.h"

@@ -1,5 +1,5 @@
-// A decoder layer cut into sub-layer pieces (gpu/layer_cut.h): with one MLP
-// slice it is the uncut layer (gpu/blocks.h) bit for bit, forward and
+// A decoder layer cut into sub-layer pieces (gpu/blocks/layer_cut.h): with one MLP
+// slice it is the uncut layer (gpu/blocks/blocks.h) bit for bit, forward and
 // backward, tiled or not; with several, within fp32 rounding of it (the
 // slices' partial outputs and input gradients are summed in another order),
 // and within bf16's tolerance in bf16. Layers it cannot cut are refused by
@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "gpu/blocks.h"
-#include "gpu/layer_cut.h"
-#include "gpu/moe.h"
+#include "gpu/blocks/blocks.h"
+#include "gpu/blocks/layer_cut.h"
+#include "gpu/blocks/moe.h"
 #include "tests/gpu/layer_pass.h"
 #include "tests/gpu/random_layer.h"
 

@@ -1,4 +1,4 @@
-// What the tests of a decoder layer's compute (gpu/blocks, gpu/layer_cut)
+// What the tests of a decoder layer's compute (gpu/blocks, gpu/blocks/layer_cut)
 // share: small dimensions, inputs, one pass's output and gradients, and how
 // two passes are compared.
 #pragma once
@@ -9,7 +9,7 @@
 
 #include <algorithm>
 
-#include "gpu/blocks.h"
+#include "gpu/blocks/blocks.h"
 #include "tests/gpu/random_layer.h"
 
 namespace strider::layer_test {

@@ -1,8 +1,8 @@
 // make_device: automatic choice with a stated reason, and explicit overrides.
 #include <catch2/catch.hpp>
 
-#include "gpu/cuda_device.h"
-#include "gpu/device.h"
+#include "gpu/device/cuda_device.h"
+#include "gpu/device/device.h"
 #include "host/error.h"
 
 using namespace strider;

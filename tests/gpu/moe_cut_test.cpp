@@ -1,4 +1,4 @@
-// gpu/moe_cut.h: a mixture-of-experts MLP cut into its router and groups of
+// gpu/blocks/moe_cut.h: a mixture-of-experts MLP cut into its router and groups of
 // experts gives the whole MLP's bits (moe_forward, moe_backward), forward and
 // backward, in fp32 and bf16, for Qwen3-MoE's, Mixtral's and Qwen2-MoE's
 // (shared expert) routing, whatever the groups and whether a group's tensors
@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
-#include "gpu/moe.h"
-#include "gpu/moe_cut.h"
+#include "gpu/blocks/moe.h"
+#include "gpu/blocks/moe_cut.h"
 
 using namespace strider;
 

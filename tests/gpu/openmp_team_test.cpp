@@ -10,7 +10,7 @@
 #include <filesystem>
 #include <thread>
 
-#include "gpu/cpu_device.h"
+#include "gpu/device/cpu_device.h"
 
 using namespace strider;
 

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "gpu/blocks.h"
+#include "gpu/blocks/blocks.h"
 
 namespace strider {
 

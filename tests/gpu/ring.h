@@ -10,8 +10,8 @@
 #include <memory>
 #include <vector>
 
-#include "gpu/cache_unit_pool.h"
-#include "gpu/device.h"
+#include "gpu/device/cache_unit_pool.h"
+#include "gpu/device/device.h"
 #include "host/pinned_arena.h"
 
 namespace strider::test {

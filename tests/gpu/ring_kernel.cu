@@ -2,7 +2,7 @@
 
 #include <cuda_runtime.h>
 
-#include "gpu/cuda_check.h"
+#include "gpu/device/cuda_check.h"
 
 namespace strider::test {
 namespace {

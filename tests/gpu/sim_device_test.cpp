@@ -9,8 +9,8 @@
 #include <memory>
 #include <vector>
 
-#include "gpu/cache_unit_pool.h"
-#include "gpu/sim_device.h"
+#include "gpu/device/cache_unit_pool.h"
+#include "gpu/device/sim_device.h"
 #include "host/error.h"
 #include "ring.h"
 
@@ -419,7 +419,7 @@ TEST_CASE("sim: spans carry the model's times and PCIe is full duplex unless sha
 TEST_CASE("cost model: presets, overrides and their errors", "[gpu][sim_device]") {
   CHECK(CostModel::preset_names() == std::vector<std::string>{"rtx3090", "rtx4090", "rtx5090", "a100-40gb",
                                                                 "a100-80gb", "l40s", "h100", "h200"});
-  // The vendors' dense BF16 tensor rates (gpu/sim_device.cpp cites each), memory and PCIe generation.
+  // The vendors' dense BF16 tensor rates (gpu/device/sim_device.cpp cites each), memory and PCIe generation.
   for (auto [name, tflops, gib, gbps] : {std::tuple{"rtx3090", 71.0, 24, 25.0}, std::tuple{"rtx5090", 209.5, 32, 50.0},
                                          std::tuple{"a100-40gb", 312.0, 40, 25.0}, std::tuple{"a100-80gb", 312.0, 80, 25.0},
                                          std::tuple{"l40s", 362.05, 48, 25.0}, std::tuple{"h100", 989.0, 80, 50.0}}) {

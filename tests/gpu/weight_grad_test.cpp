@@ -1,13 +1,13 @@
 // Weight gradients summed into fp32 with no rounding to the compute dtype
-// (gpu/weight_grad.h): the CPU device's twin against an fp64 reference of
+// (gpu/blocks/weight_grad.h): the CPU device's twin against an fp64 reference of
 // the same sum, and ([cuda], skipped without a GPU) CUDA's fp32-output GEMM
 // against the CPU twin.
 #include "tests/catch_torch.h"
 
 #include <ATen/ATen.h>
 
-#include "gpu/cuda_device.h"
-#include "gpu/weight_grad.h"
+#include "gpu/device/cuda_device.h"
+#include "gpu/blocks/weight_grad.h"
 
 using namespace strider;
 

@@ -1,4 +1,4 @@
-"""engine/collectives under torchrun: ranks from the environment torchrun sets, joining its
+"""engine/run/collectives under torchrun: ranks from the environment torchrun sets, joining its
 agent's store, Gloo between processes (tests/engine/collectives_probe.cpp is the C++ side).
 
 The probe's values: rank r contributes [1e16, 1.0, -1e16, 0.25][r % 4] and 0.1 * (r + 1) to a

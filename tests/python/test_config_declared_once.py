@@ -1,4 +1,4 @@
-"""The configuration is declared once (engine/config_fields.json): the command line's options, the Python
+"""The configuration is declared once (engine/config/config_fields.json): the command line's options, the Python
 strider.EngineConfig and the engine config JSON share its names, ranges and defaults; the built-in demo
 model takes its own values only for what the command line leaves unset, and says so."""
 import json

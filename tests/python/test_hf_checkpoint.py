@@ -1,4 +1,4 @@
-"""engine/hf_checkpoint against transformers: a tiny model saved by
+"""engine/model/hf_folder against transformers: a tiny model saved by
 `save_pretrained` (one file or sharded, fp32 or bf16) goes through
 `ckpt_tool roundtrip` (load into a real ParamStore, write back block by
 block) and `from_pretrained` of our output gives the original tensors

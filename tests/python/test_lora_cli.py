@@ -1,4 +1,4 @@
-"""`strider finetune --lora` (engine/lora.h) on a transformers checkpoint, against PEFT.
+"""`strider finetune --lora` (engine/model/lora.h) on a transformers checkpoint, against PEFT.
 
 The base loads from the checkpoint, the adapters start as PEFT starts them (lora_B zero: the first
 evaluation is the base's), and the run leaves a PEFT adapter folder that PeftModel.from_pretrained loads:

@@ -1,4 +1,4 @@
-"""LoRA over a frozen base (engine/lora.h), driven from Python with a PEFT model in place, against PEFT +
+"""LoRA over a frozen base (engine/model/lora.h), driven from Python with a PEFT model in place, against PEFT +
 torch.optim.AdamW.
 
 fp32 (an fp32 base), the CPU device, a window of 2 units over 4 blocks: a PEFT LoRA model (q, k, v, o and

@@ -1,5 +1,5 @@
 """`strider plan` on a mixture of experts chooses its expert pieces by the
-predicted speed (engine/plan_speed.cpp): every size it tried is in the JSON
+predicted speed (engine/plan/plan_speed.cpp): every size it tried is in the JSON
 with its tokens/s, the one chosen is the fastest under the 1% rule, and the
 plan's own prediction is the chosen size's. The rule on given speeds is
 tests/engine/test_plan_moe.cpp's."""

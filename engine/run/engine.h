@@ -1,0 +1,209 @@
+// Engine: the sliding-window training step of DESIGN.md ("One training step").
+//
+// The device holds K cache units, a window over the model's pieces; the host
+// holds every block's bf16 (or fp32) compute copy and, in RAM or on NVMe, its
+// fp32 master/m/v. A piece (engine/placement/pieces.h) is a layer, a vocabulary shard
+// of the embedding or the LM head, or the head's final norm: the embedding and
+// the LM head are cut so that no unit is larger than a layer. A step of M
+// micro-batches runs a program (engine/program/step_program.h, compiled from the
+// placement): its device operations are a sequence of visits
+//   forward: embedding shards, layers; head: pass 1 (log-sum-exp) over every
+//   LM-head shard, then pass 2 (gradients) over every shard (one visit when
+//   there is one shard); backward: layers, embedding shards, in reverse
+// each loaded into a unit K-2 visits ahead (run_pass issues them in order).
+// Backward visits accumulate fp32 gradients in the unit over all
+// micro-batches and copy them out once, in the compute dtype (bf16 by
+// default; fp32 on request). Its host operations run on the updater thread
+// (run_host_op): per piece as its gradients land, their checks, CPU AdamW
+// (reading/writing NVMe-tier state through the NvmeStore), or, with
+// global-norm clipping, every update after the norm and in forward order,
+// overlapped with the next step's forward. The next H2D of a piece waits for
+// exactly that piece's update.
+//
+// Gradients land in host staging: a ring of `grad_ring` slots, reused once
+// its previous gradients are consumed by their piece's update. With exact
+// clipping every gradient must outlive the global norm, so there a block
+// whose state lives in RAM keeps a buffer of its own, and an NVMe-tier block
+// (which keeps only its compute copy in RAM) goes through the ring with its
+// gradients spilled to their extent on NVMe, read back with its state for
+// the update.
+//
+// The same code runs on CpuDevice (tests, with chaos) and CudaDevice; results
+// are bit-identical to ResidentModel + AdamW whatever K, the tiers, the
+// vocabulary shards or where checkpoints live.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "engine/config/engine_config.h"
+#include "engine/model/model_spec.h"
+#include "engine/placement/pieces.h"
+#include "engine/program/step_program.h"
+#include "engine/program/timeline.h"
+#include "gpu/device/device.h"
+#include "host/dtype.h"
+#include "io/nvme_store.h"      // ExtentKind
+
+namespace strider {
+
+class Collectives;  // engine/run/collectives.h
+struct RankInfo;
+class EngineCore;   // engine/run/engine_core.h
+
+struct StepReport {
+  int64_t step = 0;            // 1 for the first update
+  double loss = 0;             // mean over the batch's valid tokens
+  int64_t tokens = 0;          // batch * seq
+  int64_t valid_tokens = 0;
+  double grad_norm = 0;        // before clipping
+  double lr = 0;
+  double step_s = 0;
+  double tokens_per_s = 0;
+  StepStats stats;             // per-lane busy time, overlap efficiency
+  size_t peak_device_bytes = 0;
+  // What the step's device work moved and needed. The bytes sum the spans of
+  // the step's copies (so they need DeviceOptions::record_spans): H2D the
+  // parameters of each visit, the batch, host checkpoints coming back, a tied
+  // embedding's gradient; D2H gradients, checkpoints going out, the loss
+  // figures. The working memory is Device::work_peak_bytes over the step: the
+  // most ATen held inside any one compute op (0 where not measured).
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;
+  uint64_t work_peak_bytes = 0;
+  // The numerics guard: a step whose loss, gradient norm (with clipping) or
+  // first-updated block's gradient (without) is not finite changes nothing:
+  // no block is updated, steps_done() does not advance (nor AdamW's count or
+  // the schedule), and the report says why. The batch is consumed.
+  bool skipped = false;
+  std::string skip_reason;     // "loss is nan", "gradient norm is inf", ...
+  // The batch had no target token (every label -100; over every rank's rows
+  // in data parallel): nothing was computed, nothing changed, and the step is
+  // skipped without being a fault (a sparse chat data set has such batches).
+  bool no_targets = false;
+  // fp16 (EngineConfig::loss_scaling): the scale this step's gradients
+  // carried (0: the dtype does not scale). An overflow is a skip of finite
+  // loss while the scale was above its floor: the scale backs off, and it
+  // is not a divergence (--max-skipped-steps does not count it).
+  double loss_scale = 0;
+  bool overflow = false;
+  int64_t nonfinite_block = -1;  // the first block (in forward order) with a non-finite gradient, or -1
+  std::string nonfinite_tensor;  // that block's first non-finite gradient tensor
+};
+
+class Engine {
+ public:
+  Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device);
+  // A pool of devices (gpu/device/device.h, make_devices), all of one kind: block
+  // b's visits run on devices[b % N] (engine/README.md, "A pool of devices");
+  // config.devices is set to N. One host optimizer and one copy of the state
+  // serve them all; the result is one device's bits.
+  Engine(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Parameters. Call before the first step (or between steps; they wait for
+  // pending updates). `name` is a checkpoint tensor name.
+  void init_params(uint64_t seed);  // initial_values (engine/model/model_spec.h) of every tensor, zero moments
+  void set_param(const std::string& name, std::span<const float> values);
+  std::vector<float> param(const std::string& name);
+  // A block's fp32 state (master, Adam m or v; total_elems long), from RAM or
+  // NVMe, and back. Writing the master also rewrites the compute copy.
+  void read_state(int64_t block, ExtentKind kind, std::span<float> out);
+  void write_state(int64_t block, ExtentKind kind, std::span<const float> in);
+  // Block b's compute copy in the pinned host arena: the bytes every H2D of
+  // the block sends (bf16 bits, or fp32 with an fp32 compute dtype), laid out
+  // by spec().layout(b) (each tensor contiguous at its slot's offset). The
+  // updater rewrites it from the master after each update, so read it between
+  // steps after finish_updates(); a write to it lasts only until the block's
+  // next update (set_param / write_state change the master). Valid while the
+  // Engine lives. This is what a wrapped model's parameters alias. A block
+  // whose frozen base is held quantized (EngineConfig::base_format) has a
+  // compute copy of its elements from compute_begin(block) on only: the span
+  // starts there.
+  std::span<std::byte> compute_copy(int64_t block);
+  size_t compute_begin(int64_t block) const;
+  // Block b's weights as a model file in `file_dtype` should hold them
+  // (total_elems floats): for a bf16 file with a bf16 compute copy, the
+  // compute copy's values (what the model computes with; the q8 format rounds
+  // its master to it ties-up, not ties-to-even), else the master.
+  void model_weights(int64_t block, DType file_dtype, std::span<float> out);
+
+  // One optimizer step over `ids` / `labels`, [batch, seq] int64 each (labels
+  // aligned with ids, -100 where no loss counts). Returns when the loss and the
+  // gradient norm are known; the updates may still be running (the next step
+  // waits for each block's update just before it needs the block).
+  // A non-finite loss or gradient skips the step (StepReport::skipped) before
+  // any update. Without clipping, updates overlap backward: a non-finite
+  // gradient found after other blocks were updated throws (the step is partly
+  // applied; the engine refuses further work, so nothing of it can be saved).
+  // `positions` ([batch, seq] int64, or null: 0..seq-1 in every row): rows
+  // that pack documents, each document's positions counting from 0 where it
+  // starts (transformers' packed position_ids); a token attends only within
+  // its document. Needs EngineConfig::packed_documents unless every row is
+  // 0..seq-1. A micro-batch whose rows are all 0..seq-1 computes as without.
+  // `attention_mask` ([batch, seq] int64 of 0 and 1, or null: no padding):
+  // transformers' attention mask, right padding only (a row's 0s follow its
+  // 1s), labels -100 on padding. Attention is causal, so the padding changes
+  // no real token; it leaves the padded tokens out of the load-balancing loss
+  // (engine/README.md, "Mixture of experts"), as transformers does.
+  StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
+                  const int64_t* attention_mask = nullptr);
+  // Loss over a batch with the same window and no update (mean over valid tokens).
+  double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
+                  const int64_t* attention_mask = nullptr);
+  // Waits for every pending update.
+  void finish_updates();
+  // On a SimDevice the engine runs its unchanged schedule on virtual clocks:
+  // no memory is touched, losses are NaN, the optimizer and NVMe lanes are
+  // priced from the device's CostModel, and step_s is virtual time.
+  bool simulated() const;
+
+  const ModelSpec& spec() const;
+  const EngineConfig& config() const;
+  const Sharding& sharding() const;
+  // The training pass's program (engine/program/step_program.h): what step() runs.
+  const StepProgram& program() const;
+  Device& device(int d = 0);  // the pool's device d (0: the only one, or the first)
+  int devices() const;
+  Timeline& timeline();
+  int64_t steps_done() const;
+  // For resuming: the optimizer steps already taken (AdamW's bias corrections
+  // and the learning-rate schedule continue from here). Between steps only.
+  void set_steps_done(int64_t steps);
+  // The fp16 compute dtype's loss scale (EngineConfig::loss_scaling) and its
+  // run of good steps, as a checkpoint keeps them; set it between steps, to
+  // resume. Other dtypes have none (set_loss_scale throws).
+  LossScaleState loss_scale() const;
+  void set_loss_scale(LossScaleState s);
+  // Data parallel: this engine is one of `ranks`' ranks, each stepping on its
+  // own micro-batches of one global batch. The ranks agree on the batch's valid
+  // tokens before the pass (every rank's loss is scaled by the global count),
+  // sum each piece's gradients as they land (so every rank updates the same
+  // state to the same bits), and reduce the loss. Before the first step, on
+  // every rank (it opens the updater's channel: a collective). Without it the
+  // engine is its own world of one.
+  void set_collectives(std::unique_ptr<Collectives> ranks);
+  const RankInfo& ranks() const;
+  size_t arena_bytes() const;  // the pinned arena
+  // Of the pinned memory, what the device registered (the parts it copies).
+  size_t registered_host_bytes() const;
+  // The first parameter (block order, then layout order) whose fp32 master
+  // holds a NaN or an infinity, or "" when all are finite. Reads every
+  // block's master (from NVMe too): a diagnosis, not for inside a loop.
+  std::string first_non_finite_param();
+  // Fault injection, for the numerics guard's tests: block b's gradients in
+  // the next training pass land with a NaN in the first element of the
+  // block's first piece to land (the head's norm when it has one vocabulary
+  // shard), as a bad transfer or kernel would leave them.
+  void inject_nonfinite_gradient(int64_t b);
+
+ private:
+  std::unique_ptr<EngineCore> core_;  // engine/run/engine_core.h: the state and the executors
+};
+
+}  // namespace strider
