@@ -13,7 +13,10 @@ lists with what ctest ran:
 A skip must say why in its output, and the reason must be one this build
 has: "skipped: no GPU" (a [cuda] case on a machine without one), or
 "skipped: this build has no c10d Gloo" only in a build without gloo headers
-(BUILD_DIR/strider_features.json, written by CMake, says which). Any other
+(BUILD_DIR/strider_features.json, written by CMake, says which), "skipped:
+cannot mount a tmpfs" (a full-disk case in a container that may not mount
+one, as CI's), or "skipped: under ThreadSanitizer" (a case that races on
+purpose). Any other
 skip fails the run, so a case cannot pass by skipping in silence.
 
 BUILD_DIR: the build ctest ran in; JUNIT_XML: that run's --output-junit file.
@@ -59,6 +62,8 @@ def skip_problem(output, features):
     """Why a skip the build should not have is one, or None when it is allowed."""
     text = " ".join(output.split())  # Catch2 wraps its messages
     if "skipped: no GPU" in text:
+        return None
+    if "skipped: cannot mount a tmpfs" in text or "skipped: under ThreadSanitizer" in text:
         return None
     if "skipped: this build has no c10d Gloo" in text:
         if features.get("gloo") is False:

@@ -120,7 +120,7 @@ TEST_CASE("the ring on a chaotic CpuDevice is bit-identical to the serial loop",
 TEST_CASE("dropping any one wait of the ring makes some chaos seed fail", "[gpu][pool][ring][race]") {
 #if defined(__SANITIZE_THREAD__)
   // Dropping a wait is a real data race: ThreadSanitizer would (rightly) report it.
-  WARN("skipped under ThreadSanitizer: this test races on purpose");
+  WARN("skipped: under ThreadSanitizer, as this test races on purpose");
   return;
 #endif
   for (RingMode mode : {RingMode::kForward, RingMode::kBackward}) {
