@@ -17,7 +17,7 @@ readme_extract.py's demo_text_figures().
 
 The README's figures live between `<!-- figures:begin NAME -->` and
 `<!-- figures:end -->`; BLOCKS below renders each NAME from the figures. A
-block that is not in BLOCKS (the GPU block, owned by bench/gpu_check.sh's
+block that is not in BLOCKS (the GPU block, owned by gpu_check/gpu_check.sh's
 figures) is left as it is.
 """
 import argparse
@@ -360,7 +360,7 @@ BLOCKS = {"machine": block_machine, "demo-model": block_demo_model, "demo-plan":
           "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b, "formats": block_formats,
           "predict-lora": block_predict_lora}
 # Blocks the script knows and leaves alone: their figures come from elsewhere.
-# bench/gpu_check.sh's figures, quoted with that check's date; bench/quality_formats.py's (its runs take
+# gpu_check/gpu_check.sh's figures, quoted with that check's date; bench/quality_formats.py's (its runs take
 # half an hour: it writes its block itself, with --update-readme); bench/predict_dp.py's (data parallel);
 # bench/predict_past_ram.py's (compute copies on NVMe).
 FOREIGN_BLOCKS = {"gpu", "quality", "predict-dp", "predict-past-ram"}
