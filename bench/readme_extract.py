@@ -6,6 +6,8 @@ given a Logs and a Figures of readme_figures.py) and the figure names each part 
 import re
 import statistics
 
+from figure_blocks import blocks
+
 GIB = float(1 << 30)
 MIB = float(1 << 20)
 
@@ -26,10 +28,13 @@ PLAN_LORA = {("8b", "lora"): "plan-8b-lora", ("8b", "full"): "plan-8b-full-128",
              ("70b", "lora"): "plan-70b-lora", ("70b", "full"): "plan-70b-full-b16",
              ("8b", "lora-nf4"): "plan-8b-lora-nf4", ("70b", "lora-nf4"): "plan-70b-lora-nf4-128"}  # 128 GiB
 PLAN_LORA_REFUSED = "plan-70b-lora-128"
+# The predict scripts' blocks, each printed whole (figure_blocks.marked) by the command of the same name.
+PREDICT_BLOCKS = ("predict-dp", "predict-pool", "predict-past-ram")
 
 PARTS = {
     "plan": list(PLAN_8B.values()) + ["plan-8b-b8-clip0"] + list(PLAN_PRECISION.values()) + list(PLAN_NVME.values()) + list(PLAN_REFUSED.values()) +
             list(PLAN_Q8.values()) + list(PLAN_LORA.values()) + [PLAN_LORA_REFUSED],
+    "predict": list(PREDICT_BLOCKS),
     "profile": ["profile"],
     "demo": ["demo"],
     "step": ["bench_step"],
@@ -146,6 +151,11 @@ def plan_figures(logs, f):
             m = re.search(r"needs ([\d.]+) GiB of pinned host RAM", j.get("reason", ""))
             if m:
                 f.put(f"refused.{model}.ram_needed_gib", float(m.group(1)), cmd)
+
+
+def predict_figures(logs, f):
+    for name in PREDICT_BLOCKS:
+        f.put(f"block.{name}", blocks(logs.text(name) or "").get(name, "").strip("\n") or None, name)
 
 
 def profile_figures(logs, f):
@@ -307,13 +317,14 @@ def torch_figures(logs, f):
     f.put("torch.strider_rss_gib", j["strider_peak_rss_bytes"] / 2**30, c)
 
 
-EXTRACT = {"plan": plan_figures, "profile": profile_figures, "demo": demo_figures, "step": step_figures,
+EXTRACT = {"plan": plan_figures, "predict": predict_figures, "profile": profile_figures, "demo": demo_figures, "step": step_figures,
            "torch": torch_figures, "calibrate": calibrate_figures, "adam": adam_figures, "nvme": nvme_figures}
 
 
 def expected_names():
     """part -> the figure names it must print: what the README's blocks quote."""
-    e = {"plan": [], "profile": [], "demo": [], "step": [], "torch": [], "calibrate": [], "adam": [], "nvme": []}
+    e = {p: [] for p in PARTS}
+    e["predict"] = [f"block.{name}" for name in PREDICT_BLOCKS]
     for b in PLAN_8B:
         e["plan"] += [f"predict.8b.b{b}.{k}" for k in
                       ("tokens_per_s", "step_s", "lower_bound_s", "bound_tokens_per_s", "overlap_efficiency",
