@@ -214,7 +214,7 @@ void measure_compute(Device& dev, const ModelSpec& spec, const EngineConfig& cfg
         fn = [ids, gout, grad_rows](const LaunchContext&) { embedding_shard_backward(ids, 0, gout, grad_rows, 1.0); };
     } else if ((key.name == "head log-sum-exp" || key.name == "head backward" || key.name == "head norm backward") &&
                b == head && !spec.tie_embeddings) {
-      // The streamed head over one shard of the whole vocabulary (gpu/chunked_loss.h), as the engine launches it.
+      // The streamed head over one shard of the whole vocabulary (gpu/blocks/chunked_loss.h), as the engine launches it.
       const size_t lm = spec.layout(head).find("lm_head.weight")->offset_elems;
       at::Tensor norm = params.slice(0, 0, H), rows = params.slice(0, int64_t(lm), int64_t(lm) + V * H).view({V, H});
       at::Tensor grad_norm = grads.slice(0, 0, H), grad_rows = grads.slice(0, int64_t(lm), int64_t(lm) + V * H).view({V, H});

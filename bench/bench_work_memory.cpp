@@ -1,6 +1,6 @@
 // bench_work_memory: ATen's working memory inside each kind of block visit,
 // measured on the CPU device (each compute op's peak above its start, every
-// ATen CPU allocation of every thread counted: gpu/aten_memory.h), next to
+// ATen CPU allocation of every thread counted: gpu/memory/aten_memory.h), next to
 // the plan's estimate of it (ModelSpec::cost: forward_work_bytes,
 // backward_work_bytes), for a few sequence lengths. For calibrating the plan's
 // model; a benchmark, not a test: it prints and never fails on the figures.

@@ -149,7 +149,7 @@ def make_model(seed):
 
 
 def lr_at(args, step):
-    """Linear warm-up, then cosine to 0 at --steps: strider's schedule (engine/lr_schedule.cpp), step from 0."""
+    """Linear warm-up, then cosine to 0 at --steps: strider's schedule (engine/config/lr_schedule.cpp), step from 0."""
     if step < args.warmup:
         return args.lr * step / max(1, args.warmup)
     t = (step - args.warmup) / max(1, args.steps - args.warmup)
