@@ -2,7 +2,7 @@
 for Llama-3.1-8B at sequence 1024, 8 sequences per device and step, next to data parallel at the same
 per-GPU batch (`--gpus N --link pcie4`) and the published figures a user would compare with. A pool's
 prediction runs the unchanged engine schedule on N SimDevices, each on its own x16 link, their copies
-sharing the host's memory bus with the optimizer's AdamW and norm (gpu/device/sim_host_memory.h, SimHostMemory), and at
+sharing the host's memory bus with the optimizer's AdamW and norm (gpu/device/sim_device.h, SimHostMemory), and at
 16 sequences per GPU on the workstation host, keeping activations and recomputing them.
 
     .venv/bin/python bench/predict_pool.py                       # print the table
