@@ -7,8 +7,8 @@
 # rerun: quality (bench/quality_formats.py, half an hour) and gpu (a GPU machine).
 #
 #   bench/readme_figures.sh                  run everything, print the report
-#   bench/readme_figures.sh --check          the same; exit 1 naming every command that
-#                                            failed and every figure that was not printed
+#   bench/readme_figures.sh --check          the same; exit 1 naming every command that failed
+#                                            and each block's first figure that none printed
 #   bench/readme_figures.sh --update-readme  the same, then rewrite the figure blocks
 #                                            (<!-- figures:begin NAME --> ...
 #                                            <!-- figures:end -->) from this run
