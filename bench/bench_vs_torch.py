@@ -26,7 +26,7 @@ largest relative difference of a step's loss. A figure, never pass/fail.
 
     bench/bench_vs_torch.py                        # the default: ~135M Llama, 49152 vocabulary
     bench/bench_vs_torch.py --rounds 5 --window 2 --activations auto
-    bench/bench_vs_torch.py --device cuda          # on a GPU (bench/gpu_check.sh runs it there)
+    bench/bench_vs_torch.py --device cuda          # on a GPU (gpu_check/gpu_check.sh runs it there)
     bench/bench_vs_torch.py --arch qwen3_moe --layers 8                # a ~92M mixture of experts
     bench/bench_vs_torch.py --arch qwen2_moe --layers 8                # the same with a shared expert
 

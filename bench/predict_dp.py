@@ -5,17 +5,17 @@ optimizer, its collectives on the updater, its GPU's link; on one machine its 1/
 memory bus, which its copies and its optimizer's slice share) and multiplies by the ranks.
 
     .venv/bin/python bench/predict_dp.py                       # print the table
-    .venv/bin/python bench/predict_dp.py --update-readme README.md
+    .venv/bin/python bench/predict_dp.py --update-readme
 
-Writes README's `<!-- figures:begin predict-dp -->` block (bench/readme_figures.py leaves it
-to this script).
+Writes the `<!-- figures:begin predict-dp -->` block, in README.md or the docs/ page that holds it
+(bench/figure_blocks.py); bench/readme_figures.sh runs it and writes the block it prints.
 """
 import argparse
 import json
 import subprocess
 from pathlib import Path
 
-from figures_block import replace_block
+from figure_blocks import marked, replace_block
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,8 @@ def main():
     ap.add_argument("--binary", default=str(REPO / "build" / "strider"))
     ap.add_argument("--accumulation", type=int, default=8, help="sequences per rank and step")
     ap.add_argument("--ram", default="512GiB", help="host RAM of a machine")
-    ap.add_argument("--update-readme", metavar="README", help="rewrite its predict-dp block")
+    ap.add_argument("--update-readme", nargs="?", const="", metavar="README",
+                    help="rewrite its predict-dp block where it is: in README.md (or README) or a docs/*.md beside it")
     args = ap.parse_args()
     results = []
     for row in ROWS:
@@ -77,9 +78,9 @@ def main():
               f"{out['critical_lane']})\n  {cmd}")
         results.append((row, (cmd, out)))
     block = render(results, args.accumulation)
-    print(block)
-    if args.update_readme:
-        replace_block(Path(args.update_readme), "predict-dp", block)
+    print(marked("predict-dp", block))
+    if args.update_readme is not None:
+        replace_block("predict-dp", block, args.update_readme or None)
 
 
 if __name__ == "__main__":

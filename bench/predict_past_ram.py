@@ -9,10 +9,10 @@ parameters): its layer's cache unit (12 GiB) is more than half the GPU, so the p
 sub-layer pieces (its attention half and MLP slices, each a visit of its own).
 
     .venv/bin/python bench/predict_past_ram.py                       # print the table
-    .venv/bin/python bench/predict_past_ram.py --update-readme README.md
+    .venv/bin/python bench/predict_past_ram.py --update-readme
 
-Writes README's `<!-- figures:begin predict-past-ram -->` block (bench/readme_figures.py leaves it to this
-script).
+Writes the `<!-- figures:begin predict-past-ram -->` block, in README.md or the docs/ page that holds it
+(bench/figure_blocks.py); bench/readme_figures.sh runs it and writes the block it prints.
 """
 import argparse
 import json
@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from figures_block import replace_block
+from figure_blocks import marked, replace_block
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -71,7 +71,8 @@ def render(results):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", default=str(REPO / "build" / "strider"))
-    ap.add_argument("--update-readme", metavar="README", help="rewrite its predict-past-ram block")
+    ap.add_argument("--update-readme", nargs="?", const="", metavar="README",
+                    help="rewrite its predict-past-ram block where it is: in README.md (or README) or a docs/*.md beside it")
     args = ap.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as nvme:
@@ -83,9 +84,9 @@ def main():
                       f"MLP slices {out['mlp_pieces']}")
                 results.append((row, fmt, out))
     block = render(results)
-    print(block)
-    if args.update_readme:
-        replace_block(Path(args.update_readme), "predict-past-ram", block)
+    print(marked("predict-past-ram", block))
+    if args.update_readme is not None:
+        replace_block("predict-past-ram", block, args.update_readme or None)
 
 
 if __name__ == "__main__":

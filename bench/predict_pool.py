@@ -6,16 +6,17 @@ sharing the host's memory bus with the optimizer's AdamW and norm (gpu/device/si
 16 sequences per GPU on the workstation host, keeping activations and recomputing them.
 
     .venv/bin/python bench/predict_pool.py                       # print the table
-    .venv/bin/python bench/predict_pool.py --update-readme engine/README.md
+    .venv/bin/python bench/predict_pool.py --update-readme
 
-Writes the `<!-- figures:begin predict-pool -->` block of engine/README.md.
+Writes the `<!-- figures:begin predict-pool -->` block, in README.md or the docs/ page that holds it
+(bench/figure_blocks.py); bench/readme_figures.sh runs it and writes the block it prints.
 """
 import argparse
 import json
 import subprocess
 from pathlib import Path
 
-from figures_block import replace_block
+from figure_blocks import marked, replace_block
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -39,7 +40,8 @@ def plan(binary, n, machine, pool, per_device=PER_DEVICE, activations="auto"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--binary", default=str(REPO / "build" / "strider"))
-    ap.add_argument("--update-readme", metavar="README", help="rewrite its predict-pool block")
+    ap.add_argument("--update-readme", nargs="?", const="", metavar="README",
+                    help="rewrite its predict-pool block where it is: in README.md (or README) or a docs/*.md beside it")
     args = ap.parse_args()
     lines = ["Predictions, unmeasured (no machine with several GPUs has run strider). Llama-3.1-8B, sequence "
              f"1024, {PER_DEVICE} sequences per GPU and step (micro-batch 1), fp32 optimizer state, clipping on. "
@@ -79,9 +81,9 @@ def main():
     lines += ["", "Published, measured on their machines (quoted, not run here): " +
               "; ".join(f"{name}: {tps:,} tokens/s" for name, tps in PEERS) + "."]
     block = "\n".join(lines)
-    print(block)
-    if args.update_readme:
-        replace_block(Path(args.update_readme), "predict-pool", block)
+    print(marked("predict-pool", block))
+    if args.update_readme is not None:
+        replace_block("predict-pool", block, args.update_readme or None)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from figure_blocks import replace_block  # bench/ is the script's folder: on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
 FORMATS = ["q8"]  # the compressed formats (host/state_format.h)
 
@@ -75,9 +77,10 @@ def parse_args(argv=None):
     p.add_argument("--render-from", metavar="DIR", default="",
                    help="run nothing: rewrite --update-readme's block from DIR/quality.json (an earlier run's, "
                         "which records its own command line) and DIR/quality.png")
-    p.add_argument("--update-readme", metavar="README", default="",
-                   help="rewrite README's <!-- figures:begin quality --> block from this run (both parts, 300+ "
-                        "steps) and copy the plot to bench/figures/quality_formats.png")
+    p.add_argument("--update-readme", nargs="?", const="", metavar="README",
+                   help="rewrite the <!-- figures:begin quality --> block from this run (both parts, 300+ steps), "
+                        "where it is: in README.md (or README) or a docs/*.md beside it, and copy the plot to "
+                        "bench/figures/quality_formats.png")
     return p.parse_args(argv)
 
 
@@ -385,20 +388,10 @@ def readme_block(result, argv):
     return "\n".join(lines)
 
 
-def update_readme(readme, block):
-    import re
-    text = Path(readme).read_text()
-    marker = re.compile(r"<!-- figures:begin quality -->.*?<!-- figures:end -->", re.S)
-    if not marker.search(text):
-        raise SystemExit(f"{readme} has no <!-- figures:begin quality --> ... <!-- figures:end --> block")
-    Path(readme).write_text(marker.sub(lambda m: f"<!-- figures:begin quality -->\n{block}\n<!-- figures:end -->",
-                                       text))
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.render_from:
-        if not args.update_readme:
+        if args.update_readme is None:
             raise SystemExit("--render-from needs --update-readme README")
         src = Path(args.render_from)
         result = json.loads((src / "quality.json").read_text())
@@ -407,8 +400,7 @@ def main(argv=None):
                 result[part]["verdicts"] = verdicts(result[part]["runs"])
         (REPO / "bench" / "figures").mkdir(exist_ok=True)
         (REPO / "bench" / "figures" / "quality_formats.png").write_bytes((src / "quality.png").read_bytes())
-        update_readme(args.update_readme, readme_block(result, result["argv"]))
-        print(f"updated {args.update_readme} from {src / 'quality.json'}")
+        replace_block("quality", readme_block(result, result["argv"]), args.update_readme or None)
         return
     args.format_seeds = args.format_seeds or args.seeds
     if not 1 <= args.format_seeds <= args.seeds:
@@ -448,13 +440,13 @@ def main(argv=None):
         print(f"\nwrote {out / 'quality.json'} and {out / 'quality.png'}")
     except ImportError as e:
         print(f"\nwrote {out / 'quality.json'} (no plot: {e})")
-    if args.update_readme:
+    if args.update_readme is not None:
         if args.part != "both" or args.steps < 300:
             raise SystemExit("--update-readme: the README quotes both parts at 300 steps or more")
         (REPO / "bench" / "figures").mkdir(exist_ok=True)
         (REPO / "bench" / "figures" / "quality_formats.png").write_bytes((out / "quality.png").read_bytes())
-        update_readme(args.update_readme, readme_block(result, result["argv"]))
-        print(f"updated {args.update_readme} and bench/figures/quality_formats.png")
+        replace_block("quality", readme_block(result, result["argv"]), args.update_readme or None)
+        print("updated bench/figures/quality_formats.png")
     print(json.dumps({k: v for k, v in result.items() if k in ("bench", "steps")} |
                      {p: {n: v["passes"] for n, v in result[p]["verdicts"]["methods"].items()}
                       for p in ("builtin", "hf") if p in result}))

@@ -1,10 +1,11 @@
 """The figures each command of bench/readme_figures.sh prints, for bench/readme_figures.py: the
-commands' names by part (PARTS), how each part's figures are read from its commands' logs (EXTRACT,
-given a Logs and a Figures of readme_figures.py) and the figure names each part must produce
-(expected_names: what --check holds).
+commands' names by part (PARTS) and how each part's figures are read from its commands' logs (EXTRACT,
+given a Logs and a Figures of readme_figures.py). What --check holds is what the blocks quote.
 """
 import re
 import statistics
+
+from figure_blocks import blocks
 
 GIB = float(1 << 30)
 MIB = float(1 << 20)
@@ -12,7 +13,6 @@ MIB = float(1 << 20)
 
 # ---- the commands and the figures each one prints -------------------------------------
 # PARTS: part -> command names, as bench/readme_figures.sh runs them.
-# EXPECTED: part -> the figure names that part must produce (what --check holds).
 
 PLAN_8B = {8: "plan-8b-b8", 16: "plan-8b-b16", 32: "plan-8b-b32", 64: "plan-8b-b64"}
 # The same 8B runs in fp16 (loss scaling), with fp32 and with fp16 accumulation in the GEMMs.
@@ -26,10 +26,13 @@ PLAN_LORA = {("8b", "lora"): "plan-8b-lora", ("8b", "full"): "plan-8b-full-128",
              ("70b", "lora"): "plan-70b-lora", ("70b", "full"): "plan-70b-full-b16",
              ("8b", "lora-nf4"): "plan-8b-lora-nf4", ("70b", "lora-nf4"): "plan-70b-lora-nf4-128"}  # 128 GiB
 PLAN_LORA_REFUSED = "plan-70b-lora-128"
+# The predict scripts' blocks, each printed whole (figure_blocks.marked) by the command of the same name.
+PREDICT_BLOCKS = ("predict-dp", "predict-pool", "predict-past-ram")
 
 PARTS = {
     "plan": list(PLAN_8B.values()) + ["plan-8b-b8-clip0"] + list(PLAN_PRECISION.values()) + list(PLAN_NVME.values()) + list(PLAN_REFUSED.values()) +
             list(PLAN_Q8.values()) + list(PLAN_LORA.values()) + [PLAN_LORA_REFUSED],
+    "predict": list(PREDICT_BLOCKS),
     "profile": ["profile"],
     "demo": ["demo"],
     "step": ["bench_step"],
@@ -54,7 +57,6 @@ def plan_figures(logs, f):
             continue
         p = f"predict.8b.b{batch}"
         f.put(f"{p}.tokens_per_s", j["tokens_per_s"], cmd)
-        f.put(f"{p}.step_s", j["step_s"], cmd)
         f.put(f"{p}.lower_bound_s", j["lower_bound_s"], cmd)
         tokens = j["tokens_per_s"] * j["step_s"]  # per step: batch x seq
         f.put(f"{p}.bound_tokens_per_s", tokens / j["lower_bound_s"], cmd)
@@ -110,9 +112,7 @@ def plan_figures(logs, f):
         f.put(f"{p}.tokens_per_s", j["tokens_per_s"], cmd)
         f.put(f"{p}.critical_lane", j["critical_lane"], cmd)
         f.put(f"{p}.host_gib", j["host_bytes"] / GIB, cmd)
-        f.put(f"{p}.pinned_gib", j["host_pinned_bytes"] / GIB, cmd)
         f.put(f"{p}.nvme_blocks", len(j["nvme_blocks"]), cmd)
-        f.put(f"{p}.nvme_gib", j["nvme_bytes"] / GIB, cmd)
         f.put(f"{p}.nvme_write_s", j["lane_busy_s"]["nvme write"], cmd)
         fp32 = next((o for o in j.get("other_formats", []) if o["optimizer_state"] == "fp32"), None)
         if params:
@@ -132,7 +132,6 @@ def plan_figures(logs, f):
         f.put(f"{p}.saved_host_gib", j.get("saved_host_bytes", 0) / GIB, cmd)
         f.put(f"{p}.unit_gib", j["unit_bytes"] / GIB, cmd)
         f.put(f"{p}.nvme_gib", j["nvme_bytes"] / GIB, cmd)
-        f.put(f"{p}.critical_lane", j["critical_lane"], cmd)
     j = logs.last_json(PLAN_LORA_REFUSED, "feasible")
     if j and j.get("feasible") is False:
         m = re.search(r"needs ([\d.]+) GiB of pinned host RAM, ([\d.]+) GiB of it the frozen base", j.get("reason", ""))
@@ -148,13 +147,17 @@ def plan_figures(logs, f):
                 f.put(f"refused.{model}.ram_needed_gib", float(m.group(1)), cmd)
 
 
+def predict_figures(logs, f):
+    for name in PREDICT_BLOCKS:
+        f.put(f"block.{name}", blocks(logs.text(name) or "").get(name, "").strip("\n") or None, name)
+
+
 def profile_figures(logs, f):
     j = logs.last_json("profile", "command")
     if not j:
         return
     c = "profile"
     f.put("profile.step_s", j["step_s"], c)
-    f.put("profile.tokens_per_s", j["tokens_per_s"], c)
     for lane in ("compute", "h2d", "d2h", "optimizer"):
         f.put(f"profile.{lane}_pct", 100 * j["lanes"][lane]["busy_fraction"], c)
     f.put("profile.critical_lane", j["critical_lane"], c)
@@ -307,60 +310,7 @@ def torch_figures(logs, f):
     f.put("torch.strider_rss_gib", j["strider_peak_rss_bytes"] / 2**30, c)
 
 
-EXTRACT = {"plan": plan_figures, "profile": profile_figures, "demo": demo_figures, "step": step_figures,
-           "torch": torch_figures, "calibrate": calibrate_figures, "adam": adam_figures, "nvme": nvme_figures}
+EXTRACT = {"plan": plan_figures, "predict": predict_figures, "profile": profile_figures, "demo": demo_figures,
+           "step": step_figures, "torch": torch_figures, "calibrate": calibrate_figures, "adam": adam_figures,
+           "nvme": nvme_figures}
 
-
-def expected_names():
-    """part -> the figure names it must print: what the README's blocks quote."""
-    e = {"plan": [], "profile": [], "demo": [], "step": [], "torch": [], "calibrate": [], "adam": [], "nvme": []}
-    for b in PLAN_8B:
-        e["plan"] += [f"predict.8b.b{b}.{k}" for k in
-                      ("tokens_per_s", "step_s", "lower_bound_s", "bound_tokens_per_s", "overlap_efficiency",
-                       "saved_layers", "saved_host_gib", "host_gib")]
-    e["plan"] += ["predict.8b.layers"]
-    e["plan"] += [f"predict.8b.b{b}.{prec}.{k}" for (prec, b) in PLAN_PRECISION for k in ("tokens_per_s", "critical_lane")]
-    e["plan"] += [f"predict.8b.b{b}.critical_lane" for b in PLAN_8B]
-    e["plan"] += ["predict.8b.b8.optimizer_s", "predict.8b.b8.host_gib", "predict.8b.unit_gib", "predict.8b.vocab_shards",
-                  "predict.8b.unit_params", "predict.8b.b8.clip0.tokens_per_s",
-                  "predict.8b.b8.clip0.overlap_efficiency", "predict.8b.b8.clip0.host_gib"]
-    for (model, clip) in PLAN_NVME:
-        p = f"predict.{model}.nvme.{clip}"
-        e["plan"] += [f"{p}.tokens_per_s", f"{p}.step_s", f"{p}.overlap_efficiency"]
-        if clip == "clip1":
-            e["plan"] += [f"{p}.{k}" for k in ("lower_bound_s", "critical_lane", "nvme_write_s", "nvme_blocks",
-                                               "blocks", "host_gib", "nvme_gib")]
-    e["plan"] += [f"refused.{m}.ram_needed_gib" for m in PLAN_REFUSED]
-    for m in PLAN_Q8:
-        e["plan"] += [f"predict.{m}.q8.{k}" for k in ("tokens_per_s", "critical_lane", "host_gib", "pinned_gib",
-                                                       "nvme_blocks", "nvme_gib", "nvme_write_s",
-                                                       "host_bytes_per_param", "fp32_host_bytes_per_param",
-                                                       "fp32_nvme_blocks")]
-    for (model, kind) in PLAN_LORA:
-        e["plan"] += [f"predict.{model}.{kind}.{k}" for k in ("tokens_per_s", "step_s", "host_gib", "saved_host_gib",
-                                                               "unit_gib", "nvme_gib", "critical_lane")]
-    e["plan"] += ["refused.70b.lora.ram_needed_gib", "refused.70b.lora.base_gib"]
-    e["profile"] = [f"profile.{k}" for k in ("step_s", "tokens_per_s", "compute_pct", "h2d_pct", "d2h_pct",
-                                             "optimizer_pct", "critical_lane", "overlap_efficiency",
-                                             "model_gflops", "executed_gflops", "params")]
-    e["demo"] = [f"demo.{k}" for k in ("eval_loss_before", "device_budget_mib", "window", "blocks", "steps",
-                                       "train_loss_first", "train_loss_last", "eval_loss_last",
-                                       "tokens_per_s_min", "tokens_per_s_median", "tokens_per_s_max",
-                                       "peak_device_mib", "wall_s")]
-    e["step"] = ["step.offload_over_resident", "step.overlap_efficiency", "step.critical_lane"]
-    e["torch"] = [f"torch.{k}" for k in ("strider_over_torch", "torch_tokens_per_s", "strider_tokens_per_s",
-                                         "loss_max_rel_diff", "rounds", "steps", "threads", "seq", "micro_batch",
-                                         "accumulation", "window", "params_m", "ratio_min", "ratio_max",
-                                         "torch_rss_gib", "strider_rss_gib")]
-    e["calibrate"] = ["calibrate.ratio", "calibrate.ratio_min", "calibrate.ratio_max", "calibrate.accumulations"]
-    e["adam"] = [f"adam.{k}" for k in ("isa", "roofline_ratio_min", "roofline_ratio_max", "vs_torch_min",
-                                       "vs_torch_max", "params_m", "threads", "q8_mparams_min", "q8_mparams_max",
-                                       "fp32_mparams_min", "fp32_mparams_max", "q8_roofline_min",
-                                       "q8_roofline_max", "q8_speedup_min", "q8_speedup_max",
-                                       "q8_loops_mparams_min", "q8_loops_mparams_max")]
-    e["nvme"] = [f"nvme.{k}" for k in ("write_vs_fio", "read_vs_fio", "write_median_max", "read_median_max",
-                                       "fio_write_max_over_min", "fio_read_max_over_min", "size_gib", "pairs",
-                                       "configs", "chunks_mib", "depths")] + [
-        f"nvme_extents.{k}" for k in ("read_vs_fio", "write_vs_fio", "store_read_gbs", "fio_read_gbs", "extent_mib",
-                                      "inflight", "chunk_mib", "depth", "pairs")]
-    return e

@@ -1,34 +1,29 @@
 #!/usr/bin/env python3
 """The figures half of bench/readme_figures.sh: reads the log folder that the
 script filled (one NAME.log per command, commands.tsv with each command's exit
-status and wall time, machine.json), extracts every figure the README quotes,
-prints the figures report and, on request, rewrites the README's marked blocks.
-Which commands make up each part, and how each one's figures are read, is
-bench/readme_extract.py.
+status and wall time, machine.json), extracts every figure the pages quote
+(bench/readme_extract.py: which commands make up each part, and how each one's
+figures are read), prints the figures report and, on request, rewrites the
+figure blocks that bench/figure_blocks.py finds in README.md and docs/*.md.
 
-    readme_figures.py LOGS [--check] [--update-readme README]
+    readme_figures.py LOGS [--parts P1,P2] [--check] [--update-readme README]
 
 Figures come from the JSON the tools print (the benches' last line, `strider
-plan --json`, `strider profile --json`, `strider finetune --metrics`). Four
-demo figures have no JSON to come from, since `strider finetune` prints them
-only as text: the held-out loss before training, the device budget, the window
-K and the block count; they are read from its printout, by the patterns in
-readme_extract.py's demo_text_figures().
-
-The README's figures live between `<!-- figures:begin NAME -->` and
-`<!-- figures:end -->`; BLOCKS below renders each NAME from the figures. A
-block that is not in BLOCKS (the GPU block, owned by bench/gpu_check.sh's
-figures) is left as it is.
+plan --json`, `strider profile --json`, `strider finetune --metrics`), but for
+four demo figures that `strider finetune` prints only as text (readme_extract's
+demo_text_figures) and the predict scripts' blocks, taken whole from their logs.
+BLOCKS renders each block this script writes; figure_blocks.COMMANDS names the
+command of every other.
 """
 import argparse
 import json
 import math
-import re
 import sys
 import textwrap
 from pathlib import Path
 
-from readme_extract import EXTRACT, PARTS, PLAN_8B, PLAN_LORA, PLAN_Q8, expected_names
+from figure_blocks import COMMANDS, blocks, pages, replace_block
+from readme_extract import EXTRACT, PARTS, PLAN_8B, PLAN_LORA, PLAN_Q8, PREDICT_BLOCKS
 
 # ---- reading the log folder ---------------------------------------------------------
 
@@ -356,16 +351,18 @@ def block_ram_8b(f, logs):
 
 
 BLOCKS = {"machine": block_machine, "demo-model": block_demo_model, "demo-plan": block_demo_plan,
-          "profile": block_profile, "measured": block_measured, "predict-8b": block_predict_8b, "predict-precision": block_predict_precision,
-          "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b, "formats": block_formats,
-          "predict-lora": block_predict_lora}
-# Blocks the script knows and leaves alone: their figures come from elsewhere.
-# bench/gpu_check.sh's figures, quoted with that check's date; bench/quality_formats.py's (its runs take
-# half an hour: it writes its block itself, with --update-readme); bench/predict_dp.py's (data parallel);
-# bench/predict_past_ram.py's (compute copies on NVMe).
-FOREIGN_BLOCKS = {"gpu", "quality", "predict-dp", "predict-past-ram"}
-
-MARKER = re.compile(r"<!-- figures:begin ([\w-]+) -->(.*?)<!-- figures:end -->", re.S)
+          "profile": block_profile, "measured": block_measured, "predict-8b": block_predict_8b,
+          "predict-precision": block_predict_precision, "predict-nvme": block_predict_nvme, "ram-8b": block_ram_8b,
+          "formats": block_formats, "predict-lora": block_predict_lora}
+# The predict scripts' blocks, as each printed it.
+BLOCKS |= {name: (lambda f, logs, name=name: f[f"block.{name}"]) for name in PREDICT_BLOCKS}
+# The parts whose figures each block quotes: --check renders those whose parts ran, and a figure a block
+# asks for that no command printed is missing.
+_PLAN = {"plan"}
+BLOCK_PARTS = {"machine": {"adam"}, "demo-model": {"profile"}, "demo-plan": {"demo"}, "profile": {"profile"},
+               "measured": {"adam", "nvme", "torch", "step", "calibrate", "demo"}, "predict-8b": _PLAN,
+               "predict-precision": _PLAN, "predict-nvme": _PLAN, "ram-8b": _PLAN, "formats": _PLAN,
+               "predict-lora": _PLAN} | {name: {"predict"} for name in PREDICT_BLOCKS}
 
 
 def cmd(logs, name):
@@ -373,34 +370,23 @@ def cmd(logs, name):
 
 
 def update_readme(readme: Path, f, logs):
-    text = readme.read_text()
-    found = set()
-
-    def render(m):
-        name, old = m.group(1), m.group(2)
-        found.add(name)
-        if name in FOREIGN_BLOCKS:
-            return m.group(0)
-        if name not in BLOCKS:
-            raise SystemExit(f"readme_figures: {readme}: unknown block '{name}' (known: {', '.join(BLOCKS)})")
-        body = BLOCKS[name](f, logs)
-        inline = "\n" not in old  # an inline block stays inside its sentence
-        return f"<!-- figures:begin {name} -->{body if inline else chr(10) + body + chr(10)}<!-- figures:end -->"
-
-    new = MARKER.sub(render, text)
-    missing = [b for b in list(BLOCKS) + sorted(FOREIGN_BLOCKS) if b not in found]
-    if missing:
-        raise SystemExit(f"readme_figures: {readme} has no block for: {', '.join(missing)} "
-                         "(add `<!-- figures:begin NAME -->` ... `<!-- figures:end -->` where it belongs)")
-    if new != text:
-        readme.write_text(new)
-    return new != text
+    """Rewrites every block in BLOCKS; True if one changed. Every block of COMMANDS must be in the pages, and
+    no other."""
+    found = {name for page in pages(readme) for name in blocks(page.read_text())}
+    unknown, missing = sorted(found - set(COMMANDS)), sorted(set(COMMANDS) - found)
+    if unknown or missing:
+        raise SystemExit(f"readme_figures: blocks not in bench/figure_blocks.py's COMMANDS: {unknown or 'none'}; "
+                         f"blocks in no page: {missing or 'none'} (pages: {', '.join(map(str, pages(readme)))})")
+    changed = [name for name in BLOCKS if replace_block(name, BLOCKS[name](f, logs), readme)]
+    return bool(changed)
 
 
 # ---- the report ---------------------------------------------------------------------------
 
 
 def show(v):
+    if isinstance(v, str) and "\n" in v:
+        return f"<block of {v.count(chr(10)) + 1} lines>"
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
     if isinstance(v, list):
@@ -416,15 +402,11 @@ def main():
     ap.add_argument("--update-readme", type=Path, metavar="README")
     a = ap.parse_args()
     logs = Logs(a.logs)
-    parts = [p for p in a.parts.split(",") if p]
-    unknown = [p for p in parts if p not in PARTS]
-    if unknown:
-        raise SystemExit(f"readme_figures: unknown part(s) {', '.join(unknown)} (parts: {', '.join(PARTS)})")
+    parts = [p for p in a.parts.split(",") if p]  # bench/readme_figures.sh --only checked them
 
     f = Figures()
     for p in parts:
         EXTRACT[p](logs, f)
-    expected = expected_names()
     failed, missing = [], []
     for p in parts:
         for c in PARTS[p]:
@@ -433,14 +415,17 @@ def main():
                 failed.append(f"{c}: did not run")
             elif r["rc"] != r["expected_rc"]:
                 failed.append(f"{c}: exit status {r['rc']} (expected {r['expected_rc']}), see {a.logs}/{c}.log")
-        missing += [n for n in expected[p] if n not in f.values]
+    for name, render in BLOCKS.items():
+        if BLOCK_PARTS[name] <= set(parts):
+            try:
+                render(f, logs)
+            except KeyError as e:  # the first figure the block quotes that no command printed
+                missing.append(f"{e.args[0]} (block {name})")
 
     width = max((len(n) for n in f.values), default=0)
     print("figures (name: value    # the command that printed it):")
-    for p in parts:
-        for n in expected[p]:
-            if n in f.values:
-                print(f"  {n + ':':<{width + 1}} {show(f[n]):<12}  # {cmd(logs, f.source[n])}")
+    for n, v in f.values.items():
+        print(f"  {n + ':':<{width + 1}} {show(v):<12}  # {cmd(logs, f.source[n])}")
     print("commands (exit status, wall time):")
     for p in parts:
         for c in PARTS[p]:

@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# bench/readme_figures.sh: runs every command whose figures the README quotes
-# (CPU only), keeps each command's full output, and prints a figures report:
-# one line per figure, `name: value    # command`, then one JSON object with
-# all of them (machine, per-part wall time, figures, commands, failures).
+# bench/readme_figures.sh: reruns the command of every figure block in README.md
+# and docs/*.md (bench/figure_blocks.py's COMMANDS; CPU only), keeps each
+# command's full output, and prints a figures report: one line per figure,
+# `name: value    # command`, then one JSON object with all of them (machine,
+# per-part wall time, figures, commands, failures). Two blocks it does not
+# rerun: quality (bench/quality_formats.py, half an hour) and gpu (a GPU machine).
 #
 #   bench/readme_figures.sh                  run everything, print the report
-#   bench/readme_figures.sh --check          the same; exit 1 naming every command that
-#                                            failed and every figure that was not printed
-#   bench/readme_figures.sh --update-readme  the same, then rewrite the README's figure
-#                                            blocks (<!-- figures:begin NAME --> ...
+#   bench/readme_figures.sh --check          the same; exit 1 naming every command that failed
+#                                            and each block's first figure that none printed
+#   bench/readme_figures.sh --update-readme  the same, then rewrite the figure blocks
+#                                            (<!-- figures:begin NAME --> ...
 #                                            <!-- figures:end -->) from this run
 # Options:
 #   --logs DIR         where each command's output goes (default: a new temp dir, kept)
 #   --from-logs DIR    run nothing: report on (and --check, --update-readme from) an earlier run's logs
-#   --only P1,P2       run only these parts: plan profile step torch demo calibrate adam nvme
+#   --only P1,P2       run only these parts: plan predict profile step torch demo calibrate adam nvme
 #                      (--update-readme needs them all)
 #   --no-build         use the binaries as they are (default: build the five targets first)
-#   --adam-args A, --nvme-args A, --calibrate-args A, --step-args A
+#   --adam-args A, --nvme-args A
 #                      extra arguments for that bench, e.g. --nvme-args '--pairs 2' to run it
 #                      smaller; the README's command column then shows them, and its text
 #                      the size that ran (the sizes come from each bench's JSON)
@@ -26,6 +28,7 @@
 # Parts, in order, with their wall time on the 2-core development VM while two
 # other C++ builds ran on it (18m38s in all; a quiet machine takes less):
 #   plan       16 `strider plan --predict rtx4090 --json` runs (8B; 70B/123B on NVMe; LoRA; refusals) 12 s
+#   predict    bench/predict_dp.py, predict_pool.py, predict_past_ram.py: each prints its block    (not timed)
 #   profile    `strider profile --json` on the built-in model                                    21 s
 #   step       bench_step                                                                        73 s
 #   torch      bench/bench_vs_torch.py: strider vs plain PyTorch, 135M Llama, 5 rounds x 2 steps  ~420 s
@@ -44,9 +47,9 @@ build=$(cd "$build" 2>/dev/null && pwd || echo "$build")
 usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 die() { echo "readme_figures: $*" >&2; exit 2; }
 
-all_parts=plan,profile,step,torch,demo,calibrate,adam,nvme
+all_parts=plan,predict,profile,step,torch,demo,calibrate,adam,nvme
 logs="" from_logs="" parts=$all_parts check=0 update=0 do_build=1
-adam_args="" nvme_args="" calibrate_args="" step_args=""
+adam_args="" nvme_args=""
 while [ $# -gt 0 ]; do
   case $1 in
     --logs) logs=${2:?--logs needs a folder}; shift 2 ;;
@@ -57,8 +60,6 @@ while [ $# -gt 0 ]; do
     --no-build) do_build=0; shift ;;
     --adam-args) adam_args=${2?}; shift 2 ;;
     --nvme-args) nvme_args=${2?}; shift 2 ;;
-    --calibrate-args) calibrate_args=${2?}; shift 2 ;;
-    --step-args) step_args=${2?}; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) die "unknown option $1 (--help lists them)" ;;
   esac
@@ -141,7 +142,7 @@ EOF
 
 # The binaries, built from this checkout (stale ones would quote another commit's figures).
 targets=()
-has_part plan || has_part profile || has_part demo && targets+=(strider)
+has_part plan || has_part predict || has_part profile || has_part demo && targets+=(strider)
 has_part step && targets+=(bench_step)
 has_part torch && targets+=(strider_ops)
 has_part calibrate && targets+=(bench_calibrate)
@@ -209,13 +210,18 @@ if has_part plan; then
   run plan-70b-lora-nf4-128 0 "$S" plan --model llama-3.1-70b --gpu 24GiB --ram 128GiB --seq 1024 \
       --accumulation 16 --lora "$lora" --base-format nf4 --predict rtx4090 --json
 fi
+if has_part predict; then
+  # Each prints its whole block (bench/figure_blocks.py's marked()); readme_figures.py writes it.
+  for script in predict_dp predict_pool predict_past_ram; do
+    run "${script//_/-}" 0 "$python" "bench/$script.py" --binary "$S"
+  done
+fi
 if has_part profile; then
   # Its trace and PNG stay with the logs.
   run profile 0 "$S" profile --out "$logs/profile" --work-dir "$work/profile-data" --json
 fi
 if has_part step; then
-  # shellcheck disable=SC2086  # the extra arguments are words
-  run bench_step 0 "$build/bench/bench_step" $step_args
+  run bench_step 0 "$build/bench/bench_step"
 fi
 if has_part torch; then
   # Against the peer a user would pick instead: the same HF model and batches
@@ -228,8 +234,7 @@ if has_part demo; then
   run demo 0 "$S" finetune --work-dir "$work/demo" --out "$work/demo/out" --metrics "$logs/demo-metrics.jsonl"
 fi
 if has_part calibrate; then
-  # shellcheck disable=SC2086
-  run bench_calibrate 0 "$build/bench/bench_calibrate" $calibrate_args
+  run bench_calibrate 0 "$build/bench/bench_calibrate"
 fi
 if has_part adam; then
   # shellcheck disable=SC2086

@@ -16,7 +16,7 @@ endmacro()
 #
 # Finds a C library that ships no CMake config (liburing, libxxhash) and makes
 # the imported target strider::<name>. find_path/find_library do the finding,
-# so CMAKE_PREFIX_PATH is searched first: bench/gpu_check.sh's prefix of
+# so CMAKE_PREFIX_PATH is searched first: gpu_check/gpu_check.sh's prefix of
 # unpacked Debian packages wins over a system copy, and a machine with neither
 # pkg-config nor .pc files builds. pkg-config, when the machine has it and
 # knows the module, only adds its directories as hints.
@@ -36,7 +36,7 @@ function(strider_find_c_library name)
       "strider: ${A_PKG} not found: header ${A_HEADER} -> ${STRIDER_${up}_INCLUDE_DIR}, library "
       "lib${A_LIBRARY} -> ${STRIDER_${up}_LIBRARY}. Install its development package: on Debian or Ubuntu "
       "'apt install ${A_DEB}' (scripts/setup.sh installs every one strider needs), or put the prefix that holds include/${A_HEADER} and lib/lib${A_LIBRARY}.so in "
-      "CMAKE_PREFIX_PATH (bench/gpu_check.sh does), or set STRIDER_${up}_INCLUDE_DIR and "
+      "CMAKE_PREFIX_PATH (gpu_check/gpu_check.sh does), or set STRIDER_${up}_INCLUDE_DIR and "
       "STRIDER_${up}_LIBRARY.")
   endif()
   add_library(strider::${name} UNKNOWN IMPORTED GLOBAL)

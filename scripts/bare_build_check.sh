@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # scripts/bare_build_check.sh [OUT_DIR [BUILD_DIR]]: proves, on this machine, that
-# bench/gpu_check.sh builds and runs with the GPU bundle alone, against the
+# gpu_check/gpu_check.sh builds and runs with the GPU bundle alone, against the
 # oldest torch strider supports, as on the bare GPU machine.
 #
-# It runs `bench/gpu_check.sh --cpu OUT_DIR BUILD_DIR` (default
+# It runs `gpu_check/gpu_check.sh --cpu OUT_DIR BUILD_DIR` (default
 # /tmp/strider-bare-check and build-bare/) inside a private mount namespace
 # (unshare -m, root) where
 #   - every file of the bundled Debian packages that this machine has installed
@@ -35,7 +35,7 @@ if [ "${STRIDER_BARE_NS:-}" != 1 ]; then
     "$venv/bin/pip" install -q torch==2.11.0 transformers==5.17.0 numpy safetensors pytest "scikit-build-core==1.1.2"
     touch "$venv/.complete"
   fi
-  [ -f "$here/.gpu-bundle/MANIFEST" ] || "$here/scripts/gpu_bundle.sh"
+  [ -f "$here/.gpu-bundle/MANIFEST" ] || "$here/gpu_check/gpu_bundle.sh"
   # Every path the bundle's packages installed on this machine, from dpkg's own lists.
   pkgs=$(awk '!/^#/ && NF {print $1}' "$here/.gpu-bundle/MANIFEST")
   STRIDER_BARE_NS=1 STRIDER_BARE_PKGS="$pkgs" exec unshare -m "$0" "$@"
@@ -110,7 +110,7 @@ say "python: $venv/bin/python ($("$venv/bin/python" -c 'import torch; print("tor
 export STRIDER_PYTHON=$venv/bin/python
 export CCACHE_DIR=$HOME/.cache/strider/ccache-bare
 set +e
-"$here/bench/gpu_check.sh" --cpu "$out" "$build"
+"$here/gpu_check/gpu_check.sh" --cpu "$out" "$build"
 rc=$?
-say "bench/gpu_check.sh --cpu exited $rc (summary: $out/gpu_check.json)"
+say "gpu_check/gpu_check.sh --cpu exited $rc (summary: $out/gpu_check.json)"
 exit $rc

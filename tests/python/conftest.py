@@ -73,7 +73,7 @@ def strider_binary(build_dir):
 # a hole: the machine lacks something no build can supply. A Gloo skip is
 # allowed only in a build without gloo headers (BUILD/strider_features.json).
 ALLOWED_SKIPS = [
-    # A GPU machine runs these through bench/gpu_check.sh instead.
+    # A GPU machine runs these through gpu_check/gpu_check.sh instead.
     (re.compile(r"GPU"), None),
     # Mounting a tmpfs (a full-disk test) needs privileges a container may lack.
     (re.compile(r"cannot mount a tmpfs"), None),

@@ -220,7 +220,7 @@ def test_plan_predicts_data_parallel_ranks(strider_binary):
 
 def test_cuda_ranks_take_their_local_rank_s_gpu_or_are_refused(strider_binary, tmp_path):
     if torch.cuda.device_count() >= 2:
-        pytest.skip("this machine has GPUs for two ranks: bench/gpu_check.sh runs them")
+        pytest.skip("this machine has GPUs for two ranks: gpu_check/gpu_check.sh runs them")
     binary = str(strider_binary("strider"))
     def launch(device, *more):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",

@@ -8,6 +8,7 @@ so the final loss and the mean of the last 50 are the same number:
 import importlib.util
 import json
 import pathlib
+import sys
 
 import pytest
 
@@ -16,6 +17,8 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def qf():
+    if str(REPO_ROOT / "bench") not in sys.path:  # as when it runs as a script: its neighbours import
+        sys.path.insert(0, str(REPO_ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("quality_formats", REPO_ROOT / "bench" / "quality_formats.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,7 +1,7 @@
-"""The checks of bench/gpu_check.sh, after its build: runs each, keeps its log, writes the summary.
+"""The checks of gpu_check/gpu_check.sh, after its build: runs each, keeps its log, writes the summary.
 
-    python bench/gpu_check.py --mode gpu|cpu --repo REPO --build BUILD --out OUT_DIR [--jobs N]
-    python bench/gpu_check.py make-model DIR --size 1b|cpu     # a random Llama checkpoint (the speed check's)
+    python gpu_check/gpu_check.py --mode gpu|cpu --repo REPO --build BUILD --out OUT_DIR [--jobs N]
+    python gpu_check/gpu_check.py make-model DIR --size 1b|cpu     # a random Llama checkpoint (the speed check's)
 
 gpu_check.sh calls it once the build is done (or failed: then every check is reported as not run). Each
 check's stdout/stderr goes to OUT_DIR/gpu_check_logs/<check>.log as it runs; a check that holds leaves a stamp in
@@ -102,7 +102,7 @@ def check_cuda_tests(c, ctx):
 
 
 def check_engine(c, ctx):
-    rc, text = c.run([ctx.python, ctx.repo / "bench/gpu_engine_check.py", "--device", ctx.device],
+    rc, text = c.run([ctx.python, ctx.repo / "gpu_check/gpu_engine_check.py", "--device", ctx.device],
                      env={"STRIDER_BUILD_DIR": str(ctx.build)})
     j = last_json(text) or {}
     res = {"rc": rc, "holds": rc == 0 and bool(j.get("ok")), "result": j}
@@ -111,7 +111,7 @@ def check_engine(c, ctx):
 
 
 def check_memory(c, ctx):
-    rc, text = c.run([ctx.python, ctx.repo / "bench/gpu_memory_check.py", "--device", ctx.device,
+    rc, text = c.run([ctx.python, ctx.repo / "gpu_check/gpu_memory_check.py", "--device", ctx.device,
                       "--strider", ctx.build / "strider"], env={"STRIDER_BUILD_DIR": str(ctx.build)})
     j = last_json(text) or {}
     res = {"rc": rc, "holds": rc == 0 and bool(j.get("ok")), "findings": j.get("findings", []), "result": j}
@@ -360,7 +360,7 @@ def main_checks(a):
     notes = ["No GPU has run this check yet: every figure in a --cpu summary comes from the CPU device."
              if ctx.mode == "cpu" else "A GPU run: these are this machine's figures."]
     if ctx.mode == "cpu":
-        notes.append("--cpu: the memory and speed checks use smaller models than on the GPU (bench/gpu_memory_check.py "
+        notes.append("--cpu: the memory and speed checks use smaller models than on the GPU (gpu_check/gpu_memory_check.py "
                      "CPU_MODEL; gpu_check.py SPEED_MODELS['cpu']), calibration runs 4 rounds.")
 
     def write_summary(results, complete):

@@ -1,7 +1,7 @@
 """Measured peak device memory of a training step against the plan's figure.
 
-    python bench/gpu_memory_check.py --device cuda --strider build/strider   # bench/gpu_check.sh runs it
-    python bench/gpu_memory_check.py --device cpu --strider build/strider    # gpu_check.sh --cpu: smaller
+    python gpu_check/gpu_memory_check.py --device cuda --strider build/strider   # gpu_check/gpu_check.sh runs it
+    python gpu_check/gpu_memory_check.py --device cpu --strider build/strider    # gpu_check.sh --cpu: smaller
 
 For each case, a Llama made from a config on the spot (on CUDA: hidden 2048, vocab 32000, intermediate
 5632, so a cache unit holds hundreds of MiB; on the CPU, --cpu sizes) is planned by `strider plan --json`

@@ -1,6 +1,6 @@
-"""What the Python checks of bench/gpu_check.sh share (gpu_engine_check.py, gpu_memory_check.py).
+"""What the Python checks of gpu_check/gpu_check.sh share (gpu_engine_check.py, gpu_memory_check.py).
 
-    from gpu_check_common import require_device, run_check   # bench/ is the script's folder: on sys.path
+    from gpu_check_common import require_device, run_check   # gpu_check/ is the script's folder: on sys.path
 
 Importing it puts this tree's python_shim/ first on sys.path, so `import strider` is the package of the
 tree under test (its op library then comes from $STRIDER_BUILD_DIR), not one pip installed elsewhere.

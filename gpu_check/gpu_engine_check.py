@@ -1,7 +1,7 @@
 """The engine on a device against the engine on the CPU device and against transformers + torch.optim.AdamW.
 
-    python bench/gpu_engine_check.py --device cuda     # on a GPU machine (bench/gpu_check.sh runs it)
-    python bench/gpu_engine_check.py --device cpu      # the same logic on the CPU (gpu_check.sh --cpu)
+    python gpu_check/gpu_engine_check.py --device cuda     # on a GPU machine (gpu_check/gpu_check.sh runs it)
+    python gpu_check/gpu_engine_check.py --device cpu      # the same logic on the CPU (gpu_check.sh --cpu)
 
 A tiny Llama made from a config on the spot (4 decoder layers: 6 blocks), a window of K = 2 cache units
 (fewer than the blocks, so the window slides), block inputs checkpointed to pinned host memory, micro-batch

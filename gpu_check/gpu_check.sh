@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# bench/gpu_check.sh [--cpu] OUT_DIR [BUILD_DIR]: proves strider on a bare GPU machine, in one command.
+# gpu_check/gpu_check.sh [--cpu] OUT_DIR [BUILD_DIR]: proves strider on a bare GPU machine, in one command.
 #
 # The GPU machine has CUDA, CMake, ninja, g++ and a Python with torch (>= 2.11),
 # transformers and safetensors, but none of the C++ libraries strider links and
 # no network. This script
-#   1. unpacks the Debian packages of .gpu-bundle/ (scripts/gpu_bundle.sh made
+#   1. unpacks the Debian packages of .gpu-bundle/ (gpu_check/gpu_bundle.sh made
 #      it, here; it travels with the tree) into BUILD_DIR/prefix with dpkg-deb -x,
 #      never into /, after checking them against the bundle's MANIFEST;
 #   2. configures CMake against that prefix and that machine's own torch
 #      ($STRIDER_PYTHON, else python3) and builds only the targets the checks
 #      run, with every core; the binaries find the prefix's shared libraries
 #      through their build RPATH (checked with ldd before anything runs);
-#   3. runs the checks (bench/gpu_check.py): the [cuda] Catch2 tests; the
+#   3. runs the checks (gpu_check/gpu_check.py): the [cuda] Catch2 tests; the
 #      engine on CUDA against the engine on the CPU device and against
-#      transformers + AdamW (bench/gpu_engine_check.py); measured peak device
-#      memory against the plan (bench/gpu_memory_check.py); speed (`strider
+#      transformers + AdamW (gpu_check/gpu_engine_check.py); measured peak device
+#      memory against the plan (gpu_check/gpu_memory_check.py); speed (`strider
 #      profile` on a 1.1B model made on the spot, bench_transfer's PCIe GB/s);
 #      precision (the same model's losses and speed in bf16, fp16, and fp16
 #      with --matmul-accumulate fp16: that setting's quality figure); the
@@ -46,7 +46,7 @@ set -uo pipefail
 
 mode=gpu
 if [ "${1:-}" = "--cpu" ]; then mode=cpu; shift; fi
-out=${1:?usage: bench/gpu_check.sh [--cpu] OUT_DIR [BUILD_DIR]}
+out=${1:?usage: gpu_check/gpu_check.sh [--cpu] OUT_DIR [BUILD_DIR]}
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${2:-$repo/build-gpu-check}
 bundle=${STRIDER_GPU_BUNDLE:-$repo/.gpu-bundle}
@@ -55,7 +55,7 @@ export STRIDER_GPU_CHECK_DEADLINE_S=${STRIDER_GPU_CHECK_DEADLINE_S:-540}
 mkdir -p "$out" "$build" && out=$(cd "$out" && pwd) && build=$(cd "$build" && pwd)
 prefix=$build/prefix
 state=$build/gpu-check          # stamps and the build's key
-logs=$out/gpu_check_logs        # under OUT_DIR as they are written (bench/gpu_check.py packs them too)
+logs=$out/gpu_check_logs        # under OUT_DIR as they are written (gpu_check/gpu_check.py packs them too)
 mkdir -p "$logs" "$state"
 jobs=${STRIDER_JOBS:-$(nproc 2>/dev/null || echo 4)}
 log() { echo "gpu_check: $*" | tee -a "$logs/gpu_check.log"; }
@@ -69,7 +69,7 @@ build_status() {  # status message
     "${build_t0:-$STRIDER_GPU_CHECK_T0}" "$(date +%s.%N)" > "$state/build.json"
 }
 summarize() {
-  "$python" "$repo/bench/gpu_check.py" --mode "$mode" --repo "$repo" --build "$build" --out "$out" --jobs "$jobs"
+  "$python" "$repo/gpu_check/gpu_check.py" --mode "$mode" --repo "$repo" --build "$build" --out "$out" --jobs "$jobs"
   exit $?
 }
 
@@ -97,11 +97,11 @@ log "python $python: torch, CUDA, Python = $torch_line"
 # 1. The bundle: verified against its manifest, unpacked once per manifest.
 if [ ! -f "$bundle/MANIFEST" ]; then
   if [ "$mode" = cpu ] && command -v apt-get >/dev/null; then
-    log "no bundle at $bundle: making it (scripts/gpu_bundle.sh)"
-    "$repo/scripts/gpu_bundle.sh" "$bundle" >> "$logs/gpu_check.log" 2>&1 || { build_status failed "scripts/gpu_bundle.sh failed"; summarize; }
+    log "no bundle at $bundle: making it (gpu_check/gpu_bundle.sh)"
+    "$repo/gpu_check/gpu_bundle.sh" "$bundle" >> "$logs/gpu_check.log" 2>&1 || { build_status failed "gpu_check/gpu_bundle.sh failed"; summarize; }
   else
-    log "no bundle at $bundle: run scripts/gpu_bundle.sh on a Debian 12 machine with network first"
-    build_status failed "no bundle at $bundle (scripts/gpu_bundle.sh makes it)"; summarize
+    log "no bundle at $bundle: run gpu_check/gpu_bundle.sh on a Debian 12 machine with network first"
+    build_status failed "no bundle at $bundle (gpu_check/gpu_bundle.sh makes it)"; summarize
   fi
 fi
 manifest_hash=$(sha256sum "$bundle/MANIFEST" | cut -c1-16)
@@ -125,7 +125,7 @@ if [ "$(cat "$prefix/.manifest" 2>/dev/null)" != "$manifest_hash" ]; then
 fi
 
 # 2. Configure and build, unless this tree, bundle and torch were built already.
-tree_hash=$(cd "$repo" && find CMakeLists.txt pyproject.toml cmake host io gpu engine python_shim bench tests -type f \
+tree_hash=$(cd "$repo" && find CMakeLists.txt pyproject.toml cmake host io gpu engine python_shim bench gpu_check tests -type f \
               ! -name '*.pyc' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
 key="tree-$tree_hash bundle-$manifest_hash torch-$(echo "$python $torch_line" | sha256sum | cut -c1-12)"
 echo "$key" > "$state/key"

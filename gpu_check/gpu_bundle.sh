@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# scripts/gpu_bundle.sh [DIR]: the Debian packages a bare GPU machine lacks,
+# gpu_check/gpu_bundle.sh [DIR]: the Debian packages a bare GPU machine lacks,
 # downloaded (not installed) into DIR (default .gpu-bundle/, ignored by git),
-# so that bench/gpu_check.sh can build strider there without a network.
+# so that gpu_check/gpu_check.sh can build strider there without a network.
 #
 # The GPU image has CUDA, CMake, ninja, g++ and a Python with torch, but none
 # of the C++ libraries strider links besides those. This fetches their
@@ -80,7 +80,7 @@ done
 
 # 3. A manifest gpu_check.sh verifies before it unpacks: package, version, file, sha256.
 {
-  echo "# strider GPU bundle: Debian $(cat /etc/debian_version 2>/dev/null || echo '?'), made $(date -u +%Y-%m-%dT%H:%M:%SZ) by scripts/gpu_bundle.sh"
+  echo "# strider GPU bundle: Debian $(cat /etc/debian_version 2>/dev/null || echo '?'), made $(date -u +%Y-%m-%dT%H:%M:%SZ) by gpu_check/gpu_bundle.sh"
   for p in "${PKGS[@]}"; do
     f=$(cd "$tmp" && ls "${p}"_*.deb)
     printf '%s %s %s %s\n' "$p" "$(version_of "$p")" "$f" "$(sha256sum "$tmp/$f" | cut -d' ' -f1)"
