@@ -35,9 +35,10 @@
 #include <tuple>
 
 #include "engine/model/builtin.h"
+#include "engine/run/block_runner.h"
 #include "engine/run/engine.h"
-#include "gpu/device/sim_device.h"
 #include "gpu/blocks/unit_tensors.h"
+#include "gpu/device/sim_device.h"
 #include "host/cpu_adam.h"
 #include "host/error.h"
 #include "host/pinned_arena.h"

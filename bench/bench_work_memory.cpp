@@ -20,8 +20,8 @@
 #include <sstream>
 
 #include "engine/model/builtin.h"
-#include "engine/run/engine.h"
 #include "engine/plan/plan.h"
+#include "engine/run/engine.h"
 
 using namespace strider;
 

@@ -45,7 +45,7 @@ import sys
 import time
 from pathlib import Path
 
-from figure_blocks import replace_block  # bench/ is the script's folder: on sys.path
+from figure_blocks import find_block, replace_block  # bench/ is the script's folder: on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 FORMATS = ["q8"]  # the compressed formats (host/state_format.h)
@@ -344,9 +344,9 @@ def plot(parts, path):
     fig.savefig(path, dpi=110)
 
 
-def readme_block(result, argv):
-    """The README's quality block: the command, then per part the table of each run's final and last-50 losses and
-    each method's mean over its seeds against the line."""
+def readme_block(result, argv, image="bench/figures/quality_formats.png"):
+    """The quality block: the command, then per part the table of each run's final and last-50 losses and
+    each method's mean over its seeds against the line, then the plot (`image`: its path from the page)."""
     lines = [f"`.venv/bin/python bench/quality_formats.py {' '.join(argv)}` ({result['steps']} steps each; fp32 "
              f"seeds 1..{result['seeds']} give the band; each format and peer runs seeds 1..{result['format_seeds']}; "
              "the line: the mean over a method's seeds inside the band or within 1% of fp32's mean over the same "
@@ -384,8 +384,14 @@ def readme_block(result, argv):
                      "torch's AdamW.")
     elif "bitsandbytes_error" in peers:
         lines.append(f"bitsandbytes did not run: {peers['bitsandbytes_error']}.")
-    lines += ["", "![loss curves of the formats](bench/figures/quality_formats.png)"]
+    lines += ["", f"![loss curves of the formats]({image})"]
     return "\n".join(lines)
+
+
+def plot_path(readme):
+    """The plot's path as the page holding the quality block links it (from docs/*.md: ../bench/...)."""
+    page, _ = find_block("quality", readme or None)
+    return os.path.relpath(REPO / "bench" / "figures" / "quality_formats.png", page.parent)
 
 
 def main(argv=None):
@@ -400,7 +406,8 @@ def main(argv=None):
                 result[part]["verdicts"] = verdicts(result[part]["runs"])
         (REPO / "bench" / "figures").mkdir(exist_ok=True)
         (REPO / "bench" / "figures" / "quality_formats.png").write_bytes((src / "quality.png").read_bytes())
-        replace_block("quality", readme_block(result, result["argv"]), args.update_readme or None)
+        replace_block("quality", readme_block(result, result["argv"], plot_path(args.update_readme)),
+                      args.update_readme or None)
         return
     args.format_seeds = args.format_seeds or args.seeds
     if not 1 <= args.format_seeds <= args.seeds:
@@ -445,7 +452,8 @@ def main(argv=None):
             raise SystemExit("--update-readme: the README quotes both parts at 300 steps or more")
         (REPO / "bench" / "figures").mkdir(exist_ok=True)
         (REPO / "bench" / "figures" / "quality_formats.png").write_bytes((out / "quality.png").read_bytes())
-        replace_block("quality", readme_block(result, result["argv"]), args.update_readme or None)
+        replace_block("quality", readme_block(result, result["argv"], plot_path(args.update_readme)),
+                      args.update_readme or None)
         print("updated bench/figures/quality_formats.png")
     print(json.dumps({k: v for k, v in result.items() if k in ("bench", "steps")} |
                      {p: {n: v["passes"] for n, v in result[p]["verdicts"]["methods"].items()}

@@ -11,8 +11,8 @@
 #include "host/error.h"
 
 #if STRIDER_HAVE_TORCH
-#include "gpu/memory/aten_memory.h"    // install_aten_cpu_counter: the CPU device's working-memory meter
 #include "gpu/blocks/compute_modes.h"  // install_compute_modes: every device's launches in the same ATen modes
+#include "gpu/memory/aten_memory.h"    // install_aten_cpu_counter: the CPU device's working-memory meter
 #endif
 
 namespace strider {

@@ -230,8 +230,8 @@ def check_dtype(dtype, device):
     label = "engine on cpu with chaos" if chaos else f"engine on {device}"
     print(f"{dtype}: {STEPS} steps, losses {['%.5f' % x for x in ours['loss']]} ({label}), "
           f"{['%.5f' % x for x in ref['loss']]} (transformers + AdamW on {device}); {clipped} of {STEPS} clipped")
-    # A pool of two devices on this one card (two CUDA devices on the same GPU, engine/README.md "A pool of
-    # devices"): the cross-device hand-offs and waits, the head's 4 vocabulary shards spread over both
+    # A pool of two devices on this one card (two CUDA devices on the same GPU, docs/pool.md, "How the pool
+    # runs"): the cross-device hand-offs and waits, the head's 4 vocabulary shards spread over both
     # (the same shards as one device's: vocab_shard_rows), against the reference and the one-device engine.
     pool = engine_run(copy.deepcopy(base), data, dtype, device, chaos=chaos, devices=f"{device},{device}")
     res = {"engine_vs_torch": compare(f"{label} vs transformers + AdamW on {device}", ours, ref, TOL[dtype]),

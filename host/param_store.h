@@ -1,5 +1,5 @@
 // ParamStore: every block's training state in one PinnedArena, flat per block
-// and per kind (DESIGN.md, "The data, and where it lives"):
+// and per kind (docs/design.md, "The data, and where it lives"):
 //   master, m, v   in the run's StateFormat (host/state_format.h): fp32, or
 //                  q8 (an 8-bit master extension, 8-bit m and v codes with
 //                  their groups' scales); host-resident unless the block's

@@ -29,12 +29,12 @@
 #include <string>
 #include <vector>
 
-#include "engine/run/collectives.h"
-#include "engine/run/engine.h"
+#include "engine/checkpoint/train_checkpoint.h"
 #include "engine/config/engine_config_json.h"
 #include "engine/model/model_spec.h"
 #include "engine/plan/plan.h"
-#include "engine/checkpoint/train_checkpoint.h"
+#include "engine/run/collectives.h"
+#include "engine/run/engine.h"
 #include "gpu/device/device.h"
 #include "host/error.h"
 

@@ -10,9 +10,9 @@
 
 #include <fmt/ranges.h>
 
-#include "engine/config/engine_config_json.h"
-#include "engine/checkpoint/train_checkpoint.h"
 #include "engine/checkpoint/parts.h"
+#include "engine/checkpoint/train_checkpoint.h"
+#include "engine/config/engine_config_json.h"
 #include "host/error.h"
 #include "io/checksum.h"
 #include "io/safetensors.h"

@@ -9,10 +9,10 @@
 
 #include <fmt/ranges.h>
 
+#include "engine/checkpoint/parts.h"
 #include "engine/config/engine_config_json.h"
 #include "engine/model/hf_folder.h"
 #include "engine/model/peft_adapter.h"
-#include "engine/checkpoint/parts.h"
 #include "host/error.h"
 #include "io/atomic_file.h"
 #include "io/checksum.h"

@@ -6,9 +6,9 @@
 #include <optional>
 
 #include "engine/checkpoint/series.h"
+#include "engine/config/config_fields.h"
 #include "engine/model/hf_folder.h"
 #include "engine/model/peft_adapter.h"
-#include "engine/config/config_fields.h"
 #include "engine/plan/plan.h"  // format_bytes
 #include "host/error.h"
 

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/run/engine.h"
 #include "engine/model/model_spec.h"
+#include "engine/run/engine.h"
 #include "host/dtype.h"
 
 namespace strider::cli {

@@ -18,16 +18,16 @@
 #include <limits>
 #include <optional>
 
-#include "engine/model/builtin.h"
 #include "engine/checkpoint/series.h"
+#include "engine/checkpoint/train_checkpoint.h"
 #include "engine/cli/cli.h"
 #include "engine/cli/final_model.h"
 #include "engine/cli/finetune_options.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/cli/step_log.h"
 #include "engine/cli/training_run.h"
+#include "engine/model/builtin.h"
 #include "engine/model/hf_folder.h"
-#include "engine/checkpoint/train_checkpoint.h"
 #include "host/error.h"
 
 namespace strider::cli {

@@ -2,9 +2,9 @@
 // (finetune_options.h); finetune.cpp runs them.
 #include <memory>
 
+#include "engine/checkpoint/train_checkpoint.h"  // maths_config_fields
 #include "engine/cli/cli.h"
 #include "engine/cli/finetune_options.h"
-#include "engine/checkpoint/train_checkpoint.h"  // maths_config_fields
 
 namespace strider::cli {
 namespace {

@@ -9,11 +9,11 @@
 
 #include "engine/cli/cli.h"
 #include "engine/cli/training_run.h"
-#include "engine/run/engine.h"
 #include "engine/model/hf_folder.h"
 #include "engine/model/model_presets.h"
 #include "engine/plan/plan.h"
 #include "engine/program/step_program.h"
+#include "engine/run/engine.h"
 #include "host/error.h"
 
 namespace strider::cli {

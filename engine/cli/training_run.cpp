@@ -14,9 +14,9 @@
 #include <set>
 #include <string_view>
 
-#include "engine/model/builtin.h"
 #include "engine/cli/cli.h"
 #include "engine/cli/run_outputs.h"
+#include "engine/model/builtin.h"
 #include "engine/model/hf_folder.h"
 #include "gpu/device/cpu_device.h"
 #include "gpu/device/cuda_device.h"
@@ -345,7 +345,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   else if (choose_device(device_spec).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
   // The working-memory model's kernel-dependent terms, measured on a CPU
   // device like the run's (GPUs keep the analytic upper bound until one has
-  // been measured there: bench/gpu_check.sh).
+  // been measured there: gpu_check/gpu_check.sh).
   if (device_spec.rfind("sim", 0) != 0 && choose_device(device_spec).kind == DeviceKind::kCpu) {
     auto probe = make_device({.spec = "cpu"});
     lim.work = measure_work_coefficients(*probe, lim.dtype == at::kHalf ? DType::kF16 : DType::kBF16);

@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "engine/cli/config_options.h"
+#include "engine/plan/plan.h"
 #include "engine/run/collectives.h"
 #include "engine/run/engine.h"
-#include "engine/plan/plan.h"
 #include "io/run_lock.h"
 #include "io/token_data.h"
 

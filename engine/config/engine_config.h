@@ -146,7 +146,7 @@ struct EngineConfig {
   }
   NvmeBackend nvme_backend = NvmeBackend::kAuto;
   LockPolicy lock = LockPolicy::kPrefer;
-  // Data parallel with sharded state (DESIGN.md, "Growing past one GPU"):
+  // Data parallel with sharded state (docs/design.md, "Growing past one GPU"):
   // this engine keeps the master, m and v of slice `state_shard` of
   // `state_shards` of every block (engine/placement/pieces.h, rank_slices), sums only
   // that slice of each gradient over the ranks (a reduce-scatter), updates it,
@@ -166,8 +166,8 @@ struct EngineConfig {
   // least 64: slices start on 256-byte lines).
   int64_t slice_align() const { return std::max<int64_t>(shard_align(), 64); }
 
-  // The devices of the pool one engine drives (engine/README.md, "A pool of
-  // devices"; set by the Engine from the devices it is given): block b's
+  // The devices of the pool one engine drives (docs/pool.md, "How the pool
+  // runs"; set by the Engine from the devices it is given): block b's
   // visits, forward and backward, run on device b % devices (placement.h,
   // block_device). Placement, not maths: the same bits as one device.
   int devices = 1;

@@ -2,7 +2,7 @@
 // its checks and what the load-balancing loss counts from it. The engine
 // (EngineCore::count_router_rows) and the resident reference
 // (ResidentModel::forward_backward) both take it from here, so the two count
-// the same rows by construction (engine/README.md, "Mixture of experts").
+// the same rows by construction (docs/moe.md, "How the engine runs them").
 #pragma once
 
 #include <cstddef>

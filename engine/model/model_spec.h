@@ -14,9 +14,9 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "engine/model/lora.h"
 #include "gpu/blocks/block_dims.h"
 #include "gpu/memory/work_calibration.h"  // WorkCoefficients
-#include "engine/model/lora.h"
 #include "host/param_layout.h"
 
 namespace strider {
@@ -96,7 +96,7 @@ struct ModelSpec {
   }
   // The load-balancing loss's weight: router_aux_loss_coef where the
   // config's output_router_logits is set (transformers adds the loss then),
-  // else 0 (engine/README.md, "Mixture of experts").
+  // else 0 (docs/moe.md, "How the engine runs them").
   double router_aux_coef = 0;
   // Layer `layer`'s BlockDims: dims, with its kind's window and RoPE, and
   // no experts where its MLP is dense.

@@ -366,7 +366,7 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
   const uint64_t per_layer = footprint(spec, one).saved_bytes_per_layer;
   const ActivationCost cost = activation_cost(spec, l, per_layer);
   std::vector<int64_t> wanted;
-  // A layer cut into sub-layer pieces keeps none (engine/README.md, "Sub-layer pieces").
+  // A layer cut into sub-layer pieces keeps none (docs/pieces.md, "Sub-layer pieces").
   if (l.mlp_pieces == 0 &&
       (l.activations == ActivationMode::kSaved || (l.activations == ActivationMode::kAuto && cost.pays())))
     for (int64_t b = 1; b <= spec.layers; ++b) wanted.push_back(b);

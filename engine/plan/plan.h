@@ -14,9 +14,9 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "engine/config/config_fields.h"  // parse_bytes
+#include "engine/model/model_spec.h"
 #include "engine/placement/placement.h"
 #include "gpu/device/sim_device.h"  // CostModel
-#include "engine/model/model_spec.h"
 
 namespace strider {
 

@@ -1,4 +1,4 @@
-// The step as a program (engine/README.md, "The step program").
+// The step as a program (docs/step-program.md).
 //
 // One training pass is a list of operations, compiled from the Placement and
 // the configuration before the first step: the device's (per visit of the
@@ -35,7 +35,7 @@
 // device operations, the updater thread for host ones) and the simulator
 // (engine/run/sim_updater.h, with the SimDevice pricing the device's). Neither
 // reads a feature flag of the configuration: a pass has put what they need
-// into the operations. engine/README.md, "The step program", says where a new
+// into the operations. docs/step-program.md, says where a new
 // kind of operation goes.
 #pragma once
 

@@ -11,8 +11,8 @@
 #include "host/adam_q8.h"
 #include "host/base_format.h"
 #include "host/bf16.h"
-#include "host/half.h"
 #include "host/error.h"
+#include "host/half.h"
 
 namespace strider {
 namespace {

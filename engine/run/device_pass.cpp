@@ -1,4 +1,4 @@
-// The engine's device pass (DESIGN.md, "One training step", steps 1-3): the
+// The engine's device pass (docs/design.md, "One training step", steps 1-3): the
 // batch upload, the device executor (run_pass walks the program's device
 // operations; device_ops.cpp handles each kind), and what its operations
 // share: each visit's H2D into a unit, the views over units and
@@ -7,9 +7,9 @@
 #include <algorithm>
 #include <cstring>
 
-#include "engine/run/engine_core.h"
 #include "engine/model/batch_mask.h"
 #include "engine/run/collectives.h"
+#include "engine/run/engine_core.h"
 #include "engine/run/sim_updater.h"
 #include "host/error.h"
 

@@ -1,4 +1,4 @@
-// Engine: the sliding-window training step of DESIGN.md ("One training step").
+// Engine: the sliding-window training step of docs/design.md ("One training step").
 //
 // The device holds K cache units, a window over the model's pieces; the host
 // holds every block's bf16 (or fp32) compute copy and, in RAM or on NVMe, its
@@ -98,7 +98,7 @@ class Engine {
  public:
   Engine(ModelSpec spec, EngineConfig config, std::unique_ptr<Device> device);
   // A pool of devices (gpu/device/device.h, make_devices), all of one kind: block
-  // b's visits run on devices[b % N] (engine/README.md, "A pool of devices");
+  // b's visits run on devices[b % N] (docs/pool.md, "How the pool runs");
   // config.devices is set to N. One host optimizer and one copy of the state
   // serve them all; the result is one device's bits.
   Engine(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices);
@@ -150,7 +150,7 @@ class Engine {
   // transformers' attention mask, right padding only (a row's 0s follow its
   // 1s), labels -100 on padding. Attention is causal, so the padding changes
   // no real token; it leaves the padded tokens out of the load-balancing loss
-  // (engine/README.md, "Mixture of experts"), as transformers does.
+  // (docs/moe.md, "How the engine runs them"), as transformers does.
   StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
                   const int64_t* attention_mask = nullptr);
   // Loss over a batch with the same window and no update (mean over valid tokens).

@@ -317,7 +317,7 @@ std::pair<double, int64_t> EngineCore::pass_loss() {
     sums[0] += head_stats_host_[m];
     sums[1] += head_stats_host_[M + m];
   }
-  // The load-balancing loss, a mean over every rank's micro-batches (engine/README.md, "Mixture of experts").
+  // The load-balancing loss, a mean over every rank's micro-batches (docs/moe.md, "How the engine runs them").
   double aux = 0;
   if (spec_.router_aux_coef > 0) {
     // The last layer's device holds the whole sum (a pool hands it on, device_ops.cpp).

@@ -18,8 +18,8 @@
 #include <thread>
 
 #include "engine/model/batch_mask.h"
-#include "engine/run/block_runner.h"
 #include "engine/placement/placement.h"
+#include "engine/run/block_runner.h"
 #include "gpu/device/cache_unit_pool.h"
 #include "host/cpu_adam.h"
 #include "host/param_store.h"
@@ -109,7 +109,7 @@ class EngineCore {
     int slot = 0;
     std::unique_ptr<Event> ready;
   };
-  // One device of the pool (engine/README.md, "A pool of devices") and what
+  // One device of the pool (docs/pool.md, "How the pool runs") and what
   // lives on it: its cache units, its block runner, the buffers of the
   // blocks it runs, its kept-activation slots, and the events its own
   // streams record. Every visit of a block runs on the block's device

@@ -6,8 +6,8 @@
 #include <limits>
 #include <fmt/format.h>
 
-#include "engine/run/engine_core.h"
 #include "engine/run/collectives.h"
+#include "engine/run/engine_core.h"
 #include "host/adam_q8.h"
 #include "host/bf16.h"
 #include "host/error.h"

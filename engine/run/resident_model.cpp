@@ -94,7 +94,7 @@ StepLoss ResidentModel::forward_backward(const at::Tensor& input_ids, const at::
   const int64_t valid = (labels != -100).sum().item<int64_t>();
   STRIDER_CHECK(valid > 0, "the batch has no label other than -100: nothing to train on");
 
-  // The load-balancing loss (engine/README.md, "Mixture of experts"): each
+  // The load-balancing loss (docs/moe.md, "How the engine runs them"): each
   // micro-batch's routing statistics over its sparse layers, then each
   // sparse layer's backward adds its gradient, a mean over the micro-batches.
   const bool aux = spec_.router_aux_coef > 0;

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "engine/run/block_runner.h"
 #include "engine/model/model_spec.h"
+#include "engine/run/block_runner.h"
 
 namespace strider {
 

@@ -10,8 +10,8 @@
 
 #include "gpu/blocks/attention.h"
 #include "gpu/blocks/block_parts.h"
-#include "gpu/blocks/weight_grad.h"
 #include "gpu/blocks/moe.h"
+#include "gpu/blocks/weight_grad.h"
 #include "host/error.h"
 
 namespace strider {

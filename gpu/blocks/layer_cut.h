@@ -1,5 +1,5 @@
-// A decoder layer cut into sub-layer pieces (engine/README.md, "Sub-layer
-// pieces"): the attention half (its norms, projections and the residual),
+// A decoder layer cut into sub-layer pieces (docs/pieces.md,
+// "Sub-layer pieces"): the attention half (its norms, projections and the residual),
 // then the MLP in slices along its intermediate dimension. Each slice has
 // its own weights, so that a layer larger than a cache unit allows runs as
 // several visits, each holding one piece:

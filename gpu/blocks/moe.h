@@ -31,7 +31,7 @@
 namespace strider {
 
 // What a micro-batch's sparse layers share for the load-balancing loss
-// (engine/README.md, "Mixture of experts"): `stats`, fp32 [2, experts], row 0
+// (docs/moe.md, "How the engine runs them"): `stats`, fp32 [2, experts], row 0
 // each expert's top-k assignments, row 1 its router probabilities summed over
 // the tokens. Each forward adds its tokens' into it; each backward, given the
 // loss's weight `aux_scale` (0: it is not in this step) and the micro-batch's

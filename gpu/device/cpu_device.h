@@ -7,7 +7,7 @@
 // so a missing wait corrupts a result in a test instead of on a GPU later.
 //
 // Working memory: each op launched on the compute stream is watched by the
-// process's WorkMeter (gpu/memory/work_meter.h; registered by make_device in builds
+// process's WorkMeter (gpu/device/work_meter.h; registered by make_device in builds
 // with torch, which counts every ATen CPU allocation of every thread). The
 // meter is process-wide, so what it attributes to an op is everything ATen
 // allocated anywhere while the op ran. The engine's figures are still the
@@ -31,7 +31,7 @@
 
 #include "gpu/device/device.h"
 #include "gpu/device/device_ledger.h"
-#include "gpu/memory/work_meter.h"
+#include "gpu/device/work_meter.h"
 
 namespace strider {
 

@@ -280,7 +280,7 @@ class CudaDevice final : public Device {
     size_t anchor;  // the anchor its begin is timed from (anchors_)
   };
 
-  // ATen's working memory (DESIGN.md: the plan counts it; this measures it).
+  // ATen's working memory (docs/design.md: the plan counts it; this measures it).
   // A closure only enqueues kernels, but the caching allocator accounts each
   // allocation when it is made, on this host thread, and a freed block is
   // reused only by work later in the same stream: the allocated-bytes peak

@@ -235,7 +235,7 @@ struct DeviceOptions {
 // The device `options.spec` asks for; "auto" says in `why` (if given) what it chose and why.
 std::unique_ptr<Device> make_device(const DeviceOptions& options, std::string* why = nullptr);
 
-// The devices of a pool (engine/README.md, "A pool of devices"): `devices` is
+// The devices of a pool (docs/pool.md, "How the pool runs"): `devices` is
 // a count ("2": that many of `options.spec`'s kind: cuda:0..N-1 for CUDA, N
 // CPU devices, each with its own streams, budget and chaos seed) or a list
 // of specs ("cuda:0,cuda:2"); "" or "1": the one device `options.spec` names.

@@ -1,6 +1,6 @@
 // ATen's CPU working memory, counted: a c10 CPU allocator in front of the one
 // ATen uses, process-wide, so the CPU device can measure (and limit) what each
-// op allocates (gpu/memory/work_meter.h). The CUDA device reads the caching
+// op allocates (gpu/device/work_meter.h). The CUDA device reads the caching
 // allocator's own statistics instead (cuda_device.cpp).
 //
 // install_aten_cpu_counter() wraps c10::GetCPUAllocator() (normally c10's
@@ -25,7 +25,7 @@
 
 #include <cstdint>
 
-#include "gpu/memory/work_meter.h"
+#include "gpu/device/work_meter.h"
 
 namespace strider {
 

@@ -11,8 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/run/engine.h"
 #include "engine/checkpoint/train_checkpoint.h"
+#include "engine/run/engine.h"
 #include "tests/catch_torch.h"
 #include "tests/engine/tiny_model.h"
 

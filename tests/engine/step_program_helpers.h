@@ -6,8 +6,8 @@
 
 #include <algorithm>
 
-#include "engine/run/engine.h"
 #include "engine/program/step_program.h"
+#include "engine/run/engine.h"
 #include "tests/engine/tiny_model.h"
 
 namespace strider::test {

@@ -24,9 +24,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "engine/run/engine.h"
-#include "engine/model/hf_folder.h"
 #include "engine/checkpoint/train_checkpoint.h"
+#include "engine/model/hf_folder.h"
+#include "engine/run/engine.h"
 #include "host/bf16.h"
 #include "host/error.h"
 #include "tests/engine/engine_state.h"

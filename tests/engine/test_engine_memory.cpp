@@ -1,6 +1,6 @@
 // What a step moves and needs, on CpuDevice: the H2D and D2H bytes of the
 // step's report against the visit schedule worked out by hand from the tiny
-// model's tensor shapes (DESIGN.md, "One training step"), and ATen's working
+// model's tensor shapes (docs/design.md, "One training step"), and ATen's working
 // memory (the most any compute op held), measured per step.
 #include "tests/catch_torch.h"
 

@@ -6,8 +6,9 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/model/builtin.h"
-#include "engine/run/engine.h"
 #include "engine/model/model_presets.h"
+#include "engine/run/engine.h"
+#include "gpu/blocks/blocks.h"  // layer_saved_elems
 #include "gpu/device/sim_device.h"  // CostModel
 
 using namespace strider;

@@ -13,9 +13,9 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/model/model_spec.h"
-#include "gpu/memory/aten_memory.h"
 #include "gpu/blocks/blocks.h"
 #include "gpu/blocks/chunked_loss.h"
+#include "gpu/memory/aten_memory.h"
 
 using namespace strider;
 

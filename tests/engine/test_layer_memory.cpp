@@ -19,10 +19,10 @@
 #include <cstdlib>
 #include <string>
 
-#include "engine/run/block_runner.h"
 #include "engine/model/model_spec.h"
-#include "gpu/memory/aten_memory.h"
+#include "engine/run/block_runner.h"
 #include "gpu/device/device.h"
+#include "gpu/memory/aten_memory.h"
 #include "gpu/memory/work_calibration.h"
 
 using namespace strider;

@@ -14,8 +14,8 @@
 #include <cmath>
 #include <cstdio>
 
-#include "engine/run/engine.h"
 #include "engine/plan/plan.h"
+#include "engine/run/engine.h"
 #include "tests/engine/tiny_model.h"
 
 using namespace strider;

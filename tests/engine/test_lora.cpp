@@ -6,11 +6,11 @@
 
 #include <set>
 
-#include "engine/run/engine.h"
 #include "engine/model/model_presets.h"
 #include "engine/plan/plan.h"
-#include "engine/run/resident_model.h"
 #include "engine/program/step_program.h"
+#include "engine/run/engine.h"
+#include "engine/run/resident_model.h"
 #include "host/cpu_adam.h"
 #include "tests/engine/engine_cases.h"
 

@@ -10,10 +10,10 @@
 #include <cmath>
 #include <random>
 
-#include "engine/run/engine.h"
 #include "engine/model/model_presets.h"
 #include "engine/plan/plan.h"
 #include "engine/program/step_program.h"
+#include "engine/run/engine.h"
 #include "gpu/blocks/base_dequant.h"
 #include "host/bf16.h"
 #include "tests/engine/engine_cases.h"

@@ -10,8 +10,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "engine/run/engine.h"
 #include "engine/checkpoint/train_checkpoint.h"
+#include "engine/run/engine.h"
 #include "io/safetensors.h"
 #include "tests/engine/engine_state.h"
 #include "tests/engine/tiny_model.h"

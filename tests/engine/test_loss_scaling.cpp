@@ -8,8 +8,8 @@
 
 #include <cmath>
 
-#include "engine/run/engine.h"
 #include "engine/program/timeline.h"
+#include "engine/run/engine.h"
 #include "gpu/device/sim_device.h"
 #include "host/error.h"
 #include "tests/engine/engine_cases.h"

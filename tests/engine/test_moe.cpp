@@ -11,11 +11,11 @@
 #include <algorithm>
 #include <utility>
 
-#include "engine/run/engine.h"
+#include "engine/checkpoint/train_checkpoint.h"
 #include "engine/model/model_presets.h"
 #include "engine/placement/placement.h"
 #include "engine/plan/plan.h"
-#include "engine/checkpoint/train_checkpoint.h"
+#include "engine/run/engine.h"
 #include "gpu/blocks/moe.h"
 #include "tests/engine/engine_cases.h"
 #include "tests/engine/engine_state.h"

@@ -4,11 +4,11 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
-#include "engine/model/builtin.h"
-#include "engine/run/engine.h"
 #include "engine/config/engine_config_json.h"
+#include "engine/model/builtin.h"
 #include "engine/model/model_presets.h"
 #include "engine/plan/plan.h"
+#include "engine/run/engine.h"
 #include "host/error.h"
 
 using namespace strider;

@@ -1,5 +1,5 @@
-// Layers cut into sub-layer pieces (EngineConfig::mlp_pieces; engine/
-// README.md, "Sub-layer pieces"): each decoder layer is its attention half
+// Layers cut into sub-layer pieces (EngineConfig::mlp_pieces;
+// docs/pieces.md, "Sub-layer pieces"): each decoder layer is its attention half
 // and slices of its MLP, each a visit of its own with its own unit, H2D,
 // gradients, AdamW and extents. Every placement (K, host checkpoints, NVMe
 // state, vocabulary shards, gradient rings, a pool, chaos) trains to the
@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "engine/run/engine.h"
 #include "engine/placement/placement.h"
 #include "engine/plan/plan.h"
 #include "engine/program/step_program.h"
+#include "engine/run/engine.h"
 #include "tests/engine/engine_cases.h"
 
 using namespace strider;
@@ -235,14 +235,14 @@ TEST_CASE("a model whose layers exceed half the GPU fits through sub-layer piece
   // GPT-3 175B's widths (hidden 12288, FFN 49152) in Llama's gated shape
   // with 8 K/V heads: a layer of 2.14B parameters, whose unit (bf16 copy and
   // fp32 gradients) is 11.95 GiB: two do not fit 24 GiB. Its 96 layers
-  // (bench/configs/llama-205b-wide-shape.json, in the README's prediction)
+  // (bench/configs/llama-205b-wide-shape.json, in docs/offload.md, "Past the RAM")
   // plan as 8 do, slower: 8 here.
   nlohmann::json config = tiny_config(false);
   config.update({{"hidden_size", 12288}, {"intermediate_size", 49152}, {"num_hidden_layers", 8},
                  {"num_attention_heads", 96}, {"num_key_value_heads", 8}, {"vocab_size", 128256},
                  {"max_position_embeddings", 8192}, {"rope_theta", 500000.0}});
   const ModelSpec spec = ModelSpec::from_json(config, "llama-205b-wide-shape");
-  // q8 here (its groups must fall on the cuts); fp32 in the README's prediction.
+  // q8 here (its groups must fall on the cuts); fp32 in docs/offload.md's prediction.
   for (StateFormat format : {StateFormat::kQ8}) {
     INFO(state_format_name(format));
     PlanLimits l{.device_bytes = 24ull << 30, .host_bytes = 96ull << 30, .nvme_dir = "/nvme/strider", .seq = 1024,

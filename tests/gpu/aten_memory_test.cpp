@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "gpu/memory/aten_memory.h"
 #include "gpu/device/cpu_device.h"
 #include "gpu/device/cuda_device.h"
 #include "gpu/device/device.h"
+#include "gpu/memory/aten_memory.h"
 #include "host/error.h"
 
 using namespace strider;

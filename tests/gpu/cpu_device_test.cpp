@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "gpu/device/cpu_device.h"
-#include "gpu/memory/work_meter.h"
+#include "gpu/device/work_meter.h"
 #include "host/error.h"
 
 using namespace strider;

@@ -4,10 +4,10 @@
 
 #include <ATen/ATen.h>
 
+#include "gpu/blocks/unit_tensors.h"
 #include "gpu/device/cache_unit_pool.h"
 #include "gpu/device/cpu_device.h"
 #include "gpu/device/cuda_device.h"
-#include "gpu/blocks/unit_tensors.h"
 #include "host/error.h"
 #include "host/param_layout.h"
 

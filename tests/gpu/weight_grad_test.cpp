@@ -6,8 +6,8 @@
 
 #include <ATen/ATen.h>
 
-#include "gpu/device/cuda_device.h"
 #include "gpu/blocks/weight_grad.h"
+#include "gpu/device/cuda_device.h"
 
 using namespace strider;
 

@@ -1,6 +1,6 @@
 """The sliding-window Engine, driven from Python, against transformers + torch.optim.AdamW.
 
-DESIGN.md's "same maths as the reference": in fp32 mode, several optimizer
+docs/design.md's "same maths as the reference": in fp32 mode, several optimizer
 steps of the engine (window 2, micro-batches, accumulation, global-norm
 clipping, a warm-up + linear learning-rate schedule, AdamW with weight decay)
 track a plain Hugging Face model trained by torch to 1e-5 relative, in every
@@ -163,7 +163,7 @@ DATA_SEED = {"olmo2": 3}
 @pytest.mark.parametrize("arch,chaos,decay_all,devices", [
     ("llama", False, False, "1"), ("qwen3_tied", False, False, "1"), ("qwen2", False, False, "1"),
     ("llama", True, False, "1"), ("qwen3_tied", False, True, "1"),
-    # A pool of CPU devices in one process (engine/README.md, "A pool of devices"), chaos on each.
+    # A pool of CPU devices in one process (docs/pool.md, "How the pool runs"), chaos on each.
     ("llama", True, False, "2"), ("qwen3_tied", True, False, "3"), ("granite_tied", True, False, "2"),
     ("phi3", True, False, "2"), ("phi4_mini", False, False, "1"), ("olmo2", True, False, "2"), ("gemma3_tied", False, False, "1"),
     ("gemma3_tied", True, False, "2"), ("gemma2_tied", True, False, "2")])

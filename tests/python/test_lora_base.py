@@ -1,7 +1,7 @@
 """LoRA over a quantized base (host/base_format.h): `strider finetune --lora --base-format int8|nf4` and a
 PEFT model with EngineConfig(base_format=...), against PEFT over the same base quantized independently.
 
-The formats are as the README states them: int8 per row with scale absmax / 127, and QLoRA's NF4 (its
+The formats are as docs/lora.md, "Quantized bases", states them: int8 per row with scale absmax / 127, and QLoRA's NF4 (its
 table of 16 levels, blocks of 64 with an absmax each). strider.torch_reference.quantized_round_trip
 quantizes and dequantizes the transformers checkpoint's weight matrices with numpy by that definition;
 this file lays the engine's adapter over that model with PEFT, and holds it to the engine's own held-out

@@ -5,7 +5,7 @@ decay, with the load-balancing loss on: every step's loss and gradient norm, and
 to 1e-5 relative of transformers' model trained by torch.optim.AdamW; from Python (torch.classes.strider.Engine)
 and from the command line (`strider finetune` on a checkpoint transformers saved, its output loaded back).
 
-The loss both sides compute (engine/README.md, "Mixture of experts"): the cross-entropy's mean over the batch's
+The loss both sides compute (docs/moe.md, "How the engine runs them"): the cross-entropy's mean over the batch's
 valid tokens, plus router_aux_loss_coef times the mean over the micro-batches of each micro-batch's load-balancing
 loss (transformers' load_balancing_loss_func over that micro-batch's forward). The reference gets there with
 transformers' own forward per micro-batch: its loss with num_items_in_batch is the cross-entropy's share plus

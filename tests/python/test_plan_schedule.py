@@ -1,6 +1,6 @@
 """`strider plan --schedule`: the program one training step runs, for the
 built-in model, for Llama-3.1-8B, and for a rank of data parallel; its shape
-from the passes (engine/README.md, "The step program")."""
+from the passes (docs/step-program.md)."""
 import json
 import subprocess
 

@@ -1,4 +1,4 @@
-"""A pool of devices in one process (`--devices N`, engine/README.md "A pool of devices"): block b's
+"""A pool of devices in one process (`--devices N`, docs/pool.md, "How the pool runs"): block b's
 visits run on device b % N, block inputs and output gradients are handed between the devices through
 pinned host memory, and the trained state is one device's bits. On the CPU device each member of
 the pool is a CpuDevice of its own: its streams, units and budget."""

@@ -1,4 +1,4 @@
-#include "gpu/memory/work_meter.h"
+#include "gpu/device/work_meter.h"
 
 #include <atomic>
 
