@@ -1,4 +1,5 @@
 // CPU implementations of the strider ops (schemas in ops_schema.cpp).
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
 #include <nlohmann/json.hpp>
@@ -15,6 +16,15 @@ namespace {
 template <class F>
 auto with_resident(c10::string_view config_json, const c10::List<std::string>& names, at::TensorList params,
                    int64_t vocab_chunk, F&& use) {
+  // The op is opaque: its backward runs ATen's autograd inside (the blocks'
+  // recomputation), whatever the caller's dispatch state. A Python dispatch
+  // mode around the call (torch.library.opcheck's schema check, a profiler's
+  // mode) sees this op, not its inner ops, and the keys a mode's redispatch
+  // excludes (autograd's) are dispatched again inside.
+  const c10::impl::LocalDispatchKeySet tls = c10::impl::tls_local_dispatch_key_set();
+  const c10::DispatchKeySet python{c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot};
+  c10::impl::ForceDispatchKeyGuard opaque(tls.included_ - python,
+                                          (tls.excluded_ - c10::autograd_dispatch_keyset_with_ADInplaceOrView) | python);
   TORCH_CHECK(names.size() == params.size(), "names (", names.size(), ") and params (", params.size(),
               ") differ in length");
   TORCH_CHECK(!params.empty(), "no parameters given");
