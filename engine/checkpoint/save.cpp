@@ -81,6 +81,29 @@ std::vector<std::string> spec_differences(const ModelSpec& ckpt, const ModelSpec
   cmp("final_logit_softcapping", a.final_softcap, b.final_softcap);
   cmp("lora", ckpt.lora.text().empty() ? std::string("(none)") : ckpt.lora.text(),
       engine.lora.text().empty() ? std::string("(none)") : engine.lora.text());
+  // Mixtures of experts: the routing and the load-balancing loss.
+  cmp("num_experts", a.moe.experts, b.moe.experts);
+  cmp("num_experts_per_tok", a.moe.top_k, b.moe.top_k);
+  cmp("moe_intermediate_size", a.moe.intermediate, b.moe.intermediate);
+  cmp("norm_topk_prob", a.moe.norm_topk, b.moe.norm_topk);
+  cmp("router scores in fp32", a.moe.scores_fp32, b.moe.scores_fp32);
+  cmp("shared_expert_intermediate_size", a.moe.shared_intermediate, b.moe.shared_intermediate);
+  cmp("dense layers (mlp_only_layers, decoder_sparse_step)", fmt::format("{}", fmt::join(ckpt.dense_layers, "")),
+      fmt::format("{}", fmt::join(engine.dense_layers, "")));
+  cmp("the load-balancing loss's weight (router_aux_loss_coef, output_router_logits)", ckpt.router_aux_coef,
+      engine.router_aux_coef);
+  // What the architecture implies, where a config could say otherwise.
+  cmp("q/k norm over the whole projection", a.qk_norm_whole, b.qk_norm_whole);
+  cmp("norm kind", static_cast<int>(a.norm), static_cast<int>(b.norm));
+  cmp("norm placement", static_cast<int>(a.norm_placement), static_cast<int>(b.norm_placement));
+  cmp("hidden_act", static_cast<int>(a.act), static_cast<int>(b.act));
+  cmp("fused projections", a.fused_projections, b.fused_projections);
+  cmp("embedding multiplier in the compute dtype", a.embedding_multiplier_in_dtype, b.embedding_multiplier_in_dtype);
+  // Whatever else the reader puts into the blocks' dimensions, named above or
+  // not: a member added to BlockDims later is compared without a line here.
+  if (d.empty() && !(a == b))
+    d.push_back(fmt::format("the blocks' dimensions differ in a field not named here (BlockDims; {} {}, engine {})",
+                            source, ckpt.summary(), engine.summary()));
   if (!d.empty()) return d;
   // Same numbers; the layouts must then agree too (a guard against a parser change).
   for (int64_t i = 0; i < engine.num_blocks(); ++i) {

@@ -42,6 +42,7 @@ struct RopeDims {
   double partial_rotary = 1.0;
   // The features RoPE rotates of a head of head_dim (transformers' int(head_dim * factor)).
   int64_t rotary_dim(int64_t head_dim) const { return int64_t(double(head_dim) * partial_rotary); }
+  bool operator==(const RopeDims&) const = default;
 };
 
 // A mixture-of-experts MLP (Qwen3-MoE, Mixtral): `experts` SwiGLU experts of
@@ -65,6 +66,7 @@ struct MoeDims {
   // none).
   int64_t shared_intermediate = 0;
   bool sparse() const { return experts > 0; }
+  bool operator==(const MoeDims&) const = default;
 };
 
 struct BlockDims {
@@ -119,6 +121,9 @@ struct BlockDims {
   // This layer's experts (ModelSpec::layer_dims: none in a dense layer of a
   // mixture-of-experts model).
   MoeDims moe;
+  // Every member, so that a training checkpoint's record of the model
+  // (engine/checkpoint/) compares a member added later without listing it.
+  bool operator==(const BlockDims&) const = default;
 };
 
 // Soft-capped attention's queries per tile (gpu/blocks/softcap_attention.h) for a

@@ -445,3 +445,47 @@ TEST_CASE("mixture of experts: padding is left out of the load-balancing loss, u
   CHECK_THROWS_WITH(rm.forward_backward(t(c.ids), t(c.labels), cfg.accumulation, false, {}, t(left)),
                     Catch::Contains("left padding"));
 }
+
+TEST_CASE("mixture of experts: a resume refuses a config.json whose routing or load-balancing loss changed",
+          "[engine][train_checkpoint]") {
+  struct Change {
+    const char* arch;
+    const char* key;
+    nlohmann::json value;
+    const char* named;  // what the refusal names
+  };
+  const std::vector<Change> changes = {
+      {"Qwen3MoeForCausalLM", "router_aux_loss_coef", 0.1, "load-balancing loss's weight"},
+      {"Qwen3MoeForCausalLM", "output_router_logits", false, "load-balancing loss's weight"},
+      {"Qwen3MoeForCausalLM", "norm_topk_prob", false, "norm_topk_prob"},
+      {"Qwen3MoeForCausalLM", "num_experts_per_tok", 3, "num_experts_per_tok"},
+      {"Qwen3MoeForCausalLM", "num_experts", 8, "num_experts"},
+      {"Qwen3MoeForCausalLM", "moe_intermediate_size", 24, "moe_intermediate_size"},
+      {"Qwen3MoeForCausalLM", "mlp_only_layers", nlohmann::json::array(), "dense layers"},
+      {"Qwen2MoeForCausalLM", "shared_expert_intermediate_size", 32, "shared_expert_intermediate_size"},
+      {"Qwen2MoeForCausalLM", "decoder_sparse_step", 1, "dense layers"},
+      {"Qwen2MoeForCausalLM", "router_aux_loss_coef", 0.01, "load-balancing loss's weight"},
+      {"MixtralForCausalLM", "num_experts_per_tok", 1, "num_experts_per_tok"},
+      {"MixtralForCausalLM", "output_router_logits", false, "load-balancing loss's weight"},
+  };
+  TempDir tmp;
+  for (const char* arch : {"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM"}) {
+    const nlohmann::json model = tiny_moe(arch, false, true);
+    const std::filesystem::path dir = tmp.path / arch;
+    {
+      auto saved = engine(model, small_bf16());
+      saved->init_params(7);
+      save_training_checkpoint(dir, *saved, model.dump());
+    }
+    CHECK_NOTHROW(load_training_checkpoint(dir, *engine(model, small_bf16())));  // the same config resumes
+    for (const Change& c : changes) {
+      if (std::string(c.arch) != arch) continue;
+      INFO(arch << ": " << c.key << " = " << c.value.dump());
+      nlohmann::json changed = model;
+      changed[c.key] = c.value;
+      auto other = engine(changed, small_bf16());
+      CHECK_THROWS_WITH(load_training_checkpoint(dir, *other),
+                        Catch::Contains("another model") && Catch::Contains(c.named));
+    }
+  }
+}
