@@ -60,6 +60,19 @@ void open_outputs(const FinetuneOptions& o, bool writes, RunOutputs& w) {
   STRIDER_CHECK(!o.merge || !o.train.lora.empty(), "--merge folds LoRA adapters into their base: it needs --lora");
   base_format_option(o.train.base_format, o.train.lora);
   if (writes) {
+    // No output may overwrite what the run reads, another output, or the
+    // files of a directory the run prunes (the checkpoints, the NVMe state).
+    std::vector<RunPath> inputs, outputs;
+    if (o.train.model != "builtin" && fs::exists(o.train.model)) inputs.push_back({"--model", o.train.model});
+    if (o.train.data != "builtin" && !o.train.data.empty()) inputs.push_back({"--data", o.train.data});
+    if (!o.eval_data.empty()) inputs.push_back({"--eval-data", o.eval_data});
+    if (!o.config_file.empty()) inputs.push_back({"--config", o.config_file});
+    outputs.push_back({"--out", o.out});
+    for (const RunPath& p : {RunPath{"--trace", o.trace}, RunPath{"--metrics", o.metrics},
+                             RunPath{"--checkpoint-dir", o.checkpoint_dir}, RunPath{"--nvme", o.train.nvme}})
+      if (!p.path.empty()) outputs.push_back(p);
+    if (o.train.data == "builtin") outputs.push_back({"--work-dir", o.train.work_dir});  // the generated data
+    check_paths_apart(inputs, outputs, {"--checkpoint-dir", "--nvme"});
     // A model already there is replaced by the final save, as transformers'
     // save_pretrained replaces one: said now, not found out at the end.
     const std::string model_out = o.train.lora.empty() ? o.out : o.merge ? (fs::path(o.out) / "merged").string() : "";

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <iterator>
 #include <fmt/format.h>
@@ -40,7 +41,54 @@ void probe_dir(const fs::path& dir, std::string_view option, const std::string& 
   ::unlink(probe.c_str());
 }
 
+fs::path resolved(const std::string& path) {
+  std::error_code ec;
+  fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  if (ec) p = fs::absolute(path).lexically_normal();
+  return p;
+}
+
+// `a` and `b` are the same file or directory: one resolved path, or one inode.
+bool same_path(const fs::path& a, const fs::path& b) {
+  if (a == b) return true;
+  std::error_code ec;
+  return fs::exists(a, ec) && fs::exists(b, ec) && fs::equivalent(a, b, ec);
+}
+
+// `child` lies strictly inside the directory `dir` (resolved paths).
+bool inside(const fs::path& child, const fs::path& dir) {
+  auto c = child.begin();
+  for (auto d = dir.begin(); d != dir.end(); ++d, ++c)
+    if (c == child.end() || *c != *d) return false;
+  return c != child.end();
+}
+
 }  // namespace
+
+void check_paths_apart(const std::vector<RunPath>& inputs, const std::vector<RunPath>& outputs,
+                       const std::vector<std::string_view>& managed) {
+  std::vector<fs::path> in, out;
+  for (const RunPath& p : inputs) in.push_back(resolved(p.path));
+  for (const RunPath& p : outputs) out.push_back(resolved(p.path));
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      STRIDER_CHECK(!same_path(out[o], in[i]), "{} {} is {} {} ({}): writing it would destroy what this run reads",
+                    outputs[o].option, outputs[o].path, inputs[i].option, inputs[i].path, in[i].string());
+      STRIDER_CHECK(!inside(out[o], in[i]), "{} {} lies inside {} {} ({}), which this run reads: write it elsewhere",
+                    outputs[o].option, outputs[o].path, inputs[i].option, inputs[i].path, in[i].string());
+    }
+    for (size_t k = 0; k < outputs.size(); ++k) {
+      if (k == o) continue;
+      STRIDER_CHECK(k > o || !same_path(out[o], out[k]), "{} {} is also this run's {} ({}): give each its own path",
+                    outputs[o].option, outputs[o].path, outputs[k].option, out[o].string());
+      const bool managed_k =
+          std::find(managed.begin(), managed.end(), outputs[k].option) != managed.end();
+      STRIDER_CHECK(!managed_k || !inside(out[o], out[k]),
+                    "{} {} lies inside {} {}, whose files this run prunes and rewrites: write it elsewhere",
+                    outputs[o].option, outputs[o].path, outputs[k].option, outputs[k].path);
+    }
+  }
+}
 
 void check_output_dir(const std::string& path, std::string_view option) {
   STRIDER_CHECK(!path.empty(), "{}: the path is empty", option);

@@ -8,8 +8,25 @@
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace strider::cli {
+
+// A path a run reads or writes, and the option that gave it.
+struct RunPath {
+  std::string_view option;
+  std::string path;
+};
+
+// Refuses, before anything is written, an output that is an input or lies
+// inside one (a --trace over the base model's weights, --metrics appended to
+// the token file), an output that is another output, and an output inside a
+// `managed` one (--checkpoint-dir and --nvme, whose files the run prunes and
+// rewrites). Paths are compared resolved (symlinks, "..", relative to the
+// working directory) and, where both exist, as files (device and inode: a
+// hard link is the same file). Throws Error naming both options and paths.
+void check_paths_apart(const std::vector<RunPath>& inputs, const std::vector<RunPath>& outputs,
+                       const std::vector<std::string_view>& managed);
 
 // `path` (the value of `option`) is a directory this run can write into:
 // created if absent (with its parents), then probed by creating and removing

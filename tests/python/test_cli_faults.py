@@ -562,3 +562,50 @@ def test_a_hub_id_is_found_in_the_local_cache_and_bad_data_points_to_strider_dat
     chats.write_text('{"messages": [{"role": "user", "content": "hello"}]}\n' * 100)
     r = run(strider, tmp_path, "--data", str(chats), "--steps", "1", "--out", str(tmp_path / "o3"))
     assert r.returncode != 0 and "not a strider token file" in r.stderr and "python -m strider.data" in r.stderr
+
+
+def test_an_output_that_names_an_input_or_another_output_is_refused_and_nothing_is_lost(strider, tmp_path):
+    """An output over an input (the trace over the base model's weights, the metrics appended to the token
+    file, the trace over the config), the same file twice, and a file inside the directory whose checkpoints
+    the run prunes: each refused before the first step, naming both options, with every file as it was."""
+    import hashlib
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    model = tmp_path / "model"
+    LlamaForCausalLM(cfg).save_pretrained(model)
+    data = tmp_path / "train.tokens"
+    write_tokens(data, np.random.default_rng(0).integers(0, 256, 4096), vocab=256)
+    conf = tmp_path / "c.toml"
+    conf.write_text("steps = 2\n")
+    (tmp_path / "link").symlink_to(data)                # the token file by another name
+    os.link(data, tmp_path / "hard")                    # and by a hard link
+    files = [model / "model.safetensors", model / "config.json", data, conf]
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    common = ("--model", str(model), "--data", str(data), "--config", str(conf))
+    cases = [
+        (("--trace", str(model / "model.safetensors")), "--trace", "lies inside --model"),
+        (("--metrics", str(model / "config.json")), "--metrics", "lies inside --model"),
+        (("--trace", str(data)), "--trace", "is --data"),
+        (("--trace", str(tmp_path / "sub" / ".." / "train.tokens")), "--trace", "is --data"),
+        (("--metrics", str(tmp_path / "link")), "--metrics", "is --data"),
+        (("--metrics", str(tmp_path / "hard")), "--metrics", "is --data"),
+        (("--trace", str(conf)), "--trace", "is --config"),
+        (("--out", str(model)), "--out", "is --model"),
+        (("--trace", str(tmp_path / "t.json"), "--metrics", str(tmp_path / "t.json")), "--metrics",
+         "is also this run's --trace"),
+        (("--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "ck" / "m.jsonl")), "--metrics",
+         "lies inside --checkpoint-dir"),
+    ]
+    for args, option, why in cases:
+        out = () if "--out" in args else ("--out", str(tmp_path / "o"))
+        r = run(strider, tmp_path, *common, *out, *args)
+        assert r.returncode != 0, args
+        assert option in r.stderr and why in r.stderr, (args, r.stderr[-1000:])
+        assert "step    1" not in r.stdout, args
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files} == before
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "t.json").exists()
+    # Apart, the same paths train.
+    r = run(strider, tmp_path, *common, "--out", str(tmp_path / "o"), "--trace", str(tmp_path / "t.json"),
+            "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"))
+    assert r.returncode == 0, r.stderr[-2000:]
