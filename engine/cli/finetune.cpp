@@ -163,6 +163,9 @@ int run_finetune(FinetuneOptions& o) {
     return nlohmann::json{{"loader", l}, {"data", tr.data}, {"data_file", data}, {"seed", o.train.seed},
                           {"skipped_steps", skipped_total}, {"world", me.world}, {"config_file", config_file}};
   };
+  // Now, not at the first save after hours of training: what every
+  // checkpoint records of the run must be JSON, UTF-8 only.
+  if (writes) check_recordable({{"base_model", final_model.base_model}, {"extra", extra_json()}});
   CheckpointSeries series(ckpt_root, int(o.keep_checkpoints));
   int64_t saved_step = -1;
   auto save_checkpoint = [&] {

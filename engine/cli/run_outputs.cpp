@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <iterator>
+#include <utility>
 #include <fmt/format.h>
 
 #include "host/error.h"
@@ -128,6 +129,32 @@ int StopSignals::signal_number() const { return int(g_signal); }
 
 const char* StopSignals::name(int signo) {
   return signo == SIGINT ? "SIGINT" : signo == SIGTERM ? "SIGTERM" : "a signal";
+}
+
+void check_recordable(const nlohmann::json& record) {
+  // Where each recorded string comes from, for the message.
+  static const std::pair<std::string_view, std::string_view> kOrigins[] = {
+      {"extra.data", "--data"}, {"extra.data_file.path", "--data"}, {"extra.config_file.path", "--config"},
+      {"extra.config_file.text", "--config's text"}, {"base_model", "--model"}};
+  const auto walk = [](const auto& self, const nlohmann::json& j, const std::string& key) -> void {
+    if (j.is_object()) {
+      for (const auto& [k, v] : j.items()) self(self, v, key.empty() ? k : key + "." + k);
+    } else if (j.is_array()) {
+      for (size_t i = 0; i < j.size(); ++i) self(self, j[i], fmt::format("{}[{}]", key, i));
+    } else if (j.is_string()) {
+      try {
+        (void)j.dump();
+      } catch (const nlohmann::json::type_error& e) {
+        std::string_view origin = key;
+        for (const auto& [k, o] : kOrigins)
+          if (k == key) origin = o;
+        throw Error(fmt::format("{} holds bytes that are not UTF-8 ({}): every checkpoint records it as JSON text, "
+                                "which holds UTF-8 only; rename the file (or re-save the config as UTF-8)",
+                                origin, e.what()));
+      }
+    }
+  };
+  walk(walk, record, "");
 }
 
 nlohmann::json config_file_record(const std::string& path) {

@@ -42,6 +42,13 @@ void check_output_file(const std::string& path, std::string_view option);
 // full disk is an error, not a silence).
 void append_line(std::ofstream& metrics, const std::string& path, const nlohmann::json& line);
 
+// Every checkpoint records the run (its data's and --config's paths, the
+// --config text, the base model's path) as JSON, which holds UTF-8 only.
+// Throws Error naming the first string of `record` that is not UTF-8 (by its
+// key, or the option it came from), so that a path or a config with other
+// bytes is refused before the first step, not found out at the first save.
+void check_recordable(const nlohmann::json& record);
+
 // The --config file `path` as a run's checkpoints record it ({"path",
 // "text"}; null when none was given), saying so on stdout.
 nlohmann::json config_file_record(const std::string& path);

@@ -609,3 +609,27 @@ def test_an_output_that_names_an_input_or_another_output_is_refused_and_nothing_
     r = run(strider, tmp_path, *common, "--out", str(tmp_path / "o"), "--trace", str(tmp_path / "t.json"),
             "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"))
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_path_or_config_that_is_not_utf8_is_refused_before_the_first_step(strider, tmp_path):
+    """Every checkpoint records the data's and the config's paths and the config's text as JSON (UTF-8 only):
+    a byte that is not UTF-8 in any of them is refused before the first step, naming the option, where it
+    used to train every step and then fail at the save with nothing kept."""
+    data = tmp_path / os.fsdecode(b"d\xe9.tokens")
+    write_tokens(data, np.random.default_rng(0).integers(0, 256, 4096), vocab=256)
+    conf = tmp_path / "c.toml"
+    conf.write_bytes(b"# r\xe9glages\nsteps = 2\n")
+    ck = tmp_path / "ck"
+    r = run(strider, tmp_path, "--config", str(conf), "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "--config's text holds bytes that are not UTF-8" in r.stderr, r.stderr[-2000:]
+    assert "step    1" not in r.stdout
+    r = run(strider, tmp_path, "--data", str(data), "--steps", "2", "--checkpoint-dir", str(ck),
+            "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "--data holds bytes that are not UTF-8" in r.stderr, r.stderr[-2000:]
+    assert "step    1" not in r.stdout and not any(ck.glob("step-*"))
+    # The same data under a UTF-8 name trains and saves.
+    (tmp_path / "d.tokens").write_bytes(data.read_bytes())
+    r = run(strider, tmp_path, "--data", str(tmp_path / "d.tokens"), "--steps", "2", "--checkpoint-dir", str(ck),
+            "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert any(ck.glob("step-*"))
