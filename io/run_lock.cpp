@@ -89,6 +89,10 @@ DirLock::DirLock(const std::string& dir, const std::string& what, const std::str
     if (const auto it = held().find(dir_); it != held().end()) {
       ::close(fd_);
       fd_ = -1;
+      if (it->second == what)  // two engines of one process (strider.Engine from Python) on one directory
+        throw Error(fmt::format("{} {} is in use by another engine of this process (pid {}), as its {}: give each "
+                                "engine its own directory",
+                                what, dir, ::getpid(), it->second));
       throw Error(fmt::format("{} {} is also this run's {}: give each its own directory", what, dir, it->second));
     }
   }

@@ -25,6 +25,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -37,6 +38,7 @@
 #include "engine/run/engine.h"
 #include "gpu/device/device.h"
 #include "host/error.h"
+#include "io/run_lock.h"
 
 namespace strider {
 namespace {
@@ -226,6 +228,10 @@ class EngineHolder : public torch::CustomClassHolder {
         config.saved_blocks = choose_saved_blocks(activations, spec, config, budget);
         config.keep_logits = choose_keep_logits(activations, spec, config, budget);
       }
+      // The NVMe state is this engine's alone, as the command line's --nvme is
+      // its run's: another engine (here or in another process) on the same
+      // directory would tear its extents.
+      if (!config.nvme_dir.empty()) nvme_lock_.emplace(config.nvme_dir, "nvme_dir");
       return std::make_unique<Engine>(std::move(spec), std::move(config), std::move(pool));
     });
   }
@@ -520,6 +526,7 @@ class EngineHolder : public torch::CustomClassHolder {
   }
 
   std::mutex mu_;  // Python threads may share one engine; the engine is not reentrant
+  std::optional<DirLock> nvme_lock_;  // before engine_: released after the engine is gone
   std::unique_ptr<Engine> engine_;
   RanksStore hosted_;  // rank 0 of a Python data-parallel run: the ranks' store it hosts
   std::vector<std::string> names_;  // block order
