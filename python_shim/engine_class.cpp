@@ -512,12 +512,16 @@ class EngineHolder : public torch::CustomClassHolder {
 
   // A failure inside a step leaves the engine in an unknown state (units
   // acquired, updates half-applied): later calls refuse instead of guessing.
+  // A batch refused before any work (BatchRefused) is the caller's to fix: a
+  // ValueError, and the engine goes on.
   template <typename Fn>
   auto run(const char* what, Fn&& fn) -> decltype(fn()) {
     return translated(what, false, [&] {
       usable();
       try {
         return fn();
+      } catch (const BatchRefused& e) {
+        TORCH_CHECK_VALUE(false, what, ": ", e.what());
       } catch (const std::exception& e) {
         failed_ = fmt::format("{}: {}", what, e.what());
         throw;

@@ -94,21 +94,26 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
   const int64_t M = config_.accumulation, S = config_.seq;
   const size_t per_mb = n / size_t(M);
   std::vector<int64_t> longest(size_t(M), 0);
-  if (positions != nullptr)
-    for (int64_t m = 0; m < M; ++m) {
-      longest[size_t(m)] = packed_longest({positions + size_t(m) * per_mb, per_mb}, S, size_t(m) * per_mb);
-      STRIDER_CHECK(longest[size_t(m)] == 0 || config_.packed_documents,
-                    "positions: micro-batch {} packs several documents in a row (positions that restart, or do not "
-                    "count 0..seq-1), but the engine was made without packed_documents; set packed_documents "
-                    "(--packed-documents) so that attention stays within each document", m);
+  // A refused batch changes nothing (BatchRefused): the caller may go on.
+  try {
+    if (positions != nullptr)
+      for (int64_t m = 0; m < M; ++m) {
+        longest[size_t(m)] = packed_longest({positions + size_t(m) * per_mb, per_mb}, S, size_t(m) * per_mb);
+        STRIDER_CHECK(longest[size_t(m)] == 0 || config_.packed_documents,
+                      "positions: micro-batch {} packs several documents in a row (positions that restart, or do not "
+                      "count 0..seq-1), but the engine was made without packed_documents; set packed_documents "
+                      "(--packed-documents) so that attention stays within each document", m);
+      }
+    for (size_t i = 0; i < n; ++i) {
+      STRIDER_CHECK(ids[i] >= 0 && ids[i] < spec_.dims.vocab, "token id {} at position {} is outside the vocabulary [0, {})",
+                    ids[i], i, spec_.dims.vocab);
+      STRIDER_CHECK(labels[i] == -100 || (labels[i] >= 0 && labels[i] < spec_.dims.vocab),
+                    "label {} at position {} is neither -100 nor a token id < {}", labels[i], i, spec_.dims.vocab);
     }
-  for (size_t i = 0; i < n; ++i) {
-    STRIDER_CHECK(ids[i] >= 0 && ids[i] < spec_.dims.vocab, "token id {} at position {} is outside the vocabulary [0, {})",
-                  ids[i], i, spec_.dims.vocab);
-    STRIDER_CHECK(labels[i] == -100 || (labels[i] >= 0 && labels[i] < spec_.dims.vocab),
-                  "label {} at position {} is neither -100 nor a token id < {}", labels[i], i, spec_.dims.vocab);
+    if (attention != nullptr) check_attention_mask({attention, n}, {labels, n}, S);
+  } catch (const Error& e) {
+    throw BatchRefused(e.what());
   }
-  if (attention != nullptr) check_attention_mask({attention, n}, {labels, n}, S);
   batch_valid_ = 0;
   for (size_t i = 0; i < n; ++i) batch_valid_ += labels[i] != -100;
   // Every rank scales its loss by the global batch's count, so the ranks'

@@ -46,6 +46,7 @@
 #include "engine/program/timeline.h"
 #include "gpu/device/device.h"
 #include "host/dtype.h"
+#include "host/error.h"
 #include "io/nvme_store.h"      // ExtentKind
 
 namespace strider {
@@ -92,6 +93,14 @@ struct StepReport {
   bool overflow = false;
   int64_t nonfinite_block = -1;  // the first block (in forward order) with a non-finite gradient, or -1
   std::string nonfinite_tensor;  // that block's first non-finite gradient tensor
+};
+
+// A batch that step() or evaluate() refused before any work (a token id, a
+// label, a position or the attention mask out of its range): the engine is as
+// it was, and the next call may go on.
+class BatchRefused : public Error {
+ public:
+  using Error::Error;
 };
 
 class Engine {

@@ -382,6 +382,9 @@ class Engine:
         if pos.shape != ids.shape or pos.dtype.is_floating_point or pos.dtype == torch.bool:
             raise ValueError(f"{what}: position_ids must be integers of input_ids' shape {tuple(ids.shape)}, got "
                              f"{tuple(pos.shape)} {pos.dtype}")
+        if bool((pos < 0).any()) or bool((pos >= c.seq).any()):
+            raise ValueError(f"{what}: position_ids must lie in [0, seq = {c.seq}), got values from "
+                             f"{int(pos.min())} to {int(pos.max())}")
         out_pos = torch.arange(c.seq, dtype=torch.int64).repeat(c.batch, 1)
         out_pos[:rows, :length] = pos.to(torch.int64)
         if length < c.seq:

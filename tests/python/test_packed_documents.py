@@ -99,15 +99,17 @@ def test_plain_positions_change_nothing_and_packed_need_the_config():
 
     engine = new_engine(model)
     load_into(engine, model)
-    with pytest.raises(RuntimeError, match="packed_documents"):
+    with pytest.raises(ValueError, match="packed_documents"):  # refused before any work: the engine goes on
         engine.step(ids, shifted(labels), positions())
     bad = positions()
     bad[1, 3] = SEQ
     engine = new_engine(model, packed_documents=True)
     load_into(engine, model)
-    with pytest.raises(RuntimeError, match=f"position {SEQ} at token {SEQ + 3} of the batch is outside"):
+    with pytest.raises(ValueError, match=f"position {SEQ} at token {SEQ + 3} of the batch is outside"):
         engine.step(ids, shifted(labels), bad)
     assert engine.steps_done() == 0
+    engine.step(ids, shifted(labels), positions())
+    assert engine.steps_done() == 1
 
 
 def test_strider_engine_takes_position_ids_as_transformers_does():
