@@ -2,10 +2,9 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
-#include <nlohmann/json.hpp>
-
 #include "engine/run/resident_model.h"
 #include "host/error.h"
+#include "python_shim/op_spec.h"
 
 namespace strider {
 namespace {
@@ -28,17 +27,13 @@ auto with_resident(c10::string_view config_json, const c10::List<std::string>& n
   TORCH_CHECK(names.size() == params.size(), "names (", names.size(), ") and params (", params.size(),
               ") differ in length");
   TORCH_CHECK(!params.empty(), "no parameters given");
+  const ModelSpec spec = op_model_spec(config_json);
   try {
-    const ModelSpec spec =
-        ModelSpec::from_json(nlohmann::json::parse(std::string_view(config_json.data(), config_json.size())),
-                             "config_json");
     ResidentModel model(spec, ComputeOptions{params[0].scalar_type(), vocab_chunk});
     for (size_t i = 0; i < names.size(); ++i) model.set_param(names.get(i), params[i]);
     return use(model);
   } catch (const Error& e) {
     TORCH_CHECK(false, e.what());
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "config_json: ", e.what());
   }
 }
 

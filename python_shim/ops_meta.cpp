@@ -6,24 +6,10 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <nlohmann/json.hpp>
-
-#include "engine/model/model_spec.h"
-#include "host/error.h"
+#include "python_shim/op_spec.h"
 
 namespace strider {
 namespace {
-
-ModelSpec spec_of(c10::string_view config_json) {
-  try {
-    return ModelSpec::from_json(nlohmann::json::parse(std::string_view(config_json.data(), config_json.size())),
-                                "config_json");
-  } catch (const Error& e) {
-    TORCH_CHECK(false, e.what());
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK(false, "config_json: ", e.what());
-  }
-}
 
 // Loss (fp64 scalar), each non-head block's output [batch, seq, hidden] in
 // the compute dtype, each parameter's gradient in fp32 (ops_cpu.cpp).
@@ -35,7 +21,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> residen
               ") differ in length");
   TORCH_CHECK(!params.empty(), "no parameters given");
   TORCH_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq]");
-  const ModelSpec spec = spec_of(config_json);
+  const ModelSpec spec = op_model_spec(config_json);
   const auto out_options = params[0].options();
   std::vector<at::Tensor> outputs;
   for (int64_t b = 0; b + 1 < spec.num_blocks(); ++b)
@@ -49,7 +35,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>> residen
 std::vector<at::Tensor> resident_routing_meta(c10::string_view config_json, c10::List<std::string> names,
                                               at::TensorList params, const at::Tensor& input_ids) {
   TORCH_CHECK(input_ids.dim() == 2, "input_ids must be [batch, seq]");
-  const ModelSpec spec = spec_of(config_json);
+  const ModelSpec spec = op_model_spec(config_json);
   std::vector<at::Tensor> out;
   for (int64_t l = 0; l < spec.layers; ++l)
     if (spec.sparse(l))
