@@ -69,6 +69,17 @@ def strider_binary(build_dir):
     return get
 
 
+def require_op_library():
+    """Loads libstrider_ops.so for a module whose every test needs it, or skips the whole module with the
+    loader's message (every path it tried), which pytest_terminal_summary names and STRIDER_STRICT_SKIPS=1
+    (scripts/test.sh) fails: a build without the op library cannot pass by skipping."""
+    from strider import _library
+    try:
+        _library.load_library()
+    except ImportError as e:
+        pytest.skip(str(e), allow_module_level=True)
+
+
 # The reasons a test may skip under scripts/test.sh, each with why it is not
 # a hole: the machine lacks something no build can supply. A Gloo skip is
 # allowed only in a build without gloo headers (BUILD/strider_features.json).

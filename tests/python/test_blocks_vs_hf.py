@@ -11,12 +11,9 @@ import torch
 
 import transformers  # requirements.txt: a missing one fails here, not skips
 
-from strider import _library  # the package's own loader (conftest puts python_shim/ on sys.path)
+from conftest import require_op_library  # noqa: E402
 
-try:
-    _library.load_library()
-except ImportError as e:  # not built yet: the message names every path tried
-    pytest.skip(str(e), allow_module_level=True)
+require_op_library()
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000, max_position_embeddings=256, rms_norm_eps=1e-5)

@@ -20,10 +20,9 @@ import torch
 import transformers  # requirements.txt: a missing one fails here, not skips
 import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
 
-try:
-    strider.load_library()
-except ImportError as e:
-    pytest.skip(str(e), allow_module_level=True)
+from conftest import require_op_library  # noqa: E402
+
+require_op_library()
 
 from test_package import BATCH, SEQ, config, hf_batches, make_model  # noqa: E402
 

@@ -6,17 +6,15 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import transformers  # requirements.txt: a missing one fails here, not skips
 import strider  # noqa: E402
 from test_data_prep import SENTENCES, make_tiny_tokenizer  # noqa: E402
 
-try:
-    strider.load_library()
-except ImportError as e:
-    pytest.skip(str(e), allow_module_level=True)
+from conftest import require_op_library  # noqa: E402
+
+require_op_library()
 
 EXAMPLE = os.path.join(os.path.dirname(strider.__file__), os.pardir, "examples", "finetune_text.py")
 

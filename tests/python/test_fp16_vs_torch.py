@@ -17,13 +17,11 @@ import torch
 
 import transformers  # requirements.txt: a missing one fails here, not skips
 
-from strider import _library  # noqa: E402
 from strider.torch_reference import adamw_param_groups  # noqa: E402
 
-try:
-    _library.load_library()
-except ImportError as e:  # not built yet: the message names every path tried
-    pytest.skip(str(e), allow_module_level=True)
+from conftest import require_op_library  # noqa: E402
+
+require_op_library()
 
 from test_engine_vs_torch import (ACCUMULATION, BETAS, CLIP, EPS, LR, MICRO_BATCH, STEPS, TOTAL, WARMUP,  # noqa: E402
                                   WEIGHT_DECAY, batches, load_into, make_model, new_engine, rel_err, shifted)

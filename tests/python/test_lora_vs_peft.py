@@ -15,16 +15,14 @@ import torch
 import transformers
 
 import strider  # noqa: E402  (conftest puts python_shim/ on sys.path)
-from strider import _library  # noqa: E402
 # The full-training test's model size, data and reference: transformers + torch.optim.AdamW with the Trainer's
 # weight-decay groups, warm-up and linear decay, clipping (over the parameters that have gradients: PEFT's).
 from test_engine_vs_torch import (ACCUMULATION, BETAS, CLIP, EPS, LR, MICRO_BATCH, SEQ, SMALL, TOTAL,  # noqa: E402
                                   WARMUP, WEIGHT_DECAY, batches, reference_run, rel_err)
 
-try:
-    _library.load_library()
-except ImportError as e:  # not built yet: the message names every path tried
-    pytest.skip(str(e), allow_module_level=True)
+from conftest import require_op_library  # noqa: E402
+
+require_op_library()
 
 STEPS = 4
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

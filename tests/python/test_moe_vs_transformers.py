@@ -22,14 +22,12 @@ import torch
 
 import transformers  # requirements.txt: a missing one fails here, not skips
 
-from strider import _library
 from strider.torch_reference import adamw_steps
 from test_engine_vs_torch import model_json, rel_err, shifted
 
-try:
-    _library.load_library()
-except ImportError as e:  # not built yet: the message names every path tried
-    pytest.skip(str(e), allow_module_level=True)
+from conftest import require_op_library  # noqa: E402
+
+require_op_library()
 
 SEQ, MICRO_BATCH, ACCUMULATION, STEPS = 17, 2, 2, 4
 BATCH = MICRO_BATCH * ACCUMULATION

@@ -7,12 +7,9 @@ import pytest
 import torch
 import transformers
 
-from strider import _library
+from conftest import require_op_library  # noqa: E402
 
-try:
-    _library.load_library()
-except ImportError as e:  # not built yet: the message names every path tried
-    pytest.skip(str(e), allow_module_level=True)
+require_op_library()
 
 SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-5)

@@ -1,0 +1,80 @@
+"""What `strider finetune` reads and what it writes stay apart, through the real binary: an output over an
+input, over another output or inside a directory the run prunes is refused before anything is written, and a
+path or config the checkpoints' JSON cannot hold is refused before the first step, not at the first save."""
+import hashlib
+import os
+
+import numpy as np
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from test_cli_faults import run, strider  # noqa: F401  (strider: the fixture)
+from test_token_data import write_tokens
+
+
+def test_an_output_that_names_an_input_or_another_output_is_refused_and_nothing_is_lost(strider, tmp_path):
+    """An output over an input (the trace over the base model's weights, the metrics appended to the token
+    file, the trace over the config), the same file twice, and a file inside the directory whose checkpoints
+    the run prunes: each refused before the first step, naming both options, with every file as it was."""
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    model = tmp_path / "model"
+    LlamaForCausalLM(cfg).save_pretrained(model)
+    data = tmp_path / "train.tokens"
+    write_tokens(data, np.random.default_rng(0).integers(0, 256, 4096), vocab=256)
+    conf = tmp_path / "c.toml"
+    conf.write_text("steps = 2\n")
+    (tmp_path / "link").symlink_to(data)                # the token file by another name
+    os.link(data, tmp_path / "hard")                    # and by a hard link
+    files = [model / "model.safetensors", model / "config.json", data, conf]
+    before = {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    common = ("--model", str(model), "--data", str(data), "--config", str(conf))
+    cases = [
+        (("--trace", str(model / "model.safetensors")), "--trace", "lies inside --model"),
+        (("--metrics", str(model / "config.json")), "--metrics", "lies inside --model"),
+        (("--trace", str(data)), "--trace", "is --data"),
+        (("--trace", str(tmp_path / "sub" / ".." / "train.tokens")), "--trace", "is --data"),
+        (("--metrics", str(tmp_path / "link")), "--metrics", "is --data"),
+        (("--metrics", str(tmp_path / "hard")), "--metrics", "is --data"),
+        (("--trace", str(conf)), "--trace", "is --config"),
+        (("--out", str(model)), "--out", "is --model"),
+        (("--trace", str(tmp_path / "t.json"), "--metrics", str(tmp_path / "t.json")), "--metrics",
+         "is also this run's --trace"),
+        (("--checkpoint-dir", str(tmp_path / "ck"), "--metrics", str(tmp_path / "ck" / "m.jsonl")), "--metrics",
+         "lies inside --checkpoint-dir"),
+    ]
+    for args, option, why in cases:
+        out = () if "--out" in args else ("--out", str(tmp_path / "o"))
+        r = run(strider, tmp_path, *common, *out, *args)
+        assert r.returncode != 0, args
+        assert option in r.stderr and why in r.stderr, (args, r.stderr[-1000:])
+        assert "step    1" not in r.stdout, args
+    assert {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in files} == before
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "t.json").exists()
+    # Apart, the same paths train.
+    r = run(strider, tmp_path, *common, "--out", str(tmp_path / "o"), "--trace", str(tmp_path / "t.json"),
+            "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck"))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_path_or_config_that_is_not_utf8_is_refused_before_the_first_step(strider, tmp_path):
+    """Every checkpoint records the data's and the config's paths and the config's text as JSON (UTF-8 only):
+    a byte that is not UTF-8 in any of them is refused before the first step, naming the option, where it
+    used to train every step and then fail at the save with nothing kept."""
+    data = tmp_path / os.fsdecode(b"d\xe9.tokens")
+    write_tokens(data, np.random.default_rng(0).integers(0, 256, 4096), vocab=256)
+    conf = tmp_path / "c.toml"
+    conf.write_bytes(b"# r\xe9glages\nsteps = 2\n")
+    ck = tmp_path / "ck"
+    r = run(strider, tmp_path, "--config", str(conf), "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "--config's text holds bytes that are not UTF-8" in r.stderr, r.stderr[-2000:]
+    assert "step    1" not in r.stdout
+    r = run(strider, tmp_path, "--data", str(data), "--steps", "2", "--checkpoint-dir", str(ck),
+            "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "--data holds bytes that are not UTF-8" in r.stderr, r.stderr[-2000:]
+    assert "step    1" not in r.stdout and not any(ck.glob("step-*"))
+    # The same data under a UTF-8 name trains and saves.
+    (tmp_path / "d.tokens").write_bytes(data.read_bytes())
+    r = run(strider, tmp_path, "--data", str(tmp_path / "d.tokens"), "--steps", "2", "--checkpoint-dir", str(ck),
+            "--out", str(tmp_path / "o"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert any(ck.glob("step-*"))
