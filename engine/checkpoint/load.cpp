@@ -12,6 +12,7 @@
 
 #include "engine/checkpoint/parts.h"
 #include "engine/checkpoint/train_checkpoint.h"
+#include "engine/config/config_fields.h"
 #include "engine/config/engine_config_json.h"
 #include "host/error.h"
 #include "io/checksum.h"
@@ -86,14 +87,44 @@ TrainCheckpointInfo inspect_training_checkpoint(const fs::path& dir_in) {
 }
 
 const std::vector<std::string>& maths_config_fields() {
-  static const std::vector<std::string> kFields = {
-      "seq", "micro_batch", "accumulation", "dtype", "vocab_chunk", "lr", "beta1", "beta2", "eps",
-      "weight_decay", "decay_norms_and_biases", "optimizer", "schedule", "warmup_steps", "total_steps", "clip_norm", "optimizer_state",
-      "packed_documents", "base_format", "loss_scale_growth_interval", "matmul_accumulate",
-      // Summing a cut layer's MLP slices rounds in another order than the whole
-      // layer (to fp32 rounding): another cut is another run's bits.
-      "mlp_pieces"};
+  static const std::vector<std::string> kFields = [] {
+    std::vector<std::string> out;
+    for (const ConfigField& f : config_fields())
+      if (f.scope == FieldScope::kMaths) out.push_back(f.name);
+    return out;
+  }();
   return kFields;
+}
+
+std::vector<std::string> maths_changes(const nlohmann::json& saved_config, const nlohmann::json& now,
+                                       const std::vector<std::string>& allow_changed, const std::string& source) {
+  std::vector<std::string> changed;
+  for (const ConfigField& f : config_fields()) {
+    if (f.scope != FieldScope::kMaths) continue;
+    const std::string& n = f.name;
+    // A checkpoint from before the field: what it meant then.
+    const nlohmann::json saved = saved_config.value(n, f.absent_in_checkpoint);
+    STRIDER_CHECK(!saved.is_null(), "{}: engine_config has no field '{}'", source, n);
+    STRIDER_CHECK(now.contains(n), "the engine's config has no field '{}'", n);
+    // Where the field cannot matter: decay without weight decay, the
+    // gradients' transfer under the fp32 compute dtype (always fp32).
+    if (n == "decay_norms_and_biases" && now["weight_decay"] == 0 && saved_config.value("weight_decay", 0.0) == 0)
+      continue;
+    if (n == "grad_transfer" && now["dtype"] == "fp32" && saved_config.value("dtype", "") == "fp32") continue;
+    const bool allowed = std::find(allow_changed.begin(), allow_changed.end(), n) != allow_changed.end();
+    if (saved == now[n] || allowed) continue;
+    changed.push_back(fmt::format("{}: checkpoint {}, engine {}{}", n, saved.dump(), now[n].dump(),
+                                  n == "optimizer_state"    ? " (converting the state between formats is done only "
+                                                              "when asked: allow_changed optimizer_state)"
+                                  : n == "packed_documents" ? " (whether a row's documents attend to each other; "
+                                                              "the command line's --packed-documents=true or false "
+                                                              "says it)"
+                                  : n == "mlp_pieces"       ? " (the layers' cut into sub-layer pieces, which the plan "
+                                                              "picks for the device's memory: --mlp-pieces N keeps "
+                                                              "the saved run's)"
+                                                            : ""));
+  }
+  return changed;
 }
 
 nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, const TrainLoadOptions& options) {
@@ -114,37 +145,8 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
     STRIDER_CHECK(std::find(fields.begin(), fields.end(), f) != fields.end(),
                   "allow_changed names '{}', which is not one of the engine config's maths fields ({})", f,
                   join(fields, ", "));
-  const nlohmann::json now = engine_config_to_json(engine.config());
-  std::vector<std::string> changed;
-  for (const std::string& f : fields) {
-    // Checkpoints from before the optimizer-state formats hold fp32 state; from
-    // before the decay rule, they decayed every tensor (which matters only
-    // with weight decay); from before packed documents, rows were one sequence;
-    // from before base formats, a LoRA base was held in the compute dtype;
-    // from before sub-layer pieces, layers were whole.
-    const nlohmann::json saved = f == "optimizer_state"          ? info.engine_config.value(f, nlohmann::json("fp32"))
-                                 : f == "decay_norms_and_biases" ? info.engine_config.value(f, nlohmann::json(true))
-                                 : f == "packed_documents"       ? info.engine_config.value(f, nlohmann::json(false))
-                                 : f == "base_format"            ? info.engine_config.value(f, nlohmann::json("compute"))
-                                 : f == "mlp_pieces"             ? info.engine_config.value(f, nlohmann::json(0))
-                                                                 : info.engine_config.value(f, nlohmann::json());
-    if (f == "decay_norms_and_biases" && now["weight_decay"] == 0 && info.engine_config.value("weight_decay", 0.0) == 0)
-      continue;
-    STRIDER_CHECK(!saved.is_null(), "{}: engine_config has no field '{}'", ts_file, f);
-    const bool allowed = std::find(options.allow_changed.begin(), options.allow_changed.end(), f) !=
-                         options.allow_changed.end();
-    if (saved != now[f] && !allowed)
-      changed.push_back(fmt::format("{}: checkpoint {}, engine {}{}", f, saved.dump(), now[f].dump(),
-                                    f == "optimizer_state"    ? " (converting the state between formats is done only "
-                                                                "when asked: allow_changed optimizer_state)"
-                                    : f == "packed_documents" ? " (whether a row's documents attend to each other; "
-                                                                "the command line's --packed-documents=true or false "
-                                                                "says it)"
-                                    : f == "mlp_pieces"       ? " (the layers' cut into sub-layer pieces, which the plan "
-                                                                "picks for the device's memory: --mlp-pieces N keeps "
-                                                                "the saved run's)"
-                                                              : ""));
-  }
+  const std::vector<std::string> changed =
+      maths_changes(info.engine_config, engine_config_to_json(engine.config()), options.allow_changed, ts_file);
   if (!changed.empty())
     throw CheckpointMismatch(fmt::format("{}: the engine config changes the maths of the saved run: {}; use the "
                                          "saved values, or name the fields in allow_changed to resume anyway",

@@ -104,6 +104,10 @@ std::vector<std::string> spec_differences(const ModelSpec& ckpt, const ModelSpec
   if (d.empty() && !(a == b))
     d.push_back(fmt::format("the blocks' dimensions differ in a field not named here (BlockDims; {} {}, engine {})",
                             source, ckpt.summary(), engine.summary()));
+  // And whatever else the reader takes from config.json into the model.
+  if (d.empty() && !(ckpt == engine))
+    d.push_back(fmt::format("the models differ in a field not named here (ModelSpec; {} {}, engine {})", source,
+                            ckpt.summary(), engine.summary()));
   if (!d.empty()) return d;
   // Same numbers; the layouts must then agree too (a guard against a parser change).
   for (int64_t i = 0; i < engine.num_blocks(); ++i) {

@@ -97,11 +97,19 @@ TrainCheckpointInfo inspect_training_checkpoint(const std::filesystem::path& dir
 // does not make the state unusable, so this reports rather than refuses.
 std::vector<std::string> check_model_files(const TrainCheckpointInfo& info);
 
-// The engine config fields that change the maths of a step. They must match
-// between checkpoint and engine unless named in LoadOptions::allow_changed.
-// Every other field (window, checkpoints_on_host, optimizer_threads, the NVMe
-// tier) is placement and may differ: offload changes nothing.
+// The engine config fields that change the maths of a step: those
+// engine/config/config_fields.json declares of scope "maths", so a new field
+// is compared as soon as it is declared. They must match between checkpoint
+// and engine unless named in LoadOptions::allow_changed. Every other field
+// (window, checkpoints_on_host, optimizer_threads, the NVMe tier) is
+// placement and may differ: offload changes nothing.
 const std::vector<std::string>& maths_config_fields();
+// The maths fields in which `now` (engine_config_to_json) differs from a
+// checkpoint's engine config, each with both values, less those in
+// `allow_changed`; `source` names the checkpoint's file in errors (a field
+// missing there that every checkpoint has).
+std::vector<std::string> maths_changes(const nlohmann::json& saved_config, const nlohmann::json& now,
+                                       const std::vector<std::string>& allow_changed, const std::string& source);
 
 // What load_training_checkpoint throws when the checkpoint is sound but does
 // not fit the engine: another model, or a run whose maths settings differ.

@@ -54,7 +54,17 @@ const Declaration& declaration() {
       c.max_open = f.value("max_open", false);
       c.choices = f.value("choices", std::vector<std::string>{});
       c.help = f.at("help");
-      c.engine = f.at("scope") == "engine";
+      const std::string scope = f.at("scope");
+      c.scope = scope == "maths"       ? FieldScope::kMaths
+                : scope == "placement" ? FieldScope::kPlacement
+                : scope == "model"     ? FieldScope::kModel
+                                       : FieldScope::kRun;
+      STRIDER_CHECK(c.scope != FieldScope::kRun || scope == "run",
+                    "{}: field '{}' has scope '{}', not maths, placement, model or run", kFile, c.name, scope);
+      c.engine = c.scope != FieldScope::kRun;
+      c.absent_in_checkpoint = f.value("absent_in_checkpoint", nlohmann::json());
+      STRIDER_CHECK(c.absent_in_checkpoint.is_null() || c.scope == FieldScope::kMaths,
+                    "{}: field '{}' has absent_in_checkpoint, which only a maths field takes", kFile, c.name);
       out.fields.push_back(std::move(c));
     }
     out.demo.why = j.at("demo").at("why");

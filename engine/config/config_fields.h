@@ -16,6 +16,14 @@ namespace strider {
 
 enum class FieldType { kInt, kNumber, kBool, kChoice, kText, kSize, kInts };
 
+// What a field is to a run (engine/config/config_fields.json's "scope"):
+// kMaths, kPlacement and kModel are in the engine config and every
+// checkpoint; a resume must keep a maths field (it changes the numbers) and
+// may change a placement field (the numbers are bit-identical either way); a
+// model field is part of the model the engine trains, compared with it.
+// kRun is chosen for each run (the device) and saved nowhere.
+enum class FieldScope { kMaths, kPlacement, kModel, kRun };
+
 struct ConfigField {
   std::string name;        // JSON and Python: "micro_batch"
   std::string flag;        // the command line's: "--micro-batch"; empty: not an option
@@ -25,7 +33,11 @@ struct ConfigField {
   bool has_min = false, has_max = false, min_open = false, max_open = false;
   std::vector<std::string> choices;  // kChoice: the values; kSize: words taken besides a size ("auto")
   std::string help;
-  bool engine = true;      // scope "engine": in EngineConfig and every checkpoint; false: chosen per run
+  FieldScope scope = FieldScope::kMaths;
+  bool engine = true;      // scope other than run: in EngineConfig and every checkpoint
+  // A maths field added after the first checkpoints: what a checkpoint
+  // without it meant (null: every checkpoint has it).
+  nlohmann::json absent_in_checkpoint;
   std::string range_text() const;  // "[1, 16777216]", "(0, 1]"; empty without a range
 };
 

@@ -108,6 +108,9 @@ struct ModelSpec {
   // none): what an engine configured with EngineConfig::lora trains. Throws
   // naming `source` on bad text, or on train= with tied embeddings.
   ModelSpec with_lora(std::string_view lora, std::string_view source) const;
+  // Every member: what a checkpoint's model must match (spec_differences
+  // names the fields; this catches one added later that it does not name).
+  bool operator==(const ModelSpec&) const = default;
 
   // Parses a config.json's JSON; `source` names the file in errors.
   static ModelSpec from_json(const nlohmann::json& config, std::string_view source);

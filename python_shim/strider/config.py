@@ -202,7 +202,7 @@ class _Methods:
         d = {}
         for f in DECLARATION["fields"]:
             group = f.get("python", True)
-            if f["scope"] != "engine" or group is False:
+            if f["scope"] == "run" or group is False:
                 continue
             if isinstance(group, str):
                 members = _GROUPS[group]
