@@ -33,135 +33,16 @@
 #include "engine/checkpoint/train_checkpoint.h"
 #include "engine/config/engine_config_json.h"
 #include "engine/model/model_spec.h"
-#include "engine/plan/plan.h"
 #include "engine/run/collectives.h"
 #include "engine/run/engine.h"
 #include "gpu/device/device.h"
 #include "host/error.h"
 #include "io/run_lock.h"
+#include "python_shim/engine_plan.h"
+#include "python_shim/translated.h"
 
 namespace strider {
 namespace {
-
-// Runs `fn`, rethrowing our exceptions as c10 errors, which Python maps to
-// ValueError (c10::ValueError) or RuntimeError (c10::Error).
-template <typename Fn>
-auto translated(const char* what, bool value_error, Fn&& fn) -> decltype(fn()) {
-  try {
-    return fn();
-  } catch (const c10::Error&) {
-    throw;
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK_VALUE(false, what, ": ", e.what());
-  } catch (const Error& e) {
-    if (value_error) TORCH_CHECK_VALUE(false, e.what());
-    TORCH_CHECK(false, e.what());
-  }
-}
-
-// MemAvailable of /proc/meminfo in bytes; 0 where it cannot be read.
-uint64_t mem_available_bytes() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  uint64_t kib = 0;
-  std::string unit;
-  while (in >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib * 1024;
-  return 0;
-}
-
-// The Python package's `activations` (strider.EngineConfig) onto
-// EngineConfig::saved_blocks. The Python engine has no Plan, so:
-//   recompute: no layer keeps its activations;
-//   saved:     every decoder layer (blocks 1..layers);
-//   auto:      the last decoder layers whose kept bytes fit in half of this
-//              machine's MemAvailable after the engine's other pinned host
-//              bytes (their backward comes first), without a link cost
-//              model: on PCIe 4.0 and faster, keeping pays at the batch sizes
-//              the Python engine runs (`strider plan` prices it).
-// Under saved and auto, none when the two device slots of kept activations
-// do not fit the device budget next to the engine's other buffers.
-std::vector<int64_t> choose_saved_blocks(const std::string& mode, const ModelSpec& spec, EngineConfig config,
-                                         uint64_t device_budget) {
-  TORCH_CHECK_VALUE(mode == "auto" || mode == "recompute" || mode == "saved", "engine_config_json: activations '",
-                    mode, "' is not auto, recompute or saved");
-  std::vector<int64_t> all;
-  if (mode == "recompute") return all;
-  for (int64_t b = 1; b <= spec.layers; ++b) all.push_back(b);
-  config.saved_blocks = all;
-  const EngineFootprint with = footprint(spec, config);
-  if (device_budget > 0 && with.device_bytes > device_budget) return {};
-  if (mode == "saved") return all;
-  config.saved_blocks.clear();
-  const uint64_t others = footprint(spec, config).host_bytes;
-  const uint64_t half = mem_available_bytes() / 2;
-  const uint64_t left = half > others ? half - others : 0;
-  const size_t n = with.saved_bytes_per_layer == 0
-                       ? all.size()
-                       : std::min<size_t>(all.size(), size_t(left / with.saved_bytes_per_layer));
-  return {all.end() - ptrdiff_t(n), all.end()};
-}
-
-// The same field onto EngineConfig::keep_logits: under saved and auto the
-// head's logits stay on the device between its two passes when they take at
-// most an eighth of the budget the engine's buffers leave (the rest is ATen's
-// working memory, which only `strider plan` estimates).
-bool choose_keep_logits(const std::string& mode, const ModelSpec& spec, EngineConfig config, uint64_t device_budget) {
-  if (mode == "recompute" || device_budget == 0) return false;
-  config.keep_logits = true;
-  const EngineFootprint with = footprint(spec, config);
-  const uint64_t others = with.device_bytes - with.logits_bytes;
-  return others < device_budget && with.logits_bytes <= (device_budget - others) / 8;
-}
-
-// The configuration's "the plan chooses" values (engine/config/config_fields.json:
-// window 0, token_tile -1), chosen as `strider finetune` chooses them: by
-// Plan::make, for this device's budget and the config's own placement (its
-// checkpoints, NVMe blocks and kept activations are the config's, not the
-// plan's). A config no plan fits is refused with the plan's reason.
-void choose_planned(const ModelSpec& spec, EngineConfig& config, uint64_t device_budget) {
-  if (config.window != 0 && config.compute.token_tile >= 0) return;
-  PlanLimits l;
-  l.device_bytes = device_budget;
-  l.seq = config.seq;
-  l.micro_batch = config.micro_batch;
-  l.accumulation = config.accumulation;
-  l.dtype = config.compute.dtype;
-  l.vocab_chunk = config.compute.vocab_chunk;
-  l.window = config.window;
-  l.checkpoints = config.checkpoints_on_host ? CheckpointPlace::kHost : CheckpointPlace::kDevice;
-  l.clip_norm = config.clip_norm;
-  l.grad_ring = config.grad_ring;
-  l.token_tile = config.compute.token_tile;
-  l.vocab_shard_rows = config.vocab_shard_rows;
-  l.layer_pieces = config.layer_pieces;
-  l.expert_pieces = config.expert_pieces;
-  l.lora = config.lora;
-  l.packed_documents = config.packed_documents;
-  l.devices = config.devices;
-  l.fp32_grad_transfer = config.fp32_grad_transfer;
-  l.optimizer_state = config.optimizer_state;
-  l.activations = ActivationMode::kRecompute;  // the binding chooses kept activations itself, after
-  l.state_shards = config.state_shards;
-  const Plan p = Plan::make(spec, l);
-  TORCH_CHECK_VALUE(p.feasible, "engine_config_json: window ", config.window, " and token_tile ",
-                    config.compute.token_tile, " ask the plan to choose (0 and -1), and no plan fits this device's ",
-                    device_budget, "-byte budget: ", p.reason);
-  if (config.window == 0) config.window = p.window;
-  if (config.compute.token_tile < 0) config.compute.token_tile = p.token_tile;
-  config.expert_pieces = p.expert_pieces;  // the config's own, unless only experts in groups fit
-  TORCH_CHECK_VALUE(p.mlp_pieces == 0, "engine_config_json: only layers cut into sub-layer pieces (", p.mlp_pieces,
-                    " MLP slices) fit this device's ", device_budget, "-byte budget, and those are not yet run from "
-                    "Python; use `strider finetune`");
-}
-
-nlohmann::json parse_json(const std::string& text, const char* what) {
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::exception& e) {
-    TORCH_CHECK_VALUE(false, what, " is not valid JSON: ", e.what());
-  }
-}
 
 class EngineHolder : public torch::CustomClassHolder {
  public:
@@ -169,43 +50,8 @@ class EngineHolder : public torch::CustomClassHolder {
                const std::string& device_spec, int64_t device_budget_bytes, bool chaos, int64_t chaos_seed) {
     TORCH_CHECK_VALUE(device_budget_bytes >= 0, "device_budget_bytes must be >= 0 (0: the device's default), got ",
                       device_budget_bytes);
-    const nlohmann::json model_json = parse_json(model_config_json, "model_config_json");
-    nlohmann::json engine_json = parse_json(engine_config_json, "engine_config_json");
-    // The Python package's own field (not the engine config's): how to choose saved_blocks.
-    std::string activations;
-    if (engine_json.is_object() && engine_json.contains("activations")) {
-      TORCH_CHECK_VALUE(engine_json["activations"].is_string(),
-                        "engine_config_json: activations must be a string, got ", engine_json["activations"].dump());
-      activations = engine_json["activations"].get<std::string>();
-      engine_json.erase("activations");
-    }
-    // A pool of devices (the package's field too): a count or a list.
-    std::string devices = "1";
-    if (engine_json.is_object() && engine_json.contains("devices")) {
-      TORCH_CHECK_VALUE(engine_json["devices"].is_string(), "engine_config_json: devices must be a string, got ",
-                        engine_json["devices"].dump());
-      devices = engine_json["devices"].get<std::string>();
-      engine_json.erase("devices");
-    }
-    // strider.Engine in a torch.distributed group (the package's fields too):
-    // this rank's slice of the sharded state.
-    int64_t shards = 1, shard = 0;
-    for (auto [key, dst] : {std::pair{"state_shards", &shards}, std::pair{"state_shard", &shard}}) {
-      if (!engine_json.is_object() || !engine_json.contains(key)) continue;
-      TORCH_CHECK_VALUE(engine_json[key].is_number_integer(), "engine_config_json: ", key,
-                        " must be an integer, got ", engine_json[key].dump());
-      *dst = engine_json[key].get<int64_t>();
-      engine_json.erase(key);
-    }
-    ModelSpec spec = translated("model_config_json", true, [&] { return ModelSpec::from_json(model_json, "model_config_json"); });
-    EngineConfig config = translated("engine_config_json", true, [&] { return engine_config_from_json(engine_json); });
-    config.state_shards = int(shards);
-    config.state_shard = int(shard);
-    // The adapters, if any, are tensors of the model the engine trains (and names).
-    spec = translated("engine_config_json", true, [&] { return spec.with_lora(config.lora, "engine_config_json lora"); });
-    for (int64_t b : config.saved_blocks)
-      TORCH_CHECK_VALUE(b >= 1 && b <= spec.layers, "engine_config_json: saved_blocks holds ", b,
-                        ", which is not a decoder-layer block (1..", spec.layers, ")");
+    EngineArgs args = engine_args(model_config_json, engine_config_json);
+    const ModelSpec& spec = args.spec;
     for (int64_t b = 0; b < spec.num_blocks(); ++b) {
       const ParamLayout layout = spec.layout(b);  // named: slots() refers into it
       for (const TensorSlot& t : layout.slots()) {
@@ -220,19 +66,16 @@ class EngineHolder : public torch::CustomClassHolder {
     // The engine checks its config (window, seq against max positions, ...)
     // and the budget before any work: those are the caller's to fix.
     engine_ = translated("engine", true, [&] {
-      std::vector<std::unique_ptr<Device>> pool = make_devices(dev, devices);
+      std::vector<std::unique_ptr<Device>> pool = make_devices(dev, args.devices);
       const size_t budget = pool.front()->budget_bytes();
-      config.devices = int(pool.size());  // the plan's choices below count each device's share
-      choose_planned(spec, config, budget);
-      if (!activations.empty()) {
-        config.saved_blocks = choose_saved_blocks(activations, spec, config, budget);
-        config.keep_logits = choose_keep_logits(activations, spec, config, budget);
-      }
+      args.config.devices = int(pool.size());  // the plan counts each device's share
+      take_plan(engine_plan(args, device_spec, budget), args, budget);
+      const EngineConfig& config = args.config;
       // The NVMe state is this engine's alone, as the command line's --nvme is
       // its run's: another engine (here or in another process) on the same
       // directory would tear its extents.
       if (!config.nvme_dir.empty()) nvme_lock_.emplace(config.nvme_dir, "nvme_dir");
-      return std::make_unique<Engine>(std::move(spec), std::move(config), std::move(pool));
+      return std::make_unique<Engine>(std::move(args.spec), std::move(args.config), std::move(pool));
     });
   }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "engine/config/config_fields.h"
+#include "engine/config/engine_config.h"
 
 namespace strider::cli {
 
@@ -37,13 +38,21 @@ class ConfigOptions {
   // when the command line set them all.
   std::string apply_demo(bool cuda);
 
+  // The engine settings the registered options hold now (after parsing and
+  // apply_demo), read as a config file's are (engine_config_from_json: the
+  // declaration's default for a field with no option here, the rules between
+  // settings checked): what the command carries to its plan and its engine.
+  EngineConfig engine_settings() const;
+
  private:
   struct Bound {
     const ConfigField* field;
     CLI::Option* option;
     std::function<void(const nlohmann::json&)> set;
+    std::function<nlohmann::json()> get;
   };
-  CLI::Option* bind(CLI::App& c, const ConfigField& f, CLI::Option* opt, std::function<void(const nlohmann::json&)> set);
+  CLI::Option* bind(CLI::App& c, const ConfigField& f, CLI::Option* opt, std::function<void(const nlohmann::json&)> set,
+                    std::function<nlohmann::json()> get);
   std::vector<Bound> bound_;
 };
 

@@ -146,6 +146,10 @@ int run(Options& o) {
   // The built-in model trains from scratch: the demo's shapes (a plan is for a GPU).
   const std::string demo = o.model == "builtin" ? o.config.apply_demo(true) : std::string();
   PlanLimits l;
+  base_format_option(o.base_format, o.lora);  // a base format without --lora: refused naming the flags
+  l.take_settings(o.config.engine_settings());
+  l.devices = int(pool_specs("cpu", o.devices).size());
+  l.activations = parse_activation_mode(o.activations);
   // --gpu left unset with a preset to predict on: that GPU's memory.
   l.device_bytes = o.gpu_option->count() == 0 && !o.predict.empty() && o.predict != "none"
                        ? CostModel::parse(rank_machine(o)).device_memory_bytes
@@ -153,25 +157,6 @@ int run(Options& o) {
   const uint64_t ram = parse_bytes(o.ram);
   l.host_bytes = ram - os_ram_headroom_bytes(ram);
   l.nvme_dir = o.nvme;
-  l.seq = o.seq;
-  l.micro_batch = o.micro_batch;
-  l.accumulation = o.accumulation;
-  l.window = o.window;
-  l.clip_norm = o.clip;
-  l.dtype = parse_compute_dtype(o.dtype, "--dtype");
-  l.fp16_accumulate = o.matmul_accumulate == "fp16";
-  STRIDER_CHECK(!l.fp16_accumulate || l.dtype == at::kHalf,
-                "--matmul-accumulate fp16 accumulates fp16 GEMMs in fp16: it needs --dtype fp16, not --dtype {}", o.dtype);
-  l.activations = parse_activation_mode(o.activations);
-  l.optimizer_state = parse_state_format(o.optimizer_state);
-  l.layer_pieces = o.layer_pieces;
-  l.expert_pieces = o.expert_pieces;
-  l.mlp_pieces = o.mlp_pieces;
-  l.lora = o.lora;
-  l.base_format = base_format_option(o.base_format, o.lora);
-  l.vocab_shard_rows = o.vocab_shard_rows;
-  l.packed_documents = o.packed_documents;
-  l.devices = int(pool_specs("cpu", o.devices).size());
   // host_peak_bytes counts this binary's own footprint (no run allocated yet)
   // and, for a checkpoint on disk, the load's staging; the GPU's memory is its own.
   l.process_bytes = process_rss_bytes();

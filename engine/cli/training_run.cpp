@@ -4,10 +4,8 @@
 
 #include <algorithm>
 #include <charconv>
-#include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
@@ -18,9 +16,9 @@
 #include "engine/cli/run_outputs.h"
 #include "engine/model/builtin.h"
 #include "engine/model/hf_folder.h"
+#include "engine/plan/plan_device.h"
 #include "gpu/device/cpu_device.h"
 #include "gpu/device/cuda_device.h"
-#include "gpu/memory/work_calibration.h"
 #include "host/error.h"
 
 namespace strider::cli {
@@ -30,31 +28,6 @@ std::string read_text(const std::filesystem::path& p) {
   std::ifstream in(p);
   STRIDER_CHECK(in.good(), "cannot read {}", p.string());
   return {std::istreambuf_iterator<char>(in), {}};
-}
-
-// The CPU device's own rates for the plan's activation choice, measured now
-// (its "GPU" is these cores and its "link" a memcpy, nothing like a
-// preset's): a GEMM the shape of a layer's projection in the compute dtype,
-// and a 64 MiB memcpy, the best of three each (about a tenth of a second).
-void measure_cpu_rates(PlanLimits& lim) {
-  using clock = std::chrono::steady_clock;
-  auto best_of_3 = [](auto&& f) {
-    double best = 1e30;
-    for (int i = 0; i < 3; ++i) {
-      const auto t0 = clock::now();
-      f();
-      best = std::min(best, std::chrono::duration<double>(clock::now() - t0).count());
-    }
-    return best;
-  };
-  const int64_t n = 512, k = 1024;
-  const at::Tensor a = at::randn({n, k}).to(lim.dtype), b = at::randn({k, k}).to(lim.dtype);
-  const double gemm_s = best_of_3([&] { at::mm(a, b); });
-  std::vector<std::byte> src(64 << 20, std::byte{1}), dst(src.size());
-  const double copy_s = best_of_3([&] { std::memcpy(dst.data(), src.data(), src.size()); });
-  lim.compute_flops_per_s = 2.0 * double(n) * double(k) * double(k) / std::max(gemm_s, 1e-9);
-  lim.link_bytes_per_s = double(src.size()) / std::max(copy_s, 1e-9);
-  lim.host_memory_bytes_per_s = 2 * lim.link_bytes_per_s;  // a memcpy reads and writes host memory
 }
 
 }  // namespace
@@ -275,8 +248,12 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   const bool given = o.packed_documents_option != nullptr && o.packed_documents_option->count() > 0;
   run.packed = given ? o.packed_documents : documents_inside_windows(*run.train_file, o.seq);
 
-  // The plan, before anything is allocated.
+  // The plan, before anything is allocated: the options' engine settings
+  // (checked as a config file's), then this run's machine.
+  base_format_option(o.base_format, o.lora);  // a base format without --lora: refused naming the flags
+  const EngineConfig settings = o.config.engine_settings();
   PlanLimits& lim = run.limits;
+  lim.take_settings(settings);
   lim.packed_documents = run.packed;
   // A pool plans every device on one budget (its K units and buffers are the
   // same on each): with auto, the smallest of its devices' (devices of
@@ -319,42 +296,12 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
                 o.device);
   const std::string nvme_dir = o.nvme.empty() || me.solo() ? o.nvme : (fs::path(o.nvme) / fmt::format("rank{}", me.rank)).string();
   lim.nvme_dir = nvme_dir;
-  lim.seq = o.seq;
-  lim.micro_batch = o.micro_batch;
-  lim.accumulation = o.accumulation;
-  lim.dtype = parse_compute_dtype(o.dtype, "--dtype");
-  lim.fp16_accumulate = o.matmul_accumulate == "fp16";
-  lim.lora = o.lora;
-  lim.base_format = base_format_option(o.base_format, o.lora);
-  lim.vocab_chunk = o.vocab_chunk;
-  lim.vocab_shard_rows = o.vocab_shard_rows;
-  lim.layer_pieces = o.layer_pieces;
-  lim.expert_pieces = o.expert_pieces;
-  lim.mlp_pieces = o.mlp_pieces;
   lim.devices = int(pool_specs(device_spec, o.devices).size());
-  lim.token_tile = o.token_tile;
-  lim.fp32_grad_transfer = o.grad_transfer == "fp32";
-  lim.window = o.window;
-  lim.clip_norm = o.clip;  // with clipping, NVMe-tier gradients need NVMe space too
   lim.activations = parse_activation_mode(o.activations);
-  lim.optimizer_state = parse_state_format(o.optimizer_state);
-  // A simulated device prices kept activations on its own machine, the CPU
-  // device on its measured rates, a GPU on the rtx4090's (PlanLimits'
-  // defaults: no GPU has been measured yet).
-  if (device_spec.rfind("sim:", 0) == 0) lim.set_machine_rates(CostModel::parse(device_spec.substr(4)));
-  else if (choose_device(device_spec).kind == DeviceKind::kCpu) measure_cpu_rates(lim);
-  // The working-memory model's kernel-dependent terms, measured on a CPU
-  // device like the run's (GPUs keep the analytic upper bound until one has
-  // been measured there: gpu_check/gpu_check.sh).
-  if (device_spec.rfind("sim", 0) != 0 && choose_device(device_spec).kind == DeviceKind::kCpu) {
-    auto probe = make_device({.spec = "cpu"});
-    lim.work = measure_work_coefficients(*probe, lim.dtype == at::kHalf ? DType::kF16 : DType::kBF16);
-    lim.work_measured = true;
-  }
+  set_device_rates(lim, device_spec);  // kept activations priced, and ATen's working memory sized, on this machine
   // The process's peak host memory (the plan's host_peak_bytes): what it holds
   // now, before anything is allocated, and what the run will add to the arena.
   lim.process_bytes = process_rss_bytes();
-  lim.device_memory_on_host = device_spec.rfind("sim:", 0) != 0 && choose_device(device_spec).kind == DeviceKind::kCpu;
   lim.loads_checkpoint = !run.model_dir.empty();
   run.plan = Plan::make(run.spec, lim);
   fmt::print(log, "strider {}: {}\n{}{}", command, run.spec.summary(), demo.empty() ? "" : "  " + demo + "\n",
@@ -381,14 +328,13 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   }
 
   EngineConfig cfg = run.plan.engine_config(lim);
-  cfg.adam = {.lr = o.lr, .beta1 = o.beta1, .beta2 = o.beta2, .eps = o.eps, .weight_decay = o.weight_decay,
-              .mode = o.optimizer == "adam" ? AdamMode::kAdam : AdamMode::kAdamW};
-  cfg.decay_norms_and_biases = o.decay_norms_and_biases;
-  cfg.schedule = {LrSchedule::parse_shape(o.schedule), o.warmup, total_steps};
-  cfg.clip_norm = o.clip;
-  cfg.loss_scaling.init = o.loss_scale;
-  cfg.loss_scaling.growth_interval = o.loss_scale_growth_interval;
-  cfg.optimizer_threads = o.optimizer_threads;
+  // What the plan does not decide, as the settings say.
+  cfg.adam = settings.adam;
+  cfg.decay_norms_and_biases = settings.decay_norms_and_biases;
+  cfg.schedule = settings.schedule;
+  cfg.schedule.total_steps = total_steps;
+  cfg.loss_scaling = settings.loss_scaling;
+  cfg.optimizer_threads = settings.optimizer_threads;
   cfg.state_shard = me.rank;
   // One machine: its ranks share one compute copy in shared memory, named
   // for the run (torchrun's rendezvous port and run id). Local rank 0 clears

@@ -1,6 +1,7 @@
 #include "engine/config/engine_config_json.h"
 
 #include <algorithm>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "engine/config/config_fields.h"
@@ -55,7 +56,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"packed_documents", c.packed_documents}};
 }
 
-EngineConfig engine_config_from_json(const nlohmann::json& given) {
+EngineConfig engine_config_from_json(const nlohmann::json& given, bool check_rules) {
   STRIDER_CHECK(given.is_object(), "engine config: expected a JSON object, got {}", given.dump());
   // Every field the declaration (engine/config/config_fields.json) puts in the
   // engine config, checked against it; what is not given takes its default.
@@ -114,7 +115,42 @@ EngineConfig engine_config_from_json(const nlohmann::json& given) {
   std::sort(sorted.begin(), sorted.end());
   STRIDER_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
                 "engine config: saved_blocks lists a block twice ({})", j["saved_blocks"].dump());
+  if (check_rules) check_settings(c);
   return c;
+}
+
+std::vector<SettingsProblem> settings_problems(const EngineConfig& c) {
+  std::vector<SettingsProblem> out;
+  auto rule = [&](bool holds, const char* field, const char* other, std::string text) {
+    if (!holds) out.push_back({field, other, std::move(text)});
+  };
+  rule(c.window != 1, "window", "",
+       "window 1: must be 0 (the plan chooses) or >= 2: one unit computes while the next is copied in");
+  rule(!c.compute.fp16_accumulate || c.compute.dtype == at::kHalf, "matmul_accumulate", "dtype",
+       fmt::format("matmul_accumulate fp16 accumulates fp16 GEMMs in fp16: it needs dtype fp16, not {}",
+                   compute_dtype_name(c.compute.dtype)));
+  rule(!state_uses_compute_copy(c.optimizer_state) || c.compute.dtype == at::kBFloat16, "optimizer_state", "dtype",
+       fmt::format("optimizer_state {0}: the {0} optimizer state keeps the master's high half in the bf16 compute "
+                   "copy: it needs the bf16 compute dtype, not {1}",
+                   state_format_name(c.optimizer_state), compute_dtype_name(c.compute.dtype)));
+  const std::string_view base = base_format_name(c.base_format);
+  rule(c.base_format == BaseFormat::kCompute || !c.lora.empty(), "base_format", "lora",
+       fmt::format("base_format {}: only a frozen LoRA base is quantized; give lora too, or base_format compute", base));
+  rule(c.base_format == BaseFormat::kCompute || c.compute.dtype != at::kHalf, "base_format", "dtype",
+       fmt::format("base_format {} with the fp16 compute dtype: a quantized base dequantizes to bf16 or fp32 only; "
+                   "give base_format compute, or dtype bf16", base));
+  rule(c.base_format == BaseFormat::kCompute || c.layer_pieces.empty(), "base_format", "layer_pieces",
+       fmt::format("base_format {} with layer_pieces '{}': a quantized base is one piece of its layer; leave "
+                   "layer_pieces empty", base, c.layer_pieces));
+  rule(c.mlp_pieces == 0 || c.saved_blocks.empty(), "mlp_pieces", "saved_blocks",
+       fmt::format("mlp_pieces {} with saved_blocks: a layer cut into sub-layer pieces keeps no activations yet; "
+                   "leave saved_blocks empty", c.mlp_pieces));
+  return out;
+}
+
+void check_settings(const EngineConfig& c) {
+  const std::vector<SettingsProblem> problems = settings_problems(c);
+  STRIDER_CHECK(problems.empty(), "{}", problems.empty() ? "" : problems.front().text);
 }
 
 }  // namespace strider

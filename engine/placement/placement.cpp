@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "engine/config/engine_config_json.h"  // check_settings
 #include "gpu/blocks/blocks.h"            // layer_saved_elems
 #include "gpu/device/cache_unit_pool.h"   // CacheUnitPool::unit_bytes_for
 #include "host/error.h"
@@ -130,28 +131,14 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
   STRIDER_CHECK(c.compute.dtype == at::kFloat || c.compute.dtype == at::kBFloat16 || c.compute.dtype == at::kHalf,
                 "compute dtype must be bf16, fp16 or fp32");
   STRIDER_CHECK(c.clip_norm >= 0, "clip_norm {} must be >= 0 (0 turns clipping off)", c.clip_norm);
-  STRIDER_CHECK(!c.compute.fp16_accumulate || c.compute.dtype == at::kHalf,
-                "matmul_accumulate fp16 accumulates fp16 GEMMs in fp16: it needs dtype fp16, not {}",
-                compute_dtype_name(c.compute.dtype));
-  STRIDER_CHECK(!state_uses_compute_copy(c.optimizer_state) || c.compute.dtype == at::kBFloat16,
-                "the {} optimizer state keeps the master's high half in the bf16 compute copy: it needs the bf16 "
-                "compute dtype, not {}", state_format_name(c.optimizer_state), compute_dtype_name(c.compute.dtype));
+  check_settings(c);  // the rules between settings that need no model (engine/config/engine_config_json.h)
   STRIDER_CHECK(c.base_format == BaseFormat::kCompute || spec.lora.enabled(),
-                "base_format {}: only a frozen LoRA base is quantized; give lora too, or base_format compute",
+                "base_format {}: only a frozen LoRA base is quantized; the model has no adapters",
                 base_format_name(c.base_format));
-  STRIDER_CHECK(c.base_format == BaseFormat::kCompute || c.compute.dtype != at::kHalf,
-                "base_format {} with the fp16 compute dtype: a quantized base dequantizes to bf16 or fp32 only; "
-                "give base_format compute, or dtype bf16", base_format_name(c.base_format));
-  STRIDER_CHECK(c.base_format == BaseFormat::kCompute || c.layer_pieces.empty(),
-                "base_format {} with layer_pieces '{}': a quantized base is one piece of its layer; leave "
-                "layer_pieces empty", base_format_name(c.base_format), c.layer_pieces);
   STRIDER_CHECK(c.expert_pieces == 0 || spec.sparse_layer_count() > 0,
                 "expert_pieces {}: {} has no mixture-of-experts layers to cut; leave expert_pieces 0", c.expert_pieces,
                 spec.arch_name);
   // Sub-layer pieces: the layer's own checks are mlp_slice_ranges' (place() runs it).
-  STRIDER_CHECK(c.mlp_pieces == 0 || c.saved_blocks.empty(),
-                "mlp_pieces {} with saved_blocks: a layer cut into sub-layer pieces keeps no activations yet; leave "
-                "saved_blocks empty", c.mlp_pieces);
   // grad_ring and the state shard: place() checks them (it indexes by them).
   STRIDER_CHECK(c.shared_compute_file.empty() || c.state_shards > 1,
                 "shared_compute_file {}: a shared compute copy is for the ranks of a sharded state (state_shards > 1)",

@@ -103,6 +103,17 @@ struct PlanLimits {
   // rate (a copy there reads and writes host memory).
   double host_memory_bytes_per_s = CostModel::preset("rtx4090").host_memory_gbps() * 1e9;
 
+  // The engine settings the plan takes from `c`: shapes, compute dtype and
+  // matmul accumulation, window and token tile (0 and -1: the plan chooses),
+  // pieces, LoRA and its base's format, the pool's size, gradient transfer,
+  // clipping, the gradient ring, the optimizer-state format, packed
+  // documents, state shards, and checkpoints on the host where `c` asks (the
+  // plan's choice otherwise). The one place settings are copied into limits:
+  // `strider finetune`, `strider profile`, `strider plan` and strider.Engine
+  // all make theirs here. Not the machine (budgets, the NVMe directory,
+  // rates: set_device_rates) nor the kept activations, which are the run's.
+  void take_settings(const EngineConfig& c);
+
   static double link_rate(const CostModel& m) { return std::min(m.h2d_gbps, m.d2h_gbps) * 1e9; }
   void set_machine_rates(const CostModel& m) {
     compute_flops_per_s = (fp16_accumulate ? m.with_fp16_accumulate() : m).sustained_tflops() * 1e12;

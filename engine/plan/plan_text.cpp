@@ -69,6 +69,32 @@ nlohmann::json other_formats_json(const std::vector<Plan::FormatFit>& fits) {
 }
 }  // namespace
 
+void PlanLimits::take_settings(const EngineConfig& c) {
+  seq = c.seq;
+  micro_batch = c.micro_batch;
+  accumulation = c.accumulation;
+  dtype = c.compute.dtype;
+  fp16_accumulate = c.compute.fp16_accumulate;
+  vocab_chunk = c.compute.vocab_chunk;
+  token_tile = c.compute.token_tile;
+  window = c.window;
+  if (c.checkpoints_on_host) checkpoints = CheckpointPlace::kHost;
+  vocab_shard_rows = c.vocab_shard_rows;
+  layer_pieces = c.layer_pieces;
+  expert_pieces = c.expert_pieces;
+  mlp_pieces = c.mlp_pieces;
+  lora = c.lora;
+  base_format = c.base_format;
+  devices = c.devices;
+  fp32_grad_transfer = c.fp32_grad_transfer;
+  clip_norm = c.clip_norm;
+  grad_ring = c.grad_ring;
+  optimizer_state = c.optimizer_state;
+  packed_documents = c.packed_documents;
+  state_shards = c.state_shards;
+}
+
+// The inverse of PlanLimits::take_settings, with the plan's choices.
 EngineConfig Plan::engine_config(const PlanLimits& l) const {
   EngineConfig c;
   c.seq = l.seq;

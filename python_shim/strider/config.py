@@ -123,6 +123,22 @@ def _problem(f, v) -> str:
     raise ValueError(f"{declaration_path()}: field {f['name']!r} has unknown type {t!r}")
 
 
+def _settings_problems(fields: dict):
+    """(field, text) for each rule between the engine settings `fields` break, as the engine states them
+    (torch.ops.strider.settings_problems): one place for the command line, the engine and this class. Where
+    the op library is not built, none: the engine, which needs the library, refuses them when it is made.
+    A rule held against lora waits while lora is empty: a PEFT model brings the adapters when the Engine
+    is made (strider.Engine checks the pair then)."""
+    try:
+        from strider._library import load_library
+        load_library()
+    except ImportError:
+        return []
+    import torch
+    names, others, texts = torch.ops.strider.settings_problems(json.dumps(fields))
+    return [(n, t) for n, o, t in zip(names, others, texts) if not (o == "lora" and not fields["lora"])]
+
+
 def _python_groups():
     """The fields sharing a python group name (beta1, beta2 -> betas), which EngineConfig holds as one tuple."""
     grouped = {}
@@ -168,17 +184,17 @@ class _Methods:
                 p = _problem(f, getattr(self, f["name"]))
                 if p:
                     bad(f["name"], p)
-        # What one field cannot say alone.
-        if self.window == 1:
-            bad("window", "must be 0 (the plan chooses) or >= 2: one unit computes while the next is copied in")
+        # What one field cannot say alone: the engine's rules (engine/config/engine_config_json.h), asked
+        # through the op library, and Python's own.
+        for name, text in _settings_problems(self._engine_fields()):
+            bad(name, text)
         if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            # The command line's schedule runs to --steps, which it knows only later: this rule is Python's.
             bad("total_steps", f"schedule {self.schedule!r} decays to 0 at total_steps, so it must be > "
                                f"warmup_steps ({self.warmup_steps})")
-        if self.optimizer_state == "q8" and self.dtype != "bf16":
-            bad("optimizer_state", "q8 keeps the master's high half in the bf16 compute copy: it needs dtype bf16")
-        if self.matmul_accumulate == "fp16" and self.dtype != "fp16":
-            bad("matmul_accumulate", "fp16 accumulates fp16 GEMMs in fp16: it needs dtype fp16")
         if self.nvme_blocks and not self.nvme_dir:
+            # Python's own: its devices are real ones (the engine's simulated device runs an NVMe tier
+            # without a directory).
             bad("nvme_blocks", "needs nvme_dir, the directory their optimizer state lives in")
         if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device):
             bad("device", "must be auto, cpu, cuda or cuda:N")
@@ -199,6 +215,12 @@ class _Methods:
         """The engine config JSON's fields (engine/config/engine_config_json.cpp), plus activations, which the
         binding turns into saved_blocks and keep_logits."""
         self.validate()
+        d = self._engine_fields()
+        d["activations"] = self.activations
+        d["devices"] = self.devices  # the binding's, like activations: a pool of `device`'s kind
+        return d
+
+    def _engine_fields(self) -> dict:
         d = {}
         for f in DECLARATION["fields"]:
             group = f.get("python", True)
@@ -210,8 +232,6 @@ class _Methods:
             else:
                 v = getattr(self, f["name"])
             d[f["name"]] = (float(v) if f["type"] == "number" else list(v) if f["type"] == "ints" else v)
-        d["activations"] = self.activations
-        d["devices"] = self.devices  # the binding's, like activations: a pool of `device`'s kind
         return d
 
     @classmethod

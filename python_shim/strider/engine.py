@@ -164,6 +164,20 @@ def inspect_checkpoint(path) -> dict:
     return json.loads(torch.ops.strider.inspect_training_checkpoint(path))
 
 
+def plan(model_config: dict, config: Optional[EngineConfig] = None) -> dict:
+    """The plan strider.Engine(model, config) runs by, for a model's config (model.config.to_dict(), or a
+    config.json's dict) on config.device with config.device_budget: what `strider plan --json` prints, made by
+    the same C++ (python_shim/engine_plan.h): window, token_tile, kept activations (saved_blocks) and logits
+    (keep_logits), device and host bytes, and `why`. No device of that kind need exist here when the budget
+    is given ("cuda" plans on the rtx4090's rates, as `strider plan --predict none` does)."""
+    config = EngineConfig() if config is None else config
+    if not isinstance(config, EngineConfig):
+        raise TypeError(f"strider.plan: config must be a strider.EngineConfig, got {type(config).__name__}")
+    load_library()
+    return json.loads(torch.ops.strider.plan(json.dumps(model_config, default=str), config.engine_json(),
+                                             config.device, config.device_budget_bytes))
+
+
 def distributed_ranks():
     """(rank, world, local_rank, local_world) of an initialized torch.distributed group of more than one
     process, else None. The local figures come from torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE (every rank on

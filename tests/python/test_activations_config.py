@@ -1,6 +1,6 @@
 """Kept activations from Python and the command line: strider.EngineConfig's
 `activations` ("auto", "recompute", "saved") is checked like every field and
-becomes the engine config's saved_blocks (python_shim/engine_class.cpp);
+becomes the plan's saved_blocks (python_shim/engine_plan.h), as on the command line;
 `strider plan --activations` shows the plan's choice."""
 import json
 import subprocess
@@ -58,13 +58,17 @@ def saved_blocks(e):
     return json.loads(e.engine_config_json())["saved_blocks"]
 
 
-def test_the_engine_chooses_saved_blocks_from_activations():
+def test_the_engine_keeps_what_its_plan_chooses():
+    # The binding chooses nothing itself: the engine keeps the activations and logits of the plan that
+    # strider.plan shows (python_shim/engine_plan.h), the CPU device's rates measured once per process.
     layers = list(range(1, TINY["num_hidden_layers"] + 1))
     assert saved_blocks(engine("recompute")) == []
-    assert saved_blocks(engine("saved")) == layers
-    # auto: the last layers whose kept bytes fit in half of MemAvailable; a tiny model's all do on any
-    # machine that runs the tests.
-    assert saved_blocks(engine("auto")) == layers
+    assert saved_blocks(engine("saved")) == layers  # no RAM limit: every layer
+    for mode in ("recompute", "saved", "auto"):
+        chosen = json.loads(engine(mode).engine_config_json())
+        plan = strider.plan(TINY, config(activations=mode))
+        assert plan["activations"] == mode
+        assert (chosen["saved_blocks"], chosen["keep_logits"]) == (plan["saved_blocks"], plan["keep_logits"])
 
 
 def test_a_saved_block_outside_the_layers_is_refused():

@@ -122,7 +122,9 @@ def test_fp16_accumulation_is_refused_where_it_cannot_run(strider_binary, tmp_pa
     assert strider.EngineConfig(dtype="fp16", matmul_accumulate="fp16").engine_dict()["matmul_accumulate"] == "fp16"
     exe = str(strider_binary("strider"))
     r = subprocess.run([exe, "plan", "--matmul-accumulate", "fp16"], capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode != 0 and "needs --dtype fp16, not --dtype bf16" in r.stdout + r.stderr, r.stdout + r.stderr
+    # The refusal names the options as given (engine/cli/config_options.cpp, engine_settings).
+    assert r.returncode != 0 and "--matmul-accumulate fp16 with --dtype bf16: " in r.stderr, r.stdout + r.stderr
+    assert "needs dtype fp16, not bf16" in r.stderr, r.stderr
     r = subprocess.run([exe, "finetune", "--dtype", "fp16", "--matmul-accumulate", "fp16", "--steps", "1",
                         "--device", "cpu", "--out", str(tmp_path / "out")], capture_output=True, text=True,
                        cwd=tmp_path)

@@ -82,3 +82,24 @@ def test_inspect_training_checkpoint(tmp_path):
     # issue 60's typed boundary, still to come; the other three checks hold.
     assert passes(torch.ops.strider.inspect_training_checkpoint.default, (str(tmp_path / "ckpt"),),
                   checks=CHECKS[:3]) == {}
+
+
+def test_plan():
+    import strider
+    cfg = json.dumps({**SMALL, "architectures": ["LlamaForCausalLM"]})
+    engine = strider.EngineConfig(seq=16, dtype="fp32", device="cpu").engine_json()
+    plan = json.loads(torch.ops.strider.plan(cfg, engine, "cpu", 1 << 30))
+    assert plan["feasible"] and plan["window"] >= 2
+    # The first three checks, as for inspect_training_checkpoint: a str has no assert_close.
+    assert passes(torch.ops.strider.plan.default, (cfg, engine, "cpu", 1 << 30), checks=CHECKS[:3]) == {}
+
+
+def test_settings_problems():
+    import strider
+    fields = strider.EngineConfig(dtype="fp32").engine_dict()
+    for key in ("activations", "devices"):
+        del fields[key]
+    bad = json.dumps({**fields, "optimizer_state": "q8", "window": 1})
+    assert torch.ops.strider.settings_problems(bad)[:2] == (["window", "optimizer_state"], ["", "dtype"])
+    assert torch.ops.strider.settings_problems(json.dumps(fields)) == ([], [], [])
+    assert passes(torch.ops.strider.settings_problems.default, (bad,), checks=CHECKS[:3]) == {}

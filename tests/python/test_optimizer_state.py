@@ -89,8 +89,9 @@ def test_q8_run_trains_resumes_bit_identically_and_a_fp32_resume_is_refused(bina
 
 def test_q8_needs_the_bf16_compute_dtype(binary, tmp_path):
     r = finetune(binary, tmp_path, "--steps", "1", "--dtype", "fp32", "--out", str(tmp_path / "o"), check=False)
-    assert r.returncode != 0 and "needs --dtype bf16" in r.stderr
-    with pytest.raises(ValueError, match="optimizer_state.*needs dtype bf16"):
+    assert r.returncode != 0 and "--optimizer-state q8 with --dtype fp32: " in r.stderr, r.stderr
+    assert "needs the bf16 compute dtype, not fp32" in r.stderr
+    with pytest.raises(ValueError, match="optimizer_state.*needs the bf16 compute dtype"):
         strider.EngineConfig(dtype="fp32", optimizer_state="q8")
     with pytest.raises(ValueError, match="optimizer_state"):
         strider.EngineConfig(optimizer_state="int4")
