@@ -3,7 +3,7 @@
 //   e = torch.classes.strider.Engine(model_config_json, engine_config_json,
 //                                    "cpu", 0, False, 1)
 //   e.set_param("model.embed_tokens.weight", w)       # or e.init_params(seed)
-//   report = json.loads(e.step(ids, labels))          # int64 [batch, seq] each
+//   numbers, texts, busy = e.step(ids, labels)         # int64 [batch, seq] each
 //   (optional: positions, packed documents; attention_mask, right padding)
 //   w = e.compute_view("model.norm.weight")            # aliases the engine's compute copy
 //   e.save_checkpoint(dir, model_config_json, extra_json, write_model, base_model)
@@ -221,8 +221,13 @@ class EngineHolder : public torch::CustomClassHolder {
     });
   }
 
-  std::string step(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
-                   const std::optional<at::Tensor>& attention_mask) {
+  // The step's report as typed values, no text to parse: its numbers (the
+  // counts exact: every one is below 2^53), its texts, and each lane's busy
+  // fraction. engine.py's StepResult.from_report reads them.
+  using Report = std::tuple<c10::Dict<std::string, double>, c10::Dict<std::string, std::string>,
+                            c10::Dict<std::string, double>>;
+  Report step(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
+              const std::optional<at::Tensor>& attention_mask) {
     std::lock_guard lk(mu_);
     auto [i, l] = checked_batch("step", ids, labels);
     const at::Tensor p = checked_positions("step", positions);
@@ -231,32 +236,34 @@ class EngineHolder : public torch::CustomClassHolder {
       return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr,
                            a.defined() ? a.data_ptr<int64_t>() : nullptr);
     });
-    nlohmann::json busy = nlohmann::json::object();
+    c10::Dict<std::string, double> numbers, busy;
+    c10::Dict<std::string, std::string> texts;
+    for (const auto& [key, value] : std::initializer_list<std::pair<const char*, double>>{
+             {"step", double(r.step)},
+             {"loss", r.loss},
+             {"tokens", double(r.tokens)},
+             {"valid_tokens", double(r.valid_tokens)},
+             {"grad_norm", r.grad_norm},
+             {"lr", r.lr},
+             {"step_s", r.step_s},
+             {"tokens_per_s", r.tokens_per_s},
+             {"overlap_efficiency", r.stats.overlap_efficiency},
+             {"peak_device_bytes", double(r.peak_device_bytes)},
+             {"h2d_bytes", double(r.h2d_bytes)},
+             {"d2h_bytes", double(r.d2h_bytes)},
+             {"work_peak_bytes", double(r.work_peak_bytes)},
+             {"skipped", r.skipped ? 1.0 : 0.0},
+             {"no_targets", r.no_targets ? 1.0 : 0.0},
+             {"nonfinite_block", double(r.nonfinite_block)},
+             {"loss_scale", r.loss_scale},
+             {"overflow", r.overflow ? 1.0 : 0.0}})
+      numbers.insert(key, value);
+    texts.insert("critical_lane", std::string(lane_name(r.stats.critical)));
+    texts.insert("skip_reason", r.skip_reason);
+    texts.insert("nonfinite_tensor", r.nonfinite_tensor);
     for (int k = 0; k < kNumLanes; ++k)
-      busy[std::string(lane_name(static_cast<Lane>(k)))] = r.stats.lanes[size_t(k)].busy_fraction;
-    return nlohmann::json{{"step", r.step},
-                          {"loss", r.loss},
-                          {"tokens", r.tokens},
-                          {"valid_tokens", r.valid_tokens},
-                          {"grad_norm", r.grad_norm},
-                          {"lr", r.lr},
-                          {"step_s", r.step_s},
-                          {"tokens_per_s", r.tokens_per_s},
-                          {"overlap_efficiency", r.stats.overlap_efficiency},
-                          {"critical_lane", std::string(lane_name(r.stats.critical))},
-                          {"busy_fraction", busy},
-                          {"peak_device_bytes", r.peak_device_bytes},
-                          {"h2d_bytes", r.h2d_bytes},
-                          {"d2h_bytes", r.d2h_bytes},
-                          {"work_peak_bytes", r.work_peak_bytes},
-                          {"skipped", r.skipped},
-                          {"skip_reason", r.skip_reason},
-                          {"no_targets", r.no_targets},
-                          {"nonfinite_block", r.nonfinite_block},
-                          {"nonfinite_tensor", r.nonfinite_tensor},
-                          {"loss_scale", r.loss_scale},
-                          {"overflow", r.overflow}}
-        .dump();
+      busy.insert(std::string(lane_name(static_cast<Lane>(k))), r.stats.lanes[size_t(k)].busy_fraction);
+    return {numbers, texts, busy};
   }
 
   double evaluate(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,

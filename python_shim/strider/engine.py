@@ -49,6 +49,7 @@ causal attention without a padding mask, so padding must be on the right
 import json
 import os
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
@@ -100,18 +101,17 @@ class StepResult:
     overflow: bool = False
 
     @classmethod
-    def from_report(cls, report: dict) -> "StepResult":
-        return cls(step=report["step"], loss=report["loss"], tokens=report["tokens"],
-                   valid_tokens=report["valid_tokens"], grad_norm=report["grad_norm"], lr=report["lr"],
-                   step_s=report["step_s"], tokens_per_s=report["tokens_per_s"],
-                   overlap_efficiency=report["overlap_efficiency"], critical_lane=report["critical_lane"],
-                   lanes=dict(report["busy_fraction"]), peak_device_bytes=report["peak_device_bytes"],
-                   h2d_bytes=report["h2d_bytes"], d2h_bytes=report["d2h_bytes"],
-                   work_peak_bytes=report["work_peak_bytes"],
-                   skipped=report["skipped"], skip_reason=report["skip_reason"],
-                   no_targets=report["no_targets"],
-                   nonfinite_block=report["nonfinite_block"], nonfinite_tensor=report["nonfinite_tensor"],
-                   loss_scale=report["loss_scale"], overflow=report["overflow"])
+    def from_report(cls, numbers: Dict[str, float], texts: Dict[str, str],
+                    busy: Dict[str, float]) -> "StepResult":
+        """The binding's typed report (torch.classes.strider.Engine.step): its numbers, texts and lanes."""
+        kw = {name: kind(numbers[name]) for name, kind in _REPORT_NUMBERS}
+        kw.update((name, texts[name]) for name in _REPORT_TEXTS)
+        return cls(lanes=dict(busy), **kw)
+
+
+# StepResult's fields the binding reports as numbers (each with its Python type) and as texts.
+_REPORT_NUMBERS = [(f.name, f.type) for f in dataclasses.fields(StepResult) if f.type in (int, float, bool)]
+_REPORT_TEXTS = [f.name for f in dataclasses.fields(StepResult) if f.type is str]
 
 
 def architecture_of(model) -> str:
@@ -413,7 +413,7 @@ class Engine:
         DataCollatorWithFlattening's): a token attends only within its document; needs
         EngineConfig.packed_documents."""
         ids, lab, pos, mask = self._prepare("step", input_ids, labels, attention_mask, position_ids)
-        self.last_result = StepResult.from_report(json.loads(self._engine.step(ids, lab, pos, mask)))
+        self.last_result = StepResult.from_report(*self._engine.step(ids, lab, pos, mask))
         return self.last_result
 
     def evaluate(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> float:

@@ -69,6 +69,13 @@ def strider_binary(build_dir):
     return get
 
 
+def step_report(parts):
+    """torch.classes.strider.Engine.step's typed report (numbers, texts, each lane's busy fraction) as one
+    dict, for the tests that drive the raw binding."""
+    numbers, texts, busy = parts
+    return {**numbers, **texts, "busy_fraction": dict(busy)}
+
+
 def require_op_library():
     """Loads libstrider_ops.so for a module whose every test needs it, or skips the whole module with the
     loader's message (every path it tried), which pytest_terminal_summary names and STRIDER_STRICT_SKIPS=1

@@ -20,7 +20,7 @@ import transformers  # requirements.txt: a missing one fails here, not skips
 
 from strider.torch_reference import adamw_steps
 
-from conftest import require_op_library  # noqa: E402
+from conftest import require_op_library, step_report  # noqa: E402
 
 require_op_library()
 
@@ -139,7 +139,7 @@ def reference_run(model, data, decay_all=False):
 
 
 def engine_run(engine, data):
-    return [json.loads(engine.step(ids, shifted(labels))) for ids, labels in data]
+    return [step_report(engine.step(ids, shifted(labels))) for ids, labels in data]
 
 
 def rel_err(a, b):
@@ -219,7 +219,7 @@ def test_report_and_evaluate(tmp_path):
                         labels=labels[m * MICRO_BATCH:(m + 1) * MICRO_BATCH], num_items_in_batch=valid).loss.item()
                   for m in range(ACCUMULATION))
     assert before == pytest.approx(ref, rel=1e-5)
-    r = json.loads(engine.step(ids, shifted(labels)))
+    r = step_report(engine.step(ids, shifted(labels)))
     assert r["loss"] == pytest.approx(before, rel=1e-6)  # the same forward, before any update
     assert r["tokens"] == BATCH * SEQ and 0 < r["valid_tokens"] < r["tokens"]
     assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["overlap_efficiency"] <= 1.0 + 1e-9
@@ -289,7 +289,7 @@ def test_refused_calls_leave_the_model_untouched():
     with pytest.raises(ValueError, match="every label is -100"):
         engine.evaluate(ids, torch.full_like(labels, -100))
     # A training batch without a target is no error (sparse chat data has them): skipped, nothing changes.
-    empty = json.loads(engine.step(ids, torch.full_like(labels, -100)))
+    empty = step_report(engine.step(ids, torch.full_like(labels, -100)))
     assert empty["skipped"] and empty["no_targets"] and engine.steps_done() == 0
     with pytest.raises(ValueError, match=r"expected shape \[64\]"):
         engine.set_param("model.norm.weight", torch.ones(63))
@@ -299,5 +299,5 @@ def test_refused_calls_leave_the_model_untouched():
     for n, p in before.items():
         assert torch.equal(engine.param(n), p), n
     # Still usable: the refused calls started nothing, and the next step is step 1.
-    r = json.loads(engine.step(ids, labels))
+    r = step_report(engine.step(ids, labels))
     assert r["step"] == 1

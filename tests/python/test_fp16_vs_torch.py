@@ -19,7 +19,7 @@ import transformers  # requirements.txt: a missing one fails here, not skips
 
 from strider.torch_reference import adamw_param_groups  # noqa: E402
 
-from conftest import require_op_library  # noqa: E402
+from conftest import require_op_library, step_report  # noqa: E402
 
 require_op_library()
 
@@ -61,7 +61,7 @@ def test_fp16_tracks_autocast_gradscaler_and_adamw(arch):
     data = batches(model.config.vocab_size)
     engine = new_engine(model, dtype="fp16", chaos=True)
     load_into(engine, model)
-    reports = [json.loads(engine.step(ids, shifted(labels))) for ids, labels in data]
+    reports = [step_report(engine.step(ids, shifted(labels))) for ids, labels in data]
     engine.finish()
 
     fp16_model, fp32_model = make_model(arch), make_model(arch)
@@ -98,7 +98,7 @@ def test_fp16_overflow_skips_the_step_and_halves_the_scale_as_gradscaler_does():
     huge = 2.0 ** 22  # on this model and data: 3 overflows (2^22, 2^21, 2^20), then 2 steps at 2^19
     engine = new_engine(model, dtype="fp16", loss_scale=huge)
     load_into(engine, model)
-    reports = [json.loads(engine.step(ids, shifted(labels))) for ids, labels in data]
+    reports = [step_report(engine.step(ids, shifted(labels))) for ids, labels in data]
     engine.finish()
     ref = torch_run(make_model("llama"), data, fp16=True, init_scale=huge)
     skipped = [r["skipped"] for r in reports]

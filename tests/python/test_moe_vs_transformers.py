@@ -25,7 +25,7 @@ import transformers  # requirements.txt: a missing one fails here, not skips
 from strider.torch_reference import adamw_steps
 from test_engine_vs_torch import model_json, rel_err, shifted
 
-from conftest import require_op_library  # noqa: E402
+from conftest import require_op_library, step_report  # noqa: E402
 
 require_op_library()
 
@@ -137,7 +137,7 @@ def reference_run(model, data, total=TOTAL, loss_of=transformers_loss):
 
 
 def check_against_reference(model, engine, data):
-    reports = [json.loads(engine.step(ids, shifted(labels))) for ids, labels in data]
+    reports = [step_report(engine.step(ids, shifted(labels))) for ids, labels in data]
     engine.finish()
     ref = reference_run(model, data)
     for s, (r, (ref_loss, ref_norm)) in enumerate(zip(reports, ref)):
@@ -176,8 +176,8 @@ def test_the_load_balancing_loss_is_in_the_loss():
     the micro-batches' aux losses, as transformers computes them."""
     with_aux, without = make_model("mixtral", True), make_model("mixtral", False)
     ids, labels = batches(1000)[0]
-    a = json.loads(new_engine(with_aux).step(ids, shifted(labels)))["loss"]
-    b = json.loads(new_engine(without).step(ids, shifted(labels)))["loss"]
+    a = step_report(new_engine(with_aux).step(ids, shifted(labels)))["loss"]
+    b = step_report(new_engine(without).step(ids, shifted(labels)))["loss"]
     aux = [with_aux(input_ids=ids[m * MICRO_BATCH:(m + 1) * MICRO_BATCH]).aux_loss.item() for m in range(ACCUMULATION)]
     expected = with_aux.config.router_aux_loss_coef * sum(aux) / ACCUMULATION
     assert a - b == pytest.approx(expected, rel=1e-4)
@@ -250,7 +250,7 @@ def test_padding_is_left_out_of_the_load_balancing_loss(arch):
     model = make_model(arch)
     data = padded_batches(model.config.vocab_size, PADDED_LENGTHS, PADDED_SEED[arch])
     engine = new_engine(model, chaos=True)
-    reports = [json.loads(engine.step(ids, shifted(labels), None, mask)) for ids, labels, mask in data]
+    reports = [step_report(engine.step(ids, shifted(labels), None, mask)) for ids, labels, mask in data]
     engine.finish()
     ref = reference_run(model, data, loss_of=padded_loss)
     for s, (r, (ref_loss, ref_norm)) in enumerate(zip(reports, ref)):
@@ -259,7 +259,7 @@ def test_padding_is_left_out_of_the_load_balancing_loss(arch):
     for name, p in model.named_parameters():
         assert rel_err(engine.param(name), p.detach()) <= 1e-5, f"{name} after {STEPS} steps"
     ids, labels, mask = data[0]
-    unmasked = json.loads(new_engine(make_model(arch)).step(ids, shifted(labels)))["loss"]
+    unmasked = step_report(new_engine(make_model(arch)).step(ids, shifted(labels)))["loss"]
     assert abs(unmasked - reports[0]["loss"]) > 1e-4 * abs(unmasked)
 
 
@@ -299,7 +299,7 @@ def test_the_python_engine_passes_padding_on():
     full_labels[:3, :15] = labels
     full_mask = torch.zeros(BATCH, SEQ, dtype=torch.int64)
     full_mask[:3, :15] = mask
-    expected = json.loads(raw.step(full_ids, shifted(full_labels), None, full_mask))["loss"]
+    expected = step_report(raw.step(full_ids, shifted(full_labels), None, full_mask))["loss"]
     engine = strider.Engine(model, cfg)
     got = engine.step(ids, labels, attention_mask=mask).loss
     assert got == pytest.approx(expected, rel=1e-6)

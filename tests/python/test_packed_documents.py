@@ -8,7 +8,6 @@ torch.optim.AdamW to 1e-5 in fp32 (test_engine_vs_torch's setup), including a
 soft-capped and sliding-window model and longrope's choice of factors per
 micro-batch, and a document's loss is held to be independent of its neighbours.
 """
-import json
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ import torch
 from test_engine_vs_torch import (ACCUMULATION, BATCH, MICRO_BATCH, SEQ, STEPS, batches, load_into, make_model,
                                   new_engine, reference_run, rel_err, shifted)
 from strider.torch_reference import packed_position_ids
+from conftest import step_report  # noqa: E402
 
 # Document lengths per row (SEQ = 17 tokens each). Micro-batch 0's documents
 # stay within 8 positions (phi4_mini's original_max_position_embeddings: its
@@ -47,7 +47,7 @@ def test_packed_steps_track_transformers_and_adamw(arch, chaos, devices):
     data = packed_batches(model.config.vocab_size)
     engine = new_engine(model, chaos=chaos, devices=devices, packed_documents=True)
     load_into(engine, model)
-    reports = [json.loads(engine.step(ids, shifted(labels), pos)) for ids, labels, pos in data]
+    reports = [step_report(engine.step(ids, shifted(labels), pos)) for ids, labels, pos in data]
     engine.finish()
     ref = reference_run(model, data)
     for s, (r, (ref_loss, ref_norm)) in enumerate(zip(reports, ref)):
@@ -91,7 +91,7 @@ def test_plain_positions_change_nothing_and_packed_need_the_config():
     for packed, pos in [(False, None), (False, plain), (True, plain)]:
         engine = new_engine(model, packed_documents=packed)
         load_into(engine, model)
-        loss = json.loads(engine.step(ids, shifted(labels), pos))["loss"]
+        loss = step_report(engine.step(ids, shifted(labels), pos))["loss"]
         finals.append((loss, {n: engine.param(n) for n in engine.param_names()}))
     for loss, params in finals[1:]:
         assert loss == finals[0][0]
