@@ -46,10 +46,10 @@ place in a mixture-of-experts model's load-balancing loss). The engine runs
 causal attention without a padding mask, so padding must be on the right
 (after every real token), where no real token attends to it.
 """
+import dataclasses
 import json
 import os
 import warnings
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
