@@ -73,23 +73,25 @@ def measure(model_json, case, p, device, budget_bytes):
     cuda = device.startswith("cuda")
     # The plan's engine: its window and checkpoint placement, the layers that keep their activations and
     # whether the head keeps its logits (both in its device_buffer_bytes), its token tile.
-    engine_json = json.dumps(dict(seq=case["seq"], micro_batch=case["micro_batch"],
-                                  accumulation=case["accumulation"], dtype="bf16", window=p["window"],
-                                  checkpoints_on_host=p["checkpoints_on_host"], saved_blocks=p["saved_blocks"],
-                                  keep_logits=p["keep_logits"], token_tile=p["token_tile"], clip_norm=1.0,
-                                  lr=1e-5))
+    from strider.config import engine_settings  # the package this tree's gpu_check_common put on sys.path
+    settings = engine_settings(dict(seq=case["seq"], micro_batch=case["micro_batch"],
+                                    accumulation=case["accumulation"], dtype="bf16", window=p["window"],
+                                    checkpoints_on_host=p["checkpoints_on_host"], saved_blocks=p["saved_blocks"],
+                                    keep_logits=p["keep_logits"], token_tile=p["token_tile"], clip_norm=1.0,
+                                    lr=1e-5))
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     t0 = time.time()
-    engine = torch.classes.strider.Engine(model_json, engine_json, device, budget_bytes, False, 1)
+    engine = torch.classes.strider.Engine(model_json, settings, device, budget_bytes, False, 1)
     build_s = time.time() - t0
     batch = case["micro_batch"] * case["accumulation"]
     g = torch.Generator().manual_seed(1)
     steps = []
     for _ in range(2):  # the first step also makes ATen's lazily created handles and workspaces
         ids = torch.randint(0, json.loads(model_json)["vocab_size"], (batch, case["seq"]), generator=g)
-        r = json.loads(engine.step(ids, ids.clone()))
+        numbers, _, _ = engine.step(ids, ids.clone())  # the typed report: numbers, texts, lanes
+        r = dict(numbers)
         steps.append({"step_s": r["step_s"], "loss": r["loss"], "peak_device_bytes": r["peak_device_bytes"],
                       "work_peak_bytes": r["work_peak_bytes"]})
     engine.finish()

@@ -1,7 +1,7 @@
 // torch.classes.strider.Engine: the sliding-window Engine driven from Python.
 //
-//   e = torch.classes.strider.Engine(model_config_json, engine_config_json,
-//                                    "cpu", 0, False, 1)
+//   s = torch.classes.strider.EngineSettings()          # typed: s.set_int("seq", 1024), ...
+//   e = torch.classes.strider.Engine(model_config_json, s, "cpu", 0, False, 1)
 //   e.set_param("model.embed_tokens.weight", w)       # or e.init_params(seed)
 //   numbers, texts, busy = e.step(ids, labels)         # int64 [batch, seq] each
 //   (optional: positions, packed documents; attention_mask, right padding)
@@ -46,11 +46,12 @@ namespace {
 
 class EngineHolder : public torch::CustomClassHolder {
  public:
-  EngineHolder(const std::string& model_config_json, const std::string& engine_config_json,
+  EngineHolder(const std::string& model_config_json, const c10::intrusive_ptr<EngineSettings>& settings,
                const std::string& device_spec, int64_t device_budget_bytes, bool chaos, int64_t chaos_seed) {
     TORCH_CHECK_VALUE(device_budget_bytes >= 0, "device_budget_bytes must be >= 0 (0: the device's default), got ",
                       device_budget_bytes);
-    EngineArgs args = engine_args(model_config_json, engine_config_json);
+    TORCH_CHECK_VALUE(settings, "settings: expected a torch.classes.strider.EngineSettings, got None");
+    EngineArgs args = engine_args(model_config_json, *settings);
     const ModelSpec& spec = args.spec;
     for (int64_t b = 0; b < spec.num_blocks(); ++b) {
       const ParamLayout layout = spec.layout(b);  // named: slots() refers into it
@@ -409,9 +410,25 @@ std::string inspect_checkpoint(const std::string& dir) {
 }  // namespace strider
 
 TORCH_LIBRARY_FRAGMENT(strider, m) {
+  // EngineSettings first: the Engine's constructor takes one, so its type
+  // must be known when that schema is made (one fragment, in this order:
+  // static initialisers of two files run in no order C++ promises).
+  using strider::EngineSettings;
+  m.class_<EngineSettings>("EngineSettings")
+      .def(torch::init<>())
+      .def("set_int", &EngineSettings::set_int)
+      .def("set_float", &EngineSettings::set_float)
+      .def("set_bool", &EngineSettings::set_bool)
+      .def("set_text", &EngineSettings::set_text)
+      .def("set_ints", &EngineSettings::set_ints)
+      .def("set_activations", &EngineSettings::set_activations)
+      .def("set_devices", &EngineSettings::set_devices)
+      .def("set_ranks", &EngineSettings::set_ranks)
+      .def("plan", &EngineSettings::plan)
+      .def("problems", &EngineSettings::problems);
   using strider::EngineHolder;
   m.class_<EngineHolder>("Engine")
-      .def(torch::init<std::string, std::string, std::string, int64_t, bool, int64_t>())
+      .def(torch::init<std::string, c10::intrusive_ptr<strider::EngineSettings>, std::string, int64_t, bool, int64_t>())
       .def("set_param", &EngineHolder::set_param)
       .def("param", &EngineHolder::param)
       .def("param_names", &EngineHolder::param_names)

@@ -1,11 +1,10 @@
 #include "python_shim/engine_plan.h"
 
-#include <torch/library.h>
-
 #include <nlohmann/json.hpp>
 #include <tuple>
 #include <vector>
 
+#include "engine/config/config_fields.h"
 #include "engine/config/engine_config_json.h"
 #include "engine/plan/plan_device.h"
 #include "gpu/device/device.h"
@@ -13,38 +12,46 @@
 
 namespace strider {
 
-EngineArgs engine_args(const std::string& model_config_json, const std::string& engine_config_json) {
+void EngineSettings::set(const std::string& name, nlohmann::json v) {
+  translated("EngineSettings", true, [&] {
+    const ConfigField& f = config_field(name);
+    STRIDER_CHECK(f.engine, "EngineSettings: '{}' is chosen for each run, not an engine setting", name);
+    check_config_value(f, v, "EngineSettings");
+    fields[name] = std::move(v);
+  });
+}
+
+void EngineSettings::set_activations(const std::string& mode) {
+  TORCH_CHECK_VALUE(mode == "auto" || mode == "recompute" || mode == "saved", "EngineSettings: activations '", mode,
+                    "' is not auto, recompute or saved");
+  activations = mode;
+}
+
+void EngineSettings::set_devices(const std::string& d) {
+  TORCH_CHECK_VALUE(!d.empty(), "EngineSettings: devices must be a count or a list of devices, got ''");
+  devices = d;  // read by make_devices, which refuses a bad one naming it
+}
+
+void EngineSettings::set_ranks(int64_t shard_, int64_t shards_) {
+  TORCH_CHECK_VALUE(shards_ >= 1 && shard_ >= 0 && shard_ < shards_, "EngineSettings: rank slice ", shard_, " of ",
+                    shards_, " is not one of 0..shards-1");
+  shard = shard_;
+  shards = shards_;
+}
+
+EngineArgs engine_args(const std::string& model_config_json, const EngineSettings& s) {
   const nlohmann::json model_json = parse_json(model_config_json, "model_config_json");
-  nlohmann::json engine_json = parse_json(engine_config_json, "engine_config_json");
   EngineArgs a;
-  // The package's own fields, taken out before the engine config is read.
-  for (auto [key, dst] : {std::pair{"activations", &a.activations}, std::pair{"devices", &a.devices}}) {
-    if (!engine_json.is_object() || !engine_json.contains(key)) continue;
-    TORCH_CHECK_VALUE(engine_json[key].is_string(), "engine_config_json: ", key, " must be a string, got ",
-                      engine_json[key].dump());
-    *dst = engine_json[key].get<std::string>();
-    engine_json.erase(key);
-  }
-  TORCH_CHECK_VALUE(a.activations.empty() || a.activations == "auto" || a.activations == "recompute" ||
-                        a.activations == "saved",
-                    "engine_config_json: activations '", a.activations, "' is not auto, recompute or saved");
-  // strider.Engine in a torch.distributed group: this rank's slice of the sharded state.
-  int64_t shards = 1, shard = 0;
-  for (auto [key, dst] : {std::pair{"state_shards", &shards}, std::pair{"state_shard", &shard}}) {
-    if (!engine_json.is_object() || !engine_json.contains(key)) continue;
-    TORCH_CHECK_VALUE(engine_json[key].is_number_integer(), "engine_config_json: ", key, " must be an integer, got ",
-                      engine_json[key].dump());
-    *dst = engine_json[key].get<int64_t>();
-    engine_json.erase(key);
-  }
+  a.activations = s.activations;
+  a.devices = s.devices;
   a.spec = translated("model_config_json", true, [&] { return ModelSpec::from_json(model_json, "model_config_json"); });
-  a.config = translated("engine_config_json", true, [&] { return engine_config_from_json(engine_json); });
-  a.config.state_shards = int(shards);
-  a.config.state_shard = int(shard);
+  a.config = translated("EngineSettings", true, [&] { return engine_config_from_json(s.fields); });
+  a.config.state_shards = int(s.shards);
+  a.config.state_shard = int(s.shard);
   // The adapters, if any, are tensors of the model the engine trains (and names).
-  a.spec = translated("engine_config_json", true, [&] { return a.spec.with_lora(a.config.lora, "engine_config_json lora"); });
+  a.spec = translated("EngineSettings", true, [&] { return a.spec.with_lora(a.config.lora, "EngineSettings lora"); });
   for (int64_t b : a.config.saved_blocks)
-    TORCH_CHECK_VALUE(b >= 1 && b <= a.spec.layers, "engine_config_json: saved_blocks holds ", b,
+    TORCH_CHECK_VALUE(b >= 1 && b <= a.spec.layers, "EngineSettings: saved_blocks holds ", b,
                       ", which is not a decoder-layer block (1..", a.spec.layers, ")");
   return a;
 }
@@ -83,46 +90,28 @@ void take_plan(const Plan& p, EngineArgs& a, uint64_t device_budget) {
   c.keep_logits = p.keep_logits;
 }
 
-namespace {
-
-// torch.ops.strider.plan: the plan strider.Engine would run by, as `strider
-// plan --json` prints one. The budget 0: the device's default (a device of
-// that kind is made to read it).
-std::string plan_op(const std::string& model_config_json, const std::string& engine_config_json,
-                    const std::string& device, int64_t device_budget_bytes) {
-  TORCH_CHECK_VALUE(device_budget_bytes >= 0, "device_budget_bytes must be >= 0 (0: the device's default), got ",
-                    device_budget_bytes);
-  EngineArgs a = engine_args(model_config_json, engine_config_json);
+std::string EngineSettings::plan(const std::string& model_config_json, const std::string& device,
+                                 int64_t budget) const {
+  TORCH_CHECK_VALUE(budget >= 0, "device_budget_bytes must be >= 0 (0: the device's default), got ", budget);
+  EngineArgs a = engine_args(model_config_json, *this);
   a.config.devices = int(translated("plan", true, [&] { return pool_specs(device, a.devices).size(); }));
-  const uint64_t budget = device_budget_bytes > 0 ? uint64_t(device_budget_bytes) : translated("plan", true, [&] {
+  const uint64_t bytes = budget > 0 ? uint64_t(budget) : translated("plan", true, [&] {
     return uint64_t(make_devices({.spec = device}, a.devices).front()->budget_bytes());
   });
-  return engine_plan(a, device, budget).to_json().dump();
+  return engine_plan(a, device, bytes).to_json().dump();
 }
 
-// torch.ops.strider.settings_problems: the rules between an engine config's
-// settings (engine/config/engine_config_json.h), each as its field, the
-// other field and the text,
-// for strider.EngineConfig.validate. The fields one by one are the caller's
-// to have checked: a bad one is a ValueError here.
-std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>> settings_problems_op(
-    const std::string& engine_config_json) {
-  const nlohmann::json j = parse_json(engine_config_json, "engine_config_json");
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>> EngineSettings::problems()
+    const {
   const EngineConfig c =
-      translated("engine_config_json", true, [&] { return engine_config_from_json(j, /*check_rules=*/false); });
-  std::vector<std::string> fields, others, texts;
+      translated("EngineSettings", true, [&] { return engine_config_from_json(fields, /*check_rules=*/false); });
+  std::vector<std::string> names, others, texts;
   for (const SettingsProblem& p : settings_problems(c)) {
-    fields.push_back(p.field);
+    names.push_back(p.field);
     others.push_back(p.other);
     texts.push_back(p.text);
   }
-  return {fields, others, texts};
+  return {names, others, texts};
 }
 
-}  // namespace
 }  // namespace strider
-
-TORCH_LIBRARY_IMPL(strider, CompositeImplicitAutograd, m) {
-  m.impl("plan", &strider::plan_op);
-  m.impl("settings_problems", &strider::settings_problems_op);
-}

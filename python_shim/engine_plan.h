@@ -6,8 +6,13 @@
 // and the kept activations and logits from `activations`.
 #pragma once
 
+#include <torch/custom_class.h>
+
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "engine/config/engine_config.h"
 #include "engine/model/model_spec.h"
@@ -26,11 +31,46 @@ struct EngineArgs {
   std::string devices = "1";
 };
 
-// Reads strider.Engine's model and engine config JSON (the engine config's
-// fields, plus activations, devices, state_shards and state_shard). A bad
-// value is a ValueError naming the argument and the field. config.devices is
-// left for the caller, who knows the device (the pool's size).
-EngineArgs engine_args(const std::string& model_config_json, const std::string& engine_config_json);
+// torch.classes.strider.EngineSettings: what strider.Engine is told, as typed
+// values, each checked against engine/config/config_fields.json when it is
+// set (a ValueError naming the field and what it takes): the engine config's
+// fields by name (set_int, set_float, set_bool, set_text, set_ints; a field
+// not set takes its default), and the package's own, which no checkpoint
+// records: activations, the pool of devices, and a data-parallel rank's slice
+// of the state. No text is parsed to read them.
+class EngineSettings : public torch::CustomClassHolder {
+ public:
+  void set_int(const std::string& name, int64_t v) { set(name, v); }
+  void set_float(const std::string& name, double v) { set(name, v); }
+  void set_bool(const std::string& name, bool v) { set(name, v); }
+  void set_text(const std::string& name, const std::string& v) { set(name, v); }
+  void set_ints(const std::string& name, std::vector<int64_t> v) { set(name, v); }
+  void set_activations(const std::string& mode);  // auto, recompute or saved
+  void set_devices(const std::string& devices);    // a count, or a list of devices
+  void set_ranks(int64_t shard, int64_t shards);   // this rank's slice of the state, of `shards`
+
+  // The plan an Engine with these settings runs by (engine_plan), for a
+  // model's config.json text, on `device` ("cpu", "cuda", "sim:rtx4090"; no
+  // such device need exist when the budget is given) with `budget` bytes (0:
+  // the device's default): `strider plan --json`'s document.
+  std::string plan(const std::string& model_config_json, const std::string& device, int64_t budget) const;
+  // The rules between the settings that no field states alone
+  // (settings_problems): each broken one's field, the other field it is held
+  // against, and its text. strider.EngineConfig.validate asks here.
+  std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>> problems() const;
+
+  nlohmann::json fields = nlohmann::json::object();  // the engine config fields set, checked
+  std::string activations, devices = "1";
+  int64_t shards = 1, shard = 0;
+
+ private:
+  void set(const std::string& name, nlohmann::json v);
+};
+
+// Reads strider.Engine's arguments: the model's config.json text and its
+// settings. A bad value is a ValueError naming the argument and the field.
+// config.devices is left for the caller, who knows the device (the pool's size).
+EngineArgs engine_args(const std::string& model_config_json, const EngineSettings& settings);
 
 // The plan for `a` on `device_spec` (its kind: a device of that kind need
 // not exist here) with `device_budget` bytes per device (> 0).

@@ -21,7 +21,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c);
 // every front end: engine_config_from_json refuses the first (so the command
 // line, strider.Engine and a saved checkpoint's config meet them),
 // strider.EngineConfig asks here through the op library
-// (torch.ops.strider.settings_problems), and the engine's check_config
+// (torch.classes.strider.EngineSettings.problems), and the engine's check_config
 // (engine/placement/placement.h) adds the rules that need the model.
 // Each problem names its field, the other field it is held against (empty
 // for a rule of the one field's values), and a text that starts with the

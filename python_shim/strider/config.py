@@ -123,19 +123,49 @@ def _problem(f, v) -> str:
     raise ValueError(f"{declaration_path()}: field {f['name']!r} has unknown type {t!r}")
 
 
+def engine_settings(d: dict):
+    """torch.classes.strider.EngineSettings (python_shim/engine_plan.h) for a dict of engine config fields (an
+    EngineConfig's engine_dict(), or the engine config a checkpoint records), each set as the typed value it
+    is and checked by the engine against the declaration when set: a bad one is a ValueError naming it. The
+    package's own keys: activations, devices, and state_shard with state_shards (a data-parallel rank's slice).
+    Needs the op library (strider.load_library())."""
+    import torch
+    s = torch.classes.strider.EngineSettings()
+    d = dict(d)
+    if "activations" in d:
+        s.set_activations(d.pop("activations"))
+    if "devices" in d:
+        s.set_devices(d.pop("devices"))
+    if "state_shards" in d or "state_shard" in d:
+        s.set_ranks(d.pop("state_shard", 0), d.pop("state_shards", 1))
+    for name, v in d.items():
+        if isinstance(v, bool):
+            s.set_bool(name, v)
+        elif isinstance(v, int):
+            s.set_int(name, v)
+        elif isinstance(v, float):
+            s.set_float(name, v)
+        elif isinstance(v, str):
+            s.set_text(name, v)
+        elif isinstance(v, Sequence) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            s.set_ints(name, list(v))
+        else:
+            raise ValueError(f"engine settings: {name!r} = {v!r} is not a number, bool, str or list of integers")
+    return s
+
+
 def _settings_problems(fields: dict):
     """(field, text) for each rule between the engine settings `fields` break, as the engine states them
-    (torch.ops.strider.settings_problems): one place for the command line, the engine and this class. Where
-    the op library is not built, none: the engine, which needs the library, refuses them when it is made.
-    A rule held against lora waits while lora is empty: a PEFT model brings the adapters when the Engine
-    is made (strider.Engine checks the pair then)."""
+    (EngineSettings.problems, engine/config/engine_config_json.h): one place for the command line, the engine
+    and this class. Where the op library is not built, none: the engine, which needs the library, refuses
+    them when it is made. A rule held against lora waits while lora is empty: a PEFT model brings the
+    adapters when the Engine is made (strider.Engine checks the pair then)."""
     try:
         from strider._library import load_library
         load_library()
     except ImportError:
         return []
-    import torch
-    names, others, texts = torch.ops.strider.settings_problems(json.dumps(fields))
+    names, others, texts = engine_settings(fields).problems()
     return [(n, t) for n, o, t in zip(names, others, texts) if not (o == "lora" and not fields["lora"])]
 
 
@@ -255,6 +285,10 @@ class _Methods:
 
     def engine_json(self) -> str:
         return json.dumps(self.engine_dict())
+
+    def engine_settings(self):
+        """The typed settings torch.classes.strider.Engine takes (engine_settings(self.engine_dict()))."""
+        return engine_settings(self.engine_dict())
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with some fields changed (checked like a new one)."""

@@ -167,15 +167,15 @@ def inspect_checkpoint(path) -> dict:
 def plan(model_config: dict, config: Optional[EngineConfig] = None) -> dict:
     """The plan strider.Engine(model, config) runs by, for a model's config (model.config.to_dict(), or a
     config.json's dict) on config.device with config.device_budget: what `strider plan --json` prints, made by
-    the same C++ (python_shim/engine_plan.h): window, token_tile, kept activations (saved_blocks) and logits
+    the same C++ (python_shim/engine_plan.h, EngineSettings.plan): window, token_tile, kept activations (saved_blocks) and logits
     (keep_logits), device and host bytes, and `why`. No device of that kind need exist here when the budget
     is given ("cuda" plans on the rtx4090's rates, as `strider plan --predict none` does)."""
     config = EngineConfig() if config is None else config
     if not isinstance(config, EngineConfig):
         raise TypeError(f"strider.plan: config must be a strider.EngineConfig, got {type(config).__name__}")
     load_library()
-    return json.loads(torch.ops.strider.plan(json.dumps(model_config, default=str), config.engine_json(),
-                                             config.device, config.device_budget_bytes))
+    return json.loads(config.engine_settings().plan(json.dumps(model_config, default=str), config.device,
+                                                    config.device_budget_bytes))
 
 
 def distributed_ranks():
@@ -268,13 +268,12 @@ class Engine:
         self._base_model = str(getattr(base.config, "_name_or_path", "") or "")  # a LoRA checkpoint's adapter names it
         # Everything the engine builds is checked before anything is allocated, and nothing of the
         # model is written: a refusal here leaves `model` as it was.
-        engine_json = config.engine_json()
+        settings = config.engine_settings()
         if ranks is not None:
             # Data parallel: this rank keeps its slice of master, m and v (engine/run/engine.h, state_shards).
-            engine_json = json.dumps(dict(json.loads(engine_json), state_shards=ranks[1], state_shard=ranks[0]))
-        self._engine = torch.classes.strider.Engine(self._model_config_json, engine_json,
-                                                    config.device, config.device_budget_bytes, config.chaos,
-                                                    config.chaos_seed)
+            settings.set_ranks(ranks[0], ranks[1])
+        self._engine = torch.classes.strider.Engine(self._model_config_json, settings, config.device,
+                                                    config.device_budget_bytes, config.chaos, config.chaos_seed)
         if ranks is not None:
             self._join(*ranks)
         self.model = model

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
+from strider.config import engine_settings  # noqa: E402
 
 TINY = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -50,7 +51,7 @@ def engine(mode, **over):
         strider.load_library()
     except ImportError as e:
         pytest.skip(str(e))
-    return torch.classes.strider.Engine(json.dumps(TINY), config(activations=mode, **over).engine_json(), "cpu", 0,
+    return torch.classes.strider.Engine(json.dumps(TINY), config(activations=mode, **over).engine_settings(), "cpu", 0,
                                         False, 1)
 
 
@@ -81,10 +82,10 @@ def test_a_saved_block_outside_the_layers_is_refused():
     for blocks, says in [([0], "'saved_blocks' = \\[0\\] holds 0"), ([4], "saved_blocks holds 4, which is not a decoder-layer "
                                                                 "block \\(1..3\\)"), ([1, 1], "twice")]:
         with pytest.raises(ValueError, match=says):
-            torch.classes.strider.Engine(json.dumps(TINY), json.dumps({**d, "saved_blocks": blocks}), "cpu", 0,
+            torch.classes.strider.Engine(json.dumps(TINY), engine_settings({**d, "saved_blocks": blocks}), "cpu", 0,
                                          False, 1)
     with pytest.raises(ValueError, match="activations 'keep' is not auto, recompute or saved"):
-        torch.classes.strider.Engine(json.dumps(TINY), json.dumps({**d, "activations": "keep"}), "cpu", 0, False, 1)
+        torch.classes.strider.Engine(json.dumps(TINY), engine_settings({**d, "activations": "keep"}), "cpu", 0, False, 1)
 
 
 @pytest.fixture

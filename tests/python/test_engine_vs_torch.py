@@ -18,6 +18,8 @@ import torch
 
 import transformers  # requirements.txt: a missing one fails here, not skips
 
+import strider.config  # noqa: E402
+
 from strider.torch_reference import adamw_steps
 
 from conftest import require_op_library, step_report  # noqa: E402
@@ -83,12 +85,12 @@ def model_json(model):
     return json.dumps(cfg, default=str)
 
 
-def engine_json(**over):
+def engine_settings(**over):
     cfg = dict(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, dtype="fp32", vocab_chunk=300,
                window=2, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
                optimizer="adamw", schedule="linear", warmup_steps=WARMUP, total_steps=TOTAL, clip_norm=CLIP)
     cfg.update(over)
-    return json.dumps(cfg)
+    return strider.config.engine_settings(cfg)  # typed: torch.classes.strider.EngineSettings
 
 
 def batches(vocab, seed=1):
@@ -111,7 +113,7 @@ def shifted(labels):
 
 
 def new_engine(model, chaos=False, **over):
-    return torch.classes.strider.Engine(model_json(model), engine_json(**over), "cpu", 0, chaos, 7)
+    return torch.classes.strider.Engine(model_json(model), engine_settings(**over), "cpu", 0, chaos, 7)
 
 
 def load_into(engine, model):
@@ -263,9 +265,9 @@ def test_bad_configs_are_named():
     with pytest.raises(ValueError, match="model_config_json.*num_attention_heads|num_attention_heads"):
         cfg = json.loads(model_json(model))
         cfg["num_attention_heads"] = 0
-        torch.classes.strider.Engine(json.dumps(cfg), engine_json(), "cpu", 0, False, 1)
+        torch.classes.strider.Engine(json.dumps(cfg), engine_settings(), "cpu", 0, False, 1)
     with pytest.raises(ValueError, match="not valid JSON"):
-        torch.classes.strider.Engine("{", engine_json(), "cpu", 0, False, 1)
+        torch.classes.strider.Engine("{", engine_settings(), "cpu", 0, False, 1)
 
 
 def test_refused_calls_leave_the_model_untouched():

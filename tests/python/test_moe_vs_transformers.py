@@ -22,6 +22,8 @@ import torch
 
 import transformers  # requirements.txt: a missing one fails here, not skips
 
+import strider.config  # noqa: E402
+
 from strider.torch_reference import adamw_steps
 from test_engine_vs_torch import model_json, rel_err, shifted
 
@@ -79,12 +81,12 @@ def make_model(arch, aux=True, seed=0):
     return model
 
 
-def engine_json(**over):
+def engine_settings(**over):
     cfg = dict(seq=SEQ, micro_batch=MICRO_BATCH, accumulation=ACCUMULATION, dtype="fp32", vocab_chunk=300,
                window=2, lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY,
                optimizer="adamw", schedule="linear", warmup_steps=WARMUP, total_steps=TOTAL, clip_norm=CLIP)
     cfg.update(over)
-    return json.dumps(cfg)
+    return strider.config.engine_settings(cfg)  # typed: torch.classes.strider.EngineSettings
 
 
 def batches(vocab, seed=1):
@@ -99,7 +101,7 @@ def batches(vocab, seed=1):
 
 
 def new_engine(model, chaos=False, **over):
-    engine = torch.classes.strider.Engine(model_json(model), engine_json(**over), "cpu", 0, chaos, 7)
+    engine = torch.classes.strider.Engine(model_json(model), engine_settings(**over), "cpu", 0, chaos, 7)
     params = dict(model.named_parameters())
     assert set(engine.param_names()) == set(params)
     for name, p in params.items():
@@ -417,12 +419,12 @@ def test_bad_moe_configs_are_named():
     cfg["architectures"] = ["MixtralForCausalLM"]
     cfg["router_jitter_noise"] = 0.1
     with pytest.raises(ValueError, match="router_jitter_noise"):
-        torch.classes.strider.Engine(json.dumps(cfg), engine_json(), "cpu", 0, False, 7)
+        torch.classes.strider.Engine(json.dumps(cfg), engine_settings(), "cpu", 0, False, 7)
     cfg = hf_config("qwen3_moe").to_dict()
     cfg["architectures"] = ["OlmoeForCausalLM"]
     with pytest.raises(ValueError, match="OLMoE's whole-projection q/k norms"):
-        torch.classes.strider.Engine(json.dumps(cfg), engine_json(), "cpu", 0, False, 7)
+        torch.classes.strider.Engine(json.dumps(cfg), engine_settings(), "cpu", 0, False, 7)
     # A pool takes the load-balancing loss with its checkpoints on the device or on the host.
     for host in (False, True):
         torch.classes.strider.Engine(model_json(make_model("mixtral")),
-                                     engine_json(devices="2", checkpoints_on_host=host), "cpu", 0, False, 7)
+                                     engine_settings(devices="2", checkpoints_on_host=host), "cpu", 0, False, 7)

@@ -84,22 +84,20 @@ def test_inspect_training_checkpoint(tmp_path):
                   checks=CHECKS[:3]) == {}
 
 
-def test_plan():
+def test_the_settings_class_plans_and_states_its_rules():
+    # Not ops (a torch.classes.strider.EngineSettings' methods: no tensors, nothing for opcheck), but the
+    # boundary's other calls: the plan an Engine runs by, and the rules between settings.
     import strider
+    from strider.config import engine_settings
     cfg = json.dumps({**SMALL, "architectures": ["LlamaForCausalLM"]})
-    engine = strider.EngineConfig(seq=16, dtype="fp32", device="cpu").engine_json()
-    plan = json.loads(torch.ops.strider.plan(cfg, engine, "cpu", 1 << 30))
+    settings = strider.EngineConfig(seq=16, dtype="fp32", device="cpu").engine_settings()
+    plan = json.loads(settings.plan(cfg, "cpu", 1 << 30))
     assert plan["feasible"] and plan["window"] >= 2
-    # The first three checks, as for inspect_training_checkpoint: a str has no assert_close.
-    assert passes(torch.ops.strider.plan.default, (cfg, engine, "cpu", 1 << 30), checks=CHECKS[:3]) == {}
-
-
-def test_settings_problems():
-    import strider
+    assert settings.problems() == ([], [], [])
     fields = strider.EngineConfig(dtype="fp32").engine_dict()
-    for key in ("activations", "devices"):
-        del fields[key]
-    bad = json.dumps({**fields, "optimizer_state": "q8", "window": 1})
-    assert torch.ops.strider.settings_problems(bad)[:2] == (["window", "optimizer_state"], ["", "dtype"])
-    assert torch.ops.strider.settings_problems(json.dumps(fields)) == ([], [], [])
-    assert passes(torch.ops.strider.settings_problems.default, (bad,), checks=CHECKS[:3]) == {}
+    bad = engine_settings({**fields, "optimizer_state": "q8", "window": 1})
+    assert bad.problems()[:2] == (["window", "optimizer_state"], ["", "dtype"])
+    with pytest.raises(ValueError, match="'seq' = 0 is outside"):
+        engine_settings({"seq": 0})
+    with pytest.raises(ValueError, match="'device' is chosen for each run"):
+        engine_settings({"device": "cpu"})
