@@ -75,7 +75,10 @@ void take_plan(const Plan& p, EngineArgs& a, uint64_t device_budget) {
                     c.compute.token_tile, " ask the plan to choose (0 and -1), and no plan fits this device's ",
                     device_budget, "-byte budget: ", p.reason);
   if (!p.feasible) {  // a config's own window and tile: the engine's checks decide, with nothing kept
-    if (!a.activations.empty()) c.saved_blocks.clear(), c.keep_logits = false;
+    if (!a.activations.empty()) {
+      c.saved_blocks.clear();
+      c.keep_logits = false;
+    }
     return;
   }
   TORCH_CHECK_VALUE(p.mlp_pieces == 0, "engine_config_json: only layers cut into sub-layer pieces (", p.mlp_pieces,

@@ -20,12 +20,10 @@ import torch
 
 import transformers  # requirements.txt: a missing one fails here, not skips
 import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
+from conftest import require_op_library  # noqa: E402
 from strider.torch_reference import adamw_steps  # noqa: E402
 
-try:
-    strider.load_library()
-except ImportError as e:
-    pytest.skip(str(e), allow_module_level=True)
+require_op_library()
 
 SEQ, MICRO_BATCH, ACCUMULATION = 17, 2, 2
 BATCH = MICRO_BATCH * ACCUMULATION

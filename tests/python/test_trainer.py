@@ -11,14 +11,12 @@ honour, or that contradict the strider config, are refused with a ValueError.
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("accelerate")  # transformers.Trainer needs it
+import accelerate  # noqa: F401  requirements.txt: transformers.Trainer needs it; a missing one fails here
+import transformers  # requirements.txt: a missing one fails here, not skips
 import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
+from conftest import require_op_library  # noqa: E402
 
-try:
-    strider.load_library()
-except ImportError as e:
-    pytest.skip(str(e), allow_module_level=True)
+require_op_library()
 
 SEQ, MICRO_BATCH, ACCUMULATION, STEPS = 17, 2, 2, 3
 BATCH = MICRO_BATCH * ACCUMULATION
