@@ -28,7 +28,8 @@ LayerWork layer_work(const BlockDims& d, int64_t batch, int64_t seq, int64_t tok
   auto norm = [&](i128 w, i128 rows) { return w * (8 + f32_copy) + 12 * rows; };
   // Adding an [out, in] weight gradient (gpu/blocks/weight_grad.h): in fp32, the
   // product before it is added; below, on the CPU device, fp32 copies of a
-  // slice of the t tokens of dy and x (CUDA writes fp32 in place: none).
+  // slice of the t tokens of dy and x (CUDA writes fp32 in place: none). The
+  // bf16 GEMM writing fp32 copies twice the tokens in 16 bits: no more bytes.
   auto wgrad = [&](i128 out, i128 in) {
     return e == 4 ? out * in * 4 : std::min<i128>(t, weight_grad_slice_rows(int64_t(out), int64_t(in))) * (out + in) * 4;
   };
