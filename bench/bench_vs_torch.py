@@ -25,10 +25,19 @@ strider's tokens/s divided by torch's in the same round; loss_max_rel_diff the
 largest relative difference of a step's loss. A figure, never pass/fail.
 
     bench/bench_vs_torch.py                        # the default: ~135M Llama, 49152 vocabulary
+    bench/bench_vs_torch.py --model DIR --cli --window 0   # a real checkpoint, the command line on it too,
+                                                           # both at the window the plan chooses
     bench/bench_vs_torch.py --rounds 5 --window 2 --activations auto
     bench/bench_vs_torch.py --device cuda          # on a GPU (gpu_check/gpu_check.sh runs it there)
     bench/bench_vs_torch.py --arch qwen3_moe --layers 8                # a ~92M mixture of experts
     bench/bench_vs_torch.py --arch qwen2_moe --layers 8                # the same with a shared expert
+
+With --model DIR both sides train that Hugging Face checkpoint's weights (a
+real one: bench/smollm2_finetune.py --prepare-only makes SmolLM2-135M-Instruct).
+--cli adds a side in the same rounds: `strider profile` on DIR in a process of
+its own (random tokens from a token file, the same shape, window and thread
+count), timed by its own measured steps; cli_over_torch is the median over
+rounds of its tokens/s over torch's.
 
 With --lora R both sides train LoRA adapters of rank R (alpha 2R, every decoder
 layer's linear modules) over a frozen base: torch is PEFT + torch.optim.AdamW
@@ -48,7 +57,9 @@ import multiprocessing as mp
 import os
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,7 +97,8 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--window", type=int, default=2, help="strider's K (cache units)")
+    p.add_argument("--window", type=int, default=2, help="strider's K (cache units); 0: the plan chooses, as "
+                   "strider.Engine and strider finetune do by default")
     p.add_argument("--activations", default=None,
                    help="strider's activation mode (recompute, saved, auto); default: the engine's default")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -96,6 +108,14 @@ def parse_args(argv=None):
     p.add_argument("--hidden", type=int, default=MODEL_135M["hidden_size"])
     p.add_argument("--intermediate", type=int, default=MODEL_135M["intermediate_size"])
     p.add_argument("--vocab", type=int, default=MODEL_135M["vocab_size"])
+    p.add_argument("--model", default="",
+                   help="a Hugging Face checkpoint folder (config.json and safetensors): its weights and shape "
+                        "instead of a random model of --arch (--layers, --hidden, --intermediate, --vocab are read "
+                        "from it)")
+    p.add_argument("--cli", action="store_true",
+                   help="with --model: a third side, `strider profile` on the same checkpoint in each round (its "
+                        "own process, random tokens from a token file, the same shape, window and threads; its "
+                        "measured steps after one untimed)")
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama",
                    help="the architecture of the same shape (torch's attention: SDPA, or eager for gemma2)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -113,6 +133,21 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     if a.toy:
         a.layers, a.hidden, a.intermediate, a.vocab, a.seq, a.steps_per_round = 1, 72, 128, 512, 32, 1
+    if a.model:
+        if a.toy:
+            p.error("--model and --toy: --toy cuts a random model")
+        config = Path(a.model) / "config.json"
+        if not config.is_file():
+            p.error(f"--model {a.model}: no config.json there")
+        c = json.loads(config.read_text())
+        c = c.get("text_config", c)
+        a.arch = c.get("model_type", a.arch)
+        a.layers, a.hidden = c["num_hidden_layers"], c["hidden_size"]
+        a.intermediate, a.vocab = c.get("intermediate_size", 0), c["vocab_size"]
+    if a.cli and not a.model:
+        p.error("--cli needs --model: the command line trains a checkpoint folder")
+    if a.cli and (a.lora or a.docs):
+        p.error("--cli: full training of unpacked rows only")
     return a
 
 
@@ -208,6 +243,7 @@ class StriderSide:
                                    weight_decay=0.1, clip_norm=1.0, optimizer_threads=a.threads, device=a.device,
                                    device_budget=a.device_budget, packed_documents=a.docs > 0, **over)
         self.engine = strider.Engine(model, cfg)
+        self.window = self.engine.plan()["window"]  # the K it runs with (the plan's, for window 0)
 
     def step(self, ids, labels, pos):
         return self.engine.step(ids, labels, position_ids=pos).loss
@@ -224,7 +260,11 @@ def worker(side, a, conn):
     torch.set_num_threads(threads)
     a.threads = threads
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(model_config(a)).float()
+    if a.model:  # the checkpoint's weights in fp32, as the random model's; SDPA as model_config sets it
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32,
+                                                                  attn_implementation="sdpa")
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(model_config(a)).float()
     params = sum(p.numel() for p in model.parameters())
     if a.lora and side != "strider_full":
         import peft
@@ -236,7 +276,7 @@ def worker(side, a, conn):
     total_steps = a.warmup_steps + a.rounds * a.steps_per_round
     batches = make_batches(a, total_steps)
     done = 0
-    conn.send({"params": params, "threads": threads})
+    conn.send({"params": params, "threads": threads, "window": getattr(runner, "window", None)})
     while True:
         msg = conn.recv()
         if msg == "stop":
@@ -253,6 +293,37 @@ def worker(side, a, conn):
     conn.close()
 
 
+class CliSide:
+    """`strider profile` on the --model checkpoint, a process per round: the command line's own loading,
+    plan and step, timed by its measured steps (after --warmup-steps untimed ones, at least 1)."""
+
+    def __init__(self, a, threads, work):
+        import numpy as np
+        sys.path.insert(0, str(REPO / "python_shim"))
+        from strider.data import write_token_file
+        self.a, self.threads, self.work = a, threads, Path(work)
+        self.tokens = self.work / "random.tokens"
+        rows = (a.warmup_steps + a.rounds * a.steps_per_round + 2) * a.micro_batch * a.accumulation
+        ids = np.random.default_rng(1234).integers(0, a.vocab, rows * (a.seq + 1))
+        write_token_file(self.tokens, ids, vocab_size=a.vocab)  # one document: no packed rows
+        self.strider = os.environ.get("STRIDER_BUILD_DIR", str(REPO / "build")) + "/strider"
+
+    def run(self, n):
+        a = self.a
+        cmd = [self.strider, "profile", "--model", a.model, "--data", str(self.tokens), "--seq", str(a.seq),
+               "--micro-batch", str(a.micro_batch), "--accumulation", str(a.accumulation), "--window", str(a.window),
+               "--dtype", a.dtype, "--lr", str(a.lr), "--weight-decay", "0.1", "--clip", "1", "--device", a.device,
+               "--device-budget", a.device_budget, "--optimizer-threads", str(self.threads),
+               "--skip-steps", str(max(1, a.warmup_steps)), "--steps", str(n), "--json",
+               "--out", str(self.work / "profile"), "--work-dir", str(self.work)]
+        env = dict(os.environ, OMP_NUM_THREADS=str(self.threads))
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"bench_vs_torch: {' '.join(cmd)} exited {done.returncode}:\n{done.stderr[-2000:]}")
+        d = json.loads(done.stdout)
+        return {"seconds": n * d["step_s"], "losses": [], "window": d["window"]}
+
+
 def main(argv=None):
     a = parse_args(argv)
     ctx = mp.get_context("spawn")
@@ -264,15 +335,22 @@ def main(argv=None):
         p.start()
         procs[side], conns[side] = p, parent
     info = {side: conns[side].recv() for side in conns}
+    cli_work = tempfile.TemporaryDirectory(prefix="bench-vs-torch-cli-") if a.cli else None
+    cli = CliSide(a, info["torch"]["threads"], cli_work.name) if a.cli else None
+    window = info["strider"]["window"]
+    timed = sides + ("strider_cli",) if a.cli else sides
     tokens_per_step = a.micro_batch * a.accumulation * a.seq
-    print(f"model: {a.arch} {info['torch']['params'] / 1e6:.1f}M parameters ({a.layers} layers, hidden {a.hidden}, "
+    print(f"model: {a.model + ' ' if a.model else ''}{a.arch} {info['torch']['params'] / 1e6:.1f}M parameters ({a.layers} layers, hidden {a.hidden}, "
           f"vocabulary {a.vocab}); batch {a.micro_batch} x {a.accumulation} x seq {a.seq}, {a.dtype}, "
-          f"{info['torch']['threads']} threads; strider K = {a.window}, activations "
+          f"{info['torch']['threads']} threads; strider K = {window}{'' if a.window else ' (the plan' + chr(39) + 's)'}, activations "
           f"{a.activations or 'default'}, {'CPU device' if a.device == 'cpu' else 'on the GPU'}"
           + (f"; LoRA rank {a.lora} (torch: PEFT), strider_full: every parameter" if a.lora else "")
-          + (f"; {a.docs} documents a row (packed position_ids)" if a.docs else ""), flush=True)
+          + (f"; {a.docs} documents a row (packed position_ids)" if a.docs else "")
+          + ("; strider_cli: `strider profile` on the checkpoint, each round" if a.cli else ""), flush=True)
 
     def run(side, n):
+        if side == "strider_cli":
+            return cli.run(n)
         conns[side].send(n)
         return conns[side].recv()
 
@@ -280,18 +358,23 @@ def main(argv=None):
     if a.warmup_steps:
         for side in conns:
             losses[side] += run(side, a.warmup_steps)["losses"]
-    ratios, lora_full, tps = [], [], {side: [] for side in sides}
+    ratios, lora_full, cli_ratios, tps = [], [], [], {side: [] for side in timed}
     rss = {}
     for r in range(a.rounds):
-        order = sides if r % 2 == 0 else tuple(reversed(sides))
+        order = timed if r % 2 == 0 else tuple(reversed(timed))
         got = {side: run(side, a.steps_per_round) for side in order}
         for side in order:
-            losses[side] += got[side]["losses"]
             tps[side].append(a.steps_per_round * tokens_per_step / got[side]["seconds"])
-            rss[side] = got[side]["peak_rss"]
+            if side in conns:
+                losses[side] += got[side]["losses"]
+                rss[side] = got[side]["peak_rss"]
         ratios.append(tps["strider"][-1] / tps["torch"][-1])
         line = (f"round {r + 1}: torch {tps['torch'][-1]:.0f} tokens/s, strider {tps['strider'][-1]:.0f} tokens/s, "
                 f"strider/torch {ratios[-1]:.3f}")
+        if a.cli:
+            cli_ratios.append(tps["strider_cli"][-1] / tps["torch"][-1])
+            line += (f", strider CLI {tps['strider_cli'][-1]:.0f} tokens/s (K = {got['strider_cli']['window']}), "
+                     f"CLI/torch {cli_ratios[-1]:.3f}")
         if a.lora:  # time per step: LoRA's over full training's
             lora_full.append(tps["strider_full"][-1] / tps["strider"][-1])
             line += f", strider full {tps['strider_full'][-1]:.0f} tokens/s, LoRA step / full step {lora_full[-1]:.3f}"
@@ -305,7 +388,7 @@ def main(argv=None):
         print(f"step {i + 1}: loss torch {t:.5f} strider {s:.5f} (rel diff {rel[i]:.2e})")
     print(f"peak RSS: torch {rss['torch'] / 2**30:.2f} GiB, strider {rss['strider'] / 2**30:.2f} GiB")
     result = dict(bench="vs_torch", device=a.device, params=info["torch"]["params"], seq=a.seq, micro_batch=a.micro_batch,
-                  accumulation=a.accumulation, dtype=a.dtype, window=a.window,
+                  accumulation=a.accumulation, dtype=a.dtype, window=window, window_asked=a.window, model=a.model,
                   activations=a.activations or "default", threads=info["torch"]["threads"], rounds=a.rounds,
                   torch_tokens_per_s=statistics.median(tps["torch"]),
                   strider_tokens_per_s=statistics.median(tps["strider"]),
@@ -316,6 +399,11 @@ def main(argv=None):
         result.update(strider_full_tokens_per_s=statistics.median(tps["strider_full"]),
                       lora_over_full=statistics.median(lora_full), lora_over_full_rounds=[round(x, 4) for x in lora_full],
                       strider_full_peak_rss_bytes=rss["strider_full"])
+    if a.cli:
+        result.update(strider_cli_tokens_per_s=statistics.median(tps["strider_cli"]),
+                      cli_over_torch=statistics.median(cli_ratios), cli_ratios=[round(x, 4) for x in cli_ratios])
+    if cli_work:
+        cli_work.cleanup()
     line = json.dumps(result)
     print(line)
     if a.json_out:

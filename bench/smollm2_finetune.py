@@ -20,6 +20,7 @@ pass/fail; the README quotes its output.
 
     bench/smollm2_finetune.py                   # strider's defaults (120 steps of 1024 tokens)
     bench/smollm2_finetune.py --steps 30        # shorter
+    bench/smollm2_finetune.py --prepare-only    # only the model folder (for bench_vs_torch.py --model)
 """
 import argparse
 import json
@@ -114,12 +115,17 @@ def main():
                    help="where the GGUF and the gguf package are kept")
     p.add_argument("--steps", type=int, default=0, help="0: strider's default")
     p.add_argument("--strider", default=str(REPO / "build" / "strider"))
+    p.add_argument("--prepare-only", action="store_true",
+                   help="make the model folder (WORK/model) and stop: bench/bench_vs_torch.py --model takes it")
     a = p.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO / "python_shim"))
     model_dir = work / "model"
     convert(fetch(Path(a.cache)), model_dir)
+    if a.prepare_only:
+        print(model_dir)
+        return
     for name, n, seed in (("train", 3000, 1), ("eval", 300, 2)):
         chat_data(work / f"{name}.jsonl", n, seed)
         subprocess.run([sys.executable, "-m", "strider.data", "--tokenizer", str(model_dir), "--input",

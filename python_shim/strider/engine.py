@@ -429,6 +429,11 @@ class Engine:
         self._engine.finish()
         return self._engine.param(name)
 
+    def plan(self) -> dict:
+        """The plan this engine runs by (strider.plan of its model and config): the window it chose for
+        window 0, token_tile, kept activations, device and host bytes, and `why`."""
+        return plan(json.loads(self._model_config_json), self.config)
+
     @property
     def steps_done(self) -> int:
         """Optimizer steps taken (a resumed engine counts the saved run's)."""

@@ -70,3 +70,24 @@ def test_python_and_the_command_line_plan_alike(strider_cli, tmp_path, make):
     # Not a comparison of two empty answers: the plans differ between the cases.
     assert any(p["feasible"] for p in seen)
     assert len({(tuple(p["saved_blocks"]), p["keep_logits"], p["window"]) for p in seen}) > 1
+
+
+def test_an_engine_says_the_plan_it_runs_by():
+    # Engine.plan(): strider.plan of the engine's own model and config, the window it chose for window 0.
+    require_op_library()
+    import torch
+    import transformers
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    for window in (0, 3):
+        config = strider.EngineConfig(seq=32, window=window, device="cpu", device_budget="64MiB")
+        engine = strider.Engine(model, config)
+        got = engine.plan()
+        alone = strider.plan(dict(model.config.to_dict(), architectures=["LlamaForCausalLM"]), config)
+        assert {k: got[k] for k in COMPARED} == {k: alone[k] for k in COMPARED}  # host bytes count the process now
+        assert got["window"] == window if window else got["window"] >= 2
+        ids = torch.randint(0, 256, (1, 32))
+        assert engine.step(ids, ids.clone()).peak_device_bytes > 0
+        engine.finish()
