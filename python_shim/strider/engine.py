@@ -508,7 +508,10 @@ class Engine:
 
     def finish(self):
         """Waits for every pending optimizer update. A base held quantized (EngineConfig.base_format) is put
-        back into the model: its released tensors get their dequantized values, in their own dtype."""
+        back into the model: its released tensors get their dequantized values, in their own dtype. A
+        parameter rebound away from the engine's compute copy (model.to(dtype) during training) gets the
+        trained fp32 master, cast to its dtype, as sync_to_model gives it: the model never keeps weights
+        older than the engine's."""
         self._engine.finish()
-        if self._released:
+        if self._released or not all(self.is_aliased(name) for name in self._names):
             self.sync_to_model()

@@ -116,6 +116,23 @@ def test_a_parameter_rebound_away_still_gets_synced():
     assert torch.equal(model.model.norm.weight.detach(), engine.param("model.norm.weight"))
 
 
+def test_finish_after_model_to_leaves_no_stale_weight():
+    """model.to(torch.float32) during bf16 training rebinds every parameter to an fp32 copy of the compute
+    copy; the engine trains on, and finish() gives each the trained fp32 master."""
+    model = make_model()
+    engine = strider.Engine(model, config(dtype="bf16"))
+    batches = hf_batches(model.config.vocab_size, 3)
+    engine.step(*batches[0])
+    model.to(torch.float32)
+    assert not any(engine.is_aliased(n) for n in engine.param_names())
+    for batch in batches[1:]:
+        engine.step(*batch)
+    engine.finish()
+    params = dict(model.named_parameters())
+    for name in engine.param_names():
+        assert params[name].dtype == torch.float32 and torch.equal(params[name].detach(), engine.param(name)), name
+
+
 def test_a_model_outliving_its_engine_reads_valid_weights():
     """In a child process, so that a dangling pointer is a failed test rather than a crashed suite."""
     code = textwrap.dedent("""
