@@ -51,7 +51,8 @@ TokenFileLayout parse_header(std::span<const std::byte> header, uint64_t file_by
   STRIDER_CHECK((l.flags & kTokenFlagDocs) || l.num_docs == 0, "{}: field 'num_docs' is {} but "
                 "flag bit 1 (docs) is clear", label, l.num_docs);
   l.vocab_size = header_word(header, 6);
-  for (size_t i = 7; i < kTokenHeaderBytes / 8; ++i)
+  l.example_seq = header_word(header, 7);
+  for (size_t i = 8; i < kTokenHeaderBytes / 8; ++i)
     STRIDER_CHECK(header_word(header, i) == 0, "{}: reserved header word {} is {}, must be 0", label,
                   i, header_word(header, i));
 
@@ -363,10 +364,19 @@ std::vector<uint64_t> window_order(uint64_t num_windows, uint64_t seed, uint64_t
   return order;
 }
 
+void check_token_seq(const TokenFile& file, uint64_t seq) {
+  const uint64_t cut = file.layout().example_seq;
+  STRIDER_CHECK(cut == 0 || cut == seq, "{}: made with `python -m strider.data --mode example --seq {}` "
+                "(each document alone in a window of {} tokens), read at seq {}: its examples would {} "
+                "windows; train at --seq {}, or remake the file with --seq {}", file.path(), cut, cut, seq,
+                seq < cut ? "split across" : "share", cut, seq);
+}
+
 TokenLoader::TokenLoader(const TokenFile& file, TokenLoaderOptions options)
     : file_(file), options_(options) {
   STRIDER_CHECK(options_.batch > 0 && options_.seq > 0, "{}: batch {} and seq {} must be positive",
                 file.path(), options_.batch, options_.seq);
+  check_token_seq(file, options_.seq);
   STRIDER_CHECK(file.size() > options_.seq, "{}: {} tokens is too few for one window of seq "
                 "{} (needs seq + 1 = {})", file.path(), file.size(), options_.seq, options_.seq + 1);
   STRIDER_CHECK(options_.batch <= UINT64_MAX / options_.seq, "{}: batch {} x seq {} overflows "

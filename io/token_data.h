@@ -13,7 +13,10 @@
 //              follow; every other bit 0
 //     word 5   num_docs D: how many document starts (0 unless flag bit 1)
 //     word 6   vocab_size: every id is below it; 0 = not recorded
-//     words 7..127: 0 (reserved)
+//     word 7   example_seq: the seq a `--mode example` file was cut for (each
+//              document alone in a window of that many tokens), which every
+//              loader of it must use; 0 = a packed stream, any seq
+//     words 8..127: 0 (reserved)
 //   then these sections, in this order, each padded with zero bytes to a
 //   multiple of 8 bytes (so each starts 8-byte aligned):
 //     tokens:      N ids, token_bytes each
@@ -89,6 +92,7 @@ struct TokenFileLayout {
   uint64_t flags = 0;
   uint64_t num_docs = 0;
   uint64_t vocab_size = 0;  // as recorded in the file; 0 = not recorded
+  uint64_t example_seq = 0;  // word 7: the seq its examples were cut for; 0 = packed
   uint64_t tokens_offset_bytes = kTokenHeaderBytes;
   uint64_t mask_offset_bytes = 0;  // 0 when absent
   uint64_t docs_offset_bytes = 0;  // 0 when absent
@@ -204,6 +208,11 @@ struct TokenLoaderOptions {
   bool shuffle = true;
 };
 
+// Refuses, naming the file and both, a file cut for one seq (`--mode example`,
+// its example_seq) read at another: its examples would split or share windows.
+// TokenLoader's constructor calls it; a command calls it as it opens the file.
+void check_token_seq(const TokenFile& file, uint64_t seq);
+
 // The order of windows in one epoch: Fisher-Yates driven by splitmix64 seeded
 // with seed ^ (epoch * 0xD1B54A32D192ED03), j = next() % (i + 1) for i from
 // W-1 down to 1. Spelled out so another language can reproduce it.
@@ -211,7 +220,8 @@ std::vector<uint64_t> window_order(uint64_t num_windows, uint64_t seed, uint64_t
 
 class TokenLoader {
  public:
-  // `file` must outlive the loader.
+  // `file` must outlive the loader. A file cut for one seq (example_seq) is
+  // refused at another, naming both: its examples would split or share windows.
   TokenLoader(const TokenFile& file, TokenLoaderOptions options);
 
   uint64_t num_windows() const { return num_windows_; }

@@ -250,8 +250,10 @@ int run_finetune(FinetuneOptions& o) {
   }
 
   std::unique_ptr<TokenFile> eval_file;
-  if (!eval_data.empty() && o.eval_batches > 0)
+  if (!eval_data.empty() && o.eval_batches > 0) {
     eval_file = std::make_unique<TokenFile>(eval_data, uint64_t(spec.dims.vocab));
+    check_token_seq(*eval_file, uint64_t(cfg.seq));
+  }
   // The global batch; this rank steps on its share of the rows.
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq * me.world)), labels(ids.size());
   std::vector<int64_t> positions(tr.packed ? ids.size() : 0);  // packed documents' (TrainingRun::packed)

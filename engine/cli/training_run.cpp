@@ -245,6 +245,7 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   }
   ranks->barrier();
   run.train_file = std::make_unique<TokenFile>(run.data, uint64_t(run.spec.dims.vocab));
+  check_token_seq(*run.train_file, uint64_t(o.seq));  // before the model loads, not at the first batch
   const bool given = o.packed_documents_option != nullptr && o.packed_documents_option->count() > 0;
   run.packed = given ? o.packed_documents : documents_inside_windows(*run.train_file, o.seq);
 

@@ -61,13 +61,17 @@ def _pad8(n):
     return b"\0" * (-n % 8)
 
 
-def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0):
+def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0, example_seq=0):
     """Writes a token file (io/token_data.h), atomically: a temp file in the same folder, fsync, rename.
 
     ids: token ids; mask: None (every token a target) or one byte per id: 1 a target, 0 not (a prompt), 2
     padding (no target, attention mask 0; PADDING); doc_starts: None or strictly
-    increasing indices < len(ids); vocab_size: recorded (0: not recorded), and every id must be below it.
+    increasing indices < len(ids); vocab_size: recorded (0: not recorded), and every id must be below it;
+    example_seq: the seq each document was cut or padded to (--mode example), which every reader must use
+    (0: a packed stream, any seq).
     """
+    if isinstance(example_seq, bool) or not isinstance(example_seq, int) or example_seq < 0:
+        raise ValueError(f"write_token_file({path}): example_seq = {example_seq!r}: expected an int >= 0")
     ids = np.asarray(ids, dtype=np.int64).ravel()
     n = len(ids)
     if n and ids.min() < 0:
@@ -94,6 +98,7 @@ def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0):
     h[0], h[1], h[2], h[3], h[4] = MAGIC, VERSION, token_bytes, n, flags
     h[5] = 0 if doc_starts is None else len(doc_starts)
     h[6] = vocab_size
+    h[7] = example_seq
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -116,7 +121,8 @@ def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0):
 
 def read_token_file(path):
     """A token file's contents: dict(ids, mask (None if absent), doc_starts (None if absent), vocab_size,
-    token_bytes); ids and mask are read-only memory maps. Checks the header and the file's size."""
+    token_bytes, example_seq (0: packed)); ids and mask are read-only memory maps. Checks the header and the
+    file's size."""
     path = Path(path)
     size = path.stat().st_size
     if size < HEADER_BYTES:
@@ -126,9 +132,10 @@ def read_token_file(path):
         raise ValueError(f"{path}: not a strider token file (magic {int(h[0]):#x})")
     if h[1] != VERSION:
         raise ValueError(f"{path}: token file version {int(h[1])}; this reader knows version {VERSION}")
-    token_bytes, n, flags, num_docs, vocab = (int(x) for x in h[2:7])
-    if token_bytes not in (2, 4) or flags & ~3:
-        raise ValueError(f"{path}: bad header (token_bytes {token_bytes}, flags {flags})")
+    token_bytes, n, flags, num_docs, vocab, example_seq = (int(x) for x in h[2:8])
+    if token_bytes not in (2, 4) or flags & ~3 or h[8:].any():
+        raise ValueError(f"{path}: bad header (token_bytes {token_bytes}, flags {flags}, reserved words 8-127 "
+                         f"{'not ' if h[8:].any() else ''}all 0)")
     body = token_bytes * n
     want = HEADER_BYTES + body + len(_pad8(body))
     mask_off = want if flags & FLAG_MASK else None
@@ -143,7 +150,8 @@ def read_token_file(path):
     ids = mm[HEADER_BYTES:HEADER_BYTES + body].view("<u2" if token_bytes == 2 else "<u4")
     mask = mm[mask_off:mask_off + n] if mask_off is not None else None
     docs = mm[docs_off:docs_off + 8 * num_docs].view("<u8") if docs_off is not None else None
-    return dict(ids=ids, mask=mask, doc_starts=docs, vocab_size=vocab, token_bytes=token_bytes)
+    return dict(ids=ids, mask=mask, doc_starts=docs, vocab_size=vocab, token_bytes=token_bytes,
+                example_seq=example_seq)
 
 
 # -- tokenizing ---------------------------------------------------------------------------------------
@@ -335,7 +343,8 @@ def prepare(tokenizer, input_path, output_path, fmt="auto", append_eos=True, pro
             split = (np.asarray(starts) // seq) != ((ends - 1) // seq)
             report.update(seq=seq, windows=int(all_ids.size // seq), split=int(split.sum()),
                           tokens_unused=int(all_ids.size % seq))
-    write_token_file(output_path, all_ids, all_mask if write_mask else None, starts, vocab_size=vocab)
+    write_token_file(output_path, all_ids, all_mask if write_mask else None, starts, vocab_size=vocab,
+                     example_seq=seq if mode == "example" else 0)
     summary = dict(output=str(output_path), format=fmt, mode=mode, tokens=int(all_ids.size), vocab_size=vocab,
                    token_bytes=2 if vocab <= 1 << 16 else 4, **report)
     if write_mask:
@@ -368,6 +377,12 @@ class TokenDataset:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
             raise ValueError(f"TokenDataset: seq = {seq!r}: expected an int >= 1")
         f = read_token_file(path)
+        if f["example_seq"] and f["example_seq"] != seq:
+            cut = f["example_seq"]
+            raise ValueError(f"{path}: made with --mode example --seq {cut} (each document alone in a window of "
+                             f"{cut} tokens), read at seq {seq}: its examples would "
+                             f"{'split across' if seq < cut else 'share'} windows; use seq {cut}, or remake the "
+                             f"file with --seq {seq}")
         self.path = Path(path)
         self.ids, self.mask = f["ids"], f["mask"]
         self.vocab_size = f["vocab_size"]

@@ -147,10 +147,25 @@ def test_example_mode_gives_each_document_a_window_of_its_own(tmp_path, tokenize
     # Its labels are shifted (the next token's), so a window's last one is the next document's start: none.
     assert b["labels"] == [t for k in range(4) for t in data[k]["labels"].tolist()[1:] + [-100]]
     assert b["attention"] == [t for k in range(4) for t in data[k]["attention_mask"].tolist()] and b["padded"]
-    # Read in windows of another seq, the padding would sit before a document's tokens: refused, naming the file.
-    bad = subprocess.run([str(st_tool), "tok-batches", str(tmp_path / "ex.tokens"), "--batch", "2", "--seq", "5",
-                          "--no-shuffle", "--steps", "2"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode != 0 and "padding only ends a window" in bad.stderr and "ex.tokens" in bad.stderr
+    # The file records the seq it was cut for: at another, its examples would split or share windows, so
+    # every reader refuses it before the first batch, naming the file and both seqs.
+    assert sd.read_token_file(tmp_path / "ex.tokens")["example_seq"] == seq
+    for other, how in ((5, "split across"), (12, "share")):
+        bad = subprocess.run([str(st_tool), "tok-batches", str(tmp_path / "ex.tokens"), "--batch", "1", "--seq",
+                              str(other), "--no-shuffle", "--steps", "1"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode != 0 and "ex.tokens" in bad.stderr, bad.stderr
+        assert f"--mode example --seq {seq}`" in bad.stderr and f"read at seq {other}" in bad.stderr
+        assert how in bad.stderr
+        with pytest.raises(ValueError, match=f"--mode example --seq {seq} .* read at seq {other}: its examples "
+                                             f"would {how} windows"):
+            sd.TokenDataset(tmp_path / "ex.tokens", other)
+    # The training command refuses it before any step, and says what to do.
+    run = subprocess.run([str(strider_binary("strider")), "finetune", "--data", str(tmp_path / "ex.tokens"), "--seq",
+                          "5", "--device", "cpu", "--steps", "1", "--eval-batches", "0", "--work-dir",
+                          str(tmp_path / "w"), "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode != 0 and "train at --seq 6, or remake the file with --seq 5" in run.stderr, run.stderr
+    assert "loaded" not in run.stderr and not any((tmp_path / "out").glob("*"))  # refused as the file opened
     # The command line takes --mode and --seq, and example mode needs --seq.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     base = [sys.executable, "-m", "strider.data", "--tokenizer", tokenizer_dir, "--input", tmp_path / "corpus.txt",
