@@ -50,6 +50,7 @@ import dataclasses
 import json
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence
 
@@ -154,6 +155,33 @@ def check_on_cpu(model):
                              "the GPU itself, so a second copy on the GPU would only take its memory")
 
 
+def check_finite(named_params):
+    """A weight the engine would train from that is NaN or infinite: every loss would be NaN and every step
+    skipped. Refused by name, as the command line refuses such a checkpoint."""
+    for name, p in named_params:
+        bad = ~torch.isfinite(p.detach())
+        if bad.any():
+            i = int(bad.flatten().nonzero()[0])
+            raise ValueError(f"strider.Engine: parameter {name} holds {float(p.detach().flatten()[i])} at element "
+                             f"{i}: a model with a non-finite weight cannot train (every loss would be NaN); "
+                             "reload or repair the model")
+
+
+def check_not_trained_elsewhere(model):
+    """Two engines on one model would each rebind its parameters and write their trained weights into the
+    other's compute copy: refused while the engine that took it first lives (the mark is on each parameter,
+    so a PEFT wrapper and its base model count as one)."""
+    import gc
+    for name, p in model.named_parameters():
+        owner = getattr(p, "_strider_engine", None)
+        if owner is not None and owner() is not None:
+            gc.collect()  # an engine dropped but held in a reference cycle is not alive
+        if owner is not None and owner() is not None:
+            raise ValueError(f"strider.Engine: the model's parameter {name} is trained by another strider.Engine "
+                             "that is still alive; finish with it and drop it (del engine) before building "
+                             "another on this model, or give the new one a copy of the model")
+
+
 def inspect_checkpoint(path) -> dict:
     """What a training checkpoint (engine.save) says about itself: path (the directory used: <dir>, or
     <dir>.old after a crash mid-save), step, model_config, engine_config, extra, and model_problems: the
@@ -195,6 +223,9 @@ class Engine:
     def __init__(self, model, config: Optional[EngineConfig] = None):
         """Builds the engine for `model`, loads the model's weights into its fp32 masters and rebinds every
         parameter to the engine's compute copy (dtype: config.dtype). `model` is untouched if this raises."""
+        check_not_trained_elsewhere(model)
+        check_on_cpu(model)  # before the values are read (a meta tensor has none)
+        check_finite(model.named_parameters())
         self._build(model, config)
         params = self._params()
         for name in self._names:
@@ -222,12 +253,14 @@ class Engine:
             config = EngineConfig.from_engine_dict(info["engine_config"])
             if peft_lora.is_peft_model(model):
                 config = config.replace(lora="")  # the PEFT model's own (the load refuses other adapters)
+        check_not_trained_elsewhere(model)
         engine = cls.__new__(cls)
         engine._build(model, config)
         if engine.config.lora:
             # A LoRA checkpoint holds the adapters (and the modules trained in full), not the frozen base: that is
             # the model's own, which the load checks is the base the adapters were trained over.
             params, trained = engine._params(), set(engine._engine.trainable_names())
+            check_finite((name, params[name]) for name in engine._names if name not in trained)
             for name in engine._names:
                 if name not in trained:
                     engine._engine.set_param(name, params[name].detach())
@@ -326,8 +359,10 @@ class Engine:
         for name in held:
             if name not in self._released:
                 self._released[name] = params[name].dtype
+        mark = weakref.ref(self)
         for name in self._names:
             p = params[name]
+            p._strider_engine = mark  # check_not_trained_elsewhere: this engine trains it while it lives
             p.grad = None  # a gradient of the old data means nothing to the engine's weights
             # The Parameter object stays: ties, hooks and references hold.
             p.data = views[name] if name in views else torch.empty(0, dtype=self._released[name])

@@ -319,3 +319,33 @@ def test_engines_in_a_distributed_group_train_as_one_process_with_their_accumula
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)), k
+
+
+def test_a_second_engine_on_a_model_is_refused_while_the_first_lives():
+    """Two engines on one model would write their trained weights into each other's compute copy (the
+    first's finish() syncs into parameters the second has rebound). Refused, the model untouched; once the
+    first is dropped, a new one may take the model."""
+    model = make_model()
+    first = strider.Engine(model, config())
+    first.step(*hf_batches(model.config.vocab_size, 1)[0])
+    ptrs, vals = pointers(model), values(model)
+    with pytest.raises(ValueError, match="trained by another strider.Engine that is still alive"):
+        strider.Engine(model, config())
+    assert_untouched(model, ptrs, vals)
+    first.finish()
+    del first
+    second = strider.Engine(model, config())
+    assert all(second.is_aliased(n) for n in second.param_names())
+
+
+def test_a_model_with_a_non_finite_weight_is_refused_by_name():
+    model = make_model()
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[1, 2] = float("nan")
+    ptrs, vals = pointers(model), values(model)
+    with pytest.raises(ValueError, match=r"parameter model.layers.0.mlp.up_proj.weight holds nan at element \d+: "
+                                         "a model with a non-finite weight cannot train"):
+        strider.Engine(model, config())
+    assert pointers(model) == ptrs  # untouched (NaN equals nothing, so the values by allclose's equal_nan)
+    assert all(torch.allclose(p.detach(), vals[n], rtol=0, atol=0, equal_nan=True)
+               for n, p in model.named_parameters())

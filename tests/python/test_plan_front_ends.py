@@ -91,3 +91,4 @@ def test_an_engine_says_the_plan_it_runs_by():
         ids = torch.randint(0, 256, (1, 32))
         assert engine.step(ids, ids.clone()).peak_device_bytes > 0
         engine.finish()
+        del engine  # one engine on a model at a time
