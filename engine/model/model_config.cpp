@@ -169,6 +169,15 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
     STRIDER_CHECK(act == "silu", "{}: hidden_act '{}' is not supported (silu)", source, act);
   }
 
+  // Dropout in any of the families' spellings: strider trains without it (a mask of its own would not be
+  // torch's), so a model that asks for it is refused by name rather than trained otherwise in silence.
+  for (const char* name : {"attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop"}) {
+    const json* v = r.find(name);
+    STRIDER_CHECK(v == nullptr || v->is_null() || (v->is_number() && v->get<double>() == 0.0),
+                  "{}: field '{}' = {}: strider trains without dropout (its masks would not be torch's); set it "
+                  "to 0 to train this model", source, name, v ? v->dump() : "");
+  }
+
   BlockDims& d = s.dims;
   d.hidden = r.integer("hidden_size", kHiddenRange);
   s.layers = r.integer("num_hidden_layers", kLayersRange);
