@@ -22,15 +22,17 @@ DType final_model_dtype(const std::string& save_dtype, DType source);
 
 // What the final save writes under --out. Full training: the model
 // (config.json, model.safetensors). LoRA (the engine's spec has adapters):
-// the PEFT adapter folder (engine/model/peft_adapter.h; fp32 unless `dtype` is bf16:
-// adapters are small and their masters are fp32), and with `merge` the
-// merged model in `dtype` under --out/merged.
+// the PEFT adapter folder (engine/model/peft_adapter.h; fp32 unless --save-dtype
+// bf16 asked for bf16: adapters are small and their masters are fp32, so a
+// bf16 base's `auto` does not round them), and with `merge` the merged model
+// in `dtype` under --out/merged.
 struct FinalModel {
   std::string out;
   DType dtype = DType::kBF16;  // final_model_dtype
   bool merge = false;
   std::string base_model;      // the adapter's base_model_name_or_path
-  DType adapter_dtype() const { return dtype == DType::kBF16 ? DType::kBF16 : DType::kF32; }
+  bool adapter_bf16 = false;   // --save-dtype bf16 given
+  DType adapter_dtype() const { return adapter_bf16 ? DType::kBF16 : DType::kF32; }
   std::string merged_dir() const;  // --out/merged
 };
 

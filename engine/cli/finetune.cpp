@@ -140,7 +140,8 @@ int run_finetune(FinetuneOptions& o) {
   const DType save_dtype = final_model_dtype(o.save_dtype, tr.source_dtype);
   const FinalModel final_model{.out = o.out, .dtype = save_dtype, .merge = o.merge,
                                .base_model = fs::exists(o.train.model) ? fs::absolute(o.train.model).string()
-                                                                       : o.train.model};
+                                                                       : o.train.model,
+                               .adapter_bf16 = o.save_dtype == "bf16"};
   const EngineConfig& cfg = engine.config();
   const nlohmann::json& config = tr.config;
   TokenLoader& loader = *tr.loader;

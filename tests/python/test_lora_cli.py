@@ -149,3 +149,23 @@ def test_finetune_lora_resumes_bit_identically_and_refuses_another_base(strider,
     a = load_file(str(tmp_path / "straight" / "adapter_model.safetensors"))
     b = load_file(str(tmp_path / "resumed" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_bf16_bases_adapter_is_fp32_unless_bf16_is_asked(strider, tmp_path):
+    # --save-dtype auto follows the base for a full model; the adapter's masters are fp32, and auto keeps
+    # them so (the help's promise); only --save-dtype bf16 rounds them. The merged model follows the base.
+    from safetensors import safe_open
+    torch.manual_seed(0)
+    base_dir = tmp_path / "base"
+    transformers.LlamaForCausalLM(base_config()).to(torch.bfloat16).save_pretrained(base_dir)
+    write_tokens(tmp_path / "train.tokens", np.random.default_rng(0).integers(0, VOCAB, 4000), vocab=VOCAB)
+    for save_dtype, adapter, merged in (("auto", "F32", "BF16"), ("bf16", "BF16", "BF16"), ("fp32", "F32", "F32")):
+        out = tmp_path / f"out-{save_dtype}"
+        r = finetune(strider, tmp_path, "--model", str(base_dir), "--data", str(tmp_path / "train.tokens"),
+                     "--eval-batches", "0", "--lora", LORA, "--steps", "1", "--merge", "--save-dtype", save_dtype,
+                     "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        for path, want in ((out / "adapter_model.safetensors", adapter), (out / "merged" / "model.safetensors", merged)):
+            with safe_open(str(path), "pt") as f:
+                dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+            assert dtypes == {want}, (save_dtype, path.name, dtypes)
