@@ -35,6 +35,8 @@ bool LoraSpec::targets_module(std::string_view module) const { return enabled() 
 
 bool LoraSpec::trains(std::string_view module) const { return listed(train, module); }
 
+constexpr double kMaxLoraAlpha = 1e6;
+
 LoraSpec LoraSpec::parse(std::string_view text, std::string_view source) {
   LoraSpec l;
   if (text.empty()) return l;
@@ -54,6 +56,10 @@ LoraSpec LoraSpec::parse(std::string_view text, std::string_view source) {
       l.alpha = std::strtod(v.c_str(), &end);
       STRIDER_CHECK(!v.empty() && end == v.c_str() + v.size() && std::isfinite(l.alpha) && l.alpha > 0,
                     "{}: LoRA alpha '{}' is not a positive number", source, value);
+      // The adapters' output is scaled by alpha / r: past a million it overflows the compute dtype at the
+      // first step instead of training (PEFT's recipes use alpha = r to 4r).
+      STRIDER_CHECK(l.alpha <= kMaxLoraAlpha, "{}: LoRA alpha '{}' is past {:g}: its scale alpha / r would overflow "
+                    "the adapters' output; typical values are r to 4r", source, value, kMaxLoraAlpha);
       have_alpha = true;
     } else if (key == "rslora") {
       STRIDER_CHECK(value == "0" || value == "1", "{}: LoRA rslora '{}' is not 0 or 1", source, value);

@@ -117,6 +117,12 @@ def test_lora_options_that_cannot_work_are_refused_before_any_work(strider, tmp_
     r = finetune(strider, tmp_path, "--merge", "--steps", "1", "--out", str(tmp_path / "o"))
     assert r.returncode != 0 and "--merge" in r.stderr and "--lora" in r.stderr, r.stderr[-1500:]
     assert not (tmp_path / "o").exists()
+    # An alpha whose scale would overflow the adapters' output at the first step: refused as it is parsed.
+    base_dir = write_base_and_tokens(tmp_path)
+    r = finetune(strider, tmp_path, "--model", str(base_dir), "--data", str(tmp_path / "train.tokens"), "--lora",
+                 "r=4,alpha=1e40,targets=all-linear", "--steps", "1", "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "LoRA alpha '1e40' is past 1e+06" in r.stderr, r.stderr[-1500:]
+    assert "step 1" not in r.stdout and not any((tmp_path / "o").glob("*"))
 
 
 def test_finetune_lora_resumes_bit_identically_and_refuses_another_base(strider, tmp_path):
