@@ -170,6 +170,22 @@ struct Key {
   void (*set)(CostModel&, double);
 };
 
+// What a machine can physically be, per key: a rate of 1e-30 GB/s or 1e30
+// TFLOP/s is a typo, and a prediction from it ("0 tokens/s, 3e31 s/step") a
+// nonsense answer, so an override outside is refused by name. Generous on
+// both sides: a slow disk's 0.01 GB/s and a cluster's collective both fit.
+struct Range {
+  double lo, hi;
+};
+Range physical_range(std::string_view key, ValueKind kind) {
+  if (kind == ValueKind::kLatency) return {0, 1e8};  // µs: up to 100 s
+  if (kind == ValueKind::kCount) return {1, 1e5};
+  if (key.ends_with("params_per_s")) return {1e3, 1e13};
+  if (key.ends_with("tflops")) return {1e-4, 1e5};
+  if (key == "memory_gib") return {1e-4, 1e6};
+  return {1e-4, 1e5};  // GB/s
+}
+
 constexpr Key kKeys[] = {
     {"peak_tflops", ValueKind::kRate, "dense bf16 peak TFLOP/s", [](CostModel& m, double v) { m.peak_tflops = v; }},
     {"fp16_accumulate_tflops", ValueKind::kRate, "dense fp16 peak TFLOP/s with fp16 accumulation (--matmul-accumulate fp16)",
@@ -234,6 +250,11 @@ double parse_value(const Key& key, std::string_view text) {
       break;
     case ValueKind::kBool:
       break;
+  }
+  if (key.kind != ValueKind::kFraction && key.kind != ValueKind::kBool) {
+    const Range r = physical_range(key.name, key.kind);
+    STRIDER_CHECK(v >= r.lo && v <= r.hi, "cost model: {}={} is outside [{:g}, {:g}], what a machine can be ({})",
+                  key.name, text, r.lo, r.hi, key.help);
   }
   return v;
 }

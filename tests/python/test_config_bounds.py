@@ -58,3 +58,21 @@ def test_plan_refuses_sizes_past_any_machine(strider, tmp_path, fields, says):
     assert f"{path}: " in proc.stderr
     assert says in proc.stderr, proc.stderr
     assert elapsed < QUICK_S, f"took {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize("override, says", [
+    ("h2d_gbps=1e-30", "h2d_gbps=1e-30 is outside [0.0001, 100000]"),
+    ("peak_tflops=1e30", "peak_tflops=1e30 is outside [0.0001, 100000]"),
+    ("cpu_adam_params_per_s=1", "cpu_adam_params_per_s=1 is outside [1000, 1e+13]"),
+    ("copy_latency_us=1e12", "copy_latency_us=1e12 is outside [0, 1e+08]"),
+])
+def test_predict_refuses_rates_no_machine_has(strider, tmp_path, override, says):
+    # A typo'd rate would predict "0 tokens/s, 3.2e31 s/step"; refused by name, and a slow one still plans.
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY))
+    proc = subprocess.run([str(strider), "plan", "--model", str(path), "--predict", f"rtx4090,{override}"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and says in proc.stderr and "what a machine can be" in proc.stderr, proc.stderr
+    slow = subprocess.run([str(strider), "plan", "--model", str(path), "--predict", "rtx4090,h2d_gbps=0.01"],
+                          capture_output=True, text=True, timeout=120)
+    assert slow.returncode == 0, slow.stderr
