@@ -12,8 +12,17 @@
 
 namespace strider {
 
+void check_regular_input(const std::string& path, std::string_view what) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return;
+  STRIDER_CHECK(S_ISREG(st.st_mode), "{}: not a regular file ({}); {}", path,
+                S_ISFIFO(st.st_mode) ? "a FIFO" : S_ISDIR(st.st_mode) ? "a directory" : "a device or socket", what);
+}
+
 MappedFile::MappedFile(const std::string& path) : path_(path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO opens at once and is refused below, instead of blocking until a writer appears
+  // (a mapping of a regular file ignores the flag).
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   STRIDER_CHECK(fd >= 0, "{}: cannot open for reading: {}; check the path and permissions",
                 path, errno_text(errno));
   struct stat st {};

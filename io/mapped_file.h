@@ -9,8 +9,15 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <string_view>
 
 namespace strider {
+
+// Refuses, naming `path` and what it should be (`what`: "a model config is a
+// JSON file"), anything there but a regular file, without opening it: an
+// input that is a FIFO would block open() until a writer came. A missing path
+// passes (the open that follows says so).
+void check_regular_input(const std::string& path, std::string_view what);
 
 class MappedFile {
  public:

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "host/error.h"
+#include "io/mapped_file.h"
 
 namespace strider {
 namespace {
@@ -212,6 +213,7 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& path) : label_(p
   if (index_path.empty()) {
     files_.push_back(std::make_unique<SafetensorsFile>(p.string()));
   } else {
+    check_regular_input(index_path.string(), "a safetensors index is a JSON file");
     std::ifstream in(index_path);
     STRIDER_CHECK(in.good(), "{}: cannot open the index: {}", index_path.string(), errno_text(errno));
     json index;

@@ -144,7 +144,9 @@ TokenFileLayout parse_token_file(std::span<const std::byte> file, std::string_vi
 // ---- TokenFile -------------------------------------------------------------
 
 TokenFile::TokenFile(const std::string& path, uint64_t vocab_size) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO given as a token file opens at once (and is refused below) instead of blocking
+  // until a writer appears; reads of a regular file ignore the flag.
+  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   STRIDER_CHECK(fd_ >= 0, "{}: cannot open for reading: {}; check the path and permissions", path,
                 errno_text(errno));
   try {

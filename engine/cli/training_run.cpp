@@ -20,11 +20,13 @@
 #include "gpu/device/cpu_device.h"
 #include "gpu/device/cuda_device.h"
 #include "host/error.h"
+#include "io/mapped_file.h"
 
 namespace strider::cli {
 namespace {
 
 std::string read_text(const std::filesystem::path& p) {
+  check_regular_input(p.string(), "a model config is a JSON file");
   std::ifstream in(p);
   STRIDER_CHECK(in.good(), "cannot read {}", p.string());
   return {std::istreambuf_iterator<char>(in), {}};

@@ -11,6 +11,7 @@
 
 #include "engine/model/model_config_reader.h"
 #include "host/error.h"
+#include "io/mapped_file.h"
 
 namespace strider {
 using namespace config_json;
@@ -268,6 +269,7 @@ ModelSpec ModelSpec::from_json(const json& config, std::string_view source) {
 
 ModelSpec ModelSpec::from_file(const std::filesystem::path& path) {
   std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
+  check_regular_input(file.string(), "a model config is a JSON file");
   std::ifstream in(file);
   STRIDER_CHECK(in.good(), "cannot open model config {}", file.string());
   json j = json::parse(in, nullptr, /*allow_exceptions=*/false);
