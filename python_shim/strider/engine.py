@@ -158,13 +158,16 @@ def check_on_cpu(model):
 def check_finite(named_params):
     """A weight the engine would train from that is NaN or infinite: every loss would be NaN and every step
     skipped. Refused by name, as the command line refuses such a checkpoint."""
+    chunk = 1 << 24  # elements checked at a time: an 8B model's embedding would need a 0.5 GB mask at once
     for name, p in named_params:
-        bad = ~torch.isfinite(p.detach())
-        if bad.any():
-            i = int(bad.flatten().nonzero()[0])
-            raise ValueError(f"strider.Engine: parameter {name} holds {float(p.detach().flatten()[i])} at element "
-                             f"{i}: a model with a non-finite weight cannot train (every loss would be NaN); "
-                             "reload or repair the model")
+        flat = p.detach().reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            bad = ~torch.isfinite(flat[start:start + chunk])
+            if bad.any():
+                i = start + int(bad.nonzero()[0])
+                raise ValueError(f"strider.Engine: parameter {name} holds {float(flat[i])} at element {i}: a model "
+                                 "with a non-finite weight cannot train (every loss would be NaN); reload or repair "
+                                 "the model")
 
 
 def check_not_trained_elsewhere(model):
