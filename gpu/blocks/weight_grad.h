@@ -12,7 +12,7 @@
 //         bf16 values writing fp32 into acc (ATen's cpublas::brgemm, MKL's
 //         bf16 x bf16 -> fp32 kernel on x86), over slices of the inner
 //         dimension whose row-major bf16 copies hold no more than acc's
-//         bytes: 3x the fp32 slices' speed on a 2-core Xeon with AMX. fp16,
+//         bytes (the step's figures: docs/measurements.md). fp16,
 //         and bf16 elsewhere: fp32 addmm into acc over slices whose fp32
 //         copies of a and b together hold no more than acc's bytes. Only the
 //         order of the fp32 additions differs from cuBLAS's.

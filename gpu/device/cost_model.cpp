@@ -163,13 +163,6 @@ std::string preset_list() {
 
 enum class ValueKind { kRate, kLatency, kFraction, kBool, kCount };
 
-struct Key {
-  const char* name;
-  ValueKind kind;
-  const char* help;
-  void (*set)(CostModel&, double);
-};
-
 // What a machine can physically be, per key: a rate of 1e-30 GB/s or 1e30
 // TFLOP/s is a typo, and a prediction from it ("0 tokens/s, 3e31 s/step") a
 // nonsense answer, so an override outside is refused by name. Generous on
@@ -177,44 +170,46 @@ struct Key {
 struct Range {
   double lo, hi;
 };
-Range physical_range(std::string_view key, ValueKind kind) {
-  if (kind == ValueKind::kLatency) return {0, 1e8};  // µs: up to 100 s
-  if (kind == ValueKind::kCount) return {1, 1e5};
-  if (key.ends_with("params_per_s")) return {1e3, 1e13};
-  if (key.ends_with("tflops")) return {1e-4, 1e5};
-  if (key == "memory_gib") return {1e-4, 1e6};
-  return {1e-4, 1e5};  // GB/s
-}
+constexpr Range kTflops{1e-4, 1e5}, kGbps{1e-4, 1e5}, kMicros{0, 1e8} /* up to 100 s */, kParamsPerS{1e3, 1e13},
+    kGib{1e-4, 1e6}, kCores{1, 1e5}, kFraction{0, 1} /* and above 0, by its kind */, kBool{0, 1};
+
+struct Key {
+  const char* name;
+  ValueKind kind;
+  Range range;
+  const char* help;
+  void (*set)(CostModel&, double);
+};
 
 constexpr Key kKeys[] = {
-    {"peak_tflops", ValueKind::kRate, "dense bf16 peak TFLOP/s", [](CostModel& m, double v) { m.peak_tflops = v; }},
-    {"fp16_accumulate_tflops", ValueKind::kRate, "dense fp16 peak TFLOP/s with fp16 accumulation (--matmul-accumulate fp16)",
+    {"peak_tflops", ValueKind::kRate, kTflops, "dense bf16 peak TFLOP/s", [](CostModel& m, double v) { m.peak_tflops = v; }},
+    {"fp16_accumulate_tflops", ValueKind::kRate, kTflops, "dense fp16 peak TFLOP/s with fp16 accumulation (--matmul-accumulate fp16)",
      [](CostModel& m, double v) { m.fp16_accumulate_tflops = v; }},
-    {"mfu", ValueKind::kFraction, "sustained fraction of peak (0, 1]", [](CostModel& m, double v) { m.mfu = v; }},
-    {"compute_latency_us", ValueKind::kLatency, "fixed µs per launched op",
+    {"mfu", ValueKind::kFraction, kFraction, "sustained fraction of peak (0, 1]", [](CostModel& m, double v) { m.mfu = v; }},
+    {"compute_latency_us", ValueKind::kLatency, kMicros, "fixed µs per launched op",
      [](CostModel& m, double v) { m.compute_latency_us = v; }},
-    {"memory_gib", ValueKind::kRate, "usable device memory, GiB (the default budget)",
+    {"memory_gib", ValueKind::kRate, kGib, "usable device memory, GiB (the default budget)",
      [](CostModel& m, double v) { m.device_memory_bytes = static_cast<size_t>(v * kGiB); }},
-    {"h2d_gbps", ValueKind::kRate, "host -> device GB/s", [](CostModel& m, double v) { m.h2d_gbps = v; }},
-    {"d2h_gbps", ValueKind::kRate, "device -> host GB/s", [](CostModel& m, double v) { m.d2h_gbps = v; }},
-    {"copy_latency_us", ValueKind::kLatency, "fixed µs per copy", [](CostModel& m, double v) { m.copy_latency_us = v; }},
-    {"shared_bus", ValueKind::kBool, "1: H2D and D2H share one half-duplex bus; 0: full duplex (PCIe)",
+    {"h2d_gbps", ValueKind::kRate, kGbps, "host -> device GB/s", [](CostModel& m, double v) { m.h2d_gbps = v; }},
+    {"d2h_gbps", ValueKind::kRate, kGbps, "device -> host GB/s", [](CostModel& m, double v) { m.d2h_gbps = v; }},
+    {"copy_latency_us", ValueKind::kLatency, kMicros, "fixed µs per copy", [](CostModel& m, double v) { m.copy_latency_us = v; }},
+    {"shared_bus", ValueKind::kBool, kBool, "1: H2D and D2H share one half-duplex bus; 0: full duplex (PCIe)",
      [](CostModel& m, double v) { m.shared_bus = v != 0; }},
-    {"cpu_cores", ValueKind::kCount, "cores the CPU AdamW runs on", [](CostModel& m, double v) { m.cpu_cores = v; }},
-    {"cpu_mem_gbps", ValueKind::kRate, "host memory GB/s (sustained): bounds the CPU AdamW and what GPUs' copies share",
+    {"cpu_cores", ValueKind::kCount, kCores, "cores the CPU AdamW runs on", [](CostModel& m, double v) { m.cpu_cores = v; }},
+    {"cpu_mem_gbps", ValueKind::kRate, kGbps, "host memory GB/s (sustained): bounds the CPU AdamW and what GPUs' copies share",
      [](CostModel& m, double v) { m.cpu_mem_gbps = v; }},
-    {"cpu_adam_core_params_per_s", ValueKind::kRate, "the fp32 AdamW kernel's parameters/s on one core",
+    {"cpu_adam_core_params_per_s", ValueKind::kRate, kParamsPerS, "the fp32 AdamW kernel's parameters/s on one core",
      [](CostModel& m, double v) { m.cpu_adam_core_params_per_s = v; }},
-    {"cpu_q8_core_params_per_s", ValueKind::kRate, "the q8 AdamW kernel's parameters/s on one core",
+    {"cpu_q8_core_params_per_s", ValueKind::kRate, kParamsPerS, "the q8 AdamW kernel's parameters/s on one core",
      [](CostModel& m, double v) { m.cpu_q8_core_params_per_s = v; }},
-    {"cpu_adam_params_per_s", ValueKind::kRate,
+    {"cpu_adam_params_per_s", ValueKind::kRate, kParamsPerS,
      "sets the fp32 AdamW's parameters/s: cpu_mem_gbps to 28 bytes each, cores unbounded",
      [](CostModel& m, double v) { m.set_adam_params_per_s(v); }},
-    {"nvme_read_gbps", ValueKind::kRate, "NVMe read GB/s", [](CostModel& m, double v) { m.nvme_read_gbps = v; }},
-    {"nvme_write_gbps", ValueKind::kRate, "NVMe write GB/s", [](CostModel& m, double v) { m.nvme_write_gbps = v; }},
-    {"collective_gbps", ValueKind::kRate, "GB/s of one data-parallel rank's part of a collective",
+    {"nvme_read_gbps", ValueKind::kRate, kGbps, "NVMe read GB/s", [](CostModel& m, double v) { m.nvme_read_gbps = v; }},
+    {"nvme_write_gbps", ValueKind::kRate, kGbps, "NVMe write GB/s", [](CostModel& m, double v) { m.nvme_write_gbps = v; }},
+    {"collective_gbps", ValueKind::kRate, kGbps, "GB/s of one data-parallel rank's part of a collective",
      [](CostModel& m, double v) { m.collective_gbps = v; }},
-    {"collective_latency_us", ValueKind::kLatency, "fixed µs per collective between ranks",
+    {"collective_latency_us", ValueKind::kLatency, kMicros, "fixed µs per collective between ranks",
      [](CostModel& m, double v) { m.collective_latency_us = v; }},
 };
 
@@ -251,11 +246,9 @@ double parse_value(const Key& key, std::string_view text) {
     case ValueKind::kBool:
       break;
   }
-  if (key.kind != ValueKind::kFraction && key.kind != ValueKind::kBool) {
-    const Range r = physical_range(key.name, key.kind);
-    STRIDER_CHECK(v >= r.lo && v <= r.hi, "cost model: {}={} is outside [{:g}, {:g}], what a machine can be ({})",
-                  key.name, text, r.lo, r.hi, key.help);
-  }
+  STRIDER_CHECK(v >= key.range.lo && v <= key.range.hi,
+                "cost model: {}={} is outside [{:g}, {:g}], what a machine can be ({})", key.name, text,
+                key.range.lo, key.range.hi, key.help);
   return v;
 }
 }  // namespace

@@ -88,6 +88,8 @@ def test_an_engine_says_the_plan_it_runs_by():
         alone = strider.plan(dict(model.config.to_dict(), architectures=["LlamaForCausalLM"]), config)
         assert {k: got[k] for k in COMPARED} == {k: alone[k] for k in COMPARED}  # host bytes count the process now
         assert got["window"] == window if window else got["window"] >= 2
+        # ... and the window it says is the one the engine runs with (its engine config, as built).
+        assert got["window"] == json.loads(engine._engine.engine_config_json())["window"]
         ids = torch.randint(0, 256, (1, 32))
         assert engine.step(ids, ids.clone()).peak_device_bytes > 0
         engine.finish()
