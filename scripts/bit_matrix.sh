@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The trained state's bits under a matrix of engine configurations (K, tiers,
 # shards, kept activations, q8, tied, clipping on and off, 2 ranks), with
-# ATen's thread count fixed: a restructuring of the engine must change none.
+# ATen's thread count fixed, and before them a hash of each compiled step
+# program under a wider matrix (pools, sub-layer pieces, experts, a quantized
+# LoRA base, compute copies on NVMe, fp16, ranks): a restructuring of the
+# engine must change none of either.
 #   scripts/bit_matrix.sh record [FILE]   # before the change
 #   scripts/bit_matrix.sh check [FILE]    # after each step: exits 1 on any difference
 # FILE defaults to ~/.cache/strider/bit-matrix.txt: the bits belong to this

@@ -24,6 +24,7 @@
 
 #include "engine/run/collectives.h"
 #include "engine/run/engine.h"
+#include "tests/engine/bit_matrix_programs.h"
 #include "tests/engine/tiny_model.h"
 
 using namespace strider;
@@ -201,14 +202,17 @@ int main(int argc, char** argv) {
   // process still agree with each other).
   const char* threads = std::getenv("STRIDER_BIT_MATRIX_THREADS");
   at::set_num_threads(threads ? std::max(1, std::atoi(threads)) : 1);
+  // The programs first (pure functions of the configuration, any machine's);
+  // `bit_matrix programs` prints only them, `bit_matrix NAME` one case's bits.
+  const std::string only = argc > 1 ? argv[1] : "";
+  int rc = only.empty() || only == "programs" ? print_programs() : 0;
+  if (only == "programs") return rc;
   char tmpl[] = "/tmp/strider-bit-matrix-XXXXXX";
   if (!mkdtemp(tmpl)) {
     std::perror("mkdtemp");
     return 1;
   }
   const std::filesystem::path root = tmpl;
-  const std::string only = argc > 1 ? argv[1] : "";
-  int rc = 0;
   for (const Case& k : cases()) {
     if (!only.empty() && k.name != only) continue;
     if (k.world > 1 && !have_c10d_gloo()) {
