@@ -1,12 +1,6 @@
 #include "engine/program/step_program.h"
 
-#include "engine/program/step_program_device.h"
-
-#include <algorithm>
-#include <iterator>
-
-#include <fmt/format.h>
-
+#include "engine/program/passes.h"
 #include "host/error.h"
 
 namespace strider {
@@ -41,112 +35,30 @@ ProgramInputs program_inputs(const EngineConfig& c, int world) {
 
 StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   STRIDER_CHECK(in.window >= 2, "the window is {} cache units; it needs at least 2", in.window);
-  StepProgram prog;
-  const DeviceOps dev = compile_device(place, in, true, prog);
-  const std::vector<int32_t>& sent = dev.grads_out;
-  const int64_t P = place.num_pieces();
-  const bool clip = in.clip_norm > 0 || in.loss_scaled;  // loss scaling gates the updates as clipping does
-  const bool sharded = !place.block_slices.empty() && place.block_slices[0].size() > 2;
-  const bool ranks = in.world > 1 || sharded;
-  auto add = [&](StepOpKind k, Lane lane, int64_t p, std::vector<int32_t> after) {
-    prog.ops.push_back({.kind = k, .lane = lane, .piece = p, .block = p >= 0 ? place.piece(p).block : -1,
-                        .after = std::move(after)});
-    return int32_t(prog.ops.size()) - 1;
-  };
-  const int32_t loss_op = dev.loss;  // the loss figures' D2H
-
-  // Pass "clipping" decides the update order: with clipping, forward order
-  // after the norm; without, each piece as it lands.
-  std::vector<int64_t> order = place.landing;
-  if (clip) std::sort(order.begin(), order.end());
-  // Pass "nvme": an NVMe-tier piece's state is read into one of two staging
-  // slots during the update of the NVMe piece before it (the first one's just
-  // before its own), and written back after its update; a slot is read into
-  // again once its last write-back has left.
-  std::vector<std::vector<int64_t>> reads_before(order.size());
-  std::vector<size_t> nvme_at;
-  for (size_t k = 0; k < order.size(); ++k)
-    if (place.at(order[k]).on_nvme) nvme_at.push_back(k);
-  for (size_t j = 0; j < nvme_at.size(); ++j) reads_before[j == 0 ? nvme_at[0] : nvme_at[j - 1]].push_back(order[nvme_at[j]]);
-
-  std::vector<int32_t> sumsq(size_t(P), -1), spill(size_t(P), -1), read(size_t(P), -1), write(size_t(P), -1);
-  std::vector<int64_t> nvme_done;  // NVMe pieces whose reads were issued, in order
-  prog.landed.assign(size_t(P), -1);
-  prog.updated.assign(size_t(P), -1);
-  // The update of order[k] once `after` is done: reads ahead, AdamW, the
-  // write-back, the gather (pass "ranks"), the release.
-  auto update = [&](size_t k, std::vector<int32_t> after) {
-    for (int64_t q : reads_before[k]) {
-      std::vector<int32_t> w;
-      if (spill[size_t(q)] >= 0) w.push_back(spill[size_t(q)]);
-      if (nvme_done.size() >= 2) w.push_back(write[size_t(nvme_done[nvme_done.size() - 2])]);  // its slot's last write
-      read[size_t(q)] = add(StepOpKind::kReadState, Lane::kNvmeRead, q, std::move(w));
-      nvme_done.push_back(q);
-    }
-    const int64_t p = order[k];
-    if (read[size_t(p)] >= 0) after.push_back(read[size_t(p)]);
-    int32_t last = add(StepOpKind::kAdamW, Lane::kOptimizer, p, std::move(after));
-    prog.ops[size_t(last)].over_slices = sharded;
-    prog.ops[size_t(last)].shared_copy = in.shared_compute;
-    if (place.at(p).on_nvme) write[size_t(p)] = add(StepOpKind::kWriteState, Lane::kNvmeWrite, p, {last});
-    if (sharded) {
-      last = add(StepOpKind::kGather, Lane::kCollective, p, {last});
-      prog.ops[size_t(last)].shared_copy = in.shared_compute;
-    }
-    prog.updated[size_t(p)] = add(StepOpKind::kUpdated, Lane::kOptimizer, p, {last});
-  };
-
-  // Pass "landing" (with "ranks" and the spills of "nvme"): each piece as it lands.
-  for (size_t i = 0; i < place.landing.size(); ++i) {
-    const int64_t p = place.landing[i];
-    int32_t last = prog.landed[size_t(p)] = add(StepOpKind::kLand, Lane::kOptimizer, p, {sent[size_t(p)]});
-    if (ranks) {
-      last = add(StepOpKind::kSumRanks, Lane::kCollective, p, {last});
-      prog.ops[size_t(last)].over_slices = sharded;
-    }
-    last = sumsq[size_t(p)] = add(StepOpKind::kSumSquares, Lane::kOptimizer, p, {last});
-    prog.ops[size_t(last)].over_slices = sharded;
-    if (clip) {
-      if (place.at(p).spills_grads) spill[size_t(p)] = add(StepOpKind::kSpill, Lane::kNvmeWrite, p, {last});
-      continue;
-    }
-    if (i == 0) last = add(StepOpKind::kCheckLoss, Lane::kOptimizer, -1, {loss_op, last});
-    last = add(StepOpKind::kCheckGrad, Lane::kOptimizer, p, {last});
-    prog.ops[size_t(last)].updated_before = int64_t(i);
-    update(i, {last});
-  }
-  if (clip) {
-    std::vector<int32_t> w{add(StepOpKind::kCheckLoss, Lane::kOptimizer, -1, {loss_op})};
-    w.insert(w.end(), sumsq.begin(), sumsq.end());
-    prog.norm = add(StepOpKind::kNorm, Lane::kOptimizer, -1, std::move(w));
-    prog.ops[size_t(prog.norm)].gate = true;
-    prog.ops[size_t(prog.norm)].clip = in.clip_norm;
-    prog.ops[size_t(prog.norm)].unscale = in.loss_scaled;
-    for (size_t k = 0; k < order.size(); ++k) update(k, {prog.norm});
-  } else {
-    std::vector<int32_t> w;  // published once every trained piece is updated
-    std::copy_if(prog.updated.begin(), prog.updated.end(), std::back_inserter(w), [](int32_t u) { return u >= 0; });
-    prog.norm = add(StepOpKind::kNorm, Lane::kOptimizer, -1, std::move(w));
-  }
-  // A state read waits for the previous pass's write-back of the same state.
-  for (StepOp& o : prog.ops)
-    if (o.kind == StepOpKind::kReadState) o.after_previous.push_back(write[size_t(o.piece)]);
-  // The loads wait for the previous pass's release of their pieces (a frozen
-  // one's is never updated); a compute copy's read from NVMe for its
-  // write-back too.
-  for (StepOp& o : prog.ops)
-    if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kReadCompute)
-      for (int64_t p : place.shards.visit_pieces(o.piece, o.shard)) {
-        if (prog.updated[size_t(p)] >= 0) o.after_previous.push_back(prog.updated[size_t(p)]);
-        if (o.kind == StepOpKind::kReadCompute && write[size_t(p)] >= 0) o.after_previous.push_back(write[size_t(p)]);
-      }
-  return prog;
+  Draft d(place, in, true);
+  pass_visits(d);
+  pass_micro_batches(d);
+  pass_tied(d);
+  pass_host_checkpoints(d);
+  pass_devices(d);
+  pass_kept_activations(d);
+  pass_kept_logits(d);
+  pass_base_format(d);
+  pass_prefetch(d);
+  pass_host(d);
+  return d.finish();
 }
 
 StepProgram compile_eval(const Placement& place, const ProgramInputs& in) {
-  StepProgram prog;
-  compile_device(place, in, false, prog);
-  return prog;
+  Draft d(place, in, false);
+  pass_visits(d);
+  pass_micro_batches(d);
+  pass_host_checkpoints(d);
+  pass_devices(d);
+  pass_kept_logits(d);
+  pass_base_format(d);
+  pass_prefetch(d);
+  return d.finish();
 }
 
 }  // namespace strider

@@ -7,21 +7,23 @@
 // release) and the host's (per piece: its gradients landing, summed over the
 // ranks, their sum of squares, parked on NVMe, the state read, AdamW, the
 // state written back, the compute copy gathered, the next H2D released; the
-// loss and norm checks). Features are passes that add or order operations:
+// loss and norm checks). Features are passes that add, order or mark
+// operations, each a function of its own (engine/program/passes.h, in the
+// order compile_step runs them):
 //   visits            forward, head, backward: the base program (a layer one
-//                     visit, or one per sub-layer piece)
+//                     visit, or one per sub-layer piece), each visit on its device
 //   micro-batches     each visit's compute per micro-batch, its gradients out
-//   prefetch          each visit's load K-2 visits ahead (a pool: just before it)
-//                     (compute copies on NVMe: each read one load ahead of its own)
-//   base format       a layer visit whose base is quantized starts by dequantizing it
+//   tied              the head's share of a tied embedding's gradient out and in
 //   host checkpoints  a layer's input out after the forward, in before the backward
-//   devices           a pool: each visit on its block's device (the head's
-//                     shards continuing the round robin); a block's input and
-//                     output gradient, and the head's state, log-sum-exp and
-//                     hidden gradient, handed to the next device
+//   devices           a pool: a block's input and output gradient, and the
+//                     head's state, log-sum-exp and hidden gradient, handed
+//                     to the next device
 //   kept activations  what a kept layer's forward keeps out, and back one
 //                     micro-batch ahead of its backward
-//   tied              the head's share of a tied embedding's gradient out and in
+//   kept logits       the head's pass 1 keeps the logits for pass 2
+//   base format       a layer visit whose base is quantized starts by dequantizing it
+//   prefetch          each visit's load K-2 visits ahead (a pool: just before it)
+//                     (compute copies on NVMe: each read one load ahead of its own)
 //   landing           each piece's gradients in landing order, and their sums of squares
 //   ranks             sums over the ranks (a reduce-scatter when the state is
 //                     sharded) and the compute copy's gather
@@ -30,12 +32,11 @@
 //                     each update follows its gradients, the first piece
 //                     checked before any update
 //   nvme              spills under clipping, state read ahead and written back
-//                     (with the compute copy where it lives on NVMe)
 // Two executors walk the same program: the engine's (the issuing thread for
 // device operations, the updater thread for host ones) and the simulator
 // (engine/run/sim_updater.h, with the SimDevice pricing the device's). Neither
 // reads a feature flag of the configuration: a pass has put what they need
-// into the operations. docs/step-program.md, says where a new
+// into the operations. docs/step-program.md says where a new
 // kind of operation goes.
 #pragma once
 
@@ -145,7 +146,7 @@ struct StepProgram {
 
 // What the passes need beyond the placement.
 struct ProgramInputs {
-  int64_t window = 2;           // K: loads are issued K-2 visits ahead (engine/program/step_program_device.cpp)
+  int64_t window = 2;           // K: loads are issued K-2 visits ahead (engine/program/pass_prefetch.cpp)
   int64_t micro_batches = 1;    // M
   bool checkpoints_on_host = false;  // block inputs copied out after forward and back before backward
   bool keep_logits = false;     // the head's pass 1 keeps the logits for pass 2
