@@ -32,6 +32,10 @@ StepOp Draft::visit_op(StepOpKind kind, Lane lane, int64_t v, std::vector<int32_
           .after = std::move(after)};
 }
 
+StepOp host_op(const Placement& place, StepOpKind kind, Lane lane, int64_t p, std::vector<int32_t> after) {
+  return {.kind = kind, .lane = lane, .piece = p, .block = p >= 0 ? place.piece(p).block : -1, .after = std::move(after)};
+}
+
 bool keeps_activations(const Placement& place, int64_t b) {
   return b > 0 && b < place.head && place.saved_index[size_t(b)] >= 0;
 }

@@ -70,6 +70,9 @@ class Draft {
   std::vector<std::list<int32_t>::iterator> where_;
 };
 
+// A host operation on piece p (-1: none) and its block.
+StepOp host_op(const Placement& place, StepOpKind kind, Lane lane, int64_t p, std::vector<int32_t> after);
+
 // Layer b keeps its activations for backward (EngineConfig::saved_blocks).
 bool keeps_activations(const Placement& place, int64_t b);
 

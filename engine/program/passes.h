@@ -23,6 +23,10 @@ void pass_base_format(Draft& d);         // a quantized base dequantized before 
 void pass_prefetch(Draft& d);            // each visit's load K-2 visits ahead; compute copies read from NVMe
 
 // Host passes (training only).
-void pass_host(Draft& d);                // landing, ranks, clipping, nvme: each piece's gradients to its update
+void pass_landing(Draft& d);             // each piece's gradients landed, and their sum of squares
+void pass_clipping(Draft& d);            // the checks, the norm and the updates, in the order clipping decides
+void pass_ranks(Draft& d);               // sums over the ranks; sharded state: the compute copy's gather
+void pass_nvme(Draft& d);                // spills; NVMe state read ahead of its update and written back
+void pass_previous_step(Draft& d);       // what the next pass's loads and reads wait for of this one
 
 }  // namespace strider

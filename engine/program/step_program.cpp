@@ -45,7 +45,11 @@ StepProgram compile_step(const Placement& place, const ProgramInputs& in) {
   pass_kept_logits(d);
   pass_base_format(d);
   pass_prefetch(d);
-  pass_host(d);
+  pass_landing(d);
+  pass_clipping(d);
+  pass_ranks(d);
+  pass_nvme(d);
+  pass_previous_step(d);
   return d.finish();
 }
 

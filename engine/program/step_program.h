@@ -25,13 +25,14 @@
 //   prefetch          each visit's load K-2 visits ahead (a pool: just before it)
 //                     (compute copies on NVMe: each read one load ahead of its own)
 //   landing           each piece's gradients in landing order, and their sums of squares
-//   ranks             sums over the ranks (a reduce-scatter when the state is
-//                     sharded) and the compute copy's gather
 //   clipping          with clipping (or loss scaling): the norm gates every
 //                     update, which run in forward order after it; without:
 //                     each update follows its gradients, the first piece
 //                     checked before any update
+//   ranks             sums over the ranks (a reduce-scatter when the state is
+//                     sharded) and the compute copy's gather
 //   nvme              spills under clipping, state read ahead and written back
+//   previous step     what the next pass's loads and state reads wait for
 // Two executors walk the same program: the engine's (the issuing thread for
 // device operations, the updater thread for host ones) and the simulator
 // (engine/run/sim_updater.h, with the SimDevice pricing the device's). Neither
