@@ -54,7 +54,7 @@
 namespace strider {
 
 enum class StepOpKind : uint8_t {
-  // Device operations, in the order the issuing thread enqueues them. A
+  // Device operations (op_side), roughly in the order the issuing thread enqueues them. A
   // visit's operations hold its unit from its kLoad to its kRelease; the
   // first of them on the compute stream waits for the load.
   kReadCompute,        // nvme read: a visit's compute copies on NVMe into a load staging slot, one load ahead
@@ -78,7 +78,7 @@ enum class StepOpKind : uint8_t {
   kGradsOut,           // d2h: a piece's gradients to host staging
   kTiedGradOut,        // d2h: the head's share of a tied embedding's gradient (fp32)
   kRelease,            // the visit's unit free once its streams pass this point
-  // Host operations, in the order the updater thread runs them.
+  // Host operations (op_side), roughly in the order the updater thread runs them.
   kLand,        // a piece's gradients are in host staging (their D2H is done)
   kSumRanks,    // summed over the ranks (a reduce-scatter of this rank's slice when sharded)
   kSumSquares,  // its sum of squares (over the ranks' slices when sharded); a non-finite one named
@@ -92,7 +92,53 @@ enum class StepOpKind : uint8_t {
   kGather,      // the other ranks' slices of the new compute copy (a barrier on a shared one)
   kUpdated,     // the piece's next H2D may go
 };
+inline constexpr int kOpKinds = int(StepOpKind::kUpdated) + 1;
 const char* op_name(StepOpKind k);
+// Which executor runs a kind: the issuing thread's device table
+// (run_device_op; priced by the SimDevice from what its handler enqueues) or
+// the updater's host table (run_host_op; priced by SimUpdater::run). The two
+// lists below are the sides: op_side's switch over both names every kind
+// once (a kind in neither, or in both, does not compile), and each
+// executor's switch names its own kinds and the other side's list as
+// refused, so a kind without its handler or its price does not compile
+// either (the engine builds with -Werror=switch).
+enum class OpSide : uint8_t { kDevice, kHost };
+OpSide op_side(StepOpKind k);
+#define STRIDER_DEVICE_OP_KINDS \
+  case StepOpKind::kReadCompute: \
+  case StepOpKind::kLoad: \
+  case StepOpKind::kDequantize: \
+  case StepOpKind::kZeroGrads: \
+  case StepOpKind::kTiedGradIn: \
+  case StepOpKind::kCheckpointIn: \
+  case StepOpKind::kForward: \
+  case StepOpKind::kSaveOut: \
+  case StepOpKind::kCheckpointOut: \
+  case StepOpKind::kHandOut: \
+  case StepOpKind::kHandIn: \
+  case StepOpKind::kHeadLse: \
+  case StepOpKind::kLossOut: \
+  case StepOpKind::kHeadGrad: \
+  case StepOpKind::kHeadNormBackward: \
+  case StepOpKind::kFetchSaved: \
+  case StepOpKind::kBackward: \
+  case StepOpKind::kGradsToSend: \
+  case StepOpKind::kGradsOut: \
+  case StepOpKind::kTiedGradOut: \
+  case StepOpKind::kRelease
+#define STRIDER_HOST_OP_KINDS \
+  case StepOpKind::kLand: \
+  case StepOpKind::kSumRanks: \
+  case StepOpKind::kSumSquares: \
+  case StepOpKind::kSpill: \
+  case StepOpKind::kCheckLoss: \
+  case StepOpKind::kCheckGrad: \
+  case StepOpKind::kNorm: \
+  case StepOpKind::kReadState: \
+  case StepOpKind::kAdamW: \
+  case StepOpKind::kWriteState: \
+  case StepOpKind::kGather: \
+  case StepOpKind::kUpdated
 
 // What a pool's kHandOut and kHandIn carry, per micro-batch, each kind in
 // its own host buffers: a block's input (or, `grads`, its output gradient);
@@ -132,7 +178,7 @@ struct StepOp {
   std::vector<int32_t> after;  // operations of the same pass it waits for (indices into StepProgram::ops)
   std::vector<int32_t> after_previous;  // operations of the previous pass it waits for
   // The issuing thread's (else the updater's).
-  bool on_device() const { return kind <= StepOpKind::kRelease; }
+  bool on_device() const { return op_side(kind) == OpSide::kDevice; }
 };
 
 struct StepProgram {

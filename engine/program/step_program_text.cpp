@@ -3,49 +3,77 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <iterator>
+
 #include <nlohmann/json.hpp>
 
 #include "engine/program/step_program.h"
 
 namespace strider {
 
-const char* op_name(StepOpKind k) {
+namespace {
+
+// One row per kind, in the enum's order: its name.
+struct KindRow {
+  StepOpKind kind;
+  const char* name;
+};
+constexpr KindRow kKinds[] = {
+    {StepOpKind::kReadCompute, "read compute copy"},
+    {StepOpKind::kLoad, "load"},
+    {StepOpKind::kDequantize, "dequantize base"},
+    {StepOpKind::kZeroGrads, "zero grads"},
+    {StepOpKind::kTiedGradIn, "tied grads in"},
+    {StepOpKind::kCheckpointIn, "checkpoint in"},
+    {StepOpKind::kForward, "forward"},
+    {StepOpKind::kSaveOut, "kept activations out"},
+    {StepOpKind::kCheckpointOut, "checkpoint out"},
+    {StepOpKind::kHandOut, "hand out"},
+    {StepOpKind::kHandIn, "hand in"},
+    {StepOpKind::kHeadLse, "head log-sum-exp"},
+    {StepOpKind::kLossOut, "loss out"},
+    {StepOpKind::kHeadGrad, "head backward"},
+    {StepOpKind::kHeadNormBackward, "head norm backward"},
+    {StepOpKind::kFetchSaved, "kept activations in"},
+    {StepOpKind::kBackward, "backward"},
+    {StepOpKind::kGradsToSend, "grads to send"},
+    {StepOpKind::kGradsOut, "grads out"},
+    {StepOpKind::kTiedGradOut, "tied grads out"},
+    {StepOpKind::kRelease, "release"},
+    {StepOpKind::kLand, "land"},
+    {StepOpKind::kSumRanks, "sum over ranks"},
+    {StepOpKind::kSumSquares, "sum of squares"},
+    {StepOpKind::kSpill, "spill"},
+    {StepOpKind::kCheckLoss, "check loss"},
+    {StepOpKind::kCheckGrad, "check gradient"},
+    {StepOpKind::kNorm, "norm"},
+    {StepOpKind::kReadState, "read state"},
+    {StepOpKind::kAdamW, "adamw"},
+    {StepOpKind::kWriteState, "write state"},
+    {StepOpKind::kGather, "gather"},
+    {StepOpKind::kUpdated, "updated"},
+};
+static_assert(std::size(kKinds) == size_t(kOpKinds), "a StepOpKind without its row in kKinds");
+
+constexpr bool rows_in_order() {
+  for (size_t i = 0; i < std::size(kKinds); ++i)
+    if (size_t(kKinds[i].kind) != i) return false;
+  return true;
+}
+static_assert(rows_in_order(), "kKinds' rows must follow StepOpKind's order");
+
+}  // namespace
+
+const char* op_name(StepOpKind k) { return size_t(k) < std::size(kKinds) ? kKinds[size_t(k)].name : "?"; }
+
+OpSide op_side(StepOpKind k) {
   switch (k) {
-    case StepOpKind::kReadCompute: return "read compute copy";
-    case StepOpKind::kLoad: return "load";
-    case StepOpKind::kDequantize: return "dequantize base";
-    case StepOpKind::kZeroGrads: return "zero grads";
-    case StepOpKind::kTiedGradIn: return "tied grads in";
-    case StepOpKind::kCheckpointIn: return "checkpoint in";
-    case StepOpKind::kForward: return "forward";
-    case StepOpKind::kSaveOut: return "kept activations out";
-    case StepOpKind::kCheckpointOut: return "checkpoint out";
-    case StepOpKind::kHandOut: return "hand out";
-    case StepOpKind::kHandIn: return "hand in";
-    case StepOpKind::kHeadLse: return "head log-sum-exp";
-    case StepOpKind::kLossOut: return "loss out";
-    case StepOpKind::kHeadGrad: return "head backward";
-    case StepOpKind::kHeadNormBackward: return "head norm backward";
-    case StepOpKind::kFetchSaved: return "kept activations in";
-    case StepOpKind::kBackward: return "backward";
-    case StepOpKind::kGradsToSend: return "grads to send";
-    case StepOpKind::kGradsOut: return "grads out";
-    case StepOpKind::kTiedGradOut: return "tied grads out";
-    case StepOpKind::kRelease: return "release";
-    case StepOpKind::kLand: return "land";
-    case StepOpKind::kSumRanks: return "sum over ranks";
-    case StepOpKind::kSumSquares: return "sum of squares";
-    case StepOpKind::kSpill: return "spill";
-    case StepOpKind::kCheckLoss: return "check loss";
-    case StepOpKind::kCheckGrad: return "check gradient";
-    case StepOpKind::kNorm: return "norm";
-    case StepOpKind::kReadState: return "read state";
-    case StepOpKind::kAdamW: return "adamw";
-    case StepOpKind::kWriteState: return "write state";
-    case StepOpKind::kGather: return "gather";
-    case StepOpKind::kUpdated: return "updated";
+    STRIDER_DEVICE_OP_KINDS:
+      return OpSide::kDevice;
+    STRIDER_HOST_OP_KINDS:
+      return OpSide::kHost;
   }
-  return "?";
+  return OpSide::kHost;
 }
 
 namespace {

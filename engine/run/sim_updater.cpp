@@ -173,10 +173,15 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       sim_.record_at(update_done(p), ready);
       thread_us_ = ready;
       return;
-    default:  // the checks and the norm: decisions, no time of their own
+    case StepOpKind::kCheckLoss:
+    case StepOpKind::kCheckGrad:
+    case StepOpKind::kNorm:  // decisions, no time of their own
       thread_us_ = ready;
       return;
+    STRIDER_DEVICE_OP_KINDS:  // every kind is named (-Werror=switch): a new host one needs its price here
+      break;
   }
+  throw Error(fmt::format("the simulated updater was given the device operation '{}'", op_name(op.kind)));
 }
 
 }  // namespace strider

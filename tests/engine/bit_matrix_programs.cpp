@@ -52,18 +52,18 @@ std::string dump(const StepProgram& prog) {
   return s + "\n";
 }
 
-struct ProgramCase {
-  std::string name;
-  nlohmann::json model;
-  EngineConfig config;
-  int world = 1;
-};
-
 nlohmann::json mixtral() {
   nlohmann::json c = test::tiny_config(false, 4);
   c["architectures"] = {"MixtralForCausalLM"};
   c.update({{"num_local_experts", 4}, {"num_experts_per_tok", 2}, {"intermediate_size", 24}});
   return c;
+}
+
+}  // namespace
+
+ModelSpec ProgramCase::spec() const {
+  ModelSpec s = ModelSpec::from_json(model, "tiny");
+  return config.lora.empty() ? s : s.with_lora(config.lora, "tiny");
 }
 
 std::vector<ProgramCase> program_cases() {
@@ -148,14 +148,11 @@ std::vector<ProgramCase> program_cases() {
   return out;
 }
 
-}  // namespace
-
 int print_programs() {
   int rc = 0;
   for (const ProgramCase& k : program_cases()) {
     try {
-      ModelSpec spec = ModelSpec::from_json(k.model, "tiny");
-      if (!k.config.lora.empty()) spec = spec.with_lora(k.config.lora, "tiny");
+      const ModelSpec spec = k.spec();
       const Placement pl = place(spec, k.config);
       const ProgramInputs in = program_inputs(k.config, k.world);
       const std::string text = dump(compile_step(pl, in)) + "eval\n" + dump(compile_eval(pl, in));

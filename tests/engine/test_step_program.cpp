@@ -4,6 +4,7 @@
 #include <map>
 #include <set>
 
+#include "tests/engine/bit_matrix_programs.h"
 #include "tests/engine/step_program_helpers.h"
 
 using namespace strider;
@@ -501,4 +502,36 @@ TEST_CASE("a pool: every visit on its block's device, the head's shards spread, 
         CHECK(outs[head(Hand::kLse)] == M);
         CHECK(ins[head(Hand::kLse)] == int(head_devices.size() - 1) * M);
       }
+}
+
+TEST_CASE("every kind of operation has its name and its executor, and some configuration's program holds it",
+          "[engine][program]") {
+  // op_side's and each executor's switch name every kind (-Werror=switch on
+  // the engine's sources): a kind on no side, without a handler, or a host
+  // kind without its price in SimUpdater::run, does not build. Here: every
+  // kind's name, each operation's side against its lane, and the passes
+  // emitting every kind across bit_matrix's configurations
+  // (tests/engine/bit_matrix_programs.cpp).
+  std::set<std::string> names;
+  for (int k = 0; k < kOpKinds; ++k) {
+    const auto kind = StepOpKind(k);
+    INFO(k);
+    CHECK(std::string(op_name(kind)) != "?");
+    CHECK(names.insert(op_name(kind)).second);
+  }
+  std::set<int> emitted;
+  for (const ProgramCase& c : program_cases()) {
+    const Placement pl = place(c.spec(), c.config);
+    for (const StepProgram& prog : {compile_step(pl, program_inputs(c.config, c.world)),
+                                    compile_eval(pl, program_inputs(c.config, c.world))})
+      for (const StepOp& o : prog.ops) {
+        emitted.insert(int(o.kind));
+        CHECK(o.on_device() == (o.lane == Lane::kCompute || o.lane == Lane::kH2D || o.lane == Lane::kD2H ||
+                                o.kind == StepOpKind::kReadCompute));
+      }
+  }
+  for (int k = 0; k < kOpKinds; ++k) {
+    INFO(op_name(StepOpKind(k)));
+    CHECK(emitted.count(k) == 1);
+  }
 }
