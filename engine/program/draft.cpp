@@ -28,12 +28,18 @@ std::vector<int64_t> Draft::visit_pieces(int64_t v) const {
 }
 
 StepOp Draft::visit_op(StepOpKind kind, Lane lane, int64_t v, std::vector<int32_t> after) const {
-  return {.kind = kind, .lane = lane, .block = visits[size_t(v)].block, .visit = v, .device = visits[size_t(v)].device,
-          .after = std::move(after)};
+  StepOp o = StepOp::of(kind, lane, std::move(after));
+  o.block = visits[size_t(v)].block;
+  o.visit = v;
+  o.device = visits[size_t(v)].device;
+  return o;
 }
 
 StepOp host_op(const Placement& place, StepOpKind kind, Lane lane, int64_t p, std::vector<int32_t> after) {
-  return {.kind = kind, .lane = lane, .piece = p, .block = p >= 0 ? place.piece(p).block : -1, .after = std::move(after)};
+  StepOp o = StepOp::of(kind, lane, std::move(after));
+  o.piece = p;
+  o.block = p >= 0 ? place.piece(p).block : -1;
+  return o;
 }
 
 bool keeps_activations(const Placement& place, int64_t b) {

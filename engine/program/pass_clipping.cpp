@@ -42,7 +42,7 @@ void pass_clipping(Draft& d) {
       int32_t at = sumsq[size_t(p)];
       if (i == 0) at = d.insert_after(at, host_op(place, StepOpKind::kCheckLoss, Lane::kOptimizer, -1, {loss, at}));
       StepOp check = host_op(place, StepOpKind::kCheckGrad, Lane::kOptimizer, p, {at});
-      check.updated_before = int64_t(i);
+      check.as<CheckArgs>().updated_before = int64_t(i);
       at = d.insert_after(at, std::move(check));
       update(d, at, p, {at});
     }
@@ -54,9 +54,7 @@ void pass_clipping(Draft& d) {
   std::vector<int32_t> w{d.add(host_op(place, StepOpKind::kCheckLoss, Lane::kOptimizer, -1, {loss}))};
   w.insert(w.end(), sumsq.begin(), sumsq.end());
   StepOp norm = host_op(place, StepOpKind::kNorm, Lane::kOptimizer, -1, std::move(w));
-  norm.gate = true;
-  norm.clip = d.in.clip_norm;
-  norm.unscale = d.in.loss_scaled;
+  norm.as<NormArgs>() = {.gate = true, .clip = d.in.clip_norm, .unscale = d.in.loss_scaled};
   int32_t at = d.norm = d.add(std::move(norm));
   std::vector<int64_t> order = place.landing;
   std::sort(order.begin(), order.end());

@@ -76,8 +76,7 @@ class Hands {
     StepOp o = d_.visit_op(StepOpKind::kHandOut, Lane::kD2H, d_.op(compute).visit, {compute});
     o.block = b;
     o.micro_batch = d_.op(compute).micro_batch;
-    o.grads = grads;
-    o.hand = hand;
+    o.as<HandArgs>() = {.hand = hand, .grads = grads};
     const int32_t id = d_.insert_after(at, std::move(o));
     std::vector<int32_t>& outs = out_[size_t(hand)];
     outs.resize(size_t(d_.in.micro_batches), -1);
@@ -92,10 +91,8 @@ class Hands {
     StepOp o = d_.visit_op(StepOpKind::kHandIn, Lane::kH2D, d_.op(at).visit, {out_[size_t(hand)][size_t(m)]});
     o.block = b;
     o.micro_batch = m;
-    o.grads = grads;
-    o.hand = hand;
-    o.peer = from;
-    o.first = !handed_in_;  // the visit's first: it waits for this device's compute so far
+    // The visit's first waits for this device's compute so far.
+    o.as<HandArgs>() = {.hand = hand, .grads = grads, .first = !handed_in_, .peer = from};
     handed_in_ = true;
     d_.insert_before(at, std::move(o));
   }

@@ -27,7 +27,7 @@ void pass_host_checkpoints(Draft& d) {
       last = id;
       const std::vector<int64_t> loads = d.visit_pieces(o.visit);
       if (loads.front() != sh.first_of(b) || o.micro_batch != 0) continue;
-      d.op(id).wait_ring = true;
+      d.op(id).as<ComputeArgs>().wait_ring = true;
       if (b >= 1 && out[size_t(b)] >= 0) d.op(id).after.push_back(out[size_t(b)]);
     } else if (vis.kind == Visit::kForward && o.kind == StepOpKind::kRelease) {
       const std::vector<int64_t> loads = d.visit_pieces(o.visit);
@@ -36,8 +36,7 @@ void pass_host_checkpoints(Draft& d) {
         StepOp c = d.visit_op(StepOpKind::kCheckpointOut, Lane::kD2H, o.visit, {last});
         c.block = b + 1;
         c.micro_batch = m;
-        c.first = m == 0;
-        c.last = m + 1 == M;
+        c.as<CopyArgs>() = {.first = m == 0, .last = m + 1 == M};
         out[size_t(b + 1)] = d.insert_before(id, std::move(c));
       }
     } else if ((vis.kind == Visit::kRecompute && o.kind == StepOpKind::kForward) ||
@@ -48,9 +47,7 @@ void pass_host_checkpoints(Draft& d) {
         for (int64_t m = 0; m < M; ++m) {
           StepOp c = d.visit_op(StepOpKind::kCheckpointIn, Lane::kH2D, o.visit, {out[size_t(b)]});
           c.micro_batch = m;
-          c.peer = from == place.block_device(b) ? -1 : from;
-          c.first = m == 0;
-          c.last = m + 1 == M;
+          c.as<CopyArgs>() = {.first = m == 0, .last = m + 1 == M, .peer = from == place.block_device(b) ? -1 : from};
           back = d.insert_before(id, std::move(c));
         }
       }

@@ -28,13 +28,13 @@ void pass_kept_activations(Draft& d) {
     const Visit& vis = d.visits[size_t(o.visit)];
     const int64_t m = o.micro_batch;
     if (o.kind == StepOpKind::kForward && vis.kind == Visit::kForward && keeps_activations(place, vis.block)) {
-      d.op(id).keep = true;
+      d.op(id).as<ComputeArgs>().keep = true;
       StepOp s = d.visit_op(StepOpKind::kSaveOut, Lane::kD2H, o.visit, {id});
       s.micro_batch = m;
-      s.last = m + 1 == M;
+      s.as<CopyArgs>().last = m + 1 == M;
       saved[size_t(vis.block)] = d.insert_after(id, std::move(s));
     } else if (o.kind == StepOpKind::kBackward && keeps_activations(place, vis.block)) {
-      d.op(id).keep = true;
+      d.op(id).as<ComputeArgs>().keep = true;
       if (m + 1 < M) fetch(id, true, vis.block, m + 1);
       d.op(id).after.push_back(fetched[size_t(m)]);
     } else if (o.kind == StepOpKind::kRelease && size_t(o.visit) + 1 < d.visits.size()) {
@@ -51,8 +51,8 @@ void pass_kept_logits(Draft& d) {
   if (!d.in.keep_logits) return;
   for (int32_t id : d.in_order()) {
     StepOp& o = d.op(id);
-    if (o.kind == StepOpKind::kHeadLse) o.keep = d.train;
-    if (o.kind == StepOpKind::kHeadGrad) o.keep = true;
+    if (o.kind == StepOpKind::kHeadLse) o.as<ComputeArgs>().keep = d.train;
+    if (o.kind == StepOpKind::kHeadGrad) o.as<ComputeArgs>().keep = true;
   }
 }
 

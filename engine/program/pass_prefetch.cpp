@@ -55,7 +55,7 @@ void pass_prefetch(Draft& d) {
   auto emit_read = [&](size_t j) {
     StepOp r = d.visit_op(StepOpKind::kReadCompute, Lane::kNvmeRead, int64_t(j));
     r.piece = vs[j].piece;
-    r.slot = reads++ % kComputeLoadSlots;
+    r.as<SlotArgs>().slot = reads++ % kComputeLoadSlots;
     read[j] = d.insert_before(start[at], std::move(r));
   };
   auto emit_load = [&](size_t j) {
@@ -67,7 +67,7 @@ void pass_prefetch(Draft& d) {
     StepOp l = d.visit_op(StepOpKind::kLoad, Lane::kH2D, int64_t(j), std::move(after));
     l.piece = vs[j].piece;
     l.shard = vs[j].shard;
-    if (read[j] >= 0) l.slot = d.op(read[j]).slot;
+    if (read[j] >= 0) l.as<SlotArgs>().slot = d.op(read[j]).as<SlotArgs>().slot;
     d.insert_before(start[at], std::move(l));
     for (size_t k = j + 1; k < n; ++k)
       if (reads_compute(k)) {

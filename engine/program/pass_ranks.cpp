@@ -19,17 +19,16 @@ void pass_ranks(Draft& d) {
     const StepOp o = d.op(id);  // a copy: inserting moves the operations
     if (o.kind == StepOpKind::kLand && ranks) {
       StepOp s = host_op(place, StepOpKind::kSumRanks, Lane::kCollective, o.piece, {id});
-      s.over_slices = sharded;
+      s.as<SliceArgs>().over_slices = sharded;
       summed[size_t(o.piece)] = d.insert_after(id, std::move(s));
     } else if (o.kind == StepOpKind::kSumSquares) {
-      d.op(id).over_slices = sharded;
+      d.op(id).as<SliceArgs>().over_slices = sharded;
       if (ranks) d.op(id).after = {summed[size_t(o.piece)]};
     } else if (o.kind == StepOpKind::kAdamW) {
-      d.op(id).over_slices = sharded;
-      d.op(id).shared_copy = d.in.shared_compute;
+      d.op(id).as<SliceArgs>() = {.over_slices = sharded, .shared_copy = d.in.shared_compute};
       if (!sharded) continue;
       StepOp g = host_op(place, StepOpKind::kGather, Lane::kCollective, o.piece, {id});
-      g.shared_copy = d.in.shared_compute;
+      g.as<SliceArgs>().shared_copy = d.in.shared_compute;
       gathered[size_t(o.piece)] = d.insert_after(id, std::move(g));
     } else if (o.kind == StepOpKind::kUpdated && sharded) {
       d.op(id).after = {gathered[size_t(o.piece)]};

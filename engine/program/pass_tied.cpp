@@ -18,11 +18,13 @@ void pass_tied(Draft& d) {
     const Visit& vis = d.visits[size_t(o.visit)];
     if (o.kind == StepOpKind::kGradsOut && vis.kind == Visit::kHead && o.piece == sh.lm_piece[size_t(vis.shard)]) {
       o.kind = StepOpKind::kTiedGradOut;
+      o.args = op_args(o.kind);
       o.block = place.head;
       o.shard = vis.shard;
       shares.push_back(id);
     } else if (o.kind == StepOpKind::kZeroGrads && vis.kind == Visit::kBackward && vis.block == 0) {
       o.kind = StepOpKind::kTiedGradIn;
+      o.args = op_args(o.kind);
       o.lane = Lane::kH2D;
       o.after = shares;
     }

@@ -111,7 +111,7 @@ std::vector<int32_t> layer_visit(Draft& d, int64_t v, bool& grads) {
   int32_t last = -1;
   for (int64_t m = 0; m < M; ++m) {
     last = piece_op(compute, {kVisitLoad}, m);
-    d.op(last).recompute = vis.kind == Visit::kRecompute;
+    d.op(last).as<ComputeArgs>().recompute = vis.kind == Visit::kRecompute;
   }
   std::vector<int32_t> out;
   if (!grads) return out;
@@ -137,7 +137,7 @@ void pass_micro_batches(Draft& d) {
     bool grads = false;
     std::vector<int32_t> out = vis.kind == Visit::kHead ? head_visit(d, v, grads, loss) : layer_visit(d, v, grads);
     StepOp r = d.visit_op(StepOpKind::kRelease, Lane::kCompute, v, std::move(out));
-    r.d2h = grads;
+    r.as<ReleaseArgs>().d2h = grads;
     r.piece = vis.piece;
     r.shard = vis.shard;
     d.add(std::move(r));

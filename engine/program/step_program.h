@@ -43,6 +43,7 @@
 
 #include <cstdint>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -149,6 +150,58 @@ OpSide op_side(StepOpKind k);
 enum class Hand : uint8_t { kBlock, kHeadState, kLse, kHeadGrad };
 inline constexpr int kHandKinds = 4;
 
+// What an operation carries beyond the fields every kind has: a payload per
+// group of kinds (op_args), so that a field means one thing. Set by passes,
+// read by the executors.
+struct ComputeArgs {       // kForward, kBackward, kHeadLse, kHeadGrad
+  bool keep = false;       // kForward: keeps what backward needs (kept activations); kBackward: uses it;
+                           // the head's: pass 1 keeps the logits, pass 2 uses them
+  bool recompute = false;  // kForward: a sub-layer attention half's again in backward, for the MLP's input
+  bool wait_ring = false;  // kForward: its output's checkpoint ring set must have left (host checkpoints)
+};
+struct CopyArgs {                    // kCheckpointIn, kCheckpointOut, kSaveOut
+  bool first = false, last = false;  // the first and last micro-batch's copy of the group
+  int peer = -1;                     // kCheckpointIn: the device that made it, when another
+};
+struct HandArgs {            // kHandOut, kHandIn (a pool)
+  Hand hand = Hand::kBlock;  // what it carries
+  bool grads = false;        // the output gradient flowing backward (else a block's input)
+  bool first = false;        // kHandIn: the visit's first (it waits for this device's compute so far)
+  int peer = -1;             // kHandIn: the device that handed it over
+};
+struct SlotArgs {  // kReadCompute, kLoad
+  int slot = -1;   // the load staging slot of a compute copy read from NVMe (-1: none)
+};
+struct ReleaseArgs {  // kRelease
+  bool d2h = false;   // the visit's gradients left on the d2h stream
+};
+struct SliceArgs {            // kSumRanks, kSumSquares, kAdamW, kGather
+  bool over_slices = false;   // this rank holds a slice (sharded state)
+  bool shared_copy = false;   // kGather, kAdamW: the machine's ranks share one compute copy
+};
+struct NormArgs {         // kNorm
+  bool gate = false;      // a non-finite norm skips the step, and `clip` scales the updates
+  double clip = 0;        // the clipping norm (0: none)
+  bool unscale = false;   // the gradients carry the pass's loss scale: the norm and the updates divide it out
+};
+struct CheckArgs {              // kCheckGrad
+  int64_t updated_before = 0;   // pieces the pass updated before this one
+};
+using OpArgs = std::variant<std::monostate, ComputeArgs, CopyArgs, HandArgs, SlotArgs, ReleaseArgs, SliceArgs,
+                            NormArgs, CheckArgs>;
+// A kind's payload, defaulted (std::monostate: none).
+OpArgs op_args(StepOpKind k);
+
+// Every payload's fields side by side, a kind's own set and the others at
+// their defaults: what the program's text, JSON and the bit matrix print.
+struct OpFields : ComputeArgs, SliceArgs, NormArgs, CheckArgs, ReleaseArgs, SlotArgs {
+  bool first = false, last = false, grads = false;
+  int peer = -1;
+  Hand hand = Hand::kBlock;
+};
+struct StepOp;
+OpFields fields(const StepOp& op);
+
 struct StepOp {
   StepOpKind kind = StepOpKind::kForward;
   Lane lane = Lane::kCompute;
@@ -158,25 +211,23 @@ struct StepOp {
   int64_t micro_batch = -1;    // device operations per micro-batch
   int64_t shard = -1;          // the head's operations: the vocabulary shard
   int device = 0;              // device operations: the pool's device they run on (Placement::block_device, head_device)
-  int peer = -1;               // kHandIn, kCheckpointIn: the device that handed it over, when another
-  Hand hand = Hand::kBlock;    // kHandOut, kHandIn: what they carry
-  int slot = -1;               // kReadCompute, and the kLoad of its visit: the load staging slot (-1: none)
-  // Set by passes, read by the executors.
   bool first_of_visit = false; // a device operation: the visit's first (it waits for the load)
-  bool keep = false;           // kForward: keeps what backward needs (kept activations); kBackward: uses it
-  bool recompute = false;      // kForward: a sub-layer attention half's again in backward, for the MLP's input
-  bool first = false, last = false;  // a group's first and last (kCheckpointIn/Out; kHandIn: the visit's first; kSaveOut's last)
-  bool wait_ring = false;      // kForward: its output's checkpoint ring set must have left (host checkpoints)
-  bool d2h = false;            // kRelease: the visit's gradients left on the d2h stream
-  bool grads = false;          // kHandOut, kHandIn: the output gradient flowing backward (else a block's input)
-  bool over_slices = false;    // kSumRanks, kSumSquares, kAdamW: this rank holds a slice (sharded state)
-  bool shared_copy = false;    // kGather, kAdamW: the machine's ranks share one compute copy
-  bool gate = false;           // kNorm: a non-finite norm skips the step, and `clip` scales the updates
-  double clip = 0;             // kNorm: the clipping norm (0: none)
-  bool unscale = false;        // kNorm: the gradients carry the pass's loss scale: the norm and the updates divide it out
-  int64_t updated_before = 0;  // kCheckGrad: pieces the pass updated before this one
+  OpArgs args;                 // op_args(kind): StepOp::of sets it
   std::vector<int32_t> after;  // operations of the same pass it waits for (indices into StepProgram::ops)
   std::vector<int32_t> after_previous;  // operations of the previous pass it waits for
+
+  // An operation of kind k on `lane`, its payload the kind's.
+  static StepOp of(StepOpKind k, Lane lane, std::vector<int32_t> after = {}) {
+    StepOp o;
+    o.kind = k;
+    o.lane = lane;
+    o.args = op_args(k);
+    o.after = std::move(after);
+    return o;
+  }
+  // The payload, as its kind's (std::bad_variant_access: another kind's).
+  template <class T> T& as() { return std::get<T>(args); }
+  template <class T> const T& as() const { return std::get<T>(args); }
   // The issuing thread's (else the updater's).
   bool on_device() const { return op_side(kind) == OpSide::kDevice; }
 };

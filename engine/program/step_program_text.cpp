@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <iterator>
+#include <type_traits>
 
 #include <nlohmann/json.hpp>
 
@@ -66,6 +67,45 @@ static_assert(rows_in_order(), "kKinds' rows must follow StepOpKind's order");
 
 const char* op_name(StepOpKind k) { return size_t(k) < std::size(kKinds) ? kKinds[size_t(k)].name : "?"; }
 
+OpArgs op_args(StepOpKind k) {
+  switch (k) {
+    case StepOpKind::kForward:
+    case StepOpKind::kBackward:
+    case StepOpKind::kHeadLse:
+    case StepOpKind::kHeadGrad: return ComputeArgs{};
+    case StepOpKind::kCheckpointIn:
+    case StepOpKind::kCheckpointOut:
+    case StepOpKind::kSaveOut: return CopyArgs{};
+    case StepOpKind::kHandOut:
+    case StepOpKind::kHandIn: return HandArgs{};
+    case StepOpKind::kReadCompute:
+    case StepOpKind::kLoad: return SlotArgs{};
+    case StepOpKind::kRelease: return ReleaseArgs{};
+    case StepOpKind::kSumRanks:
+    case StepOpKind::kSumSquares:
+    case StepOpKind::kAdamW:
+    case StepOpKind::kGather: return SliceArgs{};
+    case StepOpKind::kNorm: return NormArgs{};
+    case StepOpKind::kCheckGrad: return CheckArgs{};
+    case StepOpKind::kDequantize:
+    case StepOpKind::kZeroGrads:
+    case StepOpKind::kTiedGradIn:
+    case StepOpKind::kLossOut:
+    case StepOpKind::kHeadNormBackward:
+    case StepOpKind::kFetchSaved:
+    case StepOpKind::kGradsToSend:
+    case StepOpKind::kGradsOut:
+    case StepOpKind::kTiedGradOut:
+    case StepOpKind::kLand:
+    case StepOpKind::kSpill:
+    case StepOpKind::kCheckLoss:
+    case StepOpKind::kReadState:
+    case StepOpKind::kWriteState:
+    case StepOpKind::kUpdated: return std::monostate{};
+  }
+  return std::monostate{};
+}
+
 OpSide op_side(StepOpKind k) {
   switch (k) {
     STRIDER_DEVICE_OP_KINDS:
@@ -74,6 +114,33 @@ OpSide op_side(StepOpKind k) {
       return OpSide::kHost;
   }
   return OpSide::kHost;
+}
+
+OpFields fields(const StepOp& op) {
+  OpFields f;
+  std::visit(
+      [&](const auto& a) {
+        using T = std::decay_t<decltype(a)>;
+        if constexpr (std::is_same_v<T, ComputeArgs>) static_cast<ComputeArgs&>(f) = a;
+        if constexpr (std::is_same_v<T, SliceArgs>) static_cast<SliceArgs&>(f) = a;
+        if constexpr (std::is_same_v<T, NormArgs>) static_cast<NormArgs&>(f) = a;
+        if constexpr (std::is_same_v<T, CheckArgs>) static_cast<CheckArgs&>(f) = a;
+        if constexpr (std::is_same_v<T, ReleaseArgs>) static_cast<ReleaseArgs&>(f) = a;
+        if constexpr (std::is_same_v<T, SlotArgs>) static_cast<SlotArgs&>(f) = a;
+        if constexpr (std::is_same_v<T, CopyArgs>) {
+          f.first = a.first;
+          f.last = a.last;
+          f.peer = a.peer;
+        }
+        if constexpr (std::is_same_v<T, HandArgs>) {
+          f.hand = a.hand;
+          f.grads = a.grads;
+          f.first = a.first;
+          f.peer = a.peer;
+        }
+      },
+      op.args);
+  return f;
 }
 
 namespace {
@@ -91,9 +158,9 @@ std::string what(const StepOp& o, const ModelSpec& spec, const Placement& place)
     w = fmt::format("layer.{}", o.block - 1);
   else if (o.kind == StepOpKind::kHandOut || o.kind == StepOpKind::kHandIn)
     w = "embedding";
-  if (o.kind == StepOpKind::kHandOut || o.kind == StepOpKind::kHandIn) {
+  if (const auto* h = std::get_if<HandArgs>(&o.args)) {
     static const char* const carries[kHandKinds] = {" input", " state", " log-sum-exp", " hidden gradient"};
-    w += o.hand == Hand::kBlock && o.grads ? " output gradient" : carries[int(o.hand)];
+    w += h->hand == Hand::kBlock && h->grads ? " output gradient" : carries[int(h->hand)];
   }
   // A layer's visit works on the whole layer, whatever pieces cut it; its gradients leave piece by piece.
   if (o.on_device() && o.kind != StepOpKind::kGradsOut && o.piece >= 0 && !place.piece(o.piece).rows() &&
@@ -116,16 +183,17 @@ std::string describe(const StepProgram& program, const ModelSpec& spec, const Pl
     if (!o.after_previous.empty())
       waits += fmt::format("{}after {} of the previous step", waits.empty() ? "" : "; ",
                            fmt::join(o.after_previous, ","));
+    const OpFields f = fields(o);
     std::string attrs;
-    if (o.keep) attrs += o.kind == StepOpKind::kHeadLse || o.kind == StepOpKind::kHeadGrad ? " [kept logits]" : " [kept activations]";
-    if (o.recompute) attrs += " [recompute the MLP's input]";
-    if (o.wait_ring) attrs += " [after its checkpoint set left]";
+    if (f.keep) attrs += o.kind == StepOpKind::kHeadLse || o.kind == StepOpKind::kHeadGrad ? " [kept logits]" : " [kept activations]";
+    if (f.recompute) attrs += " [recompute the MLP's input]";
+    if (f.wait_ring) attrs += " [after its checkpoint set left]";
     if (place.devices > 1 && o.on_device()) attrs += fmt::format(" [device {}]", o.device);
-    if (o.peer >= 0) attrs += fmt::format(" [from device {}]", o.peer);
-    if (o.over_slices) attrs += " [this rank's slice]";
-    if (o.kind == StepOpKind::kGather && o.shared_copy) attrs += " [barrier: shared copy]";
-    if (o.slot >= 0) attrs += fmt::format(" [staging slot {}]", o.slot);
-    if (o.gate) attrs += fmt::format(" [gates the updates; clip {}{}]", o.clip, o.unscale ? "; unscales" : "");
+    if (f.peer >= 0) attrs += fmt::format(" [from device {}]", f.peer);
+    if (f.over_slices) attrs += " [this rank's slice]";
+    if (o.kind == StepOpKind::kGather && f.shared_copy) attrs += " [barrier: shared copy]";
+    if (f.slot >= 0) attrs += fmt::format(" [staging slot {}]", f.slot);
+    if (f.gate) attrs += fmt::format(" [gates the updates; clip {}{}]", f.clip, f.unscale ? "; unscales" : "");
     out += fmt::format("{:5} {:<10} {:<22} {:<28}{} {}\n", i, lane_name(o.lane), op_name(o.kind),
                        what(o, spec, place), attrs, waits);
   }
@@ -137,19 +205,20 @@ nlohmann::json to_json(const StepProgram& program, const ModelSpec& spec, const 
   for (const StepOp& o : program.ops) {
     nlohmann::json j{{"lane", std::string(lane_name(o.lane))}, {"op", op_name(o.kind)},
                      {"what", what(o, spec, place)}, {"after", o.after}};
+    const OpFields f = fields(o);
     if (o.piece >= 0) j["piece"] = o.piece;
     if (o.block >= 0) j["block"] = o.block;
     if (o.visit >= 0) j["visit"] = o.visit;
     if (o.micro_batch >= 0) j["micro_batch"] = o.micro_batch;
     if (o.on_device()) j["device"] = o.device;
-    if (o.peer >= 0) j["from_device"] = o.peer;
-    if (o.keep) j["keep"] = true;
-    if (o.recompute) j["recompute"] = true;
+    if (f.peer >= 0) j["from_device"] = f.peer;
+    if (f.keep) j["keep"] = true;
+    if (f.recompute) j["recompute"] = true;
     if (!o.after_previous.empty()) j["after_previous_step"] = o.after_previous;
-    if (o.over_slices) j["slice"] = true;
-    if (o.gate) j["clip"] = o.clip;
-    if (o.unscale) j["unscale"] = true;
-    if (o.slot >= 0) j["staging_slot"] = o.slot;
+    if (f.over_slices) j["slice"] = true;
+    if (f.gate) j["clip"] = f.clip;
+    if (f.unscale) j["unscale"] = true;
+    if (f.slot >= 0) j["staging_slot"] = f.slot;
     ops.push_back(std::move(j));
   }
   return ops;

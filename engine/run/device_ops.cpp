@@ -14,9 +14,10 @@ namespace {
 
 // A hand-off's span name, by what it carries (the trace's and the profile's lanes).
 const char* hand_name(const StepOp& op, bool out) {
-  switch (op.hand) {
+  const HandArgs& h = op.as<HandArgs>();
+  switch (h.hand) {
     case Hand::kBlock:
-      if (op.grads) return out ? "d2h hand-off gradient" : "h2d hand-off gradient";
+      if (h.grads) return out ? "d2h hand-off gradient" : "h2d hand-off gradient";
       return out ? "d2h hand-off" : "h2d hand-off";
     case Hand::kHeadState: return out ? "d2h hand-off head state" : "h2d hand-off head state";
     case Hand::kLse: return out ? "d2h hand-off log-sum-exp" : "h2d hand-off log-sum-exp";
@@ -38,7 +39,7 @@ double EngineCore::op_flops(const StepOp& op) const {
       // (frozen rows: the hidden state's only). With kept logits, pass 2
       // computes only the gradients.
       if (op.kind == StepOpKind::kHeadLse) return logits;
-      return (op.keep ? 2.0 : 3.0) * logits - (rows.frozen ? logits : 0.0);
+      return (op.as<ComputeArgs>().keep ? 2.0 : 3.0) * logits - (rows.frozen ? logits : 0.0);
     }
     case StepOpKind::kForward:
     case StepOpKind::kBackward: {
@@ -62,7 +63,7 @@ double EngineCore::op_flops(const StepOp& op) const {
         return share * (op.kind == StepOpKind::kForward ? c.forward_flops : c.forward_flops + c.backward_flops);
       }
       if (op.kind == StepOpKind::kForward) return c.forward_flops;
-      if (!op.keep) return c.forward_flops + c.backward_flops;  // recompute + backward
+      if (!op.as<ComputeArgs>().keep) return c.forward_flops + c.backward_flops;  // recompute + backward
       // Kept activations: backward, and what it computes again (a layer's experts, a soft-capped core).
       return c.backward_flops + c.backward_recompute_flops;
     }
@@ -88,35 +89,38 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       dev.copy_d2h(StreamId::kD2H, saved_host(op.block, m).data(), st.saved_dev[size_t(at.saved_slot)].data_ptr(),
                    place_.saved_bytes, {"d2h activations", int32_t(op.block)});
       dev.record(*st.saved_free[size_t(at.saved_slot)], StreamId::kD2H);
-      if (op.last) dev.record(*saved_out_[size_t(place_.saved_index[size_t(op.block)])], StreamId::kD2H);
+      if (op.as<CopyArgs>().last) dev.record(*saved_out_[size_t(place_.saved_index[size_t(op.block)])], StreamId::kD2H);
       return;
     }
     case StepOpKind::kCheckpointOut: {
+      const CopyArgs& c = op.as<CopyArgs>();
       // Block op.block's inputs out; their ring set is free again once they left.
-      if (op.first) stream_after(st, StreamId::kD2H, StreamId::kCompute);
+      if (c.first) stream_after(st, StreamId::kD2H, StreamId::kCompute);
       at::Tensor a = act(st, op.block, m);
       dev.copy_d2h(StreamId::kD2H, host_ckpt_[size_t(m)][size_t(op.block)].data(), a.data_ptr(), a.nbytes(),
                    {"d2h checkpoint", int32_t(op.block)});
-      if (op.last) dev.record(*st.ring_free[size_t(op.block % 2)], StreamId::kD2H);
+      if (c.last) dev.record(*st.ring_free[size_t(op.block % 2)], StreamId::kD2H);
       return;
     }
     case StepOpKind::kCheckpointIn: {
+      const CopyArgs& c = op.as<CopyArgs>();
       // Block op.block's inputs back into ring set block % 2, once its last
       // reader is done and the forward's copy-out of this checkpoint has
       // landed (the set's latest copy-out is at or after it on the d2h
       // stream: this device's, or in a pool the device that made it).
-      if (op.first) {
+      if (c.first) {
         stream_after(st, StreamId::kH2D, StreamId::kCompute);
         dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
-        if (op.peer >= 0) dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].ring_free[size_t(op.block % 2)]);
+        if (c.peer >= 0) dev.wait(StreamId::kH2D, *seats_[size_t(c.peer)].ring_free[size_t(op.block % 2)]);
       }
       at::Tensor a = act(st, op.block, m);
       dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host_ckpt_[size_t(m)][size_t(op.block)].data(), a.nbytes(),
                    {"h2d checkpoint", int32_t(op.block)});
-      if (op.last) stream_after(st, StreamId::kCompute, StreamId::kH2D);
+      if (c.last) stream_after(st, StreamId::kCompute, StreamId::kH2D);
       return;
     }
     case StepOpKind::kHandOut: {
+      const HandArgs& h = op.as<HandArgs>();
       // A pool: micro-batch m of what the next device takes, out to its
       // hand-off buffer once this device's compute wrote it (the compute of
       // the next micro-batch goes on meanwhile). The buffer's previous
@@ -125,29 +129,30 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // device's compute waited for.
       stream_after(st, StreamId::kD2H, StreamId::kCompute);
       at::Tensor a = handed(st, op);
-      std::byte* host = hand_host_[size_t(op.hand)][size_t(m)].data();
+      std::byte* host = hand_host_[size_t(h.hand)][size_t(m)].data();
       dev.copy_d2h(StreamId::kD2H, host, a.data_ptr(), a.nbytes(), {hand_name(op, true), int32_t(op.block)});
-      if (op.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // the routing statistics ride along
+      if (h.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // the routing statistics ride along
         dev.copy_d2h(StreamId::kD2H, host + place_.hand_stats_at, st.moe_stats[m].data_ptr(), place_.hand_stats_bytes,
                      {"d2h hand-off routing statistics", int32_t(op.block)});
-      dev.record(*st.handed[size_t(op.hand)][size_t(m)], StreamId::kD2H);
+      dev.record(*st.handed[size_t(h.hand)][size_t(m)], StreamId::kD2H);
       return;
     }
     case StepOpKind::kHandIn: {
+      const HandArgs& h = op.as<HandArgs>();
       // ...and in on this visit's device once the other's copy of it landed
       // (and, before the visit's first, once this device's compute so far,
       // the last reader of what it fills, is done); its compute of
       // micro-batch m waits for it.
-      if (op.first) {
+      if (h.first) {
         stream_after(st, StreamId::kH2D, StreamId::kCompute);
-        if (config_.checkpoints_on_host && op.hand == Hand::kBlock && !op.grads)
+        if (config_.checkpoints_on_host && h.hand == Hand::kBlock && !h.grads)
           dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
       }
-      dev.wait(StreamId::kH2D, *seats_[size_t(op.peer)].handed[size_t(op.hand)][size_t(m)]);
+      dev.wait(StreamId::kH2D, *seats_[size_t(h.peer)].handed[size_t(h.hand)][size_t(m)]);
       at::Tensor a = handed(st, op);
-      const std::byte* host = hand_host_[size_t(op.hand)][size_t(m)].data();
+      const std::byte* host = hand_host_[size_t(h.hand)][size_t(m)].data();
       dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host, a.nbytes(), {hand_name(op, false), int32_t(op.block)});
-      if (op.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // this device's running sum becomes the sender's
+      if (h.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // this device's running sum becomes the sender's
         dev.copy_h2d(StreamId::kH2D, st.moe_stats[m].data_ptr(), host + place_.hand_stats_at, place_.hand_stats_bytes,
                      {"h2d hand-off routing statistics", int32_t(op.block)});
       stream_after(st, StreamId::kCompute, StreamId::kH2D);
@@ -214,7 +219,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       return;
     }
     case StepOpKind::kRelease:
-      if (op.d2h) st.pool->release(unit(op), {StreamId::kCompute, StreamId::kD2H});
+      if (op.as<ReleaseArgs>().d2h) st.pool->release(unit(op), {StreamId::kCompute, StreamId::kD2H});
       else st.pool->release(unit(op), {StreamId::kCompute});
       return;
     STRIDER_HOST_OP_KINDS:  // every kind is named (-Werror=switch): a new one needs its handler here or in run_host_op
@@ -240,7 +245,7 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
   // The visit's unit: an embedding shard, or a layer in its block's layout (all its pieces).
   at::Tensor params = params_view(st, unit(op), 0, visit_elems(op));
   // Block b writes ring set (b+1)%2, whose checkpoint copy-out (two blocks ago) must be done.
-  if (op.wait_ring) dev.wait(StreamId::kCompute, *st.ring_free[size_t((b + 1) % 2)]);
+  if (op.as<ComputeArgs>().wait_ring) dev.wait(StreamId::kCompute, *st.ring_free[size_t((b + 1) % 2)]);
   const double flops = op_flops(op);
   at::Tensor in = b == 0 ? st.mb[size_t(m)].ids : act(st, b, m);
   at::Tensor out = act(st, b + 1, m);
@@ -257,7 +262,7 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
     const MicroBatch& x = st.mb[size_t(m)];
     const CutBuffers cut{x.cut_x1, x.cut_h2, x.cut_sum, x.cut_top, x.cut_scores, x.cut_dscores};
     const Piece* p = &pc;
-    const bool again = op.recompute;
+    const bool again = op.as<ComputeArgs>().recompute;
     const MoeStep moe = moe_step(st, b, m, /*backward=*/false);  // the attention half's routing adds its statistics
     dev.launch(StreamId::kCompute, {again ? "recompute" : "forward", int32_t(b), flops},
                [runner, p, params, in, out, cut, pos, again, moe](const LaunchContext&) {
@@ -267,7 +272,7 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
     return;
   }
   const MoeStep moe = moe_step(st, b, m, /*backward=*/false);
-  if (op.keep) {
+  if (op.as<ComputeArgs>().keep) {
     // Keep what backward needs: written into a device slot (once its last
     // reader is done); kSaveOut copies it out to the layer's host copy.
     at.saved_slot = int(st.saved_uses++ % 2);
@@ -306,7 +311,7 @@ void EngineCore::head_op(const StepOp& op) {
   if (op.kind == StepOpKind::kHeadLse) {
     at::Tensor labels = x.labels, lse = x.head_lse, loss_sum = x.loss_sum, valid_tokens = x.valid_tokens;
     HeadState hs = x.head;
-    const at::Tensor keep = op.keep ? kept_logits(st, m, op.shard) : at::Tensor();
+    const at::Tensor keep = op.as<ComputeArgs>().keep ? kept_logits(st, m, op.shard) : at::Tensor();
     dev.launch(StreamId::kCompute, {"head log-sum-exp", int32_t(place_.head), op_flops(op)},
                [dims, norm, rows, v0, in, labels, chunk, tile, hs, lse, loss_sum, valid_tokens, first, last,
                 keep](const LaunchContext&) mutable {
@@ -335,7 +340,7 @@ void EngineCore::head_op(const StepOp& op) {
   at::Tensor grad_rows = rows_pc.frozen ? at::Tensor() : rows_view(grads, norm_pc.elems() - base, rows_pc);
   at::Tensor labels = x.labels, lse = x.head_lse;
   const double loss_scale = pass_scale_ / double(batch_valid_);  // the mean over the batch's valid tokens, scaled (fp16)
-  const at::Tensor kept = op.keep ? kept_logits(st, m, op.shard) : at::Tensor();
+  const at::Tensor kept = op.as<ComputeArgs>().keep ? kept_logits(st, m, op.shard) : at::Tensor();
   dev.launch(StreamId::kCompute, {"head backward", int32_t(place_.head), op_flops(op)},
              [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, loss_scale, first, kept](
                  const LaunchContext&) {
@@ -381,7 +386,7 @@ void EngineCore::backward_op(const StepOp& op) {
     return;
   }
   const MoeStep moe = moe_step(st, b, m, /*backward=*/true);
-  if (op.keep) {
+  if (op.as<ComputeArgs>().keep) {
     // Its kept activations came in ahead (kFetchSaved), in order.
     STRIDER_CHECK(!st.saved_in.empty(), "kept activations: block {} micro-batch {} expected, none came", b, m);
     SavedIn got = std::move(st.saved_in.front());

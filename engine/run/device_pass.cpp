@@ -25,8 +25,9 @@ at::Tensor EngineCore::act(const Seat& s, int64_t b, int64_t m) const {
 
 at::Tensor EngineCore::handed(const Seat& s, const StepOp& op) const {
   const MicroBatch& x = s.mb[size_t(op.micro_batch)];
-  switch (op.hand) {
-    case Hand::kBlock: return op.grads ? x.grad_out : act(s, op.block, op.micro_batch);
+  const HandArgs& h = op.as<HandArgs>();
+  switch (h.hand) {
+    case Hand::kBlock: return h.grads ? x.grad_out : act(s, op.block, op.micro_batch);
     case Hand::kHeadState: return x.head_state;
     case Hand::kLse: return x.head_lse;
     case Hand::kHeadGrad: return x.grad_h;
@@ -162,7 +163,7 @@ void EngineCore::count_router_rows(const int64_t* attention) {
 }
 
 void EngineCore::read_compute(const StepOp& r) {
-  ComputeSlot& slot = compute_slots_[size_t(r.slot)];
+  ComputeSlot& slot = compute_slots_[size_t(r.as<SlotArgs>().slot)];
   const int d = r.device;
   std::vector<int64_t> mine;  // the visit's pieces whose compute copy is on NVMe
   uint64_t bytes = 0;
@@ -200,9 +201,9 @@ void EngineCore::read_compute(const StepOp& r) {
 }
 
 void EngineCore::await_compute(const StepOp& v) {
-  ComputeSlot& slot = compute_slots_[size_t(v.slot)];
+  ComputeSlot& slot = compute_slots_[size_t(v.as<SlotArgs>().slot)];
   STRIDER_CHECK(slot.block == v.block, "internal: visit {} loads block {} from compute staging slot {}, which holds "
-                "block {}", v.visit, v.block, v.slot, slot.block);
+                "block {}", v.visit, v.block, v.as<SlotArgs>().slot, slot.block);
   if (simulated()) {
     seats_[size_t(v.device)].device->wait(StreamId::kH2D, *slot.read_done[size_t(v.device)]);
     return;
@@ -225,7 +226,7 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
   for (int64_t p : segs) wait_updated(p);
   Seat& st = seat(v);
   Device& dev = *st.device;
-  if (v.slot >= 0) await_compute(v);
+  if (v.as<SlotArgs>().slot >= 0) await_compute(v);
   const CacheUnit& u = st.pool->acquire(StreamId::kH2D);
   if (simulated())
     for (int64_t p : segs)
@@ -244,7 +245,7 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
     if (!s.compute_on_host) {
       // The piece's runs adjacent in its coordinates (the staging's) and in
       // the unit go as one copy: a sub-layer MLP slice's rows of down_proj.
-      const std::byte* src = compute_slots_[size_t(v.slot)].bytes.data() + place_.at(r.piece).compute_staging_at +
+      const std::byte* src = compute_slots_[size_t(v.as<SlotArgs>().slot)].bytes.data() + place_.at(r.piece).compute_staging_at +
                              r.run.at * place_.compute_bytes;
       size_t n = r.run.n;
       for (++i; i < layout.size() && layout[i].piece == r.piece && layout[i].unit_at == unit_at + n &&
@@ -284,8 +285,8 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
     auto bytes = s.compute_range(from, n);
     dev.copy_h2d(StreamId::kH2D, to, bytes.data(), bytes.size(), {"h2d params", int32_t(block)});
   }
-  if (v.slot >= 0) {  // the slot may be read into again once these copies are done
-    ComputeSlot& slot = compute_slots_[size_t(v.slot)];
+  if (v.as<SlotArgs>().slot >= 0) {  // the slot may be read into again once these copies are done
+    ComputeSlot& slot = compute_slots_[size_t(v.as<SlotArgs>().slot)];
     dev.record(*slot.copied[size_t(v.device)], StreamId::kH2D);
     slot.copied_on = v.device;
   }

@@ -189,8 +189,9 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
     case StepOpKind::kSumRanks: {
       if (dist_update_->ranks().solo()) return;
       const double t0 = Timeline::now_us();
-      sum_grads_over_ranks(b, op.over_slices);
-      timeline_.add({Lane::kCollective, op.over_slices ? "reduce-scatter" : "all-reduce", int32_t(piece(b).block), -1,
+      const bool slice = op.as<SliceArgs>().over_slices;
+      sum_grads_over_ranks(b, slice);
+      timeline_.add({Lane::kCollective, slice ? "reduce-scatter" : "all-reduce", int32_t(piece(b).block), -1,
                      job.step, t0, Timeline::now_us(), 0, uint64_t(piece(b).elems() * place_.grad_bytes)});
       return;
     }
@@ -215,14 +216,14 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
       }
       // Sharded: each part summed over the ranks' slices (rank order: the same
       // bits everywhere).
-      if (op.over_slices) dist_update_->all_reduce_sum(std::span<double>(parts));
+      if (op.as<SliceArgs>().over_slices) dist_update_->all_reduce_sum(std::span<double>(parts));
       double& sq = fig.sumsq[size_t(b)];
       for (double x : parts) sq += x;
       // Named now: a ring slot may hold other gradients by the time it matters.
       if (!std::isfinite(sq)) {
         std::string& bad = fig.bad_tensor[size_t(b)];
         bad = first_non_finite_grad(b, g, own);
-        if (bad.empty()) bad = op.over_slices ? "(in another rank's slice)" : "(none: the sum of squares overflowed)";
+        if (bad.empty()) bad = op.as<SliceArgs>().over_slices ? "(in another rank's slice)" : "(none: the sum of squares overflowed)";
       }
       return;
     }
@@ -265,23 +266,26 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
         skip(job, std::isfinite(loss) ? std::string("another rank's loss is not finite") : "loss is " + nonfinite_text(loss));
       return;
     }
-    case StepOpKind::kCheckGrad:
+    case StepOpKind::kCheckGrad: {
       // Without clipping updates overlap backward: only the first piece to
       // land can still skip the step; a later one finds pieces already updated.
       if (job.skipped || std::isfinite(fig.sumsq[size_t(b)])) return;
-      STRIDER_CHECK(op.updated_before == 0,
+      const int64_t updated_before = op.as<CheckArgs>().updated_before;
+      STRIDER_CHECK(updated_before == 0,
                     "step {}: block {}'s gradient is not finite ({}; first non-finite tensor: {}) after "
                     "{} earlier pieces of the step were updated; without clipping updates overlap backward, "
                     "so the step is partly applied: the run stops here, and nothing of this step may be saved "
                     "(the last checkpoint stays). Clipping (--clip) checks every gradient before any update.",
-                    job.step, piece(b).block, place_.shards.name(spec_, b), fig.bad_tensor[size_t(b)], op.updated_before);
+                    job.step, piece(b).block, place_.shards.name(spec_, b), fig.bad_tensor[size_t(b)], updated_before);
       skip(job, fmt::format("the gradient of block {} is not finite", piece(b).block));
       return;
+    }
     case StepOpKind::kNorm: {
+      const NormArgs& a = op.as<NormArgs>();
       double total = 0;
       for (const std::vector<double>& parts : fig.parts)  // piece order: independent of arrival order
         for (double x : parts) total += x;
-      if (op.gate && !job.skipped && !std::isfinite(total)) skip(job, "gradient norm is " + nonfinite_text(std::sqrt(total)));
+      if (a.gate && !job.skipped && !std::isfinite(total)) skip(job, "gradient norm is " + nonfinite_text(std::sqrt(total)));
       if (job.skipped)  // name the first block in forward order with a bad gradient
         for (int64_t p = 0; p < num_pieces(); ++p)
           if (!fig.bad_tensor[size_t(p)].empty()) {
@@ -291,7 +295,7 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
           }
       // The gradients of a loss-scaled pass are the scale times the loss's:
       // the norm is of the loss's, and every update divides the scale out.
-      const double unscale = op.unscale ? 1.0 / job.loss_scale : 1.0;
+      const double unscale = a.unscale ? 1.0 / job.loss_scale : 1.0;
       const double norm = std::sqrt(total) * unscale;
       {
         std::lock_guard lk(mu_);
@@ -300,7 +304,7 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
       }
       cv_.notify_all();
       // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1.
-      if (op.gate) fig.grad_scale = unscale * (op.clip > 0 ? std::min(1.0, op.clip / (norm + 1e-6)) : 1.0);
+      if (a.gate) fig.grad_scale = unscale * (a.clip > 0 ? std::min(1.0, a.clip / (norm + 1e-6)) : 1.0);
       return;
     }
     case StepOpKind::kReadState:
@@ -318,9 +322,10 @@ void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig)
     case StepOpKind::kGather: {
       if (job.skipped) return;
       const double t0 = Timeline::now_us();
-      gather_compute(b, op.shared_copy);
-      timeline_.add({Lane::kCollective, op.shared_copy ? "barrier" : "all-gather", int32_t(piece(b).block), -1, job.step,
-                     t0, Timeline::now_us(), 0, op.shared_copy ? 0 : uint64_t(piece(b).elems() * place_.compute_bytes)});
+      const bool shared = op.as<SliceArgs>().shared_copy;
+      gather_compute(b, shared);
+      timeline_.add({Lane::kCollective, shared ? "barrier" : "all-gather", int32_t(piece(b).block), -1, job.step,
+                     t0, Timeline::now_us(), 0, shared ? 0 : uint64_t(piece(b).elems() * place_.compute_bytes)});
       return;
     }
     case StepOpKind::kUpdated: {

@@ -111,7 +111,7 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
     case StepOpKind::kSumSquares: {
       // One read of the gradients over the memory bus (sharded: this rank's
       // slice on its share of the bus, ranks on one machine).
-      const uint64_t own = op.over_slices ? place_.at(p).owned.elems() * place_.grad_bytes : grad_bytes;
+      const uint64_t own = op.as<SliceArgs>().over_slices ? place_.at(p).owned.elems() * place_.grad_bytes : grad_bytes;
       const SimInterval t = on_host_bus(optimizer_.run(ready, cm.host_memory_us(grad_bytes)), own);
       span(Lane::kOptimizer, "grad norm", p, t, grad_bytes);
       end = thread_us_ = t.end_us;
@@ -139,8 +139,9 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       // compute copy) share its memory bus too: their slices together take
       // what the whole piece would, so each rank's lane is busy that long.
       // Ranks on machines of their own each take their slice's time.
-      const uint64_t own = op.over_slices ? place_.at(p).owned.elems() : n;
-      const uint64_t updated = op.shared_copy ? n : own;
+      const SliceArgs& a = op.as<SliceArgs>();
+      const uint64_t own = a.over_slices ? place_.at(p).owned.elems() : n;
+      const uint64_t updated = a.shared_copy ? n : own;
       // Each format's kernel at its rate (CostModel::adam_params_per_s: its
       // cores or the memory bus), its bytes on the shared host bus too (a
       // pool's; ranks on one machine: the slice's, on the rank's share).
@@ -163,9 +164,10 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
     case StepOpKind::kGather: {
       // The other ranks' slices of the new compute copy, or (one machine,
       // one shared copy) a barrier.
-      const uint64_t bytes = op.shared_copy ? 0 : uint64_t(share * double(n * place_.compute_bytes));
+      const bool shared = op.as<SliceArgs>().shared_copy;
+      const uint64_t bytes = shared ? 0 : uint64_t(share * double(n * place_.compute_bytes));
       const SimInterval t = collective_.run(ready, cm.collective_us(bytes));
-      span(Lane::kCollective, op.shared_copy ? "barrier" : "all-gather", p, t, bytes);
+      span(Lane::kCollective, shared ? "barrier" : "all-gather", p, t, bytes);
       end = thread_us_ = t.end_us;
       return;
     }

@@ -29,11 +29,12 @@ namespace {
 std::string dump(const StepProgram& prog) {
   std::string s = fmt::format("visits {} norm {}\n", prog.visits, prog.norm);
   for (const StepOp& o : prog.ops) {
+    const OpFields f = fields(o);
     s += fmt::format("{} {} p{} b{} v{} m{} s{} d{} peer{} hand{} slot{} fv{} keep{} rc{} f{} l{} ring{} d2h{} g{} "
                      "os{} sc{} gate{} clip{} us{} ub{} after",
-                     op_name(o.kind), int(o.lane), o.piece, o.block, o.visit, o.micro_batch, o.shard, o.device, o.peer,
-                     int(o.hand), o.slot, o.first_of_visit, o.keep, o.recompute, o.first, o.last, o.wait_ring, o.d2h,
-                     o.grads, o.over_slices, o.shared_copy, o.gate, o.clip, o.unscale, o.updated_before);
+                     op_name(o.kind), int(o.lane), o.piece, o.block, o.visit, o.micro_batch, o.shard, o.device, f.peer,
+                     int(f.hand), f.slot, o.first_of_visit, f.keep, f.recompute, f.first, f.last, f.wait_ring, f.d2h,
+                     f.grads, f.over_slices, f.shared_copy, f.gate, f.clip, f.unscale, f.updated_before);
     for (int32_t a : o.after) s += fmt::format(" {}", a);
     s += " prev";
     for (int32_t a : o.after_previous) s += fmt::format(" {}", a);

@@ -52,8 +52,8 @@ TEST_CASE("with clipping every AdamW comes after the norm in forward order, and 
     const Placement pl = place(spec, config(1.0));
     const StepProgram prog = compile_step(pl, {.window = 2, .clip_norm = 1.0});
     const StepOp& norm = prog.ops[size_t(prog.norm)];
-    CHECK(norm.gate);
-    CHECK(norm.clip == 1.0);
+    CHECK(fields(norm).gate);
+    CHECK(fields(norm).clip == 1.0);
     int64_t expect = 0;
     for (size_t i = 0; i < prog.ops.size(); ++i) {
       if (prog.ops[i].kind == K::kLand) CHECK(int(i) < prog.norm);
@@ -67,7 +67,7 @@ TEST_CASE("with clipping every AdamW comes after the norm in forward order, and 
   SECTION("no clipping") {
     const Placement pl = place(spec, config(0.0));
     const StepProgram prog = compile_step(pl, {.window = 2});
-    CHECK_FALSE(prog.ops[size_t(prog.norm)].gate);
+    CHECK_FALSE(fields(prog.ops[size_t(prog.norm)]).gate);
     CHECK(prog.norm == int(prog.ops.size()) - 1);  // published once every piece is updated
     std::vector<int64_t> order;
     for (const StepOp& o : prog.ops)
@@ -78,7 +78,7 @@ TEST_CASE("with clipping every AdamW comes after the norm in forward order, and 
       const int64_t p = pl.landing[i], next = pl.landing[i + 1];
       CHECK(index_of(prog, K::kCheckGrad, p) < index_of(prog, K::kAdamW, p));
       CHECK(index_of(prog, K::kAdamW, p) < index_of(prog, K::kLand, next));
-      CHECK(prog.ops[size_t(index_of(prog, K::kCheckGrad, p))].updated_before == int64_t(i));
+      CHECK(fields(prog.ops[size_t(index_of(prog, K::kCheckGrad, p))]).updated_before == int64_t(i));
     }
     // The loss is checked once, after the first piece lands and before any update.
     int loss = -1;
@@ -287,7 +287,7 @@ TEST_CASE("data parallel: the ranks' pass sums every gradient, and sharded state
     for (int64_t p = 0; p < pl.num_pieces(); ++p) {
       const int s = index_of(prog, K::kSumRanks, p);
       CHECK((index_of(prog, K::kLand, p) < s && s < index_of(prog, K::kSumSquares, p)));
-      CHECK_FALSE(prog.ops[size_t(s)].over_slices);
+      CHECK_FALSE(fields(prog.ops[size_t(s)]).over_slices);
       CHECK(prog.ops[size_t(s)].lane == Lane::kCollective);
       CHECK(index_of(prog, K::kGather, p) < 0);
     }
@@ -301,11 +301,11 @@ TEST_CASE("data parallel: the ranks' pass sums every gradient, and sharded state
       const StepProgram prog = compile_step(pl, {.window = 2, .clip_norm = 1.0, .world = 2, .shared_compute = shared});
       check_order(prog);
       for (int64_t p = 0; p < pl.num_pieces(); ++p) {
-        CHECK(prog.ops[size_t(index_of(prog, K::kSumRanks, p))].over_slices);
-        CHECK(prog.ops[size_t(index_of(prog, K::kSumSquares, p))].over_slices);
+        CHECK(fields(prog.ops[size_t(index_of(prog, K::kSumRanks, p))]).over_slices);
+        CHECK(fields(prog.ops[size_t(index_of(prog, K::kSumSquares, p))]).over_slices);
         const int g = index_of(prog, K::kGather, p);
         CHECK((index_of(prog, K::kAdamW, p) < g && g < index_of(prog, K::kUpdated, p)));
-        CHECK(prog.ops[size_t(g)].shared_copy == shared);
+        CHECK(fields(prog.ops[size_t(g)]).shared_copy == shared);
         CHECK(prog.ops[size_t(g)].lane == Lane::kCollective);
       }
     }
@@ -325,7 +325,7 @@ TEST_CASE("kept activations add one copy out and one in per kept layer and micro
   std::vector<std::pair<int64_t, int64_t>> fetched;
   for (size_t i = 0; i < prog.ops.size(); ++i) {
     const StepOp& o = prog.ops[i];
-    if (o.kind == K::kForward) CHECK(o.keep == (o.block == 1 || o.block == 3));
+    if (o.kind == K::kForward) CHECK(fields(o).keep == (o.block == 1 || o.block == 3));
     if (o.kind != K::kFetchSaved) continue;
     fetched.push_back({o.block, o.micro_batch});
     // Its backward comes later and waits for it; the forward's copy out came before.
@@ -334,7 +334,7 @@ TEST_CASE("kept activations add one copy out and one in per kept layer and micro
       if (prog.ops[j].kind == K::kBackward && prog.ops[j].block == o.block && prog.ops[j].micro_batch == o.micro_batch)
         bwd = int(j);
     REQUIRE(bwd > 0);
-    CHECK(prog.ops[size_t(bwd)].keep);
+    CHECK(fields(prog.ops[size_t(bwd)]).keep);
     const std::vector<int32_t>& a = prog.ops[size_t(bwd)].after;
     CHECK(std::find(a.begin(), a.end(), int32_t(i)) != a.end());
     // Micro-batch 0 during the visit before the backward's; m + 1 during m's.
@@ -465,21 +465,23 @@ TEST_CASE("a pool: every visit on its block's device, the head's shards spread, 
         int ckpt_in_from_peer = 0;
         for (const StepOp& o : prog.ops) {
           if (o.kind == K::kHandOut) {
-            outs[{int(o.hand), o.grads}]++;
+            outs[{int(o.as<HandArgs>().hand), o.as<HandArgs>().grads}]++;
             // Micro-batch by micro-batch: right after its own compute, not the visit's last.
             REQUIRE(o.after.size() == 1);
             CHECK(prog.ops[size_t(o.after[0])].micro_batch == o.micro_batch);
           }
           if (o.kind == K::kHandIn) {
-            ins[{int(o.hand), o.grads}]++;
-            CHECK(o.peer >= 0);
-            CHECK(o.peer != o.device);
+            const HandArgs& h = o.as<HandArgs>();
+            ins[{int(h.hand), h.grads}]++;
+            CHECK(h.peer >= 0);
+            CHECK(h.peer != o.device);
             REQUIRE(o.after.size() == 1);  // the hand-out of the same micro-batch and kind
             const StepOp& out = prog.ops[size_t(o.after[0])];
-            CHECK((out.kind == K::kHandOut && out.hand == o.hand && out.grads == o.grads &&
-                   out.micro_batch == o.micro_batch && out.device == o.peer));
+            REQUIRE(out.kind == K::kHandOut);
+            CHECK((out.as<HandArgs>().hand == h.hand && out.as<HandArgs>().grads == h.grads &&
+                   out.micro_batch == o.micro_batch && out.device == h.peer));
           }
-          if (o.kind == K::kCheckpointIn && o.peer >= 0) ckpt_in_from_peer++;
+          if (o.kind == K::kCheckpointIn && fields(o).peer >= 0) ckpt_in_from_peer++;
         }
         int boundaries = 0;  // layers and the embedding: blocks b (1..head-1) whose input comes from another device
         for (int64_t b = 1; b < pl.head; ++b) boundaries += pl.block_device(b) != pl.block_device(b - 1);

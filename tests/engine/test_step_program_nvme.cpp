@@ -34,13 +34,13 @@ TEST_CASE("compute copies on NVMe: each visit of their layer reads them one load
         REQUIRE(reads.size() == 4);
         for (size_t k = 0; k < reads.size(); ++k) {
           const StepOp& r = prog.ops[size_t(reads[k])];
-          CHECK(r.slot == int(k) % kComputeLoadSlots);
+          CHECK(fields(r).slot == int(k) % kComputeLoadSlots);
           CHECK((r.block == 1 || r.block == 3));
           CHECK(r.lane == Lane::kNvmeRead);
           // Its visit's load waits for it and takes its slot...
           const StepOp& l = prog.ops[size_t(load.at(r.visit))];
           CHECK(std::count(l.after.begin(), l.after.end(), reads[k]) == 1);
-          CHECK(l.slot == r.slot);
+          CHECK(fields(l).slot == fields(r).slot);
           // ...issued right after the load of the read before it (the first:
           // after the step's first load), and the read waits for the
           // previous pass's update and write-back of its pieces.
@@ -53,7 +53,7 @@ TEST_CASE("compute copies on NVMe: each visit of their layer reads them one load
         }
         // Every other visit loads from the host's compute copy.
         for (const auto& [v, i] : load)
-          if (prog.ops[size_t(i)].block != 1 && prog.ops[size_t(i)].block != 3) CHECK(prog.ops[size_t(i)].slot < 0);
+          if (prog.ops[size_t(i)].block != 1 && prog.ops[size_t(i)].block != 3) CHECK(fields(prog.ops[size_t(i)]).slot < 0);
         // The pieces' compute copies have extents of their own; a layer's sit in its staging slot.
         for (int64_t p = 0; p < pl.num_pieces(); ++p)
           CHECK(pl.at(p).compute_on_nvme == (pl.piece(p).block == 1 || pl.piece(p).block == 3));

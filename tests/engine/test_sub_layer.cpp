@@ -104,8 +104,8 @@ TEST_CASE("sub-layer pieces: a layer is its attention half and MLP slices, each 
   std::vector<int64_t> forward, backward, sent, ckpt_in_visits, recompute_visits;
   for (const StepOp& o : prog.ops) {
     if (o.block != b) continue;
-    if (o.kind == K::kForward && o.micro_batch == 0 && !o.recompute) forward.push_back(o.piece);
-    if (o.kind == K::kForward && o.recompute) {
+    if (o.kind == K::kForward && o.micro_batch == 0 && !fields(o).recompute) forward.push_back(o.piece);
+    if (o.kind == K::kForward && fields(o).recompute) {
       CHECK(o.piece == p0);
       recompute_visits.push_back(o.visit);
     }
