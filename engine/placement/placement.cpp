@@ -51,7 +51,7 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   for (int d = 0; d < pl.devices; ++d) {
     size_t sets = 0;
     for (int64_t b = 1; b <= pl.head; ++b) sets += pl.holds_input(d, b);
-    if (c.checkpoints_on_host) sets = 2;
+    if (pl.input_ring) sets = 2;
     uint64_t bytes = 2 * round_up(tokens * 8, 256) + sets * M * act + M * act;
     if (pl.runs_kept_layer(d)) bytes += 2 * round_up(pl.saved_bytes, 256);
     // Layers cut into sub-layer pieces: per micro-batch the residual stream,
@@ -158,6 +158,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   pl.blocks = spec.num_blocks();
   pl.head = pl.blocks - 1;
   pl.devices = c.devices;
+  pl.input_ring = c.checkpoints_on_host;
   for (int64_t b = 0; b < pl.blocks; ++b) pl.layouts.push_back(spec.layout(b));
   pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;

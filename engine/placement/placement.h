@@ -171,6 +171,12 @@ struct Placement {
       if (shards.lm_piece[size_t(s)] == p) return head_device(s);
     return block_device(b);
   }
+  // The block inputs' buffers on a device: with host checkpoints a ring of
+  // two sets (block b's in set b % 2, copied out after the forward and back
+  // before the backward), else one per block (block b's in set b - 1).
+  bool input_ring = false;
+  int64_t input_sets() const { return input_ring ? 2 : head; }
+  int64_t input_set(int64_t b) const { return input_ring ? b % 2 : b - 1; }
   // Device d holds block b's input checkpoints (no host checkpoints): it
   // runs block b (which reads them; the head: any of its shards) or block
   // b - 1 (which writes them).

@@ -91,8 +91,10 @@ class Hands {
     StepOp o = d_.visit_op(StepOpKind::kHandIn, Lane::kH2D, d_.op(at).visit, {out_[size_t(hand)][size_t(m)]});
     o.block = b;
     o.micro_batch = m;
-    // The visit's first waits for this device's compute so far.
-    o.as<HandArgs>() = {.hand = hand, .grads = grads, .first = !handed_in_, .peer = from};
+    // The visit's first waits for this device's compute so far, and (host
+    // checkpoints) a block input's for its ring set to have left.
+    o.as<HandArgs>() = {.hand = hand, .grads = grads, .first = !handed_in_, .peer = from,
+                        .wait_ring = !handed_in_ && d_.in.checkpoints_on_host && hand == Hand::kBlock && !grads};
     handed_in_ = true;
     d_.insert_before(at, std::move(o));
   }

@@ -168,6 +168,7 @@ struct HandArgs {            // kHandOut, kHandIn (a pool)
   bool grads = false;        // the output gradient flowing backward (else a block's input)
   bool first = false;        // kHandIn: the visit's first (it waits for this device's compute so far)
   int peer = -1;             // kHandIn: the device that handed it over
+  bool wait_ring = false;    // kHandIn, the visit's first of a block's input: its checkpoint ring set must have left
 };
 struct SlotArgs {  // kReadCompute, kLoad
   int slot = -1;   // the load staging slot of a compute copy read from NVMe (-1: none)

@@ -137,6 +137,7 @@ OpFields fields(const StepOp& op) {
           f.grads = a.grads;
           f.first = a.first;
           f.peer = a.peer;
+          f.wait_ring = a.wait_ring;
         }
       },
       op.args);

@@ -42,9 +42,9 @@ void EngineCore::allocate_activations(int d) {
   // Checkpoints on the device: the inputs of the blocks it runs or writes
   // (every block's, on one device) for every micro-batch. On the host: a
   // ring of two sets on the device, the checkpoints copied out.
-  for (int64_t i = 0; i < (config_.checkpoints_on_host ? 2 : head); ++i)
+  for (int64_t i = 0; i < place_.input_sets(); ++i)
     for (int64_t m = 0; m < M; ++m)
-      st.mb[size_t(m)].act.push_back(config_.checkpoints_on_host || place_.holds_input(d, i + 1)
+      st.mb[size_t(m)].act.push_back(place_.input_ring || place_.holds_input(d, i + 1)
                                          ? make({mb, S, H}, cdt, "activations")
                                          : at::Tensor());
   for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].grad_out = make({mb, S, H}, cdt, "output gradients");

@@ -145,8 +145,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       // micro-batch m waits for it.
       if (h.first) {
         stream_after(st, StreamId::kH2D, StreamId::kCompute);
-        if (config_.checkpoints_on_host && h.hand == Hand::kBlock && !h.grads)
-          dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
+        if (h.wait_ring) dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
       }
       dev.wait(StreamId::kH2D, *seats_[size_t(h.peer)].handed[size_t(h.hand)][size_t(m)]);
       at::Tensor a = handed(st, op);

@@ -17,8 +17,7 @@ namespace strider {
 
 at::Tensor EngineCore::act(const Seat& s, int64_t b, int64_t m) const {
   // b in 1..head: the input of block b (block 0's input is the ids).
-  const int64_t set = config_.checkpoints_on_host ? (b % 2) : (b - 1);
-  at::Tensor t = s.mb[size_t(m)].act[size_t(set)];
+  at::Tensor t = s.mb[size_t(m)].act[size_t(place_.input_set(b))];
   STRIDER_CHECK(t.defined(), "internal: {} holds no input of block {}", s.device->name(), b);
   return t;
 }

@@ -83,7 +83,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   // activations (per kept layer), carved block-major; a pool's hand-offs.
   host_ckpt_.resize(size_t(M));
   saved_host_.resize(size_t(M));
-  if (config_.checkpoints_on_host)
+  if (place_.input_ring)
     for (int64_t b = 0; b < head; ++b)
       for (int64_t m = 0; m < M; ++m)
         host_ckpt_[size_t(m)].push_back(arena_->carve(place_.act_bytes, kHostAlign, "host checkpoint"));
