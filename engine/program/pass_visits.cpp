@@ -111,7 +111,9 @@ std::vector<int32_t> layer_visit(Draft& d, int64_t v, bool& grads) {
   int32_t last = -1;
   for (int64_t m = 0; m < M; ++m) {
     last = piece_op(compute, {kVisitLoad}, m);
-    d.op(last).as<ComputeArgs>().recompute = vis.kind == Visit::kRecompute;
+    ComputeArgs& a = d.op(last).as<ComputeArgs>();
+    a.recompute = vis.kind == Visit::kRecompute;
+    a.packed = d.in.packed_documents && vis.block >= 1 && vis.block < d.place.head;  // a decoder layer
   }
   std::vector<int32_t> out;
   if (!grads) return out;

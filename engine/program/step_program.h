@@ -158,6 +158,8 @@ struct ComputeArgs {       // kForward, kBackward, kHeadLse, kHeadGrad
                            // the head's: pass 1 keeps the logits, pass 2 uses them
   bool recompute = false;  // kForward: a sub-layer attention half's again in backward, for the MLP's input
   bool wait_ring = false;  // kForward: its output's checkpoint ring set must have left (host checkpoints)
+  bool packed = false;     // a layer's kForward, kBackward: its rows may pack documents, its attention
+                           // masked per row (EngineConfig::packed_documents; the FLOPs of the whole square)
 };
 struct CopyArgs {                    // kCheckpointIn, kCheckpointOut, kSaveOut
   bool first = false, last = false;  // the first and last micro-batch's copy of the group
@@ -251,6 +253,7 @@ struct ProgramInputs {
   bool keep_logits = false;     // the head's pass 1 keeps the logits for pass 2
   double clip_norm = 0;
   bool loss_scaled = false;     // fp16: the gradients carry a loss scale (the norm gates the updates, as clipping's does)
+  bool packed_documents = false;  // rows may pack documents (a layer's attention masked per row)
   int world = 1;                // ranks stepping together (1: none)
   bool shared_compute = false;  // the machine's ranks share one compute copy
 };

@@ -47,7 +47,7 @@ double EngineCore::op_flops(const StepOp& op) const {
       if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
       const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk,
                                      int(place_.compute_bytes), 0, WorkCoefficients::analytic(),
-                                     config_.packed_documents);
+                                     op.as<ComputeArgs>().packed);
       const Piece& pc = piece(op.piece);
       if (pc.sub_layer) {
         // Its share of the layer's: an MLP slice's three GEMMs over its

@@ -117,8 +117,8 @@ void EngineCore::sum_grads_over_ranks(int64_t p, bool slice) {
     float_to_bf16(f, g16);
     return;
   }
-  const size_t lo = cut[size_t(config_.state_shard)], hi = cut[size_t(config_.state_shard) + 1];
-  float_to_bf16(f.subspan(lo, hi - lo), g16.subspan(lo, hi - lo));
+  const ElemRange own = place_.at(p).owned;  // this rank's slice
+  float_to_bf16(f.subspan(own.begin, own.elems()), g16.subspan(own.begin, own.elems()));
 }
 
 void EngineCore::gather_compute(int64_t p, bool shared) {
@@ -367,7 +367,7 @@ void EngineCore::start_state_read(int64_t b, int slot_index) {
     const Extent& e = nvme_->extent(b, kind);
     slot.reads.push_back(nvme_->read(e, buf.first(e.io_bytes)));
   }
-  if (compute_on_nvme(b) && state_uses_compute_copy(config_.optimizer_state)) {
+  if (compute_on_nvme(b) && state_uses_compute_copy(place_.store.format)) {
     // q8's master is the compute copy's high half and its extension: both.
     // (fp32's update writes the whole compute copy from the master.)
     const Extent& e = nvme_->extent(b, ExtentKind::kCompute);
@@ -401,7 +401,7 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
     return;
   }
   const bool fp32 = place_.compute_bytes == 4;  // the compute copy is fp32
-  const StateFormat format = config_.optimizer_state;
+  const StateFormat format = place_.store.format;
   NvmeStaging* slot = nullptr;
   if (on_nvme(b)) {
     // Its state was read into a staging slot (kReadState), in the piece's coordinates.

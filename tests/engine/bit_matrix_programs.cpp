@@ -31,10 +31,10 @@ std::string dump(const StepProgram& prog) {
   for (const StepOp& o : prog.ops) {
     const OpFields f = fields(o);
     s += fmt::format("{} {} p{} b{} v{} m{} s{} d{} peer{} hand{} slot{} fv{} keep{} rc{} f{} l{} ring{} d2h{} g{} "
-                     "os{} sc{} gate{} clip{} us{} ub{} after",
+                     "os{} sc{} gate{} clip{} us{} ub{} pk{} after",
                      op_name(o.kind), int(o.lane), o.piece, o.block, o.visit, o.micro_batch, o.shard, o.device, f.peer,
                      int(f.hand), f.slot, o.first_of_visit, f.keep, f.recompute, f.first, f.last, f.wait_ring, f.d2h,
-                     f.grads, f.over_slices, f.shared_copy, f.gate, f.clip, f.unscale, f.updated_before);
+                     f.grads, f.over_slices, f.shared_copy, f.gate, f.clip, f.unscale, f.updated_before, f.packed);
     for (int32_t a : o.after) s += fmt::format(" {}", a);
     s += " prev";
     for (int32_t a : o.after_previous) s += fmt::format(" {}", a);
@@ -135,6 +135,7 @@ std::vector<ProgramCase> program_cases() {
           c.devices = 2;
         });
         add("fp16-" + kmc, [=](EngineConfig& c) { base(c); c.compute.dtype = at::kHalf; });
+        add("packed-" + kmc, [=](EngineConfig& c) { base(c); c.packed_documents = true; });
         add("2ranks-" + kmc, base, {}, 2);
         add("2ranks-sharded-" + kmc, [=](EngineConfig& c) { base(c); c.state_shards = 2; c.state_shard = 1; }, {}, 2);
         add("2ranks-shared-q8-nvme-" + kmc, [=](EngineConfig& c) {
