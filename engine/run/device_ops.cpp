@@ -74,6 +74,83 @@ double EngineCore::op_flops(const StepOp& op) const {
   }
 }
 
+void EngineCore::op_checkpoint_out(const StepOp& op) {
+  Seat& st = seat(op);
+  Device& dev = *st.device;
+  const int64_t m = op.micro_batch;
+  const CopyArgs& c = op.as<CopyArgs>();
+  // Block op.block's inputs out; their ring set is free again once they left.
+  if (c.first) stream_after(st, StreamId::kD2H, StreamId::kCompute);
+  at::Tensor a = act(st, op.block, m);
+  dev.copy_d2h(StreamId::kD2H, host_ckpt_[size_t(m)][size_t(op.block)].data(), a.data_ptr(), a.nbytes(),
+               {"d2h checkpoint", int32_t(op.block)});
+  if (c.last) dev.record(*st.ring_free[size_t(op.block % 2)], StreamId::kD2H);
+}
+
+void EngineCore::op_checkpoint_in(const StepOp& op) {
+  Seat& st = seat(op);
+  Device& dev = *st.device;
+  const int64_t m = op.micro_batch;
+  const CopyArgs& c = op.as<CopyArgs>();
+  // Block op.block's inputs back into ring set block % 2, once its last
+  // reader is done and the forward's copy-out of this checkpoint has
+  // landed (the set's latest copy-out is at or after it on the d2h
+  // stream: this device's, or in a pool the device that made it).
+  if (c.first) {
+    stream_after(st, StreamId::kH2D, StreamId::kCompute);
+    dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
+    if (c.peer >= 0) dev.wait(StreamId::kH2D, *seats_[size_t(c.peer)].ring_free[size_t(op.block % 2)]);
+  }
+  at::Tensor a = act(st, op.block, m);
+  dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host_ckpt_[size_t(m)][size_t(op.block)].data(), a.nbytes(),
+               {"h2d checkpoint", int32_t(op.block)});
+  if (c.last) stream_after(st, StreamId::kCompute, StreamId::kH2D);
+}
+
+void EngineCore::op_hand_out(const StepOp& op) {
+  Seat& st = seat(op);
+  Device& dev = *st.device;
+  const int64_t m = op.micro_batch;
+  const HandArgs& h = op.as<HandArgs>();
+  // A pool: micro-batch m of what the next device takes, out to its
+  // hand-off buffer once this device's compute wrote it (the compute of
+  // the next micro-batch goes on meanwhile). The buffer's previous
+  // readers come before this compute in the chain of hand-offs: each
+  // reader's compute waited for its copy, and handed on what this
+  // device's compute waited for.
+  stream_after(st, StreamId::kD2H, StreamId::kCompute);
+  at::Tensor a = handed(st, op);
+  std::byte* host = hand_host_[size_t(h.hand)][size_t(m)].data();
+  dev.copy_d2h(StreamId::kD2H, host, a.data_ptr(), a.nbytes(), {hand_name(op, true), int32_t(op.block)});
+  if (h.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // the routing statistics ride along
+    dev.copy_d2h(StreamId::kD2H, host + place_.hand_stats_at, st.moe_stats[m].data_ptr(), place_.hand_stats_bytes,
+                 {"d2h hand-off routing statistics", int32_t(op.block)});
+  dev.record(*st.handed[size_t(h.hand)][size_t(m)], StreamId::kD2H);
+}
+
+void EngineCore::op_hand_in(const StepOp& op) {
+  Seat& st = seat(op);
+  Device& dev = *st.device;
+  const int64_t m = op.micro_batch;
+  const HandArgs& h = op.as<HandArgs>();
+  // ...and in on this visit's device once the other's copy of it landed
+  // (and, before the visit's first, once this device's compute so far,
+  // the last reader of what it fills, is done); its compute of
+  // micro-batch m waits for it.
+  if (h.first) {
+    stream_after(st, StreamId::kH2D, StreamId::kCompute);
+    if (h.wait_ring) dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
+  }
+  dev.wait(StreamId::kH2D, *seats_[size_t(h.peer)].handed[size_t(h.hand)][size_t(m)]);
+  at::Tensor a = handed(st, op);
+  const std::byte* host = hand_host_[size_t(h.hand)][size_t(m)].data();
+  dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host, a.nbytes(), {hand_name(op, false), int32_t(op.block)});
+  if (h.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // this device's running sum becomes the sender's
+    dev.copy_h2d(StreamId::kH2D, st.moe_stats[m].data_ptr(), host + place_.hand_stats_at, place_.hand_stats_bytes,
+                 {"h2d hand-off routing statistics", int32_t(op.block)});
+  stream_after(st, StreamId::kCompute, StreamId::kH2D);
+}
+
 void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
   const int64_t m = op.micro_batch;
   Seat& st = seat(op);
@@ -92,71 +169,10 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       if (op.as<CopyArgs>().last) dev.record(*saved_out_[size_t(place_.saved_index[size_t(op.block)])], StreamId::kD2H);
       return;
     }
-    case StepOpKind::kCheckpointOut: {
-      const CopyArgs& c = op.as<CopyArgs>();
-      // Block op.block's inputs out; their ring set is free again once they left.
-      if (c.first) stream_after(st, StreamId::kD2H, StreamId::kCompute);
-      at::Tensor a = act(st, op.block, m);
-      dev.copy_d2h(StreamId::kD2H, host_ckpt_[size_t(m)][size_t(op.block)].data(), a.data_ptr(), a.nbytes(),
-                   {"d2h checkpoint", int32_t(op.block)});
-      if (c.last) dev.record(*st.ring_free[size_t(op.block % 2)], StreamId::kD2H);
-      return;
-    }
-    case StepOpKind::kCheckpointIn: {
-      const CopyArgs& c = op.as<CopyArgs>();
-      // Block op.block's inputs back into ring set block % 2, once its last
-      // reader is done and the forward's copy-out of this checkpoint has
-      // landed (the set's latest copy-out is at or after it on the d2h
-      // stream: this device's, or in a pool the device that made it).
-      if (c.first) {
-        stream_after(st, StreamId::kH2D, StreamId::kCompute);
-        dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
-        if (c.peer >= 0) dev.wait(StreamId::kH2D, *seats_[size_t(c.peer)].ring_free[size_t(op.block % 2)]);
-      }
-      at::Tensor a = act(st, op.block, m);
-      dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host_ckpt_[size_t(m)][size_t(op.block)].data(), a.nbytes(),
-                   {"h2d checkpoint", int32_t(op.block)});
-      if (c.last) stream_after(st, StreamId::kCompute, StreamId::kH2D);
-      return;
-    }
-    case StepOpKind::kHandOut: {
-      const HandArgs& h = op.as<HandArgs>();
-      // A pool: micro-batch m of what the next device takes, out to its
-      // hand-off buffer once this device's compute wrote it (the compute of
-      // the next micro-batch goes on meanwhile). The buffer's previous
-      // readers come before this compute in the chain of hand-offs: each
-      // reader's compute waited for its copy, and handed on what this
-      // device's compute waited for.
-      stream_after(st, StreamId::kD2H, StreamId::kCompute);
-      at::Tensor a = handed(st, op);
-      std::byte* host = hand_host_[size_t(h.hand)][size_t(m)].data();
-      dev.copy_d2h(StreamId::kD2H, host, a.data_ptr(), a.nbytes(), {hand_name(op, true), int32_t(op.block)});
-      if (h.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // the routing statistics ride along
-        dev.copy_d2h(StreamId::kD2H, host + place_.hand_stats_at, st.moe_stats[m].data_ptr(), place_.hand_stats_bytes,
-                     {"d2h hand-off routing statistics", int32_t(op.block)});
-      dev.record(*st.handed[size_t(h.hand)][size_t(m)], StreamId::kD2H);
-      return;
-    }
-    case StepOpKind::kHandIn: {
-      const HandArgs& h = op.as<HandArgs>();
-      // ...and in on this visit's device once the other's copy of it landed
-      // (and, before the visit's first, once this device's compute so far,
-      // the last reader of what it fills, is done); its compute of
-      // micro-batch m waits for it.
-      if (h.first) {
-        stream_after(st, StreamId::kH2D, StreamId::kCompute);
-        if (h.wait_ring) dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
-      }
-      dev.wait(StreamId::kH2D, *seats_[size_t(h.peer)].handed[size_t(h.hand)][size_t(m)]);
-      at::Tensor a = handed(st, op);
-      const std::byte* host = hand_host_[size_t(h.hand)][size_t(m)].data();
-      dev.copy_h2d(StreamId::kH2D, a.data_ptr(), host, a.nbytes(), {hand_name(op, false), int32_t(op.block)});
-      if (h.hand == Hand::kBlock && place_.hand_stats_bytes > 0)  // this device's running sum becomes the sender's
-        dev.copy_h2d(StreamId::kH2D, st.moe_stats[m].data_ptr(), host + place_.hand_stats_at, place_.hand_stats_bytes,
-                     {"h2d hand-off routing statistics", int32_t(op.block)});
-      stream_after(st, StreamId::kCompute, StreamId::kH2D);
-      return;
-    }
+    case StepOpKind::kCheckpointOut: op_checkpoint_out(op); return;
+    case StepOpKind::kCheckpointIn: op_checkpoint_in(op); return;
+    case StepOpKind::kHandOut: op_hand_out(op); return;
+    case StepOpKind::kHandIn: op_hand_in(op); return;
     case StepOpKind::kHeadLse:
     case StepOpKind::kHeadGrad:
     case StepOpKind::kHeadNormBackward:

@@ -156,6 +156,11 @@ class EngineCore {
   };
   void run_pass(const StepProgram& program);
   void run_device_op(const StepOp& op, PassCursor& at);
+  // Its longer handlers: the host checkpoints' copies and a pool's hand-offs.
+  void op_checkpoint_out(const StepOp& op);
+  void op_checkpoint_in(const StepOp& op);
+  void op_hand_out(const StepOp& op);
+  void op_hand_in(const StepOp& op);
   void forward_op(const StepOp& op, PassCursor& at);
   void head_op(const StepOp& op);          // kHeadLse, kHeadGrad, kHeadNormBackward
   void backward_op(const StepOp& op);
@@ -226,6 +231,10 @@ class EngineCore {
   };
   void updater_main();
   void run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig);
+  // Its longer handlers: a piece's sum of squares, its spill, the norm.
+  void op_sum_squares(const StepOp& op, PassFigures& fig);
+  void op_spill(const StepOp& op, const UpdateJob& job);
+  void op_norm(const StepOp& op, UpdateJob& job, PassFigures& fig);
   // Everything below is per piece (engine/placement/pieces.h): gradients land, are
   // staged, checked and updated piece by piece.
   // Host staging of piece p's fp32 gradients: its block's own buffer, or its ring slot.
