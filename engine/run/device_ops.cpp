@@ -74,8 +74,15 @@ double EngineCore::op_flops(const StepOp& op) const {
   }
 }
 
-void EngineCore::op_checkpoint_out(const StepOp& op) {
-  Seat& st = seat(op);
+// Before a visit's first copy into what its compute reads: that device's
+// compute so far (the last reader) done, and (`ring`) block b's checkpoint
+// ring set free (its copy out has left).
+void EngineCore::first_copy_in(Seat& st, int64_t b, bool ring) {
+  stream_after(st, StreamId::kH2D, StreamId::kCompute);
+  if (ring) st.device->wait(StreamId::kH2D, *st.ring_free[size_t(b % 2)]);
+}
+
+void EngineCore::op_checkpoint_out(const StepOp& op, Seat& st) {
   Device& dev = *st.device;
   const int64_t m = op.micro_batch;
   const CopyArgs& c = op.as<CopyArgs>();
@@ -87,8 +94,7 @@ void EngineCore::op_checkpoint_out(const StepOp& op) {
   if (c.last) dev.record(*st.ring_free[size_t(op.block % 2)], StreamId::kD2H);
 }
 
-void EngineCore::op_checkpoint_in(const StepOp& op) {
-  Seat& st = seat(op);
+void EngineCore::op_checkpoint_in(const StepOp& op, Seat& st) {
   Device& dev = *st.device;
   const int64_t m = op.micro_batch;
   const CopyArgs& c = op.as<CopyArgs>();
@@ -97,8 +103,7 @@ void EngineCore::op_checkpoint_in(const StepOp& op) {
   // landed (the set's latest copy-out is at or after it on the d2h
   // stream: this device's, or in a pool the device that made it).
   if (c.first) {
-    stream_after(st, StreamId::kH2D, StreamId::kCompute);
-    dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
+    first_copy_in(st, op.block, true);
     if (c.peer >= 0) dev.wait(StreamId::kH2D, *seats_[size_t(c.peer)].ring_free[size_t(op.block % 2)]);
   }
   at::Tensor a = act(st, op.block, m);
@@ -107,8 +112,7 @@ void EngineCore::op_checkpoint_in(const StepOp& op) {
   if (c.last) stream_after(st, StreamId::kCompute, StreamId::kH2D);
 }
 
-void EngineCore::op_hand_out(const StepOp& op) {
-  Seat& st = seat(op);
+void EngineCore::op_hand_out(const StepOp& op, Seat& st) {
   Device& dev = *st.device;
   const int64_t m = op.micro_batch;
   const HandArgs& h = op.as<HandArgs>();
@@ -128,8 +132,7 @@ void EngineCore::op_hand_out(const StepOp& op) {
   dev.record(*st.handed[size_t(h.hand)][size_t(m)], StreamId::kD2H);
 }
 
-void EngineCore::op_hand_in(const StepOp& op) {
-  Seat& st = seat(op);
+void EngineCore::op_hand_in(const StepOp& op, Seat& st) {
   Device& dev = *st.device;
   const int64_t m = op.micro_batch;
   const HandArgs& h = op.as<HandArgs>();
@@ -137,10 +140,7 @@ void EngineCore::op_hand_in(const StepOp& op) {
   // (and, before the visit's first, once this device's compute so far,
   // the last reader of what it fills, is done); its compute of
   // micro-batch m waits for it.
-  if (h.first) {
-    stream_after(st, StreamId::kH2D, StreamId::kCompute);
-    if (h.wait_ring) dev.wait(StreamId::kH2D, *st.ring_free[size_t(op.block % 2)]);
-  }
+  if (h.first) first_copy_in(st, op.block, h.wait_ring);
   dev.wait(StreamId::kH2D, *seats_[size_t(h.peer)].handed[size_t(h.hand)][size_t(m)]);
   at::Tensor a = handed(st, op);
   const std::byte* host = hand_host_[size_t(h.hand)][size_t(m)].data();
@@ -169,10 +169,10 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       if (op.as<CopyArgs>().last) dev.record(*saved_out_[size_t(place_.saved_index[size_t(op.block)])], StreamId::kD2H);
       return;
     }
-    case StepOpKind::kCheckpointOut: op_checkpoint_out(op); return;
-    case StepOpKind::kCheckpointIn: op_checkpoint_in(op); return;
-    case StepOpKind::kHandOut: op_hand_out(op); return;
-    case StepOpKind::kHandIn: op_hand_in(op); return;
+    case StepOpKind::kCheckpointOut: op_checkpoint_out(op, st); return;
+    case StepOpKind::kCheckpointIn: op_checkpoint_in(op, st); return;
+    case StepOpKind::kHandOut: op_hand_out(op, st); return;
+    case StepOpKind::kHandIn: op_hand_in(op, st); return;
     case StepOpKind::kHeadLse:
     case StepOpKind::kHeadGrad:
     case StepOpKind::kHeadNormBackward:

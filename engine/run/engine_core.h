@@ -157,10 +157,11 @@ class EngineCore {
   void run_pass(const StepProgram& program);
   void run_device_op(const StepOp& op, PassCursor& at);
   // Its longer handlers: the host checkpoints' copies and a pool's hand-offs.
-  void op_checkpoint_out(const StepOp& op);
-  void op_checkpoint_in(const StepOp& op);
-  void op_hand_out(const StepOp& op);
-  void op_hand_in(const StepOp& op);
+  void op_checkpoint_out(const StepOp& op, Seat& st);
+  void op_checkpoint_in(const StepOp& op, Seat& st);
+  void op_hand_out(const StepOp& op, Seat& st);
+  void op_hand_in(const StepOp& op, Seat& st);
+  void first_copy_in(Seat& st, int64_t b, bool ring);
   void forward_op(const StepOp& op, PassCursor& at);
   void head_op(const StepOp& op);          // kHeadLse, kHeadGrad, kHeadNormBackward
   void backward_op(const StepOp& op);
