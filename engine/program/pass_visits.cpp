@@ -51,14 +51,15 @@ std::vector<int32_t> head_visit(Draft& d, int64_t v, bool& grads, int32_t& loss)
   const Visit& vis = d.visits[size_t(v)];
   const int64_t M = d.in.micro_batches, s = vis.shard;
   const bool last_shard = s + 1 == sh.shards;
+  auto shard_op = [&](StepOpKind kind, Lane lane, std::vector<int32_t> after, int64_t m = -1) {
+    StepOp o = d.visit_op(kind, lane, v, std::move(after));
+    o.shard = s;
+    o.micro_batch = m;
+    return d.add(std::move(o));
+  };
   int32_t last = -1;
   if (vis.lse) {
-    for (int64_t m = 0; m < M; ++m) {
-      StepOp o = d.visit_op(StepOpKind::kHeadLse, Lane::kCompute, v, {kVisitLoad});
-      o.shard = s;
-      o.micro_batch = m;
-      last = d.add(std::move(o));
-    }
+    for (int64_t m = 0; m < M; ++m) last = shard_op(StepOpKind::kHeadLse, Lane::kCompute, {kVisitLoad}, m);
     if (last_shard) loss = d.add(d.visit_op(StepOpKind::kLossOut, Lane::kD2H, v, {last}));
   }
   std::vector<int32_t> out;
@@ -66,12 +67,6 @@ std::vector<int32_t> head_visit(Draft& d, int64_t v, bool& grads, int32_t& loss)
   const int64_t lm = sh.lm_piece[size_t(s)];
   const bool norm_trained = last_shard && !place.piece(sh.norm_piece).frozen, lm_trained = !place.piece(lm).frozen;
   grads = norm_trained || lm_trained;  // else frozen: no accumulators, nothing sent
-  auto shard_op = [&](StepOpKind kind, Lane lane, std::vector<int32_t> after, int64_t m = -1) {
-    StepOp o = d.visit_op(kind, lane, v, std::move(after));
-    o.shard = s;
-    o.micro_batch = m;
-    return d.add(std::move(o));
-  };
   if (grads) shard_op(StepOpKind::kZeroGrads, Lane::kCompute, {kVisitLoad});
   // The last shard's norm backward follows each micro-batch's gradient, so
   // the next block's backward starts after the first.

@@ -214,7 +214,7 @@ struct StepOp {
   int64_t micro_batch = -1;    // device operations per micro-batch
   int64_t shard = -1;          // the head's operations: the vocabulary shard
   int device = 0;              // device operations: the pool's device they run on (Placement::block_device, head_device)
-  bool first_of_visit = false; // a device operation: the visit's first (it waits for the load)
+  bool first_of_visit = false; // a device operation: the visit's first after its load, which it waits for (Draft::finish)
   OpArgs args;                 // op_args(kind): StepOp::of sets it
   std::vector<int32_t> after;  // operations of the same pass it waits for (indices into StepProgram::ops)
   std::vector<int32_t> after_previous;  // operations of the previous pass it waits for
