@@ -245,6 +245,11 @@ int run_finetune(FinetuneOptions& o) {
     skipped_total = extra.value("skipped_steps", int64_t{0});
     saved_step = engine.steps_done();
     fmt::print("  resumed from {} at step {}\n", r.dir.string(), engine.steps_done());
+    // fp16: the loss scale is the run's state, so the checkpoint's goes on;
+    // --loss-scale (the first scale of a new run) is named, not silently lost.
+    if (cfg.loss_scaled() && engine.loss_scale().scale != cfg.loss_scaling.init)
+      fmt::print("  the loss scale goes on from the checkpoint's {:g}: --loss-scale {:g} is a new run's first scale\n",
+                 engine.loss_scale().scale, cfg.loss_scaling.init);
     STRIDER_CHECK(o.steps > engine.steps_done(),
                   "--steps {}: the checkpoint {} is at step {} already; ask for more --steps to continue", o.steps,
                   r.dir.string(), engine.steps_done());

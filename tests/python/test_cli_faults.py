@@ -562,3 +562,17 @@ def test_a_hub_id_is_found_in_the_local_cache_and_bad_data_points_to_strider_dat
     chats.write_text('{"messages": [{"role": "user", "content": "hello"}]}\n' * 100)
     r = run(strider, tmp_path, "--data", str(chats), "--steps", "1", "--out", str(tmp_path / "o3"))
     assert r.returncode != 0 and "not a strider token file" in r.stderr and "python -m strider.data" in r.stderr
+
+
+def test_a_resume_names_the_loss_scale_it_goes_on_from(strider, tmp_path):
+    """fp16: the checkpoint's loss scale is the run's state and goes on; a --loss-scale given with --resume is
+    named as overridden, not dropped without a word (issue 63)."""
+    fp16 = ("--dtype", "fp16", "--checkpoint-dir", str(tmp_path / "ck"), "--schedule", "constant", "--warmup", "0")
+    ok(strider, tmp_path, *fp16, "--steps", "2", "--out", str(tmp_path / "o"))
+    out = ok(strider, tmp_path, *fp16, "--steps", "3", "--resume", "--loss-scale", "4", "--out", str(tmp_path / "o"))
+    assert "at step 2" in out
+    named = [line for line in out.splitlines() if "the loss scale goes on from the checkpoint's" in line]
+    assert len(named) == 1 and "--loss-scale 4 is a new run's first scale" in named[0], out
+    saved = named[0].split("checkpoint's ")[1].split(":")[0]
+    step3 = [line for line in out.splitlines() if line.startswith("step    3/3")]
+    assert len(step3) == 1 and f"| scale {saved} |" in step3[0], out  # the step ran at the checkpoint's scale, not 4
