@@ -138,7 +138,7 @@ RopeDims parse_rope_params(const Reader& pr, RopeDims rope, const Reader& top, i
 }
 
 // rope_parameters (transformers >= 5) or rope_theta + rope_scaling (older
-// files); `theta`: the architecture's default base, `partial`: its rotary
+// files; with both, rope_scaling, as transformers reads them); `theta`: the architecture's default base, `partial`: its rotary
 // fraction where rope_parameters does not give one.
 RopeDims parse_rope(const Reader& r, int64_t head_dim, double theta, double partial) {
   RopeDims rope;
@@ -146,12 +146,16 @@ RopeDims parse_rope(const Reader& r, int64_t head_dim, double theta, double part
   const json* params = r.find("rope_parameters");
   const json* scaling = r.find("rope_scaling");
   rope.theta = r.number_or("rope_theta", theta, kRopeThetaRange);
-  const json* p = params ? params : scaling;
+  // transformers' precedence (5.x): a rope_scaling that is there (not null)
+  // is the RoPE, whatever rope_parameters says; without one, rope_parameters.
+  // Either's own rope_theta is the base over the top-level one.
+  // (tests/python/test_rope_config.py holds transformers to it.)
+  const json* p = scaling ? scaling : params;
   if (p == nullptr) return parse_rope_params(Reader{json::object(), r.source}, rope, r, head_dim);
   STRIDER_CHECK(p->is_object(), "{}: field '{}' must be an object", r.source,
-                params ? "rope_parameters" : "rope_scaling");
-  Reader pr{*p, r.source, params ? "rope_parameters." : "rope_scaling."};
-  if (params) rope.theta = pr.number_or("rope_theta", rope.theta, kRopeThetaRange);
+                scaling ? "rope_scaling" : "rope_parameters");
+  Reader pr{*p, r.source, scaling ? "rope_scaling." : "rope_parameters."};
+  rope.theta = pr.number_or("rope_theta", rope.theta, kRopeThetaRange);
   return parse_rope_params(pr, rope, r, head_dim);
 }
 

@@ -422,3 +422,40 @@ TEST_CASE("attention FLOPs count the query-key pairs the kernel computes", "[eng
   CHECK(capped.attention_flops(0, 2, 1024) == 2 * per_pair * (512.0 * 512 + 512.0 * 1024));
   CHECK(capped.cost(1, 2, 1024, 64, 2).forward_flops > capped.attention_flops(0, 2, 1024));
 }
+
+TEST_CASE("RoPE from rope_scaling and rope_parameters together: rope_scaling first, as transformers reads them",
+          "[engine][spec]") {
+  // What transformers (the pinned 5.23) makes of each config's RoPE:
+  // tests/python/test_rope_config.py checks these against AutoConfig.
+  struct Case {
+    json extra;
+    RopeType type;
+    double factor, theta;
+  };
+  const json linear4 = {{"rope_type", "linear"}, {"factor", 4.0}};
+  const std::vector<Case> cases = {
+      {{{"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 500000.0}}}, {"rope_theta", 20000.0}},
+       RopeType::kDefault, 1.0, 500000.0},
+      {{{"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 500000.0}}}, {"rope_scaling", linear4}},
+       RopeType::kLinear, 4.0, 10000.0},
+      {{{"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 500000.0}}}, {"rope_scaling", linear4},
+        {"rope_theta", 20000.0}},
+       RopeType::kLinear, 4.0, 20000.0},
+      {{{"rope_parameters", {{"rope_type", "linear"}, {"factor", 2.0}, {"rope_theta", 500000.0}}},
+        {"rope_scaling", nullptr}},
+       RopeType::kLinear, 2.0, 500000.0},
+      {{{"rope_scaling", {{"rope_type", "linear"}, {"factor", 4.0}, {"rope_theta", 30000.0}}}},
+       RopeType::kLinear, 4.0, 30000.0},
+  };
+  for (const Case& c : cases) {
+    json j = {{"architectures", {"LlamaForCausalLM"}}, {"hidden_size", 64},         {"intermediate_size", 128},
+              {"num_hidden_layers", 2},              {"num_attention_heads", 4}, {"num_key_value_heads", 2},
+              {"vocab_size", 100}};
+    j.update(c.extra);
+    INFO(c.extra.dump());
+    const ModelSpec s = ModelSpec::from_json(j, "config.json");
+    CHECK(s.dims.rope.type == c.type);
+    CHECK(s.dims.rope.factor == c.factor);
+    CHECK(s.dims.rope.theta == c.theta);
+  }
+}
