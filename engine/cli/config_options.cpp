@@ -6,6 +6,7 @@
 #include "engine/cli/cli.h"
 #include "engine/config/engine_config_json.h"
 #include "host/error.h"
+#include "io/mapped_file.h"
 
 namespace strider::cli {
 namespace {
@@ -150,7 +151,18 @@ CLI::Option* add_config_file(CLI::App& app) {
   return app.set_config("--config", "",
                         "TOML or INI file of the command's options, each under its long name without the dashes "
                         "(seq = 1024, device-budget = \"20GiB\"); the command line's own options win")
-      ->check(CLI::ExistingFile);
+      ->check(CLI::ExistingFile)
+      ->check(CLI::Validator(
+          [](std::string& path) -> std::string {
+            // A regular file: a FIFO (or a device) would block the parse that reads it.
+            try {
+              check_regular_input(path, "a config file is TOML or INI text");
+              return "";
+            } catch (const std::exception& e) {
+              return e.what();
+            }
+          },
+          "FILE"));
 }
 
 }  // namespace strider::cli

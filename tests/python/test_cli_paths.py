@@ -89,7 +89,7 @@ def test_a_path_or_config_that_is_not_utf8_is_refused_before_the_first_step(stri
 
 def test_a_fifo_given_as_an_input_is_refused_at_once(strider, tmp_path):
     """A FIFO blocks open() until a writer comes: as --data, --eval-data, a model's config.json or its
-    weights, each is refused naming it before any work, not waited on."""
+    weights, or --config, each is refused naming it before any work, not waited on."""
     model, data = tiny_model_and_tokens(tmp_path)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
@@ -105,6 +105,7 @@ def test_a_fifo_given_as_an_input_is_refused_at_once(strider, tmp_path):
               f"{fifo}: not a regular file"),
              (("--model", str(fifo_config), "--data", str(data)), f"{fifo_config / 'config.json'}: not a regular file"),
              (("--model", str(fifo_model), "--data", str(data)), f"{fifo_model / 'model.safetensors'}: not a regular"),
+             (("--model", str(model), "--data", str(data), "--config", str(fifo)), f"{fifo}: not a regular file"),
              ]
     for args, says in cases:
         cmd = [str(strider), "finetune", "--device", "cpu", "--seq", "16", "--steps", "1", "--work-dir",
