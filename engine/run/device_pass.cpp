@@ -75,16 +75,7 @@ void EngineCore::fetch_saved(Seat& s, int64_t b, int64_t m) {
   s.saved_in.push_back({b, m, slot, std::move(ready)});
 }
 
-void EngineCore::wait_updated(int64_t p) {
-  if (simulated() || piece(p).frozen) return;  // ordered by the SimUpdater's events instead; never updated
-  std::unique_lock lk(mu_);
-  cv_.wait(lk, [&] { return updated_[size_t(p)] >= passes_ || updater_error_ || stopping_; });
-  if (updater_error_) std::rethrow_exception(updater_error_);
-}
-
-void EngineCore::finish_updates() {
-  for (int64_t p = 0; p < num_pieces(); ++p) wait_updated(p);
-}
+void EngineCore::finish_updates() { host_->finish_updates(); }
 
 void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions,
                               const int64_t* attention) {
@@ -171,65 +162,22 @@ void EngineCore::read_compute(const StepOp& r) {
       mine.push_back(p);
       bytes += piece(p).elems() * place_.compute_bytes;
     }
-  if (simulated()) {
-    // When the slot's last load has copied it out, the pieces' previous
-    // updates and write-backs are done: the drive's read from then on.
-    auto& sim = static_cast<SimDevice&>(*seats_[size_t(d)].device);
-    double ready = slot.copied_on >= 0 ? sim.event_time_us(*slot.copied[size_t(slot.copied_on)]) : 0.0;
-    for (int64_t p : mine)
-      ready = std::max({ready, sim.event_time_us(sim_updater_->update_done(p)), sim_updater_->compute_written_us(p)});
-    sim.record_at(*slot.read_done[size_t(d)], sim_updater_->read_compute(r.piece, bytes, ready));
-    slot.block = r.block;
-    return;
-  }
-  if (slot.copied_on >= 0) slot.copied[size_t(slot.copied_on)]->synchronize();  // its last load's copies left it
-  slot.read_begin_us = Timeline::now_us();
-  slot.block = r.block;
-  slot.read_bytes = bytes;
-  for (int64_t p : mine) {
-    wait_updated(p);  // the previous pass's update of it, whose write-back...
-    NvmeTicket written;
-    {
-      std::lock_guard lk(mu_);
-      written = compute_written_[size_t(p)];
-    }
-    if (written.valid()) nvme_->wait(written);  // ...must have landed before it is read
-    const Extent& e = nvme_->extent(p, ExtentKind::kCompute);
-    slot.reads.push_back(nvme_->read(e, slot.bytes.subspan(place_.at(p).compute_staging_at, e.io_bytes)));
-  }
-}
-
-void EngineCore::await_compute(const StepOp& v) {
-  ComputeSlot& slot = compute_slots_[size_t(v.as<SlotArgs>().slot)];
-  STRIDER_CHECK(slot.block == v.block, "internal: visit {} loads block {} from compute staging slot {}, which holds "
-                "block {}", v.visit, v.block, v.as<SlotArgs>().slot, slot.block);
-  if (simulated()) {
-    seats_[size_t(v.device)].device->wait(StreamId::kH2D, *slot.read_done[size_t(v.device)]);
-    return;
-  }
-  // A failed read or checksum stops the step, naming the layer, the extent and the file.
-  try {
-    for (auto& t : slot.reads) nvme_->wait(t);
-  } catch (const Error& e) {
-    for (auto& t : slot.reads) try { nvme_->wait(t); } catch (...) {}  // none still writes into the slot
-    slot.reads.clear();
-    throw Error(fmt::format("reading the compute copy of {} from NVMe: {}", spec_.block_name(v.block), e.what()));
-  }
-  slot.reads.clear();
-  timeline_.add({Lane::kNvmeRead, "nvme read compute", int32_t(v.block), -1, steps_ + 1, slot.read_begin_us,
-                 Timeline::now_us(), 0, slot.read_bytes});
+  host_->read_compute(slot, mine, bytes, r, *seats_[size_t(d)].device);
 }
 
 void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout) {
   const std::vector<int64_t> segs = visit_segments(v);
-  for (int64_t p : segs) wait_updated(p);
   Seat& st = seat(v);
   Device& dev = *st.device;
-  if (v.as<SlotArgs>().slot >= 0) await_compute(v);
+  for (int64_t p : segs)
+    if (!piece(p).frozen) host_->after_update(p, dev);  // a frozen piece is never updated
+  if (const int k = v.as<SlotArgs>().slot; k >= 0) {
+    ComputeSlot& slot = compute_slots_[size_t(k)];
+    STRIDER_CHECK(slot.block == v.block, "internal: visit {} loads block {} from compute staging slot {}, which "
+                  "holds block {}", v.visit, v.block, k, slot.block);
+    host_->await_compute(slot, v, dev);
+  }
   const CacheUnit& u = st.pool->acquire(StreamId::kH2D);
-  if (simulated())
-    for (int64_t p : segs)
-      if (!piece(p).frozen) dev.wait(StreamId::kH2D, sim_updater_->update_done(p));
   // Each range from the block's compute copy to its place in the unit
   // (StepProgram::layouts), ranges adjacent in both as one copy; or, where
   // the compute copy lives on NVMe, range by range from the load staging its
@@ -329,14 +277,7 @@ void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte*
     // The slot's n-th use waits for n consumptions: the previous gradients in
     // it were updated with (or spilled to NVMe). The updater gets there on its
     // own, from gradients already enqueued, so waiting here cannot deadlock.
-    const int64_t use = ring_uses_[size_t(r)]++;
-    if (simulated()) {
-      dev.wait(StreamId::kD2H, sim_updater_->ring_free(r));
-    } else {
-      std::unique_lock lk(mu_);
-      cv_.wait(lk, [&] { return ring_released_[size_t(r)] >= use || updater_error_; });
-      if (updater_error_) std::rethrow_exception(updater_error_);
-    }
+    host_->after_ring(r, ring_uses_[size_t(r)]++, dev);
   }
   // Each of its ranges from its place in the unit to the piece's coordinates on the host.
   std::byte* host = grad_host(p).data();
@@ -345,15 +286,7 @@ void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte*
       dev.copy_d2h(StreamId::kD2H, host + u.run.at * place_.grad_bytes, src + (u.unit_at - grad_base(visit)) * place_.grad_bytes,
                    u.run.n * place_.grad_bytes, {"d2h grads", int32_t(piece(p).block)});
   dev.record(*grads_ready_[size_t(p)], StreamId::kD2H);
-  if (simulated()) {
-    sim_updater_->landed(p, *grads_ready_[size_t(p)]);
-    return;
-  }
-  {
-    std::lock_guard lk(mu_);
-    grads_recorded_[size_t(p)] = passes_ + 1;
-  }
-  cv_.notify_all();
+  host_->landed(p, *grads_ready_[size_t(p)]);
 }
 
 EngineCore::Moved EngineCore::collect_device_spans() {

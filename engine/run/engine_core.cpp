@@ -9,6 +9,7 @@
 
 #include "engine/run/collectives.h"
 #include "engine/run/sim_updater.h"
+#include "engine/run/updater.h"
 #include "gpu/blocks/unit_tensors.h"
 #include "host/error.h"
 
@@ -46,9 +47,6 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   // fp16 GEMMs accumulating in fp16: CUDA's and the simulator's; the CPU device refuses, naming itself.
   if (config_.compute.fp16_accumulate)
     for (Seat& st : seats_) st.device->set_fp16_accumulate(true);
-  if (device().kind() == DeviceKind::kSim)
-    sim_updater_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(device()), place_, config_.optimizer_state,
-                                                place_.ring_slot_bytes > 0 ? config_.grad_ring : 0, timeline_);
   dist_ = solo_collectives();
   dist_update_ = solo_collectives();
   if (config_.loss_scaled()) scaler_.scale = config_.loss_scaling.init;
@@ -58,16 +56,21 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   compile_programs(1);
 
   // Pinned host memory: the store, batch staging, tied-gradient staging,
-  // host checkpoints and NVMe staging, all in one arena mapped now.
+  // host checkpoints and NVMe staging, all in one arena mapped now. Devices
+  // that price their work and run none (SimDevices) touch none of it: the
+  // arena only reserves its addresses (the shared compute copy's too), and
+  // no file is opened. This and the host executor below are the only
+  // choices the engine makes by its devices' kind.
+  const bool priced = simulated();
   StoreOptions so = place_.store;
-  so.zero = !simulated();
+  so.zero = !priced;
   const size_t tokens = size_t(config_.batch() * config_.seq);
   const size_t emb_elems = place_.layouts[0].total_elems();
   const EngineFootprint& fp = place_.footprint;
-  // (A simulated engine reserves the shared compute copy's addresses in its own arena.)
   arena_ = std::make_unique<PinnedArena>(
-      fp.host_bytes + (simulated() ? fp.shared_host_bytes : 0), ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = simulated()});
-  if (!config_.shared_compute_file.empty() && !simulated()) {
+      fp.host_bytes + (priced ? fp.shared_host_bytes : 0),
+      ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = priced});
+  if (!config_.shared_compute_file.empty() && !priced) {
     shared_arena_ = std::make_unique<PinnedArena>(
         fp.shared_host_bytes, ArenaOptions{.lock = config_.lock, .name = "strider shared compute copy",
                                            .shared_file = config_.shared_compute_file});
@@ -115,9 +118,8 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     }
   }
   ring_uses_.assign(grad_ring_.size(), 0);
-  ring_released_.assign(grad_ring_.size(), 0);
 
-  if (!place_.extents.empty() && !simulated()) open_nvme_tier();
+  if (!place_.extents.empty() && !priced) open_nvme_tier();
 
   // Each device: K units sized for the largest visit, its buffers, its runner.
   for (int d = 0; d < int(seats_.size()); ++d) {
@@ -138,9 +140,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
 
   // Events are made by the device that records them.
   for (int64_t p = 0; p < P; ++p) grads_ready_.push_back(seats_[size_t(place_.piece_device(p))].device->make_event());
-  grads_recorded_.assign(size_t(P), 0);
   grad_spill_.resize(size_t(P));
-  compute_written_.resize(size_t(P));
   for (ComputeSlot& slot : compute_slots_)
     for (Seat& st : seats_) {
       slot.copied.push_back(st.device->make_event());
@@ -153,9 +153,14 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   for (int64_t b = 1; b < head; ++b)
     if (place_.saved_index[size_t(b)] >= 0)
       saved_out_[size_t(place_.saved_index[size_t(b)])] = seats_[size_t(place_.block_device(b))].device->make_event();
-  updated_.assign(size_t(P), 0);
 
-  if (simulated()) return;  // no updater thread: the SimUpdater prices the host operations
+  // The host executor: the SimUpdater prices the host operations beside a
+  // SimDevice (which has no span clock to align); the Updater runs them.
+  if (priced) {
+    host_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(device()), place_, config_.optimizer_state,
+                                         place_.ring_slot_bytes > 0 ? config_.grad_ring : 0, timeline_);
+    return;
+  }
   // Align each device's span clock with ours: one empty op, timed from both sides.
   for (Seat& st : seats_) {
     st.device->launch(StreamId::kCompute, {"clock sync"}, [](const LaunchContext&) {});
@@ -165,16 +170,13 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     if (!sync_spans.empty()) st.origin_us = Timeline::now_us() - sync_spans.back().end_us;
   }
 
-  updater_ = std::thread([this] { updater_main(); });
+  auto updater = std::make_unique<Updater>(*this);
+  updater_ = updater.get();
+  host_ = std::move(updater);
 }
 
 EngineCore::~EngineCore() {
-  {
-    std::lock_guard lk(mu_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  if (updater_.joinable()) updater_.join();
+  if (updater_) updater_->stop();
   for (Seat& st : seats_) try {
       st.device->synchronize();
     } catch (...) {
@@ -186,8 +188,7 @@ EngineCore::~EngineCore() {
     if (t.valid()) try { nvme_->wait(t); } catch (...) {}
   for (ComputeSlot& slot : compute_slots_)
     for (auto& t : slot.reads) try { nvme_->wait(t); } catch (...) {}
-  for (auto& t : compute_written_)
-    if (t.valid()) try { nvme_->wait(t); } catch (...) {}
+  if (updater_) updater_->wait_compute_written();
 }
 
 void EngineCore::compile_programs(int world) {
@@ -214,7 +215,7 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   for (Seat& st : seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
   settle_compute();
   upload_batch(ids, labels, positions, attention);
-  if (batch_valid_ == 0 && !simulated()) {
+  if (batch_valid_ == 0) {
     // Nothing to learn from: no pass, no update, no step count (the same on
     // every rank: the count is the global batch's).
     rep.skipped = rep.no_targets = true;
@@ -224,74 +225,51 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
     return rep;
   }
 
-  // The updater takes the step's job now: it consumes gradients as they land,
-  // which frees gradient ring slots the pass may be waiting for.
+  // The host executor takes the step's job now: it consumes gradients as
+  // they land, which frees gradient ring slots the pass may be waiting for.
   auto job = std::make_shared<UpdateJob>();
   job->step = rep.step;
   job->lr = rep.lr;
+  job->fault_block = std::exchange(fault_block_, -1);
   pass_scale_ = job->loss_scale = config_.loss_scaled() ? scaler_.scale : 1.0;
   rep.loss_scale = config_.loss_scaled() ? scaler_.scale : 0.0;
-  if (simulated()) {
-    sim_updater_->begin(program_, job->step);
-    const double begin = sim_updater_->pass_begin_us();
-    run_pass(program_);
-    const double end = sim_updater_->finish();
-    ++steps_;
-    const Moved moved = collect_device_spans();
-    rep.h2d_bytes = moved.h2d_bytes;
-    rep.d2h_bytes = moved.d2h_bytes;
-    rep.loss = rep.grad_norm = std::numeric_limits<double>::quiet_NaN();
-    rep.step_s = (end - begin) * 1e-6;
-    rep.tokens_per_s = double(rep.tokens) / rep.step_s;
-    rep.stats = timeline_.stats(begin, end);
-    rep.peak_device_bytes = device().peak_allocated_bytes();
-    return rep;
-  }
-  {
-    std::lock_guard lk(mu_);
-    job->pass = passes_ + 1;
-    jobs_.push_back(job);
-  }
-  cv_.notify_all();
+  host_->begin(program_, job);
   run_pass(program_);  // its waits for updates still mean the previous pass's
-  {
-    std::lock_guard lk(mu_);
-    ++passes_;
-  }
-
-  // The loss is known once the head ran; the step ends when every gradient
-  // has landed and the norm is known (the updates may continue). The updater
-  // decided whether the step is skipped before it published the norm.
-  synchronize_devices(StreamId::kCompute);
-  {
-    std::unique_lock lk(mu_);
-    cv_.wait(lk, [&] { return norm_pass_ >= job->pass || updater_error_; });
-    if (updater_error_) std::rethrow_exception(updater_error_);
-    rep.grad_norm = last_norm_;
-    rep.skipped = job->skipped;
-    rep.skip_reason = job->skip_reason;
-    rep.nonfinite_block = job->nonfinite_block;
-    rep.nonfinite_tensor = job->nonfinite_tensor;
-  }
+  ++passes_;
+  const PassEnd end = host_->end(*job);
+  rep.grad_norm = end.grad_norm;
+  rep.skipped = job->skipped;
+  rep.skip_reason = job->skip_reason;
+  rep.nonfinite_block = job->nonfinite_block;
+  rep.nonfinite_tensor = job->nonfinite_tensor;
   if (!rep.skipped) ++steps_;
-  const auto [loss, valid] = pass_loss();
-  rep.valid_tokens = valid;
-  rep.loss = loss;
-  if (config_.loss_scaled()) {
-    // An overflow of finite loss above the floor is the scale's business, not a divergence.
-    rep.overflow = rep.skipped && std::isfinite(rep.loss) && scaler_.scale > config_.loss_scaling.floor;
-    scaler_ = next_loss_scale(config_.loss_scaling, scaler_, rep.skipped);
+  double begin = t0, t1 = 0;
+  if (end.priced) {
+    // Prices, not values: no loss was computed, and the step's time is the
+    // pass's on the executor's virtual clock.
+    rep.loss = std::numeric_limits<double>::quiet_NaN();
+    begin = end.begin_us;
+    t1 = end.end_us;
+  } else {
+    const auto [loss, valid] = pass_loss();
+    rep.valid_tokens = valid;
+    rep.loss = loss;
+    if (config_.loss_scaled()) {
+      // An overflow of finite loss above the floor is the scale's business, not a divergence.
+      rep.overflow = rep.skipped && std::isfinite(rep.loss) && scaler_.scale > config_.loss_scaling.floor;
+      scaler_ = next_loss_scale(config_.loss_scaling, scaler_, rep.skipped);
+    }
+    t1 = Timeline::now_us();
   }
-  const double t1 = Timeline::now_us();
   // Every copy of the step has finished: the gradients landed (the norm is
   // known), the loss figures too; nothing of the next step is issued yet.
   const Moved moved = collect_device_spans();
   rep.h2d_bytes = moved.h2d_bytes;
   rep.d2h_bytes = moved.d2h_bytes;
   for (Seat& st : seats_) rep.work_peak_bytes = std::max(rep.work_peak_bytes, st.device->work_peak_bytes());
-  rep.step_s = (t1 - t0) * 1e-6;
+  rep.step_s = (t1 - begin) * 1e-6;
   rep.tokens_per_s = double(rep.tokens) / rep.step_s;
-  rep.stats = timeline_.stats(t0, t1);
+  rep.stats = timeline_.stats(begin, t1);
   for (Seat& st : seats_) rep.peak_device_bytes = std::max(rep.peak_device_bytes, st.device->peak_allocated_bytes());
   return rep;
 }
@@ -359,7 +337,8 @@ void EngineCore::set_collectives(std::unique_ptr<Collectives> ranks) {
   auto update = ranks->split("updater");
   size_t largest = 0;
   for (int64_t p = 0; p < num_pieces(); ++p) largest = std::max(largest, piece(p).elems());
-  std::lock_guard lk(mu_);  // the updater is idle (no pass yet), but it reads these under the lock's order
+  // The updater is idle (no pass yet); its next job, handed over under its
+  // lock, sees these.
   dist_ = std::move(ranks);
   dist_update_ = std::move(update);
   compile_programs(dist_->ranks().world);  // the ranks' pass inserts their collectives

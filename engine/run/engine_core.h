@@ -12,14 +12,12 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <deque>
-#include <mutex>
-#include <thread>
 
 #include "engine/model/batch_mask.h"
 #include "engine/placement/placement.h"
 #include "engine/run/block_runner.h"
+#include "engine/run/host_executor.h"
 #include "gpu/device/cache_unit_pool.h"
 #include "host/cpu_adam.h"
 #include "host/param_store.h"
@@ -27,8 +25,6 @@
 #include "host/state_format.h"
 
 namespace strider {
-
-class SimUpdater;   // engine/run/sim_updater.h
 
 class EngineCore {
  public:
@@ -48,12 +44,15 @@ class EngineCore {
   StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
   double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
   void finish_updates();
-  bool simulated() const { return sim_updater_ != nullptr; }
+  // The devices price their work and run none (SimDevice): the engine
+  // touches no memory and holds no state, and its host executor is a SimUpdater.
+  bool simulated() const { return device().kind() == DeviceKind::kSim; }
   const ModelSpec& spec() const { return spec_; }
   const EngineConfig& config() const { return config_; }
   const Sharding& sharding() const { return place_.shards; }
   const StepProgram& program() const { return program_; }
   Device& device(int d = 0) { return *seats_.at(size_t(d)).device; }
+  const Device& device(int d = 0) const { return *seats_.at(size_t(d)).device; }
   int devices() const { return int(seats_.size()); }
   Timeline& timeline() { return timeline_; }
   int64_t steps_done() const { return steps_; }
@@ -183,11 +182,8 @@ class EngineCore {
   // Acquire + H2D of its visit's pieces into loaded_[visit], laid out as `layout` says.
   void load_visit(const StepOp& load, const std::vector<UnitRun>& layout);
   // kReadCompute: the visit's compute copies on NVMe into load staging slot
-  // op.slot, once the slot's last load has copied it out and the pieces'
-  // previous write-back has landed (simulated: priced by the SimUpdater).
+  // op.slot, by the host executor (HostExecutor::read_compute).
   void read_compute(const StepOp& read);
-  // kLoad's side of it: the slot's reads are done (their span in the timeline).
-  void await_compute(const StepOp& load);
   at::Tensor params_view(const Seat& s, const CacheUnit& u, size_t offset, size_t elems) const;
   at::Tensor grads_view(const Seat& s, const CacheUnit& u) const;
   at::Tensor rows_view(const at::Tensor& flat, size_t offset, const Piece& rows) const;  // [rows, hidden]
@@ -202,26 +198,18 @@ class EngineCore {
   void fetch_saved(Seat& s, int64_t b, int64_t m);
   // A pool's hand-offs (kHandOut, kHandIn): the tensor they move on device s.
   at::Tensor handed(const Seat& s, const StepOp& op) const;
-  void wait_updated(int64_t p);                 // piece p's update of the previous pass is done
   // Moves the device's finished spans into the timeline; returns the bytes
   // they copied each way.
   struct Moved { uint64_t h2d_bytes = 0, d2h_bytes = 0; };
   Moved collect_device_spans();
   void synchronize_devices(StreamId s);  // each device's stream s
 
-  // The updater (optimizer and NVMe lanes), host_update.cpp: the host
-  // executor of the program.
-  struct UpdateJob {
-    int64_t step = 0;  // 1-based: the AdamW step count
-    int64_t pass = 0;  // 1-based: the training pass whose gradients it consumes
-    double lr = 0;
-    double loss_scale = 1.0;  // what the pass's loss gradient was multiplied by (fp16; else 1)
-    // Set by the updater before the norm is published (read after it).
-    bool skipped = false;
-    std::string skip_reason;
-    int64_t nonfinite_block = -1;
-    std::string nonfinite_tensor;
-  };
+  // The host executor (engine/run/host_executor.h): an Updater (updater.h),
+  // whose table's handlers are below (host_update.cpp, host_grads.cpp), or a
+  // SimUpdater beside a SimDevice.
+  class Updater;
+  std::unique_ptr<HostExecutor> host_;
+  Updater* updater_ = nullptr;  // host_ when it is the Updater (its handlers' way to it)
   // What a pass's host operations compute for the ones after them.
   struct PassFigures {
     std::vector<double> sumsq;              // per piece: its gradients' sum of squares
@@ -230,9 +218,9 @@ class EngineCore {
     int64_t fault_piece = -1;               // inject_nonfinite_gradient's piece in this pass
     double grad_scale = 1.0;                // 1 / loss scale times the clipping coefficient, once the norm is known
   };
-  void updater_main();
-  void run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig);
-  // Its longer handlers: a piece's sum of squares, its spill, the norm.
+  // The handlers of the Updater's table (run_host_op, updater.cpp) longer than a line.
+  void op_check_loss(UpdateJob& job);
+  void op_check_grad(const StepOp& op, UpdateJob& job, const PassFigures& fig);
   void op_sum_squares(const StepOp& op, PassFigures& fig);
   void op_spill(const StepOp& op, const UpdateJob& job);
   void op_norm(const StepOp& op, UpdateJob& job, PassFigures& fig);
@@ -273,7 +261,6 @@ class EngineCore {
   std::vector<Seat> seats_;  // the pool; one for a single device
   StepProgram program_, eval_program_;  // a training pass, an evaluation pass
   void compile_programs(int world);
-  std::unique_ptr<SimUpdater> sim_updater_;  // on a SimDevice: the host operations on virtual clocks
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<PinnedArena> shared_arena_;  // the shared compute copy (EngineConfig::shared_compute_file)
   // This rank wrote its slices of a shared compute copy (write_state): the
@@ -306,21 +293,7 @@ class EngineCore {
   int next_read_slot_ = 0;                  // the slot the next kReadState reads into
   NvmeStaging& idle_staging();
   void open_nvme_tier();                    // construction: the NVMe store, its staging, fresh extents
-  // Load staging of compute copies on NVMe (kComputeLoadSlots, issuing
-  // thread): each slot's buffer, its reads in flight, and per device an
-  // event its last load's copies out of it recorded (and, simulated, one
-  // the read's end is recorded on).
-  struct ComputeSlot {
-    std::span<std::byte> bytes;
-    std::vector<NvmeTicket> reads;
-    int64_t block = -1;
-    uint64_t read_bytes = 0;
-    double read_begin_us = 0;
-    int copied_on = -1;                             // the device of its last load (-1: none yet)
-    std::vector<std::unique_ptr<Event>> copied, read_done;  // per device
-  };
-  std::vector<ComputeSlot> compute_slots_;
-  std::vector<NvmeTicket> compute_written_;  // per piece: the latest write-back of its compute copy (under mu_)
+  std::vector<ComputeSlot> compute_slots_;  // load staging of compute copies on NVMe (issuing thread)
   bool compute_on_nvme(int64_t p) const { return place_.at(p).compute_on_nvme; }
 
   // Pinned host buffers per micro-batch: its host checkpoints (per block,
@@ -341,9 +314,10 @@ class EngineCore {
   std::unique_ptr<Event> head_stats_ready_;
   std::vector<Loaded> loaded_;
   std::vector<std::unique_ptr<Event>> grads_ready_;  // per piece: its D2H is done
+  std::vector<NvmeTicket> grad_spill_;      // per piece: the write of its spilled gradients (updater thread)
   int64_t steps_ = 0;      // optimizer steps taken (skipped steps do not count)
-  int64_t passes_ = 0;     // training passes run: the updater's and the waits' sequence number
-  int64_t fault_block_ = -1, fault_pass_ = 0;  // inject_nonfinite_gradient
+  int64_t passes_ = 0;     // training passes run
+  int64_t fault_block_ = -1;  // inject_nonfinite_gradient: the next training pass's
 
   // Data parallel (set_collectives): the main thread's channel and the updater's.
   std::unique_ptr<Collectives> dist_, dist_update_;
@@ -370,20 +344,6 @@ class EngineCore {
   // its statistics to add to (forward) or its gradient (backward); empty
   // where b has no experts or the loss is off.
   MoeStep moe_step(const Seat& s, int64_t b, int64_t m, bool backward) const;
-
-  // Updater thread.
-  std::thread updater_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::shared_ptr<UpdateJob>> jobs_;
-  std::vector<int64_t> updated_;            // per piece: the last pass whose gradients were consumed
-  std::vector<int64_t> grads_recorded_;     // per piece: the pass whose gradient D2H is enqueued
-  std::vector<int64_t> ring_released_;      // per ring slot: gradients consumed from it
-  std::vector<NvmeTicket> grad_spill_;      // per piece: the write of its spilled gradients
-  std::exception_ptr updater_error_;
-  bool stopping_ = false;
-  double last_norm_ = -1;                   // set by the updater per pass
-  int64_t norm_pass_ = 0;
 
 };
 

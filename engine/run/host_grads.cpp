@@ -5,7 +5,7 @@
 #include <limits>
 
 #include "engine/run/collectives.h"
-#include "engine/run/engine_core.h"
+#include "engine/run/updater.h"
 #include "host/grad_norm.h"
 
 namespace strider {
@@ -63,8 +63,7 @@ void EngineCore::op_spill(const StepOp& op, const UpdateJob& job) {
   grad_spill_[size_t(b)] = nvme_->write(
       e, grad_host(b).first(e.io_bytes), [this, b, blk, w0, step = job.step, bytes = n * place_.grad_bytes](std::exception_ptr err) {
         if (err) {
-          std::lock_guard lk(mu_);
-          if (!updater_error_) updater_error_ = err;
+          updater_->fail(err);
         } else {
           timeline_.add({Lane::kNvmeWrite, "nvme write grads", blk, -1, step, w0, Timeline::now_us(), 0,
                          uint64_t(bytes)});

@@ -1,13 +1,14 @@
-// The engine's host lanes: the updater thread (CPU AdamW per block, global
-// norm, clipping, the ranks' collectives) over the block state in RAM or on
-// NVMe (block_state.cpp reads and writes it between steps).
+// The host operations' handlers (the updater's table, engine/run/updater.cpp):
+// CPU AdamW per piece, the checks, the global norm and clipping, the ranks'
+// collectives, over the block state in RAM or on NVMe (block_state.cpp
+// reads and writes it between steps).
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <fmt/format.h>
 
 #include "engine/run/collectives.h"
-#include "engine/run/engine_core.h"
+#include "engine/run/updater.h"
 #include "host/adam_q8.h"
 #include "host/bf16.h"
 #include "host/error.h"
@@ -76,9 +77,7 @@ std::string EngineCore::first_non_finite_param() {
 
 void EngineCore::inject_nonfinite_gradient(int64_t b) {
   STRIDER_CHECK(b >= 0 && b < place_.blocks, "inject_nonfinite_gradient: block {} out of range", b);
-  std::lock_guard lk(mu_);
-  fault_block_ = b;
-  fault_pass_ = passes_ + 1;
+  fault_block_ = b;  // the next training pass's job takes it
 }
 
 void EngineCore::skip_piece(int64_t b) {
@@ -136,42 +135,30 @@ void EngineCore::gather_compute(int64_t p, bool shared) {
   }
 }
 
-// The updater thread: the host operations of each training pass's program
-// (engine/program/step_program.h), in order, through one table (run_host_op).
-void EngineCore::updater_main() {
-  for (;;) {
-    std::shared_ptr<UpdateJob> job;
-    {
-      std::unique_lock lk(mu_);
-      cv_.wait(lk, [&] { return stopping_ || !jobs_.empty(); });
-      if (jobs_.empty()) return;  // stopping, nothing left
-      job = jobs_.front();
-      jobs_.pop_front();
-    }
-    try {
-      PassFigures fig;
-      fig.sumsq.assign(size_t(num_pieces()), 0.0);
-      fig.parts.assign(size_t(num_pieces()), {});
-      fig.bad_tensor.resize(size_t(num_pieces()));
-      {
-        std::lock_guard lk(mu_);
-        // The first of the block's pieces to land (for the head: what lands first of the whole step).
-        if (fault_pass_ == job->pass && fault_block_ >= 0)
-          for (int64_t p : place_.landing)
-            if (piece(p).block == fault_block_) {
-              fig.fault_piece = p;
-              break;
-            }
-      }
-      for (const StepOp& op : program_.ops)
-        if (!op.on_device()) run_host_op(op, *job, fig);
-    } catch (...) {
-      std::lock_guard lk(mu_);
-      updater_error_ = std::current_exception();
-      cv_.notify_all();
-      return;
-    }
-  }
+void EngineCore::op_check_loss(UpdateJob& job) {
+  // The loss of the pass: its D2H precedes the head's gradients on the
+  // d2h stream, so it is there once they are.
+  head_stats_ready_->synchronize();
+  double loss = 0;
+  for (int64_t m = 0; m < config_.accumulation; ++m) loss += head_stats_host_[size_t(m)];
+  // One decision for every rank: any rank's non-finite loss skips the step everywhere.
+  if (dist_update_->any(!std::isfinite(loss)))
+    skip(job, std::isfinite(loss) ? std::string("another rank's loss is not finite") : "loss is " + nonfinite_text(loss));
+}
+
+void EngineCore::op_check_grad(const StepOp& op, UpdateJob& job, const PassFigures& fig) {
+  // Without clipping updates overlap backward: only the first piece to
+  // land can still skip the step; a later one finds pieces already updated.
+  const int64_t b = op.piece;
+  if (job.skipped || std::isfinite(fig.sumsq[size_t(b)])) return;
+  const int64_t updated_before = op.as<CheckArgs>().updated_before;
+  STRIDER_CHECK(updated_before == 0,
+                "step {}: block {}'s gradient is not finite ({}; first non-finite tensor: {}) after "
+                "{} earlier pieces of the step were updated; without clipping updates overlap backward, "
+                "so the step is partly applied: the run stops here, and nothing of this step may be saved "
+                "(the last checkpoint stays). Clipping (--clip) checks every gradient before any update.",
+                job.step, piece(b).block, place_.shards.name(spec_, b), fig.bad_tensor[size_t(b)], updated_before);
+  skip(job, fmt::format("the gradient of block {} is not finite", piece(b).block));
 }
 
 void EngineCore::op_norm(const StepOp& op, UpdateJob& job, PassFigures& fig) {
@@ -191,113 +178,12 @@ void EngineCore::op_norm(const StepOp& op, UpdateJob& job, PassFigures& fig) {
   // the norm is of the loss's, and every update divides the scale out.
   const double unscale = a.unscale ? 1.0 / job.loss_scale : 1.0;
   const double norm = std::sqrt(total) * unscale;
-  {
-    std::lock_guard lk(mu_);
-    last_norm_ = norm;
-    norm_pass_ = job.pass;
-  }
-  cv_.notify_all();
+  updater_->publish_norm(norm, job.pass);
   // torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), at most 1.
   if (a.gate) fig.grad_scale = unscale * (a.clip > 0 ? std::min(1.0, a.clip / (norm + 1e-6)) : 1.0);
 }
 
-void EngineCore::run_host_op(const StepOp& op, UpdateJob& job, PassFigures& fig) {
-  const int64_t b = op.piece;
-  switch (op.kind) {
-    case StepOpKind::kLand: {
-      {
-        std::unique_lock lk(mu_);
-        cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job.pass || stopping_; });
-        STRIDER_CHECK(!stopping_, "the engine stopped before {}'s gradients were copied out", place_.shards.name(spec_, b));
-      }
-      grads_ready_[size_t(b)]->synchronize();
-      return;
-    }
-    case StepOpKind::kSumRanks: {
-      if (dist_update_->ranks().solo()) return;
-      const double t0 = Timeline::now_us();
-      const bool slice = op.as<SliceArgs>().over_slices;
-      sum_grads_over_ranks(b, slice);
-      timeline_.add({Lane::kCollective, slice ? "reduce-scatter" : "all-reduce", int32_t(piece(b).block), -1,
-                     job.step, t0, Timeline::now_us(), 0, uint64_t(piece(b).elems() * place_.grad_bytes)});
-      return;
-    }
-    case StepOpKind::kSumSquares:
-      op_sum_squares(op, fig);
-      return;
-    case StepOpKind::kSpill:
-      op_spill(op, job);
-      return;
-    case StepOpKind::kCheckLoss: {
-      // The loss of the pass: its D2H precedes the head's gradients on the
-      // d2h stream, so it is there once they are.
-      head_stats_ready_->synchronize();
-      double loss = 0;
-      for (int64_t m = 0; m < config_.accumulation; ++m) loss += head_stats_host_[size_t(m)];
-      // One decision for every rank: any rank's non-finite loss skips the step everywhere.
-      if (dist_update_->any(!std::isfinite(loss)))
-        skip(job, std::isfinite(loss) ? std::string("another rank's loss is not finite") : "loss is " + nonfinite_text(loss));
-      return;
-    }
-    case StepOpKind::kCheckGrad: {
-      // Without clipping updates overlap backward: only the first piece to
-      // land can still skip the step; a later one finds pieces already updated.
-      if (job.skipped || std::isfinite(fig.sumsq[size_t(b)])) return;
-      const int64_t updated_before = op.as<CheckArgs>().updated_before;
-      STRIDER_CHECK(updated_before == 0,
-                    "step {}: block {}'s gradient is not finite ({}; first non-finite tensor: {}) after "
-                    "{} earlier pieces of the step were updated; without clipping updates overlap backward, "
-                    "so the step is partly applied: the run stops here, and nothing of this step may be saved "
-                    "(the last checkpoint stays). Clipping (--clip) checks every gradient before any update.",
-                    job.step, piece(b).block, place_.shards.name(spec_, b), fig.bad_tensor[size_t(b)], updated_before);
-      skip(job, fmt::format("the gradient of block {} is not finite", piece(b).block));
-      return;
-    }
-    case StepOpKind::kNorm:
-      op_norm(op, job, fig);
-      return;
-    case StepOpKind::kReadState:
-      if (job.skipped) return;
-      start_state_read(b, next_read_slot_);
-      next_read_slot_ = 1 - next_read_slot_;
-      return;
-    case StepOpKind::kAdamW:
-      if (job.skipped) skip_piece(b);
-      else update_piece(job, b, fig.grad_scale);
-      return;
-    case StepOpKind::kWriteState:
-      if (!job.skipped) write_state_back(b, job.step);
-      return;
-    case StepOpKind::kGather: {
-      if (job.skipped) return;
-      const double t0 = Timeline::now_us();
-      const bool shared = op.as<SliceArgs>().shared_copy;
-      gather_compute(b, shared);
-      timeline_.add({Lane::kCollective, shared ? "barrier" : "all-gather", int32_t(piece(b).block), -1, job.step,
-                     t0, Timeline::now_us(), 0, shared ? 0 : uint64_t(piece(b).elems() * place_.compute_bytes)});
-      return;
-    }
-    case StepOpKind::kUpdated: {
-      {
-        std::lock_guard lk(mu_);
-        updated_[size_t(b)] = job.pass;
-      }
-      cv_.notify_all();
-      return;
-    }
-    STRIDER_DEVICE_OP_KINDS:  // every kind is named (-Werror=switch): a new one needs its handler here or in run_device_op
-      break;
-  }
-  throw Error(fmt::format("the updater was given the device operation '{}'", op_name(op.kind)));
-}
-
-void EngineCore::release_ring_slot(int64_t b) {
-  {
-    std::lock_guard lk(mu_);
-    ++ring_released_[size_t(place_.at(b).ring_slot)];
-  }
-  cv_.notify_all();
-}
+void EngineCore::release_ring_slot(int64_t b) { updater_->release_ring(place_.at(b).ring_slot); }
 
 void EngineCore::start_state_read(int64_t b, int slot_index) {
   NvmeStaging& slot = nvme_staging_[size_t(slot_index)];
@@ -436,10 +322,7 @@ void EngineCore::write_state_back(int64_t b, int64_t step) {
       if (!err) timeline_.add({Lane::kNvmeWrite, "nvme write state", blk, -1, step, w0, Timeline::now_us()});
     }));
   }
-  if (compute_on_nvme(b)) {  // the next load's read of it waits for this
-    std::lock_guard lk(mu_);
-    compute_written_[size_t(b)] = slot->writes.back();
-  }
+  if (compute_on_nvme(b)) updater_->compute_written(b, slot->writes.back());  // the next load's read of it waits for this
 }
 
 }  // namespace strider

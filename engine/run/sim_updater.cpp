@@ -14,9 +14,9 @@ SimUpdater::SimUpdater(SimDevice& device, const Placement& place, StateFormat fo
   for (int64_t r = 0; r < ring_slots; ++r) ring_free_.push_back(device.make_event());
 }
 
-void SimUpdater::begin(const StepProgram& program, int64_t step) {
+void SimUpdater::begin(const StepProgram& program, std::shared_ptr<UpdateJob> job) {
   program_ = &program;
-  step_ = step;
+  step_ = job->step;
   next_ = 0;
   begin_us_ = end_us_;
   thread_us_ = 0;
@@ -46,7 +46,7 @@ void SimUpdater::advance() {
   }
 }
 
-double SimUpdater::finish() {
+PassEnd SimUpdater::end(UpdateJob&) {
   const std::vector<StepOp>& ops = program_->ops;
   for (const int32_t l : program_->landed)  // -1: a frozen piece, which lands nothing
     STRIDER_CHECK(l < 0 || landed_us_[size_t(ops[size_t(l)].piece)] >= 0,
@@ -55,7 +55,7 @@ double SimUpdater::finish() {
   end_us_ = end_[size_t(program_->norm)];
   for (const int32_t l : program_->landed)
     if (l >= 0) end_us_ = std::max(end_us_, end_[size_t(l)]);
-  return end_us_;
+  return {.priced = true, .begin_us = begin_us_, .end_us = end_us_};
 }
 
 // A pool's devices share the host's memory bus (SimHostMemory) with the
@@ -73,11 +73,17 @@ SimInterval SimUpdater::on_host_bus(SimInterval t, uint64_t bytes) {
   return t;
 }
 
-double SimUpdater::read_compute(int64_t p, uint64_t bytes, double ready_us) {
+void SimUpdater::read_compute(ComputeSlot& slot, std::span<const int64_t> pieces, uint64_t bytes,
+                              const StepOp& r, Device& dev) {
+  auto& sim = static_cast<SimDevice&>(dev);
+  double ready = slot.copied_on >= 0 ? sim.event_time_us(*slot.copied[size_t(slot.copied_on)]) : 0.0;
+  for (int64_t p : pieces)
+    ready = std::max({ready, sim.event_time_us(*update_done_[size_t(p)]), compute_written_us_[size_t(p)]});
   const double cost = sim_.model().nvme_read_us(bytes);
-  const double end = drive_reads_.reserve(ready_us, cost);
-  span(Lane::kNvmeRead, "nvme read compute", p, {end - cost, end}, bytes);
-  return end;
+  const double end = drive_reads_.reserve(ready, cost);
+  span(Lane::kNvmeRead, "nvme read compute", r.piece, {end - cost, end}, bytes);
+  sim.record_at(*slot.read_done[size_t(r.device)], end);
+  slot.block = r.block;
 }
 
 void SimUpdater::span(Lane lane, const char* name, int64_t p, SimInterval t, uint64_t bytes) {
@@ -120,7 +126,7 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
     case StepOpKind::kSpill: {
       const SimInterval t = nvme_write_.run(ready, cm.nvme_write_us(grad_bytes));
       span(Lane::kNvmeWrite, "nvme write grads", p, t, grad_bytes);
-      sim_.record_at(ring_free(place_.at(p).ring_slot), t.end_us);
+      sim_.record_at(*ring_free_[size_t(place_.at(p).ring_slot)], t.end_us);
       end = t.end_us;
       return;
     }
@@ -149,7 +155,7 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
                                         adam_bytes(format_, own, place_.grad_bytes));
       span(Lane::kOptimizer, "adamw", p, t, adam_bytes(format_, n, place_.grad_bytes));
       if (place_.at(p).ring_slot >= 0 && !place_.at(p).spills_grads)
-        sim_.record_at(ring_free(place_.at(p).ring_slot), t.end_us);
+        sim_.record_at(*ring_free_[size_t(place_.at(p).ring_slot)], t.end_us);
       end = thread_us_ = t.end_us;
       return;
     }
@@ -172,7 +178,7 @@ void SimUpdater::run(const StepOp& op, double ready, double& end) {
       return;
     }
     case StepOpKind::kUpdated:
-      sim_.record_at(update_done(p), ready);
+      sim_.record_at(*update_done_[size_t(p)], ready);
       thread_us_ = ready;
       return;
     case StepOpKind::kCheckLoss:

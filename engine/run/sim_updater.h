@@ -7,7 +7,9 @@
 // one thread, each when what it waits for is done, the NVMe operations on
 // their own lanes. Its results go back to the device as events recorded at
 // virtual times (gpu/device/sim_device.h, "Simulating the host"): a ring slot free
-// again, a piece updated. The engine holds one only when it simulates.
+// again, a piece updated. It is the host executor (engine/run/host_executor.h)
+// of an engine whose devices are SimDevices, as the Updater is of one whose
+// devices run.
 #pragma once
 
 #include <cstdint>
@@ -17,36 +19,40 @@
 #include "engine/placement/placement.h"
 #include "engine/program/step_program.h"
 #include "engine/program/timeline.h"
+#include "engine/run/host_executor.h"
 #include "gpu/device/sim_device.h"
 #include "gpu/device/sim_host_memory.h"
 #include "host/state_format.h"
 
 namespace strider {
 
-class SimUpdater {
+class SimUpdater final : public HostExecutor {
  public:
   SimUpdater(SimDevice& device, const Placement& place, StateFormat format, int64_t ring_slots, Timeline& timeline);
 
-  // A pass of `program` begins (AdamW step `step`, for the spans).
-  void begin(const StepProgram& program, int64_t step);
+  // A pass of `program` begins (AdamW step job->step, for the spans).
+  void begin(const StepProgram& program, std::shared_ptr<UpdateJob> job) override;
   // Piece p's gradient D2H is enqueued (recorded into `landed`): the host
   // operations up to the next piece not yet enqueued run now, so the events
   // the device waits on next (a ring slot) exist before it waits.
-  void landed(int64_t p, const Event& landed);
-  // The rest of the pass; returns the virtual time step() returns at (the norm known).
-  double finish();
-  // When the previous pass ended (0 before the first).
-  double pass_begin_us() const { return begin_us_; }
-
-  // What the device waits on: piece p's update, ring slot r's gradients consumed.
-  Event& update_done(int64_t p) { return *update_done_[size_t(p)]; }
-  Event& ring_free(int r) { return *ring_free_[size_t(r)]; }
-  // Compute copies on NVMe: when piece p's latest write-back of its compute
-  // copy ended (0: none yet); a visit's read of `bytes` of them (kReadCompute,
-  // named by its first piece) from `ready_us` on, on the drive's reads that
-  // the state's share: when it ends.
-  double compute_written_us(int64_t p) const { return compute_written_us_[size_t(p)]; }
-  double read_compute(int64_t piece, uint64_t bytes, double ready_us);
+  void landed(int64_t p, const Event& landed) override;
+  // The device's stream waits for the event this records at the virtual
+  // time piece p's update ends, ring slot r's gradients are consumed.
+  void after_update(int64_t p, Device& dev) override { dev.wait(StreamId::kH2D, *update_done_[size_t(p)]); }
+  void after_ring(int r, int64_t, Device& dev) override { dev.wait(StreamId::kD2H, *ring_free_[size_t(r)]); }
+  // Compute copies on NVMe: the read of `bytes` of them (named by the visit's
+  // first piece), once the slot's last load has copied it out and the
+  // pieces' previous updates and write-backs are done, on the drive's reads
+  // that the state's share; its end recorded on the slot's event for `dev`.
+  void read_compute(ComputeSlot& slot, std::span<const int64_t> pieces, uint64_t bytes, const StepOp& read,
+                    Device& dev) override;
+  void await_compute(ComputeSlot& slot, const StepOp& load, Device& dev) override {
+    dev.wait(StreamId::kH2D, *slot.read_done[size_t(load.device)]);
+  }
+  // The rest of the pass: its span from the previous pass's end (0 before
+  // the first) to the virtual time step() returns at (the norm known).
+  PassEnd end(UpdateJob& job) override;
+  void finish_updates() override {}  // the device's waits order everything
 
  private:
   void advance();  // prices operations up to the next piece not yet enqueued
