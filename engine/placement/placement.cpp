@@ -155,6 +155,9 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
                 c.state_shard, c.state_shards);
   STRIDER_CHECK(c.devices >= 1 && c.devices <= 64, "devices {}: a pool has 1 to 64 devices", c.devices);
   Placement pl;
+  pl.micro_batch = c.micro_batch;
+  pl.seq = c.seq;
+  pl.micro_batches = c.accumulation;
   pl.blocks = spec.num_blocks();
   pl.head = pl.blocks - 1;
   pl.devices = c.devices;

@@ -14,13 +14,16 @@
 #include <cstdint>
 #include <vector>
 
-#include "engine/config/engine_config.h"
+#include <c10/core/ScalarType.h>  // at::ScalarType
+
 #include "engine/model/model_spec.h"
 #include "engine/placement/pieces.h"
 #include "host/param_store.h"  // BlockSpec, StoreOptions
 #include "io/nvme_store.h"     // ExtentSpec
 
 namespace strider {
+
+struct EngineConfig;  // engine/config/engine_config.h: what place() reads
 
 // The host format's kind of an NVMe extent of state (not kGrad).
 inline StateKind state_kind(ExtentKind k) {
@@ -83,6 +86,9 @@ struct PiecePlace {
 
 struct Placement {
   int64_t blocks = 0, head = 0;         // the model's blocks; the head's index (the last)
+  // The batch it is placed for: M micro-batches of micro_batch rows of seq tokens.
+  int64_t micro_batch = 1, seq = 0, micro_batches = 1;
+  int64_t batch() const { return micro_batch * micro_batches; }
   std::vector<ParamLayout> layouts;     // per block
   Sharding shards;
   std::vector<PiecePlace> pieces;       // per piece

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <fmt/ranges.h>
 
+#include "engine/config/engine_config.h"
 #include "engine/plan/plan_nvme.h"
 #include "gpu/blocks/base_dequant.h"  // kDequantWorkBytes
 #include "host/error.h"

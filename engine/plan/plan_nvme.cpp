@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "engine/config/engine_config.h"
 #include "engine/program/step_program.h"  // state_read_bytes, state_write_bytes
 
 namespace strider {

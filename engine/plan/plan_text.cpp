@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "engine/config/engine_config.h"
 #include "engine/plan/plan.h"
 #include "host/error.h"
 

@@ -1,5 +1,6 @@
 #include "engine/program/step_program.h"
 
+#include "engine/config/engine_config.h"
 #include "engine/program/passes.h"
 #include "host/error.h"
 
@@ -31,6 +32,18 @@ ProgramInputs program_inputs(const EngineConfig& c, int world) {
   return {.window = c.window, .micro_batches = c.accumulation, .checkpoints_on_host = c.checkpoints_on_host,
           .keep_logits = c.keep_logits, .clip_norm = c.clip_norm, .loss_scaled = c.loss_scaled(),
           .packed_documents = c.packed_documents, .world = world, .shared_compute = !c.shared_compute_file.empty()};
+}
+
+bool takes_positions(const StepProgram& program) {
+  return std::any_of(program.ops.begin(), program.ops.end(), [](const StepOp& o) {
+    return std::holds_alternative<ComputeArgs>(o.args) && o.as<ComputeArgs>().packed;
+  });
+}
+
+bool keeps_logits(const StepProgram& program, int device) {
+  return std::any_of(program.ops.begin(), program.ops.end(), [&](const StepOp& o) {
+    return o.kind == StepOpKind::kHeadGrad && o.device == device && o.as<ComputeArgs>().keep;
+  });
 }
 
 StepProgram compile_step(const Placement& place, const ProgramInputs& in) {

@@ -261,6 +261,13 @@ struct ProgramInputs {
 // The inputs an engine configuration gives, for `world` ranks.
 ProgramInputs program_inputs(const EngineConfig& config, int world);
 
+// What the executors read of a program beyond its operations, so that they
+// read no configuration: whether its layers may see rows that pack documents
+// (the batch's positions go to the devices), and whether device d keeps
+// logits between the head's passes (it holds a buffer for them).
+bool takes_positions(const StepProgram& program);
+bool keeps_logits(const StepProgram& program, int device);
+
 // The training pass and the evaluation pass (forward and pass 1 only; no host operations).
 StepProgram compile_step(const Placement& place, const ProgramInputs& in);
 StepProgram compile_eval(const Placement& place, const ProgramInputs& in);

@@ -8,6 +8,8 @@
 
 #include "engine/run/collectives.h"
 #include "engine/run/engine_core.h"
+
+#include "engine/config/engine_config.h"
 #include "host/adam_q8.h"
 #include "host/base_format.h"
 #include "host/bf16.h"
@@ -37,18 +39,18 @@ std::vector<std::pair<size_t, size_t>> frozen_ranges(const ParamLayout& l) {
 // staging slots, and fresh state on the drive (zero master, m and v, and
 // compute copies), so that every extent is valid.
 void EngineCore::open_nvme_tier() {
-  STRIDER_CHECK(!config_.nvme_dir.empty(), "{} pieces keep their state on NVMe but no NVMe directory is set",
+  STRIDER_CHECK(!config_->nvme_dir.empty(), "{} pieces keep their state on NVMe but no NVMe directory is set",
                 std::count_if(place_.pieces.begin(), place_.pieces.end(), [](const PiecePlace& x) { return x.on_nvme; }));
   NvmeStoreOptions nopt;
-  nopt.backend = config_.nvme_backend;
-  nvme_ = std::make_unique<NvmeStore>(std::vector<std::string>{config_.nvme_dir + "/strider-state.bin"},
+  nopt.backend = config_->nvme_backend;
+  nvme_ = std::make_unique<NvmeStore>(std::vector<std::string>{config_->nvme_dir + "/strider-state.bin"},
                                       place_.extents, nopt);
   arena_->attach(nvme_->registrar());
   for (int s = 0; s < 2; ++s)
     nvme_staging_.push_back({arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging master", ArenaUse::kHostOnly),
                              arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam m", ArenaUse::kHostOnly),
                              arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging adam v", ArenaUse::kHostOnly),
-                             config_.gated_updates() ? arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging grads", ArenaUse::kHostOnly)
+                             config_->gated_updates() ? arena_->carve(place_.nvme_slot_bytes, kHostAlign, "nvme staging grads", ArenaUse::kHostOnly)
                                                    : std::span<std::byte>()});
   if (place_.nvme_compute_slot_bytes > 0)
     for (NvmeStaging& slot : nvme_staging_)
@@ -91,7 +93,7 @@ void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
     store_->read_kind(size_t(b), state_kind(kind), out.subspan(s.state_begin, s.state_elems()));
   } else {
     NvmeStaging& slot = idle_staging();
-    const bool q8_master = config_.optimizer_state == StateFormat::kQ8 && kind == ExtentKind::kMaster;
+    const bool q8_master = config_->optimizer_state == StateFormat::kQ8 && kind == ExtentKind::kMaster;
     for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
       if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
       const Extent& e = nvme_->extent(p, kind);
@@ -107,7 +109,7 @@ void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
       const auto* hi = reinterpret_cast<const uint16_t*>(slot.compute.data());
       for (const UpdateRun& r : place_.at(p).runs) {
         float* to = out.data() + r.block;
-        if (config_.optimizer_state == StateFormat::kFp32)
+        if (config_->optimizer_state == StateFormat::kFp32)
           std::memcpy(to, bytes + r.at * sizeof(float), r.n * sizeof(float));
         else if (kind == ExtentKind::kMaster)
           q8_decode_master(compute_on_nvme(p) ? hi + r.at : s.compute_at(r.block), codes + r.at, to, r.n);
@@ -135,9 +137,9 @@ void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
 }
 
 void EngineCore::gather_state(int64_t b, std::span<float> out) {
-  STRIDER_CHECK(dist_->ranks().world == config_.state_shards,
+  STRIDER_CHECK(dist_->ranks().world == config_->state_shards,
                 "block {}'s state is sharded over {} ranks; reading all of it needs them (set_collectives)", b,
-                config_.state_shards);
+                config_->state_shards);
   // The ranks' slices cut the block's trained stretch (all of it unless
   // some tensors are frozen, none of a frozen block): that is what they gather.
   const std::vector<size_t>& bounds = place_.block_slices[size_t(b)];
@@ -154,9 +156,9 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
   STRIDER_CHECK(b >= 0 && b < place_.blocks && in.size() == place_.layouts[b].total_elems(),
                 "write_state: block {} and a buffer of {} elements do not match", b, in.size());
   BlockState& s = store_->block(size_t(b));
-  const bool q8 = config_.optimizer_state == StateFormat::kQ8;
+  const bool q8 = config_->optimizer_state == StateFormat::kQ8;
   // Frozen tensors: the master is the compute copy (a shared one: rank 0 writes it).
-  if (kind == ExtentKind::kMaster && (!shared_arena_ || config_.state_shard == 0))
+  if (kind == ExtentKind::kMaster && (!shared_arena_ || config_->state_shard == 0))
     for (auto [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
       if (lo < s.compute_begin) {  // a quantized base: quantized once, here (host/base_format.h)
         // Only the tensors given other values than read_state gives: a
@@ -240,11 +242,11 @@ void EngineCore::set_steps_done(int64_t steps) {
 }
 
 void EngineCore::set_loss_scale(LossScaleState s) {
-  STRIDER_CHECK(config_.loss_scaled(), "set_loss_scale: the {} compute dtype does not scale its loss (fp16 does)",
-                compute_dtype_name(config_.compute.dtype));
-  STRIDER_CHECK(std::isfinite(s.scale) && s.scale >= config_.loss_scaling.floor && s.good_steps >= 0,
+  STRIDER_CHECK(config_->loss_scaled(), "set_loss_scale: the {} compute dtype does not scale its loss (fp16 does)",
+                compute_dtype_name(config_->compute.dtype));
+  STRIDER_CHECK(std::isfinite(s.scale) && s.scale >= config_->loss_scaling.floor && s.good_steps >= 0,
                 "set_loss_scale: a scale of {} with {} good steps; the scale is finite and at least the floor {}",
-                s.scale, s.good_steps, config_.loss_scaling.floor);
+                s.scale, s.good_steps, config_->loss_scaling.floor);
   finish_updates();
   scaler_ = s;
 }
@@ -254,7 +256,7 @@ void EngineCore::model_weights(int64_t b, DType file_dtype, std::span<float> out
   STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
                 "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
   const BlockState& s = store_->block(size_t(b));
-  if (file_dtype != DType::kBF16 || config_.compute.dtype != at::kBFloat16 || s.compute_begin > 0 || !s.compute_on_host) {
+  if (file_dtype != DType::kBF16 || config_->compute.dtype != at::kBFloat16 || s.compute_begin > 0 || !s.compute_on_host) {
     read_state(b, ExtentKind::kMaster, out);
     return;
   }

@@ -10,29 +10,29 @@ namespace strider {
 void EngineCore::allocate_activations(int d) {
   // What placement.cpp's count_device counts for device d, allocated once.
   Seat& st = seats_[size_t(d)];
-  const int64_t M = config_.accumulation, mb = config_.micro_batch, S = config_.seq, H = spec_.dims.hidden;
+  const int64_t M = place_.micro_batches, mb = place_.micro_batch, S = place_.seq, H = spec_.dims.hidden;
   const int64_t head = place_.head;
   const bool runs_head = place_.runs_head(d);
-  const auto cdt = config_.compute.dtype;
+  const auto cdt = compute_.dtype;
   auto make = [&](std::vector<int64_t> shape, at::ScalarType dt, const char* what) {
     size_t n = 1;
     for (int64_t x : shape) n *= size_t(x);
     st.buffers.push_back(st.device->allocate((n * c10::elementSize(dt) + 255) / 256 * 256, what));
     return at::from_blob(st.buffers.back().data(), shape, at::TensorOptions().dtype(dt).device(st.aten));
   };
-  st.ids = make({config_.batch(), S}, at::kLong, "batch ids");
+  st.ids = make({place_.batch(), S}, at::kLong, "batch ids");
   if (runs_head) st.head_stats = make({2, M}, at::kDouble, "head loss figures");
   if (spec_.router_aux_coef > 0) {
     st.moe_stats = make({M, 2, spec_.dims.moe.experts}, at::kFloat, "routing statistics");
-    st.token_valid = make({config_.batch() * S}, at::kFloat, "batch attention mask");
+    st.token_valid = make({place_.batch() * S}, at::kFloat, "batch attention mask");
   }
-  st.labels = make({config_.batch(), S}, at::kLong, "batch labels");
-  if (config_.packed_documents) st.positions = make({config_.batch(), S}, at::kLong, "batch positions");
+  st.labels = make({place_.batch(), S}, at::kLong, "batch labels");
+  if (takes_positions(program_)) st.positions = make({place_.batch(), S}, at::kLong, "batch positions");
   st.mb.resize(size_t(M));
   for (int64_t m = 0; m < M; ++m) {
     MicroBatch& x = st.mb[size_t(m)];
     x.ids = st.ids.chunk(M, 0)[m];
-    if (config_.packed_documents) x.position_rows = st.positions.chunk(M, 0)[m];
+    if (takes_positions(program_)) x.position_rows = st.positions.chunk(M, 0)[m];
     x.labels = st.labels.chunk(M, 0)[m].reshape({-1});
     if (st.token_valid.defined()) x.valid = st.token_valid.chunk(M, 0)[m];
     if (!runs_head) continue;
@@ -71,7 +71,7 @@ void EngineCore::allocate_activations(int d) {
       st.mb[size_t(m)].grad_h = make({mb * S, H}, at::kFloat, "head hidden gradient");
     }
   for (int s = 0; s < 2; ++s) st.ring_free.push_back(st.device->make_event());
-  if (config_.keep_logits && runs_head)
+  if (keeps_logits(program_, d) && runs_head)
     for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].logits = make({mb * S, place_.head_rows(d)}, cdt, "kept logits");
   if (place_.runs_kept_layer(d)) {
     const int64_t elems = layer_saved_elems(spec_.saved_dims(), mb * S, int64_t(place_.compute_bytes));

@@ -29,7 +29,7 @@ const char* hand_name(const StepOp& op, bool out) {
 }  // namespace
 
 double EngineCore::op_flops(const StepOp& op) const {
-  const double tokens = double(config_.micro_batch * config_.seq), H = double(spec_.dims.hidden);
+  const double tokens = double(place_.micro_batch * place_.seq), H = double(spec_.dims.hidden);
   switch (op.kind) {
     case StepOpKind::kHeadLse:
     case StepOpKind::kHeadGrad: {
@@ -45,7 +45,7 @@ double EngineCore::op_flops(const StepOp& op) const {
     case StepOpKind::kBackward: {
       const int64_t b = piece(op.piece).block;
       if (spec_.block(b).kind != BlockKind::kLayer) return 0;  // an embedding shard: a gather or a scatter
-      const BlockCost c = spec_.cost(b, config_.micro_batch, config_.seq, config_.compute.vocab_chunk,
+      const BlockCost c = spec_.cost(b, place_.micro_batch, place_.seq, compute_.vocab_chunk,
                                      int(place_.compute_bytes), 0, WorkCoefficients::analytic(),
                                      op.as<ComputeArgs>().packed);
       const Piece& pc = piece(op.piece);
@@ -198,7 +198,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
       const BaseLayout* l = s.base_layout;
       const std::byte* src = u.staging;
       void* dst = static_cast<std::byte*>(u.params_bf16) + at * place_.compute_bytes;
-      const at::ScalarType dtype = config_.compute.dtype;
+      const at::ScalarType dtype = compute_.dtype;
       const c10::Device aten = st.aten;
       dev.launch(StreamId::kCompute, {"dequantize base", int32_t(op.block), op_flops(op)},
                  [l, src, dst, dtype, aten](const LaunchContext&) { dequantize_base_on_device(*l, src, dst, dtype, aten); });
@@ -320,7 +320,7 @@ void EngineCore::head_op(const StepOp& op) {
   at::Tensor norm = params.slice(0, 0, spec_.dims.hidden);
   at::Tensor rows = rows_view(params, norm_pc.elems(), rows_pc);
   const BlockDims dims = spec_.dims;
-  const int64_t chunk = sh.chunk, tile = config_.compute.token_tile, v0 = rows_pc.row_begin;
+  const int64_t chunk = sh.chunk, tile = compute_.token_tile, v0 = rows_pc.row_begin;
   at::Tensor in = act(st, place_.head, m);
   const MicroBatch& x = st.mb[size_t(m)];
   if (op.kind == StepOpKind::kHeadLse) {

@@ -36,7 +36,7 @@ at::Tensor EngineCore::handed(const Seat& s, const StepOp& op) const {
 
 at::Tensor EngineCore::params_view(const Seat& s, const CacheUnit& u, size_t offset, size_t elems) const {
   return at::from_blob(static_cast<std::byte*>(u.params_bf16) + offset * place_.compute_bytes, {int64_t(elems)},
-                       at::TensorOptions().dtype(config_.compute.dtype).device(s.aten));
+                       at::TensorOptions().dtype(compute_.dtype).device(s.aten));
 }
 
 at::Tensor EngineCore::grads_view(const Seat& s, const CacheUnit& u) const {
@@ -82,7 +82,7 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
   for (Seat& st : seats_) st.data_ready->synchronize();  // the previous batch's copies have left the staging
   const size_t n = ids_host_.size();
   // Each micro-batch's documents (0: every row 0..seq-1), checked before anything changes.
-  const int64_t M = config_.accumulation, S = config_.seq;
+  const int64_t M = place_.micro_batches, S = place_.seq;
   const size_t per_mb = n / size_t(M);
   std::vector<int64_t> longest(size_t(M), 0);
   // A refused batch changes nothing (BatchRefused): the caller may go on.
@@ -90,7 +90,7 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
     if (positions != nullptr)
       for (int64_t m = 0; m < M; ++m) {
         longest[size_t(m)] = packed_longest({positions + size_t(m) * per_mb, per_mb}, S, size_t(m) * per_mb);
-        STRIDER_CHECK(longest[size_t(m)] == 0 || config_.packed_documents,
+        STRIDER_CHECK(longest[size_t(m)] == 0 || takes_positions(program_),
                       "positions: micro-batch {} packs several documents in a row (positions that restart, or do not "
                       "count 0..seq-1), but the engine was made without packed_documents; set packed_documents "
                       "(--packed-documents) so that attention stays within each document", m);
@@ -114,7 +114,7 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
   std::memcpy(labels_host_.data(), labels, n * 8);
   // Packed documents' positions go with every batch that has them (the same
   // bytes each step), whether or not one of its micro-batches packs.
-  const bool packed = positions != nullptr && config_.packed_documents;
+  const bool packed = positions != nullptr && takes_positions(program_);
   if (packed) std::memcpy(positions_host_.data(), positions, n * 8);
   if (spec_.router_aux_coef > 0) count_router_rows(attention);
   const bool padded = std::any_of(router_rows_.padded.begin(), router_rows_.padded.end(), [](char p) { return p != 0; });
@@ -143,7 +143,7 @@ void EngineCore::count_router_rows(const int64_t* attention) {
   const size_t n = ids_host_.size();
   router_rows_ = strider::count_router_rows(attention ? std::span<const int64_t>(attention, n)
                                                       : std::span<const int64_t>(),
-                                            n, config_.accumulation, spec_.sparse_layer_count());
+                                            n, place_.micro_batches, spec_.sparse_layer_count());
   if (attention != nullptr)
     for (size_t i = 0; i < n; ++i) valid_host_[i] = float(attention[i]);
   // A micro-batch of padding only has no load-balancing loss (transformers'
@@ -170,7 +170,7 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
   Seat& st = seat(v);
   Device& dev = *st.device;
   for (int64_t p : segs)
-    if (!piece(p).frozen) host_->after_update(p, dev);  // a frozen piece is never updated
+    if (updates(p)) host_->after_update(p, dev);
   if (const int k = v.as<SlotArgs>().slot; k >= 0) {
     ComputeSlot& slot = compute_slots_[size_t(k)];
     STRIDER_CHECK(slot.block == v.block, "internal: visit {} loads block {} from compute staging slot {}, which "

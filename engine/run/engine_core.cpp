@@ -1,5 +1,7 @@
 #include "engine/run/engine_core.h"
 
+#include "engine/config/engine_config.h"
+
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -32,8 +34,11 @@ size_t EngineCore::registered_host_bytes() const {
 }
 
 EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices)
-    : spec_(spec.with_lora(config.lora, "engine config lora")), config_(with_devices(std::move(config), devices.size())),
-      place_((check_config(spec_, config_), place(spec_, config_))) {
+    : spec_(spec.with_lora(config.lora, "engine config lora")),
+      config_(std::make_unique<const EngineConfig>(with_devices(std::move(config), devices.size()))),
+      compute_(config_->compute),
+      adam_hyper_(config_->adam),
+      place_((check_config(spec_, *config_), place(spec_, *config_))) {
   STRIDER_CHECK(!devices.empty(), "Engine: no device given");
   for (auto& d : devices) {
     STRIDER_CHECK(d != nullptr, "Engine: no device given");
@@ -45,13 +50,13 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     seats_.push_back(std::move(st));
   }
   // fp16 GEMMs accumulating in fp16: CUDA's and the simulator's; the CPU device refuses, naming itself.
-  if (config_.compute.fp16_accumulate)
+  if (config_->compute.fp16_accumulate)
     for (Seat& st : seats_) st.device->set_fp16_accumulate(true);
   dist_ = solo_collectives();
   dist_update_ = solo_collectives();
-  if (config_.loss_scaled()) scaler_.scale = config_.loss_scaling.init;
-  const int64_t M = config_.accumulation, P = num_pieces(), head = place_.head;
-  slice_bytes_.resize(size_t(config_.state_shards) + 1);
+  if (config_->loss_scaled()) scaler_.scale = config_->loss_scaling.init;
+  const int64_t M = config_->accumulation, P = num_pieces(), head = place_.head;
+  slice_bytes_.resize(size_t(config_->state_shards) + 1);
 
   compile_programs(1);
 
@@ -64,21 +69,21 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   const bool priced = simulated();
   StoreOptions so = place_.store;
   so.zero = !priced;
-  const size_t tokens = size_t(config_.batch() * config_.seq);
+  const size_t tokens = size_t(config_->batch() * config_->seq);
   const size_t emb_elems = place_.layouts[0].total_elems();
   const EngineFootprint& fp = place_.footprint;
   arena_ = std::make_unique<PinnedArena>(
       fp.host_bytes + (priced ? fp.shared_host_bytes : 0),
-      ArenaOptions{.lock = config_.lock, .name = "strider host arena", .reserve_only = priced});
-  if (!config_.shared_compute_file.empty() && !priced) {
+      ArenaOptions{.lock = config_->lock, .name = "strider host arena", .reserve_only = priced});
+  if (!config_->shared_compute_file.empty() && !priced) {
     shared_arena_ = std::make_unique<PinnedArena>(
-        fp.shared_host_bytes, ArenaOptions{.lock = config_.lock, .name = "strider shared compute copy",
-                                           .shared_file = config_.shared_compute_file});
+        fp.shared_host_bytes, ArenaOptions{.lock = config_->lock, .name = "strider shared compute copy",
+                                           .shared_file = config_->shared_compute_file});
   }
   store_ = std::make_unique<ParamStore>(place_.store_blocks, so, *arena_, shared_arena_.get());
   ids_host_ = arena_->carve_as<int64_t>(tokens, "batch ids", kHostAlign);
   labels_host_ = arena_->carve_as<int64_t>(tokens, "batch labels", kHostAlign);
-  if (config_.packed_documents) positions_host_ = arena_->carve_as<int64_t>(tokens, "batch positions", kHostAlign);
+  if (config_->packed_documents) positions_host_ = arena_->carve_as<int64_t>(tokens, "batch positions", kHostAlign);
   if (spec_.router_aux_coef > 0) valid_host_ = arena_->carve_as<float>(tokens, "batch attention mask", kHostAlign);
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kHostAlign);
   head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kHostAlign);
@@ -94,14 +99,14 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     for (int64_t m = 0; m < M; ++m)
       saved_host_[size_t(m)].push_back(arena_->carve(place_.saved_bytes, kHostAlign, "kept activations"));
   if (fp.hand_off_bytes > 0) {  // placement.cpp's count_host counts these
-    const size_t tokens_mb = size_t(config_.micro_batch * config_.seq);
+    const size_t tokens_mb = size_t(config_->micro_batch * config_->seq);
     const size_t bytes[kHandKinds] = {place_.hand_block_bytes, 3 * tokens_mb * 4, tokens_mb * 4,
                                       tokens_mb * size_t(spec_.dims.hidden) * 4};
     for (int k = 0; k < (place_.head_spread() ? kHandKinds : 1); ++k)
       for (int64_t m = 0; m < M; ++m) hand_host_[k].push_back(arena_->carve(bytes[k], kHostAlign, "hand-off"));
   }
   if (place_.ring_slot_bytes > 0)
-    for (int64_t r = 0; r < config_.grad_ring; ++r)
+    for (int64_t r = 0; r < config_->grad_ring; ++r)
       grad_ring_.push_back(arena_->carve(place_.ring_slot_bytes, kHostAlign, "gradient ring slot"));
   if (place_.compute_load_slot_bytes > 0)  // the device copies out of them
     for (int k = 0; k < kComputeLoadSlots; ++k)
@@ -125,18 +130,18 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   for (int d = 0; d < int(seats_.size()); ++d) {
     Seat& st = seats_[size_t(d)];
     st.pool = std::make_unique<CacheUnitPool>(
-        *st.device, size_t(config_.window), fp.unit_elems,
+        *st.device, size_t(config_->window), fp.unit_elems,
         CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = place_.compute_bytes,
                              .grad_capacity_elems = place_.shards.unit_grad_elems,
                              .staging_bytes = place_.base_staging_bytes});
     allocate_activations(d);
-    st.runner = std::make_unique<BlockRunner>(spec_, config_.compute, config_.seq, st.aten);
+    st.runner = std::make_unique<BlockRunner>(spec_, config_->compute, config_->seq, st.aten);
     st.data_ready = st.device->make_event();
     for (auto& e : st.mark) e = st.device->make_event();
     for (auto& kind : st.handed)
       for (int64_t m = 0; m < M; ++m) kind.push_back(st.device->make_event());
   }
-  adam_ = std::make_unique<CpuAdam>(CpuAdam::Options{.threads = config_.optimizer_threads});
+  adam_ = std::make_unique<CpuAdam>(CpuAdam::Options{.threads = config_->optimizer_threads});
 
   // Events are made by the device that records them.
   for (int64_t p = 0; p < P; ++p) grads_ready_.push_back(seats_[size_t(place_.piece_device(p))].device->make_event());
@@ -157,8 +162,8 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   // The host executor: the SimUpdater prices the host operations beside a
   // SimDevice (which has no span clock to align); the Updater runs them.
   if (priced) {
-    host_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(device()), place_, config_.optimizer_state,
-                                         place_.ring_slot_bytes > 0 ? config_.grad_ring : 0, timeline_);
+    host_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(device()), place_, config_->optimizer_state,
+                                         place_.ring_slot_bytes > 0 ? config_->grad_ring : 0, timeline_);
     return;
   }
   // Align each device's span clock with ours: one empty op, timed from both sides.
@@ -192,8 +197,8 @@ EngineCore::~EngineCore() {
 }
 
 void EngineCore::compile_programs(int world) {
-  program_ = compile_step(place_, program_inputs(config_, world));
-  eval_program_ = compile_eval(place_, program_inputs(config_, world));
+  program_ = compile_step(place_, program_inputs(*config_, world));
+  eval_program_ = compile_eval(place_, program_inputs(*config_, world));
 }
 
 void EngineCore::settle_compute() {
@@ -204,14 +209,14 @@ void EngineCore::settle_compute() {
 
 StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int64_t* positions,
                             const int64_t* attention) {
-  STRIDER_CHECK(dist_->ranks().world == config_.state_shards || !sharded() || simulated(),
+  STRIDER_CHECK(dist_->ranks().world == config_->state_shards || !sharded() || simulated(),
                 "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
-                config_.state_shard, config_.state_shards, dist_->ranks().world);
+                config_->state_shard, config_->state_shards, dist_->ranks().world);
   const double t0 = Timeline::now_us();
   StepReport rep;
   rep.step = steps_ + 1;
-  rep.lr = config_.adam.lr * config_.schedule.factor(steps_);
-  rep.tokens = config_.batch() * config_.seq;
+  rep.lr = config_->adam.lr * config_->schedule.factor(steps_);
+  rep.tokens = config_->batch() * config_->seq;
   for (Seat& st : seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
   settle_compute();
   upload_batch(ids, labels, positions, attention);
@@ -231,8 +236,8 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   job->step = rep.step;
   job->lr = rep.lr;
   job->fault_block = std::exchange(fault_block_, -1);
-  pass_scale_ = job->loss_scale = config_.loss_scaled() ? scaler_.scale : 1.0;
-  rep.loss_scale = config_.loss_scaled() ? scaler_.scale : 0.0;
+  pass_scale_ = job->loss_scale = config_->loss_scaled() ? scaler_.scale : 1.0;
+  rep.loss_scale = config_->loss_scaled() ? scaler_.scale : 0.0;
   host_->begin(program_, job);
   run_pass(program_);  // its waits for updates still mean the previous pass's
   ++passes_;
@@ -254,10 +259,10 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
     const auto [loss, valid] = pass_loss();
     rep.valid_tokens = valid;
     rep.loss = loss;
-    if (config_.loss_scaled()) {
+    if (config_->loss_scaled()) {
       // An overflow of finite loss above the floor is the scale's business, not a divergence.
-      rep.overflow = rep.skipped && std::isfinite(rep.loss) && scaler_.scale > config_.loss_scaling.floor;
-      scaler_ = next_loss_scale(config_.loss_scaling, scaler_, rep.skipped);
+      rep.overflow = rep.skipped && std::isfinite(rep.loss) && scaler_.scale > config_->loss_scaling.floor;
+      scaler_ = next_loss_scale(config_->loss_scaling, scaler_, rep.skipped);
     }
     t1 = Timeline::now_us();
   }
@@ -289,7 +294,7 @@ double EngineCore::evaluate(const int64_t* ids, const int64_t* labels, const int
 
 std::pair<double, int64_t> EngineCore::pass_loss() {
   head_stats_ready_->synchronize();
-  const size_t M = size_t(config_.accumulation);
+  const size_t M = size_t(config_->accumulation);
   double sums[2] = {0, 0};  // the loss summed over valid tokens, and their count
   for (size_t m = 0; m < M; ++m) {
     sums[0] += head_stats_host_[m];
@@ -330,10 +335,10 @@ void EngineCore::set_collectives(std::unique_ptr<Collectives> ranks) {
   finish_updates();
   STRIDER_CHECK(passes_ == 0, "set_collectives: the engine has stepped already; give it its ranks before the "
                 "first step");
-  STRIDER_CHECK(!sharded() || (ranks->ranks().world == config_.state_shards &&
-                               ranks->ranks().rank == config_.state_shard),
+  STRIDER_CHECK(!sharded() || (ranks->ranks().world == config_->state_shards &&
+                               ranks->ranks().rank == config_->state_shard),
                 "set_collectives: the engine keeps state slice {} of {} but is given rank {} of {}",
-                config_.state_shard, config_.state_shards, ranks->ranks().rank, ranks->ranks().world);
+                config_->state_shard, config_->state_shards, ranks->ranks().rank, ranks->ranks().world);
   auto update = ranks->split("updater");
   size_t largest = 0;
   for (int64_t p = 0; p < num_pieces(); ++p) largest = std::max(largest, piece(p).elems());

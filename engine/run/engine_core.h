@@ -1,23 +1,36 @@
 // EngineCore: the Engine's (engine/run/engine.h) state and executors, for the
 // engine's own files only (engine_core.cpp: construction and the step;
-// device_pass.cpp, device_ops.cpp: the device executor; host_update.cpp:
-// the host executor; block_state.cpp: the state between steps). Its public
-// part is the Engine's API, which forwards to it; engine.h says what each does.
+// device_pass.cpp, device_ops.cpp, device_buffers.cpp: the device executor;
+// updater.cpp, host_update.cpp, host_grads.cpp: the host executor;
+// block_state.cpp: the state between steps). Its public part is the
+// Engine's API, which forwards to it; engine.h says what each does.
+//
+// The configuration is only declared here: the executors, which include this
+// header and not engine/config/engine_config.h (the build refuses it), read
+// the program and the placement, where the passes recorded every decision;
+// what they take from the configuration beyond those (how to compute,
+// AdamW's hyper-parameters) are members of their own.
 #pragma once
 
-#include "engine/run/engine.h"
-
-// Beyond what engine.h brings (the config, the spec, the shards, the program,
-// the timeline, the Device, the NVMe store's kinds):
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <deque>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
 
+#include "engine/config/compute_options.h"
+#include "engine/config/loss_scaling.h"
 #include "engine/model/batch_mask.h"
+#include "engine/model/model_spec.h"
 #include "engine/placement/placement.h"
+#include "engine/program/step_program.h"
+#include "engine/program/timeline.h"
 #include "engine/run/block_runner.h"
 #include "engine/run/host_executor.h"
+#include "engine/run/step_report.h"
 #include "gpu/device/cache_unit_pool.h"
 #include "host/cpu_adam.h"
 #include "host/param_store.h"
@@ -25,6 +38,10 @@
 #include "host/state_format.h"
 
 namespace strider {
+
+struct EngineConfig;  // engine/config/engine_config.h
+class Collectives;    // engine/run/collectives.h
+struct RankInfo;
 
 class EngineCore {
  public:
@@ -48,7 +65,7 @@ class EngineCore {
   // touches no memory and holds no state, and its host executor is a SimUpdater.
   bool simulated() const { return device().kind() == DeviceKind::kSim; }
   const ModelSpec& spec() const { return spec_; }
-  const EngineConfig& config() const { return config_; }
+  const EngineConfig& config() const { return *config_; }
   const Sharding& sharding() const { return place_.shards; }
   const StepProgram& program() const { return program_; }
   Device& device(int d = 0) { return *seats_.at(size_t(d)).device; }
@@ -253,10 +270,14 @@ class EngineCore {
   bool on_nvme(int64_t p) const { return place_.at(p).on_nvme; }
   bool spills_grads(int64_t p) const { return place_.at(p).spills_grads; }
   const Piece& piece(int64_t p) const { return place_.piece(p); }
+  // The training program updates piece p (a frozen one it never does): its loads wait for that.
+  bool updates(int64_t p) const { return program_.updated[size_t(p)] >= 0; }
   int64_t num_pieces() const { return place_.num_pieces(); }
 
   ModelSpec spec_;
-  EngineConfig config_;
+  std::unique_ptr<const EngineConfig> config_;  // construction's and the step's; no executor's
+  const ComputeOptions compute_;  // how the devices compute (EngineConfig::compute)
+  const AdamHyper adam_hyper_;    // AdamW's hyper-parameters (EngineConfig::adam), before the schedule
   const Placement place_;  // what lives where (engine/placement/placement.h), after check_config
   std::vector<Seat> seats_;  // the pool; one for a single device
   StepProgram program_, eval_program_;  // a training pass, an evaluation pass
@@ -326,7 +347,7 @@ class EngineCore {
   void sum_grads_over_ranks(int64_t p, bool slice);
   // Sharded state (EngineConfig::state_shards > 1): each piece's slices are
   // in its PiecePlace (engine/placement/placement.h).
-  bool sharded() const { return config_.state_shards > 1; }
+  bool sharded() const { return place_.block_slices[0].size() > 2; }
   std::vector<size_t> slice_bytes_;  // a piece's slices scaled to bytes (updater thread)
   // Piece p's elements (the piece's coordinates) whose state this engine keeps.
   Range owned(int64_t p) const { return place_.at(p).owned; }

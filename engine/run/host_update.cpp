@@ -140,7 +140,7 @@ void EngineCore::op_check_loss(UpdateJob& job) {
   // d2h stream, so it is there once they are.
   head_stats_ready_->synchronize();
   double loss = 0;
-  for (int64_t m = 0; m < config_.accumulation; ++m) loss += head_stats_host_[size_t(m)];
+  for (int64_t m = 0; m < place_.micro_batches; ++m) loss += head_stats_host_[size_t(m)];
   // One decision for every rank: any rank's non-finite loss skips the step everywhere.
   if (dist_update_->any(!std::isfinite(loss)))
     skip(job, std::isfinite(loss) ? std::string("another rank's loss is not finite") : "loss is " + nonfinite_text(loss));
@@ -219,7 +219,7 @@ void EngineCore::start_state_read(int64_t b, int slot_index) {
 }
 
 void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale) {
-  AdamHyper h = config_.adam;
+  AdamHyper h = adam_hyper_;
   h.lr = job.lr;
   const AdamStep decayed = AdamStep::make(h, job.step, grad_scale);
   h.weight_decay = 0;

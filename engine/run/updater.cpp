@@ -70,7 +70,7 @@ void EngineCore::Updater::after_update(int64_t p, Device&) {
 
 void EngineCore::Updater::finish_updates() {
   for (int64_t p = 0; p < e_.num_pieces(); ++p)
-    if (!e_.piece(p).frozen) after_update(p, e_.device());  // a frozen piece is never updated
+    if (e_.updates(p)) after_update(p, e_.device());
 }
 
 void EngineCore::Updater::after_ring(int r, int64_t use, Device&) {
@@ -99,7 +99,7 @@ void EngineCore::Updater::read_compute(ComputeSlot& slot, std::span<const int64_
   slot.block = r.block;
   slot.read_bytes = bytes;
   for (int64_t p : pieces) {
-    if (!e_.piece(p).frozen) after_update(p, dev);  // the previous pass's update of it, whose write-back...
+    if (e_.updates(p)) after_update(p, dev);  // the previous pass's update of it, whose write-back...
     NvmeTicket written;
     {
       std::lock_guard lk(mu_);

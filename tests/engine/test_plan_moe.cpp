@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "engine/config/engine_config.h"
 #include "engine/model/model_presets.h"
 #include "engine/plan/plan.h"
 
