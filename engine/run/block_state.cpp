@@ -6,14 +6,15 @@
 #include <cmath>
 #include <cstring>
 
-#include "engine/run/collectives.h"
-#include "engine/run/engine_core.h"
-
 #include "engine/config/engine_config.h"
+#include "engine/run/collectives.h"
+#include "engine/run/engine.h"
+#include "engine/run/engine_core.h"
 #include "host/adam_q8.h"
 #include "host/base_format.h"
 #include "host/bf16.h"
 #include "host/error.h"
+#include "host/grad_norm.h"
 #include "host/half.h"
 
 namespace strider {
@@ -83,43 +84,44 @@ EngineCore::NvmeStaging& EngineCore::idle_staging() {
   return nvme_staging_[0];
 }
 
-void EngineCore::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
+void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
+  EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "read_state: a simulated engine holds no state");
   finish_updates();
-  STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
+  STRIDER_CHECK(b >= 0 && b < core.place_.blocks && out.size() == core.place_.layouts[b].total_elems(),
                 "read_state: block {} and a buffer of {} elements do not match", b, out.size());
-  const BlockState& s = store_->block(size_t(b));
-  if (!place_.nvme_block[size_t(b)]) {
-    store_->read_kind(size_t(b), state_kind(kind), out.subspan(s.state_begin, s.state_elems()));
+  const BlockState& s = core.store_->block(size_t(b));
+  if (!core.place_.nvme_block[size_t(b)]) {
+    core.store_->read_kind(size_t(b), state_kind(kind), out.subspan(s.state_begin, s.state_elems()));
   } else {
-    NvmeStaging& slot = idle_staging();
-    const bool q8_master = config_->optimizer_state == StateFormat::kQ8 && kind == ExtentKind::kMaster;
-    for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
-      if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
-      const Extent& e = nvme_->extent(p, kind);
-      nvme_->wait(nvme_->read(e, slot.master.first(e.io_bytes)));
-      if (q8_master && compute_on_nvme(p)) {  // the master's high half
-        const Extent& c = nvme_->extent(p, ExtentKind::kCompute);
-        nvme_->wait(nvme_->read(c, slot.compute.first(c.io_bytes)));
+    EngineCore::NvmeStaging& slot = core.idle_staging();
+    const bool q8_master = core.config_->optimizer_state == StateFormat::kQ8 && kind == ExtentKind::kMaster;
+    for (int64_t p = core.place_.shards.first_of(b); p < core.place_.shards.end_of(b); ++p) {
+      if (!core.on_nvme(p)) continue;  // sharded: none of the piece is this rank's
+      const Extent& e = core.nvme_->extent(p, kind);
+      core.nvme_->wait(core.nvme_->read(e, slot.master.first(e.io_bytes)));
+      if (q8_master && core.compute_on_nvme(p)) {  // the master's high half
+        const Extent& c = core.nvme_->extent(p, ExtentKind::kCompute);
+        core.nvme_->wait(core.nvme_->read(c, slot.compute.first(c.io_bytes)));
       }
       // The extent holds the piece's owned elements back to back; each run goes to its place in the block.
-      const size_t n = owned(p).elems();
+      const size_t n = core.owned(p).elems();
       std::byte* bytes = slot.master.data();
       const auto* codes = reinterpret_cast<const uint8_t*>(bytes);
       const auto* hi = reinterpret_cast<const uint16_t*>(slot.compute.data());
-      for (const UpdateRun& r : place_.at(p).runs) {
+      for (const UpdateRun& r : core.place_.at(p).runs) {
         float* to = out.data() + r.block;
-        if (config_->optimizer_state == StateFormat::kFp32)
+        if (core.config_->optimizer_state == StateFormat::kFp32)
           std::memcpy(to, bytes + r.at * sizeof(float), r.n * sizeof(float));
         else if (kind == ExtentKind::kMaster)
-          q8_decode_master(compute_on_nvme(p) ? hi + r.at : s.compute_at(r.block), codes + r.at, to, r.n);
+          q8_decode_master(core.compute_on_nvme(p) ? hi + r.at : s.compute_at(r.block), codes + r.at, to, r.n);
         else
           q8_decode_moment(state_kind(kind), codes + r.at, scales_after(bytes, n) + r.at / kQ8GroupElems, to, r.n);
       }
     }
   }
-  if (sharded()) gather_state(b, out);
-  for (auto [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
+  if (core.sharded()) core.gather_state(b, out);
+  for (auto [lo, hi] : frozen_ranges(core.place_.layouts[size_t(b)])) {
     if (kind != ExtentKind::kMaster) {
       std::fill(out.begin() + lo, out.begin() + hi, 0.0f);
       continue;
@@ -150,16 +152,17 @@ void EngineCore::gather_state(int64_t b, std::span<float> out) {
   dist_->all_gather(std::as_writable_bytes(out.subspan(lo, hi - lo)), bytes);
 }
 
-void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
+void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) {
+  EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "write_state: a simulated engine holds no state");
   finish_updates();
-  STRIDER_CHECK(b >= 0 && b < place_.blocks && in.size() == place_.layouts[b].total_elems(),
+  STRIDER_CHECK(b >= 0 && b < core.place_.blocks && in.size() == core.place_.layouts[b].total_elems(),
                 "write_state: block {} and a buffer of {} elements do not match", b, in.size());
-  BlockState& s = store_->block(size_t(b));
-  const bool q8 = config_->optimizer_state == StateFormat::kQ8;
+  BlockState& s = core.store_->block(size_t(b));
+  const bool q8 = core.config_->optimizer_state == StateFormat::kQ8;
   // Frozen tensors: the master is the compute copy (a shared one: rank 0 writes it).
-  if (kind == ExtentKind::kMaster && (!shared_arena_ || config_->state_shard == 0))
-    for (auto [lo, hi] : frozen_ranges(place_.layouts[size_t(b)])) {
+  if (kind == ExtentKind::kMaster && (!core.shared_arena_ || core.config_->state_shard == 0))
+    for (auto [lo, hi] : frozen_ranges(core.place_.layouts[size_t(b)])) {
       if (lo < s.compute_begin) {  // a quantized base: quantized once, here (host/base_format.h)
         // Only the tensors given other values than read_state gives: a
         // block written whole to set one tensor keeps the others' bytes.
@@ -172,17 +175,18 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
       else
         std::memcpy(c.data(), in.data() + lo, c.size());
     }
-  if (kind == ExtentKind::kMaster && shared_arena_) {
+  if (kind == ExtentKind::kMaster && core.shared_arena_) {
     // A compute copy shared with the other ranks: this rank writes its slice
     // (below, or here for an NVMe-tier fp32 state), the others theirs.
-    compute_pending_ = true;
-    const Range own{s.state_begin, s.state_end};
+    core.compute_pending_ = true;
+    const ElemRange own{s.state_begin, s.state_end};
     const std::span<std::byte> c = s.compute_range(own.begin, own.elems());
-    if (place_.nvme_block[size_t(b)] && !q8 && !s.compute.empty())
+    if (core.place_.nvme_block[size_t(b)] && !q8 && !s.compute.empty())
       round_to_16(s.compute_dtype, in.subspan(own.begin, own.elems()), {reinterpret_cast<uint16_t*>(c.data()), own.elems()});
-    else if (place_.nvme_block[size_t(b)] && !q8)
+    else if (core.place_.nvme_block[size_t(b)] && !q8)
       std::memcpy(c.data(), in.data() + own.begin, c.size());
-  } else if (kind == ExtentKind::kMaster && s.compute_on_host && (place_.nvme_block[size_t(b)] || sharded())) {
+  } else if (kind == ExtentKind::kMaster && s.compute_on_host &&
+             (core.place_.nvme_block[size_t(b)] || core.sharded())) {
     // The compute copy follows the master, all of it: the slices other ranks
     // keep get the bits their ranks write (every rank is given the same `in`).
     // (A quantized base's elements were written above.)
@@ -196,23 +200,23 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
       std::copy(tail.begin(), tail.end(), s.compute_f32.begin());
     }
   }
-  if (!place_.nvme_block[size_t(b)]) {
-    store_->write_kind(size_t(b), state_kind(kind), in.subspan(s.state_begin, s.state_elems()));
+  if (!core.place_.nvme_block[size_t(b)]) {
+    core.store_->write_kind(size_t(b), state_kind(kind), in.subspan(s.state_begin, s.state_elems()));
     return;
   }
-  NvmeStaging& slot = idle_staging();
-  for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
-    if (!on_nvme(p)) continue;  // sharded: none of the piece is this rank's
-    const Extent& e = nvme_->extent(p, kind);
-    const size_t n = owned(p).elems();
+  EngineCore::NvmeStaging& slot = core.idle_staging();
+  for (int64_t p = core.place_.shards.first_of(b); p < core.place_.shards.end_of(b); ++p) {
+    if (!core.on_nvme(p)) continue;  // sharded: none of the piece is this rank's
+    const Extent& e = core.nvme_->extent(p, kind);
+    const size_t n = core.owned(p).elems();
     std::byte* bytes = slot.master.data();
     auto* codes = reinterpret_cast<uint8_t*>(bytes);
     std::memset(bytes, 0, e.io_bytes);
     // A compute copy on NVMe follows the master there, in the piece's coordinates.
-    const bool compute = kind == ExtentKind::kMaster && compute_on_nvme(p);
+    const bool compute = kind == ExtentKind::kMaster && core.compute_on_nvme(p);
     std::byte* cbytes = slot.compute.data();
-    if (compute) std::memset(cbytes, 0, nvme_->extent(p, ExtentKind::kCompute).io_bytes);
-    for (const UpdateRun& r : place_.at(p).runs) {  // as read_state, the other way
+    if (compute) std::memset(cbytes, 0, core.nvme_->extent(p, ExtentKind::kCompute).io_bytes);
+    for (const UpdateRun& r : core.place_.at(p).runs) {  // as read_state, the other way
       const float* from = in.data() + r.block;
       if (!q8)
         std::memcpy(bytes + r.at * sizeof(float), from, r.n * sizeof(float));
@@ -221,49 +225,76 @@ void EngineCore::write_state(int64_t b, ExtentKind kind, std::span<const float> 
                          codes + r.at, r.n);
       else
         q8_encode_moment(state_kind(kind), from, codes + r.at, scales_after(bytes, n) + r.at / kQ8GroupElems, r.n);
-      if (compute && !q8 && place_.compute_bytes == 2)
+      if (compute && !q8 && core.place_.compute_bytes == 2)
         round_to_16(s.compute_dtype, {from, r.n}, {reinterpret_cast<uint16_t*>(cbytes) + r.at, r.n});
       else if (compute && !q8)
         std::memcpy(cbytes + r.at * sizeof(float), from, r.n * sizeof(float));
     }
-    nvme_->wait(nvme_->write(e, slot.master.first(e.io_bytes)));
+    core.nvme_->wait(core.nvme_->write(e, slot.master.first(e.io_bytes)));
     if (compute) {
-      const Extent& c = nvme_->extent(p, ExtentKind::kCompute);
-      nvme_->wait(nvme_->write(c, slot.compute.first(c.io_bytes)));
+      const Extent& c = core.nvme_->extent(p, ExtentKind::kCompute);
+      core.nvme_->wait(core.nvme_->write(c, slot.compute.first(c.io_bytes)));
     }
   }
 }
 
 // Between steps: the step count and fp16's loss scale, as a resume sets them.
-void EngineCore::set_steps_done(int64_t steps) {
+void Engine::set_steps_done(int64_t steps) {
+  EngineCore& core = *core_;
   STRIDER_CHECK(steps >= 0, "set_steps_done({}): a step count is >= 0", steps);
   finish_updates();
-  steps_ = steps;  // the passes' sequence numbers go on as they were
+  core.steps_ = steps;  // the passes' sequence numbers go on as they were
 }
 
-void EngineCore::set_loss_scale(LossScaleState s) {
-  STRIDER_CHECK(config_->loss_scaled(), "set_loss_scale: the {} compute dtype does not scale its loss (fp16 does)",
-                compute_dtype_name(config_->compute.dtype));
-  STRIDER_CHECK(std::isfinite(s.scale) && s.scale >= config_->loss_scaling.floor && s.good_steps >= 0,
+void Engine::set_loss_scale(LossScaleState s) {
+  EngineCore& core = *core_;
+  STRIDER_CHECK(core.config_->loss_scaled(), "set_loss_scale: the {} compute dtype does not scale its loss (fp16 does)",
+                compute_dtype_name(core.config_->compute.dtype));
+  STRIDER_CHECK(std::isfinite(s.scale) && s.scale >= core.config_->loss_scaling.floor && s.good_steps >= 0,
                 "set_loss_scale: a scale of {} with {} good steps; the scale is finite and at least the floor {}",
-                s.scale, s.good_steps, config_->loss_scaling.floor);
+                s.scale, s.good_steps, core.config_->loss_scaling.floor);
   finish_updates();
-  scaler_ = s;
+  core.scaler_ = s;
 }
 
-void EngineCore::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
+void Engine::model_weights(int64_t b, DType file_dtype, std::span<float> out) {
+  EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "model_weights: a simulated engine holds no state");
-  STRIDER_CHECK(b >= 0 && b < place_.blocks && out.size() == place_.layouts[b].total_elems(),
+  STRIDER_CHECK(b >= 0 && b < core.place_.blocks && out.size() == core.place_.layouts[b].total_elems(),
                 "model_weights: block {} and a buffer of {} elements do not match", b, out.size());
-  const BlockState& s = store_->block(size_t(b));
-  if (file_dtype != DType::kBF16 || config_->compute.dtype != at::kBFloat16 || s.compute_begin > 0 || !s.compute_on_host) {
+  const BlockState& s = core.store_->block(size_t(b));
+  if (file_dtype != DType::kBF16 || core.config_->compute.dtype != at::kBFloat16 || s.compute_begin > 0 ||
+      !s.compute_on_host) {
     read_state(b, ExtentKind::kMaster, out);
     return;
   }
   finish_updates();
-  settle_compute();
-  const std::span<uint16_t> c = store_->block(size_t(b)).compute;
+  core.settle_compute();
+  const std::span<uint16_t> c = core.store_->block(size_t(b)).compute;
   bf16_to_float(c, out);
+}
+
+std::string Engine::first_non_finite_param() {
+  EngineCore& core = *core_;
+  for (int64_t b = 0; b < core.place_.blocks; ++b) {
+    std::vector<float> w(core.place_.layouts[size_t(b)].total_elems());
+    read_state(b, ExtentKind::kMaster, w);
+    if (std::isfinite(sum_squares(w))) continue;
+    for (int64_t p = core.place_.shards.first_of(b); p < core.place_.shards.end_of(b); ++p) {
+      std::vector<float> values(core.piece(p).elems());  // the piece's coordinates
+      for (const PieceRun& r : core.piece(p).runs())
+        std::copy_n(w.begin() + ptrdiff_t(r.block), r.n, values.begin() + ptrdiff_t(r.at));
+      std::string name = core.first_non_finite(p, values.data());
+      if (name != "(padding)") return name;
+    }
+  }
+  return "";
+}
+
+void Engine::inject_nonfinite_gradient(int64_t b) {
+  EngineCore& core = *core_;
+  STRIDER_CHECK(b >= 0 && b < core.place_.blocks, "inject_nonfinite_gradient: block {} out of range", b);
+  core.fault_block_ = b;  // the next training pass's job takes it
 }
 
 }  // namespace strider

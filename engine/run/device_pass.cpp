@@ -75,8 +75,6 @@ void EngineCore::fetch_saved(Seat& s, int64_t b, int64_t m) {
   s.saved_in.push_back({b, m, slot, std::move(ready)});
 }
 
-void EngineCore::finish_updates() { host_->finish_updates(); }
-
 void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions,
                               const int64_t* attention) {
   for (Seat& st : seats_) st.data_ready->synchronize();  // the previous batch's copies have left the staging
@@ -291,7 +289,7 @@ void EngineCore::copy_grads_out(int64_t p, const StepOp& visit, const std::byte*
 
 EngineCore::Moved EngineCore::collect_device_spans() {
   Moved moved;
-  for (int d = 0; d < devices(); ++d) {
+  for (int d = 0; d < int(seats_.size()); ++d) {
     const Seat& st = seats_[size_t(d)];
     std::vector<OpSpan> spans;
     st.device->drain_spans(spans);
@@ -301,7 +299,7 @@ EngineCore::Moved EngineCore::collect_device_spans() {
       if (std::string_view(o.tag.name).find("hand-off") != std::string_view::npos) lane = Lane::kHandOff;
       Span sp{lane, o.tag.name, o.tag.block, -1, steps_, o.begin_us + st.origin_us, o.end_us + st.origin_us,
               o.tag.flops, o.tag.bytes, o.work_peak_bytes};
-      sp.device = devices() > 1 ? d : -1;
+      sp.device = seats_.size() > 1 ? d : -1;
       timeline_.add(std::move(sp));
       if (o.kind == OpKind::kCopyH2D) moved.h2d_bytes += o.tag.bytes;
       if (o.kind == OpKind::kCopyD2H) moved.d2h_bytes += o.tag.bytes;

@@ -1,7 +1,5 @@
 #include "engine/run/engine_core.h"
 
-#include "engine/config/engine_config.h"
-
 #include <fmt/ranges.h>
 
 #include <algorithm>
@@ -9,7 +7,9 @@
 #include <cstring>
 #include <limits>
 
+#include "engine/config/engine_config.h"
 #include "engine/run/collectives.h"
+#include "engine/run/engine.h"
 #include "engine/run/sim_updater.h"
 #include "engine/run/updater.h"
 #include "gpu/blocks/unit_tensors.h"
@@ -29,8 +29,9 @@ EngineConfig with_devices(EngineConfig c, size_t n) {
 
 }  // namespace
 
-size_t EngineCore::registered_host_bytes() const {
-  return arena_->copied_bytes() + (shared_arena_ ? shared_arena_->copied_bytes() : 0);
+size_t Engine::registered_host_bytes() const {
+  const EngineCore& core = *core_;
+  return core.arena_->copied_bytes() + (core.shared_arena_ ? core.shared_arena_->copied_bytes() : 0);
 }
 
 EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices)
@@ -66,16 +67,15 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   // arena only reserves its addresses (the shared compute copy's too), and
   // no file is opened. This and the host executor below are the only
   // choices the engine makes by its devices' kind.
-  const bool priced = simulated();
   StoreOptions so = place_.store;
-  so.zero = !priced;
+  so.zero = !priced();
   const size_t tokens = size_t(config_->batch() * config_->seq);
   const size_t emb_elems = place_.layouts[0].total_elems();
   const EngineFootprint& fp = place_.footprint;
   arena_ = std::make_unique<PinnedArena>(
-      fp.host_bytes + (priced ? fp.shared_host_bytes : 0),
-      ArenaOptions{.lock = config_->lock, .name = "strider host arena", .reserve_only = priced});
-  if (!config_->shared_compute_file.empty() && !priced) {
+      fp.host_bytes + (priced() ? fp.shared_host_bytes : 0),
+      ArenaOptions{.lock = config_->lock, .name = "strider host arena", .reserve_only = priced()});
+  if (!config_->shared_compute_file.empty() && !priced()) {
     shared_arena_ = std::make_unique<PinnedArena>(
         fp.shared_host_bytes, ArenaOptions{.lock = config_->lock, .name = "strider shared compute copy",
                                            .shared_file = config_->shared_compute_file});
@@ -124,7 +124,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   }
   ring_uses_.assign(grad_ring_.size(), 0);
 
-  if (!place_.extents.empty() && !priced) open_nvme_tier();
+  if (!place_.extents.empty() && !priced()) open_nvme_tier();
 
   // Each device: K units sized for the largest visit, its buffers, its runner.
   for (int d = 0; d < int(seats_.size()); ++d) {
@@ -161,7 +161,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
 
   // The host executor: the SimUpdater prices the host operations beside a
   // SimDevice (which has no span clock to align); the Updater runs them.
-  if (priced) {
+  if (priced()) {
     host_ = std::make_unique<SimUpdater>(static_cast<SimDevice&>(device()), place_, config_->optimizer_state,
                                          place_.ring_slot_bytes > 0 ? config_->grad_ring : 0, timeline_);
     return;
@@ -207,20 +207,21 @@ void EngineCore::settle_compute() {
   compute_pending_ = false;
 }
 
-StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int64_t* positions,
-                            const int64_t* attention) {
-  STRIDER_CHECK(dist_->ranks().world == config_->state_shards || !sharded() || simulated(),
+StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                        const int64_t* attention) {
+  EngineCore& core = *core_;
+  STRIDER_CHECK(core.dist_->ranks().world == core.config_->state_shards || !core.sharded() || simulated(),
                 "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
-                config_->state_shard, config_->state_shards, dist_->ranks().world);
+                core.config_->state_shard, core.config_->state_shards, core.dist_->ranks().world);
   const double t0 = Timeline::now_us();
   StepReport rep;
-  rep.step = steps_ + 1;
-  rep.lr = config_->adam.lr * config_->schedule.factor(steps_);
-  rep.tokens = config_->batch() * config_->seq;
-  for (Seat& st : seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
-  settle_compute();
-  upload_batch(ids, labels, positions, attention);
-  if (batch_valid_ == 0) {
+  rep.step = core.steps_ + 1;
+  rep.lr = core.config_->adam.lr * core.config_->schedule.factor(core.steps_);
+  rep.tokens = core.config_->batch() * core.config_->seq;
+  for (EngineCore::Seat& st : core.seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
+  core.settle_compute();
+  core.upload_batch(ids, labels, positions, attention);
+  if (core.batch_valid_ == 0) {
     // Nothing to learn from: no pass, no update, no step count (the same on
     // every rank: the count is the global batch's).
     rep.skipped = rep.no_targets = true;
@@ -235,19 +236,19 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
   auto job = std::make_shared<UpdateJob>();
   job->step = rep.step;
   job->lr = rep.lr;
-  job->fault_block = std::exchange(fault_block_, -1);
-  pass_scale_ = job->loss_scale = config_->loss_scaled() ? scaler_.scale : 1.0;
-  rep.loss_scale = config_->loss_scaled() ? scaler_.scale : 0.0;
-  host_->begin(program_, job);
-  run_pass(program_);  // its waits for updates still mean the previous pass's
-  ++passes_;
-  const PassEnd end = host_->end(*job);
+  job->fault_block = std::exchange(core.fault_block_, -1);
+  core.pass_scale_ = job->loss_scale = core.config_->loss_scaled() ? core.scaler_.scale : 1.0;
+  rep.loss_scale = core.config_->loss_scaled() ? core.scaler_.scale : 0.0;
+  core.host_->begin(core.program_, job);
+  core.run_pass(core.program_);  // its waits for updates still mean the previous pass's
+  ++core.passes_;
+  const PassEnd end = core.host_->end(*job);
   rep.grad_norm = end.grad_norm;
   rep.skipped = job->skipped;
   rep.skip_reason = job->skip_reason;
   rep.nonfinite_block = job->nonfinite_block;
   rep.nonfinite_tensor = job->nonfinite_tensor;
-  if (!rep.skipped) ++steps_;
+  if (!rep.skipped) ++core.steps_;
   double begin = t0, t1 = 0;
   if (end.priced) {
     // Prices, not values: no loss was computed, and the step's time is the
@@ -256,38 +257,41 @@ StepReport EngineCore::step(const int64_t* ids, const int64_t* labels, const int
     begin = end.begin_us;
     t1 = end.end_us;
   } else {
-    const auto [loss, valid] = pass_loss();
+    const auto [loss, valid] = core.pass_loss();
     rep.valid_tokens = valid;
     rep.loss = loss;
-    if (config_->loss_scaled()) {
+    if (core.config_->loss_scaled()) {
       // An overflow of finite loss above the floor is the scale's business, not a divergence.
-      rep.overflow = rep.skipped && std::isfinite(rep.loss) && scaler_.scale > config_->loss_scaling.floor;
-      scaler_ = next_loss_scale(config_->loss_scaling, scaler_, rep.skipped);
+      rep.overflow = rep.skipped && std::isfinite(rep.loss) && core.scaler_.scale > core.config_->loss_scaling.floor;
+      core.scaler_ = next_loss_scale(core.config_->loss_scaling, core.scaler_, rep.skipped);
     }
     t1 = Timeline::now_us();
   }
   // Every copy of the step has finished: the gradients landed (the norm is
   // known), the loss figures too; nothing of the next step is issued yet.
-  const Moved moved = collect_device_spans();
+  const EngineCore::Moved moved = core.collect_device_spans();
   rep.h2d_bytes = moved.h2d_bytes;
   rep.d2h_bytes = moved.d2h_bytes;
-  for (Seat& st : seats_) rep.work_peak_bytes = std::max(rep.work_peak_bytes, st.device->work_peak_bytes());
+  for (const EngineCore::Seat& st : core.seats_) {
+    rep.work_peak_bytes = std::max(rep.work_peak_bytes, st.device->work_peak_bytes());
+    rep.peak_device_bytes = std::max(rep.peak_device_bytes, st.device->peak_allocated_bytes());
+  }
   rep.step_s = (t1 - begin) * 1e-6;
   rep.tokens_per_s = double(rep.tokens) / rep.step_s;
-  rep.stats = timeline_.stats(begin, t1);
-  for (Seat& st : seats_) rep.peak_device_bytes = std::max(rep.peak_device_bytes, st.device->peak_allocated_bytes());
+  rep.stats = core.timeline_.stats(begin, t1);
   return rep;
 }
 
-double EngineCore::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions,
-                            const int64_t* attention) {
+double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                        const int64_t* attention) {
+  EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
-  settle_compute();
-  upload_batch(ids, labels, positions, attention);
-  run_pass(eval_program_);
-  synchronize_devices(StreamId::kCompute);
-  const auto [loss, valid] = pass_loss();
-  collect_device_spans();
+  core.settle_compute();
+  core.upload_batch(ids, labels, positions, attention);
+  core.run_pass(core.eval_program_);
+  core.synchronize_devices(StreamId::kCompute);
+  const auto [loss, valid] = core.pass_loss();
+  core.collect_device_spans();
   STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");
   return loss;
 }
@@ -327,37 +331,38 @@ MoeStep EngineCore::moe_step(const Seat& s, int64_t b, int64_t m, bool backward)
   return st;
 }
 
-void EngineCore::set_collectives(std::unique_ptr<Collectives> ranks) {
+void Engine::set_collectives(std::unique_ptr<Collectives> ranks) {
+  EngineCore& core = *core_;
   STRIDER_CHECK(ranks != nullptr, "set_collectives: no collectives");
   STRIDER_CHECK(!simulated() || ranks->ranks().solo(),
                 "a simulated engine runs one rank: it predicts one device's schedule, not {} ranks'",
                 ranks->ranks().world);
   finish_updates();
-  STRIDER_CHECK(passes_ == 0, "set_collectives: the engine has stepped already; give it its ranks before the "
+  STRIDER_CHECK(core.passes_ == 0, "set_collectives: the engine has stepped already; give it its ranks before the "
                 "first step");
-  STRIDER_CHECK(!sharded() || (ranks->ranks().world == config_->state_shards &&
-                               ranks->ranks().rank == config_->state_shard),
+  STRIDER_CHECK(!core.sharded() || (ranks->ranks().world == core.config_->state_shards &&
+                                    ranks->ranks().rank == core.config_->state_shard),
                 "set_collectives: the engine keeps state slice {} of {} but is given rank {} of {}",
-                config_->state_shard, config_->state_shards, ranks->ranks().rank, ranks->ranks().world);
+                core.config_->state_shard, core.config_->state_shards, ranks->ranks().rank, ranks->ranks().world);
   auto update = ranks->split("updater");
   size_t largest = 0;
-  for (int64_t p = 0; p < num_pieces(); ++p) largest = std::max(largest, piece(p).elems());
+  for (int64_t p = 0; p < core.num_pieces(); ++p) largest = std::max(largest, core.piece(p).elems());
   // The updater is idle (no pass yet); its next job, handed over under its
   // lock, sees these.
-  dist_ = std::move(ranks);
-  dist_update_ = std::move(update);
-  compile_programs(dist_->ranks().world);  // the ranks' pass inserts their collectives
-  dist_scratch_.assign(dist_->ranks().solo() || place_.grad_bytes == 4 ? 0 : largest, 0.0f);
+  core.dist_ = std::move(ranks);
+  core.dist_update_ = std::move(update);
+  core.compile_programs(core.dist_->ranks().world);  // the ranks' pass inserts their collectives
+  core.dist_scratch_.assign(core.dist_->ranks().solo() || core.place_.grad_bytes == 4 ? 0 : largest, 0.0f);
 }
 
-const RankInfo& EngineCore::ranks() const { return dist_->ranks(); }
+const RankInfo& Engine::ranks() const { return core_->dist_->ranks(); }
 
-
-void EngineCore::init_params(uint64_t seed) {
-  for (int64_t b = 0; b < place_.blocks; ++b) {
-    std::vector<float> w(place_.layouts[b].total_elems(), 0.0f);
-    for (const TensorSlot& t : place_.layouts[b].slots())
-      initial_values(t, seed, std::span(w).subspan(t.offset_elems, t.numel), spec_.dims.norm);
+void Engine::init_params(uint64_t seed) {
+  EngineCore& core = *core_;
+  for (int64_t b = 0; b < core.place_.blocks; ++b) {
+    std::vector<float> w(core.place_.layouts[b].total_elems(), 0.0f);
+    for (const TensorSlot& t : core.place_.layouts[b].slots())
+      initial_values(t, seed, std::span(w).subspan(t.offset_elems, t.numel), core.spec_.dims.norm);
     write_state(b, ExtentKind::kMaster, w);
     std::fill(w.begin(), w.end(), 0.0f);
     write_state(b, ExtentKind::kAdamM, w);
@@ -365,46 +370,50 @@ void EngineCore::init_params(uint64_t seed) {
   }
 }
 
-void EngineCore::set_param(const std::string& name, std::span<const float> values) {
-  for (int64_t b = 0; b < place_.blocks; ++b) {
-    const TensorSlot* t = place_.layouts[b].find(name);
+void Engine::set_param(const std::string& name, std::span<const float> values) {
+  EngineCore& core = *core_;
+  for (int64_t b = 0; b < core.place_.blocks; ++b) {
+    const TensorSlot* t = core.place_.layouts[b].find(name);
     if (!t) continue;
     STRIDER_CHECK(values.size() == t->numel, "parameter '{}' has {} elements; {} given", name, t->numel, values.size());
-    std::vector<float> w(place_.layouts[b].total_elems());
+    std::vector<float> w(core.place_.layouts[b].total_elems());
     read_state(b, ExtentKind::kMaster, w);
     std::copy(values.begin(), values.end(), w.begin() + t->offset_elems);
     write_state(b, ExtentKind::kMaster, w);
     return;
   }
-  throw Error(fmt::format("{} has no parameter '{}'", spec_.arch_name, name));
+  throw Error(fmt::format("{} has no parameter '{}'", core.spec_.arch_name, name));
 }
 
-std::span<std::byte> EngineCore::compute_copy(int64_t b) {
+std::span<std::byte> Engine::compute_copy(int64_t b) {
+  EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "compute_copy: a simulated engine holds no parameters");
-  STRIDER_CHECK(b >= 0 && b < place_.blocks, "compute_copy: block {} out of range (the model has {} blocks)", b,
-                place_.blocks);
-  STRIDER_CHECK(store_->block(size_t(b)).compute_on_host,
+  STRIDER_CHECK(b >= 0 && b < core.place_.blocks, "compute_copy: block {} out of range (the model has {} blocks)", b,
+                core.place_.blocks);
+  STRIDER_CHECK(core.store_->block(size_t(b)).compute_on_host,
                 "compute_copy: block {}'s compute copy lives on NVMe (nvme_compute_blocks); it has none in RAM to "
                 "point at", b);
-  return store_->block(size_t(b)).compute_bytes();
+  return core.store_->block(size_t(b)).compute_bytes();
 }
 
-size_t EngineCore::compute_begin(int64_t b) const {
+size_t Engine::compute_begin(int64_t b) const {
+  const EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "compute_begin: a simulated engine holds no parameters");
-  STRIDER_CHECK(b >= 0 && b < place_.blocks, "compute_begin: block {} out of range (the model has {} blocks)", b,
-                place_.blocks);
-  return store_->block(size_t(b)).compute_begin;
+  STRIDER_CHECK(b >= 0 && b < core.place_.blocks, "compute_begin: block {} out of range (the model has {} blocks)", b,
+                core.place_.blocks);
+  return core.store_->block(size_t(b)).compute_begin;
 }
 
-std::vector<float> EngineCore::param(const std::string& name) {
-  for (int64_t b = 0; b < place_.blocks; ++b) {
-    const TensorSlot* t = place_.layouts[b].find(name);
+std::vector<float> Engine::param(const std::string& name) {
+  EngineCore& core = *core_;
+  for (int64_t b = 0; b < core.place_.blocks; ++b) {
+    const TensorSlot* t = core.place_.layouts[b].find(name);
     if (!t) continue;
-    std::vector<float> w(place_.layouts[b].total_elems());
+    std::vector<float> w(core.place_.layouts[b].total_elems());
     read_state(b, ExtentKind::kMaster, w);
     return {w.begin() + t->offset_elems, w.begin() + t->offset_elems + t->numel};
   }
-  throw Error(fmt::format("{} has no parameter '{}'", spec_.arch_name, name));
+  throw Error(fmt::format("{} has no parameter '{}'", core.spec_.arch_name, name));
 }
 
 }  // namespace strider

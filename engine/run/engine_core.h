@@ -2,8 +2,9 @@
 // engine's own files only (engine_core.cpp: construction and the step;
 // device_pass.cpp, device_ops.cpp, device_buffers.cpp: the device executor;
 // updater.cpp, host_update.cpp, host_grads.cpp: the host executor;
-// block_state.cpp: the state between steps). Its public part is the
-// Engine's API, which forwards to it; engine.h says what each does.
+// block_state.cpp: the state between steps). The Engine's API
+// (engine.h, declared there once) is implemented on it in engine.cpp,
+// engine_core.cpp and block_state.cpp.
 //
 // The configuration is only declared here: the executors, which include this
 // header and not engine/config/engine_config.h (the build refuses it), read
@@ -44,44 +45,16 @@ class Collectives;    // engine/run/collectives.h
 struct RankInfo;
 
 class EngineCore {
+  // The Engine (engine/run/engine.h) is the API: its functions work on this
+  // state directly (engine_core.cpp, block_state.cpp), with no second
+  // declaration of them here.
+  friend class Engine;
+
  public:
-  // The Engine's API: engine/run/engine.h says what each does.
   EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::unique_ptr<Device>> devices);
   ~EngineCore();
   EngineCore(const EngineCore&) = delete;
   EngineCore& operator=(const EngineCore&) = delete;
-  void init_params(uint64_t seed);
-  void set_param(const std::string& name, std::span<const float> values);
-  std::vector<float> param(const std::string& name);
-  void read_state(int64_t block, ExtentKind kind, std::span<float> out);
-  void write_state(int64_t block, ExtentKind kind, std::span<const float> in);
-  std::span<std::byte> compute_copy(int64_t block);
-  size_t compute_begin(int64_t block) const;
-  void model_weights(int64_t block, DType file_dtype, std::span<float> out);
-  StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
-  double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
-  void finish_updates();
-  // The devices price their work and run none (SimDevice): the engine
-  // touches no memory and holds no state, and its host executor is a SimUpdater.
-  bool simulated() const { return device().kind() == DeviceKind::kSim; }
-  const ModelSpec& spec() const { return spec_; }
-  const EngineConfig& config() const { return *config_; }
-  const Sharding& sharding() const { return place_.shards; }
-  const StepProgram& program() const { return program_; }
-  Device& device(int d = 0) { return *seats_.at(size_t(d)).device; }
-  const Device& device(int d = 0) const { return *seats_.at(size_t(d)).device; }
-  int devices() const { return int(seats_.size()); }
-  Timeline& timeline() { return timeline_; }
-  int64_t steps_done() const { return steps_; }
-  void set_steps_done(int64_t steps);
-  LossScaleState loss_scale() const { return scaler_; }
-  void set_loss_scale(LossScaleState s);
-  void set_collectives(std::unique_ptr<Collectives> ranks);
-  const RankInfo& ranks() const;
-  size_t arena_bytes() const { return arena_->capacity_bytes(); }
-  size_t registered_host_bytes() const;
-  std::string first_non_finite_param();
-  void inject_nonfinite_gradient(int64_t b);
 
  private:
   using Range = ElemRange;
@@ -270,6 +243,11 @@ class EngineCore {
   bool on_nvme(int64_t p) const { return place_.at(p).on_nvme; }
   bool spills_grads(int64_t p) const { return place_.at(p).spills_grads; }
   const Piece& piece(int64_t p) const { return place_.piece(p); }
+  Device& device(int d = 0) { return *seats_.at(size_t(d)).device; }
+  const Device& device(int d = 0) const { return *seats_.at(size_t(d)).device; }
+  // The devices price their work and run none (SimDevices): the engine maps
+  // no memory and holds no state, and its host executor is a SimUpdater.
+  bool priced() const { return device().kind() == DeviceKind::kSim; }
   // The training program updates piece p (a frozen one it never does): its loads wait for that.
   bool updates(int64_t p) const { return program_.updated[size_t(p)] >= 0; }
   int64_t num_pieces() const { return place_.num_pieces(); }

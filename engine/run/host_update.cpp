@@ -60,26 +60,6 @@ std::string EngineCore::first_non_finite_grad(int64_t p, const std::byte* grads,
              : name;
 }
 
-std::string EngineCore::first_non_finite_param() {
-  for (int64_t b = 0; b < place_.blocks; ++b) {
-    std::vector<float> w(place_.layouts[size_t(b)].total_elems());
-    read_state(b, ExtentKind::kMaster, w);
-    if (std::isfinite(sum_squares(w))) continue;
-    for (int64_t p = place_.shards.first_of(b); p < place_.shards.end_of(b); ++p) {
-      std::vector<float> values(piece(p).elems());  // the piece's coordinates
-      for (const PieceRun& r : piece(p).runs()) std::copy_n(w.begin() + ptrdiff_t(r.block), r.n, values.begin() + ptrdiff_t(r.at));
-      std::string name = first_non_finite(p, values.data());
-      if (name != "(padding)") return name;
-    }
-  }
-  return "";
-}
-
-void EngineCore::inject_nonfinite_gradient(int64_t b) {
-  STRIDER_CHECK(b >= 0 && b < place_.blocks, "inject_nonfinite_gradient: block {} out of range", b);
-  fault_block_ = b;  // the next training pass's job takes it
-}
-
 void EngineCore::skip_piece(int64_t b) {
   if (spills_grads(b)) {
     // Its ring slot is freed by the spill's completion; the spill must be
