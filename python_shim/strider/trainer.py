@@ -68,7 +68,11 @@ epochs' step count, weight_decay, adam_beta1/2, adam_epsilon, max_grad_norm,
 bf16 or fp16) plus `seq`. With a strider_config, an argument set away from its
 TrainingArguments default to something other than the config's value is
 refused, as is anything strider cannot honour (gradient_accumulation_steps,
-several GPUs, optimizers other than AdamW, load_best_model_at_end).
+several GPUs, optimizers other than AdamW, load_best_model_at_end) and every
+argument that changes a step's maths in a way strider's step does not
+(label_smoothing_factor, neftune_noise_alpha, lr_scheduler_kwargs, optim_args,
+optim_target_modules, bf16_full_eval, fp16_full_eval): MATHS_FIELDS lists
+what is honoured and what is refused.
 strider's weight decay spares norms and biases, as the Trainer's own AdamW
 does (EngineConfig.decay_norms_and_biases=True decays them too).
 """
@@ -89,6 +93,17 @@ from strider.engine import IGNORE_INDEX, Engine, inspect_checkpoint
 _SCHEDULES = {"linear": ("linear", True), "cosine": ("cosine", True), "constant": ("constant", False),
               "constant_with_warmup": ("constant", True)}
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
+# The TrainingArguments fields that change the maths of a training or evaluation step: each is either
+# honoured (the engine's config is built from it, or a given config must agree with it) or refused by
+# name when set away from what strider does. tests/python/test_trainer.py checks both halves.
+MATHS_FIELDS = {
+    "honoured": ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps",
+                 "num_train_epochs", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+                 "max_grad_norm", "bf16", "fp16", "per_device_train_batch_size", "optim"),
+    "refused": ("gradient_accumulation_steps", "label_smoothing_factor", "neftune_noise_alpha",
+                "lr_scheduler_kwargs", "optim_args", "optim_target_modules", "bf16_full_eval",
+                "fp16_full_eval", "auto_find_batch_size"),
+}
 _BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 STATE_DIR = "strider"  # strider's training state inside a checkpoint-N folder
 # Resuming may extend or shorten the run (the Trainer rebuilds its schedule from max_steps too).
@@ -171,6 +186,28 @@ class StriderTrainer(transformers.Trainer):
                    f"(optim {' or '.join(_ADAMW)}; EngineConfig.optimizer picks adamw or adam)")
         if args.auto_find_batch_size:
             refuse("auto_find_batch_size = True: the batch is fixed by the engine's config")
+        # What changes the maths of a step that strider's step does not do: refused by name, never ignored.
+        # (The fields the config is built from are checked in _config_from_args; MATHS_FIELDS lists both.)
+        if args.label_smoothing_factor:
+            refuse(f"label_smoothing_factor = {args.label_smoothing_factor}: strider's loss is the plain "
+                   "cross-entropy over the labels (its head computes it block by block, not from the "
+                   "Trainer's logits); set it to 0")
+        if args.neftune_noise_alpha is not None:
+            refuse(f"neftune_noise_alpha = {args.neftune_noise_alpha}: strider adds no noise to the "
+                   "embeddings; leave it None")
+        if args.lr_scheduler_kwargs:
+            refuse(f"lr_scheduler_kwargs = {args.lr_scheduler_kwargs!r}: strider's schedules take no extra "
+                   "arguments (EngineConfig.schedule, warmup_steps, total_steps)")
+        if args.optim_args:
+            refuse(f"optim_args = {args.optim_args!r}: strider's AdamW takes lr, betas, eps and weight_decay "
+                   "from their own arguments")
+        if args.optim_target_modules is not None:
+            refuse(f"optim_target_modules = {args.optim_target_modules!r}: strider updates every trained "
+                   "parameter with AdamW")
+        for flag in ("bf16_full_eval", "fp16_full_eval"):
+            if getattr(args, flag):
+                refuse(f"{flag} = True: strider evaluates in the engine's compute dtype "
+                       "(EngineConfig.dtype), as it trains")
         if args.load_best_model_at_end:
             refuse("load_best_model_at_end = True is not supported; the best checkpoint's folder "
                    "(trainer.state.best_model_checkpoint) loads with from_pretrained, or into an engine "

@@ -8,6 +8,7 @@ from a checkpoint-N folder continues bit-identically; evaluate() is
 the token-mean loss of the eval set; and TrainingArguments that strider cannot
 honour, or that contradict the strider config, are refused with a ValueError.
 """
+import dataclasses
 import pytest
 import torch
 
@@ -219,6 +220,33 @@ def test_refusals(tmp_path, over, kw, match):
         strider.StriderTrainer(model=model, args=training_args(tmp_path, **over), train_dataset=rows(4, 1), **kwargs)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+# Each field strider's step does not implement, set away from its default: refused by name, before the
+# engine exists (trains silently wrong 8, issue 63).
+REFUSED_SETTINGS = {
+    "gradient_accumulation_steps": 2,
+    "label_smoothing_factor": 0.1,
+    "neftune_noise_alpha": 5.0,
+    "lr_scheduler_kwargs": {"num_cycles": 2},
+    "optim_args": "foo=1",
+    "optim_target_modules": ["q_proj"],
+    "bf16_full_eval": True,
+    "fp16_full_eval": True,
+    "auto_find_batch_size": True,
+}
+
+
+def test_every_field_that_changes_the_maths_is_honoured_or_refused(tmp_path):
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    listed = strider.trainer.MATHS_FIELDS
+    for name in listed["honoured"] + listed["refused"]:
+        assert name in fields, f"TrainingArguments has no field {name}: update strider.trainer.MATHS_FIELDS"
+    assert set(REFUSED_SETTINGS) == set(listed["refused"])
+    for name, value in REFUSED_SETTINGS.items():
+        with pytest.raises(ValueError, match=f"StriderTrainer: {name} = "):
+            strider.StriderTrainer(model=make_model(), args=training_args(tmp_path, **{name: value}),
+                                   train_dataset=rows(4, 1), strider_config=config())
 
 
 def test_resume_from_checkpoint_continues_bit_identically(tmp_path):
