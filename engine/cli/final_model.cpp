@@ -89,10 +89,7 @@ FinalSaveResult save_final_model(Engine& engine, const ModelSpec& base, const st
   }
   writing([&] {
     if (adapter) adapter->finish();
-    if (model) {
-      model->finish();
-      r.removed = model->removed();
-    }
+    if (model) model->finish();
   });
   return r;
 }

@@ -48,7 +48,6 @@ void check_room_for_final_model(const FinalModel& what, const ModelSpec& spec);
 // error is returned ("" on success and on the ranks that do not write).
 struct FinalSaveResult {
   std::string error;
-  std::vector<std::string> removed;  // an earlier model's files the save replaced
 };
 FinalSaveResult save_final_model(Engine& engine, const ModelSpec& base, const std::string& config_json,
                                  const FinalModel& what, bool writes);

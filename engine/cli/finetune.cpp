@@ -23,6 +23,7 @@
 #include "engine/cli/cli.h"
 #include "engine/cli/final_model.h"
 #include "engine/cli/finetune_options.h"
+#include "engine/cli/out_folder.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/cli/step_log.h"
 #include "engine/cli/training_run.h"
@@ -44,6 +45,7 @@ nlohmann::json data_identity(const std::string& path, TokenFile& file) {
 // its lock), the checkpoint directory (locked here when given, else when
 // first used), the metrics file. Only the writing rank opens them.
 struct RunOutputs {
+  std::optional<OutFolder> out;  // rank 0's: the final save's folder, switched in whole
   std::optional<DirLock> out_lock, ckpt_lock;
   std::string ckpt_root;
   std::ofstream metrics;
@@ -72,19 +74,16 @@ void open_outputs(const FinetuneOptions& o, bool writes, RunOutputs& w) {
                              RunPath{"--checkpoint-dir", o.checkpoint_dir}, RunPath{"--nvme", o.train.nvme}})
       if (!p.path.empty()) outputs.push_back(p);
     if (o.train.data == "builtin") outputs.push_back({"--work-dir", o.train.work_dir});  // the generated data
-    check_paths_apart(inputs, outputs, {"--checkpoint-dir", "--nvme"});
-    // A model already there is replaced by the final save, as transformers'
-    // save_pretrained replaces one: said now, not found out at the end.
-    const std::string model_out = o.train.lora.empty() ? o.out : o.merge ? (fs::path(o.out) / "merged").string() : "";
-    if (const auto there = model_out.empty() ? std::vector<std::string>{} : model_files_in(model_out); !there.empty())
-      fmt::print(stderr, "warning: {}{} holds a model ({}); the final save replaces it\n",
-                 o.train.lora.empty() ? "--out " : "--merge's ", model_out, fmt::join(there, ", "));
-    if (!o.train.lora.empty() && fs::exists(fs::path(o.out) / "adapter_model.safetensors"))
-      fmt::print(stderr, "warning: --out {} holds an adapter; the final save replaces it\n", o.out);
+    // --out is replaced as a whole by the final save (out_folder.h): nothing
+    // else may live inside it.
+    check_paths_apart(inputs, outputs, {"--checkpoint-dir", "--nvme", "--out"});
     check_output_dir(o.out, "--out");
     // One run per --out: two would both save there, and after a signal both
     // into OUT/strider-checkpoints, where a later --resume takes either's.
     w.out_lock.emplace(o.out, "--out", "", DirLock::Mark::kDirectory);
+    // What the final save will replace, and whether it may: said now, not
+    // found out at the end (under the lock: the folder beside --out is this run's).
+    w.out.emplace(o.out, o.overwrite_out);
     if (!o.trace.empty()) check_output_file(o.trace, "--trace");
     if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
   }
@@ -436,7 +435,24 @@ int run_finetune(FinetuneOptions& o) {
   // copy they are the master, which a sharded state gathers from every rank.
   // A write that fails (a full disk) stops writing, but every rank still
   // takes part in gathering the weights; then the trained state is kept.
-  const FinalSaveResult saved = save_final_model(engine, spec, config.dump(2), final_model, writes);
+  // Rank 0 writes the whole folder beside --out, then switches it in at
+  // once (out_folder.h): --out holds the earlier folder or this one, never a mix.
+  FinalModel into = final_model;
+  if (writes) into.out = outputs.out->begin();
+  FinalSaveResult saved = save_final_model(engine, spec, config.dump(2), into, writes);
+  // What from_pretrained, AutoTokenizer and generate() read besides the
+  // weights, as the source checkpoint had it: copied, so the folder loads as is.
+  std::vector<std::string> copied, replaced;
+  if (writes && saved.error.empty()) try {
+      if (!tr.model_dir.empty()) {
+        copied = copy_model_companions(tr.model_dir, into.out);
+        if (o.merge) copy_model_companions(tr.model_dir, into.merged_dir());
+      }
+      replaced = outputs.out->commit();
+    } catch (const Error& e) {
+      saved.error = e.what();
+    }
+  if (writes && !saved.error.empty()) outputs.out->abandon();  // --out is as it was
   const std::string& write_error = saved.error;
   if (ranks->any(!write_error.empty())) {
     std::string kept;
@@ -453,13 +469,6 @@ int run_finetune(FinetuneOptions& o) {
                             o.out, write_error.empty() ? "on rank 0" : write_error, kept, ckpt_root));
   }
   if (!writes) return 0;
-  // What from_pretrained, AutoTokenizer and generate() read besides the
-  // weights, as the source checkpoint had it: copied, so the folder loads as is.
-  std::vector<std::string> copied;
-  if (!tr.model_dir.empty()) {
-    copied = copy_model_companions(tr.model_dir, o.out);
-    if (o.merge) copy_model_companions(tr.model_dir, final_model.merged_dir());
-  }
   const std::string what = o.train.lora.empty() ? std::string(dtype_name(save_dtype))
                            : fmt::format("a PEFT adapter, {}{}", dtype_name(final_model.adapter_dtype()),
                                          o.merge ? fmt::format("; the merged model ({}) in {}", dtype_name(save_dtype),
@@ -468,8 +477,7 @@ int run_finetune(FinetuneOptions& o) {
   fmt::print("saved {} (steps {}..{}; loss {:.4f} -> {:.4f}{}; {}{})\n", o.out, start_step + 1, engine.steps_done(),
              first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "", what,
              copied.empty() ? "" : fmt::format("; with {} from --model", fmt::join(copied, ", ")));
-  if (!saved.removed.empty())
-    fmt::print("  removed the earlier model's files this save does not have: {}\n", fmt::join(saved.removed, ", "));
+  if (!replaced.empty()) fmt::print("  replaced the earlier --out: {}\n", fmt::join(replaced, ", "));
   return 0;
 }
 

@@ -38,6 +38,9 @@ std::function<int()> add_finetune(CLI::App& app) {
                 "a LoRA adapter is fp32 unless bf16 is asked")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "bf16", "fp32"}));
+  c->add_flag("--overwrite-out", o->overwrite_out,
+              "let the final save replace an --out that holds files strider did not write there (it replaces --out "
+              "as a whole: the folder then holds exactly what this run wrote)");
   c->add_flag("--merge", o->merge,
               "with --lora: also write the merged model (each adapted weight W + scale B A) under --out/merged, a "
               "transformers checkpoint without adapters");

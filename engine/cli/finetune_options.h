@@ -17,7 +17,7 @@ struct FinetuneOptions {
   int64_t checkpoint_every = 0, steps = 120, eval_every = 30, eval_batches = 2, keep_checkpoints = 2,
           max_skipped_steps = 3;
   std::vector<std::string> allow_changed;
-  bool resume = false, merge = false;
+  bool resume = false, merge = false, overwrite_out = false;
   int64_t dist_timeout_s = 300;
 };
 

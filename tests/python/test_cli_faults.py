@@ -186,25 +186,6 @@ def test_the_newest_checkpoint_is_the_highest_step_it_records_not_its_name(strid
     assert f"resumed from {ck / 'step-00000003'} at step 3" in out
 
 
-def test_a_model_already_in_out_is_named_before_the_first_step_and_what_the_save_removed(strider, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    earlier = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
-    for name in earlier:
-        (out / name).write_text("an earlier save")
-    (out / "notes.txt").write_text("not a model file")
-    r = run(strider, tmp_path, "--steps", "1", "--out", str(out))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert f"warning: --out {out} holds a model ({', '.join(earlier)}); the final save replaces it" in r.stderr
-    removed = [earlier[2], earlier[0], earlier[1]]  # the index first: while it exists it names complete files
-    assert f"removed the earlier model's files this save does not have: {', '.join(removed)}" in r.stdout
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
-    # A second run into it names the one file it replaces, and removes nothing.
-    r = run(strider, tmp_path, "--steps", "1", "--out", str(out))
-    assert "holds a model (model.safetensors)" in r.stderr
-    assert "removed the earlier model" not in r.stdout
-
-
 def test_outputs_are_checked_before_the_first_step(strider, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     r = run(strider, tmp_path, "--steps", "3", "--out", str(tmp_path / "file" / "out"))
