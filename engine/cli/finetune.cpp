@@ -183,6 +183,30 @@ int run_finetune(FinetuneOptions& o) {
     saved_step = engine.steps_done();
     fmt::print("  checkpoint: {} (step {})\n", dir.string(), saved_step);
   };
+  // A checkpoint that fails to save (a full disk, a permission, something in
+  // the way) does not lose the run: the previous one stays, training and the
+  // final --out go on, and the run's end says what was kept. (Ranks that save
+  // together stop at a failure, as before: rank 0 gathers the others' slices.)
+  std::string checkpoint_error;  // the newest save's failure, until one succeeds
+  auto kept_checkpoint = [&] {
+    return saved_step >= 0 ? fmt::format("the last checkpoint (step {}) stays in {}", saved_step, ckpt_root)
+                           : std::string("no checkpoint of this run was saved");
+  };
+  auto try_checkpoint = [&] {
+    if (!me.solo()) {
+      save_checkpoint();
+      return true;
+    }
+    try {
+      save_checkpoint();
+      checkpoint_error.clear();
+      return true;
+    } catch (const Error& e) {
+      checkpoint_error = fmt::format("the checkpoint of step {} failed: {}", engine.steps_done(), e.what());
+      fmt::print(stderr, "warning: {}; {}\n", checkpoint_error, kept_checkpoint());
+      return false;
+    }
+  };
 
   // 3. Resume: the newest checkpoint that loads, on the same data unless allowed.
   if (o.resume) {
@@ -371,7 +395,7 @@ int run_finetune(FinetuneOptions& o) {
     log.append(line);
     if (!o.checkpoint_dir.empty() && o.checkpoint_every > 0 && r.step % o.checkpoint_every == 0) {
       log.clear();  // the save prints its line
-      save_checkpoint();
+      try_checkpoint();
     }
   }
   engine.finish_updates();
@@ -421,13 +445,15 @@ int run_finetune(FinetuneOptions& o) {
     const int sig = signals.requested() ? signals.signal_number() : SIGTERM;
     fmt::print("interrupted by {} after step {}: saving\n", StopSignals::name(sig), engine.steps_done());
     std::fflush(stdout);  // a supervisor watching the output knows the save has begun
-    save_checkpoint();
-    write_trace();
-    ranks->barrier();  // a rank that exits first would have torchrun stop rank 0 mid-save
-    fmt::print("resume with --checkpoint-dir {} --resume\n", ckpt_root);
-    return 128 + sig;
+    if (try_checkpoint()) {
+      write_trace();
+      ranks->barrier();  // a rank that exits first would have torchrun stop rank 0 mid-save
+      fmt::print("resume with --checkpoint-dir {} --resume\n", ckpt_root);
+      return 128 + sig;
+    }
+    fmt::print(stderr, "saving the trained model to --out {} instead\n", o.out);  // the final save below
   }
-  if (!o.checkpoint_dir.empty()) save_checkpoint();
+  if (!o.checkpoint_dir.empty()) try_checkpoint();
   write_trace();
 
   // A checkpoint transformers loads (with LoRA, an adapter PEFT loads),
@@ -478,6 +504,8 @@ int run_finetune(FinetuneOptions& o) {
              first_loss, last_loss, skipped_total ? fmt::format("; {} steps skipped", skipped_total) : "", what,
              copied.empty() ? "" : fmt::format("; with {} from --model", fmt::join(copied, ", ")));
   if (!replaced.empty()) fmt::print("  replaced the earlier --out: {}\n", fmt::join(replaced, ", "));
+  STRIDER_CHECK(checkpoint_error.empty(), "{}; the trained model is saved in --out {}, and {}", checkpoint_error,
+                o.out, kept_checkpoint());
   return 0;
 }
 

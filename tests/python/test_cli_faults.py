@@ -186,6 +186,34 @@ def test_the_newest_checkpoint_is_the_highest_step_it_records_not_its_name(strid
     assert f"resumed from {ck / 'step-00000003'} at step 3" in out
 
 
+def test_a_checkpoint_that_fails_to_save_loses_nothing_else(strider, tmp_path):
+    """A periodic checkpoint that cannot be saved (here a file lies where it goes) fails alone: the run goes on
+    and a later one saves. A final checkpoint that fails still leaves the final --out, and the run's end names
+    what was kept and where (issue 63, data lost 3)."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "step-00000002").write_text("in the way")
+    r = run(strider, tmp_path, "--steps", "3", "--checkpoint-dir", str(ck), "--checkpoint-every", "1",
+            "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "warning: the checkpoint of step 2 failed" in r.stderr
+    assert f"the last checkpoint (step 1) stays in {ck}" in r.stderr
+    assert (ck / "step-00000003" / "trainer_state.json").exists()
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+    ck2 = tmp_path / "ck2"
+    ck2.mkdir()
+    (ck2 / "step-00000002").write_text("in the way")
+    r = run(strider, tmp_path, "--steps", "2", "--checkpoint-dir", str(ck2), "--checkpoint-every", "1",
+            "--out", str(tmp_path / "out2"))
+    assert r.returncode != 0
+    assert "the checkpoint of step 2 failed" in r.stderr, r.stderr[-2000:]
+    assert f"the trained model is saved in --out {tmp_path / 'out2'}, and the last checkpoint (step 1) stays in " \
+           f"{ck2}" in r.stderr
+    assert (tmp_path / "out2" / "model.safetensors").exists()
+    assert (ck2 / "step-00000001" / "trainer_state.json").exists()
+
+
 def test_outputs_are_checked_before_the_first_step(strider, tmp_path):
     (tmp_path / "file").write_text("not a directory")
     r = run(strider, tmp_path, "--steps", "3", "--out", str(tmp_path / "file" / "out"))
