@@ -227,8 +227,7 @@ class StriderTrainer(transformers.Trainer):
             schedule, warms_up = _SCHEDULES[kind]
             total = self._total_steps()
             if schedule != "constant" and total <= 0:
-                raise ValueError(f"StriderTrainer: lr_scheduler_type {kind!r} decays to 0 at the last step, "
-                                 "which is unknown: set max_steps, or give a train_dataset with a length")
+                raise ValueError(f"StriderTrainer: {self._no_last_step(kind)}")
             warmup = args.get_warmup_steps(max(total, 0)) if warms_up else 0
             return EngineConfig(seq=seq, micro_batch=args.per_device_train_batch_size, accumulation=1,
                                 dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
@@ -280,6 +279,22 @@ class StriderTrainer(transformers.Trainer):
         flattening = getattr(transformers, "DataCollatorWithFlattening", None)
         return any(d.packs_documents for d in data) or (
             flattening is not None and isinstance(self.data_collator, flattening))
+
+    def _no_last_step(self, kind) -> str:
+        """Why the run's step count, which a decaying schedule needs, is not known or not positive."""
+        args = self.args
+        if args.max_steps <= 0 and args.num_train_epochs <= 0:
+            return (f"num_train_epochs = {args.num_train_epochs} and max_steps = {args.max_steps}: the run has no "
+                    "step to train; set max_steps or num_train_epochs above 0")
+        try:
+            rows = len(self.train_dataset)
+        except TypeError:
+            return (f"lr_scheduler_type {kind!r} decays to 0 at the last step, which is unknown: the "
+                    f"train_dataset ({type(self.train_dataset).__name__}) has no length; set max_steps")
+        if rows == 0:
+            return "the train_dataset has no rows: there is no step to train"
+        return (f"num_train_epochs = {args.num_train_epochs} of {rows} rows at per_device_train_batch_size = "
+                f"{args.per_device_train_batch_size} is no whole step; set max_steps or more epochs")
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole run, as the Trainer will count them (0: unknown)."""

@@ -210,6 +210,8 @@ def test_fp16_steps_the_engine_with_its_own_loss_scaling(tmp_path):
     (dict(optim="sgd"), {}, "strider's optimizer is AdamW"),
     (dict(per_device_eval_batch_size=8), {}, "per_device_eval_batch_size = 8"),
     (dict(lr_scheduler_type="polynomial"), dict(strider_config=None, seq=SEQ), "strider schedules are"),
+    (dict(max_steps=-1, num_train_epochs=0), dict(strider_config=None, seq=SEQ),
+     r"num_train_epochs = 0(\.0)? and max_steps = -1: the run has no step to train"),
     ({}, dict(strider_config=None), "pass seq="),
 ])
 def test_refusals(tmp_path, over, kw, match):
