@@ -42,6 +42,11 @@ def document(row, where):
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise ValueError(f"{where}: expected {{\"messages\": [...]}} with at least one message")
+        for i, m in enumerate(msgs):
+            missing = [k for k in ("role", "content") if not isinstance(m, dict) or k not in m]
+            if missing:
+                raise ValueError(f"{where}: message {i + 1} has no {' and no '.join(missing)} (a message is "
+                                 "{\"role\": ..., \"content\": ...})")
         return "chat", msgs
     if "conversations" in row:
         turns = row["conversations"]
@@ -59,8 +64,11 @@ def document(row, where):
         if isinstance(prompt, list) and isinstance(completion, list) and completion:
             return "chat", prompt + completion
         raise ValueError(f"{where}: prompt and completion must both be strings, or both lists of messages")
-    if isinstance(row.get("text"), str):
-        return "text", row["text"]
+    if "text" in row:
+        if isinstance(row["text"], str):
+            return "text", row["text"]
+        got = "null" if row["text"] is None else type(row["text"]).__name__
+        raise ValueError(f"{where}: text is {got}, not a string")
     raise ValueError(f"{where}: a row needs {COLUMNS}; this one has {', '.join(sorted(row)) or 'no column'}")
 
 

@@ -102,6 +102,8 @@ def test_bad_rows_and_files_are_named(tmp_path, tok):
                                              "or text; this one has answer, question"),
         ([{"conversations": [{"from": "robot", "value": "x"}]}], "role 'robot' is none of"),
         ([{"prompt": "p", "completion": ["x"]}], "must both be strings, or both lists of messages"),
+        ([{"text": "a"}, {"text": None}], r"bad.parquet row 2: text is null, not a string"),
+        ([{"messages": [{"role": "user"}]}], r"bad.parquet row 1: message 1 has no content"),
     ]
     for rows, match in cases:
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
@@ -109,6 +111,9 @@ def test_bad_rows_and_files_are_named(tmp_path, tok):
             sd.prepare(tok, tmp_path / "bad.parquet", tmp_path / "bad.tokens", progress=False)
     write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"question": "q"}])
     with pytest.raises(ValueError, match=r"bad.jsonl:2: a row needs"):
+        sd.prepare(tok, tmp_path / "bad.jsonl", tmp_path / "bad.tokens", progress=False)
+    write_jsonl(tmp_path / "bad.jsonl", [ROWS[0], {"messages": [{"content": "hi"}]}])
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: message 1 has no role"):
         sd.prepare(tok, tmp_path / "bad.jsonl", tmp_path / "bad.tokens", progress=False)
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(ValueError, match="junk.parquet: not a parquet file"):
