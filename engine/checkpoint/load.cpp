@@ -137,7 +137,8 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
   const auto diffs = spec_differences(saved, spec, "checkpoint");
   if (!diffs.empty())
     throw CheckpointMismatch(fmt::format("{}: the checkpoint is of another model ({}) than the engine's ({}): {}",
-                                         ts_file, saved.summary(), spec.summary(), join(diffs, "; ")));
+                                         ts_file, saved.summary(), spec.summary(), join(diffs, "; ")),
+                             false);
 
   // 2. The engine config fields that change the maths.
   const auto& fields = maths_config_fields();
@@ -230,7 +231,8 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
         throw CheckpointMismatch(fmt::format(
             "{}: the adapters were trained over another base: the engine's frozen tensors of block '{}' have "
             "fingerprint {}, the checkpoint's base {}; build the engine on the model the run started from",
-            ts_file, l.block_name(), got, want));
+            ts_file, l.block_name(), got, want),
+            false);
     }
   }
 

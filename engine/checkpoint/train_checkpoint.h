@@ -115,9 +115,17 @@ std::vector<std::string> maths_changes(const nlohmann::json& saved_config, const
 // not fit the engine: another model, or a run whose maths settings differ.
 // An older checkpoint of the same run would not fit better, so a caller that
 // falls back past damaged checkpoints (CheckpointSeries) stops at this one.
+// `allowable`: a change of the engine config's maths settings, which
+// TrainLoadOptions::allow_changed may accept; not: of the model itself (its
+// architecture, config.json's fields, LoRA adapters, the base under them),
+// which no option accepts.
 class CheckpointMismatch : public Error {
  public:
-  using Error::Error;
+  explicit CheckpointMismatch(const std::string& what, bool allowable = true) : Error(what), allowable_(allowable) {}
+  bool allowable() const { return allowable_; }
+
+ private:
+  bool allowable_;
 };
 
 struct TrainLoadOptions {

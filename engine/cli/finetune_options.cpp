@@ -1,5 +1,7 @@
 // strider finetune's command line: each option bound to FinetuneOptions
 // (finetune_options.h); finetune.cpp runs them.
+#include <algorithm>
+#include <fmt/ranges.h>
 #include <memory>
 
 #include "engine/checkpoint/train_checkpoint.h"  // maths_config_fields
@@ -76,7 +78,16 @@ std::function<int()> add_finetune(CLI::App& app) {
                 "with --resume: settings that may differ from the checkpoint's (comma-separated): 'data' or an "
                 "engine setting such as lr, weight_decay, clip_norm")
       ->delimiter(',')
-      ->check(CLI::IsMember(changeable_settings()));
+      ->check(CLI::Validator(
+          [](std::string& name) -> std::string {
+            const std::vector<std::string> can = changeable_settings();
+            if (std::find(can.begin(), can.end(), name) != can.end()) return "";
+            return fmt::format("'{}' is not a setting a resume may change. It may change the engine's maths "
+                               "settings ({}), data and world; the model (its architecture, config.json's fields, "
+                               "LoRA adapters and their base) is the checkpoint's and cannot change",
+                               name, fmt::join(maths_config_fields(), ", "));
+          },
+          "SETTING"));
   return [o, config] {
     if (config != nullptr && config->count() > 0) o->config_file = config->as<std::string>();
     return run_finetune(*o);

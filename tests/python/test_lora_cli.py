@@ -150,6 +150,13 @@ def test_finetune_lora_resumes_bit_identically_and_refuses_another_base(strider,
     r = finetune(strider, tmp_path, *common, "--model", str(tmp_path / "other"), "--checkpoint-dir", str(ck),
                  "--resume", "--out", str(tmp_path / "wrong"))
     assert r.returncode != 0 and "trained over another base" in r.stderr, r.stderr[-2000:]
+    # No option lets the model change, and the message says so instead of offering --allow-changed FIELD
+    # (issue 63, unclear messages); naming the adapters in --allow-changed is refused, saying what it takes.
+    assert "no option lets the model change on resume" in r.stderr and "FIELD" not in r.stderr
+    r = finetune(strider, tmp_path, *common, "--model", str(tmp_path / "other"), "--checkpoint-dir", str(ck),
+                 "--resume", "--allow-changed", "lora", "--out", str(tmp_path / "wrong"))
+    assert r.returncode != 0 and "'lora' is not a setting a resume may change" in r.stderr, r.stderr[-2000:]
+    assert "LoRA adapters and their base) is the checkpoint's and cannot change" in r.stderr
     out = ok("--model", str(tmp_path / "base"), "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "resumed"))
     assert "at step 2" in out
     a = load_file(str(tmp_path / "straight" / "adapter_model.safetensors"))
