@@ -60,6 +60,10 @@ void open_outputs(const FinetuneOptions& o, bool writes, RunOutputs& w) {
                 "--lora {}: LoRA adapts a pretrained model; give --model (a Hugging Face checkpoint folder or Hub id)",
                 o.train.lora);
   STRIDER_CHECK(!o.merge || !o.train.lora.empty(), "--merge folds LoRA adapters into their base: it needs --lora");
+  // An input nothing reads is a mistake in the command, not a choice.
+  STRIDER_CHECK(o.eval_data.empty() || o.eval_batches > 0, "--eval-data {} is given but --eval-batches is 0, so "
+                "nothing would read it: give --eval-batches N (batches per evaluation), or leave --eval-data out",
+                o.eval_data);
   base_format_option(o.train.base_format, o.train.lora);
   if (writes) {
     // No output may overwrite what the run reads, another output, or the
