@@ -90,11 +90,21 @@ OutFolder::OutFolder(std::string out, bool overwrite) : out_(std::move(out)) {
     STRIDER_CHECK(!ec, "--out {}: removing {} (what an earlier run's final save left) failed: {}", out_, staging_,
                   ec.message());
   }
-  // The final save writes beside --out: that must work, found out now.
+  // The final save writes beside --out and exchanges the two folders: both
+  // must work there, found out now (a network file system may not exchange).
+  const fs::path probe = staging_ + "-probe";
   fs::create_directories(staging_, ec);
   STRIDER_CHECK(!ec, "--out {}: the final save writes its folder first as {} (then switches it in) and cannot "
                 "create it: {}; give --out in a folder this run can write into", out_, staging_, ec.message());
+  fs::create_directories(probe, ec);
+  const bool exchanges =
+      !ec && ::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, probe.c_str(), RENAME_EXCHANGE) == 0;
+  const int why = errno;
   fs::remove_all(staging_, ec);
+  fs::remove_all(probe, ec);
+  STRIDER_CHECK(exchanges, "--out {}: its file system cannot exchange two folders in one rename (renameat2 "
+                "RENAME_EXCHANGE: {}), which the final save needs to replace --out whole; give --out on a local "
+                "file system", out_, errno_text(why));
   if (!fs::is_directory(dir, ec)) return;  // absent (or not a folder: check_output_dir says so)
   const std::vector<std::string> there = entries(dir);
   if (there.empty()) return;
