@@ -88,6 +88,10 @@ void open_outputs(const FinetuneOptions& o, bool writes, RunOutputs& w) {
     // What the final save will replace, and whether it may: said now, not
     // found out at the end (under the lock: the folder beside --out is this run's).
     w.out.emplace(o.out, o.overwrite_out);
+    if (w.out->switched_at_start()) {  // the lock is on the folder switched out: take it on --out again
+      w.out_lock.reset();
+      w.out_lock.emplace(o.out, "--out", "", DirLock::Mark::kDirectory);
+    }
     if (!o.trace.empty()) check_output_file(o.trace, "--trace");
     if (!o.metrics.empty()) check_output_file(o.metrics, "--metrics");
   }

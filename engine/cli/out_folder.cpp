@@ -64,6 +64,51 @@ void rename_or_throw(const fs::path& from, const fs::path& to, const std::string
                             errno_text(errno)));
 }
 
+// Switches the complete folder `staging` in for `dir` (--out, `out` as
+// given): a rename where there is none, else one exchange, after which the
+// earlier folder's checkpoints come back and the rest of it goes. Returns the
+// earlier folder's entries it replaced. Throws only before the switch.
+std::vector<std::string> switch_in(const fs::path& staging, const fs::path& dir, const std::string& out) {
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) {
+    rename_or_throw(staging, dir, "switching in the final save");
+    sync_dir(dir.parent_path());
+    return {};
+  }
+  // One rename exchanges the two folders: --out is the earlier one or the new one, never a mix.
+  if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
+    throw Error(fmt::format("--out {}: exchanging it with the final save's {} failed: {} (--out is the earlier "
+                            "folder still)", out, staging.string(), errno_text(errno)));
+  sync_dir(dir.parent_path());
+  // The earlier folder is now at `staging`: its checkpoints come back, the rest goes.
+  std::vector<std::string> replaced;
+  for (const std::string& name : entries(staging))
+    if (name != kOutCheckpoints) replaced.push_back(name);
+  // From here on --out is the new folder: a failure is a warning, and
+  // nothing that holds the run's checkpoints is removed.
+  if (fs::is_directory(staging / kOutCheckpoints, ec) && !fs::exists(dir / kOutCheckpoints, ec) &&
+      ::rename((staging / kOutCheckpoints).c_str(), (dir / kOutCheckpoints).c_str()) != 0) {
+    fmt::print(stderr, "warning: moving the run's checkpoints from {} into --out failed: {}; they stay there (the "
+               "next run into --out moves them back)\n", (staging / kOutCheckpoints).string(), errno_text(errno));
+    return replaced;
+  }
+  fs::remove_all(staging, ec);
+  if (ec)
+    fmt::print(stderr, "warning: removing the earlier --out's files, now in {}, failed: {}\n", staging.string(),
+               ec.message());
+  return replaced;
+}
+
+// `staging` is a final save that completed (its manifest written) after
+// `dir`'s, so a run stopped between the two: not the earlier folder a switch replaced.
+bool completed_later(const fs::path& staging, const fs::path& dir) {
+  std::error_code ec;
+  const fs::path mine = staging / kOutManifest, theirs = dir / kOutManifest;
+  if (!fs::is_regular_file(mine, ec)) return false;
+  if (!fs::is_regular_file(theirs, ec)) return true;
+  return fs::last_write_time(mine, ec) > fs::last_write_time(theirs, ec);
+}
+
 }  // namespace
 
 OutFolder::OutFolder(std::string out, bool overwrite) : out_(std::move(out)) {
@@ -75,6 +120,13 @@ OutFolder::OutFolder(std::string out, bool overwrite) : out_(std::move(out)) {
   std::error_code ec;
   // An earlier run stopped between its switch and moving its checkpoints
   // back: they are in the sibling folder, with the earlier --out's files.
+  if (fs::exists(staging_, ec) && completed_later(staging_, dir)) {
+    // A final save that finished but was not switched in: the newest trained model, not to be lost.
+    switch_in(staging_, dir, out_);
+    switched_at_start_ = true;
+    fmt::print(stderr, "note: switched in {} as --out {}: an earlier run finished its final save there and stopped "
+               "before switching it in\n", staging_, out_);
+  }
   if (fs::exists(staging_, ec)) {
     const fs::path left = fs::path(staging_) / kOutCheckpoints, home = dir / kOutCheckpoints;
     if (fs::is_directory(left, ec)) {
@@ -97,9 +149,9 @@ OutFolder::OutFolder(std::string out, bool overwrite) : out_(std::move(out)) {
   STRIDER_CHECK(!ec, "--out {}: the final save writes its folder first as {} (then switches it in) and cannot "
                 "create it: {}; give --out in a folder this run can write into", out_, staging_, ec.message());
   fs::create_directories(probe, ec);
-  const bool exchanges =
-      !ec && ::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, probe.c_str(), RENAME_EXCHANGE) == 0;
-  const int why = errno;
+  int why = ec.value();
+  const bool exchanges = !ec && ::renameat2(AT_FDCWD, staging_.c_str(), AT_FDCWD, probe.c_str(), RENAME_EXCHANGE) == 0;
+  if (!ec && !exchanges) why = errno;
   fs::remove_all(staging_, ec);
   fs::remove_all(probe, ec);
   STRIDER_CHECK(exchanges, "--out {}: its file system cannot exchange two folders in one rename (renameat2 "
@@ -146,33 +198,7 @@ std::vector<std::string> OutFolder::commit() {
                   errno_text(errno));
   }
   sync_dir(staging);
-  std::error_code ec;
-  if (!fs::exists(dir, ec)) {
-    rename_or_throw(staging, dir, "switching in the final save");
-    sync_dir(dir.parent_path());
-    return {};
-  }
-  // One rename exchanges the two folders: --out is the earlier one or the new one, never a mix.
-  if (::renameat2(AT_FDCWD, staging.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
-    throw Error(fmt::format("--out {}: exchanging it with the final save's {} failed: {} (--out is the earlier "
-                            "folder still)", out_, staging_, errno_text(errno)));
-  sync_dir(dir.parent_path());
-  // The earlier folder is now at staging_: its checkpoints come back, the rest goes.
-  std::vector<std::string> replaced;
-  for (const std::string& name : entries(staging))
-    if (name != kOutCheckpoints) replaced.push_back(name);
-  // From here on --out is the new folder: a failure is a warning, and
-  // nothing that holds the run's checkpoints is removed.
-  if (fs::is_directory(staging / kOutCheckpoints, ec) && !fs::exists(dir / kOutCheckpoints, ec) &&
-      ::rename((staging / kOutCheckpoints).c_str(), (dir / kOutCheckpoints).c_str()) != 0) {
-    fmt::print(stderr, "warning: moving the run's checkpoints from {} into --out failed: {}; they stay there (the "
-               "next run into --out moves them back)\n", (staging / kOutCheckpoints).string(), errno_text(errno));
-    return replaced;
-  }
-  fs::remove_all(staging, ec);
-  if (ec)
-    fmt::print(stderr, "warning: removing the earlier --out's files, now in {}, failed: {}\n", staging_, ec.message());
-  return replaced;
+  return switch_in(staging, dir, out_);
 }
 
 void OutFolder::abandon() noexcept {

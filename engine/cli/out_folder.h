@@ -10,7 +10,9 @@
 // --out/strider-checkpoints (where a run without --checkpoint-dir saves when
 // it is stopped) are moved into the new folder right after the exchange, and
 // the earlier folder is removed. A run killed between the two finds them in
-// the sibling folder at its next start, which moves them back.
+// the sibling folder at its next start, which moves them back; one killed
+// after its save completed and before the switch has it switched in then
+// (the newer manifest tells the two apart).
 //
 // A --out that is not empty must be an earlier strider output: its entries
 // those its strider-out.json lists (and strider-checkpoints). Any other file
@@ -35,6 +37,9 @@ class OutFolder {
   OutFolder(std::string out, bool overwrite);
 
   const std::string& out() const { return out_; }
+  // The constructor switched in an earlier run's completed save (--out is
+  // another folder than the one the caller may have locked).
+  bool switched_at_start() const { return switched_at_start_; }
   // The sibling folder the final save writes into: created empty.
   std::string begin();
   // Lists the new folder's files in its strider-out.json and switches it in
@@ -47,6 +52,7 @@ class OutFolder {
 
  private:
   std::string out_, staging_;
+  bool switched_at_start_ = false;
 };
 
 }  // namespace strider::cli

@@ -4,6 +4,8 @@ weights beside an old config); a --out holding files strider did not write is re
 --overwrite-out; the run's own checkpoints under --out survive the switch, even one interrupted (issue 63: data
 lost 6, trains silently wrong 1)."""
 import json
+import shutil
+import time
 
 from test_cli_faults import ok, run, strider  # noqa: F401  (strider: the fixture)
 from test_cli_paths import tiny_model_and_tokens
@@ -67,6 +69,25 @@ def test_checkpoints_an_interrupted_switch_left_beside_out_are_moved_back(stride
     assert r.returncode == 0, r.stderr[-2000:]
     assert f"moved {left / 'strider-checkpoints'} back to {out / 'strider-checkpoints'}" in r.stderr
     assert (out / "strider-checkpoints" / "keep.txt").read_text() == "a checkpoint"
+    assert ".out.strider-new" not in names(tmp_path)
+
+
+def test_a_save_that_completed_but_was_not_switched_in_is_switched_in_at_the_next_start(strider, tmp_path):
+    out = tmp_path / "out"
+    ok(strider, tmp_path, "--steps", "1", "--out", str(out))
+    # A kill after the save's manifest and before its exchange: the complete new folder beside --out.
+    done = tmp_path / ".out.strider-new"
+    shutil.copytree(out, done)
+    (done / "marker.txt").write_text("the newer save")
+    time.sleep(0.05)
+    (done / "strider-out.json").write_text(json.dumps({"written_by": "strider finetune",
+                                                       "files": ["config.json", "marker.txt", "model.safetensors"]}))
+    r = run(strider, tmp_path, "--steps", "1", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert f"note: switched in {done} as --out {out}" in r.stderr
+    # This run's save then replaced the folder switched in, as an earlier strider output.
+    assert "replaced the earlier --out: config.json, marker.txt, model.safetensors, strider-out.json" in r.stdout
+    assert names(out) == ["config.json", "model.safetensors", "strider-out.json"]
     assert ".out.strider-new" not in names(tmp_path)
 
 
