@@ -27,12 +27,12 @@ void EngineCore::allocate_activations(int d) {
     st.token_valid = make({place_.batch() * S}, at::kFloat, "batch attention mask");
   }
   st.labels = make({place_.batch(), S}, at::kLong, "batch labels");
-  if (takes_positions(program_)) st.positions = make({place_.batch(), S}, at::kLong, "batch positions");
+  if (takes_positions_) st.positions = make({place_.batch(), S}, at::kLong, "batch positions");
   st.mb.resize(size_t(M));
   for (int64_t m = 0; m < M; ++m) {
     MicroBatch& x = st.mb[size_t(m)];
     x.ids = st.ids.chunk(M, 0)[m];
-    if (takes_positions(program_)) x.position_rows = st.positions.chunk(M, 0)[m];
+    if (takes_positions_) x.position_rows = st.positions.chunk(M, 0)[m];
     x.labels = st.labels.chunk(M, 0)[m].reshape({-1});
     if (st.token_valid.defined()) x.valid = st.token_valid.chunk(M, 0)[m];
     if (!runs_head) continue;

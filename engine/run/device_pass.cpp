@@ -88,7 +88,7 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
     if (positions != nullptr)
       for (int64_t m = 0; m < M; ++m) {
         longest[size_t(m)] = packed_longest({positions + size_t(m) * per_mb, per_mb}, S, size_t(m) * per_mb);
-        STRIDER_CHECK(longest[size_t(m)] == 0 || takes_positions(program_),
+        STRIDER_CHECK(longest[size_t(m)] == 0 || takes_positions_,
                       "positions: micro-batch {} packs several documents in a row (positions that restart, or do not "
                       "count 0..seq-1), but the engine was made without packed_documents; set packed_documents "
                       "(--packed-documents) so that attention stays within each document", m);
@@ -112,7 +112,7 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
   std::memcpy(labels_host_.data(), labels, n * 8);
   // Packed documents' positions go with every batch that has them (the same
   // bytes each step), whether or not one of its micro-batches packs.
-  const bool packed = positions != nullptr && takes_positions(program_);
+  const bool packed = positions != nullptr && takes_positions_;
   if (packed) std::memcpy(positions_host_.data(), positions, n * 8);
   if (spec_.router_aux_coef > 0) count_router_rows(attention);
   const bool padded = std::any_of(router_rows_.padded.begin(), router_rows_.padded.end(), [](char p) { return p != 0; });

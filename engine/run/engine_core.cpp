@@ -199,6 +199,7 @@ EngineCore::~EngineCore() {
 void EngineCore::compile_programs(int world) {
   program_ = compile_step(place_, program_inputs(*config_, world));
   eval_program_ = compile_eval(place_, program_inputs(*config_, world));
+  takes_positions_ = takes_positions(program_);
 }
 
 void EngineCore::settle_compute() {

@@ -260,6 +260,7 @@ class EngineCore {
   std::vector<Seat> seats_;  // the pool; one for a single device
   StepProgram program_, eval_program_;  // a training pass, an evaluation pass
   void compile_programs(int world);
+  bool takes_positions_ = false;  // takes_positions(program_), once per compile: the batch intake asks every step
   std::unique_ptr<PinnedArena> arena_;
   std::unique_ptr<PinnedArena> shared_arena_;  // the shared compute copy (EngineConfig::shared_compute_file)
   // This rank wrote its slices of a shared compute copy (write_state): the
