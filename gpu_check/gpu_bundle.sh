@@ -23,6 +23,8 @@ PKGS=(liburing-dev liburing2
       libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5
       libfmt-dev libfmt9
       libxxhash-dev libxxhash0
+      libtomlplusplus-dev libtomlplusplus3
+      libinih-dev libinih1 libinireader0
       catch2 nlohmann-json3-dev libcli11-dev)
 # Not bundled: the C runtime and compiler support any build machine has, and
 # libhwloc15, which only libtbbbind needs; oneTBB loads tbbbind at run time

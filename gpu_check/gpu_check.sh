@@ -141,7 +141,8 @@ cmake_args=(-DCMAKE_BUILD_TYPE=Release -DSTRIDER_WITH_CUDA=ON -DSTRIDER_WITH_TOR
             "-DCMAKE_PREFIX_PATH=$prefix/usr"
             # The configs by name, so that a copy elsewhere on the machine never mixes in.
             "-DTBB_DIR=$lib/cmake/TBB" "-Dfmt_DIR=$lib/cmake/fmt" "-DCatch2_DIR=$prefix/usr/lib/cmake/Catch2"
-            "-Dnlohmann_json_DIR=$prefix/usr/share/cmake/nlohmann_json" "-DCLI11_DIR=$prefix/usr/share/cmake/CLI11")
+            "-Dnlohmann_json_DIR=$prefix/usr/share/cmake/nlohmann_json" "-DCLI11_DIR=$prefix/usr/share/cmake/CLI11"
+            "-Dtomlplusplus_DIR=$lib/cmake/tomlplusplus")
 command -v ninja >/dev/null && cmake_args+=(-G Ninja)
 if [ -z "${CUDACXX:-}" ] && ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
   export CUDACXX=/usr/local/cuda/bin/nvcc

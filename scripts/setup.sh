@@ -17,7 +17,8 @@ say() { printf '[setup] %s\n' "$*"; }
 
 # 1. Debian packages: libraries the C++ side links and tools the tests call.
 debs=(cmake ninja-build ccache g++ pkg-config liburing-dev libtbb-dev catch2
-      nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev libgloo-dev fio python3-venv)
+      nlohmann-json3-dev libcli11-dev libtomlplusplus-dev libinih-dev libfmt-dev libxxhash-dev libgloo-dev
+      fio python3-venv)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

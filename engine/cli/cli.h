@@ -15,8 +15,9 @@ std::function<int()> add_finetune(CLI::App& app);
 std::function<int()> add_plan(CLI::App& app);
 std::function<int()> add_profile(CLI::App& app);
 
-// --config FILE, given after any subcommand: a TOML or INI file of that
-// command's options, each under its long name without the dashes (seq = 1024,
+// --config FILE, given after any subcommand (engine/cli/config_file.cpp): a
+// TOML file, or an INI file when its name ends in .ini, of that command's
+// options, each under its long name without the dashes (seq = 1024,
 // device-budget = "20GiB", decay-norms-and-biases = true). The command
 // line's own options win; a key that is no option is refused (main() names
 // the fix). Call on the main app before adding the subcommands; returns the

@@ -6,7 +6,6 @@
 #include "engine/cli/cli.h"
 #include "engine/config/engine_config_json.h"
 #include "host/error.h"
-#include "io/mapped_file.h"
 
 namespace strider::cli {
 namespace {
@@ -113,56 +112,6 @@ EngineConfig ConfigOptions::engine_settings() const {
     return fmt::format("{} {}", f.flag.empty() ? name : f.flag, v.is_string() ? v.get<std::string>() : v.dump());
   };
   throw Error(fmt::format("{}{}: {}", option(p.field), p.other.empty() ? "" : " with " + option(p.other), p.text));
-}
-
-}  // namespace strider::cli
-
-namespace strider::cli {
-namespace {
-
-// CLI11 reads a config file on the main app, where a subcommand's options sit
-// in its [section]. Ours holds one command's options at the top: they are
-// that command's, so each top-level key is moved into the section of the
-// subcommand the command line chose (finetune when none).
-class CommandConfig final : public CLI::ConfigTOML {
- public:
-  explicit CommandConfig(const CLI::App& app) : app_(app) {}
-  std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
-    std::vector<CLI::ConfigItem> items = CLI::ConfigTOML::from_config(input);
-    const auto chosen = app_.get_subcommands();
-    const std::string command = chosen.empty() ? "finetune" : chosen.front()->get_name();
-    for (CLI::ConfigItem& item : items)
-      if (item.parents.empty() || item.parents.front() != command) item.parents.insert(item.parents.begin(), command);
-    return items;
-  }
-
- private:
-  const CLI::App& app_;
-};
-
-}  // namespace
-
-CLI::Option* add_config_file(CLI::App& app) {
-  app.config_formatter(std::make_shared<CommandConfig>(app));
-  app.allow_config_extras(CLI::config_extras_mode::error);
-  app.fallthrough();  // the subcommands made after this pass --config up to the main app
-  app.footer("--config FILE (after the command): a TOML or INI file of the command's options, each under its long "
-             "name without the dashes (seq = 1024, device-budget = \"20GiB\"); the command line's own options win");
-  return app.set_config("--config", "",
-                        "TOML or INI file of the command's options, each under its long name without the dashes "
-                        "(seq = 1024, device-budget = \"20GiB\"); the command line's own options win")
-      ->check(CLI::ExistingFile)
-      ->check(CLI::Validator(
-          [](std::string& path) -> std::string {
-            // A regular file: a FIFO (or a device) would block the parse that reads it.
-            try {
-              check_regular_input(path, "a config file is TOML or INI text");
-              return "";
-            } catch (const std::exception& e) {
-              return e.what();
-            }
-          },
-          "FILE"));
 }
 
 }  // namespace strider::cli

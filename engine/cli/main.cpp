@@ -17,15 +17,19 @@ int main(int argc, char** argv) {
   auto profile = strider::cli::add_profile(app);
   try {
     app.parse(argc, argv);
-  } catch (const CLI::ConfigError& e) {  // a --config file's key that is no option
+  } catch (const CLI::ConfigError& e) {  // a --config file that is not TOML (INI), or a key that is no option
     const std::string command = app.get_subcommands().empty() ? "finetune" : app.get_subcommands().front()->get_name();
-    std::string what = e.what();
+    const std::string file = app.get_config_ptr()->as<std::string>();
+    const std::string what = e.what();
     const std::string lead = "INI was not able to parse " + command + ".";
-    if (what.rfind(lead, 0) == 0) what = fmt::format("'{}' is not an option of 'strider {}'", what.substr(lead.size()), command);
+    if (what.rfind(lead, 0) != 0) {
+      fmt::print(stderr, "strider: --config {}: {}\n", file, what);
+      return e.get_exit_code();
+    }
     fmt::print(stderr,
-               "strider: --config {}: {}; a key is an option's long name without the dashes (device-budget = "
-               "\"20GiB\", not device_budget), and 'strider {} --help' lists them\n",
-               app.get_config_ptr()->as<std::string>(), what, command);
+               "strider: --config {}: '{}' is not an option of 'strider {}'; a key is an option's long name without the "
+               "dashes (device-budget = \"20GiB\", not device_budget), and 'strider {} --help' lists them\n",
+               file, what.substr(lead.size()), command, command);
     return e.get_exit_code();
   } catch (const CLI::ParseError& e) {
     return app.exit(e);

@@ -69,9 +69,14 @@ def test_a_path_or_config_that_is_not_utf8_is_refused_before_the_first_step(stri
     used to train every step and then fail at the save with nothing kept."""
     data = tmp_path / os.fsdecode(b"d\xe9.tokens")
     write_tokens(data, np.random.default_rng(0).integers(0, 256, 4096), vocab=256)
-    conf = tmp_path / "c.toml"
-    conf.write_bytes(b"# r\xe9glages\nsteps = 2\n")
     ck = tmp_path / "ck"
+    conf = tmp_path / "c.toml"  # TOML is UTF-8: its reader refuses the byte, naming line and column
+    conf.write_bytes(b"# r\xe9glages\nsteps = 2\n")
+    r = run(strider, tmp_path, "--config", str(conf), "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "line 1, column 3: Encountered invalid utf-8" in r.stderr, r.stderr[-2000:]
+    assert "step    1" not in r.stdout
+    conf = tmp_path / "c.ini"  # INI is bytes: the record's check refuses it
+    conf.write_bytes(b"# r\xe9glages\nsteps = 2\n")
     r = run(strider, tmp_path, "--config", str(conf), "--checkpoint-dir", str(ck), "--out", str(tmp_path / "o"))
     assert r.returncode != 0 and "--config's text holds bytes that are not UTF-8" in r.stderr, r.stderr[-2000:]
     assert "step    1" not in r.stdout

@@ -278,7 +278,8 @@ def test_missing_library_is_an_import_error_naming_the_paths(tmp_path):
     assert str(tmp_path / "nobuild" / "python_shim" / "libstrider_ops.so") in out.stdout
 
 
-@pytest.mark.parametrize("package,deb", [("fmt", "libfmt-dev"), ("TBB", "libtbb-dev"), ("CLI11", "libcli11-dev")])
+@pytest.mark.parametrize("package,deb", [("fmt", "libfmt-dev"), ("TBB", "libtbb-dev"), ("CLI11", "libcli11-dev"),
+                                         ("tomlplusplus", "libtomlplusplus-dev")])
 def test_a_missing_library_stops_the_configure_naming_its_debian_package(tmp_path, package, deb):
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     r = subprocess.run(["cmake", "-S", repo, "-B", str(tmp_path / "build"), "-DSTRIDER_WITH_CUDA=OFF",
