@@ -323,6 +323,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   f.unit_grad_elems = sh.unit_grad_elems;
   f.vocab_shards = sh.shards;
   f.shard_rows = sh.rows;
+  f.head_chunk = sh.chunk;
   f.unit_bytes = CacheUnitPool::unit_bytes_for(f.unit_elems, pl.compute_bytes, sh.unit_grad_elems, pl.base_staging_bytes);
   f.pool_bytes = f.unit_bytes * uint64_t(c.window);
   f.saved_layers = kept;

@@ -36,6 +36,7 @@ struct EngineFootprint {
   uint64_t unit_grad_elems = 0;     // gradients one unit holds (what trains of the largest visit: Sharding::unit_grad_elems)
   int64_t vocab_shards = 1;         // embedding / LM-head shards (engine/placement/pieces.h)
   int64_t shard_rows = 0;           // vocabulary rows per shard
+  int64_t head_chunk = 0;           // LM-head rows per logits chunk (Sharding::chunk: less than --vocab-chunk where a shard is)
   uint64_t unit_bytes = 0;          // one unit: parameters + fp32 gradients (of what trains: Sharding::unit_grad_elems)
   uint64_t pool_bytes = 0;          // K units
   uint64_t activation_bytes = 0;    // checkpoints (or the ring), output gradients, the batch, saved-activation slots

@@ -189,9 +189,19 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.window = k;
   p.checkpoints_on_host = host_ckpt;
   fits(k, host_ckpt, &f);  // f: the footprint of the chosen window
+  // A shard smaller than --vocab-chunk shrinks the head's chunks to it: the
+  // loss's log-sum-exp then merges other partial sums, so the run's bits are
+  // those of --vocab-chunk f.head_chunk, not of whole layers at the default.
+  const int64_t asked_chunk = l.vocab_chunk > 0 ? std::min(l.vocab_chunk, spec.dims.vocab) : spec.dims.vocab;
+  const std::string chunk_note =
+      f.head_chunk < asked_chunk
+          ? fmt::format("; LM-head chunks of {} rows, not {} (--vocab-chunk): the loss rounds as --vocab-chunk {} would",
+                        f.head_chunk, asked_chunk, f.head_chunk)
+          : "";
   p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head; the embedding and the LM head move in {} "
-                              "vocabulary shard{} of {} rows, no larger than a layer", blocks, spec.layers,
-                              f.vocab_shards, f.vocab_shards == 1 ? "" : "s", f.shard_rows));
+                              "vocabulary shard{} of {} rows, no larger than a {}{}", blocks, spec.layers,
+                              f.vocab_shards, f.vocab_shards == 1 ? "" : "s", f.shard_rows,
+                              l.mlp_pieces > 0 ? "layer's piece" : "layer", chunk_note));
   p.why.push_back(fmt::format("window K = {}: {} cache units of {} ({} parameters + fp32 gradients{}{}) {}", k, k,
                               format_bytes(f.unit_bytes), f.unit_elems,
                               f.unit_grad_elems < f.unit_elems ? fmt::format(" of the {} trained", f.unit_grad_elems) : "",
@@ -305,6 +315,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.unit_elems = f.unit_elems;
   p.vocab_shards = f.vocab_shards;
   p.shard_rows = f.shard_rows;
+  p.head_chunk = f.head_chunk;
   p.unit_bytes = f.unit_bytes;
   p.device_buffer_bytes = f.device_bytes;
   p.device_peak_bytes = f.device_bytes + work;

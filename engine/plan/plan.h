@@ -195,6 +195,7 @@ struct Plan {
   std::vector<int64_t> nvme_compute_blocks;
   uint64_t unit_elems = 0, unit_bytes = 0;
   int64_t vocab_shards = 1, shard_rows = 0;  // the embedding's and LM head's vocabulary shards (engine/placement/pieces.h)
+  int64_t head_chunk = 0;  // LM-head rows per logits chunk: below --vocab-chunk where the shards are (the loss rounds as it)
   int64_t token_tile = 0;                    // tokens per tile in the head and the MLP (0: untiled)
   // EngineConfig::expert_pieces: PlanLimits', or, where a mixture of experts
   // does not fit with whole layers, the group size the plan chose (Plan::make).

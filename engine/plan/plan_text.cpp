@@ -131,6 +131,7 @@ nlohmann::json Plan::to_json() const {
           {"checkpoints_on_host", checkpoints_on_host}, {"nvme_blocks", nvme_blocks},
           {"nvme_compute_blocks", nvme_compute_blocks},
           {"unit_bytes", unit_bytes}, {"vocab_shards", vocab_shards}, {"shard_rows", shard_rows},
+          {"head_chunk", head_chunk},
           {"token_tile", token_tile}, {"expert_pieces", expert_pieces}, {"mlp_pieces", mlp_pieces},
           {"device_buffer_bytes", device_buffer_bytes},
           {"device_work_bytes", device_work_bytes}, {"device_peak_bytes", device_peak_bytes},

@@ -62,3 +62,37 @@ def test_finetune_a_saved_checkpoint_and_load_the_output_back(strider, tmp_path,
     after = loss_of(model, x, y)
     assert abs(after - evals[-1]) <= 1e-5 * abs(evals[-1]), (after, evals)
     assert after != before
+
+
+def test_experts_cut_into_groups_train_the_whole_layers_bits_at_the_chunk_the_plan_names(strider, tmp_path):  # noqa: F811
+    """`--mlp-pieces 2` on a mixture of experts against whole layers, through the binary (issue 63, trains
+    silently wrong 3). Cut layers make the vocabulary shards no larger than a piece; where that is below
+    --vocab-chunk the LM head's logits come in smaller chunks and the loss's log-sum-exp merges other partial
+    sums, so the plan names the chunk, and whole layers at that chunk give the cut's bits, tensor for tensor."""
+    import re
+
+    from safetensors.torch import load_file
+    torch.manual_seed(0)
+    src = tmp_path / "src"
+    cfg = transformers.Qwen3MoeConfig(**COMMON, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                      num_experts_per_tok=2, norm_topk_prob=True)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(src)
+    write_tokens(tmp_path / "train.tokens", np.random.default_rng(0).integers(0, VOCAB, 20000), vocab=VOCAB)
+
+    def run(name, *extra):
+        r = finetune(strider, tmp_path, "--model", str(src), "--data", str(tmp_path / "train.tokens"),
+                     "--eval-batches", "0", "--dtype", "bf16", "--save-dtype", "fp32", "--clip", "0",
+                     "--steps", "3", "--seed", "5", "--out", str(tmp_path / name), *extra)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        return r.stdout + r.stderr, load_file(tmp_path / name / "model.safetensors")
+
+    log, cut = run("cut", "--mlp-pieces", "2")
+    m = re.search(r"LM-head chunks of (\d+) rows, not (\d+) \(--vocab-chunk\)", log)
+    assert m, log[-3000:]
+    assert int(m.group(1)) < int(m.group(2)) == VOCAB
+    whole_log, whole = run("whole", "--vocab-chunk", m.group(1))
+    assert "LM-head chunks of" not in whole_log
+    assert cut.keys() == whole.keys()
+    assert [k for k in cut if not cut[k].equal(whole[k])] == []
+    _, default = run("default")  # the default chunk rounds otherwise: the check above can see a difference
+    assert any(not cut[k].equal(default[k]) for k in cut)
