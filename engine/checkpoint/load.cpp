@@ -140,14 +140,27 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
                                          ts_file, saved.summary(), spec.summary(), join(diffs, "; ")),
                              false);
 
-  // 2. The engine config fields that change the maths.
+  // 2. The engine config fields that change the maths. A LoRA base held in
+  // another format first: its values differ (step 5 would find another
+  // fingerprint), so it is another base, which no option allows.
+  const nlohmann::json now_config = engine_config_to_json(engine.config());
+  if (!info.trainer_state.value("base_checksums", nlohmann::json::object()).empty()) {
+    const nlohmann::json was = info.engine_config.value("base_format", config_field("base_format").absent_in_checkpoint);
+    if (was != now_config["base_format"])
+      throw CheckpointMismatch(fmt::format("{}: base_format: checkpoint {}, engine {}: the adapters were trained over "
+                                           "the base held as {}, and a base held in another format has other values; "
+                                           "resume with --base-format {}",
+                                           ts_file, was.dump(), now_config["base_format"].dump(),
+                                           was.get<std::string>(), was.get<std::string>()),
+                               false);
+  }
   const auto& fields = maths_config_fields();
   for (const std::string& f : options.allow_changed)
     STRIDER_CHECK(std::find(fields.begin(), fields.end(), f) != fields.end(),
                   "allow_changed names '{}', which is not one of the engine config's maths fields ({})", f,
                   join(fields, ", "));
   const std::vector<std::string> changed =
-      maths_changes(info.engine_config, engine_config_to_json(engine.config()), options.allow_changed, ts_file);
+      maths_changes(info.engine_config, now_config, options.allow_changed, ts_file);
   if (!changed.empty())
     throw CheckpointMismatch(fmt::format("{}: the engine config changes the maths of the saved run: {}; use the "
                                          "saved values, or name the fields in allow_changed to resume anyway",

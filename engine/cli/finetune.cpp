@@ -166,8 +166,8 @@ int run_finetune(FinetuneOptions& o) {
       } catch (const CheckpointMismatch& e) {
         if (!e.allowable())
           throw Error(fmt::format("{} (no option lets the model change on resume: its architecture, config.json's "
-                                  "fields, its LoRA adapters and their base are the checkpoint's; --allow-changed "
-                                  "names only the engine's maths settings, data and world)", e.what()));
+                                  "fields, its LoRA adapters, their base and its format are the checkpoint's; "
+                                  "--allow-changed names only the engine's other maths settings, data and world)", e.what()));
         const bool steps = std::string_view(e.what()).find("total_steps:") != std::string_view::npos;
         throw Error(fmt::format(
             "{} (on the command line: --allow-changed FIELD[,FIELD...]){}", e.what(),

@@ -11,9 +11,17 @@
 namespace strider::cli {
 namespace {
 
-// What --allow-changed may name: the engine config's maths fields, the data, and the world size.
-std::vector<std::string> changeable_settings() {
+// The engine config's maths fields a resume may change: all but base_format
+// (a LoRA base held in another format has other values: another base).
+std::vector<std::string> changeable_maths() {
   std::vector<std::string> s = maths_config_fields();
+  s.erase(std::remove(s.begin(), s.end(), "base_format"), s.end());
+  return s;
+}
+
+// What --allow-changed may name: those, the data, and the world size.
+std::vector<std::string> changeable_settings() {
+  std::vector<std::string> s = changeable_maths();
   s.push_back("data");
   s.push_back("world");
   return s;
@@ -84,8 +92,9 @@ std::function<int()> add_finetune(CLI::App& app) {
             if (std::find(can.begin(), can.end(), name) != can.end()) return "";
             return fmt::format("'{}' is not a setting a resume may change. It may change the engine's maths "
                                "settings ({}), data and world; the model (its architecture, config.json's fields, "
-                               "LoRA adapters and their base) is the checkpoint's and cannot change",
-                               name, fmt::join(maths_config_fields(), ", "));
+                               "LoRA adapters and their base, and the base's format) is the checkpoint's and cannot "
+                               "change",
+                               name, fmt::join(changeable_maths(), ", "));
           },
           "SETTING"));
   return [o, config] {

@@ -156,7 +156,7 @@ def test_finetune_lora_resumes_bit_identically_and_refuses_another_base(strider,
     r = finetune(strider, tmp_path, *common, "--model", str(tmp_path / "other"), "--checkpoint-dir", str(ck),
                  "--resume", "--allow-changed", "lora", "--out", str(tmp_path / "wrong"))
     assert r.returncode != 0 and "'lora' is not a setting a resume may change" in r.stderr, r.stderr[-2000:]
-    assert "LoRA adapters and their base) is the checkpoint's and cannot change" in r.stderr
+    assert "LoRA adapters and their base, and the base's format) is the checkpoint's and cannot change" in r.stderr
     out = ok("--model", str(tmp_path / "base"), "--checkpoint-dir", str(ck), "--resume", "--out", str(tmp_path / "resumed"))
     assert "at step 2" in out
     a = load_file(str(tmp_path / "straight" / "adapter_model.safetensors"))
