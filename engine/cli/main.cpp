@@ -2,10 +2,40 @@
 //   strider finetune [options]   (with no options: the built-in demo on the CPU device)
 //   strider plan [options]       what fits, where, and why
 //   strider profile [options]    a few steps: per-lane busy time, overlap, FLOP/s, a timeline PNG
+#include <c10/util/Exception.h>
 #include <fmt/format.h>
+#include <sys/resource.h>
 
 #include "engine/cli/cli.h"
 #include "host/error.h"
+
+namespace {
+
+// The open-file limit, before a run opens anything: the soft limit raised to
+// the hard one (as Go's runtime does at start), and a run refused below a
+// floor with the limit named, instead of failing midway (a checkpoint that
+// cannot open its files, ATen's /dev/urandom). The built-in model with
+// --nvme, --checkpoint-dir, --trace, --metrics and --eval-batches holds 14 at
+// once (it trains with every checkpoint failing at 12); a model's safetensors
+// shards and a pool's devices add theirs, hence the margin.
+constexpr rlim_t kMinOpenFiles = 64;
+
+void need_open_files() {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) != 0) return;  // unknown: nothing to raise or to name
+  if (r.rlim_cur < r.rlim_max) {
+    rlimit raised = r;
+    raised.rlim_cur = r.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) r = raised;
+  }
+  STRIDER_CHECK(r.rlim_cur == RLIM_INFINITY || r.rlim_cur >= kMinOpenFiles,
+                "the open-file limit is {} (ulimit -n, its hard limit {}): a run holds a dozen files at once and more "
+                "for a model's shards; raise it to at least {} before the run (ulimit -n 1024)",
+                uint64_t(r.rlim_cur), r.rlim_max == RLIM_INFINITY ? std::string("unlimited") : std::to_string(r.rlim_max),
+                uint64_t(kMinOpenFiles));
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"strider: fine-tune every parameter of a model larger than the GPU, with the GPU as a "
@@ -36,10 +66,14 @@ int main(int argc, char** argv) {
   }
   try {
     if (app.got_subcommand("plan")) return plan();
+    need_open_files();
     if (app.got_subcommand("profile")) return profile();
     return finetune();  // also the default with no subcommand
   } catch (const strider::Error& e) {
     fmt::print(stderr, "strider: {}\n", e.what());
+    return 2;
+  } catch (const c10::Error& e) {  // ATen's message, without its C++ backtrace
+    fmt::print(stderr, "strider: {}\n", e.what_without_backtrace());
     return 2;
   } catch (const std::exception& e) {
     fmt::print(stderr, "strider: {}\n", e.what());

@@ -308,3 +308,26 @@ def test_every_config_json_field_changed_on_resume_is_refused_or_changes_nothing
     if arch == "qwen3_moe":
         read |= {"norm_topk_prob", "decoder_sparse_step", "moe_intermediate_size"}
     assert read <= refused, read - refused
+
+
+def test_an_open_file_limit_too_low_is_refused_by_name_before_anything_is_written(strider, tmp_path):
+    """`ulimit -n 6` with NVMe printed ATen's 27-frame C++ backtrace ('Unable to open /dev/urandom'), and at 12 a
+    run trained with every checkpoint failing. A hard limit below the floor is refused before the first step,
+    naming it; a low soft limit under a higher hard one is raised, and the run trains."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    run = ["--device", "cpu", "--seq", "16", "--steps", "1", "--eval-batches", "0", "--nvme", str(tmp_path / "nv"),
+           "--checkpoint-dir", str(tmp_path / "ck"), "--out", str(tmp_path / "out")]
+    (tmp_path / "nv").mkdir()
+    for limit in (6, 12, 63):
+        r = subprocess.run([str(strider), "finetune", *run], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)))
+        assert r.returncode != 0 and "step    1" not in r.stdout, (limit, r.stderr[-1000:])
+        assert f"the open-file limit is {limit} (ulimit -n" in r.stderr and "frame #" not in r.stderr, r.stderr
+        assert not (tmp_path / "out").exists() and not any((tmp_path / "nv").iterdir())
+    if hard != resource.RLIM_INFINITY and hard < 64:
+        pytest.fail(f"this machine's hard open-file limit is {hard}: the raised soft limit cannot be tested")
+    r = subprocess.run([str(strider), "finetune", *run], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (6, hard)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "out" / "model.safetensors").exists() and (tmp_path / "ck" / "step-00000001").exists()
