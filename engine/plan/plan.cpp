@@ -189,15 +189,12 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   p.window = k;
   p.checkpoints_on_host = host_ckpt;
   fits(k, host_ckpt, &f);  // f: the footprint of the chosen window
-  // A shard smaller than --vocab-chunk shrinks the head's chunks to it: the
-  // loss's log-sum-exp then merges other partial sums, so the run's bits are
-  // those of --vocab-chunk f.head_chunk, not of whole layers at the default.
+  // A shard smaller than --vocab-chunk shrinks the head's chunks to it: the loss's log-sum-exp then merges
+  // other partial sums, so the run's bits are those of --vocab-chunk f.head_chunk, not the default's.
   const int64_t asked_chunk = l.vocab_chunk > 0 ? std::min(l.vocab_chunk, spec.dims.vocab) : spec.dims.vocab;
-  const std::string chunk_note =
-      f.head_chunk < asked_chunk
-          ? fmt::format("; LM-head chunks of {} rows, not {} (--vocab-chunk): the loss rounds as --vocab-chunk {} would",
-                        f.head_chunk, asked_chunk, f.head_chunk)
-          : "";
+  const std::string chunk_note = f.head_chunk >= asked_chunk ? "" : fmt::format(
+      "; LM-head chunks of {} rows, not {} (--vocab-chunk): the loss rounds as --vocab-chunk {} would",
+      f.head_chunk, asked_chunk, f.head_chunk);
   p.why.push_back(fmt::format("{} blocks: embedding, {} layers, head; the embedding and the LM head move in {} "
                               "vocabulary shard{} of {} rows, no larger than a {}{}", blocks, spec.layers,
                               f.vocab_shards, f.vocab_shards == 1 ? "" : "s", f.shard_rows,
