@@ -278,6 +278,20 @@ class EngineHolder : public torch::CustomClassHolder {
     });
   }
 
+  // Each token's log-probability of its label, fp32 [batch, seq] (Engine::logprobs).
+  at::Tensor logprobs(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
+                      const std::optional<at::Tensor>& attention_mask) {
+    std::lock_guard lk(mu_);
+    auto [i, l] = checked_batch("logprobs", ids, labels);
+    const at::Tensor p = checked_positions("logprobs", positions);
+    const at::Tensor a = checked_mask("logprobs", attention_mask);
+    std::vector<float> lp = run("logprobs", [&] {
+      return engine_->logprobs(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr,
+                               a.defined() ? a.data_ptr<int64_t>() : nullptr);
+    });
+    return at::tensor(lp, at::kFloat).view(ids.sizes());
+  }
+
   void finish() {
     std::lock_guard lk(mu_);
     run("finish", [&] { engine_->finish_updates(); });
@@ -328,8 +342,8 @@ class EngineHolder : public torch::CustomClassHolder {
     TORCH_CHECK_VALUE(((l.lt(0) | l.ge(vocab)) & counted).sum().item<int64_t>() == 0, what,
                       ": labels must be -100 (no loss) or token ids in [0, ", vocab, ")");
     // A training batch without a target is skipped by the engine (StepReport::no_targets); an
-    // evaluation of one has no loss to return.
-    TORCH_CHECK_VALUE(std::string_view(what) == "step" || counted.any().item<bool>(), what,
+    // evaluation of one has no loss to return (its log-probabilities are zeros).
+    TORCH_CHECK_VALUE(std::string_view(what) != "evaluate" || counted.any().item<bool>(), what,
                       ": every label is -100, so there is no loss to compute");
     return {i, l};
   }
@@ -436,6 +450,9 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
            {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
             torch::arg("attention_mask") = c10::IValue()})
       .def("evaluate", &EngineHolder::evaluate, "",
+           {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
+            torch::arg("attention_mask") = c10::IValue()})
+      .def("logprobs", &EngineHolder::logprobs, "",
            {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
             torch::arg("attention_mask") = c10::IValue()})
       .def("finish", &EngineHolder::finish)

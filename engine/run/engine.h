@@ -118,6 +118,13 @@ class Engine {
   // Loss over a batch with the same window and no update (mean over valid tokens).
   double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
                   const int64_t* attention_mask = nullptr);
+  // Each token's log-probability of its label under the current weights, by
+  // evaluate's pass (no gradient, no update): log p(labels[t] | the row's
+  // ids up to t), fp32, batch x seq values in row order, 0 where the label is
+  // -100. Their sum over a row's labels is minus its summed loss. Arguments
+  // as step()'s; a batch with no label gives zeros.
+  std::vector<float> logprobs(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
+                              const int64_t* attention_mask = nullptr);
   // Waits for every pending update.
   void finish_updates();
   // On a SimDevice the engine runs its unchanged schedule on virtual clocks:

@@ -297,6 +297,29 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t
   return loss;
 }
 
+std::vector<float> Engine::logprobs(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                                   const int64_t* attention) {
+  EngineCore& core = *core_;
+  STRIDER_CHECK(!simulated(), "logprobs: a simulated engine computes no log-probability");
+  core.settle_compute();
+  core.upload_batch(ids, labels, positions, attention);
+  core.run_pass(core.eval_program_);
+  core.synchronize_devices(StreamId::kCompute);
+  // The last head shard's device holds each micro-batch's whole pass-1 state:
+  // the label's logit and the log-sum-exp, whose difference is the token's
+  // log-probability (the loss sums their negatives).
+  const EngineCore::Seat& st = core.seats_[size_t(core.place_.last_head_device())];
+  std::vector<float> out;
+  out.reserve(size_t(core.config_->batch() * core.config_->seq));
+  for (const EngineCore::MicroBatch& x : st.mb) {
+    const at::Tensor lp = (x.head.target - x.head_lse).masked_fill(x.labels.view({-1}) == -100, 0.0f).cpu();
+    const float* p = lp.data_ptr<float>();
+    out.insert(out.end(), p, p + lp.numel());
+  }
+  core.collect_device_spans();
+  return out;
+}
+
 std::pair<double, int64_t> EngineCore::pass_loss() {
   head_stats_ready_->synchronize();
   const size_t M = size_t(config_->accumulation);
