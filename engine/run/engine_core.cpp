@@ -287,10 +287,7 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t
                         const int64_t* attention) {
   EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
-  core.settle_compute();
-  core.upload_batch(ids, labels, positions, attention);
-  core.run_pass(core.eval_program_);
-  core.synchronize_devices(StreamId::kCompute);
+  core.eval_pass(ids, labels, positions, attention);
   const auto [loss, valid] = core.pass_loss();
   core.collect_device_spans();
   STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");
@@ -301,10 +298,7 @@ std::vector<float> Engine::logprobs(const int64_t* ids, const int64_t* labels, c
                                    const int64_t* attention) {
   EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "logprobs: a simulated engine computes no log-probability");
-  core.settle_compute();
-  core.upload_batch(ids, labels, positions, attention);
-  core.run_pass(core.eval_program_);
-  core.synchronize_devices(StreamId::kCompute);
+  core.eval_pass(ids, labels, positions, attention);
   // The last head shard's device holds each micro-batch's whole pass-1 state:
   // the label's logit and the log-sum-exp, whose difference is the token's
   // log-probability (the loss sums their negatives).
@@ -318,6 +312,14 @@ std::vector<float> Engine::logprobs(const int64_t* ids, const int64_t* labels, c
   }
   core.collect_device_spans();
   return out;
+}
+
+void EngineCore::eval_pass(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                           const int64_t* attention) {
+  settle_compute();
+  upload_batch(ids, labels, positions, attention);
+  run_pass(eval_program_);
+  synchronize_devices(StreamId::kCompute);
 }
 
 std::pair<double, int64_t> EngineCore::pass_loss() {
