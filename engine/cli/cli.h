@@ -14,6 +14,7 @@ namespace strider::cli {
 std::function<int()> add_finetune(CLI::App& app);
 std::function<int()> add_plan(CLI::App& app);
 std::function<int()> add_profile(CLI::App& app);
+std::function<int()> add_score(CLI::App& app);  // score.cpp: each window's log-probability, forward only
 
 // --config FILE, given after any subcommand (engine/cli/config_file.cpp): a
 // TOML file, or an INI file when its name ends in .ini, of that command's

@@ -2,6 +2,7 @@
 //   strider finetune [options]   (with no options: the built-in demo on the CPU device)
 //   strider plan [options]       what fits, where, and why
 //   strider profile [options]    a few steps: per-lane busy time, overlap, FLOP/s, a timeline PNG
+//   strider score [options]      each window of a token file's log-probability under a model
 #include <c10/util/Exception.h>
 #include <fmt/format.h>
 #include <sys/resource.h>
@@ -45,6 +46,7 @@ int main(int argc, char** argv) {
   auto finetune = strider::cli::add_finetune(app);
   auto plan = strider::cli::add_plan(app);
   auto profile = strider::cli::add_profile(app);
+  auto score = strider::cli::add_score(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ConfigError& e) {  // a --config file that is not TOML (INI), or a key that is no option
@@ -68,6 +70,7 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("plan")) return plan();
     need_open_files();
     if (app.got_subcommand("profile")) return profile();
+    if (app.got_subcommand("score")) return score();
     return finetune();  // also the default with no subcommand
   } catch (const strider::Error& e) {
     fmt::print(stderr, "strider: {}\n", e.what());
