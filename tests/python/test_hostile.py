@@ -5,6 +5,7 @@ UTF-8 ends before the first step (refused, naming the option) or trains, and nev
 checkpoint records (each maths setting of engine/config/config_fields.json on the command line, each number and
 flag of config.json), changed on resume, is refused by name with every saved file unchanged, or allowed by
 --allow-changed NAME, or (config.json's fields the model reader does not take) trains the same bits."""
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -177,17 +178,18 @@ def resume_each(strider, tmp_path, changes, **run):
         return {k.replace(str(root), ""): v for k, v in digest(root).items() if not k.endswith(".strider.lock")}
 
     before = saved_files(saved)
-    for name, change in changes.items():
+    def check(name, change):
         ck = tmp_path / f"ck-{name}"
         shutil.copytree(saved, ck)
-        resume = {**common, "--checkpoint-dir": str(ck), "--resume": None, **change}
+        resume = {**common, "--checkpoint-dir": str(ck), "--out": str(tmp_path / f"out-{name}"), "--resume": None,
+                  **change}
         r = train(strider, tmp_path, resume)
         err = r.stderr.decode(errors="replace")
         assert r.returncode != 0 and b"step    2" not in r.stdout, (name, err[-1000:])
         assert saved_files(ck) == before, name
         if name == "matmul_accumulate":
             assert "--matmul-accumulate" in err, err[-1000:]
-            continue
+            return
         assert f"{name}: checkpoint " in err and "--allow-changed" in err, (name, err[-1000:])
         r = train(strider, tmp_path, {**resume, "--allow-changed": name})
         if name in NOT_ALLOWED:
@@ -196,10 +198,19 @@ def resume_each(strider, tmp_path, changes, **run):
             r = train(strider, tmp_path, resume)
             assert "no option lets the model change on resume" in r.stderr.decode(errors="replace")
             assert saved_files(ck) == before, name
-            continue
+            return
         out = r.stdout.decode(errors="replace")
         assert r.returncode == 0, (name, r.stderr.decode(errors="replace")[-1000:])
         assert "resumed from" in out and "at step 1" in out, (name, out[-1000:])
+
+    two_at_a_time(check, changes.items())
+
+
+def two_at_a_time(check, cases):
+    """check(*case) for every case, two processes at once (each its own folders): a failure is raised here."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(check, *case) for case in cases]:
+            f.result()
 
 
 def test_every_recorded_maths_setting_changed_on_resume_is_refused_by_name_unless_allowed(strider, tmp_path):
@@ -289,7 +300,8 @@ def test_every_config_json_field_changed_on_resume_is_refused_or_changes_nothing
     reference = load_file(out / "model.safetensors")
     before = {k.replace(str(saved), ""): v for k, v in digest(saved).items()}
     refused = set()
-    for name, changed in other_values(config):
+
+    def check(name, changed):
         r, ck, out = resume(name, changed)
         err = r.stderr.decode(errors="replace")
         if r.returncode != 0:
@@ -302,6 +314,8 @@ def test_every_config_json_field_changed_on_resume_is_refused_or_changes_nothing
         else:
             trained = load_file(out / "model.safetensors")
             assert all(trained[k].equal(reference[k]) for k in reference), (name, "accepted, and trained otherwise")
+
+    two_at_a_time(check, other_values(config))
     read = {"rms_norm_eps", "rope_parameters.rope_theta", "num_attention_heads", "hidden_size"}
     if arch != "llama":
         read |= {"router_aux_loss_coef", "output_router_logits", "num_experts_per_tok"}
