@@ -26,13 +26,16 @@ namespace {
 struct Options {
   TrainOptions train;
   std::string out = "-";
+  std::string config_file;  // --config, an input too
 };
 
 int run(Options& o) {
   check_single_process("score");
   if (o.out != "-") {
     check_output_file(o.out, "--out");
-    check_paths_apart({{"--model", o.train.model}, {"--data", o.train.data}}, {{"--out", o.out}}, {});
+    std::vector<RunPath> inputs{{"--model", o.train.model}, {"--data", o.train.data}};
+    if (!o.config_file.empty()) inputs.push_back({"--config", o.config_file});
+    check_paths_apart(inputs, {{"--out", o.out}}, {});
   }
   std::FILE* log = o.out == "-" ? stderr : stdout;  // stdout holds the lines when --out is not given
   TrainingRun tr = make_training_run(o.train, "score", 1, log);
@@ -85,7 +88,11 @@ std::function<int()> add_score(CLI::App& app) {
   add_work_dir_option(*c, o->train);
   c->add_option("--out", o->out, "a JSON-lines file, written whole at the end (-: standard output)")
       ->capture_default_str();
-  return [o] { return run(*o); };
+  CLI::Option* config = app.get_config_ptr();
+  return [o, config] {
+    if (config != nullptr && config->count() > 0) o->config_file = config->as<std::string>();
+    return run(*o);
+  };
 }
 
 }  // namespace strider::cli

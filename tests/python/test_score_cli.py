@@ -73,5 +73,9 @@ def test_an_out_over_an_input_is_refused_before_anything_runs(strider, tmp_path,
         r = score(strider, tmp_path, model_dir, data, "--out", str(target))
         assert r.returncode != 0 and "--out" in r.stderr and "loaded model" not in r.stdout, r.stderr[-1000:]
     assert data.read_bytes() == before
+    conf = tmp_path / "c.toml"
+    conf.write_text("seq = 16\n")
+    r = score(strider, tmp_path, model_dir, data, "--out", str(conf), "--config", str(conf))
+    assert r.returncode != 0 and "--config" in r.stderr and conf.read_text() == "seq = 16\n", r.stderr[-1000:]
     r = score(strider, tmp_path, model_dir, data, "--out", str(tmp_path))
     assert r.returncode != 0 and "--out" in r.stderr
