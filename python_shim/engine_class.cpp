@@ -280,14 +280,14 @@ class EngineHolder : public torch::CustomClassHolder {
 
   // Each token's log-probability of its label, fp32 [batch, seq] (Engine::logprobs).
   at::Tensor logprobs(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
-                      const std::optional<at::Tensor>& attention_mask) {
+                      const std::optional<at::Tensor>& attention_mask, bool reference) {
     std::lock_guard lk(mu_);
     auto [i, l] = checked_batch("logprobs", ids, labels);
     const at::Tensor p = checked_positions("logprobs", positions);
     const at::Tensor a = checked_mask("logprobs", attention_mask);
     std::vector<float> lp = run("logprobs", [&] {
       return engine_->logprobs(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr,
-                               a.defined() ? a.data_ptr<int64_t>() : nullptr);
+                               a.defined() ? a.data_ptr<int64_t>() : nullptr, reference);
     });
     return at::tensor(lp, at::kFloat).view(ids.sizes());
   }
@@ -454,7 +454,7 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
             torch::arg("attention_mask") = c10::IValue()})
       .def("logprobs", &EngineHolder::logprobs, "",
            {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
-            torch::arg("attention_mask") = c10::IValue()})
+            torch::arg("attention_mask") = c10::IValue(), torch::arg("reference") = false})
       .def("finish", &EngineHolder::finish)
       .def("init_params", &EngineHolder::init_params)
       .def("write_trace", &EngineHolder::write_trace)

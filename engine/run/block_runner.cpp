@@ -6,6 +6,12 @@
 namespace strider {
 namespace {
 
+// A block's weights without its LoRA adapters ("<proj>.lora_A/B.weight"): the
+// linears then compute the frozen base alone, bit for bit.
+void drop_adapters(TensorMap& w) {
+  for (auto it = w.begin(); it != w.end();) it = it->first.find(".lora_") != std::string::npos ? w.erase(it) : std::next(it);
+}
+
 // The checkpoint-name prefix each block's roles are stated without.
 std::string prefix_of(const ModelSpec& spec, int64_t b) {
   switch (spec.block(b).kind) {
@@ -134,8 +140,9 @@ TokenLayout BlockRunner::layout_of(int64_t layer, const BatchPositions* position
 
 at::Tensor BlockRunner::forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
                                 const at::Tensor& save, const BatchPositions* positions,
-                                const MoeStep* moe) const {
+                                const MoeStep* moe, bool adapters) const {
   TensorMap w = block_views(spec_, b, layouts_[b], params);
+  if (!adapters) drop_adapters(w);
   switch (spec_.block(b).kind) {
     case BlockKind::kEmbedding: return embedding_forward(w.at("weight"), input, embedding_scale(spec_.dims, params.scalar_type()));
     case BlockKind::kLayer: {

@@ -79,9 +79,11 @@ class BlockRunner {
   // compute dtype) receives what its backward needs (gpu/blocks/blocks.h, LayerSaved).
   // `positions`: the rows' documents (a layer only; null: one per row).
   // `moe`: a layer with experts adds its routing statistics there (gpu/blocks/moe.h).
+  // `adapters` false: without its LoRA adapters, the frozen base alone (a
+  // reference pass: Engine::logprobs).
   at::Tensor forward(int64_t b, const at::Tensor& params, const at::Tensor& input,
                      const at::Tensor& save = {}, const BatchPositions* positions = nullptr,
-                     const MoeStep* moe = nullptr) const;
+                     const MoeStep* moe = nullptr, bool adapters = true) const;
 
   // Backward of a layer or the embedding: adds the trainable parameters'
   // gradients into `grads` (fp32 flat, same layout) and returns d(loss)/d(input) (undefined

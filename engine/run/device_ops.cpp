@@ -279,6 +279,7 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
     const Piece* p = &pc;
     const bool again = op.as<ComputeArgs>().recompute;
     const MoeStep moe = moe_step(st, b, m, /*backward=*/false);  // the attention half's routing adds its statistics
+    // (LoRA is refused with sub-layer pieces: a reference pass has no adapters to drop here.)
     dev.launch(StreamId::kCompute, {again ? "recompute" : "forward", int32_t(b), flops},
                [runner, p, params, in, out, cut, pos, again, moe](const LaunchContext&) {
                  if (again) runner->recompute_mlp_input(*p, params, in, cut, &pos);
@@ -301,9 +302,10 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
     dev.record(*at.saved_done, StreamId::kCompute);
     return;
   }
+  const bool adapters = !reference_pass_;  // a reference pass: the frozen base alone (Engine::logprobs)
   dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops},
-             [runner, b, params, in, out, pos, moe](const LaunchContext&) {
-               out.copy_(runner->forward(b, params, in, {}, &pos, &moe));
+             [runner, b, params, in, out, pos, moe, adapters](const LaunchContext&) {
+               out.copy_(runner->forward(b, params, in, {}, &pos, &moe, adapters));
              });
 }
 

@@ -295,10 +295,26 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t
 }
 
 std::vector<float> Engine::logprobs(const int64_t* ids, const int64_t* labels, const int64_t* positions,
-                                   const int64_t* attention) {
+                                   const int64_t* attention, bool reference) {
   EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "logprobs: a simulated engine computes no log-probability");
-  core.eval_pass(ids, labels, positions, attention);
+  const LoraSpec& lora = core.spec_.lora;
+  // Refused before any work, as a batch is (the caller may go on).
+  if (reference && !lora.enabled())
+    throw BatchRefused("logprobs: the reference model is LoRA's frozen base; this engine trains every parameter, "
+                       "and its starting weights are not kept");
+  if (reference && !lora.train.empty())
+    throw BatchRefused(fmt::format("logprobs: the reference model is LoRA's frozen base, but {} train in full "
+                                   "(modules_to_save) and their starting values are not kept",
+                                   fmt::join(lora.train, ", ")));
+  core.reference_pass_ = reference;
+  try {
+    core.eval_pass(ids, labels, positions, attention);
+  } catch (...) {
+    core.reference_pass_ = false;
+    throw;
+  }
+  core.reference_pass_ = false;
   // The last head shard's device holds each micro-batch's whole pass-1 state:
   // the label's logit and the log-sum-exp, whose difference is the token's
   // log-probability (the loss sums their negatives).

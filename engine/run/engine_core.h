@@ -165,6 +165,7 @@ class EngineCore {
   void upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
   // evaluate's and logprobs' pass over a batch: the head's pass-1 state complete on its devices.
   void eval_pass(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
+  bool reference_pass_ = false;  // the eval pass runs the layers without their LoRA adapters (Engine::logprobs)
   // The load-balancing loss's share of a batch with padding: per micro-batch
   // its router rows (input tokens x sparse layers) and whether it has padding
   // (its MoeStep::valid); the micro-batches with an input token on every rank.

@@ -460,17 +460,19 @@ class Engine:
 
     @torch.no_grad()
     def logprobs(self, input_ids, labels=None, attention_mask=None, position_ids=None,
-                 per_token: bool = False) -> torch.Tensor:
+                 per_token: bool = False, reference: bool = False) -> torch.Tensor:
         """Log-probabilities of the labels under the current weights, without a gradient or an update, as
         the engine's streamed head computes them (fp32 log-sum-exp over the vocabulary): per row, the sum
         over its targets (labels != -100 where attention_mask is 1, shifted inside as transformers shifts
         them) of log p(label | prefix), float32 [rows]; per_token=True: [rows, length - 1], 0 where the
-        target is -100 or padding. Arguments as evaluate's; a row without a target sums to 0. TRL's DPO and GRPO take these
-        sums and per-token values (the reference model's too)."""
+        target is -100 or padding. Arguments as evaluate's; a row without a target sums to 0. TRL's DPO
+        and GRPO take these sums and per-token values. reference=True: under the reference model, which for
+        a PEFT LoRA model is its frozen base (as under PEFT's disable_adapter()); refused without LoRA, or
+        with modules_to_save (their starting values are not kept)."""
         ids, lab, pos, mask = self._prepare("logprobs", input_ids, labels, attention_mask, position_ids)
         shape = torch.as_tensor(input_ids).shape  # _prepare took it: [length] or [rows, length]
         rows, length = (1, shape[0]) if len(shape) == 1 else shape
-        tokens = self._engine.logprobs(ids, lab, pos, mask)[:rows, :length - 1]
+        tokens = self._engine.logprobs(ids, lab, pos, mask, reference)[:rows, :length - 1]
         return tokens.clone() if per_token else tokens.sum(dim=1)
 
     # -- weights ---------------------------------------------------------------------------------------------

@@ -303,3 +303,36 @@ TEST_CASE("LoRA: a base too large for the RAM is refused naming its compute copy
   l.host_bytes = uint64_t(256) << 30;
   CHECK(Plan::make(spec, l).feasible);
 }
+
+TEST_CASE("LoRA: the reference's log-probabilities are the frozen base's, on one device and a pool",
+          "[lora][engine]") {
+  for (const char* devices : {"1", "2"}) {
+    INFO("devices " << devices);
+    EngineConfig cfg = small_bf16();
+    cfg.compute.dtype = at::kFloat;
+    cfg.window = 2;
+    DeviceOptions dopt{.spec = "cpu", .budget_bytes = size_t(64) << 20, .chaos = {.enabled = true, .seed = 5}};
+    EngineConfig with = cfg;
+    with.lora = kAllLinear;
+    Engine adapted(tiny(false), with, make_devices(dopt, devices));
+    adapted.init_params(7);
+    move_lora_b(adapted);  // adapters that change the answer
+    Engine base(tiny(false), cfg, make_devices(dopt, devices));
+    base.init_params(7);  // the same values: initial_values is per tensor name and seed
+    for (int64_t b = 0; b < base.spec().num_blocks(); ++b) {  // as the compute copies hold them
+      const std::span<std::byte> mine = base.compute_copy(b), theirs = adapted.compute_copy(b);
+      REQUIRE(theirs.size() >= mine.size());
+      REQUIRE(std::memcmp(mine.data(), theirs.data(), mine.size()) == 0);
+    }
+    const Batch x = batch(cfg.batch(), cfg.seq, adapted.spec().dims.vocab, 31);
+    const std::vector<float> reference = adapted.logprobs(x.ids.data(), x.labels.data(), nullptr, nullptr, true);
+    CHECK(reference == base.logprobs(x.ids.data(), x.labels.data()));
+    CHECK(reference != adapted.logprobs(x.ids.data(), x.labels.data()));
+  }
+  EngineConfig plain;
+  plain.seq = 9;
+  Engine full(tiny(false), plain, make_devices({.spec = "cpu"}, "1"));
+  const Batch x = batch(full.config().batch(), full.config().seq, full.spec().dims.vocab, 31);
+  CHECK_THROWS_WITH(full.logprobs(x.ids.data(), x.labels.data(), nullptr, nullptr, true),
+                    Catch::Contains("reference model is LoRA's frozen base"));
+}

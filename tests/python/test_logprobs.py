@@ -71,3 +71,40 @@ def test_logprobs_change_nothing_and_every_placement_gives_the_same_bits():
     assert asked.step(*batches[3]).loss == never.step(*batches[3]).loss
     for e in [*engines.values(), asked, never]:
         e.finish()
+
+
+@pytest.mark.parametrize("over", [{}, {"chaos": True, "window": 3}])
+def test_the_reference_of_a_lora_model_is_its_frozen_base_as_peft_disables_its_adapters(over):
+    """logprobs(reference=True) on a PEFT LoRA model: its layers without their adapters, as PEFT's
+    disable_adapter() computes (after training, so that the adapters do change the answer); with the
+    adapters, the PEFT model itself. Without LoRA, and with modules trained in full, the reference is
+    refused as a ValueError and the engine goes on."""
+    import peft
+    batches = hf_batches(500, 3)
+    lora = peft.get_peft_model(make_model(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                             lora_dropout=0.0))
+    engine = strider.Engine(lora, config(**over))
+    for b in batches[:2]:
+        engine.step(*b)
+    engine.sync_to_model()
+    ids, labels, mask = batches[2]
+    with lora.disable_adapter():
+        base = transformers_logprobs(lora, ids, labels, mask)
+    adapted = transformers_logprobs(lora, ids, labels, mask)
+    assert (base - adapted).abs().max() > 1e-3
+    torch.testing.assert_close(engine.logprobs(ids, labels, mask, per_token=True, reference=True), base,
+                               rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(engine.logprobs(ids, labels, mask, per_token=True), adapted, rtol=1e-5, atol=2e-5)
+    engine.finish()
+
+    full = strider.Engine(make_model(), config())
+    with pytest.raises(ValueError, match="reference model is LoRA's frozen base; this engine trains every"):
+        full.logprobs(ids, labels, mask, reference=True)
+    assert full.step(*batches[0]).loss > 0  # the engine goes on
+    full.finish()
+    saved = peft.get_peft_model(make_model(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                              lora_dropout=0.0, modules_to_save=["lm_head"]))
+    with_head = strider.Engine(saved, config())
+    with pytest.raises(ValueError, match="lm_head train in full"):
+        with_head.logprobs(ids, labels, mask, reference=True)
+    with_head.finish()
