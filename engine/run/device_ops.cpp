@@ -288,21 +288,23 @@ void EngineCore::forward_op(const StepOp& op, PassCursor& at) {
     return;
   }
   const MoeStep moe = moe_step(st, b, m, /*backward=*/false);
+  // A reference pass (Engine::logprobs) runs the frozen base alone: its layers without their adapters.
   if (op.as<ComputeArgs>().keep) {
     // Keep what backward needs: written into a device slot (once its last
     // reader is done); kSaveOut copies it out to the layer's host copy.
     at.saved_slot = int(st.saved_uses++ % 2);
     at::Tensor save = st.saved_dev[size_t(at.saved_slot)];
     dev.wait(StreamId::kCompute, *st.saved_free[size_t(at.saved_slot)]);
+    const bool adapters = !reference_pass_;
     dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops},
-               [runner, b, params, in, out, save, pos, moe](const LaunchContext&) {
-                 out.copy_(runner->forward(b, params, in, save, &pos, &moe));
+               [runner, b, params, in, out, save, pos, moe, adapters](const LaunchContext&) {
+                 out.copy_(runner->forward(b, params, in, save, &pos, &moe, adapters));
                });
     at.saved_done = dev.make_event();
     dev.record(*at.saved_done, StreamId::kCompute);
     return;
   }
-  const bool adapters = !reference_pass_;  // a reference pass: the frozen base alone (Engine::logprobs)
+  const bool adapters = !reference_pass_;
   dev.launch(StreamId::kCompute, {"forward", int32_t(b), flops},
              [runner, b, params, in, out, pos, moe, adapters](const LaunchContext&) {
                out.copy_(runner->forward(b, params, in, {}, &pos, &moe, adapters));

@@ -122,7 +122,8 @@ class Engine {
   // evaluate's pass (no gradient, no update): log p(labels[t] | the row's
   // ids up to t), fp32, batch x seq values in row order, 0 where the label is
   // -100. Their sum over a row's labels is minus its summed loss. Arguments
-  // as step()'s; a batch with no label gives zeros. `reference`: under the
+  // as step()'s (data parallel: every rank calls it, each with its rows, as
+  // evaluate); a batch with no label gives zeros. `reference`: under the
   // reference model, which for LoRA is the frozen base (the layers run
   // without their adapters, as PEFT's disable_adapter()); refused without
   // LoRA, or with modules trained in full (their starting values are gone).
