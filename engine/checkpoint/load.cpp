@@ -111,7 +111,8 @@ std::vector<std::string> maths_changes(const nlohmann::json& saved_config, const
     if (n == "decay_norms_and_biases" && now["weight_decay"] == 0 && saved_config.value("weight_decay", 0.0) == 0)
       continue;
     if (n == "grad_transfer" && now["dtype"] == "fp32" && saved_config.value("dtype", "") == "fp32") continue;
-    const bool allowed = std::find(allow_changed.begin(), allow_changed.end(), n) != allow_changed.end();
+    const bool allowed =
+        !f.fixed_on_resume && std::find(allow_changed.begin(), allow_changed.end(), n) != allow_changed.end();
     if (saved == now[n] || allowed) continue;
     changed.push_back(fmt::format("{}: checkpoint {}, engine {}{}", n, saved.dump(), now[n].dump(),
                                   n == "optimizer_state"    ? " (converting the state between formats is done only "
@@ -140,18 +141,18 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
                                          ts_file, saved.summary(), spec.summary(), join(diffs, "; ")),
                              false);
 
-  // 2. The engine config fields that change the maths. A LoRA base held in
-  // another format first: its values differ (step 5 would find another
-  // fingerprint), so it is another base, which no option allows.
+  // 2. The engine config fields that change the maths. Those fixed on resume
+  // first: their other value is another model (a LoRA base held in another
+  // format has other values), which no option allows.
   const nlohmann::json now_config = engine_config_to_json(engine.config());
-  if (!info.trainer_state.value("base_checksums", nlohmann::json::object()).empty()) {
-    const nlohmann::json was = info.engine_config.value("base_format", config_field("base_format").absent_in_checkpoint);
-    if (was != now_config["base_format"])
-      throw CheckpointMismatch(fmt::format("{}: base_format: checkpoint {}, engine {}: the adapters were trained over "
-                                           "the base held as {}, and a base held in another format has other values; "
-                                           "resume with --base-format {}",
-                                           ts_file, was.dump(), now_config["base_format"].dump(),
-                                           was.get<std::string>(), was.get<std::string>()),
+  for (const ConfigField& f : config_fields()) {
+    if (!f.fixed_on_resume) continue;
+    const nlohmann::json was = info.engine_config.value(f.name, f.absent_in_checkpoint);
+    if (was != now_config[f.name])
+      throw CheckpointMismatch(fmt::format("{}: {}: checkpoint {}, engine {}, which makes another model; resume with "
+                                           "{} {}",
+                                           ts_file, f.name, was.dump(), now_config[f.name].dump(), f.flag,
+                                           was.is_string() ? was.get<std::string>() : was.dump()),
                                false);
   }
   const auto& fields = maths_config_fields();

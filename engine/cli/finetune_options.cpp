@@ -7,15 +7,16 @@
 #include "engine/checkpoint/train_checkpoint.h"  // maths_config_fields
 #include "engine/cli/cli.h"
 #include "engine/cli/finetune_options.h"
+#include "engine/config/config_fields.h"
 
 namespace strider::cli {
 namespace {
 
-// The engine config's maths fields a resume may change: all but base_format
-// (a LoRA base held in another format has other values: another base).
+// The engine config's maths fields a resume may change: all but those fixed
+// on resume (engine/config/config_fields.json: their other value is another model).
 std::vector<std::string> changeable_maths() {
   std::vector<std::string> s = maths_config_fields();
-  s.erase(std::remove(s.begin(), s.end(), "base_format"), s.end());
+  std::erase_if(s, [](const std::string& name) { return config_field(name).fixed_on_resume; });
   return s;
 }
 

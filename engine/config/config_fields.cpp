@@ -65,6 +65,9 @@ const Declaration& declaration() {
       c.absent_in_checkpoint = f.value("absent_in_checkpoint", nlohmann::json());
       STRIDER_CHECK(c.absent_in_checkpoint.is_null() || c.scope == FieldScope::kMaths,
                     "{}: field '{}' has absent_in_checkpoint, which only a maths field takes", kFile, c.name);
+      c.fixed_on_resume = f.value("fixed_on_resume", false);
+      STRIDER_CHECK(!c.fixed_on_resume || c.scope == FieldScope::kMaths,
+                    "{}: field '{}' is fixed_on_resume, which only a maths field is", kFile, c.name);
       out.fields.push_back(std::move(c));
     }
     out.demo.why = j.at("demo").at("why");

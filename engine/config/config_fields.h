@@ -38,6 +38,9 @@ struct ConfigField {
   // A maths field added after the first checkpoints: what a checkpoint
   // without it meant (null: every checkpoint has it).
   nlohmann::json absent_in_checkpoint;
+  // A maths field no allow_changed lets a resume change: its other value is
+  // another model (base_format: a base held in another format has other values).
+  bool fixed_on_resume = false;
   std::string range_text() const;  // "[1, 16777216]", "(0, 1]"; empty without a range
 };
 
