@@ -76,6 +76,41 @@ def step_report(parts):
     return {**numbers, **texts, "busy_fraction": dict(busy)}
 
 
+_RANK_PREAMBLE = """
+import sys, torch
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+torch.set_num_threads(1)  # a GEMM split over more threads rounds differently
+import torch.distributed as dist
+rank, world, store, out = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
+if world > 1:
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+"""
+_RANK_POSTAMBLE = """
+if world > 1:
+    dist.barrier()
+    dist.destroy_process_group()
+"""
+
+
+def launch_python_ranks(body, world, out_prefix):
+    """Runs `body` (Python source) in `world` processes of one torch.distributed group (Gloo, a file://
+    rendezvous; one ATen thread each), with python_shim/ and this folder on sys.path and `rank`, `world` and
+    `out` (out_prefix) defined; every process must exit 0. Returns each rank's stdout."""
+    import subprocess
+    import textwrap
+    import strider
+    here = os.path.dirname(os.path.abspath(__file__))
+    shim = os.path.dirname(strider.__path__[0])
+    code = _RANK_PREAMBLE + textwrap.dedent(body) + _RANK_POSTAMBLE
+    procs = [subprocess.Popen([sys.executable, "-c", code, shim, here, str(rank), str(world),
+                               str(out_prefix) + "-store", str(out_prefix)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return [out for out, _ in outs]
+
+
 def require_op_library():
     """Loads libstrider_ops.so for a module whose every test needs it, or skips the whole module with the
     loader's message (every path it tried), which pytest_terminal_summary names and STRIDER_STRICT_SKIPS=1

@@ -20,7 +20,7 @@ import torch
 import transformers  # requirements.txt: a missing one fails here, not skips
 import strider  # noqa: E402  (tests/python/conftest.py puts python_shim/ on sys.path)
 
-from conftest import require_op_library  # noqa: E402
+from conftest import launch_python_ranks, require_op_library  # noqa: E402
 
 require_op_library()
 
@@ -271,17 +271,9 @@ def test_engines_in_a_distributed_group_train_as_one_process_with_their_accumula
     order, the state sharded between them: both ranks' models end with the one process's weights, bit for bit
     (every process computes with one ATen thread: a GEMM split over more rounds differently), and a checkpoint
     saved by the ranks holds them too."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = textwrap.dedent("""
-        import sys, torch
-        sys.path[:0] = [sys.argv[1], sys.argv[2]]
-        torch.set_num_threads(1)
-        import torch.distributed as dist
+    code = """
         import strider
         from test_package import config, make_model, hf_batches
-        rank, world, store, out = int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6]
-        if world > 1:
-            dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
         model = make_model()
         engine = strider.Engine(model, config(micro_batch=2, accumulation=2 // world))
         rows = slice(2 * rank, 2 * rank + 4 // world)
@@ -291,20 +283,10 @@ def test_engines_in_a_distributed_group_train_as_one_process_with_their_accumula
         engine.save(out + "-ckpt", extra={"rank": rank})
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out + "-%d.pt" % rank)
         print("loss", loss)
-        if world > 1:
-            dist.barrier()
-            dist.destroy_process_group()
-    """)
-    shim = os.path.dirname(strider.__path__[0])
+    """
 
     def launch(world, name):
-        procs = [subprocess.Popen([sys.executable, "-c", code, shim, here, str(rank), str(world),
-                                   str(tmp_path / (name + "-store")), str(tmp_path / name)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(world)]
-        outs = [p.communicate(timeout=300) for p in procs]
-        for p, (out, err) in zip(procs, outs):
-            assert p.returncode == 0, err[-3000:]
-        return [o.split()[-1] for o, _ in outs]
+        return [out.split()[-1] for out in launch_python_ranks(code, world, tmp_path / name)]
 
     ranks_loss, (one_loss,) = launch(2, "ranks"), launch(1, "one")
     assert ranks_loss == [one_loss, one_loss]  # the global batch's loss, the same bits
