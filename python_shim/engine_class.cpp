@@ -226,15 +226,32 @@ class EngineHolder : public torch::CustomClassHolder {
   // fraction. engine.py's StepResult.from_report reads them.
   using Report = std::tuple<c10::Dict<std::string, double>, c10::Dict<std::string, std::string>,
                             c10::Dict<std::string, double>>;
+  // An objective past SFT (engine.py prepares them; rows < 0: none given):
+  // `row` fp32 [batch], `old_logps` and `ref_logps` fp32 [batch, seq].
   Report step(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
-              const std::optional<at::Tensor>& attention_mask) {
+              const std::optional<at::Tensor>& attention_mask, int64_t rows, const std::optional<at::Tensor>& row,
+              const std::optional<at::Tensor>& old_logps, const std::optional<at::Tensor>& ref_logps) {
     std::lock_guard lk(mu_);
     auto [i, l] = checked_batch("step", ids, labels);
     const at::Tensor p = checked_positions("step", positions);
     const at::Tensor a = checked_mask("step", attention_mask);
+    const EngineConfig& c = engine_->config();
+    auto values = [&](const char* name, const std::optional<at::Tensor>& t, std::vector<int64_t> shape) {
+      if (!t.has_value() || !t->defined()) return at::Tensor();
+      TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef(shape), "step: ", name, " must be of shape ", at::IntArrayRef(shape),
+                        ", got ", t->sizes());
+      return t->to(at::kCPU, at::kFloat).contiguous();
+    };
+    const at::Tensor rv = values("the per-row values", row, {c.batch()});
+    const at::Tensor ov = values("old_logps", old_logps, {c.batch(), c.seq});
+    const at::Tensor fv = values("ref_logps", ref_logps, {c.batch(), c.seq});
+    ObjectiveInputs obj{.rows = rows,
+                        .row = rv.defined() ? rv.data_ptr<float>() : nullptr,
+                        .old_logps = ov.defined() ? ov.data_ptr<float>() : nullptr,
+                        .ref_logps = fv.defined() ? fv.data_ptr<float>() : nullptr};
     StepReport r = run("step", [&] {
       return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr,
-                           a.defined() ? a.data_ptr<int64_t>() : nullptr);
+                           a.defined() ? a.data_ptr<int64_t>() : nullptr, rows >= 0 ? &obj : nullptr);
     });
     c10::Dict<std::string, double> numbers, busy;
     c10::Dict<std::string, std::string> texts;
@@ -258,6 +275,7 @@ class EngineHolder : public torch::CustomClassHolder {
              {"loss_scale", r.loss_scale},
              {"overflow", r.overflow ? 1.0 : 0.0}})
       numbers.insert(key, value);
+    for (const auto& [name, value] : r.metrics) numbers.insert("objective:" + name, value);  // TRL's names
     texts.insert("critical_lane", std::string(lane_name(r.stats.critical)));
     texts.insert("skip_reason", r.skip_reason);
     texts.insert("nonfinite_tensor", r.nonfinite_tensor);
@@ -448,7 +466,8 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("trainable_names", &EngineHolder::trainable_names)
       .def("step", &EngineHolder::step, "",
            {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
-            torch::arg("attention_mask") = c10::IValue()})
+            torch::arg("attention_mask") = c10::IValue(), torch::arg("rows") = -1, torch::arg("row") = c10::IValue(),
+            torch::arg("old_logps") = c10::IValue(), torch::arg("ref_logps") = c10::IValue()})
       .def("evaluate", &EngineHolder::evaluate, "",
            {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
             torch::arg("attention_mask") = c10::IValue()})

@@ -18,6 +18,7 @@
 #include "engine/config/compute_options.h"
 #include "engine/config/loss_scaling.h"
 #include "engine/config/lr_schedule.h"
+#include "engine/config/objective_config.h"
 #include "host/base_format.h"
 #include "host/cpu_adam.h"         // AdamHyper
 #include "host/pinned_arena.h"     // LockPolicy
@@ -118,6 +119,10 @@ struct EngineConfig {
   // bytes of the compute dtype in the working-memory model. false: every row
   // is one sequence (a step given packed positions is refused).
   bool packed_documents = false;
+  // What the step minimises (engine/config/objective_config.h): cross-entropy
+  // (sft), or an objective over the step's per-token log-probabilities
+  // (gpu/blocks/objective.h: DPO, SimPO, ORPO, GRPO as TRL defines them).
+  ObjectiveConfig objective;
   at::ScalarType grad_dtype() const {
     return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
   }

@@ -53,7 +53,15 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"grad_ring", c.grad_ring},
           {"saved_blocks", c.saved_blocks},
           {"keep_logits", c.keep_logits},
-          {"packed_documents", c.packed_documents}};
+          {"packed_documents", c.packed_documents},
+          {"objective", c.objective.objective},
+          {"loss_type", c.objective.loss_type},
+          {"beta", c.objective.beta},
+          {"label_smoothing", c.objective.label_smoothing},
+          {"simpo_gamma", c.objective.simpo_gamma},
+          {"epsilon", c.objective.epsilon},
+          {"epsilon_high", c.objective.epsilon_high},
+          {"max_completion_length", c.objective.max_completion_length}};
 }
 
 EngineConfig engine_config_from_json(const nlohmann::json& given, bool check_rules) {
@@ -107,6 +115,14 @@ EngineConfig engine_config_from_json(const nlohmann::json& given, bool check_rul
   get("grad_ring", c.grad_ring);
   get("keep_logits", c.keep_logits);
   get("packed_documents", c.packed_documents);
+  get("objective", c.objective.objective);
+  get("loss_type", c.objective.loss_type);
+  get("beta", c.objective.beta);
+  get("label_smoothing", c.objective.label_smoothing);
+  get("simpo_gamma", c.objective.simpo_gamma);
+  get("epsilon", c.objective.epsilon);
+  get("epsilon_high", c.objective.epsilon_high);
+  get("max_completion_length", c.objective.max_completion_length);
   // Decoder-layer blocks are 1..layers (the declaration's minimum is 1): the
   // upper bound needs the model, which whoever builds the Engine checks (the
   // Engine does too).
@@ -142,6 +158,8 @@ std::vector<SettingsProblem> settings_problems(const EngineConfig& c) {
   rule(c.base_format == BaseFormat::kCompute || c.layer_pieces.empty(), "base_format", "layer_pieces",
        fmt::format("base_format {} with layer_pieces '{}': a quantized base is one piece of its layer; leave "
                    "layer_pieces empty", base, c.layer_pieces));
+  for (ObjectiveProblem& p : objective_problems(c.objective, c.packed_documents))
+    out.push_back({p.field, "", std::move(p.text)});
   rule(c.mlp_pieces == 0 || c.saved_blocks.empty(), "mlp_pieces", "saved_blocks",
        fmt::format("mlp_pieces {} with saved_blocks: a layer cut into sub-layer pieces keeps no activations yet; "
                    "leave saved_blocks empty", c.mlp_pieces));

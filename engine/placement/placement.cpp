@@ -67,11 +67,17 @@ void count_device(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
       bytes += round_up(M * 2 * size_t(spec.dims.moe.experts) * 4, 256) + round_up(tokens * 4, 256);
     const uint64_t logits = c.keep_logits ? M * round_up(mb_tokens * size_t(pl.head_rows(d)) * cbytes, 256) : 0;
     f.logits_bytes = std::max(f.logits_bytes, logits);
+    // (An objective past SFT: each token's coefficient beside its log-sum-exp.)
+    const size_t lse = mb_tokens * 4 * (c.objective.sft() ? 1 : 2);
     if (pl.runs_head(d))
       bytes += round_up(2 * M * 8, 256) +
-               M * (round_up(3 * mb_tokens * 4, 256) + round_up(mb_tokens * 4, 256) +
+               M * (round_up(3 * mb_tokens * 4, 256) + round_up(lse, 256) +
                     round_up(mb_tokens * hidden * 4, 256)) +
                logits;
+    // An objective past SFT: on the device that runs it, the step's per-row
+    // inputs and its figures (engine_core.h, Seat::objective_in).
+    if (!c.objective.sft() && d == pl.last_head_device())
+      bytes += round_up(objective_in_elems(c.batch(), c.seq) * 4, 256) + round_up(kObjectiveStats * 8, 256);
     f.activation_bytes = std::max(f.activation_bytes, bytes);
   }
   f.device_bytes = f.pool_bytes + f.activation_bytes;
@@ -101,6 +107,9 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   f.host_bytes = f.state_host_bytes + 2 * round_up(tokens * 8, kHostAlign) + round_up(2 * M * 8, kHostAlign) +
                  8 * kHostAlign;
   if (spec.router_aux_coef > 0) f.host_bytes += round_up(tokens * 4, kHostAlign);  // the attention mask
+  if (!c.objective.sft())  // an objective's per-row inputs and figures
+    f.host_bytes += round_up(objective_in_elems(c.batch(), c.seq) * 4, kHostAlign) +
+                    round_up(kObjectiveStats * 8, kHostAlign);
   if (c.checkpoints_on_host) f.host_bytes += uint64_t(pl.head) * M * round_up(pl.act_bytes, kHostAlign);
   // A pool's hand-off buffers, per micro-batch: a block's input or output
   // gradient; with the head spread, its per-token state (3 fp32 per token),
@@ -108,7 +117,8 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   if (pl.devices > 1) f.hand_off_bytes = M * round_up(pl.hand_block_bytes, kHostAlign);
   if (pl.head_spread()) {
     const size_t mb_tokens = size_t(c.micro_batch * c.seq);
-    f.hand_off_bytes += M * (round_up(3 * mb_tokens * 4, kHostAlign) + round_up(mb_tokens * 4, kHostAlign) +
+    const size_t lse = mb_tokens * 4 * (c.objective.sft() ? 1 : 2);  // with an objective's coefficients
+    f.hand_off_bytes += M * (round_up(3 * mb_tokens * 4, kHostAlign) + round_up(lse, kHostAlign) +
                              round_up(mb_tokens * size_t(spec.dims.hidden) * 4, kHostAlign));
   }
   f.host_bytes += f.hand_off_bytes;

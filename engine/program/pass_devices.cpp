@@ -4,7 +4,8 @@
 // compute that made it, so the next device starts on it while this one
 // computes the next micro-batch, and in just before the compute that takes
 // it; the head's per-token state (pass 1) and hidden gradient (pass 2) from
-// shard to shard, and the log-sum-exp from the last shard to the others.
+// shard to shard, and the log-sum-exp from the last shard to the others
+// (with an objective past SFT, after it, with its coefficients).
 #include "engine/program/passes.h"
 
 namespace strider {
@@ -42,8 +43,13 @@ class Hands {
         hand_in(id, state, h, false, prev);
         int32_t at = id;
         if (next != dev_) at = hand_out(id, at, state, h, false);
-        if (o.kind == StepOpKind::kHeadLse && last_shard && d_.train && pl_.head_spread())
+        if (o.kind == StepOpKind::kHeadLse && last_shard && d_.train && pl_.head_spread() && !d_.in.objective)
           hand_out(id, at, Hand::kLse, h, false);
+      } else if (o.kind == StepOpKind::kObjective && pl_.head_spread()) {
+        // An objective's coefficients exist once it has run over every
+        // micro-batch: each micro-batch's log-sum-exp goes with them, after it.
+        int32_t at = id;
+        for (int64_t m = 0; m < d_.in.micro_batches; ++m) at = hand_out(id, at, Hand::kLse, h, false, m);
       } else if (o.kind == StepOpKind::kHeadNormBackward) {
         if (h - 1 >= first_trained && takes_elsewhere(h - 1, true)) hand_out(id, id, Hand::kBlock, h - 1, true);
       } else if (o.kind == StepOpKind::kBackward) {
@@ -72,10 +78,10 @@ class Hands {
   // What `hand` carries for block b (`grads`: its output gradient) for the
   // micro-batch of `compute`, which made it: out right after `at` (that
   // compute, or a hand-out after it).
-  int32_t hand_out(int32_t compute, int32_t at, Hand hand, int64_t b, bool grads) {
+  int32_t hand_out(int32_t compute, int32_t at, Hand hand, int64_t b, bool grads, int64_t m = -1) {
     StepOp o = d_.visit_op(StepOpKind::kHandOut, Lane::kD2H, d_.op(compute).visit, {compute});
     o.block = b;
-    o.micro_batch = d_.op(compute).micro_batch;
+    o.micro_batch = m >= 0 ? m : d_.op(compute).micro_batch;  // m: of a compute over every micro-batch
     o.as<HandArgs>() = {.hand = hand, .grads = grads};
     const int32_t id = d_.insert_after(at, std::move(o));
     std::vector<int32_t>& outs = out_[size_t(hand)];

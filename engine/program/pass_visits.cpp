@@ -60,6 +60,9 @@ std::vector<int32_t> head_visit(Draft& d, int64_t v, bool& grads, int32_t& loss)
   int32_t last = -1;
   if (vis.lse) {
     for (int64_t m = 0; m < M; ++m) last = shard_op(StepOpKind::kHeadLse, Lane::kCompute, {kVisitLoad}, m);
+    // An objective past SFT maps every micro-batch's log-probabilities to
+    // their coefficients and the loss before any pass 2 (a training pass).
+    if (last_shard && d.train && d.in.objective) last = shard_op(StepOpKind::kObjective, Lane::kCompute, {last});
     if (last_shard) loss = d.add(d.visit_op(StepOpKind::kLossOut, Lane::kD2H, v, {last}));
   }
   std::vector<int32_t> out;

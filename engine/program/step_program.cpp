@@ -31,7 +31,7 @@ uint64_t state_write_bytes(const Placement& place, StateFormat format, int64_t p
 ProgramInputs program_inputs(const EngineConfig& c, int world) {
   return {.window = c.window, .micro_batches = c.accumulation, .checkpoints_on_host = c.checkpoints_on_host,
           .keep_logits = c.keep_logits, .clip_norm = c.clip_norm, .loss_scaled = c.loss_scaled(),
-          .packed_documents = c.packed_documents, .world = world, .shared_compute = !c.shared_compute_file.empty()};
+          .packed_documents = c.packed_documents, .objective = !c.objective.sft(), .world = world, .shared_compute = !c.shared_compute_file.empty()};
 }
 
 bool takes_positions(const StepProgram& program) {

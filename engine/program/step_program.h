@@ -70,6 +70,7 @@ enum class StepOpKind : uint8_t {
   kHandOut,            // d2h: a pool: a block's input (or output gradient) for one micro-batch, to the next device
   kHandIn,             // h2d: a pool: what kHandOut handed, on the device of the visit it is for
   kHeadLse,            // compute: the head's pass 1 (log-sum-exp) over one shard, one micro-batch
+  kObjective,          // compute: an objective past SFT over every micro-batch's log-probabilities (the last shard's device)
   kLossOut,            // d2h: the pass's loss figures
   kHeadGrad,           // compute: the head's pass 2 (gradients) over one shard, one micro-batch
   kHeadNormBackward,   // compute: the final norm's backward for one micro-batch
@@ -118,6 +119,7 @@ OpSide op_side(StepOpKind k);
   case StepOpKind::kHandOut: \
   case StepOpKind::kHandIn: \
   case StepOpKind::kHeadLse: \
+  case StepOpKind::kObjective: \
   case StepOpKind::kLossOut: \
   case StepOpKind::kHeadGrad: \
   case StepOpKind::kHeadNormBackward: \
@@ -145,7 +147,8 @@ OpSide op_side(StepOpKind k);
 // its own host buffers: a block's input (or, `grads`, its output gradient);
 // with the head's shards on several devices, the head's per-token state
 // from one shard's pass 1 to the next's, the log-sum-exp from the last
-// shard's pass 1 to the other shards' pass 2, and the hidden gradient from
+// shard's pass 1 to the other shards' pass 2 (with an objective past SFT,
+// and its per-token coefficients), and the hidden gradient from
 // one shard's pass 2 to the next's.
 enum class Hand : uint8_t { kBlock, kHeadState, kLse, kHeadGrad };
 inline constexpr int kHandKinds = 4;
@@ -254,6 +257,7 @@ struct ProgramInputs {
   double clip_norm = 0;
   bool loss_scaled = false;     // fp16: the gradients carry a loss scale (the norm gates the updates, as clipping's does)
   bool packed_documents = false;  // rows may pack documents (a layer's attention masked per row)
+  bool objective = false;       // an objective past SFT: a kObjective between the head's passes
   int world = 1;                // ranks stepping together (1: none)
   bool shared_compute = false;  // the machine's ranks share one compute copy
 };

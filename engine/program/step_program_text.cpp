@@ -32,6 +32,7 @@ constexpr KindRow kKinds[] = {
     {StepOpKind::kHandOut, "hand out"},
     {StepOpKind::kHandIn, "hand in"},
     {StepOpKind::kHeadLse, "head log-sum-exp"},
+    {StepOpKind::kObjective, "objective"},
     {StepOpKind::kLossOut, "loss out"},
     {StepOpKind::kHeadGrad, "head backward"},
     {StepOpKind::kHeadNormBackward, "head norm backward"},
@@ -91,6 +92,7 @@ OpArgs op_args(StepOpKind k) {
     case StepOpKind::kZeroGrads:
     case StepOpKind::kTiedGradIn:
     case StepOpKind::kLossOut:
+    case StepOpKind::kObjective:
     case StepOpKind::kHeadNormBackward:
     case StepOpKind::kFetchSaved:
     case StepOpKind::kGradsToSend:

@@ -67,9 +67,19 @@ void EngineCore::allocate_activations(int d) {
       MicroBatch& x = st.mb[size_t(m)];
       x.head_state = make({3, mb * S}, at::kFloat, "head running max, sum and target logits");
       x.head = {x.head_state[0], x.head_state[1], x.head_state[2]};
-      st.mb[size_t(m)].head_lse = make({mb * S}, at::kFloat, "head log-sum-exp");
+      if (objective_.sft()) {
+        x.head_lse = make({mb * S}, at::kFloat, "head log-sum-exp");
+      } else {  // the objective's coefficients beside it: one hand-off carries both (Hand::kLse)
+        x.lse_coef = make({2, mb * S}, at::kFloat, "head log-sum-exp and objective coefficients");
+        x.head_lse = x.lse_coef[0];
+        x.coef = x.lse_coef[1];
+      }
       st.mb[size_t(m)].grad_h = make({mb * S, H}, at::kFloat, "head hidden gradient");
     }
+  if (!objective_.sft() && d == place_.last_head_device()) {
+    st.objective_in = make({int64_t(objective_in_elems(place_.batch(), S))}, at::kFloat, "objective inputs");
+    st.objective_stats = make({kObjectiveStats}, at::kDouble, "objective figures");
+  }
   for (int s = 0; s < 2; ++s) st.ring_free.push_back(st.device->make_event());
   if (keeps_logits(program_, d) && runs_head)
     for (int64_t m = 0; m < M; ++m) st.mb[size_t(m)].logits = make({mb * S, place_.head_rows(d)}, cdt, "kept logits");

@@ -178,12 +178,16 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
     case StepOpKind::kHeadNormBackward:
       head_op(op);
       return;
+    case StepOpKind::kObjective: objective_op(op); return;
     case StepOpKind::kLossOut: {
       // The loss's D2H precedes every head gradient's on the d2h stream: the
       // updater checks it when the first gradients land.
       stream_after(st, StreamId::kD2H, StreamId::kCompute);
       dev.copy_d2h(StreamId::kD2H, head_stats_host_.data(), st.head_stats.data_ptr(), head_stats_host_.size_bytes(),
                    {"d2h loss", int32_t(place_.head)});
+      if (st.objective_stats.defined())  // a training pass of an objective past SFT: its figures too
+        dev.copy_d2h(StreamId::kD2H, objective_stats_host_.data(), st.objective_stats.data_ptr(),
+                     objective_stats_host_.size_bytes(), {"d2h objective figures", int32_t(place_.head)});
       dev.record(*head_stats_ready_, StreamId::kD2H);
       return;
     }
@@ -360,13 +364,46 @@ void EngineCore::head_op(const StepOp& op) {
   at::Tensor labels = x.labels, lse = x.head_lse;
   const double loss_scale = pass_scale_ / double(batch_valid_);  // the mean over the batch's valid tokens, scaled (fp16)
   const at::Tensor kept = op.as<ComputeArgs>().keep ? kept_logits(st, m, op.shard) : at::Tensor();
+  const at::Tensor coef = x.coef;  // an objective's (kObjective's), which replace loss_scale; else undefined
   dev.launch(StreamId::kCompute, {"head backward", int32_t(place_.head), op_flops(op)},
-             [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, loss_scale, first, kept](
+             [dims, norm, rows, v0, in, labels, chunk, tile, lse, grad_h, grad_rows, loss_scale, first, kept, coef](
                  const LaunchContext&) {
                if (first) grad_h.zero_();
                head_grad_shard(dims, norm, in.reshape({-1, dims.hidden}), rows, v0, labels, chunk, tile, lse,
-                               loss_scale, grad_h, grad_rows, kept);
+                               loss_scale, grad_h, grad_rows, kept, coef);
              });
+}
+
+void EngineCore::objective_op(const StepOp& op) {
+  // After the last shard's pass 1 of every micro-batch: each token's
+  // log-probability (target logit - log-sum-exp) over the whole step, mapped
+  // by the objective to its loss (this rank's share, into the first
+  // micro-batch's loss figure: the figures' sum is the share) and to each
+  // token's coefficient for pass 2 (-d(loss)/d(log p), times the loss scale).
+  Seat& st = seat(op);
+  std::vector<at::Tensor> target, lse, labels, coef;
+  for (const MicroBatch& x : st.mb) {
+    target.push_back(x.head.target);
+    lse.push_back(x.head_lse);
+    labels.push_back(x.labels);
+    coef.push_back(x.coef);
+  }
+  const ObjectiveSettings o = objective_;
+  const ObjectiveBatch in = objective_batch_;
+  const int64_t B = place_.batch(), S = place_.seq;
+  const double scale = pass_scale_;
+  const at::Tensor stats = st.objective_stats, loss_sums = st.head_stats[0];
+  st.device->launch(StreamId::kCompute, {"objective", int32_t(place_.head), 0.0},
+                    [o, in, B, S, scale, target, lse, labels, coef, stats, loss_sums](const LaunchContext&) {
+                      const at::Tensor mask = (at::cat(labels) != -100).view({B, S});
+                      const at::Tensor logp = (at::cat(target) - at::cat(lse)).view({B, S}).masked_fill(~mask, 0.0f);
+                      const at::Tensor g = objective_grad(o, logp, mask, in, stats).view({-1}).mul(-scale);
+                      const int64_t T = g.numel() / int64_t(coef.size());
+                      for (size_t m = 0; m < coef.size(); ++m)
+                        coef[m].copy_(g.slice(0, int64_t(m) * T, int64_t(m + 1) * T));
+                      loss_sums.zero_();
+                      loss_sums[0].copy_(stats[kStatLoss]);
+                    });
 }
 
 void EngineCore::backward_op(const StepOp& op) {

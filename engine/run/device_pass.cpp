@@ -28,7 +28,7 @@ at::Tensor EngineCore::handed(const Seat& s, const StepOp& op) const {
   switch (h.hand) {
     case Hand::kBlock: return h.grads ? x.grad_out : act(s, op.block, op.micro_batch);
     case Hand::kHeadState: return x.head_state;
-    case Hand::kLse: return x.head_lse;
+    case Hand::kLse: return x.lse_coef.defined() ? x.lse_coef : x.head_lse;  // an objective's coefficients too
     case Hand::kHeadGrad: return x.grad_h;
   }
   return {};
@@ -135,6 +135,31 @@ void EngineCore::upload_batch(const int64_t* ids, const int64_t* labels, const i
                         [stats](const LaunchContext&) { stats.zero_(); });
     }
   }
+}
+
+void EngineCore::upload_objective(const ObjectiveInputs& in) {
+  // After upload_batch, which waited for the previous batch's copies to leave the staging.
+  const int64_t B = place_.batch(), S = place_.seq;
+  float* row = objective_host_.data();
+  float* old = row + B;
+  float* ref = old + B * S;
+  std::fill(objective_host_.begin(), objective_host_.end(), 0.0f);
+  if (in.row) std::copy(in.row, in.row + in.rows, row);
+  if (in.old_logps) std::copy(in.old_logps, in.old_logps + in.rows * S, old);
+  if (in.ref_logps) std::copy(in.ref_logps, in.ref_logps + in.rows * S, ref);
+  Seat& st = seats_[size_t(place_.last_head_device())];
+  st.device->copy_h2d(StreamId::kH2D, st.objective_in.data_ptr(), objective_host_.data(), objective_host_.size_bytes(),
+                      {"h2d objective inputs"});
+  st.device->record(*st.data_ready, StreamId::kH2D);
+  st.device->wait(StreamId::kCompute, *st.data_ready);
+  at::Tensor all = st.objective_in;
+  ObjectiveBatch& b = objective_batch_;
+  b.row = all.slice(0, 0, B);
+  b.old_logp = in.old_logps ? all.slice(0, B, B + B * S).view({B, S}) : at::Tensor();
+  b.ref_logp = in.ref_logps ? all.slice(0, B + B * S, B + 2 * B * S).view({B, S}) : at::Tensor();
+  b.rows = in.rows;
+  b.rank_share = 1.0 / double(dist_->ranks().world);
+  b.global_tokens = double(batch_valid_);  // over every rank (upload_batch)
 }
 
 void EngineCore::count_router_rows(const int64_t* attention) {

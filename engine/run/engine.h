@@ -45,12 +45,14 @@
 #include "engine/program/step_program.h"
 #include "engine/program/timeline.h"
 #include "engine/run/step_report.h"
+#include "gpu/blocks/objective.h"  // ObjectiveInputs
 #include "gpu/device/device.h"
 #include "host/dtype.h"
 #include "host/error.h"
 #include "io/nvme_store.h"      // ExtentKind
 
 namespace strider {
+
 
 class Collectives;  // engine/run/collectives.h
 struct RankInfo;
@@ -113,8 +115,11 @@ class Engine {
   // 1s), labels -100 on padding. Attention is causal, so the padding changes
   // no real token; it leaves the padded tokens out of the load-balancing loss
   // (docs/moe.md, "How the engine runs them"), as transformers does.
+  // `objective`: the per-row inputs of an objective past SFT
+  // (EngineConfig::objective; gpu/blocks/objective.h's ObjectiveInputs), required by dpo and
+  // grpo, refused by sft.
   StepReport step(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
-                  const int64_t* attention_mask = nullptr);
+                  const int64_t* attention_mask = nullptr, const ObjectiveInputs* objective = nullptr);
   // Loss over a batch with the same window and no update (mean over valid tokens).
   double evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
                   const int64_t* attention_mask = nullptr);

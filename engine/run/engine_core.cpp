@@ -39,6 +39,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
       config_(std::make_unique<const EngineConfig>(with_devices(std::move(config), devices.size()))),
       compute_(config_->compute),
       adam_hyper_(config_->adam),
+      objective_(config_->objective.resolve()),
       place_((check_config(spec_, *config_), place(spec_, *config_))) {
   STRIDER_CHECK(!devices.empty(), "Engine: no device given");
   for (auto& d : devices) {
@@ -87,6 +88,11 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
   if (spec_.router_aux_coef > 0) valid_host_ = arena_->carve_as<float>(tokens, "batch attention mask", kHostAlign);
   if (spec_.tie_embeddings) tied_grad_host_ = arena_->carve_as<float>(emb_elems, "tied embedding gradient", kHostAlign);
   head_stats_host_ = arena_->carve_as<double>(size_t(2 * M), "head loss figures", kHostAlign);
+  if (!objective_.sft()) {
+    objective_host_ = arena_->carve_as<float>(objective_in_elems(config_->batch(), config_->seq), "objective inputs",
+                                              kHostAlign);
+    objective_stats_host_ = arena_->carve_as<double>(kObjectiveStats, "objective figures", kHostAlign);
+  }
   // Per micro-batch: its host checkpoints (of blocks 1..head) and kept
   // activations (per kept layer), carved block-major; a pool's hand-offs.
   host_ckpt_.resize(size_t(M));
@@ -100,7 +106,8 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
       saved_host_[size_t(m)].push_back(arena_->carve(place_.saved_bytes, kHostAlign, "kept activations"));
   if (fp.hand_off_bytes > 0) {  // placement.cpp's count_host counts these
     const size_t tokens_mb = size_t(config_->micro_batch * config_->seq);
-    const size_t bytes[kHandKinds] = {place_.hand_block_bytes, 3 * tokens_mb * 4, tokens_mb * 4,
+    const size_t lse = tokens_mb * 4 * (objective_.sft() ? 1 : 2);  // an objective's coefficients go with it
+    const size_t bytes[kHandKinds] = {place_.hand_block_bytes, 3 * tokens_mb * 4, lse,
                                       tokens_mb * size_t(spec_.dims.hidden) * 4};
     for (int k = 0; k < (place_.head_spread() ? kHandKinds : 1); ++k)
       for (int64_t m = 0; m < M; ++m) hand_host_[k].push_back(arena_->carve(bytes[k], kHostAlign, "hand-off"));
@@ -209,7 +216,7 @@ void EngineCore::settle_compute() {
 }
 
 StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t* positions,
-                        const int64_t* attention) {
+                        const int64_t* attention, const ObjectiveInputs* objective) {
   EngineCore& core = *core_;
   STRIDER_CHECK(core.dist_->ranks().world == core.config_->state_shards || !core.sharded() || simulated(),
                 "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
@@ -221,6 +228,8 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t
   rep.tokens = core.config_->batch() * core.config_->seq;
   for (EngineCore::Seat& st : core.seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
   core.settle_compute();
+  check_objective_inputs(core.objective_, objective, labels, core.config_->batch(), core.config_->seq,
+                         core.config_->objective.objective);
   core.upload_batch(ids, labels, positions, attention);
   if (core.batch_valid_ == 0) {
     // Nothing to learn from: no pass, no update, no step count (the same on
@@ -239,6 +248,10 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t
   job->lr = rep.lr;
   job->fault_block = std::exchange(core.fault_block_, -1);
   core.pass_scale_ = job->loss_scale = core.config_->loss_scaled() ? core.scaler_.scale : 1.0;
+  if (!core.objective_.sft()) {
+    ObjectiveInputs all_rows{.rows = core.config_->batch()};  // simpo and orpo may leave them out
+    core.upload_objective(objective != nullptr ? *objective : all_rows);
+  }
   rep.loss_scale = core.config_->loss_scaled() ? core.scaler_.scale : 0.0;
   core.host_->begin(core.program_, job);
   core.run_pass(core.program_);  // its waits for updates still mean the previous pass's
@@ -258,9 +271,10 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t
     begin = end.begin_us;
     t1 = end.end_us;
   } else {
-    const auto [loss, valid] = core.pass_loss();
+    const auto [loss, valid] = core.pass_loss(!core.objective_.sft());
     rep.valid_tokens = valid;
     rep.loss = loss;
+    if (!core.objective_.sft()) rep.metrics = core.objective_metrics();
     if (core.config_->loss_scaled()) {
       // An overflow of finite loss above the floor is the scale's business, not a divergence.
       rep.overflow = rep.skipped && std::isfinite(rep.loss) && core.scaler_.scale > core.config_->loss_scaling.floor;
@@ -288,7 +302,7 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t
   EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
   core.eval_pass(ids, labels, positions, attention);
-  const auto [loss, valid] = core.pass_loss();
+  const auto [loss, valid] = core.pass_loss(false);
   core.collect_device_spans();
   STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");
   return loss;
@@ -338,7 +352,7 @@ void EngineCore::eval_pass(const int64_t* ids, const int64_t* labels, const int6
   synchronize_devices(StreamId::kCompute);
 }
 
-std::pair<double, int64_t> EngineCore::pass_loss() {
+std::pair<double, int64_t> EngineCore::pass_loss(bool objective) {
   head_stats_ready_->synchronize();
   const size_t M = size_t(config_->accumulation);
   double sums[2] = {0, 0};  // the loss summed over valid tokens, and their count
@@ -357,7 +371,29 @@ std::pair<double, int64_t> EngineCore::pass_loss() {
   dist_->all_reduce_sum(all);  // the global batch's (rank order: the same bits on every rank)
   const double batches = router_rows_.with_inputs;
   const double aux_mean = batches > 0 ? all[2] / batches : 0.0;
-  return {all[0] / all[1] + spec_.router_aux_coef * aux_mean, int64_t(all[1])};
+  // An objective's figure is the step's loss already (each rank's share, summed).
+  const double main = objective ? all[0] : all[0] / all[1];
+  return {main + spec_.router_aux_coef * aux_mean, int64_t(all[1])};
+}
+
+std::vector<std::pair<std::string, double>> EngineCore::objective_metrics() {
+  std::vector<double> s(objective_stats_host_.begin(), objective_stats_host_.end());  // kLossOut's copy, landed
+  dist_->all_reduce_sum(s);
+  std::vector<std::pair<std::string, double>> out;
+  if (objective_.pairs()) {
+    const double n = s[kStatPairs];
+    out = {{"rewards/chosen", s[kStatChosen] / n},
+           {"rewards/rejected", s[kStatRejected] / n},
+           {"rewards/accuracies", s[kStatAccurate] / n},
+           {"rewards/margins", (s[kStatChosen] - s[kStatRejected]) / n}};
+    return out;
+  }
+  const double t = std::max(s[kStatTokens], 1.0);  // TRL's global masked mean
+  out = {{"clip_ratio/low_mean", s[kStatClipLow] / t},
+         {"clip_ratio/high_mean", s[kStatClipHigh] / t},
+         {"clip_ratio/region_mean", s[kStatClipRegion] / t}};
+  if (objective_.beta != 0) out.push_back({"kl", s[kStatKl] / t});
+  return out;
 }
 
 MoeStep EngineCore::moe_step(const Seat& s, int64_t b, int64_t m, bool backward) const {

@@ -32,6 +32,7 @@
 #include "engine/run/block_runner.h"
 #include "engine/run/host_executor.h"
 #include "engine/run/step_report.h"
+#include "gpu/blocks/objective.h"
 #include "gpu/device/cache_unit_pool.h"
 #include "host/cpu_adam.h"
 #include "host/param_store.h"
@@ -43,6 +44,12 @@ namespace strider {
 struct EngineConfig;  // engine/config/engine_config.h
 class Collectives;    // engine/run/collectives.h
 struct RankInfo;
+
+// Engine::step's objective inputs against the objective (`name`: its
+// setting's text) and the batch's labels ([batch, seq]): BatchRefused naming
+// what is missing, extra or not finite (objective_inputs.cpp).
+void check_objective_inputs(const ObjectiveSettings& o, const ObjectiveInputs* in, const int64_t* labels,
+                            int64_t batch, int64_t seq, std::string_view name);
 
 class EngineCore {
   // The Engine (engine/run/engine.h) is the API: its functions work on this
@@ -92,6 +99,9 @@ class EngineCore {
     at::Tensor logits;                      // kept logits of the device's shards (EngineConfig::keep_logits), else undefined
     at::Tensor loss_sum, valid_tokens;      // its entries of the head's Seat::head_stats
     at::Tensor valid;                       // its rows of Seat::token_valid, flat
+    // An objective past SFT: its per-token coefficients for pass 2 (fp32
+    // [tokens]), row 1 of lse_coef, whose row 0 is head_lse; else undefined.
+    at::Tensor coef, lse_coef;
   };
   struct SavedIn {
     int64_t block = -1, m = -1;
@@ -116,6 +126,10 @@ class EngineCore {
     // over its sparse layers (gpu/blocks/moe.h, MoeStep; fp32 [M, 2, experts]).
     at::Tensor moe_stats;
     at::Tensor token_valid;  // and the batch's attention mask, fp32 [batch * seq] (a batch with padding)
+    // The device of the head's last shard, with an objective past SFT: the
+    // step's per-row inputs (fp32, objective_in_elems) and its figures
+    // (float64 [kObjectiveStats]).
+    at::Tensor objective_in, objective_stats;
     std::vector<MicroBatch> mb;
     std::vector<std::unique_ptr<Event>> ring_free;  // per ring set: its last reader is done
     // Kept activations: two device slots (flat, compute dtype) that forward
@@ -153,6 +167,9 @@ class EngineCore {
   void first_copy_in(Seat& st, int64_t b, bool ring);
   void forward_op(const StepOp& op, PassCursor& at);
   void head_op(const StepOp& op);          // kHeadLse, kHeadGrad, kHeadNormBackward
+  void objective_op(const StepOp& op);     // kObjective
+  // The step's objective inputs (checked by step(), before any work) to its device.
+  void upload_objective(const ObjectiveInputs& in);
   void backward_op(const StepOp& op);
   double op_flops(const StepOp& op) const;
   const CacheUnit& unit(const StepOp& op) const;  // its visit's unit
@@ -259,6 +276,7 @@ class EngineCore {
   std::unique_ptr<const EngineConfig> config_;  // construction's and the step's; no executor's
   const ComputeOptions compute_;  // how the devices compute (EngineConfig::compute)
   const AdamHyper adam_hyper_;    // AdamW's hyper-parameters (EngineConfig::adam), before the schedule
+  const ObjectiveSettings objective_;  // what the step minimises (EngineConfig::objective, resolved)
   const Placement place_;  // what lives where (engine/placement/placement.h), after check_config
   std::vector<Seat> seats_;  // the pool; one for a single device
   StepProgram program_, eval_program_;  // a training pass, an evaluation pass
@@ -278,6 +296,8 @@ class EngineCore {
   // Pinned host staging.
   std::span<int64_t> ids_host_, labels_host_, positions_host_;  // positions: with packed documents
   std::span<float> valid_host_;  // the attention mask, with the load-balancing loss
+  std::span<float> objective_host_;          // an objective's per-row inputs (objective_in_elems)
+  std::span<double> objective_stats_host_;   // and its figures, copied out with the loss figures
   std::span<float> tied_grad_host_;         // the head's gradient of a tied embedding
   std::vector<std::span<std::byte>> grad_ring_;  // fp32 gradient slots shared by the ring blocks
   std::vector<int64_t> ring_uses_;          // per slot: D2Hs issued into it (main thread)
@@ -311,6 +331,8 @@ class EngineCore {
   int64_t batch_valid_ = 0;                 // labels of the batch that count
   LossScaleState scaler_;                   // fp16's loss scale (EngineConfig::loss_scaling), between steps
   double pass_scale_ = 1.0;                 // what this pass's loss gradient is multiplied by (the issuing thread's)
+  // This step's objective batch beyond its tensors (upload_objective): rows, the inputs given, the rank's share.
+  ObjectiveBatch objective_batch_;
   // Per micro-batch loss sum and valid tokens ([2, M] float64), summed on the
   // device and copied out once per pass: no host read inside the head's ops.
   std::span<double> head_stats_host_;
@@ -342,7 +364,10 @@ class EngineCore {
   // The pass's loss over every rank (the mean over its valid tokens, plus the
   // load-balancing loss where it is on), and the valid tokens' count (waits
   // for the loss figures' D2H).
-  std::pair<double, int64_t> pass_loss();
+  // `objective`: a training pass of an objective past SFT, whose figure is its loss.
+  std::pair<double, int64_t> pass_loss(bool objective);
+  // That objective's figures under TRL's names, over every rank (after pass_loss).
+  std::vector<std::pair<std::string, double>> objective_metrics();
   // Layer block b's share of the load-balancing loss for micro-batch m on s:
   // its statistics to add to (forward) or its gradient (backward); empty
   // where b has no experts or the loss is off.

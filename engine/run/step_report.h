@@ -5,6 +5,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine/program/timeline.h"  // StepStats
 #include "host/error.h"
@@ -13,7 +15,7 @@ namespace strider {
 
 struct StepReport {
   int64_t step = 0;            // 1 for the first update
-  double loss = 0;             // mean over the batch's valid tokens
+  double loss = 0;             // mean over the batch's valid tokens (an objective past SFT: its loss)
   int64_t tokens = 0;          // batch * seq
   int64_t valid_tokens = 0;
   double grad_norm = 0;        // before clipping
@@ -49,6 +51,10 @@ struct StepReport {
   bool overflow = false;
   int64_t nonfinite_block = -1;  // the first block (in forward order) with a non-finite gradient, or -1
   std::string nonfinite_tensor;  // that block's first non-finite gradient tensor
+  // An objective past SFT (EngineConfig::objective): its figures over every
+  // rank's rows under TRL's names (rewards/chosen, rewards/margins, ...;
+  // clip_ratio/region_mean, kl, ...).
+  std::vector<std::pair<std::string, double>> metrics;
 };
 
 // A batch that step() or evaluate() refused before any work (a token id, a

@@ -101,16 +101,18 @@ void head_loss_sums(const HeadState& st, const at::Tensor& lse, const at::Tensor
 void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
                      int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, const at::Tensor& lse,
                      double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows,
-                     const at::Tensor& kept) {
+                     const at::Tensor& kept, const at::Tensor& coef) {
   at::NoGradGuard no_grad;
   const int64_t rows = w_rows.size(0);
   for_tiles(x.size(0), token_tile, [&](int64_t t0, int64_t t1) {
     at::Tensor ht = rms_norm(x.slice(0, t0, t1), norm, d.rms_eps, d.norm);
     at::Tensor lab = labels.slice(0, t0, t1), lse_t = lse.slice(0, t0, t1);
     at::Tensor gh = grad_h.slice(0, t0, t1);
-    // d(scale * sum_t (lse_t - logit_t[label]))/d(logit) = scale * (softmax - onehot), valid rows only.
+    // d(scale * sum_t (lse_t - logit_t[label]))/d(logit) = scale * (softmax - onehot), valid rows only;
+    // an objective's (gpu/blocks/objective.h) d(loss)/d(log p_t) = -coef_t: coef_t * (softmax - onehot).
     // Granite's logits are the product's over logits_scaling: so are their gradients.
-    at::Tensor row_scale = (lab != kIgnore).to(at::kFloat) * (loss_scale / d.logits_scaling);
+    at::Tensor row_scale = coef.defined() ? coef.slice(0, t0, t1) * (1.0 / d.logits_scaling)
+                                          : (lab != kIgnore).to(at::kFloat) * (loss_scale / d.logits_scaling);
     for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
       const int64_t c1 = std::min(rows, c0 + chunk), a = v0 + c0, b = v0 + c1;
       at::Tensor wc = w_rows.slice(0, c0, c1);

@@ -90,11 +90,13 @@ void head_loss_sums(const HeadState& st, const at::Tensor& lse, const at::Tensor
 // into grad_h (fp32 [tokens, hidden]) and the rows' gradient into grad_rows
 // (fp32, like w_rows; undefined: frozen rows, no gradient computed).
 // `kept`: what pass 1 wrote into `keep` for this shard (the logits are not
-// computed again).
+// computed again). `coef` (fp32 [tokens]): an objective's per-token
+// coefficients (gpu/blocks/objective.h: -d(loss)/d(log p), times the loss
+// scale) in place of cross-entropy's loss_scale on each valid token.
 void head_grad_shard(const BlockDims& d, const at::Tensor& norm, const at::Tensor& x, const at::Tensor& w_rows,
                      int64_t v0, const at::Tensor& labels, int64_t chunk, int64_t token_tile, const at::Tensor& lse,
                      double loss_scale, const at::Tensor& grad_h, const at::Tensor& grad_rows,
-                     const at::Tensor& kept = {});
+                     const at::Tensor& kept = {}, const at::Tensor& coef = {});
 // The final norm's backward once grad_h is complete: adds into grad_norm
 // (fp32; undefined: a frozen norm) and returns d(loss)/dx, [tokens, hidden] (tile by tile with a token
 // tile), written into grad_x_out when it is given.

@@ -421,6 +421,36 @@ class EngineConfig(_Methods):
     layer call. strider finetune sets it when the token file's documents fall inside its --seq windows, unless
     given"""
 
+    objective: Literal['sft', 'dpo', 'simpo', 'orpo', 'grpo'] = 'sft'
+    """what the step minimises: sft (cross-entropy over the labels), dpo (preference pairs against a reference: the
+    step's rows are N chosen sequences then their N rejected ones, Engine.step(..., ref_logps=)), simpo (CPO's
+    simpo: pairs, length-normalised, no reference), orpo (SFT on the chosen plus beta times the odds-ratio term)
+    or grpo (the clipped RL policy loss, Engine.step(..., advantages=, old_logps=, ref_logps=)), each as TRL 1.16
+    defines it"""
+
+    loss_type: Literal['auto', 'sigmoid', 'ipo', 'hinge', 'robust', 'grpo', 'bnpo', 'dapo', 'dr_grpo'] = 'auto'
+    """TRL's loss_type: dpo takes sigmoid (auto), ipo, hinge or robust; grpo takes dapo (auto), grpo, bnpo or
+    dr_grpo"""
+
+    beta: float = -1
+    """the objective's beta (-1: TRL's default, 0.1 for dpo, simpo and orpo, 0 for grpo, where it weighs the KL to
+    the reference)"""
+
+    label_smoothing: float = 0
+    """dpo robust's and simpo's label smoothing: the probability that a pair's preference is flipped"""
+
+    simpo_gamma: float = 0.5
+    """simpo's target reward margin"""
+
+    epsilon: float = 0.2
+    """grpo: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]"""
+
+    epsilon_high: float = -1
+    """grpo: the clipping range's upper side (-1: epsilon)"""
+
+    max_completion_length: int = 0
+    """grpo dr_grpo: the loss is divided by rows x this"""
+
     activations: Literal['auto', 'recompute', 'saved'] = 'auto'
     """what a decoder layer's backward starts from: recompute (its forward again, from its checkpoint), saved (its
     projections' outputs, kept in pinned host RAM as far as RAM allows), or auto (saved where that pays; the

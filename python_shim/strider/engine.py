@@ -71,7 +71,7 @@ IGNORE_INDEX = -100
 @dataclass
 class StepResult:
     step: int                    # the update this step made (1 for the first); a skipped step repeats it
-    loss: float                  # mean over the batch's valid tokens
+    loss: float                  # mean over the batch's valid tokens (an objective past sft: its loss)
     tokens: int                  # batch * seq, padding included
     valid_tokens: int            # tokens whose loss counted
     grad_norm: float             # global norm before clipping
@@ -100,6 +100,10 @@ class StepResult:
     # was skipped for an overflow of them above the floor scale (the scale backed off; not a divergence).
     loss_scale: float = 0.0
     overflow: bool = False
+    # An objective past sft (EngineConfig.objective): its figures over every rank's rows under TRL's names
+    # (dpo, simpo, orpo: rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins; grpo:
+    # clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, and kl with beta > 0).
+    metrics: Dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_report(cls, numbers: Dict[str, float], texts: Dict[str, str],
@@ -107,7 +111,8 @@ class StepResult:
         """The binding's typed report (torch.classes.strider.Engine.step): its numbers, texts and lanes."""
         kw = {name: kind(numbers[name]) for name, kind in _REPORT_NUMBERS}
         kw.update((name, texts[name]) for name in _REPORT_TEXTS)
-        return cls(lanes=dict(busy), **kw)
+        metrics = {k[len("objective:"):]: float(v) for k, v in numbers.items() if k.startswith("objective:")}
+        return cls(lanes=dict(busy), metrics=metrics, **kw)
 
 
 # StepResult's fields the binding reports as numbers (each with its Python type) and as texts.
@@ -443,15 +448,73 @@ class Engine:
         return out_ids, out_lab, out_pos, out_mask
 
     # -- training ------------------------------------------------------------------------------------------
-    def step(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> StepResult:
+    def step(self, input_ids, labels=None, attention_mask=None, position_ids=None, *, ref_logps=None,
+             advantages=None, old_logps=None) -> StepResult:
         """One optimizer step over [batch, seq] (micro_batch x accumulation sequences); labels default to
         input_ids. The loss is the mean over every valid token of the batch. position_ids: rows that pack
         documents, each counting from 0 where it starts (transformers' packed position_ids,
         DataCollatorWithFlattening's): a token attends only within its document; needs
-        EngineConfig.packed_documents."""
+        EngineConfig.packed_documents.
+
+        With an objective past sft (EngineConfig.objective), as TRL 1.16 defines it:
+        dpo, simpo, orpo: the rows are N chosen sequences followed by their N rejected ones (TRL's
+        concatenated order), the prompt's labels -100; dpo takes ref_logps, [rows]: each row's log-probability
+        sum under the reference model (engine.logprobs(..., reference=True) for LoRA, or from the starting
+        weights). grpo: advantages [rows], old_logps [rows, length - 1] (the sampling policy's per-token
+        log-probabilities, as logprobs(per_token=True) gives them; None: on-policy) and, with beta > 0,
+        ref_logps [rows, length - 1]. The result's metrics hold TRL's figures."""
         ids, lab, pos, mask = self._prepare("step", input_ids, labels, attention_mask, position_ids)
-        self.last_result = StepResult.from_report(*self._engine.step(ids, lab, pos, mask))
+        extra = self._objective_inputs(input_ids, ref_logps, advantages, old_logps)
+        self.last_result = StepResult.from_report(*self._engine.step(ids, lab, pos, mask, **extra))
         return self.last_result
+
+    def _objective_inputs(self, input_ids, ref_logps, advantages, old_logps) -> dict:
+        """The binding's objective arguments: the caller's rows, the per-row values ([batch]) and the per-token
+        ones ([batch, seq], aligned with the engine's shifted labels), zero-padded; {} for sft without any."""
+        c = self.config
+        objective = c.objective
+        shape = torch.as_tensor(input_ids).shape
+        rows, length = (1, shape[0]) if len(shape) == 1 else tuple(shape)
+        grpo = objective == "grpo"
+        per_row = advantages if grpo else ref_logps
+        tokens_ref = ref_logps if grpo else None
+        if objective == "sft":
+            given = [n for n, v in (("ref_logps", ref_logps), ("advantages", advantages), ("old_logps", old_logps))
+                     if v is not None]
+            if given:
+                raise ValueError(f"step: {', '.join(given)} given, but the engine's objective is sft; make it with "
+                                 "EngineConfig(objective='dpo', ...) (or simpo, orpo, grpo)")
+            return {}
+        if not grpo and (advantages is not None or old_logps is not None):
+            raise ValueError(f"step: advantages and old_logps are grpo's; the engine's objective is {objective}")
+
+        def row_values(name, v):
+            t = torch.as_tensor(v, dtype=torch.float32).detach().reshape(-1).cpu()
+            if t.numel() != rows:
+                raise ValueError(f"step: {name} has {t.numel()} values; input_ids has {rows} rows")
+            out = torch.zeros(c.batch, dtype=torch.float32)
+            out[:rows] = t
+            return out
+
+        def token_values(name, v):
+            t = torch.as_tensor(v, dtype=torch.float32).detach().cpu()
+            if t.dim() == 1:
+                t = t.unsqueeze(0)
+            if tuple(t.shape) != (rows, length - 1):
+                raise ValueError(f"step: {name} has shape {tuple(t.shape)}; per-token values are [rows, length - 1] "
+                                 f"= [{rows}, {length - 1}] (as logprobs(per_token=True) gives them)")
+            out = torch.zeros(c.batch, c.seq, dtype=torch.float32)
+            out[:rows, :length - 1] = t
+            return out
+
+        extra = {"rows": rows}
+        if per_row is not None:
+            extra["row"] = row_values("advantages" if grpo else "ref_logps", per_row)
+        if old_logps is not None:
+            extra["old_logps"] = token_values("old_logps", old_logps)
+        if tokens_ref is not None:
+            extra["ref_logps"] = token_values("ref_logps", tokens_ref)
+        return extra
 
     def evaluate(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> float:
         """The loss of the current weights on one batch, without a gradient or an update."""

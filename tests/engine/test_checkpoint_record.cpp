@@ -32,7 +32,8 @@ nlohmann::json another_value(const ConfigField& f, const nlohmann::json& v) {
     }
     case FieldType::kNumber: {
       const double x = v.get<double>();
-      return x == 0 ? 0.5 : x * 0.5;
+      if (x != 0) return x * 0.5;
+      return f.has_max && 0.5 >= f.max ? f.max * 0.5 : 0.5;  // label_smoothing: [0, 0.5)
     }
     case FieldType::kBool: return !v.get<bool>();
     case FieldType::kChoice: return f.choices.front() == v ? f.choices.back() : f.choices.front();

@@ -506,6 +506,44 @@ TEST_CASE("a pool: every visit on its block's device, the head's shards spread, 
       }
 }
 
+TEST_CASE("an objective past SFT runs once, after every micro-batch's pass 1 and before any pass 2, and a spread "
+          "head's log-sum-exp hand-offs carry its coefficients after it", "[engine][program]") {
+  using K = StepOpKind;
+  for (const ProgramCase& base : program_cases()) {
+    if (base.name.rfind("pool", 0) != 0 && base.name.rfind("plain", 0) != 0 && base.name.rfind("shards", 0) != 0)
+      continue;
+    ProgramCase c = base;
+    c.config.objective.objective = "grpo";
+    INFO(c.name);
+    const Placement pl = place(c.spec(), c.config);
+    const StepProgram prog = compile_step(pl, program_inputs(c.config, c.world));
+    const StepProgram eval = compile_eval(pl, program_inputs(c.config, c.world));
+    CHECK(std::none_of(eval.ops.begin(), eval.ops.end(), [](const StepOp& o) { return o.kind == K::kObjective; }));
+    int objective = -1, last_lse = -1, first_grad = -1;
+    for (size_t i = 0; i < prog.ops.size(); ++i) {
+      const StepOp& o = prog.ops[i];
+      if (o.kind == K::kObjective) {
+        CHECK(objective < 0);
+        objective = int(i);
+        CHECK(o.device == pl.last_head_device());
+        CHECK(o.micro_batch == -1);
+      }
+      if (o.kind == K::kHeadLse) last_lse = int(i);
+      if (o.kind == K::kHeadGrad && first_grad < 0) first_grad = int(i);
+      if (o.kind == K::kHandOut && o.as<HandArgs>().hand == Hand::kLse) {
+        REQUIRE(o.after.size() == 1);
+        CHECK(prog.ops[size_t(o.after[0])].kind == K::kObjective);
+      }
+    }
+    REQUIRE(objective >= 0);
+    CHECK(last_lse < objective);
+    CHECK(objective < first_grad);
+    // The loss figures leave after it: every pass 2 waits for them.
+    for (const StepOp& o : prog.ops)
+      if (o.kind == K::kLossOut) CHECK(std::find(o.after.begin(), o.after.end(), objective) != o.after.end());
+  }
+}
+
 TEST_CASE("every kind of operation has its name and its executor, and some configuration's program holds it",
           "[engine][program]") {
   // op_side's and each executor's switch name every kind (-Werror=switch on
@@ -522,7 +560,13 @@ TEST_CASE("every kind of operation has its name and its executor, and some confi
     CHECK(names.insert(op_name(kind)).second);
   }
   std::set<int> emitted;
-  for (const ProgramCase& c : program_cases()) {
+  std::vector<ProgramCase> cases = program_cases();
+  for (const ProgramCase& c : program_cases()) {  // an objective past SFT, not among bit_matrix's SFT cases
+    if (c.name.rfind("pool2-K2-M3", 0) != 0) continue;
+    cases.push_back(c);
+    cases.back().config.objective.objective = "dpo";
+  }
+  for (const ProgramCase& c : cases) {
     const Placement pl = place(c.spec(), c.config);
     for (const StepProgram& prog : {compile_step(pl, program_inputs(c.config, c.world)),
                                     compile_eval(pl, program_inputs(c.config, c.world))})

@@ -1,0 +1,61 @@
+// Engine::step's objective inputs, checked before any work (a refused batch
+// changes nothing: BatchRefused, and the caller may go on).
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "engine/run/engine.h"
+#include "engine/run/engine_core.h"
+
+namespace strider {
+
+void check_objective_inputs(const ObjectiveSettings& o, const ObjectiveInputs* in, const int64_t* labels,
+                            int64_t batch, int64_t seq, std::string_view name) {
+  auto refuse = [](std::string text) { throw BatchRefused(std::move(text)); };
+  if (o.sft()) {
+    if (in != nullptr)
+      refuse("objective inputs (ref_logps, advantages, old_logps) given, but the engine's objective is sft; make it "
+             "with EngineConfig(objective=...)");
+    return;
+  }
+  const int64_t rows = in != nullptr ? in->rows : batch;
+  if (rows < 1 || rows > batch) refuse(fmt::format("objective {}: {} rows; the engine takes 1 to {}", name, rows, batch));
+  if (o.pairs() && rows % 2 != 0)
+    refuse(fmt::format("objective {}: {} rows do not make pairs: give N chosen rows followed by their N rejected ones",
+                       name, rows));
+  const bool row = in != nullptr && in->row != nullptr;
+  const char* row_name = o.kind == ObjectiveKind::kGrpo ? "advantages" : "ref_logps";
+  if (o.takes_rows() && !row)
+    refuse(o.kind == ObjectiveKind::kGrpo
+               ? fmt::format("objective {}: advantages (one per row) are needed", name)
+               : fmt::format("objective {}: ref_logps (each row's log-probability sum under the reference model) are "
+                             "needed", name));
+  if (!o.takes_rows() && row)
+    refuse(fmt::format("objective {} takes no per-row values (it has no reference); leave them out", name));
+  if (in != nullptr && in->old_logps != nullptr && o.kind != ObjectiveKind::kGrpo)
+    refuse(fmt::format("objective {}: old_logps are grpo's", name));
+  if (in != nullptr && in->ref_logps != nullptr && !o.takes_reference_tokens())
+    refuse(fmt::format("objective {}: per-token ref_logps are grpo's with beta > 0 (the KL term); {}", name,
+                       o.kind == ObjectiveKind::kGrpo ? "beta is 0, so they would be ignored" : "leave them out"));
+  if (o.takes_reference_tokens() && (in == nullptr || in->ref_logps == nullptr))
+    refuse(fmt::format("objective {} with beta {}: per-token ref_logps (the reference model's) are needed for the "
+                       "KL term", name, o.beta));
+  for (int64_t r = 0; r < rows; ++r) {
+    if (row && !std::isfinite(in->row[r])) refuse(fmt::format("{}[{}] is {}: not finite", row_name, r, in->row[r]));
+    int64_t targets = 0;
+    for (int64_t t = 0; t < seq; ++t) {
+      const size_t i = size_t(r * seq + t);
+      if (labels[i] == -100) continue;
+      ++targets;
+      for (const auto& [p, what] : {std::pair{in ? in->old_logps : nullptr, "old_logps"},
+                                    std::pair{in ? in->ref_logps : nullptr, "ref_logps"}})
+        if (p != nullptr && !std::isfinite(p[i]))
+          refuse(fmt::format("{}[{}][{}] is {}: not finite", what, r, t, p[i]));
+    }
+    if (o.pairs() && targets == 0)
+      refuse(fmt::format("objective {}: row {} has no target token (every label -100); each sequence of a pair needs "
+                         "its completion", name, r));
+  }
+}
+
+}  // namespace strider
