@@ -9,13 +9,13 @@ micro-batch, its rejected row in the second), so the reference computes each ste
 The references, line by line, are trl 1.16.0's:
   trl/trainer/dpo_trainer.py, DPOTrainer._compute_loss: log-ratios against the reference (1349-1351), sigmoid
     (1387-1388), hinge (1390-1391), ipo with each log-ratio over its completion's length (1393-1404), robust
-    (1428-1431), the mean over pairs (1527), rewards (1581-1596);
+    (1428-1431), the mean over pairs (1528), a mixture of experts' aux loss (1530-1532), rewards (1581-1596);
   trl/experimental/cpo/cpo_trainer.py, CPOTrainer.cpo_loss (simpo: 715-722) over length-normalised log-probs
     (get_batch_logps with average_log_prob, 850), cpo_alpha 0;
   trl/experimental/orpo/orpo_trainer.py, ORPOTrainer.odds_ratio_loss (670-702) over mean log-probs (805), the
     chosen rows' cross-entropy minus the mean of its losses (848);
-  trl/trainer/grpo_trainer.py, GRPOTrainer._compute_loss: the ratio and its clip (3081-3120), the k3 KL
-    (3098-3102, 3146-3147), the loss types (3150-3173), the clip ratios (3272-3280).
+  trl/trainer/grpo_trainer.py, GRPOTrainer._compute_loss: the ratio and its clip (3083-3120), the k3 KL
+    (3098-3102, 3149-3150), the loss types (3153-3173), the clip ratios (3272-3280).
 """
 import copy
 import json
@@ -395,3 +395,35 @@ def test_two_data_parallel_ranks_train_as_one_process(tmp_path):
             got = torch.load(tmp_path / f"ranks-{key}-{rank}.pt")
             for name, w in want.items():
                 assert rel_err(got[name], w) <= 1e-5, (key, rank, name)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_adds_its_load_balancing_loss_as_trl_does(arch):
+    """DPO on a mixture of experts with output_router_logits: TRL adds router_aux_loss_coef x the policy
+    forward's aux loss (dpo_trainer.py 1530-1532). One micro-batch of the step's 4 rows, so that the engine's
+    load-balancing loss (a mean over micro-batches) and the one forward's are the same quantity."""
+    from test_moe_vs_transformers import make_model as moe_model
+    model = moe_model(arch)
+    reference = copy.deepcopy(model)
+    data = pair_batches(model.config.vocab_size)
+    start = moe_model(arch, seed=3)
+    refs = [frozen_logps(start, b).sum(1) for b in data]
+    coef = model.config.router_aux_loss_coef
+    engine = strider.Engine(model, config(objective="dpo", micro_batch=BATCH, accumulation=1, vocab_chunk=300))
+    results = [engine.step(*b, ref_logps=ref) for b, ref in zip(data, refs)]
+    engine.finish()
+    seen = []
+
+    def micro_loss(model, batch, rows):
+        (ids, labels, mask), ref = batch
+        out = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        target = labels[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        valid = target != -100
+        lp = torch.log_softmax(out.logits.float()[:, :-1], -1).gather(-1, target.clamp(min=0).unsqueeze(-1))
+        loss, metrics = dpo_loss("sigmoid", 0.1, 0.0, lp.squeeze(-1).masked_fill(~valid, 0.0), valid, ref)
+        seen.append(metrics)
+        return loss + coef * out.aux_loss
+
+    ref_steps = adamw_steps(reference, list(zip(data, refs)), micro_loss, micro_batch=BATCH, accumulation=1, lr=LR,
+                            betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, clip=CLIP, warmup=WARMUP, total=TOTAL)
+    assert_tracks(results, ref_steps, seen, model, reference)
