@@ -208,9 +208,13 @@ TEST_CASE("a layer's measured working memory is between 0.7 and 1 times the cost
     // element: it stages 2.6 bytes per element at the calibration's
     // [256, 96] x [96, 320], 1.2 at 1024 rows of it, 1.0 at [1024, 256] x
     // [256, 768] and 0.5 at 2048 rows of that, so an untiled forward of 1024
-    // tokens measured 0.63-0.69 of the prediction. The upper bound holds for
-    // every dtype.
-    const double tight = s.dtype == at::kHalf ? 0.6 : 0.7;
+    // tokens measured 0.63-0.69 of the prediction. bf16 0.65: on an AMD EPYC
+    // with AVX-512 BF16, whose calibration measured 1.5 bytes of GEMM staging
+    // per output element, the smallest tiled shape (256 tokens in tiles of
+    // 192) measured 0.689 of its backward's prediction (every other bf16
+    // shape 0.707 or more): the same per-GEMM cost charged per element. The
+    // upper bound holds for every dtype.
+    const double tight = s.dtype == at::kHalf ? 0.6 : s.dtype == at::kBFloat16 ? 0.65 : 0.7;
     CHECK(m.forward <= c.forward_work_bytes);
     CHECK(double(m.forward) >= tight * double(c.forward_work_bytes));
     CHECK(m.backward <= c.backward_work_bytes);
