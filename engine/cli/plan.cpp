@@ -32,6 +32,10 @@ struct Options {
   std::string nvme, dtype, matmul_accumulate, activations, optimizer_state, layer_pieces, devices, lora, base_format = "compute";
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0, expert_pieces = 0, mlp_pieces = 0;
   double clip = 0;
+  // An objective past SFT (docs/objectives.md): its buffers are in the plan's memory.
+  std::string objective, loss_type;
+  double beta = 0, label_smoothing = 0, simpo_gamma = 0, epsilon = 0, epsilon_high = 0;
+  int64_t max_completion_length = 0;
   ConfigOptions config;
   CLI::Option* gpu_option = nullptr;  // --gpu: given, or the preset's memory
 };
@@ -102,9 +106,16 @@ Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l,
   }
   Engine e(spec, cfg, std::move(devices));
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq), 0), labels(ids.size(), 0);
+  // An objective's per-row and per-token inputs, zeros: the prices do not depend on them.
+  const ObjectiveSettings obj = cfg.objective.resolve();
+  std::vector<float> rows(size_t(cfg.batch()), 0.0f), tokens(ids.size(), 0.0f);
+  const ObjectiveInputs inputs{.rows = cfg.batch(),
+                               .row = obj.takes_rows() ? rows.data() : nullptr,
+                               .ref_logps = obj.takes_reference_tokens() ? tokens.data() : nullptr};
   Prediction p;
   // The first steps fill the pipeline (no update to wait for yet); report the last.
-  for (int64_t i = 0; i < std::max<int64_t>(o.steps, 2); ++i) p.step = e.step(ids.data(), labels.data());
+  for (int64_t i = 0; i < std::max<int64_t>(o.steps, 2); ++i)
+    p.step = e.step(ids.data(), labels.data(), nullptr, nullptr, obj.sft() ? nullptr : &inputs);
   if (trace && !o.trace.empty()) e.timeline().write_chrome_trace(o.trace);
   for (const LaneStats& ls : p.step.stats.lanes) p.lower_bound_s = std::max(p.lower_bound_s, ls.busy_s);
   return p;
@@ -309,6 +320,14 @@ std::function<int()> add_plan(CLI::App& app) {
                 "predict the step on a machine: a cost-model preset (rtx4090, h200) with optional "
                 "key=value overrides, e.g. 'rtx4090,h2d_gbps=20'; 'none' to skip")
       ->capture_default_str();
+  f.add(*c, "objective", o->objective);
+  f.add(*c, "loss_type", o->loss_type);
+  f.add(*c, "beta", o->beta);
+  f.add(*c, "label_smoothing", o->label_smoothing);
+  f.add(*c, "simpo_gamma", o->simpo_gamma);
+  f.add(*c, "epsilon", o->epsilon);
+  f.add(*c, "epsilon_high", o->epsilon_high);
+  f.add(*c, "max_completion_length", o->max_completion_length);
   f.add(*c, "clip_norm", o->clip,
         "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm is known");
   c->add_option("--gpus", o->gpus,

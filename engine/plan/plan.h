@@ -14,6 +14,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "engine/config/config_fields.h"  // parse_bytes
+#include "engine/config/objective_config.h"
 #include "engine/model/model_spec.h"
 #include "engine/placement/placement.h"
 #include "gpu/device/sim_device.h"  // CostModel
@@ -58,6 +59,7 @@ struct PlanLimits {
   BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how a LoRA base is held
   int devices = 1;               // a pool's devices, each with device_bytes (EngineConfig::devices)
   bool packed_documents = false; // rows pack documents: a mask per row (EngineConfig::packed_documents)
+  ObjectiveConfig objective;     // what the step minimises (EngineConfig::objective)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
   bool fp16_accumulate = false;     // ComputeOptions::fp16_accumulate (priced by the machine's rate for it)
   StateFormat optimizer_state = StateFormat::kFp32;  // how master, m and v are stored (host/state_format.h)

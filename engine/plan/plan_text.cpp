@@ -92,6 +92,7 @@ void PlanLimits::take_settings(const EngineConfig& c) {
   grad_ring = c.grad_ring;
   optimizer_state = c.optimizer_state;
   packed_documents = c.packed_documents;
+  objective = c.objective;
   state_shards = c.state_shards;
 }
 
@@ -121,6 +122,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.saved_blocks = saved_blocks;
   c.keep_logits = keep_logits;
   c.packed_documents = l.packed_documents;
+  c.objective = l.objective;
   c.state_shards = l.state_shards;
   if (l.shared_compute) c.shared_compute_file = "(shared memory)";  // its size is what counts here; the run names it
   return c;

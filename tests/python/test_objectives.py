@@ -20,6 +20,7 @@ The references, line by line, are trl 1.16.0's:
 import copy
 import json
 import os
+import subprocess
 import types
 
 import pytest
@@ -427,3 +428,49 @@ def test_a_mixture_of_experts_adds_its_load_balancing_loss_as_trl_does(arch):
     ref_steps = adamw_steps(reference, list(zip(data, refs)), micro_loss, micro_batch=BATCH, accumulation=1, lr=LR,
                             betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, clip=CLIP, warmup=WARMUP, total=TOTAL)
     assert_tracks(results, ref_steps, seen, model, reference)
+
+
+def test_a_saved_run_resumes_to_the_same_bits_and_refuses_another_objective(tmp_path):
+    """The objective and its settings are maths fields of the engine config every checkpoint records: a DPO
+    run saved after step 1 and resumed ends bit-identical to the run that went on, and a resume under another
+    objective, beta or loss_type is refused by name unless allowed."""
+    data = pair_batches(500)
+    start = make_model(seed=3)
+    refs = [frozen_logps(start, b).sum(1) for b in data]
+    cfg = config(objective="dpo", beta=0.2)
+    whole = strider.Engine(make_model(), cfg)
+    for b, ref in zip(data, refs):
+        last = whole.step(*b, ref_logps=ref)
+    whole.finish()
+    first = strider.Engine(make_model(), cfg)
+    first.step(*data[0], ref_logps=refs[0])
+    first.save(tmp_path / "ckpt")
+    first.finish()
+    for over, name in (({"objective": "simpo"}, "objective"), ({"beta": 0.3}, "beta"),
+                       ({"loss_type": "hinge"}, "loss_type")):
+        with pytest.raises(ValueError, match=name):
+            strider.Engine.resume(tmp_path / "ckpt", make_model(), cfg.replace(**over))
+    resumed = strider.Engine.resume(tmp_path / "ckpt", make_model())
+    assert resumed.config.objective == "dpo" and resumed.config.beta == 0.2
+    for b, ref in zip(data[1:], refs[1:]):
+        r = resumed.step(*b, ref_logps=ref)
+    resumed.finish()
+    assert (r.loss, r.grad_norm, r.metrics) == (last.loss, last.grad_norm, last.metrics)
+    for n in whole.param_names():
+        assert torch.equal(resumed.param(n), whole.param(n)), n
+    allowed = strider.Engine.resume(tmp_path / "ckpt", make_model(), cfg.replace(beta=0.3), allow_changed=["beta"])
+    assert allowed.config.beta == 0.3
+    allowed.finish()
+
+
+def test_the_plan_takes_an_objective_and_refuses_its_wrong_settings(strider_binary):
+    """`strider plan --objective dpo` plans (and predicts) the step with the objective's operation and
+    buffers, and says what it does not price; a loss type of another objective is refused by name."""
+    strider_cli = strider_binary("strider")
+    out = subprocess.run([str(strider_cli), "plan", "--model", "builtin", "--objective", "dpo", "--loss-type", "ipo",
+                          "--beta", "0.3", "--predict", "rtx4090"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("fits: ") and "objective dpo: one operation between the head's two passes" in out.stdout
+    bad = subprocess.run([str(strider_cli), "plan", "--model", "builtin", "--objective", "dpo", "--loss-type", "dapo"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "loss_type 'dapo' with objective dpo: one of auto, sigmoid" in bad.stderr
