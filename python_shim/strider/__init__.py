@@ -14,11 +14,12 @@ from strider.config import EngineConfig, parse_bytes
 
 __version__ = "0.1.0"
 __all__ = ["Engine", "EngineConfig", "StepResult", "SUPPORTED_ARCHITECTURES", "StriderTrainer",
-           "inspect_checkpoint", "load_library", "parse_bytes", "plan"]
+           "StriderDPOTrainer", "inspect_checkpoint", "load_library", "parse_bytes", "plan"]
 
 _LAZY = {"Engine": "strider.engine", "StepResult": "strider.engine", "SUPPORTED_ARCHITECTURES": "strider.engine",
          "inspect_checkpoint": "strider.engine", "plan": "strider.engine",
-         "load_library": "strider._library", "StriderTrainer": "strider.trainer"}
+         "load_library": "strider._library", "StriderTrainer": "strider.trainer",
+         "StriderDPOTrainer": "strider.dpo_trainer"}
 
 
 def __getattr__(name):

@@ -159,7 +159,7 @@ class StriderTrainer(transformers.Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.place_model_on_device = False
         config = self._config_from_args(strider_config, seq)
-        if args.per_device_eval_batch_size > config.batch:
+        if self._evaluates and self._rows(args.per_device_eval_batch_size) > config.batch:
             raise ValueError(f"StriderTrainer: per_device_eval_batch_size = {args.per_device_eval_batch_size} "
                              f"is more than the engine's batch ({config.batch} = micro_batch x accumulation); "
                              f"lower it")
@@ -229,14 +229,15 @@ class StriderTrainer(transformers.Trainer):
             if schedule != "constant" and total <= 0:
                 raise ValueError(f"StriderTrainer: {self._no_last_step(kind)}")
             warmup = args.get_warmup_steps(max(total, 0)) if warms_up else 0
-            return EngineConfig(seq=seq, micro_batch=args.per_device_train_batch_size, accumulation=1,
+            return EngineConfig(seq=seq, micro_batch=self._rows(args.per_device_train_batch_size), accumulation=1,
                                 dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                                 lr=args.learning_rate,
                                 schedule=schedule, warmup_steps=warmup,
                                 total_steps=total if schedule != "constant" else 0,
                                 weight_decay=args.weight_decay, clip_norm=args.max_grad_norm,
                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                packed_documents=self._packs_documents(), device="cpu" if args.use_cpu else "auto")
+                                packed_documents=self._packs_documents(), device="cpu" if args.use_cpu else "auto",
+                                **self._objective_fields())
         given.validate()
         if not given.packed_documents and self._packs_documents():
             raise ValueError("StriderTrainer: the data packs several documents in a sequence (a token file's "
@@ -245,10 +246,11 @@ class StriderTrainer(transformers.Trainer):
                              "attends only to itself (as transformers does with packed position_ids)")
         if seq is not None and seq != given.seq:
             raise ValueError(f"StriderTrainer: seq = {seq} but strider_config.seq = {given.seq}; give one")
-        if args.per_device_train_batch_size != given.batch:
-            raise ValueError(f"StriderTrainer: per_device_train_batch_size = {args.per_device_train_batch_size}, "
-                             f"but one strider step takes micro_batch x accumulation = {given.micro_batch} x "
-                             f"{given.accumulation} = {given.batch} sequences; set it to {given.batch}")
+        if self._rows(args.per_device_train_batch_size) != given.batch:
+            raise ValueError(f"StriderTrainer: per_device_train_batch_size = {args.per_device_train_batch_size} "
+                             f"({self._rows(args.per_device_train_batch_size)} sequences), but one strider step "
+                             f"takes micro_batch x accumulation = {given.micro_batch} x {given.accumulation} = "
+                             f"{given.batch} sequences; make them equal")
         # The config owns the optimizer and schedule; an argument moved off its default to another value
         # is a second, contradicting answer.
         mapped = dict(learning_rate=given.lr, weight_decay=given.weight_decay, max_grad_norm=given.clip_norm,
@@ -271,6 +273,21 @@ class StriderTrainer(transformers.Trainer):
             raise ValueError(f"StriderTrainer: warmup_steps = {args.warmup_steps} but strider_config."
                              f"warmup_steps = {given.warmup_steps}; the config decides")
         return given
+
+    # -- what a subclass for another objective changes (strider.dpo_trainer) -------------------------------
+    _evaluates = True  # evaluate() computes this trainer's loss
+
+    def _rows(self, batch_size: int) -> int:
+        """The sequences a batch of `batch_size` (TrainingArguments' per-device batch size) holds."""
+        return batch_size
+
+    def _objective_fields(self) -> dict:
+        """The EngineConfig fields of the objective, for a config built from the arguments."""
+        return {}
+
+    def _engine_step(self, inputs):
+        """One engine step on a batch of the train dataloader."""
+        return self.engine.step(*self._batch(inputs, "train"))
 
     def _packs_documents(self) -> bool:
         """Whether the batches will pack documents in rows (position_ids that restart): a TokenDataset whose
@@ -338,7 +355,7 @@ class StriderTrainer(transformers.Trainer):
         return tuple(None if inputs.get(k) is None else torch.as_tensor(inputs[k]).cpu() for k in _BATCH_KEYS)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        result = self.engine.step(*self._batch(inputs, "train"))
+        result = self._engine_step(inputs)
         # fp16's overflow (the loss scale backed off) is not a divergence, as in `strider finetune`.
         if result.skipped and not result.no_targets and not result.overflow:
             self._skipped_in_a_row += 1

@@ -254,7 +254,8 @@ def test_sft_is_the_default_and_unchanged():
 
 
 def test_every_placement_gives_the_same_bits():
-    """A pool of two devices, chaos and a wider window: the same bits as one device (DPO and GRPO)."""
+    """A pool of two devices (the head's shards spread over both), chaos, a wider window, kept activations and
+    logits with host checkpoints: the same bits as one device (DPO and GRPO)."""
     data = pair_batches(500)
     start = make_model()
     refs = [frozen_logps(start, b).sum(1) for b in data]
@@ -262,7 +263,8 @@ def test_every_placement_gives_the_same_bits():
                           ("grpo", lambda i: {"advantages": torch.linspace(-1, 1, BATCH) * (i + 1)})):
         runs = {}
         for name, over in {"plain": {}, "chaos": {"chaos": True, "window": 3},
-                           "pool": {"devices": "2", "chaos": True}}.items():
+                           "pool": {"devices": "2", "chaos": True},
+                           "kept": {"activations": "saved", "checkpoints_on_host": True}}.items():
             e = strider.Engine(make_model(), config(objective=objective, **over))
             runs[name] = ([e.step(*b, **kw(i)) for i, b in enumerate(data)], {n: e.param(n) for n in e.param_names()})
             e.finish()

@@ -1,0 +1,228 @@
+"""strider.StriderDPOTrainer: TRL's DPOTrainer, its arguments and its data, with strider doing every step.
+
+    args = trl.DPOConfig(output_dir="out", per_device_train_batch_size=4, max_steps=500, learning_rate=5e-7,
+                         beta=0.1, max_length=1024, report_to=[])
+    trainer = strider.StriderDPOTrainer(model=model, args=args, train_dataset=ds, processing_class=tokenizer)
+    trainer.train()
+    trainer.train(resume_from_checkpoint=True)   # a later run: continues from the last checkpoint-N
+
+Why a trainer of its own rather than StriderTrainer taking a DPOConfig: a TRL user's code is
+`DPOTrainer(model, args=DPOConfig(...), train_dataset=..., processing_class=...)`, and this is that line with
+one name changed. The data is TRL's too: the dataset (prompt/chosen/rejected, as text or as conversations,
+an implicit prompt split off) is tokenized by TRL's own DPOTrainer code and batched by TRL's
+DataCollatorForPreference (chosen rows, then their rejected rows), so the sequences strider trains on are the
+ones TRL would. What differs is where the step runs (strider.Engine, EngineConfig(objective="dpo"), which
+is TRL 1.16's loss: docs/objectives.md) and the reference:
+
+- The reference log-probabilities are always precomputed before the first step (TRL's
+  precompute_ref_log_probs): under the model's starting weights, or for a PEFT LoRA model under its frozen
+  base (its adapters disabled). They are the same numbers TRL's reference model gives, and no second copy of
+  the weights is made. Each checkpoint-N/strider/ folder holds them (reference_logps.pt, keyed by the
+  tokenized pairs' hash), and a resume takes them from there: never recomputed from trained
+  weights, refused when missing or made for other data.
+- per_device_train_batch_size counts pairs, as in TRL: a step is 2 x that many sequences, and the engine's
+  batch is built for it (micro_batch; pass a strider_config to split it into accumulation).
+- The logs carry TRL's names (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins),
+  averaged over each logging interval as TRL averages them.
+
+Refused by name, as anything strider does not do: loss types other than sigmoid, ipo, hinge and robust,
+several loss types, f-divergences other than reverse KL, ld_alpha, use_weighting, sync_ref_model, a
+ref_model, padding_free, router_aux_loss_coef (strider takes the model config's), and an eval_dataset
+(evaluating the DPO loss is not built yet).
+"""
+import hashlib
+import os
+from typing import Optional
+
+import torch
+
+from strider.config import EngineConfig
+from strider.trainer import STATE_DIR, StriderTrainer
+
+REFERENCE_FILE = "reference_logps.pt"  # inside checkpoint-N/strider/
+_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+class _Tokenizing:
+    """What trl.DPOTrainer._prepare_dataset reads of its trainer."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+
+def _check_dpo_args(args):
+    import trl
+
+    def refuse(what):
+        raise ValueError(f"StriderDPOTrainer: {what}")
+
+    if not isinstance(args, trl.DPOConfig):
+        refuse(f"args must be a trl.DPOConfig, got {type(args).__name__}")
+    losses = list(args.loss_type) if isinstance(args.loss_type, (list, tuple)) else [args.loss_type]
+    if len(losses) != 1 or losses[0] not in _LOSS_TYPES:
+        refuse(f"loss_type = {args.loss_type!r}: strider's DPO takes one of {', '.join(_LOSS_TYPES)}")
+    if args.loss_weights is not None:
+        refuse(f"loss_weights = {args.loss_weights!r}: strider's DPO takes one loss type, unweighted")
+    if args.f_divergence_type != "reverse_kl":
+        refuse(f"f_divergence_type = {args.f_divergence_type!r}: strider's DPO is the reverse-KL one")
+    if args.ld_alpha is not None:
+        refuse(f"ld_alpha = {args.ld_alpha}: length-desensitized DPO is not built")
+    if args.use_weighting:
+        refuse("use_weighting = True: WPO's weighting is not built")
+    if args.sync_ref_model:
+        refuse("sync_ref_model = True: strider's reference is the starting weights, precomputed once")
+    if args.padding_free:
+        refuse("padding_free = True: strider's DPO takes one sequence per row (right padding)")
+    if args.router_aux_loss_coef is not None:
+        refuse(f"router_aux_loss_coef = {args.router_aux_loss_coef}: strider adds the model config's "
+               "router_aux_loss_coef x the load-balancing loss (set it there)")
+    return losses[0]
+
+
+class StriderDPOTrainer(StriderTrainer):
+    """trl.DPOTrainer's interface and data on strider.Engine (EngineConfig(objective="dpo"))."""
+
+    def __init__(self, model=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None, *,
+                 seq: Optional[int] = None, strider_config: Optional[EngineConfig] = None, **kwargs):
+        from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
+        self._loss_type = _check_dpo_args(args)
+        if kwargs.get("ref_model") is not None:
+            raise ValueError("StriderDPOTrainer: ref_model is not taken: the reference is the model's starting "
+                             "weights (a PEFT LoRA model: its frozen base), whose log-probabilities are "
+                             "precomputed before the first step")
+        kwargs.pop("ref_model", None)
+        if eval_dataset is not None:
+            raise ValueError("StriderDPOTrainer: eval_dataset: evaluating the DPO loss is not built yet")
+        if processing_class is None:
+            raise ValueError("StriderDPOTrainer needs processing_class= (the tokenizer TRL tokenizes the pairs "
+                             "with)")
+        if train_dataset is None:
+            raise ValueError("StriderDPOTrainer needs a train_dataset of prompt/chosen/rejected rows")
+        seq = seq if seq is not None else (strider_config.seq if strider_config is not None else args.max_length)
+        if seq is None:
+            raise ValueError("StriderDPOTrainer: DPOConfig.max_length is None; pass seq= (the tokens per "
+                             "sequence the engine is built for)")
+        if args.max_length is not None and args.max_length > seq:
+            raise ValueError(f"StriderDPOTrainer: max_length = {args.max_length} is more than seq = {seq}")
+        pad = processing_class.pad_token_id if processing_class.pad_token_id is not None else \
+            processing_class.eos_token_id
+        tokenized = DPOTrainer._prepare_dataset(_Tokenizing(processing_class), train_dataset, processing_class,
+                                                args, "train")
+        collator = DataCollatorForPreference(pad_token_id=pad, max_length=args.max_length,
+                                             truncation_mode=args.truncation_mode)
+        self._metrics = {k: [] for k in _METRICS}
+        self._data_key = None
+        super().__init__(model=model, args=args, strider_config=strider_config,
+                         seq=None if strider_config is not None else seq, train_dataset=tokenized,
+                         data_collator=collator, processing_class=processing_class, **kwargs)
+        c = self.engine.config
+        want = dict(objective="dpo", beta=args.beta, loss_type=self._loss_type,
+                    label_smoothing=args.label_smoothing if self._loss_type == "robust" else 0.0)
+        have = {k: getattr(c, k) for k in want}
+        if have != want:
+            raise ValueError(f"StriderDPOTrainer: strider_config's {have} are not the DPOConfig's {want}")
+
+    # -- what differs from StriderTrainer ------------------------------------------------------------------
+    _evaluates = False
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        raise ValueError("StriderDPOTrainer.evaluate: evaluating the DPO loss is not built yet")
+
+    def _rows(self, batch_size: int) -> int:
+        return 2 * batch_size  # TRL's batch counts pairs: each is a chosen and a rejected sequence
+
+    def _objective_fields(self) -> dict:
+        args = self.args
+        return dict(objective="dpo", beta=args.beta, loss_type=self._loss_type,
+                    label_smoothing=args.label_smoothing if self._loss_type == "robust" else 0.0)
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:  # what DataCollatorForPreference reads
+            self._signature_columns = ["prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps",
+                                       "ref_rejected_logps"]
+
+    def _engine_step(self, inputs):
+        if "ref_chosen_logps" not in inputs:
+            raise RuntimeError("StriderDPOTrainer: a batch without reference log-probabilities (train() adds "
+                               "them before the first step)")
+        ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu()
+        labels = ids.masked_fill(inputs["completion_mask"].cpu() == 0, -100)  # the prompt is no target
+        ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).float().cpu()
+        result = self.engine.step(ids, labels, mask, ref_logps=ref)
+        for k in _METRICS:
+            if k in result.metrics:
+                self._metrics[k].append(result.metrics[k])
+        return result
+
+    def log(self, logs, *args, **kwargs):
+        if "loss" in logs:  # a training log: TRL's figures, averaged over the interval
+            for k, values in self._metrics.items():
+                if values:
+                    logs[k] = sum(values) / len(values)
+                values.clear()
+        return super().log(logs, *args, **kwargs)
+
+    # -- the reference -------------------------------------------------------------------------------------
+    def _reference_logps(self, dataset):
+        """Each pair's reference log-probability sums (chosen, rejected), in dataset order, from the engine's
+        current weights: the starting ones (a LoRA model: its frozen base, whatever its adapters)."""
+        chosen, rejected = [], []
+        pairs = self.engine.config.batch // 2
+        lora = bool(self.engine.config.lora) or hasattr(self.model, "peft_config")
+        for start in range(0, len(dataset), pairs):
+            batch = self.data_collator([dataset[i] for i in range(start, min(len(dataset), start + pairs))])
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            labels = ids.masked_fill(batch["completion_mask"] == 0, -100)
+            sums = self.engine.logprobs(ids, labels, mask, reference=lora)
+            n = ids.shape[0] // 2
+            chosen.append(sums[:n])
+            rejected.append(sums[n:])
+        return torch.cat(chosen), torch.cat(rejected)
+
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        data = self.train_dataset
+        # A resume takes them from the checkpoint (_load_from_checkpoint, which the Trainer calls before it
+        # makes the dataloader); a new run computes them under the starting weights, before the first step.
+        if "ref_chosen_logps" not in data.column_names and not resume_from_checkpoint:
+            self._add_reference(*self._reference_logps(data))
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+
+    def _add_reference(self, chosen, rejected):
+        data = self.train_dataset
+        data = data.remove_columns([c for c in ("ref_chosen_logps", "ref_rejected_logps") if c in data.column_names])
+        data = data.add_column("ref_chosen_logps", chosen.tolist())
+        self.train_dataset = data.add_column("ref_rejected_logps", rejected.tolist())
+        self._reference = (chosen, rejected)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        super()._save_optimizer_and_scheduler(output_dir)
+        chosen, rejected = self._reference
+        torch.save({"fingerprint": self._fingerprint(), "chosen": chosen, "rejected": rejected},
+                   os.path.join(output_dir, STATE_DIR, REFERENCE_FILE))
+
+    def _fingerprint(self) -> str:
+        """The tokenized pairs' own hash (a dataset's _fingerprint can be random for in-memory data): a
+        resume's reference must be of these sequences, in this order."""
+        if self._data_key is None:
+            h = hashlib.sha256()
+            for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
+                for ids in self.train_dataset[name]:
+                    h.update(len(ids).to_bytes(8, "little"))
+                    h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+            self._data_key = h.hexdigest()[:16]
+        return self._data_key
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        path = os.path.join(resume_from_checkpoint, STATE_DIR, REFERENCE_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(f"StriderDPOTrainer: {path} is missing: the run's reference log-probabilities (of "
+                             "its starting weights) are not recomputed from trained ones; resume from a "
+                             "checkpoint a StriderDPOTrainer saved")
+        saved = torch.load(path)
+        if saved["fingerprint"] != self._fingerprint():
+            raise ValueError(f"StriderDPOTrainer: {path} holds the reference of other data (fingerprint "
+                             f"{saved['fingerprint']}, this dataset's {self._fingerprint()}); resume with the "
+                             "run's own train_dataset and DPOConfig")
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        self._add_reference(saved["chosen"], saved["rejected"])
