@@ -476,3 +476,25 @@ def test_the_plan_takes_an_objective_and_refuses_its_wrong_settings(strider_bina
     bad = subprocess.run([str(strider_cli), "plan", "--model", "builtin", "--objective", "dpo", "--loss-type", "dapo"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "loss_type 'dapo' with objective dpo: one of auto, sigmoid" in bad.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_objectives_track_fp32(dtype):
+    """The coefficients carry fp16's loss scale (65536 here) into pass 2 and the gradients come back unscaled:
+    DPO and GRPO (with its KL term) in bf16 and fp16 agree with the fp32 run to half precision's rounding."""
+    data = pair_batches(500)
+    start = make_model(seed=3)
+    refs = [frozen_logps(start, b).sum(1) for b in data]
+    kinds = {"dpo": ({}, lambda i: {"ref_logps": refs[i]}),
+             "grpo": ({"beta": 0.04}, lambda i: {"advantages": torch.linspace(-1, 1, BATCH) * (i + 1),
+                                                 "ref_logps": torch.full((BATCH, SEQ - 1), -6.0)})}
+    for objective, (over, kw) in kinds.items():
+        runs = {}
+        for dt in ("fp32", dtype):
+            e = strider.Engine(make_model(), config(objective=objective, dtype=dt, **over))
+            runs[dt] = [e.step(*b, **kw(i)) for i, b in enumerate(data)]
+            e.finish()
+        for a, b in zip(runs[dtype], runs["fp32"]):
+            assert not a.skipped and (a.loss_scale == 65536.0) == (dtype == "fp16")
+            assert a.loss == pytest.approx(b.loss, rel=2e-3, abs=1e-3), objective
+            assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-2), objective
