@@ -385,7 +385,13 @@ std::vector<std::pair<std::string, double>> EngineCore::objective_metrics() {
     out = {{"rewards/chosen", s[kStatChosen] / n},
            {"rewards/rejected", s[kStatRejected] / n},
            {"rewards/accuracies", s[kStatAccurate] / n},
-           {"rewards/margins", (s[kStatChosen] - s[kStatRejected]) / n}};
+           {"rewards/margins", (s[kStatChosen] - s[kStatRejected]) / n},
+           {"logps/chosen", s[kStatLogpsChosen] / n},
+           {"logps/rejected", s[kStatLogpsRejected] / n}};
+    if (objective_.kind == ObjectiveKind::kOrpo)
+      out.insert(out.end(), {{"nll_loss", s[kStatNll] / n},
+                             {"log_odds_ratio", s[kStatLogOddsRatio] / n},
+                             {"log_odds_chosen", s[kStatLogOdds] / n}});
     return out;
   }
   const double t = std::max(s[kStatTokens], 1.0);  // TRL's global masked mean

@@ -17,6 +17,8 @@ at::Tensor log1mexp(const at::Tensor& x) {
 
 struct PairRewards {
   at::Tensor loss, chosen, rejected;  // the local loss (a mean over the pairs); the rewards, detached
+  at::Tensor logps;                   // the rows' log-probabilities as the objective takes them, detached
+  at::Tensor nll, log_odds;           // ORPO's cross-entropy term and log odds ratios, detached
 };
 
 // DPO, SimPO and ORPO over the rows' sums (and counts) of log-probabilities:
@@ -50,6 +52,7 @@ PairRewards pair_loss(const ObjectiveSettings& o, const at::Tensor& lp, const at
     r.loss = per.mean();
     r.chosen = beta * c.detach();
     r.rejected = beta * j.detach();
+    r.logps = sums.detach();
     return r;
   }
   // SimPO and ORPO: each row's mean log-probability (cpo/orpo get_batch_logps, average_log_prob).
@@ -65,19 +68,16 @@ PairRewards pair_loss(const ObjectiveSettings& o, const at::Tensor& lp, const at
     at::Tensor log_odds = (c - j) - (log1mexp(c) - log1mexp(j));
     at::Tensor nll = -sums.slice(0, 0, n).sum() / counts.slice(0, 0, n).sum();
     r.loss = nll - (beta * logsigmoid(log_odds)).mean();
+    r.nll = nll.detach();
+    r.log_odds = log_odds.detach();
   }
   r.chosen = beta * c.detach();
   r.rejected = beta * j.detach();
+  r.logps = avg.detach();
   return r;
 }
 
 }  // namespace
-
-const char* objective_stat_name(int stat) {
-  static const char* const names[kObjectiveStats] = {"loss",   "pairs",     "chosen",     "rejected",    "accurate",
-                                                     "tokens", "clip_low",  "clip_high",  "clip_region", "kl"};
-  return stat >= 0 && stat < kObjectiveStats ? names[stat] : "?";
-}
 
 at::Tensor objective_grad(const ObjectiveSettings& o, const at::Tensor& logp, const at::Tensor& mask,
                           const ObjectiveBatch& in, const at::Tensor& stats) {
@@ -94,6 +94,14 @@ at::Tensor objective_grad(const ObjectiveSettings& o, const at::Tensor& logp, co
     stats[kStatChosen].copy_(r.chosen.sum());
     stats[kStatRejected].copy_(r.rejected.sum());
     stats[kStatAccurate].copy_((r.chosen > r.rejected).sum());
+    const int64_t n = rows / 2;
+    stats[kStatLogpsChosen].copy_(r.logps.slice(0, 0, n).sum());
+    stats[kStatLogpsRejected].copy_(r.logps.slice(0, n, 2 * n).sum());
+    if (r.nll.defined()) {
+      stats[kStatNll].copy_(r.nll * double(n));
+      stats[kStatLogOddsRatio].copy_(at::log_sigmoid(r.log_odds).sum());
+      stats[kStatLogOdds].copy_(r.log_odds.sum());
+    }
   } else {
     // GRPO (grpo_trainer.py _compute_loss, token-level importance sampling).
     // Where there is no target the inputs are the policy's own values, so

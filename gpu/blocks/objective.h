@@ -89,9 +89,13 @@ enum ObjectiveStat : int {
   kStatClipHigh,     // ... above (ratio > 1 + epsilon_high, advantage > 0)
   kStatClipRegion,   // either
   kStatKl,           // GRPO (beta > 0): the k3 estimator summed over target tokens
+  kStatLogpsChosen,  // the chosen rows' log-probabilities as the objective takes them (DPO: sums; SimPO, ORPO: means)
+  kStatLogpsRejected,
+  kStatNll,          // ORPO: its cross-entropy term, times the pairs
+  kStatLogOddsRatio, // ORPO: log-sigmoid of the log odds ratio, summed over pairs
+  kStatLogOdds,      // ORPO: the log odds ratio, summed over pairs
   kObjectiveStats
 };
-const char* objective_stat_name(int stat);
 
 // The step's loss share and d(it)/d(logp) ([batch, seq] fp32, 0 where `mask`
 // is false and in rows past in.rows) for log-probabilities `logp` ([batch,

@@ -22,7 +22,8 @@ is TRL 1.16's loss: docs/objectives.md) and the reference:
   weights, refused when missing or made for other data.
 - per_device_train_batch_size counts pairs, as in TRL: a step is 2 x that many sequences, and the engine's
   batch is built for it (micro_batch; pass a strider_config to split it into accumulation).
-- The logs carry TRL's names (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins),
+- The logs carry TRL's names (rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins,
+  logps/chosen, logps/rejected),
   averaged over each logging interval as TRL averages them.
 
 Refused by name, as anything strider does not do: loss types other than sigmoid, ipo, hinge and robust,
@@ -41,7 +42,8 @@ from strider.trainer import STATE_DIR, StriderTrainer
 
 REFERENCE_FILE = "reference_logps.pt"  # inside checkpoint-N/strider/
 _LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
-_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected")
 
 
 class _Tokenizing:

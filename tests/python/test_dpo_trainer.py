@@ -60,7 +60,8 @@ def dpo_args(out, **over):
     return trl.DPOConfig(**kw)
 
 
-FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+FIGURES = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+           "logps/chosen", "logps/rejected")
 
 
 def logged(trainer):

@@ -57,6 +57,16 @@ def frozen_logps(model, batch):
 
 # ---- TRL 1.16's losses in plain torch (the lines cited above) -------------------------------------------------
 
+def pair_metrics(chosen_rewards, rejected_rewards, logps):
+    """TRL's figures of a preference step: rewards/* (dpo_trainer.py 1581-1596) and logps/* (the rows'
+    log-probabilities as the loss takes them: DPO's sums, CPO's and ORPO's means)."""
+    c, r = logps.detach().chunk(2)
+    return {"rewards/chosen": chosen_rewards.mean().item(), "rewards/rejected": rejected_rewards.mean().item(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean().item(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean().item(),
+            "logps/chosen": c.mean().item(), "logps/rejected": r.mean().item()}
+
+
 def dpo_loss(loss_type, beta, smoothing, lp, valid, ref_sums):
     logps = lp.sum(1)
     ratios = logps - ref_sums
@@ -73,9 +83,7 @@ def dpo_loss(loss_type, beta, smoothing, lp, valid, ref_sums):
         per = (-(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta)) / (
             1 - 2 * smoothing)
     cr, rr = beta * c.detach(), beta * r.detach()
-    metrics = {"rewards/chosen": cr.mean().item(), "rewards/rejected": rr.mean().item(),
-               "rewards/accuracies": (cr > rr).float().mean().item(), "rewards/margins": (cr - rr).mean().item()}
-    return per.mean(), metrics
+    return per.mean(), pair_metrics(cr, rr, logps)
 
 
 def trl_self(**kw):
@@ -89,19 +97,18 @@ def simpo_loss(beta, gamma, smoothing, lp, valid, _):
     c, r = avg.chunk(2)
     losses, cr, rr = CPOTrainer.cpo_loss(trl_self(alpha=0.0, beta=beta, loss_type="simpo", simpo_gamma=gamma,
                                                   label_smoothing=smoothing), c, r)
-    metrics = {"rewards/chosen": cr.mean().item(), "rewards/rejected": rr.mean().item(),
-               "rewards/accuracies": (cr > rr).float().mean().item(), "rewards/margins": (cr - rr).mean().item()}
-    return losses.mean(), metrics
+    return losses.mean(), pair_metrics(cr, rr, avg)
 
 
 def orpo_loss(beta, lp, valid, _):
     from trl.experimental.orpo import ORPOTrainer
     avg = lp.sum(1) / valid.float().sum(1)
     c, r = avg.chunk(2)
-    losses, cr, rr, _, _ = ORPOTrainer.odds_ratio_loss(trl_self(beta=beta), c, r)
+    losses, cr, rr, log_odds_ratio, log_odds_chosen = ORPOTrainer.odds_ratio_loss(trl_self(beta=beta), c, r)
     nll = -lp[:PAIRS].sum() / valid[:PAIRS].float().sum()
-    metrics = {"rewards/chosen": cr.mean().item(), "rewards/rejected": rr.mean().item(),
-               "rewards/accuracies": (cr > rr).float().mean().item(), "rewards/margins": (cr - rr).mean().item()}
+    metrics = pair_metrics(cr, rr, avg)
+    metrics.update({"nll_loss": nll.item(), "log_odds_ratio": log_odds_ratio.item(),
+                    "log_odds_chosen": log_odds_chosen.item()})
     return nll - losses.mean(), metrics
 
 
