@@ -151,6 +151,10 @@ CHANGED = {
 # would go on over another base: refused as another model is, and --allow-changed does not take its name.
 LORA_ONLY = {"base_format": {"--base-format": "int8"}}
 NOT_ALLOWED = {"base_format"}
+# The objective's settings: the command line trains sft only (no preference token file yet), so a resume changes
+# them from Python, where tests/python/test_objectives.py changes each alone and is refused by name.
+PYTHON_ONLY = {"objective", "loss_type", "beta", "label_smoothing", "simpo_gamma", "epsilon", "epsilon_high",
+               "max_completion_length"}
 
 
 def maths_fields():
@@ -217,7 +221,7 @@ def two_at_a_time(check, cases):
 
 
 def test_every_recorded_maths_setting_changed_on_resume_is_refused_by_name_unless_allowed(strider, tmp_path):
-    assert set(CHANGED) | set(LORA_ONLY) == maths_fields()
+    assert set(CHANGED) | set(LORA_ONLY) | PYTHON_ONLY == maths_fields()
     resume_each(strider, tmp_path, CHANGED)
 
 

@@ -472,6 +472,35 @@ def test_a_saved_run_resumes_to_the_same_bits_and_refuses_another_objective(tmp_
     allowed.finish()
 
 
+# Each objective setting changed alone on resume, over a run that reads it (test_hostile.py's PYTHON_ONLY: the
+# command line does not take them yet).
+OBJECTIVE_CHANGES = [
+    ({"objective": "dpo", "loss_type": "robust", "label_smoothing": 0.1}, {"label_smoothing": 0.2}),
+    ({"objective": "simpo"}, {"simpo_gamma": 0.7}),
+    ({"objective": "simpo"}, {"objective": "orpo"}),
+    ({"objective": "grpo", "loss_type": "dr_grpo", "max_completion_length": 8}, {"max_completion_length": 9}),
+    ({"objective": "grpo"}, {"epsilon": 0.3}),
+    ({"objective": "grpo"}, {"epsilon_high": 0.4}),
+    ({"objective": "grpo"}, {"loss_type": "bnpo"}),
+    ({"objective": "grpo"}, {"beta": 0.05}),
+]
+
+
+@pytest.mark.parametrize("saved, change", OBJECTIVE_CHANGES, ids=[next(iter(c)) + "-" + s["objective"]
+                                                                  for s, c in OBJECTIVE_CHANGES])
+def test_each_objective_setting_changed_on_resume_is_refused_by_name(tmp_path, saved, change):
+    cfg = config(**saved)
+    engine = strider.Engine(make_model(), cfg)
+    engine.save(tmp_path / "ckpt")
+    engine.finish()
+    (name,) = change
+    with pytest.raises(ValueError, match=f"{name}: checkpoint"):
+        strider.Engine.resume(tmp_path / "ckpt", make_model(), cfg.replace(**change))
+    allowed = strider.Engine.resume(tmp_path / "ckpt", make_model(), cfg.replace(**change), allow_changed=[name])
+    assert getattr(allowed.config, name) == change[name]
+    allowed.finish()
+
+
 def test_the_plan_takes_an_objective_and_refuses_its_wrong_settings(strider_binary):
     """`strider plan --objective dpo` plans (and predicts) the step with the objective's operation and
     buffers, and says what it does not price; a loss type of another objective is refused by name."""
