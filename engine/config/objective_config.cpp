@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <algorithm>
-
 #include "host/error.h"
 
 namespace strider {
@@ -101,8 +99,10 @@ std::vector<ObjectiveProblem> objective_problems(const ObjectiveConfig& c, bool 
 }
 
 ObjectiveSettings ObjectiveConfig::resolve() const {
+  // Its own rules first (packed documents aside, which settings_problems checks with the rest), so that a
+  // config that skipped them (made in C++) is refused by name here, not resolved to something else.
+  for (const ObjectiveProblem& p : objective_problems(*this, false)) throw Error(p.text);
   const Named* k = kind_of(objective);
-  STRIDER_CHECK(k != nullptr, "objective '{}': one of sft, dpo, simpo, orpo, grpo", objective);
   ObjectiveSettings s;
   s.kind = k->kind;
   if (s.sft()) return s;

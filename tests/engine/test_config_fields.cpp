@@ -8,6 +8,7 @@
 
 #include "engine/config/config_fields.h"
 #include "engine/config/engine_config_json.h"
+#include "engine/config/objective_config.h"
 #include "host/error.h"
 
 using namespace strider;
@@ -81,4 +82,23 @@ TEST_CASE("a size field takes sizes, bytes and its words", "[engine][config]") {
   CHECK(config_value_problem(f, 1 << 20).empty());
   CHECK_THAT(config_value_problem(f, -1), Catch::Contains("negative"));
   CHECK_THAT(config_value_problem(f, "3 parsecs"), Catch::Contains("parsecs"));
+}
+
+TEST_CASE("an objective resolves to TRL's defaults, and a config that skipped its rules is refused by name",
+          "[engine][config]") {
+  ObjectiveConfig c;
+  CHECK(c.resolve().sft());
+  c.objective = "grpo";
+  const ObjectiveSettings g = c.resolve();
+  CHECK((g.loss == ObjectiveLoss::kDapo && g.beta == 0.0 && g.epsilon == 0.2 && g.epsilon_high == 0.2));
+  c.objective = "dpo";
+  const ObjectiveSettings d = c.resolve();
+  CHECK((d.loss == ObjectiveLoss::kSigmoid && d.beta == 0.1 && d.pairs() && d.takes_rows()));
+  // Made in C++ without engine_config_from_json's checks: refused, never resolved to another loss.
+  c.loss_type = "dapo";
+  CHECK_THROWS_WITH(c.resolve(), Catch::Contains("loss_type 'dapo' with objective dpo"));
+  c.loss_type = "nonsense";
+  CHECK_THROWS_WITH(c.resolve(), Catch::Contains("loss_type 'nonsense'"));
+  c.objective = "kto";
+  CHECK_THROWS_WITH(c.resolve(), Catch::Contains("objective 'kto': one of sft, dpo, simpo, orpo, grpo"));
 }
