@@ -308,12 +308,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
                                       format_bytes(p.logits_bytes)));
   }
 
-  if (!l.objective.sft())
-    p.why.push_back(fmt::format(
-        "objective {}: one operation between the head's two passes maps the step's log-probabilities to the "
-        "loss and each token's gradient (its inputs and coefficients are in the device figure); the reference's "
-        "log-probabilities come from outside the step and are not priced (LoRA: engine.logprobs(reference=True), "
-        "a forward pass more per step)", l.objective.objective));
+  if (!l.objective.sft()) p.why.push_back(objective_reason(l.objective));
   p.feasible = true;
   p.unit_elems = f.unit_elems;
   p.vocab_shards = f.vocab_shards;

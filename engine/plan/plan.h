@@ -32,6 +32,9 @@ enum class ActivationMode { kAuto, kRecompute, kSaved };
 const char* activation_mode_name(ActivationMode m);  // "auto", "recompute", "saved"
 ActivationMode parse_activation_mode(const std::string& text);  // throws naming the text
 
+// The plan's line for an objective past SFT (plan_text.cpp): what it adds, and what the plan does not price.
+std::string objective_reason(const ObjectiveConfig& o);
+
 struct PlanLimits {
   uint64_t device_bytes = 0;     // the device budget
   // Host RAM the whole process may hold at its peak (Plan::host_peak_bytes);

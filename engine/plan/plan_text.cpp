@@ -70,6 +70,15 @@ nlohmann::json other_formats_json(const std::vector<Plan::FormatFit>& fits) {
 }
 }  // namespace
 
+std::string objective_reason(const ObjectiveConfig& o) {
+  return fmt::format(
+      "objective {}: one operation between the head's two passes maps the step's log-probabilities to the loss "
+      "and each token's gradient (its inputs and coefficients are in the device figure); the reference's "
+      "log-probabilities come from outside the step and are not priced (LoRA: engine.logprobs(reference=True), a "
+      "forward pass more per step)",
+      o.objective);
+}
+
 void PlanLimits::take_settings(const EngineConfig& c) {
   seq = c.seq;
   micro_batch = c.micro_batch;

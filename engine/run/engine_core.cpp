@@ -376,32 +376,6 @@ std::pair<double, int64_t> EngineCore::pass_loss(bool objective) {
   return {main + spec_.router_aux_coef * aux_mean, int64_t(all[1])};
 }
 
-std::vector<std::pair<std::string, double>> EngineCore::objective_metrics() {
-  std::vector<double> s(objective_stats_host_.begin(), objective_stats_host_.end());  // kLossOut's copy, landed
-  dist_->all_reduce_sum(s);
-  std::vector<std::pair<std::string, double>> out;
-  if (objective_.pairs()) {
-    const double n = s[kStatPairs];
-    out = {{"rewards/chosen", s[kStatChosen] / n},
-           {"rewards/rejected", s[kStatRejected] / n},
-           {"rewards/accuracies", s[kStatAccurate] / n},
-           {"rewards/margins", (s[kStatChosen] - s[kStatRejected]) / n},
-           {"logps/chosen", s[kStatLogpsChosen] / n},
-           {"logps/rejected", s[kStatLogpsRejected] / n}};
-    if (objective_.kind == ObjectiveKind::kOrpo)
-      out.insert(out.end(), {{"nll_loss", s[kStatNll] / n},
-                             {"log_odds_ratio", s[kStatLogOddsRatio] / n},
-                             {"log_odds_chosen", s[kStatLogOdds] / n}});
-    return out;
-  }
-  const double t = std::max(s[kStatTokens], 1.0);  // TRL's global masked mean
-  out = {{"clip_ratio/low_mean", s[kStatClipLow] / t},
-         {"clip_ratio/high_mean", s[kStatClipHigh] / t},
-         {"clip_ratio/region_mean", s[kStatClipRegion] / t}};
-  if (objective_.beta != 0) out.push_back({"kl", s[kStatKl] / t});
-  return out;
-}
-
 MoeStep EngineCore::moe_step(const Seat& s, int64_t b, int64_t m, bool backward) const {
   MoeStep st;
   if (!s.moe_stats.defined() || b == 0 || b >= place_.head || !spec_.sparse(b - 1)) return st;

@@ -47,7 +47,7 @@ struct RankInfo;
 
 // Engine::step's objective inputs against the objective (`name`: its
 // setting's text) and the batch's labels ([batch, seq]): BatchRefused naming
-// what is missing, extra or not finite (objective_inputs.cpp).
+// what is missing, extra or not finite (objective_step.cpp).
 void check_objective_inputs(const ObjectiveSettings& o, const ObjectiveInputs* in, const int64_t* labels,
                             int64_t batch, int64_t seq, std::string_view name);
 

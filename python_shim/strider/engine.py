@@ -59,6 +59,7 @@ import torch
 from strider import peft_lora
 from strider._library import load_library
 from strider.config import EngineConfig
+from strider.objective_inputs import objective_step_args
 
 # The decoder families the C++ ModelSpec implements (engine/model/model_spec.cpp).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
@@ -464,57 +465,9 @@ class Engine:
         log-probabilities, as logprobs(per_token=True) gives them; None: on-policy) and, with beta > 0,
         ref_logps [rows, length - 1]. The result's metrics hold TRL's figures."""
         ids, lab, pos, mask = self._prepare("step", input_ids, labels, attention_mask, position_ids)
-        extra = self._objective_inputs(input_ids, ref_logps, advantages, old_logps)
+        extra = objective_step_args(self.config, input_ids, ref_logps, advantages, old_logps)
         self.last_result = StepResult.from_report(*self._engine.step(ids, lab, pos, mask, **extra))
         return self.last_result
-
-    def _objective_inputs(self, input_ids, ref_logps, advantages, old_logps) -> dict:
-        """The binding's objective arguments: the caller's rows, the per-row values ([batch]) and the per-token
-        ones ([batch, seq], aligned with the engine's shifted labels), zero-padded; {} for sft without any."""
-        c = self.config
-        objective = c.objective
-        shape = torch.as_tensor(input_ids).shape
-        rows, length = (1, shape[0]) if len(shape) == 1 else tuple(shape)
-        grpo = objective == "grpo"
-        per_row = advantages if grpo else ref_logps
-        tokens_ref = ref_logps if grpo else None
-        if objective == "sft":
-            given = [n for n, v in (("ref_logps", ref_logps), ("advantages", advantages), ("old_logps", old_logps))
-                     if v is not None]
-            if given:
-                raise ValueError(f"step: {', '.join(given)} given, but the engine's objective is sft; make it with "
-                                 "EngineConfig(objective='dpo', ...) (or simpo, orpo, grpo)")
-            return {}
-        if not grpo and (advantages is not None or old_logps is not None):
-            raise ValueError(f"step: advantages and old_logps are grpo's; the engine's objective is {objective}")
-
-        def row_values(name, v):
-            t = torch.as_tensor(v, dtype=torch.float32).detach().reshape(-1).cpu()
-            if t.numel() != rows:
-                raise ValueError(f"step: {name} has {t.numel()} values; input_ids has {rows} rows")
-            out = torch.zeros(c.batch, dtype=torch.float32)
-            out[:rows] = t
-            return out
-
-        def token_values(name, v):
-            t = torch.as_tensor(v, dtype=torch.float32).detach().cpu()
-            if t.dim() == 1:
-                t = t.unsqueeze(0)
-            if tuple(t.shape) != (rows, length - 1):
-                raise ValueError(f"step: {name} has shape {tuple(t.shape)}; per-token values are [rows, length - 1] "
-                                 f"= [{rows}, {length - 1}] (as logprobs(per_token=True) gives them)")
-            out = torch.zeros(c.batch, c.seq, dtype=torch.float32)
-            out[:rows, :length - 1] = t
-            return out
-
-        extra = {"rows": rows}
-        if per_row is not None:
-            extra["row"] = row_values("advantages" if grpo else "ref_logps", per_row)
-        if old_logps is not None:
-            extra["old_logps"] = token_values("old_logps", old_logps)
-        if tokens_ref is not None:
-            extra["ref_logps"] = token_values("ref_logps", tokens_ref)
-        return extra
 
     def evaluate(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> float:
         """The loss of the current weights on one batch, without a gradient or an update."""

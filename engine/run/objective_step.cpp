@@ -1,9 +1,12 @@
-// Engine::step's objective inputs, checked before any work (a refused batch
-// changes nothing: BatchRefused, and the caller may go on).
+// An objective past SFT in Engine::step: its inputs, checked before any work
+// (a refused batch changes nothing: BatchRefused, and the caller may go on),
+// and its figures under TRL's names once the pass ended.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
+#include "engine/run/collectives.h"
 #include "engine/run/engine.h"
 #include "engine/run/engine_core.h"
 
@@ -56,6 +59,32 @@ void check_objective_inputs(const ObjectiveSettings& o, const ObjectiveInputs* i
       refuse(fmt::format("objective {}: row {} has no target token (every label -100); each sequence of a pair needs "
                          "its completion", name, r));
   }
+}
+
+std::vector<std::pair<std::string, double>> EngineCore::objective_metrics() {
+  std::vector<double> s(objective_stats_host_.begin(), objective_stats_host_.end());  // kLossOut's copy, landed
+  dist_->all_reduce_sum(s);
+  std::vector<std::pair<std::string, double>> out;
+  if (objective_.pairs()) {
+    const double n = s[kStatPairs];
+    out = {{"rewards/chosen", s[kStatChosen] / n},
+           {"rewards/rejected", s[kStatRejected] / n},
+           {"rewards/accuracies", s[kStatAccurate] / n},
+           {"rewards/margins", (s[kStatChosen] - s[kStatRejected]) / n},
+           {"logps/chosen", s[kStatLogpsChosen] / n},
+           {"logps/rejected", s[kStatLogpsRejected] / n}};
+    if (objective_.kind == ObjectiveKind::kOrpo)
+      out.insert(out.end(), {{"nll_loss", s[kStatNll] / n},
+                             {"log_odds_ratio", s[kStatLogOddsRatio] / n},
+                             {"log_odds_chosen", s[kStatLogOdds] / n}});
+    return out;
+  }
+  const double t = std::max(s[kStatTokens], 1.0);  // TRL's global masked mean
+  out = {{"clip_ratio/low_mean", s[kStatClipLow] / t},
+         {"clip_ratio/high_mean", s[kStatClipHigh] / t},
+         {"clip_ratio/region_mean", s[kStatClipRegion] / t}};
+  if (objective_.beta != 0) out.push_back({"kl", s[kStatKl] / t});
+  return out;
 }
 
 }  // namespace strider
