@@ -170,7 +170,7 @@ class EngineHolder : public torch::CustomClassHolder {
                        bool write_model, const std::string& base_model) {
     std::lock_guard lk(mu_);
     const nlohmann::json extra = parse_json(extra_json, "extra_json");
-    run("save_checkpoint", [&] { engine_->finish_updates(); });  // a failed update breaks the engine
+    run("save_checkpoint", [&] { engine_->finish_updates(); }, true);  // a failed update breaks the engine
     const TrainCheckpointOptions options{
         .write_model = write_model,
         .model_dtype = engine_->config().compute.dtype == at::kBFloat16 ? DType::kBF16 : DType::kF32,
@@ -315,6 +315,18 @@ class EngineHolder : public torch::CustomClassHolder {
     run("finish", [&] { engine_->finish_updates(); });
   }
 
+  // Engine::inject_device_fault, for the tests of a failure mid-step: the
+  // next step's first operation named `op` (step_program_text's names:
+  // "forward", "backward", ...) of block `block` throws as it is issued.
+  void inject_device_fault(const std::string& op, int64_t block) {
+    std::lock_guard lk(mu_);
+    translated("inject_device_fault", true, [&] {
+      const std::optional<StepOpKind> kind = op_kind_named(op);
+      STRIDER_CHECK(kind.has_value(), "inject_device_fault: no operation is named '{}'", op);
+      engine_->inject_device_fault(*kind, block);
+    });
+  }
+
   void init_params(int64_t seed) {
     std::lock_guard lk(mu_);
     translated("init_params", false, [&] {
@@ -388,27 +400,49 @@ class EngineHolder : public torch::CustomClassHolder {
     return mask->to(at::kCPU, at::kLong).contiguous();
   }
 
-  void usable() const {
-    STRIDER_CHECK(failed_.empty(), "this Engine failed earlier ({}); its state is unknown: make a new one", failed_);
+  // After a failure, only save_checkpoint, and only of a whole state.
+  void usable(bool saving = false) const {
+    if (failed_.empty() || (saving && broken_.empty())) return;
+    STRIDER_CHECK(false, "this Engine failed earlier ({}); {}", failed_, after_failure());
+  }
+  std::string after_failure() const {
+    return broken_.empty()
+               ? fmt::format("save() still writes the state of step {}, the last whole one: load it into a new Engine "
+                             "to go on",
+                             engine_->steps_done())
+               : fmt::format("its state is not whole ({}), so it cannot be saved: make a new Engine from the last "
+                             "checkpoint",
+                             broken_);
   }
 
-  // A failure inside a step leaves the engine in an unknown state (units
-  // acquired, updates half-applied): later calls refuse instead of guessing.
+  // A failure inside a step (a device, an NVMe read, an update failed)
+  // leaves the engine unable to go on (units held, a pass cut short): it is
+  // brought to rest, and later calls refuse, except a save of a state that
+  // is still whole (no update of the failed step applied: Engine::settle_after_failure).
   // A batch refused before any work (BatchRefused) is the caller's to fix: a
   // ValueError, and the engine goes on.
   template <typename Fn>
-  auto run(const char* what, Fn&& fn) -> decltype(fn()) {
+  auto run(const char* what, Fn&& fn, bool saving = false) -> decltype(fn()) {
     return translated(what, false, [&] {
-      usable();
+      usable(saving);
       try {
         return fn();
       } catch (const BatchRefused& e) {
         TORCH_CHECK_VALUE(false, what, ": ", e.what());
-      } catch (const std::exception& e) {
-        failed_ = fmt::format("{}: {}", what, e.what());
+      } catch (c10::Error& e) {  // from ATen: keeps its Python type (an out-of-memory error stays one)
+        failed(what, e.what_without_backtrace());
+        e.add_context(after_failure());
         throw;
+      } catch (const std::exception& e) {
+        failed(what, e.what());
+        throw Error(fmt::format("{}; {}", e.what(), after_failure()));
       }
     });
+  }
+  void failed(const char* what, const std::string& error) {
+    if (!failed_.empty()) return;
+    broken_ = engine_->settle_after_failure(error);
+    failed_ = fmt::format("{}: {}", what, error);
   }
 
   std::mutex mu_;  // Python threads may share one engine; the engine is not reentrant
@@ -417,7 +451,8 @@ class EngineHolder : public torch::CustomClassHolder {
   RanksStore hosted_;  // rank 0 of a Python data-parallel run: the ranks' store it hosts
   std::vector<std::string> names_;  // block order
   std::map<std::string, std::pair<int64_t, TensorSlot>> slots_;  // name -> (block, slot)
-  std::string failed_;
+  std::string failed_;  // the first failure
+  std::string broken_;  // why the state is not whole after it ("": it is, and may be saved)
 };
 
 // What a training checkpoint says about itself (the recovery rule applied),
@@ -475,6 +510,7 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
            {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
             torch::arg("attention_mask") = c10::IValue(), torch::arg("reference") = false})
       .def("finish", &EngineHolder::finish)
+      .def("inject_device_fault", &EngineHolder::inject_device_fault)
       .def("init_params", &EngineHolder::init_params)
       .def("write_trace", &EngineHolder::write_trace)
       .def("compute_view", &EngineHolder::compute_view)

@@ -268,15 +268,49 @@ int run_finetune(FinetuneOptions& o) {
   StepLog log(start_step, o.steps, &metrics, o.metrics, writes && ::isatty(STDOUT_FILENO) == 1);
   bool stop = false;  // a signal reached a rank: every rank stops after the same step
   std::string data_error;  // the training data failed (changed or cut under the run): stop, keeping the state
+  // A step that fails part way (a device, an NVMe read, an update): the
+  // last whole state is saved where it can be (engine/run/engine.h,
+  // settle_after_failure), the data back at the failed step's batch, so that
+  // a resume is the run that never failed. Data parallel: another rank's
+  // part of the step is unknown, and the error ends the run as it is.
+  const std::optional<InjectedFault> fault = injected_fault_from_env();
+  auto step_failed = [&](const std::string& error, int64_t steps_before, const TokenLoaderState& batch_at) {
+    const std::string broken = engine.settle_after_failure(error);
+    std::string kept;
+    if (!broken.empty()) {
+      kept = fmt::format("the state after it is not whole ({}), so {}", broken, kept_checkpoint());
+    } else {
+      if (engine.steps_done() == steps_before) loader.restore(batch_at);  // else the step did complete
+      try {
+        save_checkpoint();
+        kept = fmt::format("the state of step {} is saved in {}; resume with --checkpoint-dir {} --resume",
+                           engine.steps_done(), ckpt_root, ckpt_root);
+      } catch (const Error& e) {
+        kept = fmt::format("saving the state of step {} failed too ({}), so {}", engine.steps_done(), e.what(),
+                           kept_checkpoint());
+      }
+    }
+    return Error(fmt::format("step {} failed: {}; {}", steps_before + 1, error, kept));
+  };
   while (engine.steps_done() < o.steps && !(stop = ranks->any(signals.requested() || !data_error.empty()))) {
     bool padded = false;
+    const TokenLoaderState batch_at = loader.state();
     try {
       padded = loader.next(ids, labels, positions, attention);
     } catch (const Error& e) {
       data_error = e.what();
       continue;  // every rank stops after the same step, through the check above
     }
-    StepReport r = engine.step(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded));
+    const int64_t steps_before = engine.steps_done();
+    if (fault && fault->step == steps_before + 1) engine.inject_device_fault(fault->kind, fault->block);
+    StepReport r;
+    try {
+      r = engine.step(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded));
+    } catch (const std::exception& e) {
+      if (!me.solo()) throw;
+      log.clear();
+      throw step_failed(e.what(), steps_before, batch_at);
+    }
     if (r.no_targets) {
       // Sparse targets (chat data masked to the assistant's turns): this batch
       // has none. Nothing changed; the data moves on; not a fault, so it does

@@ -183,6 +183,26 @@ void check_single_process(std::string_view command) {
                             ws, command));
 }
 
+std::optional<InjectedFault> injected_fault_from_env() {
+  const char* v = std::getenv("STRIDER_INJECT_DEVICE_FAULT");
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  const std::string_view text(v);
+  const size_t a = text.find(':'), b = text.rfind(':');
+  InjectedFault f;
+  auto number = [](std::string_view s, int64_t& out) {
+    const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
+    return ec == std::errc() && end == s.data() + s.size() && out >= 0;
+  };
+  std::optional<StepOpKind> kind = a < b ? op_kind_named(text.substr(a + 1, b - a - 1)) : std::nullopt;
+  if (kind && op_side(*kind) != OpSide::kDevice) kind.reset();  // the engine's updater has no fault point
+  STRIDER_CHECK(a < b && kind && number(text.substr(0, a), f.step) && number(text.substr(b + 1), f.block) && f.step > 0,
+                "STRIDER_INJECT_DEVICE_FAULT={}: expected STEP:OP:BLOCK (a test hook; OP a device operation of the "
+                "step program), e.g. 3:backward:1",
+                text);
+  f.kind = *kind;
+  return f;
+}
+
 TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t total_steps,
                               std::FILE* log, Collectives* ranks) {
   namespace fs = std::filesystem;

@@ -118,4 +118,17 @@ void check_single_process(std::string_view command);
 TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t total_steps,
                               std::FILE* log = stdout, Collectives* ranks = nullptr);
 
+// A test hook (engine/cli/README.md, "Testing a failure mid-step"):
+// STRIDER_INJECT_DEVICE_FAULT=STEP:OP:BLOCK makes step STEP's first OP
+// (the step program's name of a device operation: forward, backward, grads
+// out, ...) of block BLOCK fail as it is issued, as a failed kernel launch
+// or copy would (Engine::inject_device_fault). None when unset; a value
+// that is not of that form is refused, naming the variable.
+struct InjectedFault {
+  int64_t step = 0;
+  StepOpKind kind = StepOpKind::kForward;
+  int64_t block = 0;
+};
+std::optional<InjectedFault> injected_fault_from_env();
+
 }  // namespace strider::cli

@@ -42,7 +42,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -96,6 +98,7 @@ enum class StepOpKind : uint8_t {
 };
 inline constexpr int kOpKinds = int(StepOpKind::kUpdated) + 1;
 const char* op_name(StepOpKind k);
+std::optional<StepOpKind> op_kind_named(std::string_view name);  // op_name's inverse
 // Which executor runs a kind: the issuing thread's device table
 // (run_device_op; priced by the SimDevice from what its handler enqueues) or
 // the updater's host table (run_host_op; priced by SimUpdater::run). The two

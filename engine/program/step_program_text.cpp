@@ -68,6 +68,12 @@ static_assert(rows_in_order(), "kKinds' rows must follow StepOpKind's order");
 
 const char* op_name(StepOpKind k) { return size_t(k) < std::size(kKinds) ? kKinds[size_t(k)].name : "?"; }
 
+std::optional<StepOpKind> op_kind_named(std::string_view name) {
+  for (const auto& row : kKinds)
+    if (name == row.name) return row.kind;
+  return std::nullopt;
+}
+
 OpArgs op_args(StepOpKind k) {
   switch (k) {
     case StepOpKind::kForward:

@@ -337,7 +337,7 @@ void EngineCore::synchronize_devices(StreamId s) {
   for (Seat& st : seats_) st.device->synchronize(s);
 }
 
-void EngineCore::run_pass(const StepProgram& program) {
+void EngineCore::run_pass(const StepProgram& program, int64_t fault_op) {
   for (Seat& st : seats_) {
     st.device->prepare_driver_thread();
     st.saved_in.clear();  // a pass that threw left nothing to wait for in order
@@ -346,8 +346,11 @@ void EngineCore::run_pass(const StepProgram& program) {
   loaded_.resize(size_t(program.visits));
   PassCursor at;
   at.program = &program;
-  for (const StepOp& op : program.ops) {
+  for (size_t i = 0; i < program.ops.size(); ++i) {
+    const StepOp& op = program.ops[i];
     if (!op.on_device()) continue;
+    if (int64_t(i) == fault_op)  // as a failed launch or copy would (settle_after_failure's tests)
+      throw Error(fmt::format("injected device fault: {} of block {}", op_name(op.kind), op.block));
     // A visit's first operation waits on the compute stream for its load.
     if (op.first_of_visit) seat(op).device->wait(StreamId::kCompute, *loaded_[size_t(op.visit)].ready);
     run_device_op(op, at);

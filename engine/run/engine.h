@@ -37,6 +37,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine/config/engine_config.h"
@@ -179,6 +180,21 @@ class Engine {
   // block's first piece to land (the head's norm when it has one vocabulary
   // shard), as a bad transfer or kernel would leave them.
   void inject_nonfinite_gradient(int64_t b);
+
+  // After a call that threw mid-work (a device, an NVMe read, an update
+  // failed): brings the engine to rest (the failed pass's host work given up,
+  // every earlier update done, the devices idle) and refuses further steps,
+  // evaluations and log-probabilities. Returns "" when the state is whole, that
+  // of steps_done() (no update of the failed pass was applied): reading it
+  // (read_state, a checkpoint's save) still works. Else why it is not: the
+  // failed pass had updated some pieces (without clipping updates overlap the
+  // backward), an earlier update failed, or a data-parallel rank's part is unknown.
+  // `error`: what the caller caught, not repeated when it is the update's own.
+  std::string settle_after_failure(std::string_view error = {});
+  // Fault injection, for that path's tests: issuing the next training pass's
+  // first `kind` operation of block `block` throws, as a failed kernel
+  // launch or copy would. Refused when the program has no such operation.
+  void inject_device_fault(StepOpKind kind, int64_t block);
 
  private:
   std::unique_ptr<EngineCore> core_;  // engine/run/engine_core.h: the state and the executors

@@ -218,6 +218,7 @@ void EngineCore::settle_compute() {
 StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t* positions,
                         const int64_t* attention, const ObjectiveInputs* objective) {
   EngineCore& core = *core_;
+  core.check_usable("step");
   STRIDER_CHECK(core.dist_->ranks().world == core.config_->state_shards || !core.sharded() || simulated(),
                 "the engine keeps slice {} of a state sharded over {} ranks but has {} (set_collectives first)",
                 core.config_->state_shard, core.config_->state_shards, core.dist_->ranks().world);
@@ -254,9 +255,11 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t
   }
   rep.loss_scale = core.config_->loss_scaled() ? core.scaler_.scale : 0.0;
   core.host_->begin(core.program_, job);
-  core.run_pass(core.program_);  // its waits for updates still mean the previous pass's
+  core.open_job_ = job;  // until it ends: a failure leaves it to settle_after_failure
+  core.run_pass(core.program_, core.take_device_fault());  // its waits for updates still mean the previous pass's
   ++core.passes_;
   const PassEnd end = core.host_->end(*job);
+  core.open_job_.reset();
   rep.grad_norm = end.grad_norm;
   rep.skipped = job->skipped;
   rep.skip_reason = job->skip_reason;
@@ -301,6 +304,7 @@ double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t
                         const int64_t* attention) {
   EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
+  core.check_usable("evaluate");
   core.eval_pass(ids, labels, positions, attention);
   const auto [loss, valid] = core.pass_loss(false);
   core.collect_device_spans();
@@ -312,6 +316,7 @@ std::vector<float> Engine::logprobs(const int64_t* ids, const int64_t* labels, c
                                    const int64_t* attention, bool reference) {
   EngineCore& core = *core_;
   STRIDER_CHECK(!simulated(), "logprobs: a simulated engine computes no log-probability");
+  core.check_usable("logprobs");
   const LoraSpec& lora = core.spec_.lora;
   // Refused before any work, as a batch is (the caller may go on).
   if (reference && !lora.enabled())

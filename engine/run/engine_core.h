@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <deque>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -157,7 +158,7 @@ class EngineCore {
     std::unique_ptr<Event> saved_done;     // ...and its forward done, for its kSaveOut
     const std::byte* send = nullptr;       // the visit's gradients in the transfer dtype (kGradsToSend)
   };
-  void run_pass(const StepProgram& program);
+  void run_pass(const StepProgram& program, int64_t fault_op = -1);  // fault_op: inject_device_fault's
   void run_device_op(const StepOp& op, PassCursor& at);
   // Its longer handlers: the host checkpoints' copies and a pool's hand-offs.
   void op_checkpoint_out(const StepOp& op, Seat& st);
@@ -343,6 +344,13 @@ class EngineCore {
   int64_t steps_ = 0;      // optimizer steps taken (skipped steps do not count)
   int64_t passes_ = 0;     // training passes run
   int64_t fault_block_ = -1;  // inject_nonfinite_gradient: the next training pass's
+  std::optional<std::pair<StepOpKind, int64_t>> device_fault_;  // inject_device_fault: the next training pass's
+  std::shared_ptr<UpdateJob> open_job_;  // the training pass begun and not ended (a failure leaves it here)
+  std::string failed_;  // settle_after_failure: why the engine takes no more work
+  int64_t take_device_fault();  // the training program's op index inject_device_fault named (-1: none), once
+  void check_usable(const char* what) const {
+    STRIDER_CHECK(failed_.empty(), "{}: the engine failed earlier ({}) and takes no more work", what, failed_);
+  }
 
   // Data parallel (set_collectives): the main thread's channel and the updater's.
   std::unique_ptr<Collectives> dist_, dist_update_;

@@ -89,6 +89,13 @@ class HostExecutor {
   virtual PassEnd end(UpdateJob& job) = 0;
   // Every update issued so far is done (between steps).
   virtual void finish_updates() = 0;
+  // The pass `job` will not end (its device work failed part way): its host
+  // operations stop where they would wait for a gradient that will not land.
+  // Returns once every earlier pass's host work is done and none of this
+  // one's still runs: whether any of its updates was applied (the state is
+  // then neither the previous step's nor this one's). Rethrows a host
+  // operation's failure, of this pass or an earlier one.
+  virtual bool abandon(const UpdateJob& job) = 0;
 };
 
 }  // namespace strider

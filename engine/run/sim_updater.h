@@ -53,6 +53,7 @@ class SimUpdater final : public HostExecutor {
   // the first) to the virtual time step() returns at (the norm known).
   PassEnd end(UpdateJob& job) override;
   void finish_updates() override {}  // the device's waits order everything
+  bool abandon(const UpdateJob&) override { return false; }  // prices only: no state to leave half-updated
 
  private:
   void advance();  // prices operations up to the next piece not yet enqueued

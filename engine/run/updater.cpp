@@ -73,6 +73,15 @@ void EngineCore::Updater::finish_updates() {
     if (e_.updates(p)) after_update(p, e_.device());
 }
 
+bool EngineCore::Updater::abandon(const UpdateJob& job) {
+  std::unique_lock lk(mu_);
+  abandoned_ = std::max(abandoned_, job.pass);
+  cv_.notify_all();  // a kLand of the pass waiting for its gradient gives up
+  cv_.wait(lk, [&] { return left_ >= job.pass || error_; });
+  rethrow();  // a host operation failed (this pass's or an earlier one's): the updater has stopped
+  return applied_ >= job.pass;
+}
+
 void EngineCore::Updater::after_ring(int r, int64_t use, Device&) {
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return ring_released_[size_t(r)] >= use || error_; });
@@ -175,12 +184,23 @@ void EngineCore::Updater::main() {
             fig.fault_piece = p;
             break;
           }
-      for (const StepOp& op : next.program->ops)
-        if (!op.on_device()) run_host_op(op, job, fig);
+      for (const StepOp& op : next.program->ops) {
+        if (op.on_device()) continue;
+        {
+          std::lock_guard lk(mu_);
+          if (abandoned_ >= job.pass) break;  // its device work failed: nothing more of it comes
+        }
+        run_host_op(op, job, fig);
+      }
     } catch (...) {
       fail(std::current_exception());
       return;
     }
+    {
+      std::lock_guard lk(mu_);
+      left_ = job.pass;
+    }
+    cv_.notify_all();
   }
 }
 
@@ -190,9 +210,10 @@ void EngineCore::Updater::run_host_op(const StepOp& op, UpdateJob& job, PassFigu
     case StepOpKind::kLand: {
       {
         std::unique_lock lk(mu_);
-        cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job.pass || stopping_; });
+        cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job.pass || stopping_ || abandoned_ >= job.pass; });
         STRIDER_CHECK(!stopping_, "the engine stopped before {}'s gradients were copied out",
                       e_.place_.shards.name(e_.spec_, b));
+        if (grads_recorded_[size_t(b)] < job.pass) return;  // abandoned: main() leaves the job
       }
       e_.grads_ready_[size_t(b)]->synchronize();
       return;
@@ -227,8 +248,15 @@ void EngineCore::Updater::run_host_op(const StepOp& op, UpdateJob& job, PassFigu
       e_.next_read_slot_ = 1 - e_.next_read_slot_;
       return;
     case StepOpKind::kAdamW:
-      if (job.skipped) e_.skip_piece(b);
-      else e_.update_piece(job, b, fig.grad_scale);
+      if (job.skipped) {
+        e_.skip_piece(b);
+        return;
+      }
+      {
+        std::lock_guard lk(mu_);
+        applied_ = job.pass;  // from here the state is neither the last step's nor this one's
+      }
+      e_.update_piece(job, b, fig.grad_scale);
       return;
     case StepOpKind::kWriteState:
       if (!job.skipped) e_.write_state_back(b, job.step);

@@ -31,6 +31,7 @@ class EngineCore::Updater final : public HostExecutor {
   void await_compute(ComputeSlot& slot, const StepOp& load, Device& dev) override;
   PassEnd end(UpdateJob& job) override;
   void finish_updates() override;
+  bool abandon(const UpdateJob& job) override;
 
   // For the handlers (the updater thread, and the NVMe tier's callbacks).
   void release_ring(int r);                        // one more consumption of ring slot r's gradients
@@ -63,6 +64,9 @@ class EngineCore::Updater final : public HostExecutor {
   std::vector<NvmeTicket> compute_written_;  // per piece: the latest write-back of its compute copy
   std::exception_ptr error_;
   bool stopping_ = false;
+  int64_t abandoned_ = 0;  // the last pass abandon() gave up: its host operations stop
+  int64_t left_ = 0;       // the last pass whose job the thread has left (done or abandoned)
+  int64_t applied_ = 0;    // the last pass with an update (kAdamW of a pass not skipped) begun
   double last_norm_ = -1;
   int64_t norm_pass_ = 0;
 };

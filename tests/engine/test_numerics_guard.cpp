@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <limits>
 
+#include <fmt/format.h>
+
 #include "engine/run/engine.h"
 #include "host/error.h"
 #include "tests/engine/engine_state.h"
@@ -189,4 +191,36 @@ TEST_CASE("a batch without a target token changes nothing and is not a fault", "
     CHECK(ra.loss == rb.loss);
     CHECK(same_bits(state(*a), state(*b)));
   }
+}
+
+TEST_CASE("a step whose device work fails part way leaves the last whole state, or says it is not whole",
+          "[engine][guard]") {
+  // settle_after_failure's verdict against the state itself: "whole" is the
+  // previous step's bits; "not whole" only without clipping (updates overlap
+  // the backward) and only when some piece did move. In the forward nothing
+  // has landed: whole in every setup.
+  const ModelSpec spec = ModelSpec::from_json(test::tiny_config(false, 3), "tiny");
+  for (const Setup& s : setups())
+    for (StepOpKind kind : {StepOpKind::kForward, StepOpKind::kBackward}) {
+      INFO(s.name << ", a fault at block 1's " << op_name(kind));
+      Twins t(spec, s);
+      Engine* a = t.a.get();
+      a->inject_device_fault(kind, 1);
+      CHECK_THROWS_WITH(step(*a, 2), Catch::Contains(fmt::format("injected device fault: {} of block 1", op_name(kind))));
+      const std::string broken = a->settle_after_failure();
+      CHECK(a->steps_done() == 1);
+      if (broken.empty()) {
+        CHECK(same_bits(state(*a), state(*t.b)));
+      } else {
+        CHECK((s.clip == 0 && kind == StepOpKind::kBackward));
+        CHECK_THAT(broken, Catch::Contains("step 2 had updated part of the model before it failed"));
+        CHECK_FALSE(same_bits(state(*a), state(*t.b)));
+      }
+      CHECK_THROWS_WITH(step(*a, 2), Catch::Contains("the engine failed earlier"));
+      CHECK_THROWS_WITH(a->evaluate(nullptr, nullptr), Catch::Contains("the engine failed earlier"));
+    }
+  TempDir d;
+  auto e = make(spec, setups().front(), d.path.string());
+  CHECK_THROWS_WITH(e->inject_device_fault(StepOpKind::kAdamW, 1), Catch::Contains("'adamw' is a host operation"));
+  CHECK_THROWS_WITH(e->inject_device_fault(StepOpKind::kHeadGrad, 1), Catch::Contains("has no 'head backward' of block 1"));
 }
