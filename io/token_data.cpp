@@ -52,7 +52,14 @@ TokenFileLayout parse_header(std::span<const std::byte> header, uint64_t file_by
                 "flag bit 1 (docs) is clear", label, l.num_docs);
   l.vocab_size = header_word(header, 6);
   l.example_seq = header_word(header, 7);
-  for (size_t i = 8; i < kTokenHeaderBytes / 8; ++i)
+  const uint64_t pairs = header_word(header, 8);
+  STRIDER_CHECK(pairs <= 1, "{}: field 'pairs' is {}, must be 0 or 1", label, pairs);
+  l.pairs = pairs == 1;
+  STRIDER_CHECK(!l.pairs || (l.example_seq > 0 && (l.flags & kTokenFlagDocs) && l.num_docs % 2 == 0),
+                "{}: field 'pairs' is 1 (preference pairs), but the file is not an example file of pairs: "
+                "example_seq {}, num_docs {} (each pair is two documents, each alone in its window)",
+                label, l.example_seq, l.num_docs);
+  for (size_t i = 9; i < kTokenHeaderBytes / 8; ++i)
     STRIDER_CHECK(header_word(header, i) == 0, "{}: reserved header word {} is {}, must be 0", label,
                   i, header_word(header, i));
 
@@ -384,6 +391,23 @@ TokenLoader::TokenLoader(const TokenFile& file, TokenLoaderOptions options)
   STRIDER_CHECK(options_.batch <= UINT64_MAX / options_.seq, "{}: batch {} x seq {} overflows "
                 "a 64-bit count", file.path(), options_.batch, options_.seq);
   num_windows_ = (file.size() - 1) / options_.seq;
+  const bool pairs = file.layout().pairs;
+  STRIDER_CHECK(!pairs || options_.pair_rows > 0,
+                "{}: a preference file (python -m strider.data --mode preference: chosen and rejected sequences "
+                "in pairs): train on it with a preference objective (--objective dpo, simpo or orpo)", file.path());
+  STRIDER_CHECK(pairs || options_.pair_rows == 0,
+                "{}: not a preference file; a preference objective reads pairs of chosen and rejected sequences: "
+                "make them with python -m strider.data --mode preference", file.path());
+  if (pairs) {
+    STRIDER_CHECK(options_.pair_rows % 2 == 0 && options_.batch % options_.pair_rows == 0,
+                  "{}: a preference batch is pairs: {} rows (each rank's) must be even and divide the batch of {}",
+                  file.path(), options_.pair_rows, options_.batch);
+    STRIDER_CHECK(num_windows_ == file.layout().num_docs, "{}: {} windows of seq {} for {} documents: each "
+                  "sequence of a pair is alone in its window", file.path(), num_windows_, options_.seq,
+                  file.layout().num_docs);
+    num_windows_ /= 2;  // the units are pairs
+  }
+  last_windows_.resize(options_.batch);
   window_ids_.resize(options_.seq + 1);
   window_mask_.resize(options_.seq + 1);
   restore(TokenLoaderState{0, 0, options_.seed, num_windows_, options_.seq});
@@ -409,40 +433,60 @@ bool TokenLoader::next(std::span<int64_t> inputs, std::span<int64_t> labels, std
   }
 }
 
+uint64_t TokenLoader::next_unit() {
+  if (cursor_ == num_windows_) restore(TokenLoaderState{epoch_ + 1, 0, options_.seed, num_windows_, options_.seq});
+  return order_[cursor_++];
+}
+
 bool TokenLoader::fill(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions,
                        std::span<int64_t> attention) {
+  if (options_.pair_rows == 0) {
+    for (uint64_t b = 0; b < options_.batch; ++b) last_windows_[b] = next_unit();
+  } else {
+    const uint64_t rows = options_.pair_rows, half = rows / 2;
+    for (uint64_t g = 0; g < options_.batch; g += rows)
+      for (uint64_t i = 0; i < half; ++i) {
+        const uint64_t pair = next_unit();
+        last_windows_[g + i] = 2 * pair;             // chosen
+        last_windows_[g + half + i] = 2 * pair + 1;  // rejected
+      }
+  }
+  bool padded = false;
+  for (uint64_t b = 0; b < options_.batch; ++b)
+    padded = fill_row(b, last_windows_[b], inputs, labels, positions, attention) || padded;
+  return padded;
+}
+
+bool TokenLoader::fill_row(uint64_t b, uint64_t window, std::span<int64_t> inputs, std::span<int64_t> labels,
+                           std::span<int64_t> positions, std::span<int64_t> attention) {
   const uint64_t seq = options_.seq;
   const auto docs = file_.doc_starts();
   bool padded = false;
-  for (uint64_t b = 0; b < options_.batch; ++b) {
-    if (cursor_ == num_windows_) restore(TokenLoaderState{epoch_ + 1, 0, options_.seed,
-                                                          num_windows_, seq});
-    const uint64_t start = order_[cursor_++] * seq;
-    file_.read_tokens(start, window_ids_);          // tokens start .. start + seq
-    file_.read_mask(start, window_mask_);           // the inputs' and the targets' mask bytes
-    // First document start after `start`: boundaries are walked, not searched per token.
-    auto doc = std::upper_bound(docs.begin(), docs.end(), start);
-    uint64_t first = 0;  // where the window's current document starts in it
-    for (uint64_t t = 0; t < seq; ++t) {
-      const uint64_t target = start + t + 1;
-      inputs[b * seq + t] = window_ids_[t];
-      if (!positions.empty()) positions[b * seq + t] = int64_t(t - first);
-      const bool pad = window_mask_[t] == kMaskPadding;
-      // Checked whether or not the caller takes the mask: such a window is not one the file was padded to.
-      STRIDER_CHECK(pad || t == 0 || window_mask_[t - 1] != kMaskPadding,
-                    "{}: the window at token {} has padding (mask 2) before token {}, an input: padding only ends "
-                    "a window (was the file made with --mode example and another --seq than {}?)",
-                    file_.path(), start, start + t, seq);
-      if (!attention.empty()) attention[b * seq + t] = pad ? 0 : 1;
-      padded = padded || pad;
-      bool ignore = window_mask_[t + 1] != 1;
-      if (doc != docs.end() && *doc == target) {
-        ignore = true;
-        first = t + 1;
-        ++doc;
-      }
-      labels[b * seq + t] = ignore ? kIgnoreLabel : int64_t{window_ids_[t + 1]};
+  const uint64_t start = window * seq;
+  file_.read_tokens(start, window_ids_);          // tokens start .. start + seq
+  file_.read_mask(start, window_mask_);           // the inputs' and the targets' mask bytes
+  // First document start after `start`: boundaries are walked, not searched per token.
+  auto doc = std::upper_bound(docs.begin(), docs.end(), start);
+  uint64_t first = 0;  // where the window's current document starts in it
+  for (uint64_t t = 0; t < seq; ++t) {
+    const uint64_t target = start + t + 1;
+    inputs[b * seq + t] = window_ids_[t];
+    if (!positions.empty()) positions[b * seq + t] = int64_t(t - first);
+    const bool pad = window_mask_[t] == kMaskPadding;
+    // Checked whether or not the caller takes the mask: such a window is not one the file was padded to.
+    STRIDER_CHECK(pad || t == 0 || window_mask_[t - 1] != kMaskPadding,
+                  "{}: the window at token {} has padding (mask 2) before token {}, an input: padding only ends "
+                  "a window (was the file made with --mode example and another --seq than {}?)",
+                  file_.path(), start, start + t, seq);
+    if (!attention.empty()) attention[b * seq + t] = pad ? 0 : 1;
+    padded = padded || pad;
+    bool ignore = window_mask_[t + 1] != 1;
+    if (doc != docs.end() && *doc == target) {
+      ignore = true;
+      first = t + 1;
+      ++doc;
     }
+    labels[b * seq + t] = ignore ? kIgnoreLabel : int64_t{window_ids_[t + 1]};
   }
   return padded;
 }

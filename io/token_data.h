@@ -16,7 +16,10 @@
 //     word 7   example_seq: the seq a `--mode example` file was cut for (each
 //              document alone in a window of that many tokens), which every
 //              loader of it must use; 0 = a packed stream, any seq
-//     words 8..127: 0 (reserved)
+//     word 8   pairs: 1 when the file holds preference pairs (`--mode
+//              preference`, an example file: window 2i is pair i's chosen
+//              sequence, window 2i + 1 its rejected one), else 0
+//     words 9..127: 0 (reserved)
 //   then these sections, in this order, each padded with zero bytes to a
 //   multiple of 8 bytes (so each starts 8-byte aligned):
 //     tokens:      N ids, token_bytes each
@@ -93,6 +96,7 @@ struct TokenFileLayout {
   uint64_t num_docs = 0;
   uint64_t vocab_size = 0;  // as recorded in the file; 0 = not recorded
   uint64_t example_seq = 0;  // word 7: the seq its examples were cut for; 0 = packed
+  bool pairs = false;        // word 8: preference pairs (chosen, rejected) in consecutive windows
   uint64_t tokens_offset_bytes = kTokenHeaderBytes;
   uint64_t mask_offset_bytes = 0;  // 0 when absent
   uint64_t docs_offset_bytes = 0;  // 0 when absent
@@ -206,6 +210,12 @@ struct TokenLoaderOptions {
   uint64_t seq = 1024;
   uint64_t seed = 0;
   bool shuffle = true;
+  // A preference file (TokenFileLayout::pairs) is read in pairs, and only so:
+  // the order shuffles pairs, never rows, and each group of `pair_rows` rows
+  // of a batch (one rank's rows: an even count dividing batch) is pair_rows/2
+  // pairs' chosen sequences followed by the same pairs' rejected ones (TRL's
+  // concatenated order). 0: a file of windows.
+  uint64_t pair_rows = 0;
 };
 
 // Refuses, naming the file and both, a file cut for one seq (`--mode example`,
@@ -224,7 +234,10 @@ class TokenLoader {
   // refused at another, naming both: its examples would split or share windows.
   TokenLoader(const TokenFile& file, TokenLoaderOptions options);
 
+  // The units an epoch visits: windows, or (a preference file) pairs.
   uint64_t num_windows() const { return num_windows_; }
+  // The file window each row of the last batch came from (batch values).
+  std::span<const uint64_t> last_windows() const { return last_windows_; }
   // Fills inputs and labels, each batch * seq values, row-major [batch, seq].
   // Throws an Error naming the file if it changed since it was opened.
   // `positions` (empty, or batch * seq values): each token's position in its
@@ -244,6 +257,9 @@ class TokenLoader {
  private:
   bool fill(std::span<int64_t> inputs, std::span<int64_t> labels, std::span<int64_t> positions,
             std::span<int64_t> attention);
+  uint64_t next_unit();  // the next window (or pair) of the epoch's order, into the next epoch at its end
+  bool fill_row(uint64_t b, uint64_t window, std::span<int64_t> inputs, std::span<int64_t> labels,
+                std::span<int64_t> positions, std::span<int64_t> attention);
 
   const TokenFile& file_;
   TokenLoaderOptions options_;
@@ -253,6 +269,7 @@ class TokenLoader {
   std::vector<uint64_t> order_;
   std::vector<uint32_t> window_ids_;   // seq + 1 ids of the window being read
   std::vector<uint8_t> window_mask_;   // its seq + 1 mask bytes
+  std::vector<uint64_t> last_windows_;  // per row of the last batch: its window
 };
 
 }  // namespace strider

@@ -24,6 +24,7 @@
 #include "engine/cli/final_model.h"
 #include "engine/cli/finetune_options.h"
 #include "engine/cli/finetune_outputs.h"
+#include "engine/cli/preference_reference.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/cli/step_log.h"
 #include "engine/cli/training_run.h"
@@ -58,6 +59,7 @@ int run_finetune(FinetuneOptions& o) {
   if (!writes) STRIDER_CHECK(std::freopen("/dev/null", "w", stdout) != nullptr, "rank {}: cannot quiet its output: {}",
                              me.rank, errno_text(errno));
   const nlohmann::json config_file = config_file_record(o.config_file);  // as the checkpoints record it
+  check_objective_run(o);
   // 1. Outputs first: nothing trains for hours to find it cannot write its result.
   RunOutputs outputs;
   open_outputs(o, writes, outputs);
@@ -95,12 +97,16 @@ int run_finetune(FinetuneOptions& o) {
   }
   ranks->barrier();
   int64_t skipped_total = 0;
+  const bool dpo = cfg.objective.objective == "dpo";
+  std::vector<float> reference;  // dpo: each window's reference log-probability sum (preference_reference.h)
   auto extra_json = [&] {
     TokenLoaderState st = loader.state();
     nlohmann::json l = {{"epoch", st.epoch}, {"cursor", st.cursor}, {"seed", st.seed},
                         {"num_windows", st.num_windows}, {"seq", st.seq}};
-    return nlohmann::json{{"loader", l}, {"data", tr.data}, {"data_file", data}, {"seed", o.train.seed},
-                          {"skipped_steps", skipped_total}, {"world", me.world}, {"config_file", config_file}};
+    nlohmann::json e{{"loader", l}, {"data", tr.data}, {"data_file", data}, {"seed", o.train.seed},
+                     {"skipped_steps", skipped_total}, {"world", me.world}, {"config_file", config_file}};
+    if (!reference.empty()) e["reference_logps"] = reference_record(reference);  // beside data_file's checksum
+    return e;
   };
   // Now, not at the first save after hours of training: what every
   // checkpoint records of the run must be JSON, UTF-8 only.
@@ -209,6 +215,7 @@ int run_finetune(FinetuneOptions& o) {
     if (st.num_windows == loader.state().num_windows) loader.restore(st);
     else fmt::print("  the data has another number of windows: its order starts afresh\n");
     skipped_total = extra.value("skipped_steps", int64_t{0});
+    if (dpo) reference = reference_from_record(extra, tr.train_file->layout().num_docs, r.dir.string());
     saved_step = engine.steps_done();
     fmt::print("  resumed from {} at step {}\n", r.dir.string(), engine.steps_done());
     // fp16: the loss scale is the run's state, so the checkpoint's goes on;
@@ -221,6 +228,13 @@ int run_finetune(FinetuneOptions& o) {
                   r.dir.string(), engine.steps_done());
   }
 
+  // DPO's reference, under the starting weights (LoRA: the frozen base), before the first step.
+  if (dpo && reference.empty()) reference = score_windows(engine, *tr.train_file, !cfg.lora.empty());
+  PairInputs pair_inputs;
+  auto my_objective = [&]() -> const ObjectiveInputs* {
+    if (!dpo) return nullptr;  // sft; simpo and orpo take every row, no reference
+    return pair_inputs.next(reference, loader.last_windows().subspan(size_t(me.rank * cfg.batch()), size_t(cfg.batch())));
+  };
   std::unique_ptr<TokenFile> eval_file;
   if (!eval_data.empty() && o.eval_batches > 0) {
     eval_file = std::make_unique<TokenFile>(eval_data, uint64_t(spec.dims.vocab));
@@ -305,7 +319,7 @@ int run_finetune(FinetuneOptions& o) {
     if (fault && fault->step == steps_before + 1) engine.inject_device_fault(fault->kind, fault->block);
     StepReport r;
     try {
-      r = engine.step(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded));
+      r = engine.step(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded), my_objective());
     } catch (const std::exception& e) {
       if (!me.solo()) throw;
       log.clear();

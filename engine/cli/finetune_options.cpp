@@ -8,6 +8,7 @@
 #include "engine/cli/cli.h"
 #include "engine/cli/finetune_options.h"
 #include "engine/config/config_fields.h"
+#include "host/error.h"
 
 namespace strider::cli {
 namespace {
@@ -58,6 +59,7 @@ std::function<int()> add_finetune(CLI::App& app) {
   add_placement_options(*c, o->train);
   c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str()->check(in_range<int64_t>(1, kMaxSteps));
   add_optimizer_options(*c, o->train);
+  add_objective_options(*c, o->train);
   c->add_option("--trace", o->trace, "write the timeline as Chrome trace JSON (Perfetto)");
   c->add_option("--metrics", o->metrics, "append one JSON line per step");
   add_work_dir_option(*c, o->train);
@@ -102,6 +104,18 @@ std::function<int()> add_finetune(CLI::App& app) {
     if (config != nullptr && config->count() > 0) o->config_file = config->as<std::string>();
     return run_finetune(*o);
   };
+}
+
+void check_objective_run(const FinetuneOptions& o) {
+  const std::string& objective = o.train.objective;
+  if (objective == "sft") return;
+  STRIDER_CHECK(objective != "grpo",
+                "--objective grpo: its rollouts are generated outside strider, step by step; train it from Python "
+                "(strider.Engine(..., EngineConfig(objective='grpo')).step(..., advantages=), "
+                "python_shim/examples/grpo_loop.py)");
+  STRIDER_CHECK(o.eval_data.empty() || o.eval_batches == 0,
+                "--objective {} with --eval-data: evaluating the {} loss is not built yet; pass --eval-batches 0",
+                objective, objective);
 }
 
 }  // namespace strider::cli

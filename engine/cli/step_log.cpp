@@ -35,9 +35,14 @@ std::string StepLog::eta(int64_t step) const {
 
 nlohmann::json StepLog::trained(const StepReport& r) {
   clear();
-  fmt::print("step {:>4}/{} | loss {:.4f} | lr {:.2e} | norm {:.3f}{} | {:>7.0f} tok/s | {:.3f} s | overlap {:.2f} "
+  // A preference objective's two figures a user watches (every one of TRL's names is in the metrics line).
+  std::string pairs;
+  for (const auto& [name, value] : r.metrics)
+    if (name == "rewards/accuracies" || name == "rewards/margins")
+      pairs += fmt::format(" | {} {:.3f}", name == "rewards/accuracies" ? "accuracy" : "margin", value);
+  fmt::print("step {:>4}/{} | loss {:.4f}{} | lr {:.2e} | norm {:.3f}{} | {:>7.0f} tok/s | {:.3f} s | overlap {:.2f} "
              "(critical: {}) | peak dev {} | ETA {}\n",
-             r.step, total_, r.loss, r.lr, r.grad_norm,
+             r.step, total_, r.loss, pairs, r.lr, r.grad_norm,
              r.loss_scale > 0 ? fmt::format(" | scale {:g}", r.loss_scale) : std::string(), r.tokens_per_s, r.step_s,
              r.stats.overlap_efficiency, lane_name(r.stats.critical), format_bytes(r.peak_device_bytes), eta(r.step));
   draw(r.step);
@@ -49,6 +54,7 @@ nlohmann::json StepLog::trained(const StepReport& r) {
                          {"peak_device_bytes", r.peak_device_bytes}, {"h2d_bytes", r.h2d_bytes},
                          {"d2h_bytes", r.d2h_bytes}, {"work_peak_bytes", r.work_peak_bytes}};
   if (r.loss_scale > 0) line["loss_scale"] = r.loss_scale;  // fp16
+  for (const auto& [name, value] : r.metrics) line[name] = value;  // an objective's, under TRL's names
   return line;
 }
 

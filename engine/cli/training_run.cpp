@@ -93,6 +93,18 @@ void add_placement_options(CLI::App& c, TrainOptions& o) {
   f.add(c, "optimizer_state", o.optimizer_state);
 }
 
+void add_objective_options(CLI::App& c, TrainOptions& o) {
+  ConfigOptions& f = o.config;
+  f.add(c, "objective", o.objective);
+  f.add(c, "loss_type", o.loss_type);
+  f.add(c, "beta", o.beta);
+  f.add(c, "label_smoothing", o.label_smoothing);
+  f.add(c, "simpo_gamma", o.simpo_gamma);
+  f.add(c, "epsilon", o.epsilon);
+  f.add(c, "epsilon_high", o.epsilon_high);
+  f.add(c, "max_completion_length", o.max_completion_length);
+}
+
 void add_optimizer_options(CLI::App& c, TrainOptions& o) {
   ConfigOptions& f = o.config;
   f.add(c, "lr", o.lr);
@@ -460,9 +472,11 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
     fmt::print(log, "  loaded {}\n", run.model_dir);
   }
 
+  // A preference objective reads pairs: each rank's rows are its pairs' chosen, then their rejected.
+  const bool pairs = cfg.objective.resolve().pairs();
   run.loader = std::make_unique<TokenLoader>(
-      *run.train_file,
-      TokenLoaderOptions{.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq), .seed = o.seed});
+      *run.train_file, TokenLoaderOptions{.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq),
+                                          .seed = o.seed, .pair_rows = pairs ? uint64_t(cfg.batch()) : 0});
   return run;
 }
 

@@ -44,6 +44,10 @@ struct TrainOptions {
   bool packed_documents = false;
   CLI::Option* packed_documents_option = nullptr;
   int optimizer_threads = 0;
+  // An objective past SFT (`finetune` only; docs/objectives.md), as the declaration names them.
+  std::string objective, loss_type;
+  double beta = 0, label_smoothing = 0, simpo_gamma = 0, epsilon = 0, epsilon_high = 0;
+  int64_t max_completion_length = 0;
   ConfigOptions config;  // what registered them: the demo's values for what was left unset
 };
 
@@ -57,6 +61,7 @@ void add_model_options(CLI::App& c, TrainOptions& o);     // --model, --data, --
 void add_placement_options(CLI::App& c, TrainOptions& o);  // device, budgets, NVMe, shapes, dtype
 void add_optimizer_options(CLI::App& c, TrainOptions& o);  // lr, schedule, warm-up, decay, clip, seed, threads
 void add_work_dir_option(CLI::App& c, TrainOptions& o);
+void add_objective_options(CLI::App& c, TrainOptions& o);  // --objective and its settings
 // --base-format's value, refused (naming the flag) unless it is "compute" or
 // --lora is given: only a frozen LoRA base is held quantized.
 BaseFormat base_format_option(const std::string& base_format, const std::string& lora);

@@ -73,10 +73,12 @@ nlohmann::json other_formats_json(const std::vector<Plan::FormatFit>& fits) {
 std::string objective_reason(const ObjectiveConfig& o) {
   return fmt::format(
       "objective {}: one operation between the head's two passes maps the step's log-probabilities to the loss "
-      "and each token's gradient (its inputs and coefficients are in the device figure); the reference's "
-      "log-probabilities come from outside the step and are not priced (LoRA: engine.logprobs(reference=True), a "
-      "forward pass more per step)",
-      o.objective);
+      "and each token's gradient (its inputs and coefficients are in the device figure){}",
+      o.objective,
+      o.objective == "dpo" || o.objective == "grpo"
+          ? "; the reference's log-probabilities are not priced: `strider finetune --objective dpo` computes them "
+            "in one forward pass over every pair before the first step, Python passes them to each step"
+          : "");
 }
 
 void PlanLimits::take_settings(const EngineConfig& c) {

@@ -61,15 +61,19 @@ def _pad8(n):
     return b"\0" * (-n % 8)
 
 
-def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0, example_seq=0):
+def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0, example_seq=0, pairs=False):
     """Writes a token file (io/token_data.h), atomically: a temp file in the same folder, fsync, rename.
 
     ids: token ids; mask: None (every token a target) or one byte per id: 1 a target, 0 not (a prompt), 2
     padding (no target, attention mask 0; PADDING); doc_starts: None or strictly
     increasing indices < len(ids); vocab_size: recorded (0: not recorded), and every id must be below it;
     example_seq: the seq each document was cut or padded to (--mode example), which every reader must use
-    (0: a packed stream, any seq).
+    (0: a packed stream, any seq); pairs: preference pairs (--mode preference), window 2i pair i's chosen
+    sequence and 2i + 1 its rejected one, each a document alone in its example_seq window.
     """
+    if pairs and (not example_seq or doc_starts is None or len(doc_starts) % 2):
+        raise ValueError(f"write_token_file({path}): pairs are documents two by two, each alone in an example_seq "
+                         "window")
     if isinstance(example_seq, bool) or not isinstance(example_seq, int) or example_seq < 0:
         raise ValueError(f"write_token_file({path}): example_seq = {example_seq!r}: expected an int >= 0")
     ids = np.asarray(ids, dtype=np.int64).ravel()
@@ -99,6 +103,7 @@ def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0, exampl
     h[5] = 0 if doc_starts is None else len(doc_starts)
     h[6] = vocab_size
     h[7] = example_seq
+    h[8] = int(bool(pairs))
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
@@ -121,7 +126,7 @@ def write_token_file(path, ids, mask=None, doc_starts=None, vocab_size=0, exampl
 
 def read_token_file(path):
     """A token file's contents: dict(ids, mask (None if absent), doc_starts (None if absent), vocab_size,
-    token_bytes, example_seq (0: packed)); ids and mask are read-only memory maps. Checks the header and the
+    token_bytes, example_seq (0: packed), pairs); ids and mask are read-only memory maps. Checks the header and the
     file's size."""
     path = Path(path)
     size = path.stat().st_size
@@ -133,9 +138,10 @@ def read_token_file(path):
     if h[1] != VERSION:
         raise ValueError(f"{path}: token file version {int(h[1])}; this reader knows version {VERSION}")
     token_bytes, n, flags, num_docs, vocab, example_seq = (int(x) for x in h[2:8])
-    if token_bytes not in (2, 4) or flags & ~3 or h[8:].any():
-        raise ValueError(f"{path}: bad header (token_bytes {token_bytes}, flags {flags}, reserved words 8-127 "
-                         f"{'not ' if h[8:].any() else ''}all 0)")
+    pairs = int(h[8])
+    if token_bytes not in (2, 4) or flags & ~3 or pairs > 1 or h[9:].any():
+        raise ValueError(f"{path}: bad header (token_bytes {token_bytes}, flags {flags}, pairs {pairs}, reserved "
+                         f"words 9-127 {'not ' if h[9:].any() else ''}all 0)")
     body = token_bytes * n
     want = HEADER_BYTES + body + len(_pad8(body))
     mask_off = want if flags & FLAG_MASK else None
@@ -151,7 +157,7 @@ def read_token_file(path):
     mask = mm[mask_off:mask_off + n] if mask_off is not None else None
     docs = mm[docs_off:docs_off + 8 * num_docs].view("<u8") if docs_off is not None else None
     return dict(ids=ids, mask=mask, doc_starts=docs, vocab_size=vocab, token_bytes=token_bytes,
-                example_seq=example_seq)
+                example_seq=example_seq, pairs=bool(pairs))
 
 
 # -- tokenizing ---------------------------------------------------------------------------------------
@@ -377,6 +383,10 @@ class TokenDataset:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
             raise ValueError(f"TokenDataset: seq = {seq!r}: expected an int >= 1")
         f = read_token_file(path)
+        if f["pairs"]:
+            raise ValueError(f"{path}: a preference file (--mode preference: chosen and rejected sequences in "
+                             "pairs), which `strider finetune --objective dpo` (simpo, orpo) reads; from Python, "
+                             "strider.StriderDPOTrainer takes TRL's preference rows themselves")
         if f["example_seq"] and f["example_seq"] != seq:
             cut = f["example_seq"]
             raise ValueError(f"{path}: made with --mode example --seq {cut} (each document alone in a window of "
@@ -494,10 +504,15 @@ def main(argv=None):
     p.add_argument("--format", default="auto", choices=["auto", "lines", "text", "chat", "parquet", "arrow"],
                    help="auto: chat for .jsonl/.json, parquet for .parquet, arrow for .arrow or a folder, else lines")
     p.add_argument("--no-eos", action="store_true", help="do not end text documents with the EOS token")
-    p.add_argument("--mode", default="packed", choices=["packed", "example"],
+    p.add_argument("--mode", default="packed", choices=["packed", "example", "preference"],
                    help="packed: documents back to back, cut into --seq windows by the loader, each document "
                         "attending only to itself (the engine's packed_documents); example: each document alone "
-                        "in a window of --seq tokens, cut or padded")
+                        "in a window of --seq tokens, cut or padded; preference: TRL's preference rows "
+                        "(prompt/chosen/rejected, as text or conversations, or an implicit prompt), each pair's "
+                        "chosen and rejected sequences as TRL's DPOTrainer makes them, each alone in a window of "
+                        "--seq tokens (for --objective dpo, simpo or orpo)")
+    p.add_argument("--truncation-mode", default="keep_start", choices=["keep_start", "keep_end"],
+                   help="--mode preference: where a pair longer than --seq is cut (TRL's truncation_mode)")
     p.add_argument("--seq", type=int, default=None,
                    help="the engine's sequence length: needed by --mode example; with packed, the report says "
                         "how many documents run across two windows")
@@ -506,6 +521,11 @@ def main(argv=None):
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
+        if a.mode == "preference":
+            from strider.preference_data import prepare_preference
+            summary = prepare_preference(tokenizer, a.input, a.output, seq=a.seq, truncation_mode=a.truncation_mode)
+            print(json.dumps(summary))
+            return 0
         summary = prepare(tokenizer, a.input, a.output, a.format, append_eos=not a.no_eos, progress=not a.quiet,
                           mode=a.mode, seq=a.seq)
     except (ValueError, OSError) as e:

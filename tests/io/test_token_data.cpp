@@ -378,3 +378,69 @@ TEST_CASE("token data: the fingerprint is the file's size and XXH3 of its bytes,
   CHECK(after.xxh3 != before.xxh3);
   CHECK_FALSE(after == before);
 }
+
+TEST_CASE("token data: a preference file is read in pairs, each group of rows its pairs' chosen then rejected",
+          "[token_data]") {
+  // Three pairs in windows of 4 (python -m strider.data --mode preference):
+  // window 2i pair i's chosen sequence (first id 10 + i), 2i + 1 its rejected (20 + i).
+  TempDir dir;
+  const std::string path = (dir.path / "pairs.tok").string();
+  TokenWriterOptions opts;
+  opts.with_mask = true;
+  opts.with_docs = true;
+  TokenFileWriter w(path, opts);
+  for (uint32_t i = 0; i < 3; ++i) {
+    w.append_document(std::vector<uint32_t>{10 + i, 5, 6, 0}, std::vector<uint8_t>{0, 1, 1, 2});
+    w.append_document(std::vector<uint32_t>{20 + i, 7, 0, 0}, std::vector<uint8_t>{0, 1, 2, 2});
+  }
+  w.append(std::vector<uint32_t>{0}, std::vector<uint8_t>{2});
+  w.finish();
+  auto word = [](uint64_t v) {
+    std::vector<std::byte> b(8);
+    std::memcpy(b.data(), &v, 8);
+    return b;
+  };
+  overwrite(path, 7 * 8, word(4));  // example_seq
+  overwrite(path, 8 * 8, word(1));  // pairs
+  TokenFile f(path);
+  CHECK(f.layout().pairs);
+  CHECK_THROWS_WITH(TokenLoader(f, {.batch = 4, .seq = 4}), Catch::Contains("a preference file") &&
+                                                                 Catch::Contains("--objective dpo, simpo or orpo"));
+  CHECK_THROWS_WITH(TokenLoader(f, {.batch = 4, .seq = 4, .pair_rows = 3}), Catch::Contains("must be even"));
+  CHECK_THROWS_WITH(TokenLoader(f, {.batch = 4, .seq = 8, .pair_rows = 4}), Catch::Contains("--mode example --seq 4"));
+
+  // Two ranks of 2 rows: each rank's rows are one pair's chosen, then its rejected.
+  TokenLoader loader(f, {.batch = 4, .seq = 4, .seed = 5, .pair_rows = 2});
+  CHECK(loader.num_windows() == 3);  // pairs
+  const std::vector<uint64_t> order = window_order(3, 5, 0);
+  std::vector<int64_t> in(16), lab(16), att(16);
+  loader.next(in, lab, {}, att);
+  for (uint64_t g = 0; g < 2; ++g) {
+    const uint64_t pair = order[g];
+    CHECK(loader.last_windows()[2 * g] == 2 * pair);
+    CHECK(loader.last_windows()[2 * g + 1] == 2 * pair + 1);
+    CHECK(in[(2 * g) * 4] == int64_t(10 + pair));      // chosen
+    CHECK(in[(2 * g + 1) * 4] == int64_t(20 + pair));  // rejected
+    CHECK(std::vector<int64_t>(lab.begin() + int64_t(2 * g) * 4, lab.begin() + int64_t(2 * g + 1) * 4) ==
+          std::vector<int64_t>{5, 6, -100, -100});
+    CHECK(std::vector<int64_t>(att.begin() + int64_t(2 * g + 1) * 4, att.begin() + int64_t(2 * g + 2) * 4) ==
+          std::vector<int64_t>{1, 1, 0, 0});
+  }
+  // The epoch's third pair, then the next epoch's first: every pair once an epoch, resumable.
+  const TokenLoaderState at = loader.state();
+  loader.next(in, lab, {}, att);
+  CHECK(loader.last_windows()[0] == 2 * order[2]);
+  CHECK(loader.last_windows()[2] == 2 * window_order(3, 5, 1)[0]);
+  const std::vector<int64_t> after = in;
+  loader.restore(at);
+  loader.next(in, lab, {}, att);
+  CHECK(in == after);
+
+  // A file of windows is not read as pairs, and a header saying pairs of a packed stream is refused.
+  const std::string plain = write_counting(dir.path, 64);
+  TokenFile pf(plain);
+  CHECK_THROWS_WITH(TokenLoader(pf, {.batch = 2, .seq = 4, .pair_rows = 2}),
+                    Catch::Contains("not a preference file") && Catch::Contains("--mode preference"));
+  overwrite(plain, 8 * 8, word(1));
+  CHECK_THROWS_WITH(TokenFile(plain), Catch::Contains("field 'pairs' is 1"));
+}

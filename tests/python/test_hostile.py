@@ -151,8 +151,8 @@ CHANGED = {
 # would go on over another base: refused as another model is, and --allow-changed does not take its name.
 LORA_ONLY = {"base_format": {"--base-format": "int8"}}
 NOT_ALLOWED = {"base_format"}
-# The objective's settings: the command line trains sft only (no preference token file yet), so a resume changes
-# them from Python, where tests/python/test_objectives.py changes each alone and is refused by name.
+# The objective's settings need a preference token file: tests/python/test_preference_cli.py changes them on a
+# command-line resume, and tests/python/test_objectives.py changes each alone from Python; each is refused by name.
 PYTHON_ONLY = {"objective", "loss_type", "beta", "label_smoothing", "simpo_gamma", "epsilon", "epsilon_high",
                "max_completion_length"}
 
