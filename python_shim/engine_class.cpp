@@ -221,13 +221,41 @@ class EngineHolder : public torch::CustomClassHolder {
     });
   }
 
+  // An objective's inputs (engine.py prepares them; rows < 0: none given):
+  // `row` fp32 [batch], `old_logps` and `ref_logps` fp32 [batch, seq].
+  struct Objective {
+    at::Tensor row, old_logps, ref_logps;  // holding what `in` points into
+    ObjectiveInputs in;
+    bool any = false;
+    const ObjectiveInputs* given() const { return any ? &in : nullptr; }
+  };
+  Objective objective_inputs(const char* what, int64_t rows, const std::optional<at::Tensor>& row,
+                             const std::optional<at::Tensor>& old_logps,
+                             const std::optional<at::Tensor>& ref_logps) const {
+    const EngineConfig& c = engine_->config();
+    auto values = [&](const char* name, const std::optional<at::Tensor>& t, std::vector<int64_t> shape) {
+      if (!t.has_value() || !t->defined()) return at::Tensor();
+      TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef(shape), what, ": ", name, " must be of shape ",
+                        at::IntArrayRef(shape), ", got ", t->sizes());
+      return t->to(at::kCPU, at::kFloat).contiguous();
+    };
+    Objective o{.row = values("the per-row values", row, {c.batch()}),
+                .old_logps = values("old_logps", old_logps, {c.batch(), c.seq}),
+                .ref_logps = values("ref_logps", ref_logps, {c.batch(), c.seq}),
+                .any = rows >= 0};
+    o.in = {.rows = rows,
+            .row = o.row.defined() ? o.row.data_ptr<float>() : nullptr,
+            .old_logps = o.old_logps.defined() ? o.old_logps.data_ptr<float>() : nullptr,
+            .ref_logps = o.ref_logps.defined() ? o.ref_logps.data_ptr<float>() : nullptr};
+    return o;
+  }
+
   // The step's report as typed values, no text to parse: its numbers (the
   // counts exact: every one is below 2^53), its texts, and each lane's busy
   // fraction. engine.py's StepResult.from_report reads them.
   using Report = std::tuple<c10::Dict<std::string, double>, c10::Dict<std::string, std::string>,
                             c10::Dict<std::string, double>>;
-  // An objective past SFT (engine.py prepares them; rows < 0: none given):
-  // `row` fp32 [batch], `old_logps` and `ref_logps` fp32 [batch, seq].
+  // An objective past SFT's inputs: objective_inputs.
   Report step(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
               const std::optional<at::Tensor>& attention_mask, int64_t rows, const std::optional<at::Tensor>& row,
               const std::optional<at::Tensor>& old_logps, const std::optional<at::Tensor>& ref_logps) {
@@ -235,23 +263,10 @@ class EngineHolder : public torch::CustomClassHolder {
     auto [i, l] = checked_batch("step", ids, labels);
     const at::Tensor p = checked_positions("step", positions);
     const at::Tensor a = checked_mask("step", attention_mask);
-    const EngineConfig& c = engine_->config();
-    auto values = [&](const char* name, const std::optional<at::Tensor>& t, std::vector<int64_t> shape) {
-      if (!t.has_value() || !t->defined()) return at::Tensor();
-      TORCH_CHECK_VALUE(t->sizes() == at::IntArrayRef(shape), "step: ", name, " must be of shape ", at::IntArrayRef(shape),
-                        ", got ", t->sizes());
-      return t->to(at::kCPU, at::kFloat).contiguous();
-    };
-    const at::Tensor rv = values("the per-row values", row, {c.batch()});
-    const at::Tensor ov = values("old_logps", old_logps, {c.batch(), c.seq});
-    const at::Tensor fv = values("ref_logps", ref_logps, {c.batch(), c.seq});
-    ObjectiveInputs obj{.rows = rows,
-                        .row = rv.defined() ? rv.data_ptr<float>() : nullptr,
-                        .old_logps = ov.defined() ? ov.data_ptr<float>() : nullptr,
-                        .ref_logps = fv.defined() ? fv.data_ptr<float>() : nullptr};
+    const Objective obj = objective_inputs("step", rows, row, old_logps, ref_logps);
     StepReport r = run("step", [&] {
       return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr,
-                           a.defined() ? a.data_ptr<int64_t>() : nullptr, rows >= 0 ? &obj : nullptr);
+                           a.defined() ? a.data_ptr<int64_t>() : nullptr, obj.given());
     });
     c10::Dict<std::string, double> numbers, busy;
     c10::Dict<std::string, std::string> texts;
@@ -294,6 +309,26 @@ class EngineHolder : public torch::CustomClassHolder {
       return engine_->evaluate(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
                                p.defined() ? p.data_ptr<int64_t>() : nullptr, a.defined() ? a.data_ptr<int64_t>() : nullptr);
     });
+  }
+
+  // An objective's loss over a batch and its figures, no update (Engine::evaluate_objective); inputs as step's.
+  std::tuple<double, c10::Dict<std::string, double>> evaluate_objective(
+      const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
+      const std::optional<at::Tensor>& attention_mask, int64_t rows, const std::optional<at::Tensor>& row,
+      const std::optional<at::Tensor>& old_logps, const std::optional<at::Tensor>& ref_logps) {
+    std::lock_guard lk(mu_);
+    auto [i, l] = checked_batch("evaluate", ids, labels);
+    const at::Tensor p = checked_positions("evaluate", positions);
+    const at::Tensor a = checked_mask("evaluate", attention_mask);
+    const Objective obj = objective_inputs("evaluate", rows, row, old_logps, ref_logps);
+    const ObjectiveEval e = run("evaluate", [&] {
+      return engine_->evaluate_objective(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
+                                         p.defined() ? p.data_ptr<int64_t>() : nullptr,
+                                         a.defined() ? a.data_ptr<int64_t>() : nullptr, obj.given());
+    });
+    c10::Dict<std::string, double> metrics;
+    for (const auto& [name, value] : e.metrics) metrics.insert(name, value);
+    return {e.loss, metrics};
   }
 
   // Each token's log-probability of its label, fp32 [batch, seq] (Engine::logprobs).
@@ -499,6 +534,10 @@ TORCH_LIBRARY_FRAGMENT(strider, m) {
       .def("param", &EngineHolder::param)
       .def("param_names", &EngineHolder::param_names)
       .def("trainable_names", &EngineHolder::trainable_names)
+      .def("evaluate_objective", &EngineHolder::evaluate_objective, "",
+           {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
+            torch::arg("attention_mask") = c10::IValue(), torch::arg("rows") = -1, torch::arg("row") = c10::IValue(),
+            torch::arg("old_logps") = c10::IValue(), torch::arg("ref_logps") = c10::IValue()})
       .def("step", &EngineHolder::step, "",
            {torch::arg("ids"), torch::arg("labels"), torch::arg("positions") = c10::IValue(),
             torch::arg("attention_mask") = c10::IValue(), torch::arg("rows") = -1, torch::arg("row") = c10::IValue(),

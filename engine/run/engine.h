@@ -135,6 +135,12 @@ class Engine {
   // LoRA, or with modules trained in full (their starting values are gone).
   std::vector<float> logprobs(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
                               const int64_t* attention_mask = nullptr, bool reference = false);
+  // An objective past SFT's loss over a batch with no update (evaluate's
+  // pass, then the objective's map): the loss as step() would report it, and
+  // its figures under TRL's names. Inputs as step()'s; data parallel: every
+  // rank calls it with its rows, and the figures are the global batch's.
+  ObjectiveEval evaluate_objective(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
+                                   const int64_t* attention_mask = nullptr, const ObjectiveInputs* objective = nullptr);
   // Waits for every pending update.
   void finish_updates();
   // On a SimDevice the engine runs its unchanged schedule on virtual clocks:

@@ -365,20 +365,32 @@ std::pair<double, int64_t> EngineCore::pass_loss(bool objective) {
     sums[0] += head_stats_host_[m];
     sums[1] += head_stats_host_[M + m];
   }
-  // The load-balancing loss, a mean over every rank's micro-batches (docs/moe.md, "How the engine runs them").
-  double aux = 0;
-  if (spec_.router_aux_coef > 0) {
-    // The last layer's device holds the whole sum (a pool hands it on, device_ops.cpp).
-    const at::Tensor stats = seats_[size_t(place_.block_device(place_.head - 1))].moe_stats.cpu();
-    for (size_t m = 0; m < M; ++m) aux += moe_aux_loss(stats[int64_t(m)], router_rows_.rows[m]).item<double>();
-  }
-  double all[3] = {sums[0], sums[1], aux};
+  double all[3] = {sums[0], sums[1], local_aux()};
   dist_->all_reduce_sum(all);  // the global batch's (rank order: the same bits on every rank)
   const double batches = router_rows_.with_inputs;
   const double aux_mean = batches > 0 ? all[2] / batches : 0.0;
   // An objective's figure is the step's loss already (each rank's share, summed).
   const double main = objective ? all[0] : all[0] / all[1];
   return {main + spec_.router_aux_coef * aux_mean, int64_t(all[1])};
+}
+
+double EngineCore::local_aux() const {
+  // The load-balancing loss, a mean over every rank's micro-batches (docs/moe.md, "How the engine runs them").
+  double aux = 0;
+  if (spec_.router_aux_coef > 0) {
+    // The last layer's device holds the whole sum (a pool hands it on, device_ops.cpp).
+    const at::Tensor stats = seats_[size_t(place_.block_device(place_.head - 1))].moe_stats.cpu();
+    for (size_t m = 0; m < size_t(config_->accumulation); ++m)
+      aux += moe_aux_loss(stats[int64_t(m)], router_rows_.rows[m]).item<double>();
+  }
+  return aux;
+}
+
+double EngineCore::router_aux_term() {
+  double aux = local_aux();
+  dist_->all_reduce_sum(std::span<double>(&aux, 1));
+  const double batches = router_rows_.with_inputs;
+  return batches > 0 ? spec_.router_aux_coef * aux / batches : 0.0;
 }
 
 MoeStep EngineCore::moe_step(const Seat& s, int64_t b, int64_t m, bool backward) const {

@@ -376,6 +376,11 @@ class EngineCore {
   std::pair<double, int64_t> pass_loss(bool objective);
   // That objective's figures under TRL's names, over every rank (after pass_loss).
   std::vector<std::pair<std::string, double>> objective_metrics();
+  std::vector<std::pair<std::string, double>> objective_figures(const std::vector<double>& stats) const;  // summed
+  // A mixture of experts' load-balancing term of the last pass: router_aux_loss_coef times its mean over every
+  // rank's micro-batches (a collective; 0 without one).
+  double router_aux_term();
+  double local_aux() const;  // this rank's sum of it over its micro-batches
   // Layer block b's share of the load-balancing loss for micro-batch m on s:
   // its statistics to add to (forward) or its gradient (backward); empty
   // where b has no experts or the loss is off.

@@ -9,6 +9,7 @@
 #include "engine/run/collectives.h"
 #include "engine/run/engine.h"
 #include "engine/run/engine_core.h"
+#include "gpu/blocks/objective.h"
 
 namespace strider {
 
@@ -64,6 +65,44 @@ void check_objective_inputs(const ObjectiveSettings& o, const ObjectiveInputs* i
 std::vector<std::pair<std::string, double>> EngineCore::objective_metrics() {
   std::vector<double> s(objective_stats_host_.begin(), objective_stats_host_.end());  // kLossOut's copy, landed
   dist_->all_reduce_sum(s);
+  return objective_figures(s);
+}
+
+ObjectiveEval Engine::evaluate_objective(const int64_t* ids, const int64_t* labels, const int64_t* positions,
+                                         const int64_t* attention, const ObjectiveInputs* objective) {
+  EngineCore& core = *core_;
+  STRIDER_CHECK(!core.objective_.sft(), "evaluate_objective: the engine's objective is sft (evaluate)");
+  const int64_t B = core.config_->batch(), S = core.config_->seq;
+  check_objective_inputs(core.objective_, objective, labels, B, S, core.config_->objective.objective);
+  // The log-probabilities by evaluate's pass, then the objective's map on the host: the step's loss
+  // share and figures, no gradient kept (the map computes one, small next to the pass).
+  std::vector<float> lp = logprobs(ids, labels, positions, attention, false);
+  const at::Tensor logp = at::from_blob(lp.data(), {B, S}, at::kFloat);
+  const at::Tensor mask = at::from_blob(const_cast<int64_t*>(labels), {B, S}, at::kLong).ne(-100);
+  ObjectiveBatch b;
+  b.rows = objective != nullptr ? objective->rows : B;
+  b.row = at::zeros({B}, at::kFloat);
+  auto given = [&](const float* p, int64_t n) { return at::from_blob(const_cast<float*>(p), {n}, at::kFloat); };
+  if (objective != nullptr && objective->row != nullptr) b.row.slice(0, 0, b.rows).copy_(given(objective->row, b.rows));
+  auto tokens = [&](const float* p) {
+    if (p == nullptr) return at::Tensor();
+    at::Tensor t = at::zeros({B, S}, at::kFloat);
+    t.view(-1).slice(0, 0, b.rows * S).copy_(given(p, b.rows * S));
+    return t;
+  };
+  b.old_logp = tokens(objective != nullptr ? objective->old_logps : nullptr);
+  b.ref_logp = tokens(objective != nullptr ? objective->ref_logps : nullptr);
+  b.rank_share = 1.0 / double(core.dist_->ranks().world);
+  b.global_tokens = double(core.batch_valid_);  // over every rank (the pass's upload_batch)
+  const at::Tensor stats = at::zeros({kObjectiveStats}, at::kDouble);
+  objective_grad(core.objective_, logp, mask, b, stats);
+  std::vector<double> s(stats.data_ptr<double>(), stats.data_ptr<double>() + kObjectiveStats);
+  core.dist_->all_reduce_sum(s);
+  // As the step's loss: its share summed over the ranks, plus a mixture of experts' load-balancing term.
+  return {.loss = s[kStatLoss] + core.router_aux_term(), .metrics = core.objective_figures(s)};
+}
+
+std::vector<std::pair<std::string, double>> EngineCore::objective_figures(const std::vector<double>& s) const {
   std::vector<std::pair<std::string, double>> out;
   if (objective_.pairs()) {
     const double n = s[kStatPairs];

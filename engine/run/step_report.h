@@ -13,6 +13,12 @@
 
 namespace strider {
 
+// Engine::evaluate_objective's: an objective's loss and its figures under TRL's names.
+struct ObjectiveEval {
+  double loss = 0;
+  std::vector<std::pair<std::string, double>> metrics;
+};
+
 struct StepReport {
   int64_t step = 0;            // 1 for the first update
   double loss = 0;             // mean over the batch's valid tokens (an objective past SFT: its loss)

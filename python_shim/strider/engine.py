@@ -332,6 +332,7 @@ class Engine:
                              f"{arch}: the model lacks {missing[:5]}, the engine has no place for {extra[:5]}")
         check_trainable(model, self._pnames, set(self._engine.trainable_names()))
         self.last_result: Optional[StepResult] = None
+        self.last_eval_metrics: dict = {}  # an objective past SFT: evaluate()'s figures under TRL's names
         self.resumed_extra = None
 
     def _join(self, rank, world, local_rank, local_world):
@@ -469,10 +470,20 @@ class Engine:
         self.last_result = StepResult.from_report(*self._engine.step(ids, lab, pos, mask, **extra))
         return self.last_result
 
-    def evaluate(self, input_ids, labels=None, attention_mask=None, position_ids=None) -> float:
-        """The loss of the current weights on one batch, without a gradient or an update."""
+    def evaluate(self, input_ids, labels=None, attention_mask=None, position_ids=None, *, ref_logps=None,
+                 advantages=None, old_logps=None) -> float:
+        """The loss of the current weights on one batch, without a gradient or an update: the mean cross-entropy
+        over its valid tokens, or with an objective past SFT (EngineConfig.objective) that objective's loss as
+        step() would report it, taking step()'s rows and inputs (ref_logps, advantages, old_logps);
+        last_eval_metrics then holds its figures under TRL's names (rewards/accuracies, ...)."""
         ids, lab, pos, mask = self._prepare("evaluate", input_ids, labels, attention_mask, position_ids)
-        return float(self._engine.evaluate(ids, lab, pos, mask))
+        if self.config.objective == "sft":
+            objective_step_args(self.config, input_ids, ref_logps, advantages, old_logps)  # refuses any given
+            return float(self._engine.evaluate(ids, lab, pos, mask))
+        extra = objective_step_args(self.config, input_ids, ref_logps, advantages, old_logps)
+        loss, metrics = self._engine.evaluate_objective(ids, lab, pos, mask, **extra)
+        self.last_eval_metrics = dict(metrics)
+        return float(loss)
 
     @torch.no_grad()
     def logprobs(self, input_ids, labels=None, attention_mask=None, position_ids=None,
