@@ -28,8 +28,9 @@ is TRL 1.16's loss: docs/objectives.md) and the reference:
 
 Refused by name, as anything strider does not do: loss types other than sigmoid, ipo, hinge and robust,
 several loss types, f-divergences other than reverse KL, ld_alpha, use_weighting, sync_ref_model, a
-ref_model, padding_free, router_aux_loss_coef (strider takes the model config's), and an eval_dataset
-(evaluating the DPO loss is not built yet).
+ref_model, padding_free and router_aux_loss_coef (strider takes the model config's). An eval_dataset is
+evaluated as TRL evaluates it (eval_loss and eval_rewards/*, each the mean over the eval batches), its
+reference precomputed with the training set's and kept in each checkpoint.
 """
 import hashlib
 import os
@@ -94,8 +95,6 @@ class StriderDPOTrainer(StriderTrainer):
                              "weights (a PEFT LoRA model: its frozen base), whose log-probabilities are "
                              "precomputed before the first step")
         kwargs.pop("ref_model", None)
-        if eval_dataset is not None:
-            raise ValueError("StriderDPOTrainer: eval_dataset: evaluating the DPO loss is not built yet")
         if processing_class is None:
             raise ValueError("StriderDPOTrainer needs processing_class= (the tokenizer TRL tokenizes the pairs "
                              "with)")
@@ -111,13 +110,17 @@ class StriderDPOTrainer(StriderTrainer):
             processing_class.eos_token_id
         tokenized = DPOTrainer._prepare_dataset(_Tokenizing(processing_class), train_dataset, processing_class,
                                                 args, "train")
+        if eval_dataset is not None:
+            eval_dataset = DPOTrainer._prepare_dataset(_Tokenizing(processing_class), eval_dataset, processing_class,
+                                                       args, "eval")
         collator = DataCollatorForPreference(pad_token_id=pad, max_length=args.max_length,
                                              truncation_mode=args.truncation_mode)
         self._metrics = {k: [] for k in _METRICS}
+        self._reference = {}  # split -> (chosen, rejected): each pair's reference sums
         self._data_key = None
         super().__init__(model=model, args=args, strider_config=strider_config,
                          seq=None if strider_config is not None else seq, train_dataset=tokenized,
-                         data_collator=collator, processing_class=processing_class, **kwargs)
+                         eval_dataset=eval_dataset, data_collator=collator, processing_class=processing_class, **kwargs)
         c = self.engine.config
         want = dict(objective="dpo", beta=args.beta, loss_type=self._loss_type,
                     label_smoothing=args.label_smoothing if self._loss_type == "robust" else 0.0)
@@ -126,10 +129,38 @@ class StriderDPOTrainer(StriderTrainer):
             raise ValueError(f"StriderDPOTrainer: strider_config's {have} are not the DPOConfig's {want}")
 
     # -- what differs from StriderTrainer ------------------------------------------------------------------
-    _evaluates = False
+    @property
+    def _evaluates(self):
+        return self.eval_dataset is not None  # evaluate() takes the eval set given to the trainer only
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        raise ValueError("StriderDPOTrainer.evaluate: evaluating the DPO loss is not built yet")
+        """The DPO loss and TRL's figures over the eval set (engine.evaluate, no update), as trl.DPOTrainer
+        logs them: each the mean over the eval batches. The reference is the eval pairs' under the starting
+        weights: computed now before the first step, else precomputed when training began."""
+        if eval_dataset is not None:
+            raise ValueError("StriderDPOTrainer.evaluate: pass the eval set as eval_dataset= when making the "
+                             "trainer (its reference log-probabilities are computed under the starting weights)")
+        data = self.eval_dataset
+        if data is None:
+            raise ValueError("StriderDPOTrainer.evaluate: no eval_dataset was given")
+        if "ref_chosen_logps" not in data.column_names:
+            if self.engine._engine.steps_done() > 0:
+                raise ValueError("StriderDPOTrainer.evaluate: the eval set has no reference log-probabilities, and "
+                                 "the weights are trained: they are never computed from trained weights")
+            self._add_reference(*self._reference_logps(data), split="eval")
+        sums = {}
+        for inputs in self.get_eval_dataloader(self.eval_dataset):
+            ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu()
+            labels = ids.masked_fill(inputs["completion_mask"].cpu() == 0, -100)
+            ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).float().cpu()
+            figures = {"loss": self.engine.evaluate(ids, labels, mask, ref_logps=ref), **self.engine.last_eval_metrics}
+            for k, v in figures.items():
+                if k == "loss" or k in _METRICS:
+                    sums.setdefault(k, []).append(v)
+        metrics = {f"{metric_key_prefix}_{k}": sum(v) / len(v) for k, v in sums.items()}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     def _rows(self, batch_size: int) -> int:
         return 2 * batch_size  # TRL's batch counts pairs: each is a chosen and a rejected sequence
@@ -188,20 +219,25 @@ class StriderDPOTrainer(StriderTrainer):
         # makes the dataloader); a new run computes them under the starting weights, before the first step.
         if "ref_chosen_logps" not in data.column_names and not resume_from_checkpoint:
             self._add_reference(*self._reference_logps(data))
+            if self.eval_dataset is not None and "ref_chosen_logps" not in self.eval_dataset.column_names:
+                self._add_reference(*self._reference_logps(self.eval_dataset), split="eval")
         return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
 
-    def _add_reference(self, chosen, rejected):
-        data = self.train_dataset
+    def _add_reference(self, chosen, rejected, split="train"):
+        name = f"{split}_dataset"
+        data = getattr(self, name)
         data = data.remove_columns([c for c in ("ref_chosen_logps", "ref_rejected_logps") if c in data.column_names])
         data = data.add_column("ref_chosen_logps", chosen.tolist())
-        self.train_dataset = data.add_column("ref_rejected_logps", rejected.tolist())
-        self._reference = (chosen, rejected)
+        setattr(self, name, data.add_column("ref_rejected_logps", rejected.tolist()))
+        self._reference[split] = (chosen, rejected)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         super()._save_optimizer_and_scheduler(output_dir)
-        chosen, rejected = self._reference
-        torch.save({"fingerprint": self._fingerprint(), "chosen": chosen, "rejected": rejected},
-                   os.path.join(output_dir, STATE_DIR, REFERENCE_FILE))
+        chosen, rejected = self._reference["train"]
+        saved = {"fingerprint": self._fingerprint(), "chosen": chosen, "rejected": rejected}
+        if "eval" in self._reference:
+            saved["eval_chosen"], saved["eval_rejected"] = self._reference["eval"]
+        torch.save(saved, os.path.join(output_dir, STATE_DIR, REFERENCE_FILE))
 
     def _fingerprint(self) -> str:
         """The tokenized pairs' own hash (a dataset's _fingerprint can be random for in-memory data): a
@@ -228,3 +264,8 @@ class StriderDPOTrainer(StriderTrainer):
                              "run's own train_dataset and DPOConfig")
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         self._add_reference(saved["chosen"], saved["rejected"])
+        if self.eval_dataset is not None:
+            if "eval_chosen" not in saved or len(saved["eval_chosen"]) != len(self.eval_dataset):
+                raise ValueError(f"StriderDPOTrainer: {path} holds no reference for this eval_dataset (the run "
+                                 "saved none, or for another); resume with the run's own eval_dataset, or none")
+            self._add_reference(saved["eval_chosen"], saved["eval_rejected"], split="eval")

@@ -117,6 +117,62 @@ def test_a_resumed_run_ends_where_the_whole_one_does(tmp_path, tokenizer):
         fresh.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
 
 
+def eval_data():
+    """Other pairs of the same kind, 6 of them: 3 eval batches of 2 pairs."""
+    words = " ".join(SENTENCES).split()
+    return datasets.Dataset.from_list([{"prompt": " ".join(words[i + 1:i + 4]), "chosen": " ".join(words[i + 4:i + 7]),
+                                        "rejected": " ".join(words[-(i % 5) - 3:][:2])} for i in range(2, 32, 5)])
+
+
+EVAL_FIGURES = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies",
+                "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected")
+
+
+def test_evaluate_tracks_trl_dpo_trainer_before_and_after_training(tmp_path, tokenizer):
+    """trl.DPOTrainer.evaluate (its reference model the starting weights) and StriderDPOTrainer.evaluate (the
+    eval pairs' reference precomputed under them): before training, and after 4 steps, to 1e-5."""
+    model = tiny_model(len(tokenizer))
+    reference = copy.deepcopy(model)
+    args = dict(per_device_eval_batch_size=2)
+    theirs = trl.DPOTrainer(model=reference, ref_model=copy.deepcopy(model), args=dpo_args(tmp_path / "trl", **args),
+                            train_dataset=preference_data(), eval_dataset=eval_data(), processing_class=tokenizer)
+    ours = strider.StriderDPOTrainer(model=model, args=dpo_args(tmp_path / "strider", **args),
+                                     train_dataset=preference_data(), eval_dataset=eval_data(),
+                                     processing_class=tokenizer)
+    for when in ("before", "after"):
+        if when == "after":
+            theirs.train()
+            ours.train()
+        want, got = theirs.evaluate(), ours.evaluate()
+        # Before training every log-ratio is 0 up to rounding: accuracies would compare the rounding.
+        for k in EVAL_FIGURES if when == "after" else set(EVAL_FIGURES) - {"eval_rewards/accuracies"}:
+            assert got[k] == pytest.approx(want[k], rel=1e-5, abs=1e-6), (when, k, got[k], want[k])
+
+
+def test_a_resumed_run_evaluates_with_the_reference_its_checkpoint_keeps(tmp_path, tokenizer):
+    def trainer(out, **over):
+        return strider.StriderDPOTrainer(model=tiny_model(len(tokenizer)),
+                                         args=dpo_args(out, per_device_eval_batch_size=2, **over),
+                                         train_dataset=preference_data(), eval_dataset=eval_data(),
+                                         processing_class=tokenizer)
+    whole = trainer(tmp_path / "whole")
+    whole.train()
+    first = trainer(tmp_path / "run", max_steps=2, save_strategy="steps", save_steps=2)
+    first.train()
+    again = trainer(tmp_path / "run")
+    again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert again.evaluate() == whole.evaluate()  # the eval pairs' reference came from the checkpoint
+    no_eval = strider.StriderDPOTrainer(model=tiny_model(len(tokenizer)),
+                                        args=dpo_args(tmp_path / "plain", save_strategy="steps", save_steps=4),
+                                        train_dataset=preference_data(), processing_class=tokenizer)
+    no_eval.train()
+    with pytest.raises(ValueError, match="no eval_dataset was given"):
+        no_eval.evaluate()
+    later = trainer(tmp_path / "plain")
+    with pytest.raises(ValueError, match="holds no reference for this eval_dataset"):
+        later.train(resume_from_checkpoint=str(tmp_path / "plain" / "checkpoint-4"))
+
+
 @pytest.mark.parametrize("over, match", [
     ({"loss_type": ["sigmoid", "sft"]}, "loss_type"),
     ({"loss_type": ["exo_pair"]}, "loss_type"),
