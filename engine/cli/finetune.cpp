@@ -25,6 +25,7 @@
 #include "engine/cli/finetune_options.h"
 #include "engine/cli/finetune_outputs.h"
 #include "engine/cli/preference_reference.h"
+#include "engine/cli/resume_run.h"
 #include "engine/cli/run_outputs.h"
 #include "engine/cli/step_log.h"
 #include "engine/cli/training_run.h"
@@ -97,8 +98,10 @@ int run_finetune(FinetuneOptions& o) {
   }
   ranks->barrier();
   int64_t skipped_total = 0;
-  const bool dpo = cfg.objective.objective == "dpo";
-  std::vector<float> reference;  // dpo: each window's reference log-probability sum (preference_reference.h)
+  const bool dpo = cfg.objective.objective == "dpo", objective = !cfg.objective.sft();
+  // dpo: each window's reference log-probability sum (preference_reference.h), of the training and eval files
+  std::vector<float> reference, eval_reference;
+  nlohmann::json resumed_extra;  // the checkpoint's, where the eval file's reference is too
   auto extra_json = [&] {
     TokenLoaderState st = loader.state();
     nlohmann::json l = {{"epoch", st.epoch}, {"cursor", st.cursor}, {"seed", st.seed},
@@ -106,6 +109,7 @@ int run_finetune(FinetuneOptions& o) {
     nlohmann::json e{{"loader", l}, {"data", tr.data}, {"data_file", data}, {"seed", o.train.seed},
                      {"skipped_steps", skipped_total}, {"world", me.world}, {"config_file", config_file}};
     if (!reference.empty()) e["reference_logps"] = reference_record(reference);  // beside data_file's checksum
+    if (!eval_reference.empty()) e["eval_reference_logps"] = reference_record(eval_reference);
     return e;
   };
   // Now, not at the first save after hours of training: what every
@@ -155,67 +159,15 @@ int run_finetune(FinetuneOptions& o) {
 
   // 3. Resume: the newest checkpoint that loads, on the same data unless allowed.
   if (o.resume) {
-    // --steps is the schedule's total_steps: linear and cosine decay reach 0
-    // there, so another --steps changes every later step's learning rate and
-    // must be asked for (issue 32); a constant schedule does not use it.
-    TrainLoadOptions lo;
-    if (cfg.schedule.shape == LrShape::kConstant) lo.allow_changed.push_back("total_steps");
-    bool data_may_change = false, world_may_change = false;
-    for (const std::string& f : o.allow_changed) {
-      if (f == "data") data_may_change = true;
-      else if (f == "world") world_may_change = true;
-      else lo.allow_changed.push_back(f);
-    }
-    CheckpointSeries::Resumed r = [&] {
-      try {
-        return series.resume(engine, lo, stderr);
-      } catch (const CheckpointMismatch& e) {
-        if (!e.allowable())
-          throw Error(fmt::format("{} (no option lets the model change on resume: its architecture, config.json's "
-                                  "fields, its LoRA adapters, their base and its format are the checkpoint's; "
-                                  "--allow-changed names only the engine's other maths settings, data and world)", e.what()));
-        const bool steps = std::string_view(e.what()).find("total_steps:") != std::string_view::npos;
-        throw Error(fmt::format(
-            "{} (on the command line: --allow-changed FIELD[,FIELD...]){}", e.what(),
-            steps ? fmt::format(". --steps {} is total_steps: the {} schedule decays the learning rate to 0 there, "
-                                "so another --steps changes the learning rate of every step from here on; resume "
-                                "with the saved run's --steps, or pass --allow-changed total_steps to stretch or "
-                                "shorten its decay",
-                                o.steps, o.train.schedule)
-                  : std::string()));
-      }
-    }();
+    const CheckpointSeries::Resumed r = resume_checkpoint(o, series, engine, tr.data, data, me.world);
     const nlohmann::json& extra = r.extra;
-    if (extra.contains("data_file")) {
-      const nlohmann::json& was = extra["data_file"];
-      const bool same = was.value("bytes", uint64_t{0}) == data["bytes"].get<uint64_t>() &&
-                        was.value("xxh3", std::string()) == data["xxh3"].get<std::string>();
-      STRIDER_CHECK(same || data_may_change,
-                    "--resume: the checkpoint {} was trained on {} ({} bytes, xxh3 {}), but the data now is {} ({} "
-                    "bytes, xxh3 {}); resume on the same data, or pass --allow-changed data to continue on this one",
-                    r.dir.string(), was.value("path", std::string("?")), was.value("bytes", uint64_t{0}),
-                    was.value("xxh3", std::string("?")), tr.data, data["bytes"].get<uint64_t>(),
-                    data["xxh3"].get<std::string>());
-      if (!same) fmt::print("  the data changed ({} -> {}): --allow-changed data\n", was.value("path", ""), tr.data);
-    }
-    // The checkpoint is whole (rank 0 gathered the slices), so any number of
-    // ranks loads it, each taking its slice. But the global batch is ranks x
-    // --micro-batch x --accumulation: another world size changes the maths of
-    // a step, as another --accumulation would, so it must be asked for.
-    const int64_t world = extra.value("world", int64_t{1});
-    STRIDER_CHECK(world == me.world || world_may_change,
-                  "--resume: the checkpoint {} was saved by {} rank(s) and this run has {}: its global batch (ranks x "
-                  "--micro-batch x --accumulation) would change from {} to {} sequences; resume with {} rank(s), or "
-                  "pass --allow-changed world to go on with {} (the state reshards: each rank loads its slice, and "
-                  "the data continues where it stopped)",
-                  r.dir.string(), world, me.world, world * cfg.batch(), me.world * cfg.batch(), world, me.world);
-    if (world != me.world) fmt::print("  the world size changed ({} -> {} ranks): --allow-changed world\n", world, me.world);
     const auto& l = extra.at("loader");
     const TokenLoaderState st{l.at("epoch"), l.at("cursor"), l.at("seed"), l.at("num_windows"), l.at("seq")};
     if (st.num_windows == loader.state().num_windows) loader.restore(st);
     else fmt::print("  the data has another number of windows: its order starts afresh\n");
     skipped_total = extra.value("skipped_steps", int64_t{0});
-    if (dpo) reference = reference_from_record(extra, tr.train_file->layout().num_docs, r.dir.string());
+    if (dpo) reference = reference_from_record(extra, "reference_logps", tr.train_file->layout().num_docs, r.dir.string());
+    resumed_extra = extra;
     saved_step = engine.steps_done();
     fmt::print("  resumed from {} at step {}\n", r.dir.string(), engine.steps_done());
     // fp16: the loss scale is the run's state, so the checkpoint's goes on;
@@ -236,9 +188,15 @@ int run_finetune(FinetuneOptions& o) {
     return pair_inputs.next(reference, loader.last_windows().subspan(size_t(me.rank * cfg.batch()), size_t(cfg.batch())));
   };
   std::unique_ptr<TokenFile> eval_file;
+  PairInputs eval_pairs;
   if (!eval_data.empty() && o.eval_batches > 0) {
     eval_file = std::make_unique<TokenFile>(eval_data, uint64_t(spec.dims.vocab));
     check_token_seq(*eval_file, uint64_t(cfg.seq));
+    if (dpo)  // the eval pairs' reference: the checkpoint's, or under the starting weights
+      eval_reference = resumed_extra.is_null()
+                           ? score_windows(engine, *eval_file, !cfg.lora.empty())
+                           : reference_from_record(resumed_extra, "eval_reference_logps", eval_file->layout().num_docs,
+                                                   "the checkpoint resumed");
   }
   // The global batch; this rank steps on its share of the rows.
   std::vector<int64_t> ids(size_t(cfg.batch() * cfg.seq * me.world)), labels(ids.size());
@@ -249,7 +207,7 @@ int run_finetune(FinetuneOptions& o) {
   const auto my_attention = [&](bool padded) -> const int64_t* { return padded ? attention.data() + mine : nullptr; };
   auto evaluate = [&] {
     TokenLoader el(*eval_file, {.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq), .seed = 0,
-                                .shuffle = false});
+                                .shuffle = false, .pair_rows = objective ? uint64_t(cfg.batch()) : 0});
     double sum = 0;
     for (int64_t i = 0; i < o.eval_batches; ++i) {
       // A signal does not wait for the whole evaluation: it is dropped (NaN),
@@ -259,7 +217,13 @@ int run_finetune(FinetuneOptions& o) {
         return std::numeric_limits<double>::quiet_NaN();
       }
       const bool padded = el.next(ids, labels, positions, attention);
-      sum += engine.evaluate(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded));
+      if (!objective) {
+        sum += engine.evaluate(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded));
+        continue;
+      }
+      const std::span<const uint64_t> rows = el.last_windows().subspan(size_t(me.rank * cfg.batch()), size_t(cfg.batch()));
+      sum += engine.evaluate_objective(ids.data() + mine, labels.data() + mine, my_positions(), my_attention(padded),
+                                       dpo ? eval_pairs.next(eval_reference, rows) : nullptr).loss;
     }
     return sum / double(o.eval_batches);
   };

@@ -113,9 +113,6 @@ void check_objective_run(const FinetuneOptions& o) {
                 "--objective grpo: its rollouts are generated outside strider, step by step; train it from Python "
                 "(strider.Engine(..., EngineConfig(objective='grpo')).step(..., advantages=), "
                 "python_shim/examples/grpo_loop.py)");
-  STRIDER_CHECK(o.eval_data.empty() || o.eval_batches == 0,
-                "--objective {} with --eval-data: evaluating the {} loss is not built yet; pass --eval-batches 0",
-                objective, objective);
 }
 
 }  // namespace strider::cli

@@ -26,7 +26,7 @@ int run_finetune(FinetuneOptions& o);
 
 // What the command line does not do with an objective past SFT, refused
 // before anything is written: grpo (its rollouts come from outside: the
-// Python API) and evaluating the objective.
+// Python API).
 void check_objective_run(const FinetuneOptions& o);
 
 }  // namespace strider::cli

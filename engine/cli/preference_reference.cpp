@@ -44,15 +44,17 @@ std::string reference_record(std::span<const float> logps) {
   return out;
 }
 
-std::vector<float> reference_from_record(const nlohmann::json& extra, uint64_t windows, const std::string& where) {
-  STRIDER_CHECK(extra.contains("reference_logps") && extra["reference_logps"].is_string(),
-                "--resume: {} holds no reference log-probabilities (a run with --objective dpo records them in "
+std::vector<float> reference_from_record(const nlohmann::json& extra, const std::string& key, uint64_t windows,
+                                         const std::string& where) {
+  const char* of = key == "reference_logps" ? "the training data" : "the eval data (--eval-data)";
+  STRIDER_CHECK(extra.contains(key) && extra[key].is_string(),
+                "--resume: {} holds no reference log-probabilities of {} (a run with --objective dpo records them in "
                 "each checkpoint); they are never recomputed from trained weights: resume from a checkpoint of "
-                "this DPO run, or start anew",
-                where);
-  const std::string& hex = extra["reference_logps"].get_ref<const std::string&>();
-  STRIDER_CHECK(hex.size() == windows * 8, "--resume: {}'s reference log-probabilities are of {} sequences, the "
-                "data has {}: the run's own preference file is needed", where, hex.size() / 8, windows);
+                "this DPO run with its own data, or start anew",
+                where, of);
+  const std::string& hex = extra[key].get_ref<const std::string&>();
+  STRIDER_CHECK(hex.size() == windows * 8, "--resume: {}'s reference log-probabilities of {} are of {} sequences, "
+                "the file has {}: the run's own preference file is needed", where, of, hex.size() / 8, windows);
   std::vector<float> out(windows);
   std::span<std::byte> bytes = std::as_writable_bytes(std::span(out));
   auto nibble = [&](char ch) -> unsigned {

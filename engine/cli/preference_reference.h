@@ -31,7 +31,8 @@ std::vector<float> score_windows(Engine& engine, const TokenFile& file, bool ref
 // As a checkpoint's extra JSON records them: the fp32 values' bytes in hex
 // (exact), and back, checked: `where` names the checkpoint in a refusal.
 std::string reference_record(std::span<const float> logps);
-std::vector<float> reference_from_record(const nlohmann::json& extra, uint64_t windows, const std::string& where);
+std::vector<float> reference_from_record(const nlohmann::json& extra, const std::string& key, uint64_t windows,
+                                         const std::string& where);
 
 // The step's DPO inputs for this rank's rows: each row's reference sum, by
 // the window the loader took it from (TokenLoader::last_windows).

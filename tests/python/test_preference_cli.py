@@ -85,9 +85,13 @@ def ok(cmd):
 
 
 def test_cli_dpo_trains_as_the_python_engine_does_on_the_same_batches(strider_binary, files, tmp_path):
-    out = ok(cli(strider_binary, files, tmp_path, "out", "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir",
-                 str(tmp_path / "ck")))
+    cmd = cli(strider_binary, files, tmp_path, "out", "--metrics", str(tmp_path / "m.jsonl"), "--checkpoint-dir",
+              str(tmp_path / "ck"), "--eval-data", str(files["tokens"]), "--eval-every", "4")
+    cmd[cmd.index("--eval-batches") + 1] = "1"
+    out = ok(cmd)
     assert "reference log-probabilities of 12 pairs under the starting weights" in out
+    # Before training the policy is the reference: every log-ratio is 0, the DPO loss log 2.
+    assert "eval loss before training: 0.6931" in out
     info = strider.inspect_checkpoint(str(tmp_path / "ck" / checkpoints(tmp_path / "ck")[-1]))
     config = strider.EngineConfig.from_engine_dict(info["engine_config"], device="cpu")
     assert config.objective == "dpo" and config.beta == 0.5
@@ -115,8 +119,12 @@ def test_cli_dpo_trains_as_the_python_engine_does_on_the_same_batches(strider_bi
         result = engine.step(*rows(windows), ref_logps=reference[windows])
         losses.append(result.loss)
         margins.append(result.metrics["rewards/margins"])
+    # The evaluation after step 4: the file's first 2 pairs in order, chosen rows then rejected.
+    windows = [0, 2, 1, 3]
+    eval_loss = engine.evaluate(*rows(windows), ref_logps=reference[windows])
     engine.finish()
     lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert abs(lines[-1]["eval_loss"] - eval_loss) <= 1e-5 * eval_loss, (lines[-1], eval_loss)
     assert np.allclose([m["loss"] for m in lines], losses, rtol=1e-5, atol=0), (lines, losses)
     assert all(abs(m["rewards/margins"] - r) <= 1e-5 * (1 + abs(r)) for m, r in zip(lines, margins)), lines
     assert "| accuracy " in out and "| margin " in out
@@ -127,6 +135,12 @@ def test_cli_dpo_trains_as_the_python_engine_does_on_the_same_batches(strider_bi
 
 @pytest.mark.parametrize("lora", [[], ["--lora", "r=4,alpha=8,targets=all-linear"]], ids=["full", "lora"])
 def test_cli_dpo_killed_and_resumed_is_bit_identical(strider_binary, files, tmp_path, lora):
+    lora = [*lora, "--eval-data", str(files["tokens"]), "--eval-every", "3"]  # its reference is kept too
+
+    def cli(*args, **kw):
+        cmd = globals()["cli"](*args, **kw)
+        cmd[cmd.index("--eval-batches") + 1] = "1"
+        return cmd
     ok(cli(strider_binary, files, tmp_path, "straight", *lora, steps=6))
     p = subprocess.Popen(cli(strider_binary, files, tmp_path, "never", *lora, "--checkpoint-dir", str(tmp_path / "ck"),
                              steps=1_000_000), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -140,7 +154,7 @@ def test_cli_dpo_killed_and_resumed_is_bit_identical(strider_binary, files, tmp_
                  "--resume", steps=6))
     assert f"at step {saved['step']}" in out
     assert "reference log-probabilities" not in out  # taken from the checkpoint, never recomputed
-    if lora:
+    if "--lora" in lora:
         a = load_file(str(tmp_path / "straight" / "adapter_model.safetensors"))
         b = load_file(str(tmp_path / "resumed" / "adapter_model.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -158,10 +172,10 @@ def test_what_the_command_line_does_not_do_is_refused_by_name(strider_binary, fi
 
     refused(objective="grpo", says="--objective grpo: its rollouts are generated outside strider")
     refused(objective="sft", says="a preference file")
-    refused("--eval-data", str(files["tokens"]), eval_batches=1, says="evaluating the dpo loss is not built")
     plain = tmp_path / "plain.tokens"
     strider.data.write_token_file(plain, np.arange(400) % 30, vocab_size=len(files["tokenizer"]))
     refused(says="not a preference file", data=plain)
+    refused("--eval-data", str(plain), eval_batches=1, says="not a preference file")
     # A run without a reference (simpo has none) resumed as dpo: its reference is never computed from
     # trained weights.
     ck = tmp_path / "ck"
