@@ -117,7 +117,7 @@ class StriderDPOTrainer(StriderTrainer):
                                              truncation_mode=args.truncation_mode)
         self._metrics = {k: [] for k in _METRICS}
         self._reference = {}  # split -> (chosen, rejected): each pair's reference sums
-        self._data_key = None
+        self._data_key = {}  # split -> _fingerprint
         super().__init__(model=model, args=args, strider_config=strider_config,
                          seq=None if strider_config is not None else seq, train_dataset=tokenized,
                          eval_dataset=eval_dataset, data_collator=collator, processing_class=processing_class, **kwargs)
@@ -237,19 +237,20 @@ class StriderDPOTrainer(StriderTrainer):
         saved = {"fingerprint": self._fingerprint(), "chosen": chosen, "rejected": rejected}
         if "eval" in self._reference:
             saved["eval_chosen"], saved["eval_rejected"] = self._reference["eval"]
+            saved["eval_fingerprint"] = self._fingerprint("eval")
         torch.save(saved, os.path.join(output_dir, STATE_DIR, REFERENCE_FILE))
 
-    def _fingerprint(self) -> str:
+    def _fingerprint(self, split="train") -> str:
         """The tokenized pairs' own hash (a dataset's _fingerprint can be random for in-memory data): a
         resume's reference must be of these sequences, in this order."""
-        if self._data_key is None:
+        if split not in self._data_key:
             h = hashlib.sha256()
             for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
-                for ids in self.train_dataset[name]:
+                for ids in getattr(self, f"{split}_dataset")[name]:
                     h.update(len(ids).to_bytes(8, "little"))
                     h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
-            self._data_key = h.hexdigest()[:16]
-        return self._data_key
+            self._data_key[split] = h.hexdigest()[:16]
+        return self._data_key[split]
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         path = os.path.join(resume_from_checkpoint, STATE_DIR, REFERENCE_FILE)
@@ -265,7 +266,7 @@ class StriderDPOTrainer(StriderTrainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         self._add_reference(saved["chosen"], saved["rejected"])
         if self.eval_dataset is not None:
-            if "eval_chosen" not in saved or len(saved["eval_chosen"]) != len(self.eval_dataset):
+            if saved.get("eval_fingerprint") != self._fingerprint("eval"):
                 raise ValueError(f"StriderDPOTrainer: {path} holds no reference for this eval_dataset (the run "
                                  "saved none, or for another); resume with the run's own eval_dataset, or none")
             self._add_reference(saved["eval_chosen"], saved["eval_rejected"], split="eval")
