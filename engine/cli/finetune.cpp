@@ -181,7 +181,8 @@ int run_finetune(FinetuneOptions& o) {
   }
 
   // DPO's reference, under the starting weights (LoRA: the frozen base), before the first step.
-  if (dpo && reference.empty()) reference = score_windows(engine, *tr.train_file, !cfg.lora.empty());
+  const auto stopping = [&] { return ranks->any(signals.requested()); };
+  if (dpo && reference.empty()) reference = score_windows(engine, *tr.train_file, !cfg.lora.empty(), stopping);
   PairInputs pair_inputs;
   auto my_objective = [&]() -> const ObjectiveInputs* {
     if (!dpo) return nullptr;  // sft; simpo and orpo take every row, no reference
@@ -194,7 +195,7 @@ int run_finetune(FinetuneOptions& o) {
     check_token_seq(*eval_file, uint64_t(cfg.seq));
     if (dpo)  // the eval pairs' reference: the checkpoint's, or under the starting weights
       eval_reference = resumed_extra.is_null()
-                           ? score_windows(engine, *eval_file, !cfg.lora.empty())
+                           ? score_windows(engine, *eval_file, !cfg.lora.empty(), stopping)
                            : reference_from_record(resumed_extra, "eval_reference_logps", eval_file->layout().num_docs,
                                                    "the checkpoint resumed");
   }

@@ -2,22 +2,31 @@
 #include "engine/cli/preference_reference.h"
 
 #include <chrono>
+#include <cstdio>
 #include <fmt/format.h>
 
 #include "host/error.h"
 
 namespace strider::cli {
 
-std::vector<float> score_windows(Engine& engine, const TokenFile& file, bool reference) {
+std::vector<float> score_windows(Engine& engine, const TokenFile& file, bool reference,
+                                 const std::function<bool()>& stop) {
   const EngineConfig& c = engine.config();
   const uint64_t rows = uint64_t(c.batch()), seq = uint64_t(c.seq);
   TokenLoader order(file, {.batch = rows, .seq = seq, .seed = 0, .shuffle = false, .pair_rows = rows});
   const uint64_t pairs = order.num_windows(), per_batch = rows / 2;
   std::vector<float> out(2 * pairs, 0.0f);
   std::vector<int64_t> ids(rows * seq), labels(ids.size()), attention(ids.size());
+  fmt::print("  reference log-probabilities of {} pairs under the {}: scoring them\n", pairs,
+             reference ? "frozen base" : "starting weights");
+  std::fflush(stdout);  // said as it begins: a signal ends it between two batches
   const auto t0 = std::chrono::steady_clock::now();
   // The last batch runs into the order's next pass (pairs already scored, the same values again).
   for (uint64_t done = 0; done < pairs; done += per_batch) {
+    if (stop()) {
+      fmt::print("  scoring the reference interrupted after {} of {} pairs\n", done, pairs);
+      return {};
+    }
     const bool padded = order.next(ids, labels, {}, attention);
     const std::vector<float> lp = engine.logprobs(ids.data(), labels.data(), nullptr,
                                                   padded ? attention.data() : nullptr, reference);
@@ -27,8 +36,7 @@ std::vector<float> score_windows(Engine& engine, const TokenFile& file, bool ref
       out[order.last_windows()[b]] = float(sum);
     }
   }
-  fmt::print("  reference log-probabilities of {} pairs under the {} ({:.1f} s; recorded in each checkpoint)\n",
-             pairs, reference ? "frozen base" : "starting weights",
+  fmt::print("  reference scored in {:.1f} s (recorded in each checkpoint)\n",
              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return out;
 }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -25,8 +26,11 @@ namespace strider::cli {
 // over batches of the engine's rows in file order; `reference`: the LoRA
 // base's (Engine::logprobs's reference). Data parallel: every rank scores
 // every window (the same calls on each: the same values), so that each has
-// the reference of whichever rows the loader gives it.
-std::vector<float> score_windows(Engine& engine, const TokenFile& file, bool reference);
+// the reference of whichever rows the loader gives it. `stop` is asked
+// between batches (a signal: the same answer on every rank); once it says
+// yes, the scoring ends and returns nothing (the run ends before its first step).
+std::vector<float> score_windows(Engine& engine, const TokenFile& file, bool reference,
+                                 const std::function<bool()>& stop);
 
 // As a checkpoint's extra JSON records them: the fp32 values' bytes in hex
 // (exact), and back, checked: `where` names the checkpoint in a refusal.

@@ -235,3 +235,26 @@ def test_cli_dpo_as_two_data_parallel_ranks_trains_as_one_process(strider_binary
     assert ranks_state.keys() == one_state.keys()
     for k in one_state:
         assert torch.allclose(ranks_state[k], one_state[k], rtol=1e-4, atol=1e-6), k
+
+
+def test_a_signal_while_the_reference_is_scored_ends_the_run_before_its_first_step(strider_binary, files, tmp_path):
+    """4800 pairs (the file's 12, 400 times): scoring them takes seconds; SIGTERM as it begins ends the run
+    between two batches, before the first step, with nothing to save."""
+    f = read_token_file(files["tokens"])
+    n = len(f["doc_starts"])
+    ids, mask = np.asarray(f["ids"][:n * SEQ]), np.asarray(f["mask"][:n * SEQ])
+    big = tmp_path / "big.tokens"
+    strider.data.write_token_file(big, np.concatenate([np.tile(ids, 400), [0]]),
+                                  np.concatenate([np.tile(mask, 400), [2]]), [k * SEQ for k in range(400 * n)],
+                                  vocab_size=f["vocab_size"], example_seq=SEQ, pairs=True)
+    cmd = cli(strider_binary, files, tmp_path, "out", "--checkpoint-dir", str(tmp_path / "ck"))
+    cmd[cmd.index("--data") + 1] = str(big)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in p.stdout:
+        if line.strip().startswith("reference log-probabilities of 4800 pairs"):
+            break
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "scoring the reference interrupted after" in out and "before the first step" in out, out[-2000:]
+    assert not (tmp_path / "ck").exists() or not checkpoints(tmp_path / "ck")
