@@ -79,6 +79,9 @@ bool EngineCore::Updater::abandon(const UpdateJob& job) {
   cv_.notify_all();  // a kLand of the pass waiting for its gradient gives up
   cv_.wait(lk, [&] { return left_ >= job.pass || error_; });
   rethrow();  // a host operation failed (this pass's or an earlier one's): the updater has stopped
+  // end() may have counted the pass before its wait found the failure: the
+  // waits for updates mean the last pass whose updates do come.
+  passes_ = std::min(passes_, job.pass - 1);
   return applied_ >= job.pass;
 }
 

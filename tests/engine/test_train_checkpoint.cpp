@@ -119,6 +119,16 @@ TEST_CASE("a pool device that fails mid-run stops the step naming it, and the re
     load_training_checkpoint(dir, *sick);
     Batch b = batch(sick->config().batch(), sick->config().seq, spec.dims.vocab, 102);
     CHECK_THROWS_WITH(sick->step(b.ids.data(), b.labels.data()), Catch::Contains("cpu:1") && Catch::Contains("failed"));
+    // The failure surfaced wherever the host met it (an op's, raised on its stream): settled, the engine
+    // still saves its state when no update of the step applied (with clipping, none can before the norm),
+    // and that state is step 2's: it resumes to the same bits below.
+    const std::string broken = sick->settle_after_failure();
+    if (broken.empty()) {
+      save_training_checkpoint(tmp.path / "after-failure", *sick, model.dump());
+      CHECK(inspect_training_checkpoint(tmp.path / "after-failure").step == 2);
+    } else {
+      CHECK_THAT(broken, Catch::Contains("an update failed"));
+    }
   }
   CHECK(inspect_training_checkpoint(dir).step == 2);
   auto resumed = pool(3, 0);
@@ -126,6 +136,12 @@ TEST_CASE("a pool device that fails mid-run stops the step naming it, and the re
   load_training_checkpoint(dir, *resumed);
   train(*resumed, 2, 4);
   CHECK(same_bits(read_all(*resumed), ref_state));
+  if (fs::exists(tmp.path / "after-failure")) {
+    auto again = pool(2, 0);
+    load_training_checkpoint(tmp.path / "after-failure", *again);
+    train(*again, 2, 4);
+    CHECK(same_bits(read_all(*again), ref_state));
+  }
 }
 
 TEST_CASE("q8 state: resume is bit-identical across window and tiers, and another format is refused unless asked",
