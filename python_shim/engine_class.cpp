@@ -260,13 +260,10 @@ class EngineHolder : public torch::CustomClassHolder {
               const std::optional<at::Tensor>& attention_mask, int64_t rows, const std::optional<at::Tensor>& row,
               const std::optional<at::Tensor>& old_logps, const std::optional<at::Tensor>& ref_logps) {
     std::lock_guard lk(mu_);
-    auto [i, l] = checked_batch("step", ids, labels);
-    const at::Tensor p = checked_positions("step", positions);
-    const at::Tensor a = checked_mask("step", attention_mask);
+    const Batch b = checked("step", ids, labels, positions, attention_mask);
     const Objective obj = objective_inputs("step", rows, row, old_logps, ref_logps);
     StepReport r = run("step", [&] {
-      return engine_->step(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr,
-                           a.defined() ? a.data_ptr<int64_t>() : nullptr, obj.given());
+      return engine_->step(b.ids(), b.labels(), b.positions(), b.mask(), obj.given());
     });
     c10::Dict<std::string, double> numbers, busy;
     c10::Dict<std::string, std::string> texts;
@@ -302,12 +299,9 @@ class EngineHolder : public torch::CustomClassHolder {
   double evaluate(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
                   const std::optional<at::Tensor>& attention_mask) {
     std::lock_guard lk(mu_);
-    auto [i, l] = checked_batch("evaluate", ids, labels);
-    const at::Tensor p = checked_positions("evaluate", positions);
-    const at::Tensor a = checked_mask("evaluate", attention_mask);
+    const Batch b = checked("evaluate", ids, labels, positions, attention_mask);
     return run("evaluate", [&] {
-      return engine_->evaluate(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
-                               p.defined() ? p.data_ptr<int64_t>() : nullptr, a.defined() ? a.data_ptr<int64_t>() : nullptr);
+      return engine_->evaluate(b.ids(), b.labels(), b.positions(), b.mask());
     });
   }
 
@@ -317,14 +311,10 @@ class EngineHolder : public torch::CustomClassHolder {
       const std::optional<at::Tensor>& attention_mask, int64_t rows, const std::optional<at::Tensor>& row,
       const std::optional<at::Tensor>& old_logps, const std::optional<at::Tensor>& ref_logps) {
     std::lock_guard lk(mu_);
-    auto [i, l] = checked_batch("evaluate", ids, labels);
-    const at::Tensor p = checked_positions("evaluate", positions);
-    const at::Tensor a = checked_mask("evaluate", attention_mask);
+    const Batch b = checked("evaluate", ids, labels, positions, attention_mask);
     const Objective obj = objective_inputs("evaluate", rows, row, old_logps, ref_logps);
     const ObjectiveEval e = run("evaluate", [&] {
-      return engine_->evaluate_objective(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(),
-                                         p.defined() ? p.data_ptr<int64_t>() : nullptr,
-                                         a.defined() ? a.data_ptr<int64_t>() : nullptr, obj.given());
+      return engine_->evaluate_objective(b.ids(), b.labels(), b.positions(), b.mask(), obj.given());
     });
     c10::Dict<std::string, double> metrics;
     for (const auto& [name, value] : e.metrics) metrics.insert(name, value);
@@ -335,12 +325,9 @@ class EngineHolder : public torch::CustomClassHolder {
   at::Tensor logprobs(const at::Tensor& ids, const at::Tensor& labels, const std::optional<at::Tensor>& positions,
                       const std::optional<at::Tensor>& attention_mask, bool reference) {
     std::lock_guard lk(mu_);
-    auto [i, l] = checked_batch("logprobs", ids, labels);
-    const at::Tensor p = checked_positions("logprobs", positions);
-    const at::Tensor a = checked_mask("logprobs", attention_mask);
+    const Batch b = checked("logprobs", ids, labels, positions, attention_mask);
     std::vector<float> lp = run("logprobs", [&] {
-      return engine_->logprobs(i.data_ptr<int64_t>(), l.data_ptr<int64_t>(), p.defined() ? p.data_ptr<int64_t>() : nullptr,
-                               a.defined() ? a.data_ptr<int64_t>() : nullptr, reference);
+      return engine_->logprobs(b.ids(), b.labels(), b.positions(), b.mask(), reference);
     });
     return at::tensor(lp, at::kFloat).view(ids.sizes());
   }
@@ -388,6 +375,21 @@ class EngineHolder : public torch::CustomClassHolder {
   // [micro_batch * accumulation, seq] int64 each, token ids in the vocabulary,
   // labels -100 or token ids, at least one label that counts: all checked here
   // so that a refused batch never starts a step half-way.
+  // A call's batch, checked (checked_batch, checked_positions, checked_mask) and held while the engine reads
+  // it; positions and mask null where not given.
+  struct Batch {
+    at::Tensor id, label, position, attention;
+    const int64_t* ids() const { return id.data_ptr<int64_t>(); }
+    const int64_t* labels() const { return label.data_ptr<int64_t>(); }
+    const int64_t* positions() const { return position.defined() ? position.data_ptr<int64_t>() : nullptr; }
+    const int64_t* mask() const { return attention.defined() ? attention.data_ptr<int64_t>() : nullptr; }
+  };
+  Batch checked(const char* what, const at::Tensor& ids, const at::Tensor& labels,
+                const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& attention_mask) const {
+    auto [i, l] = checked_batch(what, ids, labels);
+    return {i, l, checked_positions(what, positions), checked_mask(what, attention_mask)};
+  }
+
   std::pair<at::Tensor, at::Tensor> checked_batch(const char* what, const at::Tensor& ids,
                                                   const at::Tensor& labels) const {
     const EngineConfig& c = engine_->config();

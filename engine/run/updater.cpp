@@ -79,9 +79,6 @@ bool EngineCore::Updater::abandon(const UpdateJob& job) {
   cv_.notify_all();  // a kLand of the pass waiting for its gradient gives up
   cv_.wait(lk, [&] { return left_ >= job.pass || error_; });
   rethrow();  // a host operation failed (this pass's or an earlier one's): the updater has stopped
-  // end() may have counted the pass before its wait found the failure: the
-  // waits for updates mean the last pass whose updates do come.
-  passes_ = std::min(passes_, job.pass - 1);
   return applied_ >= job.pass;
 }
 
@@ -141,14 +138,13 @@ void EngineCore::Updater::await_compute(ComputeSlot& slot, const StepOp& v, Devi
 // has landed and the norm is known (the updates may continue). The updater
 // decided whether the step is skipped before it published the norm.
 PassEnd EngineCore::Updater::end(UpdateJob& job) {
-  {
-    std::lock_guard lk(mu_);
-    ++passes_;  // the waits for updates now mean this pass's
-  }
   e_.synchronize_devices(StreamId::kCompute);
   std::unique_lock lk(mu_);
   cv_.wait(lk, [&] { return norm_pass_ >= job.pass || error_; });
   rethrow();
+  // The pass ended (a failure before here leaves it to abandon()): the waits
+  // for updates now mean this pass's. No thread waits on them meanwhile.
+  ++passes_;
   return {.grad_norm = last_norm_};
 }
 

@@ -39,19 +39,13 @@ from typing import Optional
 import torch
 
 from strider.config import EngineConfig
+from strider.preference_data import pair_collator, tokenize_pairs
 from strider.trainer import STATE_DIR, StriderTrainer
 
 REFERENCE_FILE = "reference_logps.pt"  # inside checkpoint-N/strider/
 _LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 _METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
             "logps/rejected")
-
-
-class _Tokenizing:
-    """What trl.DPOTrainer._prepare_dataset reads of its trainer."""
-
-    def __init__(self, tokenizer):
-        self._tokenizer = tokenizer
 
 
 def _check_dpo_args(args):
@@ -88,7 +82,6 @@ class StriderDPOTrainer(StriderTrainer):
 
     def __init__(self, model=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None, *,
                  seq: Optional[int] = None, strider_config: Optional[EngineConfig] = None, **kwargs):
-        from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
         self._loss_type = _check_dpo_args(args)
         if kwargs.get("ref_model") is not None:
             raise ValueError("StriderDPOTrainer: ref_model is not taken: the reference is the model's starting "
@@ -106,15 +99,10 @@ class StriderDPOTrainer(StriderTrainer):
                              "sequence the engine is built for)")
         if args.max_length is not None and args.max_length > seq:
             raise ValueError(f"StriderDPOTrainer: max_length = {args.max_length} is more than seq = {seq}")
-        pad = processing_class.pad_token_id if processing_class.pad_token_id is not None else \
-            processing_class.eos_token_id
-        tokenized = DPOTrainer._prepare_dataset(_Tokenizing(processing_class), train_dataset, processing_class,
-                                                args, "train")
+        tokenized = tokenize_pairs(processing_class, train_dataset, args, "train")
         if eval_dataset is not None:
-            eval_dataset = DPOTrainer._prepare_dataset(_Tokenizing(processing_class), eval_dataset, processing_class,
-                                                       args, "eval")
-        collator = DataCollatorForPreference(pad_token_id=pad, max_length=args.max_length,
-                                             truncation_mode=args.truncation_mode)
+            eval_dataset = tokenize_pairs(processing_class, eval_dataset, args, "eval")
+        collator = pair_collator(processing_class, args.max_length, args.truncation_mode)
         self._metrics = {k: [] for k in _METRICS}
         self._reference = {}  # split -> (chosen, rejected): each pair's reference sums
         self._data_key = {}  # split -> _fingerprint

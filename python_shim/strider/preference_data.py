@@ -35,10 +35,24 @@ class _Tokenizing:
         self._tokenizer = tokenizer
 
 
+def tokenize_pairs(tokenizer, rows, args, split):
+    """TRL's preference rows tokenized by TRL's own DPOTrainer code (prompt_ids, chosen_ids, rejected_ids), under
+    the trl.DPOConfig `args`; `split` is "train" or "eval" (TRL's progress text)."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+    return DPOTrainer._prepare_dataset(_Tokenizing(tokenizer), rows, tokenizer, args, split)
+
+
+def pair_collator(tokenizer, max_length, truncation_mode):
+    """TRL's DataCollatorForPreference: a batch's chosen rows, then its rejected ones, right-padded and cut to
+    max_length as TRL cuts them; completion_mask marks the targets."""
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+    return DataCollatorForPreference(pad_token_id=_pad_id(tokenizer), max_length=max_length,
+                                     truncation_mode=truncation_mode)
+
+
 def prepare_preference(tokenizer, input_path, output_path, seq, truncation_mode="keep_start"):
     """Writes the preference token file output_path from the rows of input_path; returns a summary."""
     from trl import DPOConfig
-    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
     if not seq or seq < 2:
         raise ValueError("--mode preference puts each sequence alone in a window: give --seq (the engine's)")
     rows = _rows(input_path)
@@ -48,9 +62,9 @@ def prepare_preference(tokenizer, input_path, output_path, seq, truncation_mode=
                          f"prompt/chosen/rejected (TRL's format), the file has {', '.join(rows.column_names)}")
     args = DPOConfig(output_dir=os.devnull, report_to=[], use_cpu=True, bf16=False, max_length=seq,
                      truncation_mode=truncation_mode, dataset_num_proc=None)
-    tokenized = DPOTrainer._prepare_dataset(_Tokenizing(tokenizer), rows, tokenizer, args, "train")
+    tokenized = tokenize_pairs(tokenizer, rows, args, "train")
     pad = _pad_id(tokenizer)
-    collate = DataCollatorForPreference(pad_token_id=pad, max_length=seq, truncation_mode=truncation_mode)
+    collate = pair_collator(tokenizer, seq, truncation_mode)
     n = len(tokenized)
     if n == 0:
         raise ValueError(f"{input_path}: no preference rows")
