@@ -17,7 +17,7 @@ size_t aligned(size_t bytes) { return (bytes + kAlignBytes - 1) / kAlignBytes * 
 
 // Bytes of each kind for one block, in carve order (state: master, m and v
 // together).
-struct KindBytes { size_t state, compute, grad; };
+struct KindBytes { size_t state, compute, grad, reference; };
 
 size_t state_end(const BlockSpec& b) { return std::min(b.state_end, b.layout.total_elems()); }
 
@@ -35,8 +35,10 @@ KindBytes kind_bytes(const BlockSpec& b, const StoreOptions& o) {
   const size_t compute =
       b.compute_on_host ? aligned((n - std::min(b.base.elems, n)) * dtype_size(o.compute_dtype)) + aligned(b.base.bytes)
                         : 0;
-  return {state, compute,
-          b.grad_staging ? aligned(std::min(b.grad_elems, n) * dtype_size(o.grad_dtype)) : 0};
+  const size_t reference =
+      o.keep_reference && b.compute_on_host ? aligned((n - std::min(b.base.elems, n)) * dtype_size(o.compute_dtype)) : 0;
+  return {state, compute, b.grad_staging ? aligned(std::min(b.grad_elems, n) * dtype_size(o.grad_dtype)) : 0,
+          reference};
 }
 
 void check_options(const StoreOptions& o) {
@@ -58,7 +60,7 @@ size_t ParamStore::bytes_needed(const std::vector<BlockSpec>& blocks, const Stor
   size_t total = 0;
   for (const auto& b : blocks) {
     KindBytes k = kind_bytes(b, options);
-    total += k.state + k.compute + k.grad;
+    total += k.state + k.compute + k.grad + k.reference;
   }
   return total;
 }
@@ -67,6 +69,13 @@ size_t ParamStore::compute_bytes_needed(const std::vector<BlockSpec>& blocks, co
   check_options(options);
   size_t total = 0;
   for (const auto& b : blocks) total += kind_bytes(b, options).compute;
+  return total;
+}
+
+size_t ParamStore::reference_bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options) {
+  check_options(options);
+  size_t total = 0;
+  for (const auto& b : blocks) total += kind_bytes(b, options).reference;
   return total;
 }
 
@@ -134,6 +143,8 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
                                                                        " compute copy", kAlignBytes);
     else if (spec.compute_on_host)
       s.compute_f32 = carrier.carve_as<float>(n - s.compute_begin, name + " fp32 compute copy", kAlignBytes);
+    if (spec.compute_on_host && options_.keep_reference)  // this process's own, even beside a shared compute copy
+      s.reference = arena.carve(s.compute_bytes().size(), kAlignBytes, name + " reference copy");
     if (spec.grad_staging)
       s.grad = arena.carve(std::min(spec.grad_elems, n) * dtype_size(options_.grad_dtype), kAlignBytes,
                            name + " grad staging");
@@ -153,6 +164,7 @@ ParamStore::ParamStore(std::vector<BlockSpec> blocks, StoreOptions options, Pinn
       std::memset(s.base.data(), 0, s.base.size());
     }
     std::memset(s.grad.data(), 0, s.grad.size_bytes());
+    std::memset(s.reference.data(), 0, s.reference.size());
     blocks_.push_back(s);
   }
 }
@@ -164,6 +176,12 @@ std::span<std::byte> BlockState::compute_range(size_t begin, size_t n) const {
                 layout->block_name(), begin, begin + n, compute_begin, elems());
   const size_t e = compute.empty() ? sizeof(float) : sizeof(uint16_t);
   return compute_bytes().subspan((begin - compute_begin) * e, n * e);
+}
+
+std::span<std::byte> BlockState::reference_range(size_t begin, size_t n) const {
+  STRIDER_CHECK(!reference.empty(), "block '{}' keeps no reference copy", layout->block_name());
+  const std::span<std::byte> c = compute_range(begin, n);
+  return reference.subspan(size_t(c.data() - compute_bytes().data()), c.size());
 }
 
 BlockState& ParamStore::block(size_t i) {
@@ -228,6 +246,12 @@ void ParamStore::refresh_compute_from_master() {
   if (options_.format != StateFormat::kFp32) return;
   for (size_t b = 0; b < blocks_.size(); ++b)
     if (blocks_[b].state_on_host) refresh_compute(b);
+}
+
+void ParamStore::take_reference() {
+  STRIDER_CHECK(options_.keep_reference, "ParamStore: take_reference, but the store keeps no reference copy");
+  for (BlockState& s : blocks_)
+    if (!s.reference.empty()) std::memcpy(s.reference.data(), s.compute_bytes().data(), s.reference.size());
 }
 
 void ParamStore::read_kind(size_t b, StateKind kind, std::span<float> out) const {

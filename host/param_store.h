@@ -7,6 +7,9 @@
 //   compute        the copy the device computes with, the source of every
 //                  H2D: bf16 or fp16 (compute), or fp32 (compute_f32) for exactness runs
 //   grad           staging for the block's gradients after D2H (bf16 or fp32)
+//   reference      (StoreOptions::keep_reference) a frozen copy of the compute
+//                  copy as training starts: the reference model of full
+//                  fine-tuning's objectives, streamed in its place
 // All kinds of a block share its ParamLayout's element offsets, less the
 // state's slice start (BlockSpec::state_begin; 0 unless the state is sharded).
 #pragma once
@@ -50,6 +53,9 @@ struct StoreOptions {
   DType compute_dtype = DType::kBF16;  // kBF16, kF16, or kF32 (fp32 compute for exactness tests)
   StateFormat format = StateFormat::kFp32;  // q8 needs the bf16 compute copy (its master's high half)
   bool zero = true;                    // false: leave the memory untouched (simulation)
+  // A second compute copy per block, never updated: the starting weights
+  // (BlockState::reference). Host-resident compute copies only.
+  bool keep_reference = false;
 };
 
 // One block's views into the arena. Spans of a kind are empty when the kind
@@ -76,6 +82,9 @@ struct BlockState {
   bool state_on_host = true;
   bool compute_on_host = true;       // false: no compute span (BlockSpec::compute_on_host)
   size_t state_begin = 0, state_end = 0;  // the state's slice of the block (BlockSpec)
+  // StoreOptions::keep_reference: the compute copy's frozen twin, the same
+  // elements and dtype (its bytes as compute_bytes() gives them), else empty.
+  std::span<std::byte> reference;
 
   size_t elems() const { return layout->total_elems(); }
   size_t state_elems() const { return state_end - state_begin; }
@@ -86,6 +95,8 @@ struct BlockState {
   // Block elements [begin, begin + n) of the compute copy, as bytes; throws
   // where they reach into a quantized base.
   std::span<std::byte> compute_range(size_t begin, size_t n) const;
+  // The same elements of the reference (which must be kept).
+  std::span<std::byte> reference_range(size_t begin, size_t n) const;
   // The bf16 compute copy from block element `at` on (the q8 master's high half).
   uint16_t* compute_at(size_t at) const { return compute.data() + (at - compute_begin); }
 };
@@ -97,6 +108,8 @@ class ParamStore {
   static size_t bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options);
   // Of those, the compute copies' (what a separate compute arena takes instead).
   static size_t compute_bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options);
+  // Of those, the reference copies (StoreOptions::keep_reference).
+  static size_t reference_bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options);
   // Of those, the host-resident master, m and v (their slices).
   static size_t state_bytes_needed(const std::vector<BlockSpec>& blocks, const StoreOptions& options);
 
@@ -131,6 +144,9 @@ class ParamStore {
   // load). A no-op in q8, where the compute copy is part of the master.
   // Blocks whose compute copy is on NVMe have none to write.
   void refresh_compute_from_master();
+  // Copies every block's compute copy into its reference (keep_reference):
+  // the reference model is then the weights as they are now.
+  void take_reference();
 
   // A host-resident block's state of one kind as floats (state_elems() of
   // them: its slice), whatever the format, and back (q8: rounded to nearest;

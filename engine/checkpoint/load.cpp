@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 
 #include "engine/checkpoint/parts.h"
+#include "engine/checkpoint/reference_copy.h"
 #include "engine/checkpoint/train_checkpoint.h"
 #include "engine/config/config_fields.h"
 #include "engine/config/engine_config_json.h"
@@ -265,6 +266,9 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
                   engine.config().loss_scaling.floor);
   }
 
+  // 5c. The starting weights, where the engine keeps a reference copy.
+  const ReferenceRead reference = check_reference_copy(info.path, info.trainer_state, engine, options.verify_checksums);
+
   // 6. Everything checked: now, and only now, the engine changes. A frozen
   // tensor keeps its values (the master buffer starts as the engine's).
   for (int64_t b = 0; b < blocks; ++b) {
@@ -283,6 +287,7 @@ nlohmann::json load_training_checkpoint(const fs::path& dir, Engine& engine, con
       engine.write_state(b, kKinds[k], buf);
     }
   }
+  load_reference_copy(reference, engine);
   engine.set_steps_done(info.step);
   if (scale) engine.set_loss_scale(*scale);
   return info.extra;

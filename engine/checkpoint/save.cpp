@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "engine/checkpoint/parts.h"
+#include "engine/checkpoint/reference_copy.h"
 #include "engine/config/engine_config_json.h"
 #include "engine/model/hf_folder.h"
 #include "engine/model/peft_adapter.h"
@@ -288,6 +289,7 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
     }
   });
   state.finish();
+  const nlohmann::json reference = save_reference_copy(tmp.path, engine);
   // The exportable model's files, as written: a copy damaged later is then
   // found (check_model_files), not exported silently.
   nlohmann::json model_checksums = nlohmann::json::object();
@@ -310,6 +312,7 @@ void save_impl(const fs::path& dir, Engine& engine, std::string_view model_confi
                        // LoRA: the frozen base's fingerprint (frozen_checksum), which a load checks
                        {"base_checksums", base_checksums},
                        {"extra", extra}};
+  if (!reference.is_null()) ts["reference"] = reference;  // the starting weights (keep_reference)
   if (engine.config().loss_scaled()) {  // fp16: where its loss scaling stands, so a resume goes on from it
     const LossScaleState ls = engine.loss_scale();
     ts["loss_scale"] = {{"scale", ls.scale}, {"good_steps", ls.good_steps}};

@@ -82,8 +82,11 @@ uint64_t CheckpointSeries::bytes_needed(const Engine& engine, const TrainCheckpo
   const uint64_t model_bytes = !options.write_model ? 0
                                : lora               ? trained * 4
                                                     : params * (options.model_dtype == DType::kF32 ? 4 : 2);
-  // fp32 master, m and v, the model, and 1% + 1 MiB for headers, JSON and metadata.
-  const uint64_t raw = state * 12 + model_bytes;
+  // The starting weights in the compute dtype (keep_reference).
+  const uint64_t reference =
+      engine.keeps_reference() ? params * (engine.config().compute.dtype == at::kFloat ? 4 : 2) : 0;
+  // fp32 master, m and v, the model, the reference, and 1% + 1 MiB for headers, JSON and metadata.
+  const uint64_t raw = state * 12 + model_bytes + reference;
   return raw + raw / 100 + (1ull << 20);
 }
 

@@ -11,6 +11,10 @@
 //                         shards state-0000i-of-0000n.safetensors + index
 //   config.json, model.safetensors   the model as transformers loads it
 //                         (bf16 by default; optional)
+//   reference.safetensors with EngineConfig::keep_reference: the starting
+//                         weights in the compute dtype, by model name
+//                         (engine/checkpoint/reference_copy.h); an engine
+//                         that keeps a reference refuses a checkpoint without
 // With LoRA (engine/model/lora.h) the state is the trained tensors' only (the
 // adapters, and the modules trained in full); the frozen base is the
 // engine's, from the model it was built on, and trainer_state.json keeps its

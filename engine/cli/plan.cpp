@@ -28,6 +28,7 @@ struct Options {
   bool schedule = false;
   std::string trace;  // the predicted steps' Chrome trace
   bool packed_documents = false;
+  bool keep_reference = false;  // the starting weights' copy, priced in host RAM
   // From the configuration's declaration (engine/config/config_fields.json).
   std::string nvme, dtype, matmul_accumulate, activations, optimizer_state, layer_pieces, devices, lora, base_format = "compute";
   int64_t seq = 0, micro_batch = 0, accumulation = 0, window = 0, vocab_shard_rows = 0, expert_pieces = 0, mlp_pieces = 0;
@@ -52,7 +53,14 @@ ModelSpec load_spec(const std::string& model) {
 struct Prediction {
   StepReport step;
   double lower_bound_s = 0;  // the busiest lane's own work: no schedule beats it
+  // A forward pass alone over a batch (DPO's reference scoring, a GRPO
+  // reference pass): where the objective or keep_reference runs one, else 0.
+  double forward_s = 0;
 };
+
+// Whether the run scores batches by forward passes beside its steps: DPO's
+// reference before the first step, or a kept reference copy streamed.
+bool scores_forward(const EngineConfig& c) { return c.objective.objective == "dpo" || c.keep_reference; }
 
 // --gpus N --link L: N data-parallel ranks, one GPU each, joined by L.
 //   pcie3, pcie4, pcie5: one machine, each GPU on its own x16 link of that
@@ -113,12 +121,31 @@ Prediction predict(const ModelSpec& spec, const Plan& plan, const PlanLimits& l,
                                .row = obj.takes_rows() ? rows.data() : nullptr,
                                .ref_logps = obj.takes_reference_tokens() ? tokens.data() : nullptr};
   Prediction p;
+  // Before any step, so that no update is pending: the pass alone.
+  if (scores_forward(cfg)) p.forward_s = e.priced_forward_pass(cfg.keep_reference);
   // The first steps fill the pipeline (no update to wait for yet); report the last.
   for (int64_t i = 0; i < std::max<int64_t>(o.steps, 2); ++i)
     p.step = e.step(ids.data(), labels.data(), nullptr, nullptr, obj.sft() ? nullptr : &inputs);
   if (trace && !o.trace.empty()) e.timeline().write_chrome_trace(o.trace);
   for (const LaneStats& ls : p.step.stats.lanes) p.lower_bound_s = std::max(p.lower_bound_s, ls.busy_s);
   return p;
+}
+
+// The predicted forward pass's line: what runs it, and what it costs per
+// the unit a user counts (DPO: pairs, a step's rows being N chosen then N
+// rejected; a GRPO reference pass: per step).
+std::string forward_pass_text(const PlanLimits& l, const nlohmann::json& out) {
+  const double fwd = out["forward_pass_s"].get<double>(), step = out["step_s"].get<double>();
+  const int64_t rows = l.micro_batch * l.accumulation;
+  if (l.objective.objective == "dpo")
+    return fmt::format("  reference pass (dpo): {:.3f} s per batch of {} sequences ({} pairs, {:.0f}% of a step), "
+                       "~{:.0f} s per 1000 pairs: `strider finetune --objective dpo` scores every pair of its data "
+                       "(and --eval-data) so before the first step",
+                       fwd, rows, rows / 2, 100.0 * fwd / step, fwd * 2000.0 / double(rows));
+  return fmt::format("  reference pass (keep_reference): {:.3f} s per batch of {} sequences streaming the starting "
+                     "weights (Engine.logprobs(..., reference=True)); with one a step, ~{:.3f} s and {:.0f} "
+                     "tokens/s (a logprobs pass of the current weights, for off-policy old_logps, costs the same)",
+                     fwd, rows, step + fwd, double(rows * l.seq) / (step + fwd));
 }
 
 // The plan's answer in one line, first: fits or not; predicted speed; GPU,
@@ -227,6 +254,7 @@ int run(Options& o) {
     for (int i = 0; i < kNumLanes; ++i)
       out["lane_busy_s"][std::string(lane_name(Lane(i)))] = r.stats.lanes[size_t(i)].busy_s;
     out["machine"] = o.predict;
+    if (pr.forward_s > 0) out["forward_pass_s"] = pr.forward_s;
     if (!o.trace.empty()) out["trace"] = o.trace;
     if (o.gpus > 1) {
       out["machine"] = rank_machine(o);
@@ -270,6 +298,7 @@ int run(Options& o) {
       for (const auto& [lane, busy] : out["lane_busy_s"].items())
         fmt::print("    {:>10}: {:.3f} s ({:.0f}% of the step)\n", lane, busy.get<double>(),
                    100.0 * busy.get<double>() / out["step_s"].get<double>());
+      if (out.contains("forward_pass_s")) fmt::print("{}\n", forward_pass_text(l, out));
     }
     if (!schedule.empty())
       fmt::print("\nOne training step's program ({} operations: index, lane, operation, what, what it waits "
@@ -328,6 +357,9 @@ std::function<int()> add_plan(CLI::App& app) {
   f.add(*c, "epsilon", o->epsilon);
   f.add(*c, "epsilon_high", o->epsilon_high);
   f.add(*c, "max_completion_length", o->max_completion_length);
+  f.add(*c, "keep_reference", o->keep_reference,
+        "full fine-tuning: price a frozen copy of the starting weights in RAM (strider.EngineConfig's "
+        "keep_reference, the reference model of Engine.logprobs(..., reference=True) for GRPO's KL)");
   f.add(*c, "clip_norm", o->clip,
         "global-norm clip (0: off); with clipping, NVMe-tier gradients are spilled to NVMe until the norm is known");
   c->add_option("--gpus", o->gpus,

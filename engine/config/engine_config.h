@@ -123,6 +123,12 @@ struct EngineConfig {
   // (sft), or an objective over the step's per-token log-probabilities
   // (gpu/blocks/objective.h: DPO, SimPO, ORPO, GRPO as TRL defines them).
   ObjectiveConfig objective;
+  // Full fine-tuning: a frozen copy of the starting compute copy in RAM
+  // (host/param_store.h, BlockState::reference), the reference model a
+  // reference pass (Engine::logprobs) streams in its place; every checkpoint
+  // holds it (engine/checkpoint/reference_copy.cpp). LoRA's reference is its
+  // frozen base without it.
+  bool keep_reference = false;
   at::ScalarType grad_dtype() const {
     return compute.dtype == at::kFloat || fp32_grad_transfer ? at::kFloat : at::kBFloat16;
   }

@@ -54,6 +54,7 @@ nlohmann::json engine_config_to_json(const EngineConfig& c) {
           {"saved_blocks", c.saved_blocks},
           {"keep_logits", c.keep_logits},
           {"packed_documents", c.packed_documents},
+          {"keep_reference", c.keep_reference},
           {"objective", c.objective.objective},
           {"loss_type", c.objective.loss_type},
           {"beta", c.objective.beta},
@@ -115,6 +116,7 @@ EngineConfig engine_config_from_json(const nlohmann::json& given, bool check_rul
   get("grad_ring", c.grad_ring);
   get("keep_logits", c.keep_logits);
   get("packed_documents", c.packed_documents);
+  get("keep_reference", c.keep_reference);
   get("objective", c.objective.objective);
   get("loss_type", c.objective.loss_type);
   get("beta", c.objective.beta);
@@ -160,6 +162,12 @@ std::vector<SettingsProblem> settings_problems(const EngineConfig& c) {
                    "layer_pieces empty", base, c.layer_pieces));
   for (ObjectiveProblem& p : objective_problems(c.objective, c.packed_documents))
     out.push_back({p.field, "", std::move(p.text)});
+  rule(!c.keep_reference || c.lora.empty(), "keep_reference", "lora",
+       "keep_reference with lora: LoRA's reference model is its frozen base, which the engine holds already; "
+       "leave keep_reference off");
+  rule(!c.keep_reference || c.nvme_compute_blocks.empty(), "keep_reference", "nvme_compute_blocks",
+       "keep_reference with compute copies on NVMe (nvme_compute_blocks): the reference copy lives in RAM only; "
+       "give more RAM, or leave keep_reference off");
   rule(c.mlp_pieces == 0 || c.saved_blocks.empty(), "mlp_pieces", "saved_blocks",
        fmt::format("mlp_pieces {} with saved_blocks: a layer cut into sub-layer pieces keeps no activations yet; "
                    "leave saved_blocks empty", c.mlp_pieces));

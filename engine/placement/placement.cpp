@@ -243,7 +243,8 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   }
   pl.store = {.grad_dtype = pl.grad_bytes == 4 ? DType::kF32 : DType::kBF16,
               .compute_dtype = host_dtype(c.compute.dtype),
-              .format = c.optimizer_state};
+              .format = c.optimizer_state,
+              .keep_reference = c.keep_reference};
 
   // Per piece: its slice, its update runs, its NVMe extents (of its slice, in the format's bytes).
   std::vector<size_t> staged(size_t(pl.blocks), 0);  // per block: its pieces' gradients so far, back to back

@@ -256,10 +256,15 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     if (l.nvme_dir.empty()) {
       p.feasible = false;
       p.reason = fmt::format("needs {} of pinned host RAM ({}: {:.4g} bytes per parameter of master, Adam m and v, "
-                             "plus the compute copy and gradient staging); the limit is {}; give an NVMe directory "
+                             "plus the compute copy{} and gradient staging); the limit is {}; give an NVMe directory "
                              "(--nvme) for the optimizer state{}",
                              format_bytes(f.host_bytes), state_format_name(l.optimizer_state),
-                             state_bytes_per_elem(l.optimizer_state), limit_text,
+                             state_bytes_per_elem(l.optimizer_state),
+                             l.keep_reference ? fmt::format(", the reference copy ({})",
+                                                            format_bytes(ParamStore::reference_bytes_needed(
+                                                                placed.store_blocks, placed.store)))
+                                              : "",
+                             limit_text,
                              l.optimizer_state == StateFormat::kFp32 ? ", or a smaller optimizer-state format" : "");
       return p;
     }
@@ -341,13 +346,18 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
     parts += fmt::format(" + {} device memory and ATen's runtime (host memory on the CPU device)",
                          format_bytes(on_device));
   if (staging > 0) parts += fmt::format(" + {} staging a block to load or save", format_bytes(staging));
+  p.reference_host_bytes = l.keep_reference ? ParamStore::reference_bytes_needed(placed.store_blocks, placed.store) : 0;
   const double params = double(spec.param_count());
   p.why.push_back(fmt::format("host: {} pinned, {} of it the training state ({:.2f} bytes per parameter: {} "
-                              "optimizer state, the compute copy{}, gradient staging); at its peak the process holds "
-                              "~{} ({})", format_bytes(f.host_bytes), format_bytes(p.host_bytes),
+                              "optimizer state, the compute copy{}, gradient staging{}); at its peak the process "
+                              "holds ~{} ({})", format_bytes(f.host_bytes), format_bytes(p.host_bytes),
                               double(p.host_bytes) / params, state_format_name(l.optimizer_state),
                               quantized ? fmt::format(" (the layers' frozen base in {})", base_format_name(l.base_format))
                                         : "",
+                              p.reference_host_bytes > 0
+                                  ? fmt::format(", the starting weights' reference copy {}",
+                                                format_bytes(p.reference_host_bytes))
+                                  : "",
                               format_bytes(p.host_peak_bytes), parts));
   return p;
 }

@@ -62,6 +62,7 @@ struct PlanLimits {
   BaseFormat base_format = BaseFormat::kCompute;  // EngineConfig::base_format: how a LoRA base is held
   int devices = 1;               // a pool's devices, each with device_bytes (EngineConfig::devices)
   bool packed_documents = false; // rows pack documents: a mask per row (EngineConfig::packed_documents)
+  bool keep_reference = false;   // a frozen copy of the starting weights in RAM (EngineConfig::keep_reference)
   ObjectiveConfig objective;     // what the step minimises (EngineConfig::objective)
   bool fp32_grad_transfer = false;  // gradients to the host in fp32 rather than the compute dtype
   bool fp16_accumulate = false;     // ComputeOptions::fp16_accumulate (priced by the machine's rate for it)
@@ -242,6 +243,7 @@ struct Plan {
   int64_t saved_layers = 0;
   uint64_t saved_bytes_per_layer = 0;
   uint64_t saved_host_bytes = 0;
+  uint64_t reference_host_bytes = 0;  // of host_bytes, the starting weights' frozen copy (keep_reference)
   ActivationCost layer_cost;
   // The head's logits kept on the device between its passes
   // (EngineConfig::keep_logits), and their bytes (counted whether kept or not).

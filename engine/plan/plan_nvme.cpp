@@ -27,7 +27,8 @@ size_t fewest(size_t all, Fits fits) {
 
 // Layers' compute copies may go to NVMe (placement.cpp refuses the rest by name).
 bool can_move_compute(const ModelSpec& spec, const PlanLimits& l) {
-  return spec.layers > 0 && !spec.lora.enabled() && l.state_shards <= 1;
+  // A kept reference copy lives in RAM only, beside a compute copy in RAM.
+  return spec.layers > 0 && !spec.lora.enabled() && l.state_shards <= 1 && !l.keep_reference;
 }
 
 uint64_t compute_copy_bytes(const ModelSpec& spec, const std::vector<int64_t>& blocks, int cbytes) {

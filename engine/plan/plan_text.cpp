@@ -75,9 +75,14 @@ std::string objective_reason(const ObjectiveConfig& o) {
       "objective {}: one operation between the head's two passes maps the step's log-probabilities to the loss "
       "and each token's gradient (its inputs and coefficients are in the device figure){}",
       o.objective,
-      o.objective == "dpo" || o.objective == "grpo"
-          ? "; the reference's log-probabilities are not priced: `strider finetune --objective dpo` computes them "
-            "in one forward pass over every pair before the first step, Python passes them to each step"
+      o.objective == "dpo"
+          ? "; a step's rows are N chosen sequences then their N rejected ones; the reference's log-probabilities "
+            "come from one forward pass over every pair before the first step (`strider finetune --objective dpo`; "
+            "Python passes them to each step), priced with --predict"
+      : o.objective == "grpo"
+          ? "; the reference's log-probabilities (beta > 0) come from Python: Engine.logprobs(..., reference=True) "
+            "over the frozen base with LoRA, or with --keep-reference over the starting weights' copy in RAM, "
+            "priced with --predict"
           : "");
 }
 
@@ -103,6 +108,7 @@ void PlanLimits::take_settings(const EngineConfig& c) {
   grad_ring = c.grad_ring;
   optimizer_state = c.optimizer_state;
   packed_documents = c.packed_documents;
+  keep_reference = c.keep_reference;
   objective = c.objective;
   state_shards = c.state_shards;
 }
@@ -133,6 +139,7 @@ EngineConfig Plan::engine_config(const PlanLimits& l) const {
   c.saved_blocks = saved_blocks;
   c.keep_logits = keep_logits;
   c.packed_documents = l.packed_documents;
+  c.keep_reference = l.keep_reference;
   c.objective = l.objective;
   c.state_shards = l.state_shards;
   if (l.shared_compute) c.shared_compute_file = "(shared memory)";  // its size is what counts here; the run names it
@@ -154,7 +161,7 @@ nlohmann::json Plan::to_json() const {
           {"base_format", base_format_name(base_format)}, {"other_formats", other_formats_json(other_formats)},
           {"activations", activation_mode_name(activations)}, {"saved_layers", saved_layers},
           {"saved_blocks", saved_blocks}, {"saved_bytes_per_layer", saved_bytes_per_layer},
-          {"saved_host_bytes", saved_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},
+          {"saved_host_bytes", saved_host_bytes}, {"reference_host_bytes", reference_host_bytes}, {"keep_logits", keep_logits}, {"logits_bytes", logits_bytes},
           {"link_hide_tokens", link_hide_tokens}, {"expert_pieces_tried", expert_trials_json(expert_trials)},
           {"activation_cost", {{"recompute_s", layer_cost.recompute_s}, {"saved_s", layer_cost.saved_s},
                                {"pays", layer_cost.pays()}}},

@@ -297,4 +297,28 @@ void Engine::inject_nonfinite_gradient(int64_t b) {
   core.fault_block_ = b;  // the next training pass's job takes it
 }
 
+// The reference copy (keep_reference): the weights before the first step
+// changes them, or as a checkpoint's load writes them.
+void EngineCore::ensure_reference() {
+  if (!config_->keep_reference || reference_taken_ || priced()) return;
+  STRIDER_CHECK(passes_ == 0, "internal: the reference copy is taken after {} passes changed the weights", passes_);
+  settle_compute();  // data parallel with a shared compute copy: every rank's slices written
+  store_->take_reference();
+  reference_taken_ = true;
+}
+
+bool Engine::keeps_reference() const { return core_->config_->keep_reference; }
+
+std::span<std::byte> Engine::reference_copy(int64_t b) {
+  EngineCore& core = *core_;
+  STRIDER_CHECK(!simulated(), "reference_copy: a simulated engine holds no parameters");
+  STRIDER_CHECK(core.config_->keep_reference, "reference_copy: this engine keeps no reference copy (keep_reference)");
+  STRIDER_CHECK(b >= 0 && b < core.place_.blocks, "reference_copy: block {} out of range (the model has {} blocks)", b,
+                core.place_.blocks);
+  finish_updates();
+  core.ensure_reference();
+  core.reference_taken_ = true;  // a load writes it now
+  return core.store_->block(size_t(b)).reference;
+}
+
 }  // namespace strider

@@ -192,8 +192,9 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
   const std::vector<int64_t> segs = visit_segments(v);
   Seat& st = seat(v);
   Device& dev = *st.device;
-  for (int64_t p : segs)
-    if (updates(p)) host_->after_update(p, dev);
+  for (int64_t p : segs)  // the kept reference copy waits for no update of the compute copy
+    if (updates(p) && !(reference_pass_ && !store_->block(size_t(piece(p).block)).reference.empty()))
+      host_->after_update(p, dev);
   if (const int k = v.as<SlotArgs>().slot; k >= 0) {
     ComputeSlot& slot = compute_slots_[size_t(k)];
     STRIDER_CHECK(slot.block == v.block, "internal: visit {} loads block {} from compute staging slot {}, which "
@@ -212,6 +213,8 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
     const bool quantized = piece(r.piece).quantized;
     std::byte* to = static_cast<std::byte*>(u.params_bf16) + unit_at * place_.compute_bytes;
     const BlockState& s = store_->block(size_t(block));
+    // A reference pass in full training streams the kept starting weights instead.
+    const bool reference = reference_pass_ && !s.reference.empty();
     if (!s.compute_on_host) {
       // The piece's runs adjacent in its coordinates (the staging's) and in
       // the unit go as one copy: a sub-layer MLP slice's rows of down_proj.
@@ -247,12 +250,13 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
            ++i, ++rows)
         if (rows == 1) stride = layout[i].run.block - from;
     if (rows > 1) {
-      auto bytes = s.compute_range(from, stride * (rows - 1) + n);
+      auto bytes = reference ? s.reference_range(from, stride * (rows - 1) + n)
+                             : s.compute_range(from, stride * (rows - 1) + n);
       dev.copy_h2d_rows(StreamId::kH2D, to, n * place_.compute_bytes, bytes.data(), stride * place_.compute_bytes,
                         n * place_.compute_bytes, rows, {"h2d params", int32_t(block)});
       continue;
     }
-    auto bytes = s.compute_range(from, n);
+    auto bytes = reference ? s.reference_range(from, n) : s.compute_range(from, n);
     dev.copy_h2d(StreamId::kH2D, to, bytes.data(), bytes.size(), {"h2d params", int32_t(block)});
   }
   if (v.as<SlotArgs>().slot >= 0) {  // the slot may be read into again once these copies are done

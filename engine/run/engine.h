@@ -92,6 +92,13 @@ class Engine {
   // starts there.
   std::span<std::byte> compute_copy(int64_t block);
   size_t compute_begin(int64_t block) const;
+  // EngineConfig::keep_reference: block b's frozen copy of the starting
+  // weights, laid out as its compute copy (the reference model a reference
+  // pass streams; a checkpoint saves and loads it). Taken from the compute
+  // copy at the first step, reference pass or save that needs it; a load
+  // writes it. Refused when the engine keeps none.
+  bool keeps_reference() const;
+  std::span<std::byte> reference_copy(int64_t block);
   // Block b's weights as a model file in `file_dtype` should hold them
   // (total_elems floats): for a bf16 file with a bf16 compute copy, the
   // compute copy's values (what the model computes with; the q8 format rounds
@@ -131,10 +138,18 @@ class Engine {
   // as step()'s (data parallel: every rank calls it, each with its rows, as
   // evaluate); a batch with no label gives zeros. `reference`: under the
   // reference model, which for LoRA is the frozen base (the layers run
-  // without their adapters, as PEFT's disable_adapter()); refused without
-  // LoRA, or with modules trained in full (their starting values are gone).
+  // without their adapters, as PEFT's disable_adapter()), refused with
+  // modules trained in full (their starting values are gone); in full
+  // training the starting weights' frozen copy (keep_reference) streams in
+  // the compute copy's place, refused where none is kept.
   std::vector<float> logprobs(const int64_t* ids, const int64_t* labels, const int64_t* positions = nullptr,
                               const int64_t* attention_mask = nullptr, bool reference = false);
+  // A simulated engine (a SimDevice): the seconds one pass without a
+  // gradient over a batch takes on its machine (logprobs' and evaluate's
+  // pass; `reference`: the reference model's, whose loads wait for no
+  // update), from its devices' virtual clocks. Call it before the first step
+  // for the pass alone: after steps it waits for their last updates.
+  double priced_forward_pass(bool reference);
   // An objective past SFT's loss over a batch with no update (evaluate's
   // pass, then the objective's map): the loss as step() would report it, and
   // its figures under TRL's names. Inputs as step()'s; data parallel: every

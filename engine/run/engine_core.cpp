@@ -229,6 +229,7 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t
   rep.tokens = core.config_->batch() * core.config_->seq;
   for (EngineCore::Seat& st : core.seats_) st.device->reset_work_peak();  // no compute op is in flight between steps
   core.settle_compute();
+  core.ensure_reference();  // before this step's updates change the weights
   check_objective_inputs(core.objective_, objective, labels, core.config_->batch(), core.config_->seq,
                          core.config_->objective.objective);
   core.upload_batch(ids, labels, positions, attention);
@@ -298,63 +299,6 @@ StepReport Engine::step(const int64_t* ids, const int64_t* labels, const int64_t
   rep.tokens_per_s = double(rep.tokens) / rep.step_s;
   rep.stats = core.timeline_.stats(begin, t1);
   return rep;
-}
-
-double Engine::evaluate(const int64_t* ids, const int64_t* labels, const int64_t* positions,
-                        const int64_t* attention) {
-  EngineCore& core = *core_;
-  STRIDER_CHECK(!simulated(), "evaluate: a simulated engine computes no loss");
-  core.check_usable("evaluate");
-  core.eval_pass(ids, labels, positions, attention);
-  const auto [loss, valid] = core.pass_loss(false);
-  core.collect_device_spans();
-  STRIDER_CHECK(valid > 0, "evaluate: the batch has no label other than -100");
-  return loss;
-}
-
-std::vector<float> Engine::logprobs(const int64_t* ids, const int64_t* labels, const int64_t* positions,
-                                   const int64_t* attention, bool reference) {
-  EngineCore& core = *core_;
-  STRIDER_CHECK(!simulated(), "logprobs: a simulated engine computes no log-probability");
-  core.check_usable("logprobs");
-  const LoraSpec& lora = core.spec_.lora;
-  // Refused before any work, as a batch is (the caller may go on).
-  if (reference && !lora.enabled())
-    throw BatchRefused("logprobs: the reference model is LoRA's frozen base; this engine trains every parameter, "
-                       "and its starting weights are not kept");
-  if (reference && !lora.train.empty())
-    throw BatchRefused(fmt::format("logprobs: the reference model is LoRA's frozen base, but {} train in full "
-                                   "(modules_to_save) and their starting values are not kept",
-                                   fmt::join(lora.train, ", ")));
-  core.reference_pass_ = reference;
-  try {
-    core.eval_pass(ids, labels, positions, attention);
-  } catch (...) {
-    core.reference_pass_ = false;
-    throw;
-  }
-  core.reference_pass_ = false;
-  // The last head shard's device holds each micro-batch's whole pass-1 state:
-  // the label's logit and the log-sum-exp, whose difference is the token's
-  // log-probability (the loss sums their negatives).
-  const EngineCore::Seat& st = core.seats_[size_t(core.place_.last_head_device())];
-  std::vector<float> out;
-  out.reserve(size_t(core.config_->batch() * core.config_->seq));
-  for (const EngineCore::MicroBatch& x : st.mb) {
-    const at::Tensor lp = (x.head.target - x.head_lse).masked_fill(x.labels.view({-1}) == -100, 0.0f).cpu();
-    const float* p = lp.data_ptr<float>();
-    out.insert(out.end(), p, p + lp.numel());
-  }
-  core.collect_device_spans();
-  return out;
-}
-
-void EngineCore::eval_pass(const int64_t* ids, const int64_t* labels, const int64_t* positions,
-                           const int64_t* attention) {
-  settle_compute();
-  upload_batch(ids, labels, positions, attention);
-  run_pass(eval_program_);
-  synchronize_devices(StreamId::kCompute);
 }
 
 std::pair<double, int64_t> EngineCore::pass_loss(bool objective) {

@@ -183,7 +183,14 @@ class EngineCore {
   void upload_batch(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
   // evaluate's and logprobs' pass over a batch: the head's pass-1 state complete on its devices.
   void eval_pass(const int64_t* ids, const int64_t* labels, const int64_t* positions, const int64_t* attention);
-  bool reference_pass_ = false;  // the eval pass runs the layers without their LoRA adapters (Engine::logprobs)
+  // The eval pass runs the reference model (Engine::logprobs): the layers
+  // without their LoRA adapters, or the kept starting weights
+  // (BlockState::reference) loaded in the compute copy's place.
+  bool reference_pass_ = false;
+  // keep_reference: whether the reference copy holds the starting weights
+  // yet (taken before the first step changes them, or loaded).
+  bool reference_taken_ = false;
+  void ensure_reference();
   // The load-balancing loss's share of a batch with padding: per micro-batch
   // its router rows (input tokens x sparse layers) and whether it has padding
   // (its MoeStep::valid); the micro-batches with an input token on every rank.

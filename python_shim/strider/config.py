@@ -451,6 +451,12 @@ class EngineConfig(_Methods):
     max_completion_length: int = 0
     """grpo dr_grpo: the loss is divided by rows x this"""
 
+    keep_reference: bool = False
+    """full fine-tuning: keep a frozen copy of the starting weights in RAM (2 bytes a parameter in bf16; every
+    checkpoint holds it), the reference model that Engine.logprobs(..., reference=True) streams through the
+    window in their place, for GRPO's KL with beta > 0 or DPO's reference; LoRA's reference is its frozen base
+    without it"""
+
     activations: Literal['auto', 'recompute', 'saved'] = 'auto'
     """what a decoder layer's backward starts from: recompute (its forward again, from its checkpoint), saved (its
     projections' outputs, kept in pinned host RAM as far as RAM allows), or auto (saved where that pays; the

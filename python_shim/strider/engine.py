@@ -461,8 +461,8 @@ class Engine:
         With an objective past sft (EngineConfig.objective), as TRL 1.16 defines it:
         dpo, simpo, orpo: the rows are N chosen sequences followed by their N rejected ones (TRL's
         concatenated order), the prompt's labels -100; dpo takes ref_logps, [rows]: each row's log-probability
-        sum under the reference model (engine.logprobs(..., reference=True) for LoRA, or from the starting
-        weights). grpo: advantages [rows], old_logps [rows, length - 1] (the sampling policy's per-token
+        sum under the reference model (engine.logprobs(..., reference=True): LoRA's frozen base, or with
+        keep_reference the starting weights). grpo: advantages [rows], old_logps [rows, length - 1] (the sampling policy's per-token
         log-probabilities, as logprobs(per_token=True) gives them; None: on-policy) and, with beta > 0,
         ref_logps [rows, length - 1]. The result's metrics hold TRL's figures."""
         ids, lab, pos, mask = self._prepare("step", input_ids, labels, attention_mask, position_ids)
@@ -494,8 +494,9 @@ class Engine:
         them) of log p(label | prefix), float32 [rows]; per_token=True: [rows, length - 1], 0 where the
         target is -100 or padding. Arguments as evaluate's; a row without a target sums to 0. TRL's DPO
         and GRPO take these sums and per-token values. reference=True: under the reference model, which for
-        a PEFT LoRA model is its frozen base (as under PEFT's disable_adapter()); refused without LoRA, or
-        with modules_to_save (their starting values are not kept)."""
+        a PEFT LoRA model is its frozen base (as under PEFT's disable_adapter()), refused with modules_to_save
+        (their starting values are not kept); in full fine-tuning the starting weights, from the frozen copy
+        EngineConfig(keep_reference=True) keeps (in RAM and in every checkpoint), refused without it."""
         ids, lab, pos, mask = self._prepare("logprobs", input_ids, labels, attention_mask, position_ids)
         shape = torch.as_tensor(input_ids).shape  # _prepare took it: [length] or [rows, length]
         rows, length = (1, shape[0]) if len(shape) == 1 else shape

@@ -112,6 +112,43 @@ TEST_CASE("an fp32 compute copy follows the master exactly", "[host][store]") {
   CHECK_THROWS_WITH(store.compute_of(0, "model.layers.0.input_layernorm.weight"), Catch::Contains("F32"));
 }
 
+TEST_CASE("a kept reference copy is the compute copy as taken, and stays so while the compute copy moves",
+          "[host][store]") {
+  std::vector<BlockSpec> blocks{{layer_layout("model.layers.0", 8), true}, {layer_layout("model.layers.1", 4), true}};
+  StoreOptions opts{.grad_dtype = DType::kBF16, .compute_dtype = DType::kBF16};
+  const size_t without = ParamStore::bytes_needed(blocks, opts);
+  CHECK(ParamStore::reference_bytes_needed(blocks, opts) == 0);
+  opts.keep_reference = true;
+  const size_t copies = ParamStore::reference_bytes_needed(blocks, opts);
+  CHECK(copies == ParamStore::compute_bytes_needed(blocks, opts));
+  CHECK(ParamStore::bytes_needed(blocks, opts) == without + copies);
+  PinnedArena arena(ParamStore::bytes_needed(blocks, opts), {.lock = LockPolicy::kNone, .huge_pages = false});
+  ParamStore store(blocks, opts, arena);
+  for (size_t b = 0; b < 2; ++b) {
+    BlockState& s = store.block(b);
+    REQUIRE(s.reference.size() == s.compute_bytes().size());
+    for (size_t i = 0; i < s.master.size(); ++i) s.master[i] = float(i % 7) - 3.0f + 0.25f * float(b);
+    store.refresh_compute(b);
+  }
+  store.take_reference();
+  BlockState& s = store.block(1);
+  std::vector<std::byte> taken(s.reference.begin(), s.reference.end());
+  CHECK(std::equal(taken.begin(), taken.end(), s.compute_bytes().begin()));
+  for (float& m : s.master) m += 1.0f;  // an update
+  store.refresh_compute(1);
+  CHECK(std::equal(taken.begin(), taken.end(), s.reference.begin()));
+  CHECK_FALSE(std::equal(taken.begin(), taken.end(), s.compute_bytes().begin()));
+  // The same elements as compute_range: element 5 onwards, 3 of them.
+  CHECK(s.reference_range(5, 3).data() == s.reference.data() + 5 * 2);
+  CHECK(s.reference_range(5, 3).size() == 3 * 2);
+  StoreOptions none{.grad_dtype = DType::kBF16, .compute_dtype = DType::kBF16};
+  PinnedArena small(ParamStore::bytes_needed(blocks, none), {.lock = LockPolicy::kNone, .huge_pages = false});
+  ParamStore plain(blocks, none, small);
+  CHECK(plain.block(0).reference.empty());
+  CHECK_THROWS_WITH(plain.block(0).reference_range(0, 1), Catch::Contains("keeps no reference copy"));
+  CHECK_THROWS_WITH(plain.take_reference(), Catch::Contains("keeps no reference copy"));
+}
+
 TEST_CASE("a store keeps the state of its slice of a block only, with the whole compute copy", "[host][store]") {
   const ParamLayout l = layer_layout("model.layers.0", 16);
   const size_t n = l.total_elems(), lo = 256, hi = 512;

@@ -98,7 +98,7 @@ def test_the_reference_of_a_lora_model_is_its_frozen_base_as_peft_disables_its_a
     engine.finish()
 
     full = strider.Engine(make_model(), config())
-    with pytest.raises(ValueError, match="reference model is LoRA's frozen base; this engine trains every"):
+    with pytest.raises(ValueError, match="keeps no copy of its starting weights; build it with keep_reference"):
         full.logprobs(ids, labels, mask, reference=True)
     assert full.step(*batches[0]).loss > 0  # the engine goes on
     full.finish()
