@@ -357,7 +357,8 @@ def test_two_data_parallel_ranks_train_as_one_process(tmp_path):
     """Data parallel from Python (2 processes of a Gloo group, as test_engine_aliasing's): each rank steps on its
     own rows of each batch (DPO: one pair each; GRPO: two rollouts each), one process on all of them. DPO's
     mean over pairs and GRPO's (grpo: over rows; dapo: over every rank's target tokens) are global: the
-    ranks' losses and weights are the one process's, to fp32 summation order."""
+    ranks' losses and weights are the one process's, to fp32 summation order; so are GRPO's with its KL term
+    against each rank's kept copy of the starting weights (keep_reference)."""
     code = """
         import json
         import strider
@@ -366,7 +367,8 @@ def test_two_data_parallel_ranks_train_as_one_process(tmp_path):
         data = pair_batches(500)
         start = make_model(seed=3)
         losses = {}
-        for objective, over in (("dpo", {}), ("grpo", {"loss_type": "grpo"}), ("grpo", {})):
+        for key, objective, over in (("dpo", "dpo", {}), ("grpogrpo", "grpo", {"loss_type": "grpo"}), ("grpo", "grpo", {}),
+                                     ("grpo-kept-reference", "grpo", {"beta": 0.04, "keep_reference": True})):
             model = make_model()
             engine = strider.Engine(model, config(objective=objective, micro_batch=2, accumulation=2 // world,
                                                   **over))
@@ -379,10 +381,11 @@ def test_two_data_parallel_ranks_train_as_one_process(tmp_path):
                     kw = {"ref_logps": frozen_logps(start, batch).sum(1)[rows]}
                 else:
                     kw = {"advantages": torch.linspace(-1.5, 1, BATCH)[rows] * (i + 1)}
+                if over.get("keep_reference"):  # each rank scores its own rows under the kept starting weights
+                    kw["ref_logps"] = engine.logprobs(ids, labels, mask, per_token=True, reference=True)
                 r = engine.step(ids, labels, mask, **kw)
                 got.append([r.loss, r.grad_norm, r.metrics])
             engine.finish()
-            key = objective + over.get("loss_type", "")
             losses[key] = got
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}-{key}-{rank}.pt")
         print(json.dumps(losses))
