@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <limits>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "engine/cli/cli.h"
@@ -154,21 +156,28 @@ std::string forward_pass_text(const PlanLimits& l, const nlohmann::json& out) {
 std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json& out, const Options& o) {
   if (!p.feasible) return "does not fit: " + p.reason;
   std::string speed = "no prediction (--predict none)";
-  if (out.contains("step_s") && !out["step_s"].is_null())
+  if (out.contains("step_s") && !out["step_s"].is_null()) {
     speed = fmt::format("{:.0f} tokens/s, {:.3f} s/step predicted on {}{}", out["tokens_per_s"].get<double>(),
                         out["step_s"].get<double>(), o.predict,
                         (l.devices > 1 ? fmt::format(" x {} devices in one process", l.devices) : std::string()) +
                             (o.gpus > 1 ? fmt::format(" x {} GPUs", o.gpus) : std::string()));
+    if (out["critical_lane"] == "optimizer") speed += ", bound by the host optimizer";
+    if (out.contains("accumulation_advice")) {
+      const nlohmann::json& a = out["accumulation_advice"];
+      if (a["accumulation"].get<int64_t>() != l.accumulation)
+        speed += fmt::format(" (--accumulation {}: {:.0f} tokens/s, {:.0f}% of the best of 1 to {})",
+                             a["accumulation"].get<int64_t>(), a["tokens_per_s"].get<double>(),
+                             100.0 * a["tokens_per_s"].get<double>() / a["best_tokens_per_s"].get<double>(),
+                             kMaxAdvisedAccumulation);
+    }
+  }
   std::string nvme = "NVMe: none";
   if (p.nvme_bytes > 0) {
     nvme = fmt::format("NVMe {}", format_bytes(p.nvme_bytes));
-    std::error_code ec;
-    if (!o.nvme.empty() && std::filesystem::exists(o.nvme, ec)) {
-      const auto room = std::filesystem::space(o.nvme, ec);
-      if (!ec)
-        nvme += fmt::format(" of {} free under {}{}", format_bytes(room.available), o.nvme,
-                            room.available < p.nvme_bytes ? " (NOT ENOUGH: strider finetune would refuse)" : "");
-    }
+    if (!out["nvme_free_bytes"].is_null())
+      nvme += fmt::format(" of {} free under {}", format_bytes(out["nvme_free_bytes"].get<uint64_t>()), o.nvme);
+    else if (!o.nvme.empty())
+      nvme += fmt::format(" under {}, which is not a folder here: its free space is not checked", o.nvme);
   }
   return fmt::format("fits: {}; GPU {} of {}{}; RAM {}{}; {}", speed, format_bytes(p.device_peak_bytes),
                      format_bytes(l.device_bytes), l.devices > 1 ? fmt::format(" on each of {} devices", l.devices) : "",
@@ -226,7 +235,45 @@ int run(Options& o) {
     p = fastest_expert_pieces(spec, l, std::move(p), [&](const Plan& q, const PlanLimits& ql) {
       return predict(spec, q, ql, o, false).step.tokens_per_s;
     });
+  // An NVMe folder too small for what the plan puts there: strider finetune
+  // would refuse, and so does the plan (its JSON as its first line).
+  // A folder that does not exist here is another machine's (a plan made
+  // ahead): its space is not checked, and the answer says so.
+  std::optional<uint64_t> nvme_free;
+  if (std::error_code ec; !o.nvme.empty() && std::filesystem::is_directory(o.nvme, ec)) {
+    const auto room = std::filesystem::space(o.nvme, ec);
+    if (!ec) nvme_free = room.available;
+  }
+  if (p.feasible && p.nvme_bytes > 0 && nvme_free && *nvme_free < p.nvme_bytes) {
+    p.feasible = false;
+    p.reason = fmt::format("the plan puts {} of optimizer state under --nvme {}, which has {} free; free space "
+                           "there, or name a larger folder",
+                           format_bytes(p.nvme_bytes), o.nvme, format_bytes(*nvme_free));
+  }
+  // What the plan advises: the accumulation worth running at, or what would make a refused plan fit.
+  const PlanSpeed speed = !predicting ? PlanSpeed() : PlanSpeed([&](const Plan& q, const PlanLimits& ql) {
+    // An option of LoRA over the model trains another model than the one asked about.
+    const ModelSpec trained = ql.lora == l.lora ? spec : load_spec(o.model).with_lora(ql.lora, "--lora");
+    return predict(trained, q, ql, o, false).step.tokens_per_s * double(o.gpus);
+  });
+  const std::optional<AccumulationAdvice> advice = p.feasible ? advise_accumulation(spec, l, speed) : std::nullopt;
+  const std::vector<FitOption> fits_with = p.feasible ? std::vector<FitOption>{} : fitting_options(spec, l, speed, nvme_free);
   nlohmann::json out = p.to_json();
+  out["nvme_free_bytes"] = nvme_free ? nlohmann::json(*nvme_free) : nlohmann::json();
+  if (advice) {
+    nlohmann::json trials = nlohmann::json::array();
+    for (const auto& [acc, tps] : advice->trials) trials.push_back({{"accumulation", acc}, {"tokens_per_s", tps}});
+    out["accumulation_advice"] = {{"accumulation", advice->accumulation}, {"tokens_per_s", advice->tokens_per_s},
+                                  {"best_accumulation", advice->best_accumulation},
+                                  {"best_tokens_per_s", advice->best_tokens_per_s}, {"trials", trials}};
+  }
+  if (!p.feasible) {
+    out["fits_with"] = nlohmann::json::array();
+    for (const FitOption& f : fits_with)
+      out["fits_with"].push_back({{"change", f.change}, {"host_peak_bytes", f.host_peak_bytes},
+                                  {"nvme_bytes", f.nvme_bytes},
+                                  {"tokens_per_s", f.tokens_per_s > 0 ? nlohmann::json(f.tokens_per_s) : nlohmann::json()}});
+  }
   out["model"] = spec.summary();
   out["seq"] = l.seq;
   out["micro_batch"] = l.micro_batch;
@@ -279,8 +326,13 @@ int run(Options& o) {
   if (o.json) {
     fmt::print("{}\n", out.dump());
   } else {
-    fmt::print("{}\n{}\n{}{}{}", answer_line(p, l, out, o), spec.summary(), demo.empty() ? "" : "  " + demo + "\n",
-               ram == 0 ? "" : "  RAM: " + ram_headroom_text("--ram", ram) + "\n", p.explain());
+    std::string options;
+    for (const FitOption& f : fits_with) options += "  " + fit_option_text(f) + "\n";
+    if (!p.feasible && fits_with.empty()) options = "  no single change of --optimizer-state, --nvme, --lora, "
+                                                    "--base-format, --accumulation or --micro-batch makes it fit\n";
+    fmt::print("{}\n{}{}\n{}{}{}", answer_line(p, l, out, o), options, spec.summary(),
+               demo.empty() ? "" : "  " + demo + "\n", ram == 0 ? "" : "  RAM: " + ram_headroom_text("--ram", ram) + "\n",
+               p.explain());
     if (o.gpus > 1)
       fmt::print("  data parallel: {} GPUs on {} ({}): each rank plans the above with 1/{} of master, m and v; {}\n",
                  o.gpus, o.link, one_machine ? "one machine" : "a machine each", o.gpus,
@@ -314,8 +366,8 @@ std::function<int()> add_plan(CLI::App& app) {
   auto o = std::make_shared<Options>();
   CLI::App* c = app.add_subcommand("plan", "print the plan for a model and a machine, without running");
   c->add_option("--model", o->model,
-                "config.json, a checkpoint directory, or a preset (builtin, llama-3.1-8b, llama-3.1-70b, "
-                "qwen2.5-14b, qwen2.5-32b, qwen2.5-72b, mistral-large-123b)")
+                fmt::format("config.json, a checkpoint directory, a Hub id in the local Hugging Face cache, or a "
+                            "preset: {}", fmt::join(model_preset_names(), ", ")))
       ->capture_default_str();
   o->gpu_option = c->add_option("--gpu", o->gpu,
                                 "device memory (e.g. 24GiB); unset: the --predict preset's (its board less 0.5 GiB), "

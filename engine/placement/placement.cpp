@@ -110,7 +110,8 @@ void count_host(const ModelSpec& spec, const EngineConfig& c, Placement& pl) {
   if (!c.objective.sft())  // an objective's per-row inputs and figures
     f.host_bytes += round_up(objective_in_elems(c.batch(), c.seq) * 4, kHostAlign) +
                     round_up(kObjectiveStats * 8, kHostAlign);
-  if (c.checkpoints_on_host) f.host_bytes += uint64_t(pl.head) * M * round_up(pl.act_bytes, kHostAlign);
+  f.checkpoint_host_bytes = c.checkpoints_on_host ? uint64_t(pl.head) * M * round_up(pl.act_bytes, kHostAlign) : 0;
+  f.host_bytes += f.checkpoint_host_bytes;
   // A pool's hand-off buffers, per micro-batch: a block's input or output
   // gradient; with the head spread, its per-token state (3 fp32 per token),
   // its log-sum-exp and its hidden gradient (fp32) too (EngineCore::Hand).

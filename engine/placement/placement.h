@@ -43,6 +43,7 @@ struct EngineFootprint {
   int64_t saved_layers = 0;         // layers whose activations are kept (EngineConfig::saved_blocks)
   uint64_t saved_bytes_per_layer = 0;  // host bytes one such layer keeps, all micro-batches of a step
   uint64_t saved_host_bytes = 0;    // host bytes of all kept activations (part of host_bytes)
+  uint64_t checkpoint_host_bytes = 0;  // host bytes of the block inputs kept for the backward (checkpoints_on_host)
   uint64_t logits_bytes = 0;        // device bytes of the kept logits (part of activation_bytes; a pool: the largest device's)
   uint64_t device_bytes = 0;        // pool + activations: every device allocation (a pool: its largest device's)
   uint64_t hand_off_bytes = 0;      // a pool: pinned host buffers the devices hand block outputs and

@@ -85,6 +85,31 @@ uint64_t rest_of_process(const ModelSpec& spec, const PlanLimits& l, bool nvme_s
   return l.process_bytes + device + staging;
 }
 
+// The pinned arena's parts, largest first: what a refusal names, so that
+// the largest is the first a user reads ("141 GiB of block inputs kept for
+// the backward", not the optimizer state's 12 bytes per parameter).
+std::string host_parts_text(const EngineFootprint& f, const Placement& placed, const PlanLimits& l) {
+  const uint64_t compute = ParamStore::compute_bytes_needed(placed.store_blocks, placed.store);
+  const uint64_t reference = ParamStore::reference_bytes_needed(placed.store_blocks, placed.store);
+  std::vector<std::pair<uint64_t, std::string>> parts = {
+      {f.optimizer_host_bytes, fmt::format("the optimizer state ({}: master, Adam m and v at {:.4g} bytes per "
+                                           "parameter)", state_format_name(l.optimizer_state),
+                                           state_bytes_per_elem(l.optimizer_state))},
+      {compute, "the compute copy"},
+      {f.checkpoint_host_bytes,
+       fmt::format("the block inputs kept for the backward ({} micro-batches x every layer at seq {}: "
+                   "--accumulation, --micro-batch and --seq set it)", l.accumulation, l.seq)},
+      {reference, "the starting weights' reference copy (--keep-reference)"}};
+  uint64_t named = 0;
+  for (const auto& [bytes, what] : parts) named += bytes;
+  parts.push_back({f.host_bytes - std::min(f.host_bytes, named), "gradient staging and buffers"});
+  std::stable_sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> text;
+  for (const auto& [bytes, what] : parts)
+    if (bytes > 0) text.push_back(fmt::format("{} {}", format_bytes(bytes), what));
+  return fmt::format("{}", fmt::join(text, ", "));
+}
+
 // `nvme_staging`: count one block's staging for a save of NVMe-tier state
 // against the host RAM limit (place() asks again with it when the first
 // placement put blocks on NVMe).
@@ -255,17 +280,11 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   if (arena_limit > 0 && f.host_bytes > arena_limit) {
     if (l.nvme_dir.empty()) {
       p.feasible = false;
-      p.reason = fmt::format("needs {} of pinned host RAM ({}: {:.4g} bytes per parameter of master, Adam m and v, "
-                             "plus the compute copy{} and gradient staging); the limit is {}; give an NVMe directory "
-                             "(--nvme) for the optimizer state{}",
-                             format_bytes(f.host_bytes), state_format_name(l.optimizer_state),
-                             state_bytes_per_elem(l.optimizer_state),
-                             l.keep_reference ? fmt::format(", the reference copy ({})",
-                                                            format_bytes(ParamStore::reference_bytes_needed(
-                                                                placed.store_blocks, placed.store)))
-                                              : "",
-                             limit_text,
-                             l.optimizer_state == StateFormat::kFp32 ? ", or a smaller optimizer-state format" : "");
+      p.reason = fmt::format("needs {} of pinned host RAM ({}); the limit is {}; give an NVMe directory (--nvme) "
+                             "for the optimizer state{}",
+                             format_bytes(f.host_bytes), host_parts_text(f, placed, l), limit_text,
+                             l.optimizer_state == StateFormat::kFp32 ? ", or hold it in 8 bits (--optimizer-state q8)"
+                                                                     : "");
       return p;
     }
     if (!place_on_nvme(spec, l, lim, p, f, arena_limit, limit_text)) return p;

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -276,6 +277,40 @@ struct Plan {
 // fastest of fewer pieces by at least 1%. Otherwise `base` as it is.
 using PlanSpeed = std::function<double(const Plan&, const PlanLimits&)>;
 Plan fastest_expert_pieces(const ModelSpec& spec, const PlanLimits& limits, Plan base, const PlanSpeed& tokens_per_s);
+
+// What the plan advises beside its answer (engine/plan/plan_advice.cpp),
+// from `tokens_per_s` (strider plan's simulated machine; empty: fit only).
+//
+// The accumulation worth running at: the smallest of 1, 2, 4, ..., 256 (at
+// the limits' micro-batch) whose predicted speed reaches 90% of the best in
+// that range (larger batches keep the link and the host optimizer busier,
+// each step longer). Empty where no accumulation fits or nothing predicts.
+struct AccumulationAdvice {
+  int64_t accumulation = 0;
+  double tokens_per_s = 0;
+  int64_t best_accumulation = 0;
+  double best_tokens_per_s = 0;
+  std::vector<std::pair<int64_t, double>> trials;  // each accumulation that fits, and its speed
+};
+inline constexpr int64_t kMaxAdvisedAccumulation = 256;
+inline constexpr double kAdvisedShareOfBest = 0.9;
+std::optional<AccumulationAdvice> advise_accumulation(const ModelSpec& spec, const PlanLimits& limits,
+                                                      const PlanSpeed& tokens_per_s);
+// For a refused plan, each change of the options that makes it fit, as a
+// user types it, with what it would reach: a smaller optimizer-state format,
+// an NVMe folder, LoRA (full training), a quantized LoRA base, a smaller
+// accumulation or micro-batch; a pair where no single change fits.
+struct FitOption {
+  std::string change;             // "--optimizer-state q8"
+  uint64_t host_peak_bytes = 0;   // the process at its peak
+  uint64_t nvme_bytes = 0;
+  double tokens_per_s = 0;        // 0: not predicted (an NVMe folder that is not given)
+};
+// `nvme_free_bytes`: the free space of the limits' NVMe folder, which an
+// option's state on NVMe must fit.
+std::vector<FitOption> fitting_options(const ModelSpec& spec, const PlanLimits& limits, const PlanSpeed& tokens_per_s,
+                                       std::optional<uint64_t> nvme_free_bytes = std::nullopt);
+std::string fit_option_text(const FitOption& o);
 
 // This process's resident memory now (VmRSS of /proc/self/status); 0 where unreadable.
 uint64_t process_rss_bytes();

@@ -181,7 +181,8 @@ std::string link_line(const PlanLimits& l, const LinkBalance& b) {
       format_bytes(b.bytes), seconds_text(b.link_s), l.link_bytes_per_s * 1e-9, seconds_text(b.compute_s), b.tokens,
       l.compute_flops_per_s * 1e-12, b.hide_tokens);
   if (b.tokens < b.hide_tokens)
-    line += fmt::format("; warning: {} do not, so the link sets the step's pace (raise --accumulation to ~{})",
+    line += fmt::format("; warning: {} do not, so the link sets the step's pace (from --accumulation ~{} on it "
+                        "is hidden; with --predict the first line names the accumulation worth running at)",
                         b.tokens, (b.hide_tokens + l.seq * l.micro_batch - 1) / (l.seq * l.micro_batch));
   return line;
 }

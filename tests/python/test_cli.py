@@ -204,7 +204,7 @@ def test_plan_leaves_the_os_a_stated_share_of_ram(strider, tmp_path):
     """--ram is the machine's: the plan fills at most 95% of it and says so in its answer."""
     ram = 64 << 30
     out = subprocess.run([str(strider), "plan", "--model", "llama-3.1-8b", "--gpu", "24GiB", "--ram", "64GiB",
-                          "--nvme", str(tmp_path), "--seq", "1024", "--accumulation", "8", "--json"],
+                          "--nvme", str(tmp_path / "elsewhere"), "--seq", "1024", "--accumulation", "8", "--json"],
                          capture_output=True, text=True, timeout=120, check=True).stdout
     p = json.loads(out)
     assert p["feasible"] and len(p["nvme_blocks"]) > 0

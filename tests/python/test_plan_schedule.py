@@ -59,7 +59,7 @@ def test_no_clipping_updates_each_piece_as_it_lands(strider):
 
 
 def test_llama_8b_with_nvme_reads_and_writes_its_state(strider, tmp_path):
-    prog = schedule(strider, "--model", "llama-3.1-8b", "--gpu", "24GiB", "--ram", "64GiB", "--nvme", str(tmp_path),
+    prog = schedule(strider, "--model", "llama-3.1-8b", "--gpu", "24GiB", "--ram", "64GiB", "--nvme", str(tmp_path / "elsewhere"),
                     "--seq", "1024", "--accumulation", "8")
     reads, writes = ops(prog, "read state"), ops(prog, "write state")
     assert reads and len(reads) == len(writes)
