@@ -341,7 +341,8 @@ int run_finetune(FinetuneOptions& o) {
     if (r.step == start_step + 1) first_loss = r.loss;
     last_loss = r.loss;
     nlohmann::json line = log.trained(r);
-    if (eval_file && r.step % o.eval_every == 0) {
+    // Every --eval-every steps, and after the last step whatever --eval-every.
+    if (eval_file && (r.step % o.eval_every == 0 || r.step == o.steps)) {
       log.clear();  // the evaluation may print
       if (const double loss = evaluate(); !std::isnan(loss)) {
         line["eval_loss"] = loss;

@@ -36,7 +36,7 @@ std::function<int()> add_finetune(CLI::App& app) {
   CLI::App* c = app.add_subcommand("finetune", "fine-tune a model (with no options: the built-in demo)");
   CLI::Option* config = app.get_config_ptr();
   add_model_options(*c, o->train);
-  c->add_option("--eval-data", o->eval_data, "held-out token file, evaluated every --eval-every steps");
+  c->add_option("--eval-data", o->eval_data, "held-out token file, evaluated every --eval-every steps and after the last");
   c->add_option("--eval-every", o->eval_every, "steps between evaluations")
       ->capture_default_str()
       ->check(in_range<int64_t>(1, kMaxSteps));

@@ -169,6 +169,22 @@ def test_loss_falls_and_metrics_are_written(strider, tmp_path):
     assert "recompute+backward" in names or {"backward", "d2h activations", "h2d activations"} <= names
 
 
+def test_a_short_run_is_evaluated_after_its_last_step(strider, tmp_path):
+    """--eval-every 30 (the default) and 3 steps: the last step's line still has its evaluation (issue 67: a
+    short run printed none); a run as long as --eval-every evaluates once, not twice."""
+    for steps, every in (("3", "30"), ("4", "2")):
+        metrics = tmp_path / f"m{steps}.jsonl"
+        out = subprocess.run([str(strider), "finetune", "--device", "cpu", "--seq", "32", "--micro-batch", "2",
+                              "--accumulation", "2", "--work-dir", str(tmp_path / "work"), "--steps", steps,
+                              "--eval-every", every, "--eval-batches", "1", "--metrics", str(metrics),
+                              "--out", str(tmp_path / f"out{steps}")],
+                             capture_output=True, text=True, timeout=300, check=True).stdout
+        lines = [json.loads(l) for l in metrics.read_text().splitlines()]
+        evaluated = [l["step"] for l in lines if "eval_loss" in l]
+        assert evaluated == ([3] if steps == "3" else [2, 4]), lines
+        assert len(re.findall(r"^ +eval loss [0-9.]+$", out, re.M)) == len(evaluated), out
+
+
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint(strider, tmp_path):
     """Ctrl-C finishes the step, saves and exits 130 (128 + SIGINT), as a shell expects."""
     cmd = [str(strider), "finetune", "--device", "cpu", "--seq", "32", "--steps", "1000",
