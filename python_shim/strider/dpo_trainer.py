@@ -117,10 +117,6 @@ class StriderDPOTrainer(StriderTrainer):
             raise ValueError(f"StriderDPOTrainer: strider_config's {have} are not the DPOConfig's {want}")
 
     # -- what differs from StriderTrainer ------------------------------------------------------------------
-    @property
-    def _evaluates(self):
-        return self.eval_dataset is not None  # evaluate() takes the eval set given to the trainer only
-
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
         """The DPO loss and TRL's figures over the eval set (engine.evaluate, no update), as trl.DPOTrainer
         logs them: each the mean over the eval batches. The reference is the eval pairs' under the starting
@@ -137,12 +133,19 @@ class StriderDPOTrainer(StriderTrainer):
                                  "the weights are trained: they are never computed from trained weights")
             self._add_reference(*self._reference_logps(data), split="eval")
         sums = {}
+        pairs_at_once = self.engine.config.batch // 2  # an eval batch of more pairs runs in several engine batches
         for inputs in self.get_eval_dataloader(self.eval_dataset):
             ids, mask = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu()
             labels = ids.masked_fill(inputs["completion_mask"].cpu() == 0, -100)
             ref = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).float().cpu()
-            figures = {"loss": self.engine.evaluate(ids, labels, mask, ref_logps=ref), **self.engine.last_eval_metrics}
-            for k, v in figures.items():
+            pairs = ids.shape[0] // 2
+            batch = {}  # each figure is a mean over the batch's pairs: the parts' means weighted by their pairs
+            for at in range(0, pairs, pairs_at_once):
+                rows = [*range(at, min(at + pairs_at_once, pairs)), *range(pairs + at, pairs + min(at + pairs_at_once, pairs))]
+                loss = self.engine.evaluate(ids[rows], labels[rows], mask[rows], ref_logps=ref[rows])
+                for k, v in {"loss": loss, **self.engine.last_eval_metrics}.items():
+                    batch[k] = batch.get(k, 0.0) + v * len(rows) / (2 * pairs)
+            for k, v in batch.items():
                 if k == "loss" or k in _METRICS:
                     sums.setdefault(k, []).append(v)
         metrics = {f"{metric_key_prefix}_{k}": sum(v) / len(v) for k, v in sums.items()}

@@ -159,10 +159,8 @@ class StriderTrainer(transformers.Trainer):
         super().__init__(model=model, args=args, **kwargs)
         self.place_model_on_device = False
         config = self._config_from_args(strider_config, seq)
-        if self._evaluates and self._rows(args.per_device_eval_batch_size) > config.batch:
-            raise ValueError(f"StriderTrainer: per_device_eval_batch_size = {args.per_device_eval_batch_size} "
-                             f"is more than the engine's batch ({config.batch} = micro_batch x accumulation); "
-                             f"lower it")
+        # per_device_eval_batch_size may be larger than the engine's batch: evaluate() runs an eval batch in as
+        # many engine batches as it needs.
         self.engine = Engine(model, config)
 
     # -- what strider cannot honour --------------------------------------------------------------------
@@ -275,8 +273,6 @@ class StriderTrainer(transformers.Trainer):
         return given
 
     # -- what a subclass for another objective changes (strider.dpo_trainer) -------------------------------
-    _evaluates = True  # evaluate() computes this trainer's loss
-
     def _rows(self, batch_size: int) -> int:
         """The sequences a batch of `batch_size` (TrainingArguments' per-device batch size) holds."""
         return batch_size
@@ -406,15 +402,18 @@ class StriderTrainer(transformers.Trainer):
         if isinstance(eval_dataset, (str, os.PathLike)):
             eval_dataset = TokenDataset(eval_dataset, self.engine.config.seq)
         total, valid = 0.0, 0
+        rows = self.engine.config.batch  # an eval batch of more rows runs in several engine batches
         for inputs in self.get_eval_dataloader(eval_dataset):
-            ids, labels, mask, positions = self._batch(inputs, "evaluate")
-            lab = (ids if labels is None else labels).clone()
-            if mask is not None:
-                lab[mask == 0] = IGNORE_INDEX
-            n = int((lab[..., 1:] != IGNORE_INDEX).sum())
-            if n:
-                total += self.engine.evaluate(ids, labels, mask, positions) * n
-                valid += n
+            batch = self._batch(inputs, "evaluate")
+            for at in range(0, batch[0].shape[0], rows):
+                ids, labels, mask, positions = (None if t is None else t[at:at + rows] for t in batch)
+                lab = (ids if labels is None else labels).clone()
+                if mask is not None:
+                    lab[mask == 0] = IGNORE_INDEX
+                n = int((lab[..., 1:] != IGNORE_INDEX).sum())
+                if n:
+                    total += self.engine.evaluate(ids, labels, mask, positions) * n
+                    valid += n
         metrics = {f"{metric_key_prefix}_loss": total / valid if valid else float("nan")}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)

@@ -128,12 +128,14 @@ EVAL_FIGURES = ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "ev
                 "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected")
 
 
-def test_evaluate_tracks_trl_dpo_trainer_before_and_after_training(tmp_path, tokenizer):
+@pytest.mark.parametrize("eval_batch", [2, 3])
+def test_evaluate_tracks_trl_dpo_trainer_before_and_after_training(tmp_path, tokenizer, eval_batch):
     """trl.DPOTrainer.evaluate (its reference model the starting weights) and StriderDPOTrainer.evaluate (the
-    eval pairs' reference precomputed under them): before training, and after 4 steps, to 1e-5."""
+    eval pairs' reference precomputed under them): before training, and after 4 steps, to 1e-5. An eval batch
+    of 3 pairs, more than the engine's 2, runs in two engine batches, its figures the batch's means."""
     model = tiny_model(len(tokenizer))
     reference = copy.deepcopy(model)
-    args = dict(per_device_eval_batch_size=2)
+    args = dict(per_device_eval_batch_size=eval_batch)
     theirs = trl.DPOTrainer(model=reference, ref_model=copy.deepcopy(model), args=dpo_args(tmp_path / "trl", **args),
                             train_dataset=preference_data(), eval_dataset=eval_data(), processing_class=tokenizer)
     ours = strider.StriderDPOTrainer(model=model, args=dpo_args(tmp_path / "strider", **args),

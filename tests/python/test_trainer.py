@@ -172,6 +172,25 @@ def test_config_from_training_arguments(tmp_path):
     assert (trainer.engine.config.schedule, trainer.engine.config.total_steps) == ("linear", 6)
 
 
+def test_an_eval_batch_larger_than_the_engines_runs_in_several(tmp_path):
+    """TrainingArguments' default per_device_eval_batch_size (8) over an engine batch of 4 (issue 67: it was
+    refused, even with no eval set): the eval set's loss is the mean over every valid token, as at 4 or 3."""
+    model = make_model()
+    data = rows(11, seed=5)  # not a multiple of either batch
+    got = {}
+    for eval_batch in (8, BATCH, 3):
+        trainer = strider.StriderTrainer(model=make_model(), args=training_args(
+            tmp_path, per_device_eval_batch_size=eval_batch), train_dataset=data, strider_config=config())
+        got[eval_batch] = trainer.evaluate(data)["eval_loss"]
+        trainer.engine.finish()
+    assert got[8] == pytest.approx(got[BATCH], rel=1e-12) and got[3] == pytest.approx(got[BATCH], rel=1e-12)
+    batch = transformers.default_data_collator(data)
+    with torch.no_grad():
+        want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                     labels=batch["labels"].masked_fill(batch["attention_mask"] == 0, -100)).loss
+    assert got[8] == pytest.approx(float(want), rel=1e-5)
+
+
 def test_fp16_steps_the_engine_with_its_own_loss_scaling(tmp_path):
     """fp16=True builds an fp16 engine (ATen's CPU fp16 GEMMs are slow: the model is tiny): its steps are
     strider.Engine's with EngineConfig(dtype="fp16") bit for bit, the Trainer's GradScaler never runs (the
@@ -208,7 +227,6 @@ def test_fp16_steps_the_engine_with_its_own_loss_scaling(tmp_path):
     (dict(learning_rate=3e-4), {}, r"learning_rate = 0.0003 but the strider config's lr is 0.001"),
     (dict(lr_scheduler_type="cosine"), {}, "lr_scheduler_type = 'cosine' but strider_config.schedule = 'linear'"),
     (dict(optim="sgd"), {}, "strider's optimizer is AdamW"),
-    (dict(per_device_eval_batch_size=8), {}, "per_device_eval_batch_size = 8"),
     (dict(lr_scheduler_type="polynomial"), dict(strider_config=None, seq=SEQ), "strider schedules are"),
     (dict(max_steps=-1, num_train_epochs=0), dict(strider_config=None, seq=SEQ),
      r"num_train_epochs = 0(\.0)? and max_steps = -1: the run has no step to train"),
