@@ -83,6 +83,11 @@ class StriderDPOTrainer(StriderTrainer):
     def __init__(self, model=None, args=None, train_dataset=None, eval_dataset=None, processing_class=None, *,
                  seq: Optional[int] = None, strider_config: Optional[EngineConfig] = None, **kwargs):
         self._loss_type = _check_dpo_args(args)
+        if args is not None and args.gradient_accumulation_steps != 1:
+            raise ValueError(f"StriderDPOTrainer: gradient_accumulation_steps = {args.gradient_accumulation_steps} "
+                             "is not taken yet: strider accumulates itself; set per_device_train_batch_size to "
+                             "the pairs of a whole step (the engine's micro_batch x accumulation / 2) and "
+                             "gradient_accumulation_steps = 1")
         if kwargs.get("ref_model") is not None:
             raise ValueError("StriderDPOTrainer: ref_model is not taken: the reference is the model's starting "
                              "weights (a PEFT LoRA model: its frozen base), whose log-probabilities are "

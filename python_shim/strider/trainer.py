@@ -65,10 +65,13 @@ The engine's config: pass `strider_config` (an EngineConfig), or let the
 trainer build one from TrainingArguments (learning_rate, lr_scheduler_type
 linear/cosine/constant/constant_with_warmup, warmup_steps, max_steps or the
 epochs' step count, weight_decay, adam_beta1/2, adam_epsilon, max_grad_norm,
-bf16 or fp16) plus `seq`. With a strider_config, an argument set away from its
+bf16 or fp16; per_device_train_batch_size is the micro-batch and
+gradient_accumulation_steps the accumulation: the Trainer's micro-batches of
+one optimizer step run as one engine step, its loss the mean over every valid
+token of them) plus `seq`. With a strider_config, an argument set away from its
 TrainingArguments default to something other than the config's value is
-refused, as is anything strider cannot honour (gradient_accumulation_steps,
-several GPUs, optimizers other than AdamW, load_best_model_at_end) and every
+refused, as is anything strider cannot honour (several GPUs, optimizers other
+than AdamW, load_best_model_at_end) and every
 argument that changes a step's maths in a way strider's step does not
 (label_smoothing_factor, neftune_noise_alpha, lr_scheduler_kwargs, optim_args,
 optim_target_modules, bf16_full_eval, fp16_full_eval): MATHS_FIELDS lists
@@ -99,8 +102,9 @@ _ADAMW = ("adamw_torch", "adamw_torch_fused")
 MATHS_FIELDS = {
     "honoured": ("learning_rate", "lr_scheduler_type", "warmup_steps", "max_steps",
                  "num_train_epochs", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-                 "max_grad_norm", "bf16", "fp16", "per_device_train_batch_size", "optim"),
-    "refused": ("gradient_accumulation_steps", "label_smoothing_factor", "neftune_noise_alpha",
+                 "max_grad_norm", "bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps",
+                 "optim"),
+    "refused": ("label_smoothing_factor", "neftune_noise_alpha",
                 "lr_scheduler_kwargs", "optim_args", "optim_target_modules", "bf16_full_eval",
                 "fp16_full_eval", "auto_find_batch_size"),
 }
@@ -169,10 +173,6 @@ class StriderTrainer(transformers.Trainer):
         def refuse(what):
             raise ValueError(f"StriderTrainer: {what}")
 
-        if args.gradient_accumulation_steps != 1:
-            refuse(f"gradient_accumulation_steps = {args.gradient_accumulation_steps}: strider accumulates "
-                   "itself; set EngineConfig.accumulation to it, per_device_train_batch_size to micro_batch x "
-                   "accumulation, and gradient_accumulation_steps = 1")
         if args.place_model_on_device:
             refuse("place_model_on_device is True: strider keeps the model on the CPU and streams its blocks "
                    "to the GPU itself")
@@ -227,7 +227,8 @@ class StriderTrainer(transformers.Trainer):
             if schedule != "constant" and total <= 0:
                 raise ValueError(f"StriderTrainer: {self._no_last_step(kind)}")
             warmup = args.get_warmup_steps(max(total, 0)) if warms_up else 0
-            return EngineConfig(seq=seq, micro_batch=self._rows(args.per_device_train_batch_size), accumulation=1,
+            return EngineConfig(seq=seq, micro_batch=self._rows(args.per_device_train_batch_size),
+                                accumulation=args.gradient_accumulation_steps,
                                 dtype="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
                                 lr=args.learning_rate,
                                 schedule=schedule, warmup_steps=warmup,
@@ -244,11 +245,13 @@ class StriderTrainer(transformers.Trainer):
                              "attends only to itself (as transformers does with packed position_ids)")
         if seq is not None and seq != given.seq:
             raise ValueError(f"StriderTrainer: seq = {seq} but strider_config.seq = {given.seq}; give one")
-        if self._rows(args.per_device_train_batch_size) != given.batch:
-            raise ValueError(f"StriderTrainer: per_device_train_batch_size = {args.per_device_train_batch_size} "
-                             f"({self._rows(args.per_device_train_batch_size)} sequences), but one strider step "
-                             f"takes micro_batch x accumulation = {given.micro_batch} x {given.accumulation} = "
-                             f"{given.batch} sequences; make them equal")
+        step_rows = self._rows(args.per_device_train_batch_size) * args.gradient_accumulation_steps
+        if step_rows != given.batch:
+            raise ValueError(f"StriderTrainer: per_device_train_batch_size x gradient_accumulation_steps = "
+                             f"{args.per_device_train_batch_size} x {args.gradient_accumulation_steps} "
+                             f"({step_rows} sequences a step), but one strider step takes micro_batch x "
+                             f"accumulation = {given.micro_batch} x {given.accumulation} = {given.batch} sequences; "
+                             "make them equal")
         # The config owns the optimizer and schedule; an argument moved off its default to another value
         # is a second, contradicting answer.
         mapped = dict(learning_rate=given.lr, weight_decay=given.weight_decay, max_grad_norm=given.clip_norm,
@@ -318,8 +321,9 @@ class StriderTrainer(transformers.Trainer):
             rows = len(self.train_dataset)
         except TypeError:
             return 0
-        per_epoch = rows // args.per_device_train_batch_size if args.dataloader_drop_last \
+        batches = rows // args.per_device_train_batch_size if args.dataloader_drop_last \
             else math.ceil(rows / args.per_device_train_batch_size)
+        per_epoch = max(math.ceil(batches / args.gradient_accumulation_steps), 1)  # the Trainer's count
         return math.ceil(args.num_train_epochs * per_epoch)
 
     # -- placement: the model stays on the CPU ---------------------------------------------------------
@@ -350,7 +354,47 @@ class StriderTrainer(transformers.Trainer):
                              f"(input_ids required); this one has {sorted(inputs)}")
         return tuple(None if inputs.get(k) is None else torch.as_tensor(inputs[k]).cpu() for k in _BATCH_KEYS)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The Trainer's batches for one optimizer step (gradient_accumulation_steps of them, fewer at an
+        epoch's end): kept, so that the step's first training_step runs them as one engine step."""
+        samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step_batches = list(samples)
+        return samples, num_items
+
+    def _merged(self, batches):
+        """The step's batches as one, each padded on the right to the longest (labels -100, mask 0)."""
+        if len(batches) == 1:
+            return batches[0]
+        length = max(torch.as_tensor(b["input_ids"]).shape[-1] for b in batches)
+        fill = {"input_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
+        out = {}
+        for key in batches[0]:
+            parts = []
+            for b in batches:
+                t = torch.as_tensor(b[key])
+                pad = length - t.shape[-1]
+                if pad and key == "position_ids":  # positions go on counting
+                    t = torch.cat([t, t[:, -1:] + torch.arange(1, pad + 1)], dim=1)
+                elif pad:
+                    t = torch.nn.functional.pad(t, (0, pad), value=fill.get(key, 0))
+                parts.append(t)
+            out[key] = torch.cat(parts)
+        if "attention_mask" not in out:  # a batch without a mask: its padding is what the merge added
+            out["attention_mask"] = torch.cat([torch.nn.functional.pad(
+                torch.ones_like(torch.as_tensor(b["input_ids"])),
+                (0, length - torch.as_tensor(b["input_ids"]).shape[-1])) for b in batches])
+        return out
+
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.args.gradient_accumulation_steps > 1:
+            # The Trainer calls this once per micro-batch; strider's step takes them all at once (its own
+            # accumulation, its loss the mean over every valid token of them), on the first call. The others
+            # add nothing to the logged loss.
+            batches = getattr(self, "_step_batches", None)
+            if not batches:
+                return torch.tensor(0.0, device=self.args.device)
+            self._step_batches = None
+            inputs = self._merged(batches)
         result = self._engine_step(inputs)
         # fp16's overflow (the loss scale backed off) is not a divergence, as in `strider finetune`.
         if result.skipped and not result.no_targets and not result.overflow:

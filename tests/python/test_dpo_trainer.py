@@ -181,6 +181,7 @@ def test_a_resumed_run_evaluates_with_the_reference_its_checkpoint_keeps(tmp_pat
     ({"f_divergence_type": "js_divergence"}, "f_divergence_type"),
     ({"use_weighting": True}, "use_weighting"),
     ({"ld_alpha": 0.5}, "ld_alpha"),
+    ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps = 2 is not taken yet"),
 ])
 def test_what_strider_does_not_do_is_refused_by_name(tmp_path, tokenizer, over, match):
     with pytest.raises(ValueError, match=match):

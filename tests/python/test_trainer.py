@@ -191,6 +191,29 @@ def test_an_eval_batch_larger_than_the_engines_runs_in_several(tmp_path):
     assert got[8] == pytest.approx(float(want), rel=1e-5)
 
 
+@pytest.mark.parametrize("steps", [{"max_steps": 3}, {"max_steps": -1, "num_train_epochs": 1}])
+def test_gradient_accumulation_steps_are_the_engines_accumulation(tmp_path, steps):
+    """per_device_train_batch_size 2 and gradient_accumulation_steps 2, as a transformers user sets them (issue
+    67: refused): the engine's micro-batch and accumulation; each optimizer step's two micro-batches are one
+    engine step. 10 rows in epochs: 5 micro-batches, the last step of one (the Trainer's count, 3 steps)."""
+    data = rows(12 if "max_steps" in steps and steps["max_steps"] > 0 else 10, seed=2)
+    args = training_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, **steps)
+    trainer = strider.StriderTrainer(model=make_model(), args=args, train_dataset=data, seq=SEQ)
+    c = trainer.engine.config
+    assert (c.micro_batch, c.accumulation, c.total_steps) == (2, 2, 3)
+    trainer.train()
+    assert trainer.engine.steps_done == trainer.state.global_step == 3
+    direct = strider.Engine(make_model(), c)
+    losses = []
+    for s in range(3):
+        batch = transformers.default_data_collator(data[4 * s:4 * s + 4])
+        losses.append(direct.step(batch["input_ids"], batch["labels"], batch["attention_mask"]).loss)
+    for name in direct.param_names():
+        assert torch.equal(trainer.engine.param(name), direct.param(name)), name
+    logged = [e["loss"] for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    assert logged == pytest.approx(losses, rel=1e-6)
+
+
 def test_fp16_steps_the_engine_with_its_own_loss_scaling(tmp_path):
     """fp16=True builds an fp16 engine (ATen's CPU fp16 GEMMs are slow: the model is tiny): its steps are
     strider.Engine's with EngineConfig(dtype="fp16") bit for bit, the Trainer's GradScaler never runs (the
@@ -221,7 +244,8 @@ def test_fp16_steps_the_engine_with_its_own_loss_scaling(tmp_path):
 
 
 @pytest.mark.parametrize("over, kw, match", [
-    (dict(gradient_accumulation_steps=2), {}, "strider accumulates itself"),
+    (dict(gradient_accumulation_steps=2), {}, r"4 x 2 \(8 sequences a step\), but one strider step takes micro_batch "
+                                              r"x accumulation = 2 x 2 = 4"),
     (dict(per_device_train_batch_size=2), {}, r"micro_batch x accumulation = 2 x 2 = 4"),
     (dict(max_grad_norm=0.5), {}, r"max_grad_norm = 0.5 but the strider config's clip_norm is 1.0"),
     (dict(learning_rate=3e-4), {}, r"learning_rate = 0.0003 but the strider config's lr is 0.001"),
@@ -245,7 +269,6 @@ def test_refusals(tmp_path, over, kw, match):
 # Each field strider's step does not implement, set away from its default: refused by name, before the
 # engine exists (trains silently wrong 8, issue 63).
 REFUSED_SETTINGS = {
-    "gradient_accumulation_steps": 2,
     "label_smoothing_factor": 0.1,
     "neftune_noise_alpha": 5.0,
     "lr_scheduler_kwargs": {"num_cycles": 2},
