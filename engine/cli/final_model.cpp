@@ -74,14 +74,28 @@ FinalSaveResult save_final_model(Engine& engine, const ModelSpec& base, const st
   // Full training reads the weights as the file holds them (a bf16 compute
   // copy exactly); LoRA the fp32 masters, which the adapter and the merge need.
   const DType read_dtype = lora ? DType::kF32 : what.dtype;
-  std::vector<float> merged;
+  // The merge's frozen base as the checkpoint holds it, where the engine holds it in the compute dtype; a
+  // base held in int8 or NF4 merges as dequantized, the base its adapters were trained over (docs/lora.md).
+  std::optional<HfCheckpointReader> source;
+  if (lora && model && !what.source_dir.empty() && engine.config().base_format == BaseFormat::kCompute)
+    writing([&] { source.emplace(what.source_dir, base); });
+  std::vector<float> merged, loaded;
   for (int64_t b = 0; b < spec.num_blocks(); ++b) {
-    std::vector<float> w(spec.layout(b).total_elems());
+    const ParamLayout l = spec.layout(b);
+    std::vector<float> w(l.total_elems());
     engine.model_weights(b, read_dtype, w);
     writing([&] {
       if (adapter) adapter->write_block(b, w);
       if (!model) return;
       if (!lora) return model->write_block(b, w);
+      if (source) {  // the frozen tensors from the checkpoint; what trained (modules_to_save) from the engine
+        const ParamLayout from = base.layout(b);
+        loaded.assign(from.total_elems(), 0.0f);
+        source->read_block(b, loaded);
+        for (const TensorSlot& t : l.slots())
+          if (const TensorSlot* f = from.find(t.name); f != nullptr && !t.trainable)
+            std::copy_n(loaded.begin() + ptrdiff_t(f->offset_elems), t.numel, w.begin() + ptrdiff_t(t.offset_elems));
+      }
       merged.resize(base.layout(b).total_elems());
       merge_lora_block(spec, b, w, merged);
       model->write_block(b, merged);

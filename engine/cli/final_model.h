@@ -32,6 +32,11 @@ struct FinalModel {
   bool merge = false;
   std::string base_model;      // the adapter's base_model_name_or_path
   bool adapter_bf16 = false;   // --save-dtype bf16 given
+  // The checkpoint the run loaded (empty: the built-in model): --merge adds
+  // the adapters to its frozen base as it holds it, not to the engine's copy
+  // in the compute dtype, as PEFT merges over the base it loaded (a base held
+  // in int8 or NF4 merges as dequantized).
+  std::string source_dir;
   DType adapter_dtype() const { return adapter_bf16 ? DType::kBF16 : DType::kF32; }
   std::string merged_dir() const;  // --out/merged
 };

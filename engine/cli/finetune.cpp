@@ -82,7 +82,7 @@ int run_finetune(FinetuneOptions& o) {
   const FinalModel final_model{.out = o.out, .dtype = save_dtype, .merge = o.merge,
                                .base_model = fs::exists(o.train.model) ? fs::absolute(o.train.model).string()
                                                                        : o.train.model,
-                               .adapter_bf16 = o.save_dtype == "bf16"};
+                               .adapter_bf16 = o.save_dtype == "bf16", .source_dir = tr.model_dir};
   const EngineConfig& cfg = engine.config();
   const nlohmann::json& config = tr.config;
   TokenLoader& loader = *tr.loader;

@@ -182,3 +182,25 @@ def test_a_bf16_bases_adapter_is_fp32_unless_bf16_is_asked(strider, tmp_path):
             with safe_open(str(path), "pt") as f:
                 dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
             assert dtypes == {want}, (save_dtype, path.name, dtypes)
+
+
+def test_merge_over_an_fp32_base_trained_in_bf16_adds_the_adapter_to_the_base_as_loaded(strider, tmp_path):
+    """--dtype bf16 over an fp32 checkpoint (issue 67): the engine computes with a bf16 copy of the frozen base,
+    but --merge adds the adapter to the base as the checkpoint holds it, as PEFT's merge_and_unload over that
+    base does; the merged model is fp32, as its base (before, the bf16-rounded base was merged)."""
+    base_dir = write_base_and_tokens(tmp_path)
+    out = tmp_path / "out"
+    r = finetune(strider, tmp_path, "--model", str(base_dir), "--data", str(tmp_path / "train.tokens"),
+                 "--lora", LORA, "--dtype", "bf16", "--lr", "2e-3", "--warmup", "0", "--steps", "2", "--merge",
+                 "--out", str(out))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    reference = peft.PeftModel.from_pretrained(base, out).merge_and_unload().state_dict()
+    merged = load_file(str(out / "merged" / "model.safetensors"))
+    assert merged.keys() == reference.keys()
+    rounded = 0
+    for k, v in merged.items():
+        assert v.dtype == torch.float32, k
+        assert torch.allclose(v, reference[k], rtol=1e-6, atol=1e-7), k
+        rounded += int(not torch.equal(v, v.to(torch.bfloat16).float()))
+    assert rounded > 0  # the base's own fp32 values, not bf16's
