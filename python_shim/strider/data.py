@@ -48,6 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from strider import records
+from strider.chat_templates import TEMPLATES, chat_template, require_chat_template
 
 MAGIC = int.from_bytes(b"STRDTOKN", "little")
 VERSION = 1
@@ -203,6 +204,7 @@ def encode_chat(tokenizer, messages):
     if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                  for m in messages):
         raise ValueError("a conversation must be a list of {'role': ..., 'content': ...} messages")
+    require_chat_template(tokenizer, repr(getattr(tokenizer, "name_or_path", "")))
     render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
     full = render(messages, False)
     spans = []
@@ -516,11 +518,16 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=None,
                    help="the engine's sequence length: needed by --mode example; with packed, the report says "
                         "how many documents run across two windows")
+    p.add_argument("--chat-template", default=None, metavar="NAME|FILE",
+                   help=f"the chat template conversations are rendered with, in place of the tokenizer's (a base "
+                        f"model's has none): a built-in ({', '.join(TEMPLATES)}) or a Jinja file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     from transformers import AutoTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(a.tokenizer)
+        if a.chat_template is not None:
+            tokenizer.chat_template = chat_template(a.chat_template)
         if a.mode == "preference":
             from strider.preference_data import prepare_preference
             summary = prepare_preference(tokenizer, a.input, a.output, seq=a.seq, truncation_mode=a.truncation_mode)

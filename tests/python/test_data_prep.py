@@ -7,6 +7,7 @@ AutoTokenizer. The files `python -m strider.data` writes are read by st_tool
 document starts where documents start, and for chat data a loss mask that
 is 1 exactly on the assistant's turns.
 """
+import copy
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
+from conftest import REPO_ROOT  # noqa: E402
 from strider import data as sd  # noqa: E402  (conftest.py puts python_shim/ on sys.path)
 
 SPECIAL = ["<unk>", "<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -322,3 +324,49 @@ def test_a_checkout_runs_the_package_without_pythonpath():
     elsewhere = subprocess.run([sys.executable, "-c", where], cwd="/", env=env, capture_output=True, text=True,
                                timeout=60)
     assert elsewhere.returncode != 0 or elsewhere.stdout.strip() != os.path.join(repo, "python_shim")
+
+
+CHATS = [{"messages": [{"role": "system", "content": "be brief please"},
+                       {"role": "user", "content": "what is the answer"},
+                       {"role": "assistant", "content": "the answer is four"},
+                       {"role": "user", "content": "hello how are you"},
+                       {"role": "assistant", "content": "i am fine thank you"}]}]
+
+
+def test_a_tokenizer_without_a_chat_template_is_named_and_given_one(tmp_path, tokenizer_dir):
+    """A base model's tokenizer has no chat template (issue 67: transformers' raw error): the error names
+    --chat-template, which gives one, built in or from a file."""
+    bare = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    bare.chat_template = None
+    bare.save_pretrained(tmp_path / "bare")
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS))
+    cmd = [sys.executable, "-m", "strider.data", "--tokenizer", str(tmp_path / "bare"), "--input",
+           str(tmp_path / "chat.jsonl"), "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "python_shim")}
+    r = subprocess.run([*cmd, "--output", str(tmp_path / "no.tokens")], capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "has no chat template" in r.stderr and "--chat-template NAME (chatml" in r.stderr
+    (tmp_path / "mine.jinja").write_text(CHAT_TEMPLATE)
+    for given, name in (("chatml", "chatml"), (str(tmp_path / "mine.jinja"), "file")):
+        out = tmp_path / f"{name}.tokens"
+        r = subprocess.run([*cmd, "--output", str(out), "--chat-template", given], capture_output=True, text=True,
+                           env=env)
+        assert r.returncode == 0, r.stderr
+        f = sd.read_token_file(out)
+        bare.chat_template = sd.chat_template(given)
+        want_ids, want_mask = sd.encode_chat(bare, CHATS[0]["messages"])
+        assert f["ids"].tolist()[:len(want_ids)] == want_ids and f["mask"].tolist()[:len(want_mask)] == want_mask
+        text = bare.decode([i for i, m in zip(want_ids, want_mask) if m])
+        assert "four" in text and "thank" in text and "what" not in text and "brief" not in text
+
+
+@pytest.mark.parametrize("name", ["chatml", "qwen", "llama3", "gemma", "mistral"])
+def test_each_built_in_template_masks_the_assistant_turns(tokenizer, name):
+    """Each built-in renders a conversation's prefix as a prefix of the whole (encode_chat needs it) and makes
+    each assistant turn's words targets, never the user's or the system's."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = sd.chat_template(name)
+    ids, mask = sd.encode_chat(tok, CHATS[0]["messages"])
+    targets = tok.convert_ids_to_tokens([i for i, m in zip(ids, mask) if m])
+    words = [t for t in targets if t in "the answer is four i am fine thank you".split()]
+    assert words == "the answer is four i am fine thank you".split(), (name, targets)
+    assert not {"what", "hello", "brief"} & set(targets)
