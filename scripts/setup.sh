@@ -41,15 +41,22 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/pip" install -q -r "$here/requirements.txt"
   touch "$venv/.complete"
 fi
-ln -sfn "$venv" "$here/.venv"
-# `python -m strider.data` and `import strider` from a checkout's root, without
-# PYTHONPATH: the environment is shared by every checkout (it is keyed by the
-# pinned requirements), so the path file adds the working directory's
-# python_shim/ when it holds the package, not one fixed checkout's.
+# This checkout's own thin environment over the shared one: `import strider`
+# and `python -m strider.data` work from any directory, each checkout seeing
+# its own package. The heavy environment is shared by every checkout on
+# purpose (keyed by the pinned requirements); .venv is a venv of the same
+# interpreter without packages, whose path files add the shared one's
+# site-packages (their own path files included) and this checkout's
+# python_shim/ by its absolute path.
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-cat >"$site/strider-checkout.pth" <<'PTH'
-import os, sys; d = os.path.join(os.getcwd(), "python_shim"); os.path.isfile(os.path.join(d, "strider", "__init__.py")) and d not in sys.path and sys.path.append(d)
-PTH
+rm -f "$site/strider-checkout.pth"  # an earlier setup's: the working directory's python_shim/
+if [ -L "$here/.venv" ] || [ ! -f "$here/.venv/pyvenv.cfg" ]; then
+  rm -rf "$here/.venv"
+  "$venv/bin/python" -m venv --without-pip "$here/.venv"
+fi
+thin=$("$here/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+printf 'import site; site.addsitedir(%s)\n' "'$site'" >"$thin/00-strider-shared.pth"
+printf '%s\n' "$here/python_shim" >"$thin/strider-checkout.pth"
 # The build backend of `pip install --no-build-isolation .` (pyproject.toml).
 # Not in requirements.txt on purpose: the environment's key would change, and
 # with it torch's include paths, so every ATen object would miss the compiler

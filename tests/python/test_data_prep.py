@@ -308,24 +308,6 @@ def test_chats_without_an_assistant_turn_warn_that_nothing_trains(tmp_path, toke
     assert summary["target_fraction"] == 0 and summary["warning"] == "no target tokens"
 
 
-def test_a_checkout_runs_the_package_without_pythonpath():
-    """scripts/setup.sh's path file: from a checkout's root, `python -m strider.data` needs no PYTHONPATH, and
-    elsewhere the checkout is not on the path."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    where = "import strider, os; print(os.path.dirname(os.path.dirname(strider.__file__)))"
-    out = subprocess.run([sys.executable, "-c", where], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == os.path.join(repo, "python_shim")
-    out = subprocess.run([sys.executable, "-m", "strider.data", "--help"], cwd=repo, env=env, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0 and "--tokenizer" in out.stdout, out.stderr
-    elsewhere = subprocess.run([sys.executable, "-c", where], cwd="/", env=env, capture_output=True, text=True,
-                               timeout=60)
-    assert elsewhere.returncode != 0 or elsewhere.stdout.strip() != os.path.join(repo, "python_shim")
-
-
 CHATS = [{"messages": [{"role": "system", "content": "be brief please"},
                        {"role": "user", "content": "what is the answer"},
                        {"role": "assistant", "content": "the answer is four"},
