@@ -304,7 +304,7 @@ TEST_CASE("LoRA: a base too large for the RAM is refused naming its compute copy
   CHECK(Plan::make(spec, l).feasible);
 }
 
-TEST_CASE("LoRA: the reference's log-probabilities are the frozen base's, on one device and a pool",
+TEST_CASE("the reference's log-probabilities are LoRA's frozen base's or the kept starting weights', on one device and a pool",
           "[lora][engine]") {
   for (const char* devices : {"1", "2"}) {
     INFO("devices " << devices);
@@ -334,5 +334,21 @@ TEST_CASE("LoRA: the reference's log-probabilities are the frozen base's, on one
   Engine full(tiny(false), plain, make_devices({.spec = "cpu"}, "1"));
   const Batch x = batch(full.config().batch(), full.config().seq, full.spec().dims.vocab, 31);
   CHECK_THROWS_WITH(full.logprobs(x.ids.data(), x.labels.data(), nullptr, nullptr, true),
-                    Catch::Contains("reference model is LoRA's frozen base"));
+                    Catch::Contains("keeps no copy of its starting weights; build it with keep_reference"));
+  // Full training with keep_reference: the reference is the starting weights, kept while the compute copy
+  // moves, on one device and a pool with chaos.
+  for (const char* pool : {"1", "2"}) {
+    EngineConfig kept = plain;
+    kept.keep_reference = true;
+    kept.adam.lr = 1e-2;
+    Engine e(tiny(false), kept, make_devices({.spec = "cpu", .chaos = {.enabled = true, .seed = 6}}, pool));
+    e.init_params(7);
+    const std::vector<float> start = e.logprobs(x.ids.data(), x.labels.data());
+    for (uint64_t s = 0; s < 2; ++s) {
+      const Batch b = batch(e.config().batch(), e.config().seq, e.spec().dims.vocab, 40 + s);
+      e.step(b.ids.data(), b.labels.data());
+    }
+    CHECK(e.logprobs(x.ids.data(), x.labels.data(), nullptr, nullptr, true) == start);
+    CHECK(e.logprobs(x.ids.data(), x.labels.data()) != start);
+  }
 }
