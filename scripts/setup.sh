@@ -77,4 +77,7 @@ if [ ! -f "$build/build.ninja" ]; then
   cmake -S "$here" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DSTRIDER_PYTHON="$venv/bin/python" ${STRIDER_CMAKE_ARGS:-}
 fi
-cmake --build "$build" -j "${STRIDER_JOBS:-$(nproc)}"
+# STRIDER_BUILD_TARGETS: only these (scripts/demo.sh builds the command line
+# it runs; the test command builds everything).
+# shellcheck disable=SC2086
+cmake --build "$build" -j "${STRIDER_JOBS:-$(nproc)}" ${STRIDER_BUILD_TARGETS:+--target $STRIDER_BUILD_TARGETS}

@@ -64,7 +64,10 @@ void EngineCore::Updater::landed(int64_t p, const Event&) {
 
 void EngineCore::Updater::after_update(int64_t p, Device&) {
   std::unique_lock lk(mu_);
-  cv_.wait(lk, [&] { return updated_[size_t(p)] >= passes_ || error_ || stopping_; });
+  // A pass abandon() gave up never updates; abandon() returned once every
+  // earlier pass's job was left, so nothing before it is still to wait for
+  // (abandon and this wait run on the same thread, the caller's).
+  cv_.wait(lk, [&] { return updated_[size_t(p)] >= passes_ || abandoned_ >= passes_ || error_ || stopping_; });
   rethrow();
 }
 
