@@ -29,9 +29,14 @@ std::optional<AccumulationAdvice> advise_accumulation(const ModelSpec& spec, con
   for (int64_t acc = 1; acc <= kMaxAdvisedAccumulation; acc *= 2) {
     PlanLimits trial = l;
     trial.accumulation = acc;
-    const Plan p = plan_of(spec, trial, tokens_per_s);
-    if (!p.feasible) continue;
-    const double speed = tokens_per_s(p, trial);
+    double speed = 0;
+    try {  // a batch the settings refuse (DPO's pairs need an even one) is no trial
+      const Plan p = plan_of(spec, trial, tokens_per_s);
+      if (!p.feasible) continue;
+      speed = tokens_per_s(p, trial);
+    } catch (const Error&) {
+      continue;
+    }
     a.trials.emplace_back(acc, speed);
     if (speed > a.best_tokens_per_s) {
       a.best_tokens_per_s = speed;
@@ -79,16 +84,19 @@ std::vector<FitOption> fitting_options(const ModelSpec& spec, const PlanLimits& 
     apply(trial);
     Plan p;
     std::optional<ModelSpec> adapted;
-    try {  // a change the model or the settings refuse (LoRA on experts, a cut that splits q8's groups) is no option
+    FitOption o{text, 0, 0, 0.0};
+    try {  // a change the model or the settings refuse (LoRA on experts, a cut that splits q8's groups, an odd
+           // batch of DPO pairs) is no option
       if (with_lora) adapted = spec.with_lora(trial.lora, "--lora");
       p = plan_of(adapted ? *adapted : spec, trial, trial.nvme_dir == kSomeFolder ? PlanSpeed() : tokens_per_s);
+      if (!p.feasible) return false;
+      if (trial.nvme_dir == l.nvme_dir && nvme_free_bytes && p.nvme_bytes > *nvme_free_bytes) return false;
+      o.host_peak_bytes = p.host_peak_bytes;
+      o.nvme_bytes = p.nvme_bytes;
+      if (tokens_per_s && trial.nvme_dir != kSomeFolder) o.tokens_per_s = tokens_per_s(p, trial);
     } catch (const Error&) {
       return false;
     }
-    if (!p.feasible) return false;
-    if (trial.nvme_dir == l.nvme_dir && nvme_free_bytes && p.nvme_bytes > *nvme_free_bytes) return false;
-    FitOption o{text, p.host_peak_bytes, p.nvme_bytes, 0.0};
-    if (tokens_per_s && trial.nvme_dir != kSomeFolder) o.tokens_per_s = tokens_per_s(p, trial);
     out.push_back(std::move(o));
     return true;
   };

@@ -391,10 +391,11 @@ class StriderTrainer(transformers.Trainer):
             # accumulation, its loss the mean over every valid token of them), on the first call. The others
             # add nothing to the logged loss.
             batches = getattr(self, "_step_batches", None)
-            if not batches:
+            if batches is not None and not batches:  # a later micro-batch of a step already run
                 return torch.tensor(0.0, device=self.args.device)
-            self._step_batches = None
-            inputs = self._merged(batches)
+            if batches is not None:  # None: called outside the Trainer's loop, on this batch alone
+                self._step_batches = []
+                inputs = self._merged(batches)
         result = self._engine_step(inputs)
         # fp16's overflow (the loss scale backed off) is not a divergence, as in `strider finetune`.
         if result.skipped and not result.no_targets and not result.overflow:
