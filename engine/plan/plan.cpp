@@ -56,10 +56,6 @@ void check_plan_inputs(const ModelSpec& spec, const PlanLimits& l) {
 
 namespace {
 
-// The plan with the decoder layers `wanted` keeping their activations, as
-// many of them as the host RAM left after everything else holds (the last
-// ones). The device counts the kept activations' two slots whenever `wanted`
-// is not empty.
 // The largest fp32 block: what a load or an NVMe-tier save stages at a time.
 uint64_t largest_block_f32_bytes(const ModelSpec& spec) {
   uint64_t bytes = 0;
@@ -83,31 +79,6 @@ uint64_t rest_of_process(const ModelSpec& spec, const PlanLimits& l, bool nvme_s
                          staging ? fmt::format(" + {} staging a block to load or save", format_bytes(staging))
                                  : std::string());
   return l.process_bytes + device + staging;
-}
-
-// The pinned arena's parts, largest first: what a refusal names, so that
-// the largest is the first a user reads ("141 GiB of block inputs kept for
-// the backward", not the optimizer state's 12 bytes per parameter).
-std::string host_parts_text(const EngineFootprint& f, const Placement& placed, const PlanLimits& l) {
-  const uint64_t compute = ParamStore::compute_bytes_needed(placed.store_blocks, placed.store);
-  const uint64_t reference = ParamStore::reference_bytes_needed(placed.store_blocks, placed.store);
-  std::vector<std::pair<uint64_t, std::string>> parts = {
-      {f.optimizer_host_bytes, fmt::format("the optimizer state ({}: master, Adam m and v at {:.4g} bytes per "
-                                           "parameter)", state_format_name(l.optimizer_state),
-                                           state_bytes_per_elem(l.optimizer_state))},
-      {compute, "the compute copy"},
-      {f.checkpoint_host_bytes,
-       fmt::format("the block inputs kept for the backward ({} micro-batches x every layer at seq {}: "
-                   "--accumulation, --micro-batch and --seq set it)", l.accumulation, l.seq)},
-      {reference, "the starting weights' reference copy (--keep-reference)"}};
-  uint64_t named = 0;
-  for (const auto& [bytes, what] : parts) named += bytes;
-  parts.push_back({f.host_bytes - std::min(f.host_bytes, named), "gradient staging and buffers"});
-  std::stable_sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-  std::vector<std::string> text;
-  for (const auto& [bytes, what] : parts)
-    if (bytes > 0) text.push_back(fmt::format("{} {}", format_bytes(bytes), what));
-  return fmt::format("{}", fmt::join(text, ", "));
 }
 
 // `nvme_staging`: count one block's staging for a save of NVMe-tier state

@@ -311,6 +311,8 @@ struct FitOption {
 std::vector<FitOption> fitting_options(const ModelSpec& spec, const PlanLimits& limits, const PlanSpeed& tokens_per_s,
                                        std::optional<uint64_t> nvme_free_bytes = std::nullopt);
 std::string fit_option_text(const FitOption& o);
+// The pinned arena's parts, largest first, as a RAM refusal names them (plan_text.cpp).
+std::string host_parts_text(const EngineFootprint& f, const Placement& placed, const PlanLimits& l);
 
 // This process's resident memory now (VmRSS of /proc/self/status); 0 where unreadable.
 uint64_t process_rss_bytes();

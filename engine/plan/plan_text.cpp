@@ -174,6 +174,31 @@ std::string seconds_text(double s) { return s >= 1 ? fmt::format("{:.2f} s", s) 
 
 }  // namespace
 
+// The pinned arena's parts, largest first: what a refusal names, so that
+// the largest is the first a user reads ("141 GiB of block inputs kept for
+// the backward", not the optimizer state's 12 bytes per parameter).
+std::string host_parts_text(const EngineFootprint& f, const Placement& placed, const PlanLimits& l) {
+  const uint64_t compute = ParamStore::compute_bytes_needed(placed.store_blocks, placed.store);
+  const uint64_t reference = ParamStore::reference_bytes_needed(placed.store_blocks, placed.store);
+  std::vector<std::pair<uint64_t, std::string>> parts = {
+      {f.optimizer_host_bytes, fmt::format("the optimizer state ({}: master, Adam m and v at {:.4g} bytes per "
+                                           "parameter)", state_format_name(l.optimizer_state),
+                                           state_bytes_per_elem(l.optimizer_state))},
+      {compute, "the compute copy"},
+      {f.checkpoint_host_bytes,
+       fmt::format("the block inputs kept for the backward ({} micro-batches x every layer at seq {}: "
+                   "--accumulation, --micro-batch and --seq set it)", l.accumulation, l.seq)},
+      {reference, "the starting weights' reference copy (--keep-reference)"}};
+  uint64_t named = 0;
+  for (const auto& [bytes, what] : parts) named += bytes;
+  parts.push_back({f.host_bytes - std::min(f.host_bytes, named), "gradient staging and buffers"});
+  std::stable_sort(parts.begin(), parts.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<std::string> text;
+  for (const auto& [bytes, what] : parts)
+    if (bytes > 0) text.push_back(fmt::format("{} {}", format_bytes(bytes), what));
+  return fmt::format("{}", fmt::join(text, ", "));
+}
+
 std::string link_line(const PlanLimits& l, const LinkBalance& b) {
   std::string line = fmt::format(
       "link: a step sends {} of compute copies to the device (forward and backward), ~{} at {:.4g} GB/s, against "
