@@ -189,6 +189,7 @@ std::string answer_line(const Plan& p, const PlanLimits& l, const nlohmann::json
 }
 
 int run(Options& o) {
+  const PlacementMemo memo;  // the plan, its advice and its predictions place one model many times
   const ModelSpec spec = load_spec(o.model).with_lora(o.lora, "--lora");  // what the engine trains (as Plan::make)
   // The built-in model trains from scratch: the demo's shapes (a plan is for a GPU).
   const std::string demo = o.model == "builtin" ? o.config.apply_demo(true) : std::string();

@@ -156,6 +156,134 @@ void check_config(const ModelSpec& spec, const EngineConfig& c) {
                 c.shared_compute_file);
 }
 
+namespace {
+
+// What place() makes of a model's cut that no window, batch or tier choice
+// changes, and the memo that keeps it (PlacementMemo).
+struct Cut {
+  std::vector<ParamLayout> layouts;         // per block
+  std::shared_ptr<const Sharding> sharding;
+  std::vector<size_t> piece_elems;          // per piece (Piece::elems walks every range)
+};
+struct CutKey {
+  ModelSpec spec;
+  int64_t vocab_chunk, shard_rows, align;
+  std::string layer_pieces;
+  int64_t devices, expert_pieces, mlp_pieces;
+  bool quantize;
+  bool operator==(const CutKey&) const = default;
+};
+// Each piece's owned elements, the ranks' slice bounds and its runs, for one
+// rank of one cut.
+struct Owned {
+  std::vector<PiecePlace> pieces;
+};
+struct OwnedKey {
+  std::shared_ptr<const Sharding> sharding;  // held, so that the pointer names one cut
+  int64_t state_shards, state_shard, slice_align;
+  bool all_decay, q8;
+  bool operator==(const OwnedKey&) const = default;
+};
+
+}  // namespace
+
+struct PlacementMemo::State {
+  // The last cut only: a plan's calls come in runs of one cut, and a large
+  // model's layers cut into MLP slices are gigabytes of ranges (keeping two
+  // took a Llama-3.1-405B plan from 10.8 to 16.7 GB at its peak).
+  static constexpr size_t kKeep = 1;
+  std::vector<std::pair<CutKey, std::shared_ptr<const Cut>>> cuts;
+  std::vector<std::pair<OwnedKey, std::shared_ptr<const Owned>>> owned;
+};
+
+namespace {
+
+thread_local PlacementMemo::State* active_memo = nullptr;
+
+template <class Key, class Value, class Make>
+std::shared_ptr<const Value> remembered(std::vector<std::pair<Key, std::shared_ptr<const Value>>>* memo, Key key,
+                                        Make make) {
+  if (memo)
+    for (const auto& [k, v] : *memo)
+      if (k == key) return v;
+  std::shared_ptr<const Value> v = make();
+  if (memo) {
+    if (memo->size() >= PlacementMemo::State::kKeep) memo->erase(memo->begin());
+    memo->emplace_back(std::move(key), v);
+  }
+  return v;
+}
+
+std::shared_ptr<const Cut> cut_for(const ModelSpec& spec, const EngineConfig& c) {
+  const bool quantize = c.base_format != BaseFormat::kCompute && spec.lora.enabled();
+  CutKey key{spec,         c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces,
+             c.devices,    c.expert_pieces,       c.mlp_pieces,       quantize};
+  return remembered(active_memo ? &active_memo->cuts : nullptr, std::move(key), [&] {
+    auto cut = std::make_shared<Cut>();
+    for (int64_t b = 0; b < spec.num_blocks(); ++b) cut->layouts.push_back(spec.layout(b));
+    Sharding sh = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces,
+                                c.devices, c.expert_pieces, c.mlp_pieces);
+    // A quantized base: each decoder layer's frozen piece before its trained
+    // stretch (host/base_format.h).
+    if (quantize)
+      for (Piece& pc : sh.pieces)
+        pc.quantized = pc.frozen && spec.block(pc.block).kind == BlockKind::kLayer && pc.ranges.size() == 1 &&
+                       pc.ranges[0].begin == 0 &&
+                       pc.ranges[0].end == cut->layouts[size_t(pc.block)].trainable_span().first;
+    for (const Piece& pc : sh.pieces) cut->piece_elems.push_back(pc.elems());
+    cut->sharding = std::make_shared<const Sharding>(std::move(sh));
+    return std::shared_ptr<const Cut>(std::move(cut));
+  });
+}
+
+std::shared_ptr<const Owned> owned_for(const ModelSpec& spec, const EngineConfig& c, const Cut& cut,
+                                       const std::vector<std::vector<size_t>>& block_slices) {
+  const bool all_decay = c.decay_norms_and_biases || c.adam.weight_decay == 0;
+  const bool q8 = c.optimizer_state == StateFormat::kQ8;
+  OwnedKey key{cut.sharding, c.state_shards, c.state_shard, c.slice_align(), all_decay, q8};
+  return remembered(active_memo ? &active_memo->owned : nullptr, std::move(key), [&] {
+    const Sharding& sh = *cut.sharding;
+    const size_t rank = size_t(c.state_shard);
+    auto out = std::make_shared<Owned>();
+    for (int64_t p = 0; p < int64_t(sh.pieces.size()); ++p) {
+      const Piece& pc = sh.pieces[size_t(p)];
+      const std::vector<size_t>& bs = block_slices[size_t(pc.block)];
+      PiecePlace& at = out->pieces.emplace_back();
+      at.owned = {pc.before(bs[rank]), pc.before(bs[rank + 1])};
+      for (size_t x : bs) at.slices.push_back(pc.before(x));
+      auto runs = std::make_shared<PiecePlace::Runs>();
+      runs->owned = pc.runs(at.owned.begin, at.owned.end);
+      for (const PieceRun& r : runs->owned) {
+        const size_t from = r.at - at.owned.begin;
+        if (all_decay) {
+          runs->update.push_back({from, r.block, r.n, true});
+          continue;
+        }
+        for (const DecayRun& d : cut.layouts[size_t(pc.block)].decay_runs(r.block, r.block + r.n))
+          runs->update.push_back({from + (d.begin - r.block), d.begin, d.end - d.begin, d.decay});
+      }
+      for (const UpdateRun& r : runs->update)  // tensors start on whole groups, and so do q8 pieces
+        STRIDER_CHECK(!q8 || (r.at % kQ8GroupElems == 0 && r.block % kQ8GroupElems == 0),
+                      "{}: its update run at {} (block element {}) does not start a q8 group", sh.name(spec, p), r.at,
+                      r.block);
+      at.run_lists = std::move(runs);
+    }
+    return std::shared_ptr<const Owned>(std::move(out));
+  });
+}
+
+}  // namespace
+
+PlacementMemo::PlacementMemo() {
+  if (active_memo) return;
+  own_ = std::make_unique<State>();
+  active_memo = own_.get();
+}
+
+PlacementMemo::~PlacementMemo() {
+  if (own_) active_memo = nullptr;
+}
+
 Placement place(const ModelSpec& spec, const EngineConfig& c) {
   // What placement itself needs of the config; the rest is check_config's
   // (the Engine's): a plan sizes trial configs that no engine will run.
@@ -173,19 +301,12 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   pl.head = pl.blocks - 1;
   pl.devices = c.devices;
   pl.input_ring = c.checkpoints_on_host;
-  for (int64_t b = 0; b < pl.blocks; ++b) pl.layouts.push_back(spec.layout(b));
   pl.compute_bytes = c.compute.dtype == at::kFloat ? 4 : 2;
   pl.grad_bytes = c.grad_dtype() == at::kFloat ? 4 : 2;
-  pl.shards = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces, c.devices,
-                            c.expert_pieces, c.mlp_pieces);
-  // A quantized base: each decoder layer's frozen piece before its trained
-  // stretch (host/base_format.h).
-  const bool quantize = c.base_format != BaseFormat::kCompute && spec.lora.enabled();
-  if (quantize)
-    for (Piece& pc : pl.shards.pieces)
-      pc.quantized = pc.frozen && spec.block(pc.block).kind == BlockKind::kLayer && pc.ranges.size() == 1 &&
-                     pc.ranges[0].begin == 0 && pc.ranges[0].end == pl.layouts[size_t(pc.block)].trainable_span().first;
-  const Sharding& sh = pl.shards;
+  const std::shared_ptr<const Cut> cut = cut_for(spec, c);
+  pl.layouts = cut->layouts;
+  pl.sharding = cut->sharding;
+  const Sharding& sh = pl.shards();
   const int64_t P = int64_t(sh.pieces.size());
   const bool clip = c.gated_updates();
 
@@ -231,7 +352,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
     const bool nvme = pl.nvme_block[size_t(b)];
     size_t trained = 0;
     for (int64_t p = sh.first_of(b); p < sh.end_of(b); ++p)
-      if (!sh.pieces[size_t(p)].frozen) trained += sh.pieces[size_t(p)].elems();
+      if (!sh.pieces[size_t(p)].frozen) trained += cut->piece_elems[size_t(p)];
     pl.store_blocks.push_back({pl.layouts[size_t(b)], !nvme, !grads_in_ring(nvme, c) && trained > 0,
                                pl.block_slices.back()[rank], pl.block_slices.back()[rank + 1], trained});
     pl.store_blocks.back().compute_on_host = !pl.nvme_compute[size_t(b)];
@@ -250,30 +371,14 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
   // Per piece: its slice, its update runs, its NVMe extents (of its slice, in the format's bytes).
   std::vector<size_t> staged(size_t(pl.blocks), 0);  // per block: its pieces' gradients so far, back to back
   std::vector<size_t> load_staged(size_t(pl.blocks), 0);  // per block: its pieces' compute copies so far (NVMe)
+  const std::shared_ptr<const Owned> owned = owned_for(spec, c, *cut, pl.block_slices);
   for (int64_t p = 0; p < P; ++p) {
     const Piece& pc = sh.pieces[size_t(p)];
-    const std::vector<size_t>& bs = pl.block_slices[size_t(pc.block)];
-    PiecePlace at;
-    at.owned = {pc.before(bs[rank]), pc.before(bs[rank + 1])};
-    for (size_t x : bs) at.slices.push_back(pc.before(x));
+    const size_t elems = cut->piece_elems[size_t(p)];
+    PiecePlace at = owned->pieces[size_t(p)];
     at.staging_at = staged[size_t(pc.block)];
-    if (!pc.frozen) staged[size_t(pc.block)] += pc.elems();
+    if (!pc.frozen) staged[size_t(pc.block)] += elems;
     const size_t n = at.owned.elems();
-    const bool all_decay = c.decay_norms_and_biases || c.adam.weight_decay == 0;
-    at.owned_runs = pc.runs(at.owned.begin, at.owned.end);
-    for (const PieceRun& r : at.owned_runs) {
-      const size_t from = r.at - at.owned.begin;
-      if (all_decay) {
-        at.runs.push_back({from, r.block, r.n, true});
-        continue;
-      }
-      for (const DecayRun& d : pl.layouts[size_t(pc.block)].decay_runs(r.block, r.block + r.n))
-        at.runs.push_back({from + (d.begin - r.block), d.begin, d.end - d.begin, d.decay});
-    }
-    for (const UpdateRun& r : at.runs)  // tensors start on whole groups, and so do q8 pieces
-      STRIDER_CHECK(c.optimizer_state != StateFormat::kQ8 || (r.at % kQ8GroupElems == 0 && r.block % kQ8GroupElems == 0),
-                    "{}: its update run at {} (block element {}) does not start a q8 group", sh.name(spec, p), r.at,
-                    r.block);
     if (pl.nvme_block[size_t(pc.block)] && n > 0) {
       at.on_nvme = true;
       for (ExtentKind k : {ExtentKind::kMaster, ExtentKind::kAdamM, ExtentKind::kAdamV}) {
@@ -292,7 +397,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
       // Its compute copy, in the piece's coordinates (the q8 master's high
       // half: the format's own bytes), at its place in its layer's load
       // staging (a sub-layer piece, a visit of its own: at its start).
-      const size_t bytes = pc.elems() * pl.compute_bytes;
+      const size_t bytes = elems * pl.compute_bytes;
       at.compute_on_nvme = true;
       at.compute_staging_at = pc.sub_layer ? 0 : load_staged[size_t(pc.block)];
       if (!pc.sub_layer) load_staged[size_t(pc.block)] += round_up(bytes, kHostAlign);
@@ -317,7 +422,7 @@ Placement place(const ModelSpec& spec, const EngineConfig& c) {
     PiecePlace& at = pl.pieces[size_t(p)];
     at.ring_slot = int(next++ % c.grad_ring);
     at.spills_grads = clip;
-    pl.ring_slot_bytes = std::max(pl.ring_slot_bytes, round_up(pc.elems() * pl.grad_bytes, kHostAlign));
+    pl.ring_slot_bytes = std::max(pl.ring_slot_bytes, round_up(cut->piece_elems[size_t(p)] * pl.grad_bytes, kHostAlign));
   }
 
   pl.act_bytes = size_t(c.micro_batch * c.seq * spec.dims.hidden) * pl.compute_bytes;

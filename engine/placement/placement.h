@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include <c10/core/ScalarType.h>  // at::ScalarType
@@ -81,8 +82,16 @@ struct PiecePlace {
   // (engine/placement/pieces.h): the piece's part of this rank's slice of the block.
   ElemRange owned;
   std::vector<size_t> slices;  // the ranks' slice bounds cut to the piece, in the piece's coordinates
-  std::vector<PieceRun> owned_runs;  // the owned elements range by range (the sums of squares' parts)
-  std::vector<UpdateRun> runs; // the owned elements as AdamW updates them
+  // The owned elements range by range (the sums of squares' parts), and as
+  // AdamW updates them. Shared, not copied: a slice of an MLP has a range per
+  // row of down_proj (PlacementMemo).
+  struct Runs {
+    std::vector<PieceRun> owned;
+    std::vector<UpdateRun> update;
+  };
+  std::shared_ptr<const Runs> run_lists;
+  const std::vector<PieceRun>& owned_runs() const { return run_lists->owned; }
+  const std::vector<UpdateRun>& runs() const { return run_lists->update; }
   size_t staging_at = 0;       // its gradients' place in its block's own staging (the block's pieces back to back)
 };
 
@@ -92,7 +101,8 @@ struct Placement {
   int64_t micro_batch = 1, seq = 0, micro_batches = 1;
   int64_t batch() const { return micro_batch * micro_batches; }
   std::vector<ParamLayout> layouts;     // per block
-  Sharding shards;
+  std::shared_ptr<const Sharding> sharding;  // shared, not copied (PlacementMemo)
+  const Sharding& shards() const { return *sharding; }
   std::vector<PiecePlace> pieces;       // per piece
   // Pieces in the order their gradients leave the device: the LM-head
   // shards (untied; the head's norm just before the last, which computes
@@ -140,16 +150,16 @@ struct Placement {
   // shards is spread over the pool instead of being one device's long turn.
   // The last shard's device computes the loss and the final norm's backward.
   int head_device(int64_t s) const { return int((head + s) % devices); }
-  int last_head_device() const { return head_device(shards.shards - 1); }
+  int last_head_device() const { return head_device(shards().shards - 1); }
   // Device d runs a visit of the head.
   bool runs_head(int d) const {
-    for (int64_t s = 0; s < std::min<int64_t>(shards.shards, devices); ++s)
+    for (int64_t s = 0; s < std::min<int64_t>(shards().shards, devices); ++s)
       if (head_device(s) == d) return true;
     return false;
   }
   // Vocabulary shard s's rows.
   int64_t shard_rows(int64_t s) const {
-    const Piece& p = piece(shards.lm_piece[size_t(s)]);
+    const Piece& p = piece(shards().lm_piece[size_t(s)]);
     return p.row_end - p.row_begin;
   }
   // The vocabulary rows of the head's shards that device d runs: the columns
@@ -157,7 +167,7 @@ struct Placement {
   // shard s's start there). A pool's device keeps its own shards' logits only.
   int64_t head_rows(int d) const {
     int64_t n = 0;
-    for (int64_t s = 0; s < shards.shards; ++s)
+    for (int64_t s = 0; s < shards().shards; ++s)
       if (head_device(s) == d) n += shard_rows(s);
     return n;
   }
@@ -174,9 +184,9 @@ struct Placement {
   int piece_device(int64_t p) const {
     const int64_t b = piece(p).block;
     if (b < head) return block_device(b);
-    if (p == shards.norm_piece) return last_head_device();
-    for (int64_t s = 0; s < shards.shards; ++s)
-      if (shards.lm_piece[size_t(s)] == p) return head_device(s);
+    if (p == shards().norm_piece) return last_head_device();
+    for (int64_t s = 0; s < shards().shards; ++s)
+      if (shards().lm_piece[size_t(s)] == p) return head_device(s);
     return block_device(b);
   }
   // The block inputs' buffers on a device: with host checkpoints a ring of
@@ -193,7 +203,7 @@ struct Placement {
   }
   // The head's per-token state, log-sum-exp and hidden gradient cross
   // between devices (its shards run on more than one).
-  bool head_spread() const { return devices > 1 && shards.shards > 1; }
+  bool head_spread() const { return devices > 1 && shards().shards > 1; }
   // Device d runs a decoder layer that keeps its activations (it holds the two kept-activation slots).
   bool runs_kept_layer(int d) const {
     for (int64_t b = 1; b < head; ++b)
@@ -203,7 +213,7 @@ struct Placement {
 
   // Block b is a layer cut into sub-layer pieces (EngineConfig::mlp_pieces);
   // how many of those device d runs (it holds their buffers, engine_core.h).
-  bool cut(int64_t b) const { return b > 0 && b < head && piece(shards.first_of(b)).sub_layer; }
+  bool cut(int64_t b) const { return b > 0 && b < head && piece(shards().first_of(b)).sub_layer; }
   int64_t cut_layers(int d) const {
     int64_t n = 0;
     for (int64_t b = 1; b < head; ++b) n += cut(b) && block_device(b) == d;
@@ -220,7 +230,7 @@ struct Placement {
   }
 
   int64_t num_pieces() const { return int64_t(pieces.size()); }
-  const Piece& piece(int64_t p) const { return shards.pieces[size_t(p)]; }
+  const Piece& piece(int64_t p) const { return shards().pieces[size_t(p)]; }
   const PiecePlace& at(int64_t p) const { return pieces[size_t(p)]; }
 };
 
@@ -237,6 +247,25 @@ void check_config(const ModelSpec& spec, const EngineConfig& config);
 // Throws, naming the field, where the configuration cannot be placed (an
 // NVMe or kept-activation block out of range or listed twice, no ring slot).
 Placement place(const ModelSpec& spec, const EngineConfig& config);
+// While one lives on this thread, place() takes the sharding, the layouts and
+// the pieces' runs from an earlier call with the same model and cut instead
+// of making them again. A plan places hundreds of trial configurations that
+// differ only in the window, the batch, or which blocks go to NVMe, and a
+// layer cut into MLP slices has a range per row of down_proj (16384 a slice
+// in Llama-3.1-405B): made afresh, each placement of such a model took a
+// tenth of a second or more, and a plan minutes. Scopes nest (the outermost
+// keeps the memo); what it keeps goes with it.
+class PlacementMemo {
+ public:
+  PlacementMemo();
+  ~PlacementMemo();
+  PlacementMemo(const PlacementMemo&) = delete;
+  PlacementMemo& operator=(const PlacementMemo&) = delete;
+  struct State;
+
+ private:
+  std::unique_ptr<State> own_;  // null where an outer scope holds the memo
+};
 inline EngineFootprint footprint(const ModelSpec& spec, const EngineConfig& config) {
   return place(spec, config).footprint;
 }

@@ -10,7 +10,6 @@
 #include "host/error.h"
 
 namespace strider {
-
 namespace {
 
 // Before anything loops over the blocks or sums a size: the model and the
@@ -168,6 +167,7 @@ Plan make_placed(const ModelSpec& spec, const PlanLimits& l, const std::vector<i
   const bool host_ckpt = host_ckpt_for();
   if (!fits(k_min, host_ckpt, &f)) {
     p.device_short = true;
+    p.device_rest_bytes = f.activation_bytes + work;
     p.reason = fmt::format(
         "needs {} of device memory for K={} at micro-batch {} (seq {}): {} cache units of {}, {} of "
         "activations{}, ~{} of working memory; the budget is {}: give the device more (`strider finetune "
@@ -443,13 +443,13 @@ Plan make_as_given(const ModelSpec& model, const PlanLimits& l) {
 // layers cut into sub-layer pieces (EngineConfig::mlp_pieces), unless the
 // limits name a count: the fewest MLP slices (groups of experts) that fit,
 // so that each visit moves as much as it can (the count doubles from 2; one
-// the optimizer state's groups or the experts cannot cut is skipped). Where
-// the device is not what stops the plan, no cut mends it: none is tried (a
-// plan of cut layers is slow to make).
+// the optimizer state's groups or the experts cannot cut is skipped). None
+// is tried once what the device needs besides its units (activations, which
+// more pieces never shrink, and working memory) is more than it has.
 Plan cut_into_sub_layer_pieces(const ModelSpec& model, const PlanLimits& l, Plan whole) {
   if (whole.feasible || !whole.device_short || l.mlp_pieces != 0 || l.expert_pieces != 0 || !l.lora.empty())
     return whole;
-  for (int64_t n = 2; n <= 64; n *= 2) {
+  for (int64_t n = 2; n <= 64 && whole.device_rest_bytes < l.device_bytes; n *= 2) {
     PlanLimits cut = l;
     cut.mlp_pieces = n;
     Plan p;
@@ -458,6 +458,7 @@ Plan cut_into_sub_layer_pieces(const ModelSpec& model, const PlanLimits& l, Plan
     } catch (const Error&) {
       continue;  // mlp_slice_ranges or expert_group_ranges refused this count (q8's groups, the experts)
     }
+    if (!p.feasible && p.device_short && p.device_rest_bytes >= l.device_bytes) break;
     if (!p.feasible) continue;
     p.why.push_back(fmt::format("sub-layer pieces: each layer's attention half and {} {} are visits of their own "
                                 "(chosen: with whole layers the plan {})", n,
@@ -477,11 +478,10 @@ Plan cut_into_sub_layer_pieces(const ModelSpec& model, const PlanLimits& l, Plan
 // (EngineConfig::expert_pieces), unless the limits name a size: one expert
 // per piece, which needs the least RAM and so leaves the most of it to
 // optimizer state. Whole layers come first, with layers' compute copies on
-// NVMe where the state's alone is not enough: this search counts bytes, not
-// time; where a prediction is at hand, fastest_expert_pieces
-// (engine/plan/plan_speed.cpp) compares the sizes by speed. If even the cut does
-// not fit, nothing cut does: the device's units do not shrink.
+// NVMe where the state's alone is not enough: this search counts bytes; with
+// a prediction, fastest_expert_pieces (plan_speed.cpp) compares sizes by speed.
 Plan Plan::make(const ModelSpec& model, const PlanLimits& l) {
+  const PlacementMemo memo;  // its search places one model many times
   Plan whole = make_as_given(model, l);
   if (whole.feasible) return whole;
   if (whole.device_short || model.sparse_layer_count() == 0)

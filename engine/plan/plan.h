@@ -194,6 +194,7 @@ struct Plan {
   bool feasible = false;
   std::string reason;            // why not, with the numbers (when !feasible)
   bool device_short = false;     // not feasible because the device does not hold K = 2 units and what they need
+  uint64_t device_rest_bytes = 0;  // then: what it needs besides the units (activations, working memory)
   int64_t window = 0;            // K
   bool checkpoints_on_host = false;
   std::vector<int64_t> nvme_blocks;

@@ -24,7 +24,7 @@ int32_t Draft::insert_after(int32_t at, StepOp op) {
 
 std::vector<int64_t> Draft::visit_pieces(int64_t v) const {
   const Visit& vis = visits[size_t(v)];
-  return place.shards.visit_pieces(vis.piece, vis.kind == Visit::kHead ? vis.shard : -1);
+  return place.shards().visit_pieces(vis.piece, vis.kind == Visit::kHead ? vis.shard : -1);
 }
 
 StepOp Draft::visit_op(StepOpKind kind, Lane lane, int64_t v, std::vector<int32_t> after) const {
@@ -77,7 +77,7 @@ StepProgram Draft::finish() const {
   prog.layouts.assign(visits.size(), {});
   for (const StepOp& o : prog.ops)
     if (o.kind == StepOpKind::kLoad)
-      prog.layouts[size_t(o.visit)] = place.shards.unit_layout(place.shards.visit_pieces(o.piece, o.shard));
+      prog.layouts[size_t(o.visit)] = place.shards().unit_layout(place.shards().visit_pieces(o.piece, o.shard));
   return prog;
 }
 

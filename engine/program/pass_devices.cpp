@@ -17,7 +17,7 @@ class Hands {
   explicit Hands(Draft& d) : d_(d), pl_(d.place) {}
 
   void run() {
-    const Sharding& sh = pl_.shards;
+    const Sharding& sh = pl_.shards();
     const int64_t h = pl_.head, first_trained = pl_.first_trained_block();
     bool handed_to_embedding = false;  // the embedding's shards share one device: the first takes its gradient
     int64_t visit = -1;

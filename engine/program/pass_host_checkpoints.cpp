@@ -13,7 +13,7 @@ namespace strider {
 void pass_host_checkpoints(Draft& d) {
   if (!d.in.checkpoints_on_host) return;
   const Placement& place = d.place;
-  const Sharding& sh = place.shards;
+  const Sharding& sh = place.shards();
   const int64_t M = d.in.micro_batches;
   std::vector<int32_t> out(size_t(place.head + 1), -1);  // per block: its input's latest kCheckpointOut
   int32_t last = -1;  // the latest forward

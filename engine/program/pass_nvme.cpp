@@ -58,7 +58,7 @@ void pass_previous_step(Draft& d) {
     StepOp& o = d.op(id);
     if (o.kind == StepOpKind::kReadState) o.after_previous.push_back(write[size_t(o.piece)]);
     if (o.kind == StepOpKind::kLoad || o.kind == StepOpKind::kReadCompute)
-      for (int64_t p : d.place.shards.visit_pieces(o.piece, o.shard)) {
+      for (int64_t p : d.place.shards().visit_pieces(o.piece, o.shard)) {
         if (d.updated[size_t(p)] >= 0) o.after_previous.push_back(d.updated[size_t(p)]);
         if (o.kind == StepOpKind::kReadCompute && write[size_t(p)] >= 0) o.after_previous.push_back(write[size_t(p)]);
       }

@@ -9,7 +9,7 @@ namespace strider {
 // (an embedding shard's, when tied) and the embedding's kZeroGrads.
 void pass_tied(Draft& d) {
   const Placement& place = d.place;
-  const Sharding& sh = place.shards;
+  const Sharding& sh = place.shards();
   if (place.piece(sh.lm_piece[0]).block != 0) return;
   std::vector<int32_t> shares;  // per vocabulary shard: its kTiedGradOut, in order
   for (int32_t id : d.in_order()) {

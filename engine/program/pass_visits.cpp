@@ -13,7 +13,7 @@ namespace strider {
 // block's device (Placement::block_device; the head's shards on head_device).
 void pass_visits(Draft& d) {
   const Placement& place = d.place;
-  const Sharding& sh = place.shards;
+  const Sharding& sh = place.shards();
   std::vector<int64_t> forward;  // each visit's first piece
   for (int64_t p = 0; p < sh.first_of(place.head); ++p)
     if (place.piece(p).rows() || place.piece(p).sub_layer || p == sh.first_of(place.piece(p).block)) forward.push_back(p);
@@ -47,7 +47,7 @@ namespace {
 // `loss`: the kLossOut, the last shard's, which pass 2 of every shard waits for.
 std::vector<int32_t> head_visit(Draft& d, int64_t v, bool& grads, int32_t& loss) {
   const Placement& place = d.place;
-  const Sharding& sh = place.shards;
+  const Sharding& sh = place.shards();
   const Visit& vis = d.visits[size_t(v)];
   const int64_t M = d.in.micro_batches, s = vis.shard;
   const bool last_shard = s + 1 == sh.shards;

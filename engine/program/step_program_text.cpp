@@ -158,7 +158,7 @@ std::string what(const StepOp& o, const ModelSpec& spec, const Placement& place)
   std::string w;
   if (o.piece >= 0 && o.kind != StepOpKind::kCheckpointOut && o.kind != StepOpKind::kCheckpointIn &&
       o.kind != StepOpKind::kSaveOut && o.kind != StepOpKind::kFetchSaved)
-    w = place.shards.name(spec, o.piece);
+    w = place.shards().name(spec, o.piece);
   else if (o.shard >= 0)
     w = fmt::format("head shard {}", o.shard);
   else if (o.block == place.head)

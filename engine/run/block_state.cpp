@@ -96,7 +96,7 @@ void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
   } else {
     EngineCore::NvmeStaging& slot = core.idle_staging();
     const bool q8_master = core.config_->optimizer_state == StateFormat::kQ8 && kind == ExtentKind::kMaster;
-    for (int64_t p = core.place_.shards.first_of(b); p < core.place_.shards.end_of(b); ++p) {
+    for (int64_t p = core.place_.shards().first_of(b); p < core.place_.shards().end_of(b); ++p) {
       if (!core.on_nvme(p)) continue;  // sharded: none of the piece is this rank's
       const Extent& e = core.nvme_->extent(p, kind);
       core.nvme_->wait(core.nvme_->read(e, slot.master.first(e.io_bytes)));
@@ -109,7 +109,7 @@ void Engine::read_state(int64_t b, ExtentKind kind, std::span<float> out) {
       std::byte* bytes = slot.master.data();
       const auto* codes = reinterpret_cast<const uint8_t*>(bytes);
       const auto* hi = reinterpret_cast<const uint16_t*>(slot.compute.data());
-      for (const UpdateRun& r : core.place_.at(p).runs) {
+      for (const UpdateRun& r : core.place_.at(p).runs()) {
         float* to = out.data() + r.block;
         if (core.config_->optimizer_state == StateFormat::kFp32)
           std::memcpy(to, bytes + r.at * sizeof(float), r.n * sizeof(float));
@@ -205,7 +205,7 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
     return;
   }
   EngineCore::NvmeStaging& slot = core.idle_staging();
-  for (int64_t p = core.place_.shards.first_of(b); p < core.place_.shards.end_of(b); ++p) {
+  for (int64_t p = core.place_.shards().first_of(b); p < core.place_.shards().end_of(b); ++p) {
     if (!core.on_nvme(p)) continue;  // sharded: none of the piece is this rank's
     const Extent& e = core.nvme_->extent(p, kind);
     const size_t n = core.owned(p).elems();
@@ -216,7 +216,7 @@ void Engine::write_state(int64_t b, ExtentKind kind, std::span<const float> in) 
     const bool compute = kind == ExtentKind::kMaster && core.compute_on_nvme(p);
     std::byte* cbytes = slot.compute.data();
     if (compute) std::memset(cbytes, 0, core.nvme_->extent(p, ExtentKind::kCompute).io_bytes);
-    for (const UpdateRun& r : core.place_.at(p).runs) {  // as read_state, the other way
+    for (const UpdateRun& r : core.place_.at(p).runs()) {  // as read_state, the other way
       const float* from = in.data() + r.block;
       if (!q8)
         std::memcpy(bytes + r.at * sizeof(float), from, r.n * sizeof(float));
@@ -280,7 +280,7 @@ std::string Engine::first_non_finite_param() {
     std::vector<float> w(core.place_.layouts[size_t(b)].total_elems());
     read_state(b, ExtentKind::kMaster, w);
     if (std::isfinite(sum_squares(w))) continue;
-    for (int64_t p = core.place_.shards.first_of(b); p < core.place_.shards.end_of(b); ++p) {
+    for (int64_t p = core.place_.shards().first_of(b); p < core.place_.shards().end_of(b); ++p) {
       std::vector<float> values(core.piece(p).elems());  // the piece's coordinates
       for (const PieceRun& r : core.piece(p).runs())
         std::copy_n(w.begin() + ptrdiff_t(r.block), r.n, values.begin() + ptrdiff_t(r.at));

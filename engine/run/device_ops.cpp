@@ -33,7 +33,7 @@ double EngineCore::op_flops(const StepOp& op) const {
   switch (op.kind) {
     case StepOpKind::kHeadLse:
     case StepOpKind::kHeadGrad: {
-      const Piece& rows = piece(place_.shards.lm_piece[size_t(op.shard)]);
+      const Piece& rows = piece(place_.shards().lm_piece[size_t(op.shard)]);
       const double logits = 2.0 * tokens * H * double(rows.row_end - rows.row_begin);
       // Pass 1: the logits; pass 2: the logits again and both gradients
       // (frozen rows: the hidden state's only). With kept logits, pass 2
@@ -231,7 +231,7 @@ void EngineCore::run_device_op(const StepOp& op, PassCursor& at) {
     case StepOpKind::kTiedGradOut: {
       // Kept in fp32 so that the embedding's sum is the resident reference's.
       const Piece& rows = piece(op.piece);
-      const size_t norm = piece(place_.shards.norm_piece).elems() - grad_base(op);  // the rows' accumulators
+      const size_t norm = piece(place_.shards().norm_piece).elems() - grad_base(op);  // the rows' accumulators
       dev.copy_d2h(StreamId::kD2H, tied_grad_host_.data() + rows.ranges[0].begin, unit(op).grads_fp32 + norm,
                    rows.elems() * 4, {"d2h tied grads", int32_t(place_.head)});
       dev.record(*tied_grad_ready_[size_t(op.shard)], StreamId::kD2H);
@@ -319,7 +319,7 @@ void EngineCore::head_op(const StepOp& op) {
   const int64_t m = op.micro_batch;
   Seat& st = seat(op);
   Device& dev = *st.device;
-  const Sharding& sh = place_.shards;
+  const Sharding& sh = place_.shards();
   const Piece& norm_pc = piece(sh.norm_piece);
   const Piece& rows_pc = piece(sh.lm_piece[size_t(op.shard)]);
   const bool first = op.shard == 0, last = op.shard + 1 == sh.shards;

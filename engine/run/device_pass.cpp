@@ -51,7 +51,7 @@ at::Tensor EngineCore::rows_view(const at::Tensor& flat, size_t offset, const Pi
 }
 
 std::vector<int64_t> EngineCore::visit_segments(const StepOp& v) const {
-  return place_.shards.visit_pieces(v.piece, v.shard);
+  return place_.shards().visit_pieces(v.piece, v.shard);
 }
 
 at::Tensor EngineCore::kept_logits(const Seat& s, int64_t m, int64_t shard) const {
@@ -266,7 +266,7 @@ void EngineCore::load_visit(const StepOp& v, const std::vector<UnitRun>& layout)
   }
   auto ready = dev.make_event();
   dev.record(*ready, StreamId::kH2D);
-  loaded_[size_t(v.visit)] = {&u, std::move(ready), &layout, place_.shards.grad_base(layout)};
+  loaded_[size_t(v.visit)] = {&u, std::move(ready), &layout, place_.shards().grad_base(layout)};
 }
 
 const std::byte* EngineCore::grads_to_send(Seat& s, const CacheUnit& u, size_t elems, int64_t block) {

@@ -26,7 +26,7 @@ Engine::~Engine() = default;
 bool Engine::simulated() const { return core_->priced(); }
 const ModelSpec& Engine::spec() const { return core_->spec_; }
 const EngineConfig& Engine::config() const { return *core_->config_; }
-const Sharding& Engine::sharding() const { return core_->place_.shards; }
+const Sharding& Engine::sharding() const { return core_->place_.shards(); }
 const StepProgram& Engine::program() const { return core_->program_; }
 Device& Engine::device(int d) { return core_->device(d); }
 int Engine::devices() const { return int(core_->seats_.size()); }

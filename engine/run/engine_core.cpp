@@ -139,7 +139,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
     st.pool = std::make_unique<CacheUnitPool>(
         *st.device, size_t(config_->window), fp.unit_elems,
         CacheUnitPoolOptions{.what = "cache units", .param_elem_bytes = place_.compute_bytes,
-                             .grad_capacity_elems = place_.shards.unit_grad_elems,
+                             .grad_capacity_elems = place_.shards().unit_grad_elems,
                              .staging_bytes = place_.base_staging_bytes});
     allocate_activations(d);
     st.runner = std::make_unique<BlockRunner>(spec_, config_->compute, config_->seq, st.aten);
@@ -158,7 +158,7 @@ EngineCore::EngineCore(ModelSpec spec, EngineConfig config, std::vector<std::uni
       slot.copied.push_back(st.device->make_event());
       slot.read_done.push_back(st.device->make_event());
     }
-  for (int64_t s = 0; s < place_.shards.shards; ++s)
+  for (int64_t s = 0; s < place_.shards().shards; ++s)
     tied_grad_ready_.push_back(seats_[size_t(place_.head_device(s))].device->make_event());
   head_stats_ready_ = seats_[size_t(place_.last_head_device())].device->make_event();
   saved_out_.resize(size_t(fp.saved_layers));

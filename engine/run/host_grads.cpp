@@ -25,7 +25,7 @@ void EngineCore::op_sum_squares(const StepOp& op, PassFigures& fig) {
   // One part per range of the piece (0 where this rank holds none of it).
   std::vector<double>& parts = fig.parts[size_t(b)];
   parts.assign(piece(b).ranges.size(), 0.0);
-  for (const PieceRun& r : place_.at(b).owned_runs) {
+  for (const PieceRun& r : place_.at(b).owned_runs()) {
     const std::byte* x = g + r.at * place_.grad_bytes;
     parts[r.range] = place_.grad_bytes == 4 ? sum_squares({reinterpret_cast<const float*>(x), r.n})
                                             : sum_squares_bf16({reinterpret_cast<const uint16_t*>(x), r.n});

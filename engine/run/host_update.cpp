@@ -137,7 +137,7 @@ void EngineCore::op_check_grad(const StepOp& op, UpdateJob& job, const PassFigur
                 "{} earlier pieces of the step were updated; without clipping updates overlap backward, "
                 "so the step is partly applied: the run stops here, and nothing of this step may be saved "
                 "(the last checkpoint stays). Clipping (--clip) checks every gradient before any update.",
-                job.step, piece(b).block, place_.shards.name(spec_, b), fig.bad_tensor[size_t(b)], updated_before);
+                job.step, piece(b).block, place_.shards().name(spec_, b), fig.bad_tensor[size_t(b)], updated_before);
   skip(job, fmt::format("the gradient of block {} is not finite", piece(b).block));
 }
 
@@ -222,7 +222,7 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
     // Its state was read into a staging slot (kReadState), in the piece's coordinates.
     for (NvmeStaging& x : nvme_staging_)
       if (x.reading == b) slot = &x;
-    STRIDER_CHECK(slot != nullptr, "the update of {} found no read of its state", place_.shards.name(spec_, b));
+    STRIDER_CHECK(slot != nullptr, "the update of {} found no read of its state", place_.shards().name(spec_, b));
     for (auto& t : slot->reads) nvme_->wait(t);
     slot->reads.clear();
     slot->reading = -1;
@@ -241,7 +241,7 @@ void EngineCore::update_piece(const UpdateJob& job, int64_t b, double grad_scale
   const DType grad_dtype = place_.grad_bytes == 4 ? DType::kF32 : DType::kBF16;
   // Each run of tensors alike: its gradients at run.at, its state at run.at
   // in the staging slot (NVMe) or at run.block in the block (RAM); q8: whole groups.
-  for (const UpdateRun& run : place_.at(b).runs) {
+  for (const UpdateRun& run : place_.at(b).runs()) {
     const AdamStep& st = run.decay ? decayed : spared;
     const size_t k = run.at, len = run.n, at = run.block, st_at = run.block - s.state_begin;
     const std::byte* g = grads + k * place_.grad_bytes;
@@ -289,7 +289,7 @@ void EngineCore::write_state_back(int64_t b, int64_t step) {
   NvmeStaging* slot = nullptr;
   for (NvmeStaging& x : nvme_staging_)
     if (x.holding == b) slot = &x;
-  STRIDER_CHECK(slot != nullptr, "the write-back of {} found no updated state", place_.shards.name(spec_, b));
+  STRIDER_CHECK(slot != nullptr, "the write-back of {} found no updated state", place_.shards().name(spec_, b));
   slot->holding = -1;
   slot->written = b;
   const double w0 = Timeline::now_us();

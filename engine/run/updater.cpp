@@ -214,7 +214,7 @@ void EngineCore::Updater::run_host_op(const StepOp& op, UpdateJob& job, PassFigu
         std::unique_lock lk(mu_);
         cv_.wait(lk, [&] { return grads_recorded_[size_t(b)] >= job.pass || stopping_ || abandoned_ >= job.pass; });
         STRIDER_CHECK(!stopping_, "the engine stopped before {}'s gradients were copied out",
-                      e_.place_.shards.name(e_.spec_, b));
+                      e_.place_.shards().name(e_.spec_, b));
         if (grads_recorded_[size_t(b)] < job.pass) return;  // abandoned: main() leaves the job
       }
       e_.grads_ready_[size_t(b)]->synchronize();

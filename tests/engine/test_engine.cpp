@@ -515,7 +515,7 @@ TEST_CASE("kept logits spare one logits GEMM of the head and cost their bytes on
   EngineConfig pool = keep;
   pool.devices = 2;
   const Placement pl = place(spec, pool);
-  REQUIRE(pl.shards.shards >= 2);
+  REQUIRE(pl.shards().shards >= 2);
   int64_t most = 0;
   for (int d = 0; d < 2; ++d) most = std::max(most, pl.head_rows(d));
   CHECK(most < spec.dims.vocab);

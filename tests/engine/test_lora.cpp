@@ -93,7 +93,7 @@ TEST_CASE("LoRA: frozen pieces have no gradient, update or state operations, and
       cfg.clip_norm = clip;
       cfg.vocab_shard_rows = 40;
       const Placement pl = place(spec, cfg);
-      const Sharding& sh = pl.shards;
+      const Sharding& sh = pl.shards();
       // Per layer: its base and its adapters; the embedding's and the head's pieces frozen.
       CHECK(pl.num_pieces() == 3 + 2 * 3 + 1 + (tied ? 0 : 3));
       std::set<int64_t> trained;

@@ -226,7 +226,7 @@ TEST_CASE("mixture of experts: groups of experts as visits of their own train to
     EngineConfig cfg;
     cfg.mlp_pieces = pieces;
     cfg.compute.vocab_chunk = 40;
-    Case c{"all resident", int64_t(place(spec, cfg).shards.pieces.size())};
+    Case c{"all resident", int64_t(place(spec, cfg).shards().pieces.size())};
     c.mlp_pieces = pieces;
     return c;
   };

@@ -126,7 +126,7 @@ TEST_CASE("every visit runs each micro-batch once: forward, head passes, backwar
   cfg.accumulation = 3;
   const Placement pl = place(spec, cfg);
   const StepProgram prog = compile_step(pl, program_inputs(cfg, 1));
-  const int64_t M = 3, shards = pl.shards.shards, body = pl.shards.first_of(pl.head);
+  const int64_t M = 3, shards = pl.shards().shards, body = pl.shards().first_of(pl.head);
   CHECK(count(prog, K::kForward) == body * M);
   CHECK(count(prog, K::kBackward) == body * M);
   CHECK(count(prog, K::kHeadLse) == shards * M);
@@ -146,8 +146,8 @@ TEST_CASE("every visit runs each micro-batch once: forward, head passes, backwar
   const ModelSpec tied = tiny(true);
   const Placement tp = place(tied, cfg);
   const StepProgram tprog = compile_step(tp, program_inputs(cfg, 1));
-  CHECK(count(tprog, K::kTiedGradOut) == tp.shards.shards);
-  CHECK(count(tprog, K::kTiedGradIn) == tp.shards.shards);
+  CHECK(count(tprog, K::kTiedGradOut) == tp.shards().shards);
+  CHECK(count(tprog, K::kTiedGradIn) == tp.shards().shards);
   CHECK(count(tprog, K::kGradsOut) == tp.num_pieces());
 }
 
@@ -161,11 +161,11 @@ TEST_CASE("a layer cut into pieces is one visit in its block's layout, and its p
   const int64_t layers = spec.num_blocks() - 2;
   REQUIRE(pl.num_pieces() == whole.num_pieces() + layers);
   for (int64_t b = 1; b <= layers; ++b) {
-    const std::vector<int64_t> visit = pl.shards.visit_pieces(pl.shards.first_of(b), -1);
+    const std::vector<int64_t> visit = pl.shards().visit_pieces(pl.shards().first_of(b), -1);
     CHECK(visit.size() == 2);
     // The unit holds the block's layout: each range at its own offset, the whole block covered.
     size_t covered = 0;
-    for (const UnitRun& u : pl.shards.unit_layout(visit)) {
+    for (const UnitRun& u : pl.shards().unit_layout(visit)) {
       CHECK(u.unit_at == u.run.block);
       covered += u.run.n;
     }
@@ -410,7 +410,7 @@ TEST_CASE("a pool: every visit on its block's device, the head's shards spread, 
         const Placement pl = place(spec, cfg);
         const StepProgram prog = compile_step(pl, program_inputs(cfg, 1));
         check_order(prog);
-        const int64_t M = cfg.accumulation, S = pl.shards.shards;
+        const int64_t M = cfg.accumulation, S = pl.shards().shards;
         REQUIRE(S == 3);
         // A block's visits on its device; the head's shard s's on the device after shard s - 1's.
         auto device_of = [&](const StepOp& o) {

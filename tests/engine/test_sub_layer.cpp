@@ -42,7 +42,7 @@ int64_t all_pieces(const ModelSpec& spec, int64_t mlp_pieces) {
   EngineConfig cfg;
   cfg.mlp_pieces = mlp_pieces;
   cfg.compute.vocab_chunk = 40;
-  return int64_t(place(spec, cfg).shards.pieces.size());
+  return int64_t(place(spec, cfg).shards().pieces.size());
 }
 
 // The largest relative difference between two runs' state of one kind
@@ -78,7 +78,7 @@ TEST_CASE("sub-layer pieces: a layer is its attention half and MLP slices, each 
   EngineConfig cfg = cut_config();
   cfg.checkpoints_on_host = true;
   const Placement pl = place(spec, cfg);
-  const Sharding& sh = pl.shards;
+  const Sharding& sh = pl.shards();
   const int64_t b = 2;
   REQUIRE(sh.end_of(b) - sh.first_of(b) == 4);
   CHECK(sh.name(spec, sh.first_of(b)) == "layer.1[attention]");
@@ -257,7 +257,7 @@ TEST_CASE("a model whose layers exceed half the GPU fits through sub-layer piece
     CHECK(p.host_peak_bytes <= l.host_bytes);
     // Its units are a piece's, and what it places the engine's placement counts.
     const Placement pl = place(spec, p.engine_config(l));
-    CHECK(pl.shards.layer_elems * 6 < (12ull << 30));
+    CHECK(pl.shards().layer_elems * 6 < (12ull << 30));
     CHECK(footprint(spec, p.engine_config(l)).host_bytes <= p.pinned_bytes);
     // A count given is kept.
     PlanLimits eight = l;
@@ -283,4 +283,51 @@ TEST_CASE("sub-layer pieces refuse what they do not compose with, by name", "[su
   EngineConfig lora = cfg;
   lora.lora = "r=4,alpha=8,targets=all-linear";
   CHECK_THROWS_WITH(engine_with(lora), Catch::Contains("LoRA"));
+}
+
+TEST_CASE("a placement memo gives every placement's figures and runs, whatever was placed before", "[sub_layer]") {
+  // A plan places many configurations under one PlacementMemo; each must be
+  // what a placement of its own gives, whichever cut came before it.
+  const ModelSpec spec = tiny(false);
+  std::vector<EngineConfig> configs;
+  for (int64_t pieces : {3, 0, 2})
+    for (StateFormat format : {StateFormat::kFp32, StateFormat::kQ8})
+      for (int64_t window : {2, 3}) {
+        if (pieces > 0 && format == StateFormat::kQ8) continue;  // its intermediate size is less than a q8 group
+        EngineConfig c = cut_config();
+        c.mlp_pieces = pieces;
+        c.optimizer_state = format;
+        if (format == StateFormat::kQ8) c.compute.dtype = at::kBFloat16;  // its master's high half
+        c.window = window;
+        c.adam.weight_decay = 0.1;  // decay runs cut at the norms
+        if (window == 3) c.nvme_blocks = {1, 2};
+        configs.push_back(c);
+      }
+  const auto same = [](const Placement& a, const Placement& b) {
+    CHECK(a.footprint.unit_bytes == b.footprint.unit_bytes);
+    CHECK(a.footprint.device_bytes == b.footprint.device_bytes);
+    CHECK(a.footprint.host_bytes == b.footprint.host_bytes);
+    CHECK(a.footprint.nvme_bytes == b.footprint.nvme_bytes);
+    REQUIRE(a.pieces.size() == b.pieces.size());
+    for (size_t p = 0; p < a.pieces.size(); ++p) {
+      CHECK(a.shards().pieces[p].ranges.size() == b.shards().pieces[p].ranges.size());
+      CHECK(a.pieces[p].owned.begin == b.pieces[p].owned.begin);
+      CHECK(a.pieces[p].owned.end == b.pieces[p].owned.end);
+      CHECK(a.pieces[p].on_nvme == b.pieces[p].on_nvme);
+      CHECK(a.pieces[p].ring_slot == b.pieces[p].ring_slot);
+      REQUIRE(a.pieces[p].runs().size() == b.pieces[p].runs().size());
+      for (size_t r = 0; r < a.pieces[p].runs().size(); ++r) {
+        CHECK(a.pieces[p].runs()[r].block == b.pieces[p].runs()[r].block);
+        CHECK(a.pieces[p].runs()[r].n == b.pieces[p].runs()[r].n);
+        CHECK(a.pieces[p].runs()[r].decay == b.pieces[p].runs()[r].decay);
+      }
+    }
+  };
+  std::vector<Placement> alone;
+  for (const EngineConfig& c : configs) alone.push_back(place(spec, c));
+  const PlacementMemo memo;
+  for (int round = 0; round < 2; ++round)  // the second round finds each cut remembered or replaced
+    for (size_t i = 0; i < configs.size(); ++i) same(place(spec, configs[i]), alone[i]);
+  // The same cut under a memo is shared, not made again.
+  CHECK(place(spec, configs[0]).sharding == place(spec, configs[0]).sharding);
 }
