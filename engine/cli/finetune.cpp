@@ -71,7 +71,8 @@ int run_finetune(FinetuneOptions& o) {
   // 2. The model, plan, engine and data (locks --nvme).
   // Every rank has checked what it owns before any rank builds its run.
   ranks->barrier();
-  TrainingRun tr = make_training_run(o.train, "finetune", o.steps, stdout, ranks.get());
+  TrainingRun tr = make_training_run(o.train, "finetune", RunLength(o.steps, o.epochs), stdout, ranks.get());
+  o.steps = tr.total_steps;
   STRIDER_CHECK(!tr.engine->simulated(),
                 "--device {}: a simulated device trains nothing; use `strider profile --device {}` or "
                 "`strider plan --predict` for its figures",

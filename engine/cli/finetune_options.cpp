@@ -57,7 +57,13 @@ std::function<int()> add_finetune(CLI::App& app) {
               "with --lora: also write the merged model (each adapted weight W + scale B A) under --out/merged, a "
               "transformers checkpoint without adapters");
   add_placement_options(*c, o->train);
-  c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str()->check(in_range<int64_t>(1, kMaxSteps));
+  CLI::Option* steps =
+      c->add_option("--steps", o->steps, "optimizer steps")->capture_default_str()->check(in_range<int64_t>(1, kMaxSteps));
+  c->add_option("--epochs", o->epochs, "passes over the training data instead of --steps (as transformers' "
+                "num_train_epochs): as many steps as that many passes over its windows take, rounded up (a fraction "
+                "is a part of a pass); the schedule decays over them")
+      ->check(CLI::PositiveNumber)
+      ->excludes(steps);
   add_optimizer_options(*c, o->train);
   add_objective_options(*c, o->train);
   c->add_option("--trace", o->trace, "write the timeline as Chrome trace JSON (Perfetto)");

@@ -19,6 +19,7 @@ struct FinetuneOptions {
   std::vector<std::string> allow_changed;
   bool resume = false, merge = false, overwrite_out = false;
   int64_t dist_timeout_s = 300;
+  double epochs = 0;  // --epochs: the run's length in passes over the data, in --steps' place
 };
 
 // The run; returns its exit code.

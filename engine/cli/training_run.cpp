@@ -215,7 +215,7 @@ std::optional<InjectedFault> injected_fault_from_env() {
   return f;
 }
 
-TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t total_steps,
+TrainingRun make_training_run(TrainOptions& o, std::string_view command, RunLength length,
                               std::FILE* log, Collectives* ranks) {
   namespace fs = std::filesystem;
   std::unique_ptr<Collectives> solo;
@@ -367,7 +367,21 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
   cfg.adam = settings.adam;
   cfg.decay_norms_and_biases = settings.decay_norms_and_biases;
   cfg.schedule = settings.schedule;
-  cfg.schedule.total_steps = total_steps;
+  // A preference objective reads pairs: each rank's rows are its pairs' chosen, then their rejected.
+  const bool pairs = cfg.objective.resolve().pairs();
+  run.total_steps = length.steps;
+  if (length.epochs > 0) {
+    const uint64_t units = (run.train_file->size() - 1) / uint64_t(cfg.seq) / (pairs ? 2 : 1);
+    const uint64_t per_step = uint64_t(cfg.batch() * me.world) / (pairs ? 2 : 1);
+    const long double steps = std::ceil((long double)length.epochs * units / per_step);
+    STRIDER_CHECK(steps >= 1 && steps <= (long double)kMaxSteps, "--epochs {}: {} steps of {} {} over {}'s {} {}, "
+                  "outside [1, {}]", length.epochs, double(steps), per_step, pairs ? "pairs" : "windows", run.data,
+                  units, pairs ? "pairs" : "windows", kMaxSteps);
+    run.total_steps = int64_t(steps);
+    fmt::print(log, "--epochs {}: {} steps ({} {} of seq {} in {}, {} a step)\n", length.epochs, run.total_steps,
+               units, pairs ? "pairs" : "windows", cfg.seq, run.data, per_step);
+  }
+  cfg.schedule.total_steps = run.total_steps;
   cfg.loss_scaling = settings.loss_scaling;
   cfg.optimizer_threads = settings.optimizer_threads;
   cfg.state_shard = me.rank;
@@ -472,8 +486,6 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t
     fmt::print(log, "  loaded {}\n", run.model_dir);
   }
 
-  // A preference objective reads pairs: each rank's rows are its pairs' chosen, then their rejected.
-  const bool pairs = cfg.objective.resolve().pairs();
   run.loader = std::make_unique<TokenLoader>(
       *run.train_file, TokenLoaderOptions{.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq),
                                           .seed = o.seed, .pair_rows = pairs ? uint64_t(cfg.batch()) : 0});

@@ -93,6 +93,7 @@ struct TrainingRun {
   std::unique_ptr<TokenFile> train_file;
   std::unique_ptr<TokenLoader> loader;
   bool packed = false;     // the loader gives positions (EngineConfig::packed_documents)
+  int64_t total_steps = 0; // the schedule's length (RunLength)
 };
 
 // Whether a token file's documents start inside the windows of `seq` tokens
@@ -111,8 +112,8 @@ void check_single_process(std::string_view command);
 // --nvme directory, builds the engine on
 // the device, initialises (from the seed) or loads its parameters (not on a
 // simulated device: it holds none; a non-finite weight in a loaded model is
-// refused, naming the tensor), and opens the training data. `total_steps`
-// is the learning-rate schedule's length.
+// refused, naming the tensor), and opens the training data. `length` is
+// the learning-rate schedule's.
 //
 // With `ranks` of more than one (data parallel, launched by torchrun): each
 // rank plans with its share of the machine's --host-ram (the state is whole on
@@ -120,7 +121,18 @@ void check_single_process(std::string_view command);
 // engine channel; rank 0 writes the generated data while the others wait; the
 // loader yields the global batch (every rank the same; rank r steps on its
 // r-th share of the rows). Only the CPU device so far.
-TrainingRun make_training_run(TrainOptions& o, std::string_view command, int64_t total_steps,
+//
+// The run's length: `steps`, or (epochs > 0, `strider finetune --epochs`)
+// as many steps as that many passes over the training file's windows take,
+// each step's rows (every rank's; a preference objective's in pairs) being
+// windows it has not yet handed out this pass: TrainingRun::total_steps.
+struct RunLength {
+  int64_t steps = 0;
+  double epochs = 0;
+  RunLength(int64_t s) : steps(s) {}  // NOLINT: a step count is a run length
+  RunLength(int64_t s, double e) : steps(s), epochs(e) {}
+};
+TrainingRun make_training_run(TrainOptions& o, std::string_view command, RunLength length,
                               std::FILE* log = stdout, Collectives* ranks = nullptr);
 
 // A test hook (engine/cli/README.md, "Testing a failure mid-step"):

@@ -185,6 +185,28 @@ def test_a_short_run_is_evaluated_after_its_last_step(strider, tmp_path):
         assert len(re.findall(r"^ +eval loss [0-9.]+$", out, re.M)) == len(evaluated), out
 
 
+def test_epochs_set_the_steps_from_the_datas_windows(strider, tmp_path):
+    """--epochs N in --steps' place (issue 67): a file of 1001 tokens holds 31 windows of seq 32 (each needs
+    its next token), and a step of micro-batch 2 x accumulation 2 takes 4, so 2 passes are ceil(62 / 4) = 16
+    steps and 0.5 a pass 4; the run trains that many, and its schedule decays over them. --epochs with --steps
+    is refused."""
+    from strider.data import write_token_file
+
+    data = tmp_path / "train.tokens"
+    write_token_file(data, list(range(1, 1002)), vocab_size=2048)
+    for epochs, steps in (("2", 16), ("0.5", 4)):
+        metrics = tmp_path / f"m{epochs}.jsonl"
+        out = finetune(strider, tmp_path, "--data", str(data), "--epochs", epochs, "--metrics", str(metrics),
+                       "--out", str(tmp_path / f"out{epochs}"), "--schedule", "linear", "--warmup", "0")
+        assert f"--epochs {epochs}: {steps} steps (31 windows of seq 32 in {data}, 4 a step)" in out, out
+        lines = [json.loads(l) for l in metrics.read_text().splitlines() if "lr" in l]
+        assert [l["step"] for l in lines] == list(range(1, steps + 1)), lines
+        assert lines[-1]["lr"] < lines[0]["lr"]  # it decays toward the last of those steps
+    r = subprocess.run([str(strider), "finetune", "--device", "cpu", "--steps", "3", "--epochs", "1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "--steps excludes --epochs" in r.stderr, r.stderr + r.stdout
+
+
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint(strider, tmp_path):
     """Ctrl-C finishes the step, saves and exits 130 (128 + SIGINT), as a shell expects."""
     cmd = [str(strider), "finetune", "--device", "cpu", "--seq", "32", "--steps", "1000",
