@@ -369,9 +369,12 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, RunLeng
   cfg.schedule = settings.schedule;
   // A preference objective reads pairs: each rank's rows are its pairs' chosen, then their rejected.
   const bool pairs = cfg.objective.resolve().pairs();
+  run.loader = std::make_unique<TokenLoader>(
+      *run.train_file, TokenLoaderOptions{.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq),
+                                          .seed = o.seed, .pair_rows = pairs ? uint64_t(cfg.batch()) : 0});
   run.total_steps = length.steps;
   if (length.epochs > 0) {
-    const uint64_t units = (run.train_file->size() - 1) / uint64_t(cfg.seq) / (pairs ? 2 : 1);
+    const uint64_t units = run.loader->num_windows();  // a pass: each window (pair) once
     const uint64_t per_step = uint64_t(cfg.batch() * me.world) / (pairs ? 2 : 1);
     const long double steps = std::ceil((long double)length.epochs * units / per_step);
     STRIDER_CHECK(steps >= 1 && steps <= (long double)kMaxSteps, "--epochs {}: {} steps of {} {} over {}'s {} {}, "
@@ -486,9 +489,6 @@ TrainingRun make_training_run(TrainOptions& o, std::string_view command, RunLeng
     fmt::print(log, "  loaded {}\n", run.model_dir);
   }
 
-  run.loader = std::make_unique<TokenLoader>(
-      *run.train_file, TokenLoaderOptions{.batch = uint64_t(cfg.batch() * me.world), .seq = uint64_t(cfg.seq),
-                                          .seed = o.seed, .pair_rows = pairs ? uint64_t(cfg.batch()) : 0});
   return run;
 }
 

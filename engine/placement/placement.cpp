@@ -1,6 +1,7 @@
 #include "engine/placement/placement.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "engine/config/engine_config_json.h"  // check_settings
 #include "gpu/blocks/blocks.h"            // layer_saved_elems
@@ -187,13 +188,12 @@ struct OwnedKey {
 
 }  // namespace
 
+// The last cut only: a plan's calls come in runs of one cut, and a large
+// model's layers cut into MLP slices are gigabytes of ranges (keeping two
+// took a Llama-3.1-405B plan from 10.8 to 16.7 GB at its peak).
 struct PlacementMemo::State {
-  // The last cut only: a plan's calls come in runs of one cut, and a large
-  // model's layers cut into MLP slices are gigabytes of ranges (keeping two
-  // took a Llama-3.1-405B plan from 10.8 to 16.7 GB at its peak).
-  static constexpr size_t kKeep = 1;
-  std::vector<std::pair<CutKey, std::shared_ptr<const Cut>>> cuts;
-  std::vector<std::pair<OwnedKey, std::shared_ptr<const Owned>>> owned;
+  std::optional<std::pair<CutKey, std::shared_ptr<const Cut>>> cut;
+  std::optional<std::pair<OwnedKey, std::shared_ptr<const Owned>>> owned;
 };
 
 namespace {
@@ -201,16 +201,11 @@ namespace {
 thread_local PlacementMemo::State* active_memo = nullptr;
 
 template <class Key, class Value, class Make>
-std::shared_ptr<const Value> remembered(std::vector<std::pair<Key, std::shared_ptr<const Value>>>* memo, Key key,
+std::shared_ptr<const Value> remembered(std::optional<std::pair<Key, std::shared_ptr<const Value>>>* memo, Key key,
                                         Make make) {
-  if (memo)
-    for (const auto& [k, v] : *memo)
-      if (k == key) return v;
+  if (memo && *memo && (*memo)->first == key) return (*memo)->second;
   std::shared_ptr<const Value> v = make();
-  if (memo) {
-    if (memo->size() >= PlacementMemo::State::kKeep) memo->erase(memo->begin());
-    memo->emplace_back(std::move(key), v);
-  }
+  if (memo) memo->emplace(std::move(key), v);
   return v;
 }
 
@@ -218,7 +213,7 @@ std::shared_ptr<const Cut> cut_for(const ModelSpec& spec, const EngineConfig& c)
   const bool quantize = c.base_format != BaseFormat::kCompute && spec.lora.enabled();
   CutKey key{spec,         c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces,
              c.devices,    c.expert_pieces,       c.mlp_pieces,       quantize};
-  return remembered(active_memo ? &active_memo->cuts : nullptr, std::move(key), [&] {
+  return remembered(active_memo ? &active_memo->cut : nullptr, std::move(key), [&] {
     auto cut = std::make_shared<Cut>();
     for (int64_t b = 0; b < spec.num_blocks(); ++b) cut->layouts.push_back(spec.layout(b));
     Sharding sh = make_sharding(spec, c.compute.vocab_chunk, c.vocab_shard_rows, c.shard_align(), c.layer_pieces,
